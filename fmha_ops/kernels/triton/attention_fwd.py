@@ -1,0 +1,345 @@
+"""Triton attention forward for fp8, i8fp8 (SageAttention-like) and bf16/fp16 inputs.
+
+One kernel, specialised by ``tl.constexpr`` switches:
+
+* fp8: q/k/v ``float8_e4m3fn`` (or ``float8_e4m3fnuz``); QK^T and PV on the fp8 tensor cores,
+  P quantised to fp8 (scaled by 2**P_SHIFT so small probabilities stay normal numbers).
+* i8fp8: q/k ``int8`` (QK^T accumulated in int32), v fp8, P as for fp8.
+* bf16/fp16: q/k/v of that dtype, P cast to it.
+
+Softmax runs in fp32 with exp2; q*k descales and the softmax scale are folded into one
+multiplier per tile, the v descale is applied once at the end. Tiles move with TMA tensor
+descriptors created on the device, whose zero padding and store clipping handle partial
+blocks, sequence ends and head dims below the power-of-two block width.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from fmha_ops.quant import K_SCALE_BLOCK, Q_SCALE_BLOCK
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, k_row0, start_n, seqlen_k, diag, offs_m, offs_n,
+          MASKED: tl.constexpr, CAUSAL: tl.constexpr, QK_INT8: tl.constexpr, K_BLOCKSCALE: tl.constexpr,
+          PV_FP8: tl.constexpr, PV_TWO_LEVEL: tl.constexpr, V_T: tl.constexpr, P_SHIFT: tl.constexpr,
+          K_SCALE_BLOCK: tl.constexpr):
+    """One BLOCK_N step of the online softmax. Scores are in log2 units after ``qk_scale``."""
+    k = k_desc.load([k_row0 + start_n, 0])
+    if QK_INT8:
+        s = tl.dot(q, k.T, out_dtype=tl.int32).to(tl.float32)
+    else:
+        s = tl.dot(q, k.T)
+    if K_BLOCKSCALE:
+        cols = start_n + offs_n
+        kd = tl.load(kd_ptr + cols // K_SCALE_BLOCK, mask=cols < seqlen_k, other=0.0)
+        s = s * (kd * qk_scale)[None, :]
+    if MASKED:
+        cols = start_n + offs_n
+        keep = cols[None, :] < seqlen_k
+        if CAUSAL:
+            keep = keep & (cols[None, :] <= offs_m[:, None] + diag)
+        if not K_BLOCKSCALE:
+            s = s * qk_scale
+        s = tl.where(keep, s, float("-inf"))
+        m_ij = tl.maximum(m_i, tl.max(s, 1))
+        # rows that have seen no key yet keep m = -inf; subtract 0 instead to avoid inf - inf
+        m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+        p = tl.math.exp2(s - (m_sub - P_SHIFT)[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
+    elif K_BLOCKSCALE:
+        m_ij = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - (m_ij - P_SHIFT)[:, None])
+        alpha = tl.math.exp2(m_i - m_ij)
+    else:
+        m_ij = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.math.exp2(s * qk_scale - (m_ij - P_SHIFT)[:, None])
+        alpha = tl.math.exp2(m_i - m_ij)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if V_T:
+        v = v_desc.load([0, k_row0 + start_n]).T
+    else:
+        v = v_desc.load([k_row0 + start_n, 0])
+    if PV_FP8 or not v.dtype.is_fp8():
+        p = p.to(v.dtype)
+    else:
+        p = p.to(tl.float16)
+        v = v.to(tl.float16)
+    if PV_TWO_LEVEL:
+        acc = acc * alpha[:, None] + tl.dot(p, v)
+    else:
+        acc = tl.dot(p, v, acc * alpha[:, None])
+    return acc, l_i, m_ij
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V, Out, Lse, QD, KD, VD, CuQ, CuK, sm_scale_log2,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_km, stride_kh,
+    stride_vb, stride_vm, stride_vh,
+    stride_ob, stride_om, stride_oh,
+    stride_lb, stride_lh,
+    qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh,
+    Mq, Mk, Hq, GROUP,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, VARLEN: tl.constexpr,
+    QK_INT8: tl.constexpr, PV_FP8: tl.constexpr, PV_TWO_LEVEL: tl.constexpr, V_T: tl.constexpr,
+    P_SHIFT: tl.constexpr, Q_BLOCKSCALE: tl.constexpr, K_BLOCKSCALE: tl.constexpr, V_PER_CHANNEL: tl.constexpr,
+    Q_SCALE_BLOCK: tl.constexpr, K_SCALE_BLOCK: tl.constexpr,
+    WRITE_LSE: tl.constexpr, REVERSE_M: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    if REVERSE_M:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    bh = tl.program_id(1)
+    b = bh // Hq
+    hq = bh % Hq
+    hkv = hq // GROUP
+    if VARLEN:
+        q_start = tl.load(CuQ + b)
+        seqlen_q = tl.load(CuQ + b + 1) - q_start
+        k_start = tl.load(CuK + b)
+        seqlen_k = tl.load(CuK + b + 1) - k_start
+        b_off = 0
+    else:
+        q_start = 0
+        seqlen_q = Mq
+        k_start = 0
+        seqlen_k = Mk
+        b_off = b
+    m0 = pid_m * BLOCK_M
+    if m0 >= seqlen_q:
+        return
+    b64 = b_off.to(tl.int64)
+    if BOTTOM_RIGHT:
+        diag = seqlen_k - seqlen_q
+    else:
+        diag = 0
+    if CAUSAL:
+        kv_end = tl.maximum(tl.minimum(seqlen_k, m0 + BLOCK_M + diag), 0)
+        full_end = tl.maximum(tl.minimum(seqlen_k, m0 + diag + 1), 0) // BLOCK_N * BLOCK_N
+    else:
+        kv_end = seqlen_k
+        full_end = seqlen_k // BLOCK_N * BLOCK_N
+
+    q_desc = tl.make_tensor_descriptor(Q + b64 * stride_qb + hq.to(tl.int64) * stride_qh, shape=[q_start + seqlen_q, D],
+                                       strides=[stride_qm, 1], block_shape=[BLOCK_M, BLOCK_D])
+    k_desc = tl.make_tensor_descriptor(K + b64 * stride_kb + hkv.to(tl.int64) * stride_kh, shape=[k_start + seqlen_k, D],
+                                       strides=[stride_km, 1], block_shape=[BLOCK_N, BLOCK_D])
+    if V_T:
+        # V is (B, Hkv, DV, Mk): keys contiguous, the K-major operand the fp8 wgmma needs
+        v_desc = tl.make_tensor_descriptor(V + b64 * stride_vb + hkv.to(tl.int64) * stride_vh,
+                                           shape=[DV, k_start + seqlen_k], strides=[stride_vm, 1],
+                                           block_shape=[BLOCK_DV, BLOCK_N])
+    else:
+        v_desc = tl.make_tensor_descriptor(V + b64 * stride_vb + hkv.to(tl.int64) * stride_vh,
+                                           shape=[k_start + seqlen_k, DV], strides=[stride_vm, 1],
+                                           block_shape=[BLOCK_N, BLOCK_DV])
+    o_desc = tl.make_tensor_descriptor(Out + b64 * stride_ob + hq.to(tl.int64) * stride_oh,
+                                       shape=[q_start + seqlen_q, DV], strides=[stride_om, 1],
+                                       block_shape=[BLOCK_M, BLOCK_DV])
+
+    if Q_BLOCKSCALE:
+        qd = tl.load(QD + b * qd_sb + hq * qd_sh + m0 // Q_SCALE_BLOCK)
+    else:
+        qd = tl.load(QD + b * qd_sb + hkv * qd_sh)
+    kd_ptr = KD + b * kd_sb + hkv * kd_sh
+    if K_BLOCKSCALE:
+        qk_scale = qd * sm_scale_log2
+    else:
+        qk_scale = qd * tl.load(kd_ptr) * sm_scale_log2
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    q = q_desc.load([q_start + m0, 0])
+
+    for start_n in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, k_start, start_n, seqlen_k, diag,
+                              offs_m, offs_n, False, CAUSAL, QK_INT8, K_BLOCKSCALE, PV_FP8, PV_TWO_LEVEL, V_T,
+                              P_SHIFT, K_SCALE_BLOCK)
+    for start_n in tl.range(full_end, kv_end, BLOCK_N):
+        acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, k_start, start_n, seqlen_k, diag,
+                              offs_m, offs_n, True, CAUSAL, QK_INT8, K_BLOCKSCALE, PV_FP8, PV_TWO_LEVEL, V_T,
+                              P_SHIFT, K_SCALE_BLOCK)
+
+    empty = l_i == 0.0
+    inv_l = 1.0 / tl.where(empty, 1.0, l_i)
+    vd_ptr = VD + b * vd_sb + hkv * vd_sh
+    if V_PER_CHANNEL:
+        offs_dv = tl.arange(0, BLOCK_DV)
+        vd = tl.load(vd_ptr + offs_dv, mask=offs_dv < DV, other=0.0)
+        out = acc * inv_l[:, None] * vd[None, :]
+    else:
+        out = acc * (inv_l * tl.load(vd_ptr))[:, None]
+    o_desc.store([q_start + m0, 0], out.to(Out.dtype.element_ty))
+    if WRITE_LSE:
+        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i)) - P_SHIFT) * 0.6931471805599453)
+        tl.store(Lse + b64 * stride_lb + hq.to(tl.int64) * stride_lh + q_start + offs_m, lse, mask=offs_m < seqlen_q)
+
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+_ONES: dict = {}
+_ALLOCATOR_SET = False
+
+
+def _ones(device: torch.device) -> torch.Tensor:
+    t = _ONES.get(device)
+    if t is None:
+        t = _ONES[device] = torch.ones(1, dtype=torch.float32, device=device)
+    return t
+
+
+def _ensure_allocator() -> None:
+    """Device-side TMA descriptors need a global scratch allocator (128 B per descriptor)."""
+    global _ALLOCATOR_SET
+    if not _ALLOCATOR_SET:
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+        _ALLOCATOR_SET = True
+
+
+def default_config(head_dim: int, dtype: torch.dtype) -> dict:
+    """Tile sizes and launch options per head dim (tuned on an H200; see bench/results/attention_fwd.md)."""
+    if head_dim <= 64:
+        return dict(block_m=128, block_n=128, num_warps=8, num_stages=3)
+    if head_dim <= 128:
+        return dict(block_m=128, block_n=128, num_warps=8, num_stages=2)
+    return dict(block_m=128, block_n=64, num_warps=8, num_stages=2)
+
+
+def _descale_args(t, device, B, H, name):
+    """(tensor, stride_b, stride_h) for a per-tensor or per-(batch, head) float32 descale."""
+    if t is None:
+        return _ones(device), 0, 0
+    assert t.dtype == torch.float32, f"{name} must be float32"
+    if t.numel() == 1:
+        return t.reshape(1), 0, 0
+    assert t.shape == (B, H), f"{name} must have numel 1 or shape {(B, H)}, got {tuple(t.shape)}"
+    return t, t.stride(0), t.stride(1)
+
+
+def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bottom_right: bool = True,
+                      q_descale=None, k_descale=None, v_descale=None,
+                      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                      out_dtype=None, return_lse=False, pv_fp8: bool = True, pv_two_level: bool = False,
+                      v_transposed: bool | None = None, block_m=None, block_n=None, num_warps=None, num_stages=None,
+                      warp_specialize: bool = False):
+    """Attention forward, BMHK layout.
+
+    q: (B, Mq, Hq, D), k: (B, Mk, Hkv, D), v: (B, Mk, Hkv, Dv); last dim contiguous, other strides free;
+    Hq % Hkv == 0 (query head h reads kv head h // (Hq // Hkv)); D, Dv multiples of 16, <= 256.
+    dtypes: fp8/fp8/fp8 (e4m3fn or e4m3fnuz), int8/int8/fp8 (i8fp8) -> bf16 by default; bf16 or fp16 for all
+    three -> same dtype. Computes softmax(scale * (q*qd)(k*kd)^T) (v*vd) with float32 descales:
+    None, numel 1, (B, Hkv) (q indexed by its kv head; (nseq, Hkv) for varlen); for int8 q/k also per block along the sequence,
+    q_descale (B, Hq, cdiv(Mq, Q_SCALE_BLOCK)), k_descale (B, Hkv, cdiv(Mk, K_SCALE_BLOCK)); v_descale may be
+    per channel (B, Hkv, Dv).
+    Varlen: B == 1, sequences packed along dim 1, cu_seqlens_q/k int32 (nseq + 1,) on the device,
+    max_seqlen_q/k host ints (per-block descales are not supported with varlen).
+    Causal: key j visible to query i iff j <= i + Mk - Mq (bottom-right, FA2/FA3) or j <= i (top-left);
+    rows that see no key give out = 0 and lse = -inf.
+    Returns (out (B, Mq, Hq, Dv), lse float32 natural log (B, Hq, Mq) or None).
+    Options: pv_fp8=False runs PV in fp16 for fp8 v (more accurate, slower); pv_two_level=True adds each block's fp8 PV
+    product to the fp32 accumulator outside the tensor core (the Hopper fp8 MMA accumulates imprecisely);
+    v_transposed (default: True for fp8 v on CUDA) copies V to (B, Hkv, Dv, Mk) first; block sizes and
+    launch options override ``default_config``.
+    """
+    B, Mq, Hq, D = q.shape
+    _, Mk, Hkv, Dv = v.shape
+    assert k.shape[:3] == v.shape[:3] and k.shape[3] == D and k.shape[0] == B, "q/k/v shapes disagree"
+    assert Hq % Hkv == 0, "Hq must be a multiple of Hkv"
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1, "last dim must be contiguous"
+    assert D % 16 == 0 and Dv % 16 == 0 and D <= 256 and Dv <= 256, "head dims must be multiples of 16, <= 256"
+    qk_int8 = q.dtype == torch.int8
+    fp8_v = v.dtype in _FP8
+    if qk_int8:
+        assert k.dtype == torch.int8 and fp8_v, "i8fp8 needs int8 q/k and fp8 v"
+    else:
+        assert q.dtype == k.dtype == v.dtype, "q/k/v dtypes must match (except int8 q/k with fp8 v)"
+        assert fp8_v or q.dtype in (torch.bfloat16, torch.float16), f"unsupported dtype {q.dtype}"
+    if out_dtype is None:
+        out_dtype = torch.bfloat16 if fp8_v else q.dtype
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        assert B == 1 and cu_seqlens_k is not None and max_seqlen_q is not None, "varlen needs B == 1, cu_seqlens_k, max_seqlen_q"
+        nseq = cu_seqlens_q.numel() - 1
+        grid_m = max_seqlen_q
+    else:
+        nseq = B
+        grid_m = Mq
+    device = q.device
+    cfg = default_config(max(D, Dv), q.dtype)
+    BM = block_m or cfg["block_m"]
+    BN = block_n or cfg["block_n"]
+    if v_transposed is None:
+        v_transposed = fp8_v and device.type == "cuda"
+
+    # descales
+    q_block = qk_int8 and q_descale is not None and q_descale.dim() == 3
+    k_block = qk_int8 and k_descale is not None and k_descale.dim() == 3
+    assert not (varlen and (q_block or k_block)), "per-block descales are not supported with varlen"
+    if q_block:
+        assert q_descale.shape == (B, Hq, triton.cdiv(Mq, Q_SCALE_BLOCK)) and q_descale.stride(-1) == 1
+        assert Q_SCALE_BLOCK % BM == 0
+        qd, qd_sb, qd_sh = q_descale, q_descale.stride(0), q_descale.stride(1)
+    else:
+        qd, qd_sb, qd_sh = _descale_args(q_descale, device, nseq, Hkv, "q_descale")
+    if k_block:
+        assert k_descale.shape == (B, Hkv, triton.cdiv(Mk, K_SCALE_BLOCK)) and k_descale.stride(-1) == 1
+        kd, kd_sb, kd_sh = k_descale, k_descale.stride(0), k_descale.stride(1)
+    else:
+        kd, kd_sb, kd_sh = _descale_args(k_descale, device, nseq, Hkv, "k_descale")
+    v_chan = v_descale is not None and v_descale.dim() == 3
+    if v_chan:
+        assert v_descale.shape == (nseq, Hkv, Dv) and v_descale.stride(-1) == 1 and v_descale.dtype == torch.float32
+        vd, vd_sb, vd_sh = v_descale, v_descale.stride(0), v_descale.stride(1)
+    else:
+        vd, vd_sb, vd_sh = _descale_args(v_descale, device, nseq, Hkv, "v_descale")
+
+    if v_transposed:
+        mk_pad = triton.cdiv(Mk, 16) * 16
+        vt = torch.empty((B, Hkv, Dv, mk_pad), dtype=v.dtype, device=device)
+        vt[..., :Mk].copy_(v.permute(0, 2, 3, 1))
+        v_arg, v_strides = vt, (vt.stride(0), vt.stride(2), vt.stride(1))
+    else:
+        v_arg, v_strides = v, (v.stride(0), v.stride(1), v.stride(2))
+
+    out = torch.empty((B, Mq, Hq, Dv), dtype=out_dtype, device=device)
+    lse = torch.empty((B, Hq, Mq), dtype=torch.float32, device=device) if return_lse else None
+    if out.numel() == 0:
+        if lse is not None:
+            lse.fill_(float("-inf"))
+        return out, lse
+    if device.type == "cuda":
+        _ensure_allocator()
+    p_shift = 0 if not (fp8_v and pv_fp8) else (8 if v.dtype == torch.float8_e4m3fn else 7)
+    grid = (triton.cdiv(grid_m, BM), nseq * Hq)
+    _attn_fwd_kernel[grid](
+        q, k, v_arg, out, lse if lse is not None else qd, qd, kd, vd,
+        cu_seqlens_q if varlen else qd, cu_seqlens_k if varlen else qd, scale * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        *v_strides,
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
+        qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh,
+        Mq, Mk, Hq, Hq // Hkv,
+        D=D, DV=Dv, BLOCK_D=triton.next_power_of_2(D), BLOCK_DV=triton.next_power_of_2(Dv),
+        BLOCK_M=BM, BLOCK_N=BN,
+        CAUSAL=causal, BOTTOM_RIGHT=causal_bottom_right, VARLEN=varlen,
+        QK_INT8=qk_int8, PV_FP8=pv_fp8 and fp8_v, PV_TWO_LEVEL=pv_two_level, V_T=v_transposed,
+        P_SHIFT=p_shift, Q_BLOCKSCALE=q_block, K_BLOCKSCALE=k_block, V_PER_CHANNEL=v_chan,
+        Q_SCALE_BLOCK=Q_SCALE_BLOCK, K_SCALE_BLOCK=K_SCALE_BLOCK,
+        WRITE_LSE=return_lse, REVERSE_M=causal, WARP_SPECIALIZE=warp_specialize,
+        num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
+    )
+    return out, lse

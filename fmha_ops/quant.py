@@ -1,0 +1,126 @@
+"""Quantization helpers for the fp8 and i8fp8 attention paths (pure torch).
+
+Conventions (DESIGN.md): tensors are BMHK, ``(batch, seq, heads, head_dim)``; descales are float32 and
+dequantize as ``x ≈ x_q.float() * descale`` (broadcast over the dims the descale does not have).
+
+* fp8 (FA3): one descale per ``(batch, kv_head)``; q's descale covers the group of q heads that share
+  a kv head, so the kernel indexes it by the kv head.
+* i8fp8 (SageAttention-like): int8 q/k per block of ``Q_SCALE_BLOCK`` / ``K_SCALE_BLOCK`` tokens
+  (per head), per head or per tensor; smooth-K subtracts K's mean over the sequence first (a constant
+  per query row in the logits, so softmax is unchanged); the softmax scale is folded into q's descale.
+  V is fp8 per channel ``(batch, kv_head, head_dim)`` or per tensor.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+# Tokens per int8 descale along the sequence for per-block i8fp8 quantization (SageAttention's choice).
+Q_SCALE_BLOCK = 128
+K_SCALE_BLOCK = 64
+
+__all__ = ["quantize_fp8", "quantize_qkv_fp8", "quantize_i8fp8", "I8FP8Inputs", "Q_SCALE_BLOCK", "K_SCALE_BLOCK"]
+
+
+def _safe_descale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """amax / qmax, with 1 where the group is all zeros (so dequantization never divides by 0)."""
+    return torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+
+
+def quantize_fp8(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, num_kv_heads: int | None = None):
+    """Quantize ``x`` (B, M, H, D) to fp8 with a float32 descale of shape (B, Hkv).
+
+    ``num_kv_heads`` (default H) groups the H heads into Hkv groups of H // Hkv consecutive heads (use it
+    for q under GQA/MQA); the amax is taken over the sequence, the group and the head dim.
+    Returns ``(x_fp8, descale)`` with ``x ≈ x_fp8.float() * descale[:, None, :, None]`` per group.
+    """
+    B, M, H, D = x.shape
+    hkv = num_kv_heads or H
+    assert H % hkv == 0, "H must be a multiple of num_kv_heads"
+    fmax = torch.finfo(dtype).max
+    xf = x.float().reshape(B, M, hkv, H // hkv, D)
+    descale = _safe_descale(xf.abs().amax(dim=(1, 3, 4)), fmax)
+    xq = (xf / descale[:, None, :, None, None]).clamp(-fmax, fmax).to(dtype)
+    return xq.reshape(B, M, H, D), descale
+
+
+def quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn):
+    """FA3-convention fp8 q, k, v with (B, Hkv) descales: ``(q8, k8, v8, q_descale, k_descale, v_descale)``."""
+    hkv = k.shape[2]
+    q8, qd = quantize_fp8(q, dtype, num_kv_heads=hkv)
+    k8, kd = quantize_fp8(k, dtype)
+    v8, vd = quantize_fp8(v, dtype)
+    return q8, k8, v8, qd, kd, vd
+
+
+class I8FP8Inputs(NamedTuple):
+    """Inputs for the i8fp8 kernel: out = softmax(softmax_scale * (q*q_descale)(k*k_descale)^T)(v*v_descale)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    q_descale: torch.Tensor
+    k_descale: torch.Tensor
+    v_descale: torch.Tensor
+    softmax_scale: float
+
+
+def _int8_blocks(x: torch.Tensor, block: int):
+    """Per-(batch, head, token block) int8: x (B, M, H, D) -> (int8 x, descale (B, H, cdiv(M, block)))."""
+    B, M, H, D = x.shape
+    nb = -(-M // block)
+    xp = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, nb * block - M)).reshape(B, nb, block, H, D)
+    descale = _safe_descale(xp.abs().amax(dim=(2, 4)), 127.0)  # (B, nb, H)
+    xq = torch.round(xp / descale[:, :, None, :, None]).clamp(-127, 127).to(torch.int8)
+    return xq.reshape(B, nb * block, H, D)[:, :M], descale.permute(0, 2, 1).contiguous()
+
+
+def _int8_grouped(x: torch.Tensor, groups: int | None):
+    """int8 with one descale per (batch, group of heads) (shape (B, groups)) or per tensor (groups None)."""
+    B, M, H, D = x.shape
+    if groups is None:
+        descale = _safe_descale(x.abs().amax().reshape(1), 127.0)
+        return torch.round(x / descale).clamp(-127, 127).to(torch.int8), descale
+    xg = x.reshape(B, M, groups, H // groups, D)
+    descale = _safe_descale(xg.abs().amax(dim=(1, 3, 4)), 127.0)
+    xq = torch.round(xg / descale[:, None, :, None, None]).clamp(-127, 127).to(torch.int8)
+    return xq.reshape(B, M, H, D), descale
+
+
+def quantize_i8fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+                   smooth_k: bool = True, qk_granularity: str = "block", v_granularity: str = "channel",
+                   fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> I8FP8Inputs:
+    """Quantize bf16/fp16/fp32 q (B, Mq, Hq, D), k (B, Mk, Hkv, D), v (B, Mk, Hkv, Dv) for the i8fp8 kernel.
+
+    ``scale`` (default D**-0.5) is folded into q's descale, so the returned ``softmax_scale`` is 1.0.
+    qk_granularity: "block" (q: (B, Hq, cdiv(Mq, Q_SCALE_BLOCK)), k: (B, Hkv, cdiv(Mk, K_SCALE_BLOCK))),
+    "head" ((B, Hkv) for both; q's amax over the q heads sharing a kv head) or "tensor" (numel 1).
+    v_granularity: "channel" ((B, Hkv, Dv)) or "tensor" (numel 1).
+    """
+    D = q.shape[-1]
+    hkv = k.shape[2]
+    qf = q.float() * (D ** -0.5 if scale is None else scale)
+    kf = k.float()
+    if smooth_k and kf.shape[1] > 0:
+        kf = kf - kf.mean(dim=1, keepdim=True)
+    if qk_granularity == "block":
+        q8, qd = _int8_blocks(qf, Q_SCALE_BLOCK)
+        k8, kd = _int8_blocks(kf, K_SCALE_BLOCK)
+    elif qk_granularity in ("head", "tensor"):
+        groups = hkv if qk_granularity == "head" else None
+        q8, qd = _int8_grouped(qf, groups)
+        k8, kd = _int8_grouped(kf, groups)
+    else:
+        raise ValueError(f"qk_granularity must be 'block', 'head' or 'tensor', got {qk_granularity!r}")
+    fmax = torch.finfo(fp8_dtype).max
+    vf = v.float()
+    if v_granularity == "channel":
+        vd = _safe_descale(vf.abs().amax(dim=1), fmax)  # (B, Hkv, Dv)
+        v8 = (vf / vd[:, None]).clamp(-fmax, fmax).to(fp8_dtype)
+    elif v_granularity == "tensor":
+        vd = _safe_descale(vf.abs().amax().reshape(1), fmax)
+        v8 = (vf / vd).clamp(-fmax, fmax).to(fp8_dtype)
+    else:
+        raise ValueError(f"v_granularity must be 'channel' or 'tensor', got {v_granularity!r}")
+    return I8FP8Inputs(q8, k8, v8, qd, kd, vd, 1.0)
