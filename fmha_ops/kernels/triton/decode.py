@@ -1,0 +1,234 @@
+"""Paged-attention decode: a split-K decoder and its reduce kernel.
+
+One program handles one (sequence, KV head, key split, row block). Its rows are the
+``Hq // Hkv`` query heads sharing the KV head times the ``Mq`` new tokens, so every K/V
+byte of a split is read once per row block. K/V are bf16/fp16 like ``q``, or fp8 e4m3 with
+a float32 scale per token and KV head: the K scale multiplies the columns of ``q @ k^T``
+and the V scale the columns of ``P`` before ``P @ v``, so dequantization costs no extra pass.
+
+With ``num_splits == 1`` the decoder writes the final output and LSE. Otherwise each
+split writes a float32 partial output (normalized) and its LSE into a workspace whose size
+depends on static shapes only, and the reduce kernel combines them with log-sum-exp
+weights. Each sequence's keys are cut into ``num_splits`` equal chunks of its own length.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_kernel(
+    Q, K, V, KS, VS, SEQ, BT, OUT, LSE,
+    stride_qb, stride_qm, stride_qh,
+    stride_kp, stride_ks, stride_kh,
+    stride_vp, stride_vs, stride_vh,
+    stride_ksp, stride_kss, stride_ksh,
+    stride_vsp, stride_vss, stride_vsh,
+    stride_btb,
+    stride_os, stride_ob, stride_om, stride_oh,
+    stride_ls, stride_lb, stride_lh, stride_lm,
+    qk_scale,
+    NUM_KV_HEADS, NUM_SPLITS,
+    G: tl.constexpr, MQ: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, FP8: tl.constexpr, PARTIAL: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid_bh // NUM_KV_HEADS
+    hkv = pid_bh % NUM_KV_HEADS
+
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < G * MQ
+    qi = rows // G
+    qh = hkv * G + rows % G
+    offs_d = tl.arange(0, D)
+
+    seqlen = tl.load(SEQ + b)
+    chunk = tl.cdiv(tl.cdiv(seqlen, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seqlen)
+    # query row i sits at position seqlen - MQ + i and sees keys j <= that position
+    last_key = seqlen - MQ + qi
+
+    q = tl.load(Q + b.to(tl.int64) * stride_qb + qi[:, None] * stride_qm + qh[:, None] * stride_qh
+                + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+
+    k_head = K + hkv * stride_kh
+    v_head = V + hkv * stride_vh
+    for n in range(start, end, BLOCK_N):
+        offs_n = n + tl.arange(0, BLOCK_N)
+        kv_ok = offs_n < end
+        if PAGED:
+            if PAGE_SIZE % BLOCK_N == 0:
+                page = tl.load(BT + b * stride_btb + n // PAGE_SIZE).to(tl.int64)
+            else:
+                page = tl.load(BT + b * stride_btb + offs_n // PAGE_SIZE, mask=kv_ok, other=0).to(tl.int64)
+            slot = offs_n % PAGE_SIZE
+        else:
+            page = b.to(tl.int64)
+            slot = offs_n
+        k = tl.load(k_head + (page * stride_kp + slot * stride_ks)[:, None] + offs_d[None, :],
+                    mask=kv_ok[:, None], other=0.0)
+        v = tl.load(v_head + (page * stride_vp + slot * stride_vs)[:, None] + offs_d[None, :],
+                    mask=kv_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        if FP8:
+            ks = tl.load(KS + page * stride_ksp + slot * stride_kss + hkv * stride_ksh, mask=kv_ok, other=0.0)
+            s = s * (ks * qk_scale)[None, :]
+        else:
+            s = s * qk_scale
+        visible = (offs_n[None, :] <= last_key[:, None]) & kv_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if FP8:
+            vs = tl.load(VS + page * stride_vsp + slot * stride_vss + hkv * stride_vsh, mask=kv_ok, other=0.0)
+            p = p * vs[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        m_i = m_new
+
+    seen = l_i > 0.0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    o_ptrs = (OUT + split.to(tl.int64) * stride_os + b.to(tl.int64) * stride_ob + qi[:, None] * stride_om
+              + qh[:, None] * stride_oh + offs_d[None, :])
+    if PARTIAL:
+        tl.store(o_ptrs, o, mask=row_ok[:, None])
+    else:
+        tl.store(o_ptrs, o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(LSE + split * stride_ls + b * stride_lb + qh * stride_lh + qi * stride_lm, lse, mask=row_ok)
+
+
+@triton.jit
+def _reduce_kernel(
+    PO, PL, OUT, LSE,
+    stride_pos, stride_pls,
+    stride_ob, stride_om, stride_oh,
+    stride_lb, stride_lh, stride_lm,
+    HQ, MQ, NUM_SPLITS,
+    S_PAD: tl.constexpr, D: tl.constexpr,
+):
+    row = tl.program_id(0)  # (b * MQ + i) * HQ + h, the row order of the contiguous partial output
+    h = row % HQ
+    i = (row // HQ) % MQ
+    b = row // (HQ * MQ)
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, D)
+    s_ok = offs_s < NUM_SPLITS
+    pl = tl.load(PL + offs_s * stride_pls + (b * HQ + h) * MQ + i, mask=s_ok, other=float("-inf"))
+    m = tl.max(pl, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(pl - m_safe)
+    total = tl.sum(w, 0)
+    po = tl.load(PO + offs_s[:, None] * stride_pos + row.to(tl.int64) * D + offs_d[None, :],
+                 mask=s_ok[:, None], other=0.0)
+    o = tl.sum(po * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    lse = tl.where(total > 0.0, m_safe + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf"))
+    tl.store(OUT + b.to(tl.int64) * stride_ob + i * stride_om + h * stride_oh + offs_d,
+             o.to(OUT.dtype.element_ty))
+    tl.store(LSE + b * stride_lb + h * stride_lh + i * stride_lm, lse)
+
+
+def _block_m(rows: int) -> int:
+    return min(64, max(16, triton.next_power_of_2(rows)))
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_len: int, q_rows_per_kv_head: int,
+                      sm_count: int) -> int:
+    """Number of key splits: about two programs per SM, each split at least 512 keys, at most 64."""
+    programs = batch * num_kv_heads * triton.cdiv(q_rows_per_kv_head, _block_m(q_rows_per_kv_head))
+    target = 2 * sm_count
+    if programs >= target:
+        return 1
+    return max(1, min(triton.cdiv(target, programs), max_len // 512, 64))
+
+
+def _default_config(D: int, fp8: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for head dim ``D``."""
+    if D <= 64:
+        return 128, 4, 3
+    if D <= 128:
+        return (128 if fp8 else 64), 4, 3
+    return (64 if fp8 else 32), 4, 3
+
+
+def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float,
+                 k_scale=None, v_scale=None, num_splits: int = 1, out=None, lse=None,
+                 block_n: int | None = None, num_warps: int | None = None,
+                 num_stages: int | None = None):
+    """Attention of ``Mq`` new query tokens per sequence against a (paged) KV cache.
+
+    q: (B, Mq, Hq, D) bf16/fp16, Mq in 1..16, last dim contiguous; D a power of two >= 16.
+    k_cache, v_cache: paged (num_pages, page_size, Hkv, D) with ``block_table`` int32
+    (B, max_pages_per_seq), or dense (B, Lmax, Hkv, D) when ``block_table`` is None; q's dtype,
+    or fp8 e4m3 with ``k_scale``/``v_scale`` float32 shaped like the cache without D.
+    Separate K/V tensors with their own strides; last dim contiguous.
+    seqlens: int32 (B,) valid keys per sequence, the Mq new ones included. Query i of sequence b
+    sits at position seqlens[b] - Mq + i and sees keys j <= that position; a row seeing no key
+    gets out 0 and lse -inf. Hq must be a multiple of Hkv.
+    Returns (out (B, Mq, Hq, D) in q's dtype, lse float32 (B, Hq, Mq) natural log), written into
+    ``out``/``lse`` when given. ``num_splits > 1`` runs the split kernel into a float32 workspace
+    and the reduce kernel; no host sync, so it can be captured in a CUDA graph.
+    """
+    B, MQ, HQ, D = q.shape
+    HKV = k_cache.shape[2]
+    G = HQ // HKV
+    fp8 = k_cache.dtype != q.dtype
+    assert G * HKV == HQ and q.stride(3) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    assert not fp8 or (k_scale is not None and v_scale is not None)
+    if out is None:
+        out = torch.empty_like(q)
+    if lse is None:
+        lse = torch.empty((B, HQ, MQ), device=q.device, dtype=torch.float32)
+    bn, nw, ns = _default_config(D, fp8)
+    bn, nw, ns = block_n or bn, num_warps or nw, num_stages or ns
+    paged = block_table is not None
+    page_size = k_cache.shape[1] if paged else 1
+    rows = G * MQ
+    bm = _block_m(rows)
+    ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)
+    kss = k_scale.stride() if fp8 else (0, 0, 0)
+    vss = v_scale.stride() if fp8 else (0, 0, 0)
+    bt = block_table if paged else seqlens
+    bt_stride = block_table.stride(0) if paged else 0
+    grid = (B * HKV, num_splits, triton.cdiv(rows, bm))
+    if num_splits == 1:
+        o_buf, l_buf = out, lse
+        o_strides = (0, *out.stride()[:3])
+        l_strides = (0, *lse.stride())
+    else:
+        o_buf = torch.empty((num_splits, B, MQ, HQ, D), device=q.device, dtype=torch.float32)
+        l_buf = torch.empty((num_splits, B, HQ, MQ), device=q.device, dtype=torch.float32)
+        o_strides = o_buf.stride()[:4]
+        l_strides = l_buf.stride()
+    _decode_kernel[grid](
+        q, k_cache, v_cache, ks, vs, seqlens, bt, o_buf, l_buf,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *kss, *vss, bt_stride, *o_strides, *l_strides,
+        scale * _LOG2E, HKV, num_splits,
+        G=G, MQ=MQ, D=D, BLOCK_M=bm, BLOCK_N=bn, PAGE_SIZE=page_size, PAGED=paged, FP8=fp8,
+        PARTIAL=num_splits > 1, num_warps=nw, num_stages=ns,
+    )
+    if num_splits > 1:
+        _reduce_kernel[(B * MQ * HQ,)](
+            o_buf, l_buf, out, lse, o_buf.stride(0), l_buf.stride(0),
+            out.stride(0), out.stride(1), out.stride(2), *lse.stride(), HQ, MQ, num_splits,
+            S_PAD=triton.next_power_of_2(num_splits), D=D, num_warps=4,
+        )
+    return out, lse

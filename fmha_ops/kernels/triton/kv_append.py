@@ -1,0 +1,82 @@
+"""Append new K/V tokens into a (paged) KV cache, quantizing per token when the cache is fp8."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_row(x, dst, scale_dst, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+    if FP8:
+        xf = x.to(tl.float32)
+        amax = tl.max(tl.abs(xf), 0)
+        scale = tl.where(amax > 0.0, tl.math.div_rn(amax, FP8_MAX), 1.0)
+        y = tl.clamp(tl.math.div_rn(xf, scale), -FP8_MAX, FP8_MAX)
+        tl.store(dst, y.to(dst.dtype.element_ty))
+        tl.store(scale_dst, scale)
+    else:
+        tl.store(dst, x.to(dst.dtype.element_ty))
+
+
+@triton.jit
+def _kv_append_kernel(
+    KN, VN, KC, VC, KS, VS, CSEQ, BT,
+    stride_knb, stride_knm, stride_knh,
+    stride_vnb, stride_vnm, stride_vnh,
+    stride_kcp, stride_kcs, stride_kch,
+    stride_vcp, stride_vcs, stride_vch,
+    stride_ksp, stride_kss, stride_ksh,
+    stride_vsp, stride_vss, stride_vsh,
+    stride_btb,
+    MNEW,
+    D: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    b = pid // MNEW
+    t = pid % MNEW
+    offs_d = tl.arange(0, D)
+    pos = tl.load(CSEQ + b) + t
+    if PAGED:
+        page = tl.load(BT + b * stride_btb + pos // PAGE_SIZE).to(tl.int64)
+        slot = pos % PAGE_SIZE
+    else:
+        page = b.to(tl.int64)
+        slot = pos
+    k = tl.load(KN + b.to(tl.int64) * stride_knb + t * stride_knm + h * stride_knh + offs_d)
+    v = tl.load(VN + b.to(tl.int64) * stride_vnb + t * stride_vnm + h * stride_vnh + offs_d)
+    _store_row(k, KC + page * stride_kcp + slot * stride_kcs + h * stride_kch + offs_d,
+               KS + page * stride_ksp + slot * stride_kss + h * stride_ksh, FP8, FP8_MAX)
+    _store_row(v, VC + page * stride_vcp + slot * stride_vcs + h * stride_vch + offs_d,
+               VS + page * stride_vsp + slot * stride_vss + h * stride_vsh, FP8, FP8_MAX)
+
+
+def kv_append(k_new, v_new, k_cache, v_cache, cache_seqlens, *, block_table=None, k_scale=None,
+              v_scale=None) -> None:
+    """Write k_new/v_new (B, Mnew, Hkv, D) into the cache at positions cache_seqlens[b] + 0..Mnew-1.
+
+    Caches as in ``paged_decode``: paged (num_pages, page_size, Hkv, D) through ``block_table``
+    int32 (B, max_pages_per_seq), or dense (B, Lmax, Hkv, D). An fp8 e4m3 cache gets each
+    (token, head) row quantized with a symmetric scale amax / fp8_max (1 for an all-zero row),
+    written to ``k_scale``/``v_scale`` float32 (cache shape without D), as
+    ``fmha_ops.kv_cache.quantize_kv_fp8`` does. cache_seqlens: int32 (B,) lengths before the
+    append; the caller makes sure the pages exist. Last dims contiguous; D a power of two.
+    """
+    B, MNEW, HKV, D = k_new.shape
+    fp8 = k_cache.element_size() == 1
+    assert k_new.stride(3) == 1 and v_new.stride(3) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    assert not fp8 or (k_scale is not None and v_scale is not None)
+    if B * MNEW == 0:
+        return
+    paged = block_table is not None
+    ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)
+    _kv_append_kernel[(B * MNEW, HKV)](
+        k_new, v_new, k_cache, v_cache, ks, vs, cache_seqlens, block_table if paged else cache_seqlens,
+        *k_new.stride()[:3], *v_new.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
+        *(k_scale.stride() if fp8 else (0, 0, 0)), *(v_scale.stride() if fp8 else (0, 0, 0)),
+        block_table.stride(0) if paged else 0, MNEW,
+        D=D, PAGE_SIZE=k_cache.shape[1] if paged else 1, PAGED=paged, FP8=fp8,
+        FP8_MAX=float(torch.finfo(k_cache.dtype).max) if fp8 else 0.0, num_warps=1,
+    )
