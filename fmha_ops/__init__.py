@@ -1,0 +1,29 @@
+"""fmha-ops: fast attention kernels behind an xformers-style API with a measured op selector.
+
+    import fmha_ops
+    out = fmha_ops.memory_efficient_attention(q, k, v, fmha_ops.LowerTriangularMask())
+    print(fmha_ops.explain(q, k, v))          # why each op was or was not chosen
+    with fmha_ops.use_ops("sdpa_cudnnF"): ... # restrict / force ops for a block
+"""
+from . import attn_bias, ops  # noqa: F401  (importing ops registers every backend)
+from .api import (explain, get_op, memory_efficient_attention, memory_efficient_attention_forward,
+                  memory_efficient_attention_partial, merge_attentions)
+from .attn_bias import (BlockDiagonalCausalFromBottomRightMask, BlockDiagonalCausalMask,
+                        BlockDiagonalCausalWithOffsetPaddedKeysMask, BlockDiagonalMask, BlockDiagonalPaddedKeysMask,
+                        LowerTriangularFromBottomRightMask, LowerTriangularMask,
+                        PagedBlockDiagonalCausalWithOffsetPaddedKeysMask, PagedBlockDiagonalPaddedKeysMask)
+from .dispatch import REGISTRY, SELECTOR, use_ops
+from .inputs import Inputs, Problem
+from registry import NoSupportedOpError
+
+ALL_FW_OPS = REGISTRY.ops("fw")
+ALL_BW_OPS = REGISTRY.ops("bw")
+
+__all__ = [
+    "memory_efficient_attention", "memory_efficient_attention_forward", "memory_efficient_attention_partial",
+    "merge_attentions", "explain", "get_op", "use_ops", "ALL_FW_OPS", "ALL_BW_OPS", "Inputs", "Problem",
+    "NoSupportedOpError", "attn_bias", "LowerTriangularMask", "LowerTriangularFromBottomRightMask",
+    "BlockDiagonalMask", "BlockDiagonalCausalMask", "BlockDiagonalCausalFromBottomRightMask",
+    "BlockDiagonalPaddedKeysMask", "BlockDiagonalCausalWithOffsetPaddedKeysMask", "PagedBlockDiagonalPaddedKeysMask",
+    "PagedBlockDiagonalCausalWithOffsetPaddedKeysMask",
+]

@@ -1,0 +1,198 @@
+"""xformers-style public API: memory_efficient_attention[_forward|_partial], merge_attentions, explain.
+
+Tensors are BMHK (batch, seqlen, heads, headdim); BMGHK (batch, seqlen, groups, heads, headdim, with
+key/value expanded over heads for MQA/GQA) and BMK (single head) are accepted and returned in the
+same layout. Quantized calls pass float32 descales as keyword arguments (see ``fmha_ops.inputs``).
+Validation runs once per call signature; a repeated call costs a signature tuple and a dict lookup.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from registry import Op, Report
+
+from . import attn_bias as ab
+from .dispatch import REGISTRY, SELECTOR
+from .inputs import Inputs, Problem
+
+OpArg = Any  # an op class, name/alias, or (FwOp, BwOp) tuple
+
+
+def memory_efficient_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_bias: Any = None, p: float = 0.0,
+    scale: float | None = None, *, op: OpArg = None, output_dtype: torch.dtype | None = None,
+    q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None, quantize_kv_to_fp8: bool = False,
+) -> torch.Tensor:
+    """Attention ``softmax(q @ k^T * scale + bias) @ v``; differentiable when the chosen ops allow.
+
+    query (B, Mq, Hq, K), key (B, Mk, Hkv, K), value (B, Mk, Hkv, Kv), Hq % Hkv == 0.
+    ``scale`` defaults to 1/sqrt(K). ``op`` forces an op (raises if it cannot run the call).
+    Returns (B, Mq, Hq, Kv) in ``output_dtype`` (default: query's dtype; bfloat16 for fp8/int8 inputs).
+    """
+    inp, fold = _inputs(query, key, value, attn_bias, p, scale, output_dtype, False,
+                        q_descale, k_descale, v_descale, quantize_kv_to_fp8)
+    return fold(_forward(inp, op, False)[0])
+
+
+def memory_efficient_attention_forward(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_bias: Any = None, p: float = 0.0,
+    scale: float | None = None, *, op: OpArg = None, output_dtype: torch.dtype | None = None,
+    q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None, quantize_kv_to_fp8: bool = False,
+) -> torch.Tensor:
+    """Like ``memory_efficient_attention`` without autograd (inference)."""
+    with torch.no_grad():
+        return memory_efficient_attention(query, key, value, attn_bias, p, scale, op=op, output_dtype=output_dtype,
+                                          q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                                          quantize_kv_to_fp8=quantize_kv_to_fp8)
+
+
+def memory_efficient_attention_partial(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_bias: Any = None, p: float = 0.0,
+    scale: float | None = None, *, op: OpArg = None, output_dtype: torch.dtype | None = None,
+    q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None, quantize_kv_to_fp8: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over a slice of the keys, with its log-sum-exp for ``merge_attentions``.
+
+    Returns out (B, Mq, Hq, Kv) (default dtype float32, as xformers) and lse float32 (B, Hq, Mq)
+    (BMGHK inputs: (B, G, H, Mq)), natural log; rows that see no key have lse -inf and out 0.
+    """
+    inp, fold = _inputs(query, key, value, attn_bias, p, scale, output_dtype or torch.float32, True,
+                        q_descale, k_descale, v_descale, quantize_kv_to_fp8)
+    with torch.no_grad():
+        out, lse = _forward(inp, op, True)
+    return fold(out), fold.lse(lse)
+
+
+def merge_attentions(
+    attn_split: torch.Tensor | Sequence[torch.Tensor], lse_split: torch.Tensor | Sequence[torch.Tensor],
+    write_lse: bool = True, output_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Combine partial attentions over disjoint key sets.
+
+    attn_split (S, B, M, [G,] H, K) or a list of S such tensors; lse_split (S, B, [G,] H, M) or a list.
+    Returns attn (B, M, [G,] H, K) in ``output_dtype`` (default: the parts' dtype) and, if ``write_lse``,
+    lse (B, [G,] H, M) float32. Parts with lse -inf contribute nothing; all -inf gives 0 and -inf.
+    """
+    attn = torch.stack(list(attn_split)) if not isinstance(attn_split, torch.Tensor) else attn_split
+    lse = torch.stack(list(lse_split)) if not isinstance(lse_split, torch.Tensor) else lse_split
+    if attn.ndim not in (5, 6) or lse.ndim != attn.ndim - 1 or attn.shape[0] != lse.shape[0]:
+        raise ValueError(f"attn_split {tuple(attn.shape)} / lse_split {tuple(lse.shape)}: expected "
+                         f"(S, B, M, [G,] H, K) and (S, B, [G,] H, M)")
+    lse_t = lse.float().movedim(-1, 2)  # (S, B, M, [G,] H)
+    if lse_t.shape != attn.shape[:-1]:
+        raise ValueError(f"lse_split {tuple(lse.shape)} does not match attn_split {tuple(attn.shape)}")
+    top = lse_t.amax(dim=0)
+    top_safe = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    w = torch.exp(lse_t - top_safe)  # exp(-inf) = 0
+    total = w.sum(dim=0)
+    out = (w[..., None] * attn.float()).sum(dim=0) / torch.where(total > 0, total, torch.ones_like(total))[..., None]
+    out = out.to(output_dtype or attn.dtype)
+    if not write_lse:
+        return out, None
+    merged = (top_safe + torch.log(total)).movedim(2, -1)
+    return out, merged
+
+
+def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_bias: Any = None, p: float = 0.0,
+            scale: float | None = None, *, op: OpArg = None, output_dtype: torch.dtype | None = None,
+            q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
+            v_descale: torch.Tensor | None = None, quantize_kv_to_fp8: bool = False, partial: bool = False,
+            kind: str = "fw") -> Report:
+    """For one call: every registered op of ``kind`` ("fw"/"bw") with availability, reasons, estimate
+    and its source, ranked; ``.selected`` is the op the call would use (None if none can)."""
+    inp, _ = _inputs(query, key, value, attn_bias, p, scale, output_dtype, partial,
+                     q_descale, k_descale, v_descale, quantize_kv_to_fp8)
+    inp.validate()
+    return SELECTOR.explain(inp.problem(needs_lse=partial), kind, op)
+
+
+def get_op(name: str) -> type[Op]:
+    """The op class registered under ``name`` or an alias (legacy aliases warn once)."""
+    return REGISTRY.get(name)
+
+
+# ---- internals ------------------------------------------------------------------------------
+
+class _Fold:
+    """Undo the layout folding of the inputs on the outputs (BMHK is the identity)."""
+
+    __slots__ = ("shape5", "bmk")
+
+    def __init__(self, shape5: tuple[int, ...] | None = None, bmk: bool = False) -> None:
+        self.shape5, self.bmk = shape5, bmk
+
+    def __call__(self, out: torch.Tensor) -> torch.Tensor:
+        if self.shape5 is not None:
+            b, m, g, h = self.shape5
+            return out.view(b, m, g, h, out.shape[-1])
+        return out[:, :, 0] if self.bmk else out
+
+    def lse(self, lse: torch.Tensor) -> torch.Tensor:
+        if self.shape5 is not None:
+            b, _, g, h = self.shape5
+            return lse.view(b, g, h, lse.shape[-1])
+        return lse[:, 0] if self.bmk else lse
+
+
+_IDENTITY = _Fold()
+
+
+def _inputs(query, key, value, attn_bias, p, scale, output_dtype, is_partial, q_descale, k_descale, v_descale,
+            quantize_kv) -> tuple[Inputs, _Fold]:
+    fold = _IDENTITY
+    if query.ndim == 5:
+        if key.ndim != 5 or value.ndim != 5:
+            raise ValueError(f"query is 5-D (BMGHK) but key is {key.ndim}-D and value {value.ndim}-D")
+        b, m, g, h, _ = query.shape
+        fold = _Fold((b, m, g, h))
+        query = query.reshape(b, m, g * h, query.shape[-1])
+        if key.shape[3] == 1 or key.stride(3) == 0:
+            key, value = key[:, :, :, 0], value[:, :, :, 0]
+        else:
+            key, value = key.flatten(2, 3), value.flatten(2, 3)
+    elif query.ndim == 3:
+        fold = _Fold(bmk=True)
+        query, key, value = query[:, :, None], key[:, :, None], value[:, :, None]
+    if attn_bias is not None and not isinstance(attn_bias, ab.AttentionBias):
+        if isinstance(attn_bias, torch.Tensor):
+            raise ValueError("attn_bias as a dense tensor is not supported; use a mask from fmha_ops.attn_bias")
+        attn_bias = ab.from_xformers(attn_bias)
+    return Inputs(query, key, value, attn_bias, p, scale, output_dtype, is_partial, q_descale, k_descale, v_descale,
+                  quantize_kv), fold
+
+
+def _make_problem(inp: Inputs, needs_lse: bool) -> Problem:
+    inp.validate()
+    return inp.problem(needs_lse)
+
+
+def _forward(inp: Inputs, op: OpArg, needs_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    sig = inp.signature()
+    fw = SELECTOR.select(sig, lambda: _make_problem(inp, needs_lse), "fw", op)
+    if fw.AUTOGRAD or not sig[-3]:  # sig[-3] is needs_grad
+        return fw.apply(inp, needs_lse)
+    bw = SELECTOR.select(sig, lambda: _make_problem(inp, needs_lse), "bw", op)
+    return _Attention.apply(fw, bw, inp, inp.query, inp.key, inp.value)
+
+
+class _Attention(torch.autograd.Function):
+    """Autograd for a forward op without native autograd, paired with a backward op."""
+
+    @staticmethod
+    def forward(ctx, fw, bw, inp: Inputs, query, key, value):
+        out, lse = fw.apply(inp, True)
+        ctx.bw, ctx.inp = bw, inp
+        ctx.save_for_backward(out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.bw.apply_bw(ctx.inp, out, lse, grad_out.contiguous())
+        return None, None, None, dq, dk, dv

@@ -1,0 +1,322 @@
+"""Attention bias (mask) types with xformers-compatible names and semantics.
+
+Layout conventions (BMHK, as in xformers):
+- no bias / ``LowerTriangularMask``: q (B, Mq, H, K), k/v (B, Mk, Hkv, K). ``LowerTriangularMask`` is
+  causal aligned top-left (query i sees keys j <= i); ``LowerTriangularFromBottomRightMask`` aligns
+  bottom-right (j <= i + Mk - Mq), the FlashAttention convention.
+- ``BlockDiagonal*Mask`` (varlen): batch 1, sequences packed along M; ``q_seqinfo`` / ``k_seqinfo``
+  hold the sequence starts. ``BlockDiagonalCausalMask`` is causal top-left within each block,
+  ``BlockDiagonalCausalFromBottomRightMask`` bottom-right.
+- ``BlockDiagonal[CausalWithOffset]PaddedKeysMask`` (decode): q packed as above, keys padded:
+  sequence b's keys live at rows [b * padding, b * padding + seqlen[b]) of the key tensor.
+  The causal variant aligns each query block bottom-right to its keys (new tokens at the end).
+- ``Paged*Mask`` (paged decode): like the padded masks, but the key tensor is a page pool of shape
+  (1, num_pages * page_size, Hkv, K) and ``block_tables[b, i]`` is the page holding keys
+  [i * page_size, (i + 1) * page_size) of sequence b.
+
+Every mask can ``materialize`` itself (a float tensor of 0 / -inf) for testing.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar, Iterator, Sequence
+
+import torch
+
+#: Mask kind names used in op declarations (``BIAS_KINDS``).
+NONE = "none"
+CAUSAL = "causal"  # top-left
+CAUSAL_BR = "causal_bottom_right"
+BLOCK_DIAGONAL = "block_diagonal"
+BLOCK_DIAGONAL_CAUSAL = "block_diagonal_causal"
+BLOCK_DIAGONAL_CAUSAL_BR = "block_diagonal_causal_bottom_right"
+PADDED_KEYS = "padded_keys"
+PADDED_KEYS_CAUSAL = "padded_keys_causal"
+PAGED = "paged"
+PAGED_CAUSAL = "paged_causal"
+ALL_KINDS = frozenset({NONE, CAUSAL, CAUSAL_BR, BLOCK_DIAGONAL, BLOCK_DIAGONAL_CAUSAL, BLOCK_DIAGONAL_CAUSAL_BR,
+                       PADDED_KEYS, PADDED_KEYS_CAUSAL, PAGED, PAGED_CAUSAL})
+CAUSAL_KINDS = frozenset({CAUSAL, CAUSAL_BR, BLOCK_DIAGONAL_CAUSAL, BLOCK_DIAGONAL_CAUSAL_BR, PADDED_KEYS_CAUSAL,
+                          PAGED_CAUSAL})
+VARLEN_KINDS = frozenset({BLOCK_DIAGONAL, BLOCK_DIAGONAL_CAUSAL, BLOCK_DIAGONAL_CAUSAL_BR})
+DECODE_KINDS = frozenset({PADDED_KEYS, PADDED_KEYS_CAUSAL, PAGED, PAGED_CAUSAL})
+PAGED_KINDS = frozenset({PAGED, PAGED_CAUSAL})
+
+
+class AttentionBias:
+    """Base of all masks. ``KIND`` names it in op declarations."""
+
+    KIND: ClassVar[str]
+
+    def materialize(self, shape: Sequence[int], dtype: torch.dtype = torch.float32,
+                    device: torch.device | str = "cpu") -> torch.Tensor:
+        """A dense additive bias of ``shape`` (..., Mq, Mk): 0 where attending, -inf elsewhere."""
+        mq, mk = shape[-2], shape[-1]
+        allowed = torch.zeros(mq, mk, dtype=torch.bool, device=device)
+        for seg in self.segments(mq, mk):
+            rows = torch.arange(seg.q_start, seg.q_end, device=device)
+            cols = torch.as_tensor(seg.key_rows(), device=device, dtype=torch.long)
+            if len(rows) and len(cols):
+                allowed[rows[:, None], cols[None, :]] = seg.visible(len(rows), len(cols)).to(device)
+        out = torch.zeros(mq, mk, dtype=dtype, device=device).masked_fill(~allowed, -math.inf)
+        return out.expand(*shape)
+
+    def segments(self, mq: int, mk: int) -> Iterator["Segment"]:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One sequence of a call: query rows [q_start, q_end) attend ``key_rows`` (rows of the key
+    tensor, or for paged masks rows of the flattened page pool), with a causal alignment."""
+
+    q_start: int
+    q_end: int
+    keys: tuple[int, int] | torch.Tensor  # (start, end) or an index tensor
+    causal: str = ""  # "" | "top_left" | "bottom_right"
+
+    def key_rows(self) -> torch.Tensor:
+        if isinstance(self.keys, tuple):
+            return torch.arange(self.keys[0], self.keys[1])
+        return self.keys
+
+    def visible(self, mq: int, mk: int) -> torch.Tensor:
+        """(mq, mk) bool: which keys each query row sees."""
+        i = torch.arange(mq)[:, None]
+        j = torch.arange(mk)[None, :]
+        if self.causal == "top_left":
+            return j <= i
+        if self.causal == "bottom_right":
+            return j <= i + (mk - mq)
+        return torch.ones(mq, mk, dtype=torch.bool)
+
+
+class LowerTriangularMask(AttentionBias):
+    """Causal, top-left aligned: query i sees keys j <= i."""
+
+    KIND = CAUSAL
+
+    def segments(self, mq, mk):
+        yield Segment(0, mq, (0, mk), "top_left")
+
+
+class LowerTriangularFromBottomRightMask(AttentionBias):
+    """Causal, bottom-right aligned: query i sees keys j <= i + Mk - Mq (FlashAttention's causal)."""
+
+    KIND = CAUSAL_BR
+
+    def segments(self, mq, mk):
+        yield Segment(0, mq, (0, mk), "bottom_right")
+
+
+@dataclass
+class _SeqLenInfo:
+    """Starts of packed sequences: ``seqstart_py`` (host list, len B+1) and ``seqstart`` (int32 tensor)."""
+
+    seqstart_py: list[int]
+    seqstart: torch.Tensor = field(repr=False)
+    max_seqlen: int = 0
+    min_seqlen: int = 0
+
+    @classmethod
+    def from_seqlens(cls, seqlens: Sequence[int], device: torch.device | str | None = None) -> "_SeqLenInfo":
+        starts = [0]
+        for n in seqlens:
+            if n < 0:
+                raise ValueError(f"sequence lengths must be >= 0, got {list(seqlens)}")
+            starts.append(starts[-1] + int(n))
+        lens = list(map(int, seqlens))
+        return cls(starts, torch.tensor(starts, dtype=torch.int32, device=device),
+                   max(lens, default=0), min(lens, default=0))
+
+    @property
+    def seqlens(self) -> list[int]:
+        return [b - a for a, b in zip(self.seqstart_py, self.seqstart_py[1:])]
+
+    def to(self, device) -> "_SeqLenInfo":
+        return _SeqLenInfo(self.seqstart_py, self.seqstart.to(device), self.max_seqlen, self.min_seqlen)
+
+
+@dataclass
+class _PaddedSeqLenInfo:
+    """Keys of sequence b at rows [b * padding, b * padding + seqlen[b]); ``seqlen`` int32 tensor."""
+
+    seqlen_py: list[int]
+    seqlen: torch.Tensor = field(repr=False)
+    padding: int = 0
+
+    @classmethod
+    def from_seqlens_padded(cls, seqlens: Sequence[int], padding: int,
+                            device: torch.device | str | None = None) -> "_PaddedSeqLenInfo":
+        lens = list(map(int, seqlens))
+        if any(n < 0 or n > padding for n in lens):
+            raise ValueError(f"kv_seqlen must be in [0, kv_padding={padding}], got {lens}")
+        return cls(lens, torch.tensor(lens, dtype=torch.int32, device=device), padding)
+
+    def to(self, device) -> "_PaddedSeqLenInfo":
+        return _PaddedSeqLenInfo(self.seqlen_py, self.seqlen.to(device), self.padding)
+
+
+@dataclass
+class BlockDiagonalMask(AttentionBias):
+    """Varlen: packed sequences, each attending only its own keys (non-causal)."""
+
+    q_seqinfo: _SeqLenInfo
+    k_seqinfo: _SeqLenInfo
+    KIND: ClassVar[str] = BLOCK_DIAGONAL
+    _CAUSAL: ClassVar[str] = ""
+
+    @classmethod
+    def from_seqlens(cls, q_seqlen: Sequence[int], kv_seqlen: Sequence[int] | None = None,
+                     device: torch.device | str | None = None):
+        if kv_seqlen is not None and len(kv_seqlen) != len(q_seqlen):
+            raise ValueError(f"q_seqlen has {len(q_seqlen)} sequences but kv_seqlen has {len(kv_seqlen)}")
+        q = _SeqLenInfo.from_seqlens(q_seqlen, device)
+        k = q if kv_seqlen is None else _SeqLenInfo.from_seqlens(kv_seqlen, device)
+        return cls(q, k)
+
+    def make_causal(self) -> "BlockDiagonalCausalMask":
+        return BlockDiagonalCausalMask(self.q_seqinfo, self.k_seqinfo)
+
+    def make_causal_from_bottomright(self) -> "BlockDiagonalCausalFromBottomRightMask":
+        return BlockDiagonalCausalFromBottomRightMask(self.q_seqinfo, self.k_seqinfo)
+
+    def to(self, device):
+        return type(self)(self.q_seqinfo.to(device), self.k_seqinfo.to(device))
+
+    def segments(self, mq, mk):
+        for b in range(len(self.q_seqinfo.seqstart_py) - 1):
+            qs, qe = self.q_seqinfo.seqstart_py[b], self.q_seqinfo.seqstart_py[b + 1]
+            ks, ke = self.k_seqinfo.seqstart_py[b], self.k_seqinfo.seqstart_py[b + 1]
+            yield Segment(qs, qe, (ks, ke), self._CAUSAL)
+
+
+@dataclass
+class BlockDiagonalCausalMask(BlockDiagonalMask):
+    """Varlen, causal top-left within each sequence."""
+
+    KIND: ClassVar[str] = BLOCK_DIAGONAL_CAUSAL
+    _CAUSAL: ClassVar[str] = "top_left"
+
+
+@dataclass
+class BlockDiagonalCausalFromBottomRightMask(BlockDiagonalMask):
+    """Varlen, causal bottom-right within each sequence (FlashAttention varlen causal)."""
+
+    KIND: ClassVar[str] = BLOCK_DIAGONAL_CAUSAL_BR
+    _CAUSAL: ClassVar[str] = "bottom_right"
+
+
+@dataclass
+class BlockDiagonalPaddedKeysMask(AttentionBias):
+    """Decode, non-causal: packed queries, padded keys (see module docstring)."""
+
+    q_seqinfo: _SeqLenInfo
+    k_seqinfo: _PaddedSeqLenInfo
+    KIND: ClassVar[str] = PADDED_KEYS
+    _CAUSAL: ClassVar[str] = ""
+
+    @classmethod
+    def from_seqlens(cls, q_seqlen: Sequence[int], kv_padding: int, kv_seqlen: Sequence[int],
+                     device: torch.device | str | None = None):
+        if len(kv_seqlen) != len(q_seqlen):
+            raise ValueError(f"q_seqlen has {len(q_seqlen)} sequences but kv_seqlen has {len(kv_seqlen)}")
+        return cls(_SeqLenInfo.from_seqlens(q_seqlen, device),
+                   _PaddedSeqLenInfo.from_seqlens_padded(kv_seqlen, kv_padding, device))
+
+    def make_paged(self, block_tables: torch.Tensor, page_size: int, paged_type=None):
+        """The paged twin of this mask (xformers' ``make_paged``)."""
+        cls = paged_type or (PagedBlockDiagonalCausalWithOffsetPaddedKeysMask if self._CAUSAL
+                             else PagedBlockDiagonalPaddedKeysMask)
+        return cls(self.q_seqinfo, self.k_seqinfo, block_tables, page_size)
+
+    def to(self, device):
+        return type(self)(self.q_seqinfo.to(device), self.k_seqinfo.to(device))
+
+    def segments(self, mq, mk):
+        pad = self.k_seqinfo.padding
+        for b, n in enumerate(self.k_seqinfo.seqlen_py):
+            qs, qe = self.q_seqinfo.seqstart_py[b], self.q_seqinfo.seqstart_py[b + 1]
+            yield Segment(qs, qe, (b * pad, b * pad + n), self._CAUSAL)
+
+
+@dataclass
+class BlockDiagonalCausalWithOffsetPaddedKeysMask(BlockDiagonalPaddedKeysMask):
+    """Decode, causal: each sequence's queries are its last tokens (bottom-right aligned)."""
+
+    KIND: ClassVar[str] = PADDED_KEYS_CAUSAL
+    _CAUSAL: ClassVar[str] = "bottom_right"
+
+
+@dataclass
+class PagedBlockDiagonalPaddedKeysMask(AttentionBias):
+    """Paged decode, non-causal. ``block_tables`` int32 (B, max_pages); keys of sequence b are the first
+    ``k_seqinfo.seqlen[b]`` rows of its pages in order; ``k_seqinfo.padding`` = max_pages * page_size."""
+
+    q_seqinfo: _SeqLenInfo
+    k_seqinfo: _PaddedSeqLenInfo
+    block_tables: torch.Tensor
+    page_size: int
+    KIND: ClassVar[str] = PAGED
+    _CAUSAL: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        b = len(self.k_seqinfo.seqlen_py)
+        if self.block_tables.ndim != 2 or self.block_tables.shape[0] != b:
+            raise ValueError(f"block_tables must be (batch={b}, max_pages), got {tuple(self.block_tables.shape)}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        cap = self.block_tables.shape[1] * self.page_size
+        if any(n > cap for n in self.k_seqinfo.seqlen_py):
+            raise ValueError(f"kv_seqlen {self.k_seqinfo.seqlen_py} exceeds block_tables capacity {cap}")
+
+    def to(self, device):
+        return type(self)(self.q_seqinfo.to(device), self.k_seqinfo.to(device), self.block_tables.to(device),
+                          self.page_size)
+
+    def segments(self, mq, mk):
+        table = self.block_tables.cpu().long()
+        for b, n in enumerate(self.k_seqinfo.seqlen_py):
+            qs, qe = self.q_seqinfo.seqstart_py[b], self.q_seqinfo.seqstart_py[b + 1]
+            pos = torch.arange(n)
+            rows = table[b, pos // self.page_size] * self.page_size + pos % self.page_size
+            yield Segment(qs, qe, rows, self._CAUSAL)
+
+
+@dataclass
+class PagedBlockDiagonalCausalWithOffsetPaddedKeysMask(PagedBlockDiagonalPaddedKeysMask):
+    """Paged decode, causal (queries are each sequence's last tokens)."""
+
+    KIND: ClassVar[str] = PAGED_CAUSAL
+    _CAUSAL: ClassVar[str] = "bottom_right"
+
+
+_XFORMERS_NAMES = {
+    "LowerTriangularMask": lambda b: LowerTriangularMask(),
+    "LowerTriangularFromBottomRightMask": lambda b: LowerTriangularFromBottomRightMask(),
+}
+
+
+def from_xformers(bias: object) -> AttentionBias:
+    """Convert an xformers ``attn_bias`` object into ours (same semantics)."""
+    name = type(bias).__name__
+    if name in _XFORMERS_NAMES:
+        return _XFORMERS_NAMES[name](bias)
+    ours = globals().get(name)
+    if not (isinstance(ours, type) and issubclass(ours, AttentionBias)):
+        raise ValueError(f"attn_bias of type xformers {name} is not supported; supported: "
+                         f"{', '.join(sorted(n for n, c in globals().items() if isinstance(c, type) and issubclass(c, AttentionBias) and c is not AttentionBias))}")
+    q = _SeqLenInfo.from_seqlens(_seqlens(bias.q_seqinfo.seqstart_py), bias.q_seqinfo.seqstart.device)
+    if issubclass(ours, BlockDiagonalMask):
+        k = _SeqLenInfo.from_seqlens(_seqlens(bias.k_seqinfo.seqstart_py), bias.k_seqinfo.seqstart.device)
+        return ours(q, k)
+    k = _PaddedSeqLenInfo.from_seqlens_padded(bias.k_seqinfo.seqlen_py, bias.k_seqinfo.padding,
+                                              bias.k_seqinfo.seqlen.device)
+    if issubclass(ours, PagedBlockDiagonalPaddedKeysMask):
+        return ours(q, k, bias.block_tables, bias.page_size)
+    return ours(q, k)
+
+
+def _seqlens(starts: Sequence[int]) -> list[int]:
+    return [b - a for a, b in zip(starts, starts[1:])]

@@ -1,0 +1,131 @@
+"""Attention op base classes: what an op declares, and the one check that reads the declaration.
+
+Declarations (class attributes; every check below reads only these):
+  DTYPES         allowed (q, k, v) dtype triples
+  OUT_DTYPES     allowed output dtypes
+  HEAD_DIMS      allowed K (a container: range or tuple); HEAD_DIMS_V likewise for Kv (None: Kv == K)
+  BIAS_KINDS     allowed attn_bias kinds (fmha_ops.attn_bias constants)
+  GQA            Hq != Hkv allowed
+  PAGE_SIZES     allowed page sizes for paged masks (a container)
+  DESCALES       allowed descale kinds per role: dict role -> set, roles "q", "k", "v"
+  QUANTIZE_KV    accepts quantize_kv_to_fp8=True
+  MAX_SEQLEN_Q   longest query sequence (decode ops: 16); None: any
+  RAGGED_Q       query sequences of different lengths in one call (decode masks)
+  PARTIAL        can return the LSE (memory_efficient_attention_partial, merge_attentions)
+  AUTOGRAD       forward is differentiable by torch autograd itself (no bw op needed)
+  DROPOUT        p > 0
+  DETERMINISTIC  bitwise reproducible (checked when torch.use_deterministic_algorithms is on)
+  CUDA_GRAPH     capturable in a CUDA graph
+Ops add op-specific reasons in ``extra_reasons``.
+"""
+from __future__ import annotations
+
+from typing import ClassVar, Collection
+
+import torch
+
+from registry import Op
+
+from .. import attn_bias as ab
+from ..inputs import Inputs, Problem, dtype_name
+
+NO_DESCALES = {"q": frozenset({"none"}), "k": frozenset({"none"}), "v": frozenset({"none"})}
+
+
+class AttentionOp(Op):
+    DTYPES: ClassVar[frozenset[tuple[torch.dtype, torch.dtype, torch.dtype]]] = frozenset()
+    OUT_DTYPES: ClassVar[frozenset[torch.dtype]] = frozenset()
+    HEAD_DIMS: ClassVar[Collection[int]] = ()
+    HEAD_DIMS_V: ClassVar[Collection[int] | None] = None
+    BIAS_KINDS: ClassVar[frozenset[str]] = frozenset({ab.NONE})
+    GQA: ClassVar[bool] = False
+    PAGE_SIZES: ClassVar[Collection[int]] = ()
+    DESCALES: ClassVar[dict[str, frozenset[str]]] = NO_DESCALES
+    QUANTIZE_KV: ClassVar[bool] = False
+    MAX_SEQLEN_Q: ClassVar[int | None] = None
+    RAGGED_Q: ClassVar[bool] = True
+    PARTIAL: ClassVar[bool] = False
+    AUTOGRAD: ClassVar[bool] = False
+    DROPOUT: ClassVar[bool] = False
+    DETERMINISTIC: ClassVar[bool] = True
+    CUDA_GRAPH: ClassVar[bool] = True
+
+    @classmethod
+    def not_supported_reasons(cls, p: Problem) -> list[str]:
+        r: list[str] = []
+        dts = (p.q_dtype, p.k_dtype, p.v_dtype)
+        if dts not in cls.DTYPES:
+            r.append(f"dtypes (q, k, v) {'/'.join(map(dtype_name, dts))} not supported; supported: "
+                     + ", ".join(sorted("/".join(map(dtype_name, t)) for t in cls.DTYPES)))
+        if p.out_dtype not in cls.OUT_DTYPES:
+            r.append(f"output dtype {dtype_name(p.out_dtype)} not supported; supported: "
+                     + ", ".join(sorted(map(dtype_name, cls.OUT_DTYPES))))
+        if p.head_dim not in cls.HEAD_DIMS:
+            r.append(f"head dim K={p.head_dim} not supported; supported: {_fmt(cls.HEAD_DIMS)}")
+        if cls.HEAD_DIMS_V is None:
+            if p.head_dim_v != p.head_dim:
+                r.append(f"value head dim Kv={p.head_dim_v} must equal K={p.head_dim}")
+        elif p.head_dim_v not in cls.HEAD_DIMS_V:
+            r.append(f"value head dim Kv={p.head_dim_v} not supported; supported: {_fmt(cls.HEAD_DIMS_V)}")
+        if p.bias not in cls.BIAS_KINDS:
+            r.append(f"attn_bias {p.bias} not supported; supported: {', '.join(sorted(cls.BIAS_KINDS))}")
+        if p.heads_q != p.heads_kv and not cls.GQA:
+            r.append(f"GQA/MQA (Hq={p.heads_q}, Hkv={p.heads_kv}) not supported")
+        if p.page_size and p.page_size not in cls.PAGE_SIZES:
+            r.append(f"page_size={p.page_size} not supported; supported: {_fmt(cls.PAGE_SIZES)}")
+        for role, kind in zip("qkv", p.descales):
+            if kind not in cls.DESCALES[role]:
+                r.append(f"{role}_descale kind {kind!r} not supported; supported: {', '.join(sorted(cls.DESCALES[role]))}")
+        if p.quantize_kv and not cls.QUANTIZE_KV:
+            r.append("quantize_kv_to_fp8=True not supported")
+        if cls.MAX_SEQLEN_Q is not None and p.seqlen_q > cls.MAX_SEQLEN_Q:
+            r.append(f"query length {p.seqlen_q} per sequence > {cls.MAX_SEQLEN_Q}")
+        if not p.q_uniform and not cls.RAGGED_Q:
+            r.append("query sequences of different lengths not supported")
+        if p.needs_lse and not cls.PARTIAL:
+            r.append("cannot return the LSE (partial attention)")
+        if p.dropout and not cls.DROPOUT:
+            r.append("dropout (p > 0) not supported")
+        if p.deterministic and not cls.DETERMINISTIC:
+            r.append("not deterministic (torch.use_deterministic_algorithms is on)")
+        if p.graph_capture and not cls.CUDA_GRAPH:
+            r.append("not CUDA-graph capturable (a capture is in progress)")
+        r.extend(cls.extra_reasons(p))
+        return r
+
+    @classmethod
+    def extra_reasons(cls, p: Problem) -> list[str]:
+        return []
+
+
+class AttentionFwOp(AttentionOp):
+    KIND = "fw"
+
+    @classmethod
+    def not_supported_reasons(cls, p: Problem) -> list[str]:
+        r = super().not_supported_reasons(p)
+        if p.needs_grad and not (cls.AUTOGRAD or cls.PARTIAL):
+            r.append("gradients are needed, and this forward neither supports autograd nor returns the "
+                     "LSE a backward op needs")
+        return r
+
+    @classmethod
+    def apply(cls, inp: Inputs, needs_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """out (B, Mq, Hq, Kv) and, when ``needs_lse``, lse float32 (B, Hq, Mq) in natural log."""
+        raise NotImplementedError
+
+
+class AttentionBwOp(AttentionOp):
+    KIND = "bw"
+
+    @classmethod
+    def apply_bw(cls, inp: Inputs, out: torch.Tensor, lse: torch.Tensor,
+                 grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gradients (dq, dk, dv) of the attention output w.r.t. the dequantized query, key, value."""
+        raise NotImplementedError
+
+
+def _fmt(c: Collection[int]) -> str:
+    if isinstance(c, range):
+        return f"{c.start}..{c.stop - 1}" + (f" step {c.step}" if c.step != 1 else "")
+    return ", ".join(map(str, sorted(c)))

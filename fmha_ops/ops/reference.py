@@ -1,0 +1,186 @@
+"""The reference op: explicit softmax in float32 (or float64) torch, any device, every mask and dtype.
+
+Quantized inputs are dequantized first (fp8 / int8 times their descales; with
+``quantize_kv_to_fp8`` the KV is quantized per token to fp8 and back, exactly like the fast
+paths), so every call the fast ops accept also runs here, slowly. Differentiable by autograd.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from registry import current_arch, fp8_dtype
+
+from .. import attn_bias as ab
+from ..inputs import FLOAT_DTYPES, FP8_DTYPES, K_SCALE_BLOCK, Q_SCALE_BLOCK, Inputs, Problem, descale_kinds
+from ..dispatch import register
+from .base import AttentionBwOp, AttentionFwOp
+
+_DTYPES = frozenset(
+    [(d, d, d) for d in FLOAT_DTYPES + FP8_DTYPES]
+    + [(torch.int8, torch.int8, f) for f in FP8_DTYPES]
+    + [(d, f, f) for d in (torch.float16, torch.bfloat16) for f in FP8_DTYPES]
+)
+_ALL_DESCALES = {
+    "q": frozenset({"none", "tensor", "head", "block"}),
+    "k": frozenset({"none", "tensor", "head", "block", "token"}),
+    "v": frozenset({"none", "tensor", "head", "channel", "token"}),
+}
+_ROW_CHUNK_ELEMS = 1 << 27  # score elements per chunk of query rows
+
+
+def dequantize(x: torch.Tensor, descale: torch.Tensor | None, kind: str, block: int = 0) -> torch.Tensor:
+    """float32 ``x * descale`` for a BMHK tensor and a descale of ``kind`` (see fmha_ops.inputs).
+    ``block`` is the row block of a "block" descale (Q_SCALE_BLOCK for q, K_SCALE_BLOCK for k)."""
+    xf = x.float()
+    if kind == "none":
+        return xf
+    d = descale.float()
+    m, h = x.shape[1], x.shape[2]
+    if kind == "tensor":
+        return xf * d.reshape(())
+    if kind == "head":  # (B, Hkv); a query head uses its kv head's value
+        return xf * d.repeat_interleave(h // d.shape[1], dim=1)[:, None, :, None]
+    if kind == "block":
+        return xf * d.repeat_interleave(block, dim=2)[:, :, :m].permute(0, 2, 1)[..., None]
+    if kind == "channel":
+        return xf * d[:, None, :, :]
+    if kind == "token":
+        return xf * d[..., None]
+    raise ValueError(f"unknown descale kind {kind!r}")
+
+
+def quantize_per_token(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-(token, head) fp8 quantization of a (..., K) tensor: (x_fp8, scale float32 (...))."""
+    fmax = torch.finfo(dtype).max
+    amax = x.float().abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
+    return (x.float() / scale[..., None]).clamp(-fmax, fmax).to(dtype), scale
+
+
+def reference_attention(inp: Inputs, compute_dtype: torch.dtype = torch.float32
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (B, Mq, Hq, Kv) in ``compute_dtype``, lse (B, Hq, Mq) float32, natural log).
+    Rows that see no key: out 0, lse -inf."""
+    q, k, v = inp.query, inp.key, inp.value
+    hq, hkv = q.shape[2], k.shape[2]
+    kinds = descale_kinds(inp)
+    if inp.quantize_kv_to_fp8:
+        f8 = fp8_dtype(current_arch(q.device))
+        (k8, ks), (v8, vs) = quantize_per_token(k, f8), quantize_per_token(v, f8)
+        kf, vf = k8.float() * ks[..., None], v8.float() * vs[..., None]
+    else:
+        kf = dequantize(k, inp.k_descale, kinds[1], K_SCALE_BLOCK)
+        vf = dequantize(v, inp.v_descale, kinds[2])
+    qf = dequantize(q, inp.q_descale, kinds[0], Q_SCALE_BLOCK)
+    qf, kf, vf = (t.to(compute_dtype) for t in (qf, kf, vf))
+    if hq != hkv:
+        kf = kf.repeat_interleave(hq // hkv, dim=2)
+        vf = vf.repeat_interleave(hq // hkv, dim=2)
+    mq, mk = q.shape[1], k.shape[1]
+    segments = list(inp.attn_bias.segments(mq, mk)) if inp.attn_bias else [ab.Segment(0, mq, (0, mk))]
+    outs, lses = [], []
+    for bi in range(q.shape[0]):
+        o_b, l_b = [], []
+        for seg in segments:
+            keys = seg.key_rows().to(q.device)
+            o, l = _attend(qf[bi, seg.q_start:seg.q_end], kf[bi, keys], vf[bi, keys], seg.causal,
+                           inp.softmax_scale, inp.p)
+            o_b.append(o)
+            l_b.append(l)
+        outs.append(torch.cat(o_b, 0))
+        lses.append(torch.cat(l_b, 1))
+    return torch.stack(outs), torch.stack(lses).float()
+
+
+def _attend(q, k, v, causal: str, scale: float, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence: q (m, H, K), k (n, H, K), v (n, H, Kv) -> out (m, H, Kv), lse (H, m)."""
+    m, h, n = q.shape[0], q.shape[1], k.shape[0]
+    step = max(1, _ROW_CHUNK_ELEMS // max(1, h * n))
+    outs, lses = [], []
+    for r0 in range(0, m, step):
+        r1 = min(m, r0 + step)
+        s = torch.einsum("mhd,nhd->hmn", q[r0:r1], k) * scale
+        if causal:
+            i = torch.arange(r0, r1, device=q.device)[:, None]
+            j = torch.arange(n, device=q.device)[None, :]
+            shift = 0 if causal == "top_left" else n - m
+            s = s.masked_fill(j > i + shift, -math.inf)
+        lse = torch.logsumexp(s, dim=-1) if n else s.new_full((h, r1 - r0), -math.inf)
+        probs = torch.exp(s - lse.masked_fill(lse == -math.inf, 0.0)[..., None])
+        if p > 0.0:
+            probs = torch.nn.functional.dropout(probs, p)
+        outs.append(torch.einsum("hmn,nhd->mhd", probs, v))
+        lses.append(lse)
+    if not outs:
+        return q.new_zeros((0, h, v.shape[-1])), q.new_zeros((h, 0))
+    return torch.cat(outs, 0), torch.cat(lses, 1)
+
+
+@register
+class ReferenceFwOp(AttentionFwOp):
+    """Explicit-softmax float32 attention in torch: every mask, dtype and descale; slow."""
+
+    NAME = "torch_referenceF"
+    ARCHS = ("cpu", "cuda>=0.0", "rocm")
+    DTYPES = _DTYPES
+    OUT_DTYPES = frozenset(FLOAT_DTYPES)
+    HEAD_DIMS = range(1, 1025)
+    HEAD_DIMS_V = range(1, 1025)
+    BIAS_KINDS = ab.ALL_KINDS
+    GQA = True
+    PAGE_SIZES = range(1, 1 << 20)
+    DESCALES = _ALL_DESCALES
+    QUANTIZE_KV = True
+    PARTIAL = True
+    AUTOGRAD = True
+    DROPOUT = True
+    CUDA_GRAPH = False  # loops over sequences on the host
+    PRIORITY = -100
+
+    @classmethod
+    def apply(cls, inp, needs_lse):
+        out, lse = reference_attention(inp)
+        return out.to(inp.out_dtype), (lse if needs_lse else None)
+
+    @classmethod
+    def estimate(cls, p: Problem) -> float:
+        from .cost import attention_time
+
+        return attention_time(p, tflops=2.0 if p.arch.kind == "cpu" else 40.0, tbps=0.3, overhead_us=200.0,
+                              passes=4.0)
+
+
+@register
+class ReferenceBwOp(AttentionBwOp):
+    """Backward by float32 recomputation + torch autograd (any device, every mask)."""
+
+    NAME = "torch_referenceB"
+    ARCHS = ReferenceFwOp.ARCHS
+    DTYPES = _DTYPES
+    OUT_DTYPES = frozenset(FLOAT_DTYPES)
+    HEAD_DIMS = ReferenceFwOp.HEAD_DIMS
+    HEAD_DIMS_V = ReferenceFwOp.HEAD_DIMS_V
+    BIAS_KINDS = ab.ALL_KINDS
+    GQA = True
+    PAGE_SIZES = ReferenceFwOp.PAGE_SIZES
+    DESCALES = _ALL_DESCALES
+    PARTIAL = True
+    CUDA_GRAPH = False
+    PRIORITY = -100
+
+    @classmethod
+    def apply_bw(cls, inp, out, lse, grad_out):
+        kinds = descale_kinds(inp)
+        leaves = [dequantize(t, d, kind, blk).detach().requires_grad_(True) for t, d, kind, blk in (
+            (inp.query, inp.q_descale, kinds[0], Q_SCALE_BLOCK), (inp.key, inp.k_descale, kinds[1], K_SCALE_BLOCK),
+            (inp.value, inp.v_descale, kinds[2], 0))]
+        plain = Inputs(*leaves, attn_bias=inp.attn_bias, scale=inp.softmax_scale)
+        with torch.enable_grad():
+            o, _ = reference_attention(plain)
+            return torch.autograd.grad(o, leaves, grad_out.float())
+
+    @classmethod
+    def estimate(cls, p: Problem) -> float:
+        return 2.5 * ReferenceFwOp.estimate(p)

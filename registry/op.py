@@ -1,0 +1,84 @@
+"""The op base class: identity, where it runs, availability, support and cost.
+
+An op is a class. Its class attributes *declare*; the registry and selector read only
+the declarations plus three class methods:
+
+- ``available()`` -> ``None`` or one reason (package missing, no such hardware);
+  checked once per process and cached.
+- ``not_supported_reasons(problem)`` -> list of short sentences; empty means supported.
+  The problem type belongs to the domain package (the registry never looks inside it).
+- ``estimate(problem)`` -> seconds or ``None`` (the op's cost model).
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import Any, ClassVar
+
+from .arch import Arch, ArchSpec, current_arch
+
+
+class Op:
+    NAME: ClassVar[str] = ""
+    #: other names that resolve to this op (no warning)
+    ALIASES: ClassVar[tuple[str, ...]] = ()
+    #: deprecated names: resolving one warns once per process and names NAME
+    LEGACY_ALIASES: ClassVar[tuple[str, ...]] = ()
+    #: "fw" (forward) or "bw" (backward); selection happens within one kind
+    KIND: ClassVar[str] = "fw"
+    #: where it runs, e.g. ("cpu",), ("cuda>=9.0",), ("rocm:gfx942,gfx950",)
+    ARCHS: ClassVar[tuple[str, ...]] = ()
+    #: importable modules the op needs (checked by available())
+    REQUIRES: ClassVar[tuple[str, ...]] = ()
+    #: tie-breaker and last-resort rank when no estimate exists (higher wins)
+    PRIORITY: ClassVar[int] = 0
+
+    @classmethod
+    def arch_specs(cls) -> tuple[ArchSpec, ...]:
+        return _parse_archs(cls.ARCHS)
+
+    @classmethod
+    def supports_arch(cls, arch: Arch) -> bool:
+        return any(spec.matches(arch) for spec in cls.arch_specs())
+
+    @classmethod
+    def available(cls) -> str | None:
+        """None when the op can run in this process, else why not (cached per class)."""
+        return _available(cls)
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """Override for extra availability checks (driver, runtime); called once."""
+        return None
+
+    @classmethod
+    def not_supported_reasons(cls, problem: Any) -> list[str]:
+        return []
+
+    @classmethod
+    def estimate(cls, problem: Any) -> float | None:
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def _parse_archs(archs: tuple[str, ...]) -> tuple[ArchSpec, ...]:
+    return tuple(ArchSpec.parse(a) for a in archs)
+
+
+@functools.lru_cache(maxsize=None)
+def _available(op: type[Op]) -> str | None:
+    for mod in op.REQUIRES:
+        try:
+            found = importlib.util.find_spec(mod) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            return f"package {mod!r} is not installed"
+    archs = op.arch_specs()
+    if not any(spec.kind == "cpu" for spec in archs):
+        here = current_arch()
+        if here.kind == "cpu":
+            return f"needs a GPU ({', '.join(map(str, archs))}); none here"
+        if not op.supports_arch(here):
+            return f"needs {', '.join(map(str, archs))}; this is {here}"
+    return op.unavailable_reason()

@@ -1,0 +1,219 @@
+"""Pick the fastest available op that supports a problem; explain the choice.
+
+The problem object is the domain's: the selector needs only ``problem.arch``
+(an :class:`~registry.arch.Arch`) and ``problem.bucket()`` (a tuning-table key), and
+hands the problem to each op's ``not_supported_reasons`` and ``estimate``.
+
+Ranking: measured time from the tuning table for this device and bucket, else the
+op's cost model, else declared PRIORITY (ops with an estimate rank first). Ties break
+on PRIORITY then NAME, so the choice is deterministic. ``select`` is memoized on the
+caller's hashable signature plus the active overrides, so a repeated call is one
+dict lookup.
+
+Overrides, strongest first:
+- ``op=`` argument: an op class, a name or alias, or an xformers-style ``(FwOp, BwOp)`` tuple;
+- ``use_ops(...)`` context manager: restrict (one op: force) / exclude ops for a block;
+- environment, read at import and by ``refresh_env()``:
+  ``FMHA_OPS_FORCE=name[,name]`` (force per kind), ``FMHA_OPS_DISABLE=name[,name]``,
+  ``FMHA_OPS_LOG=1`` (print each new dispatch decision to stderr).
+A forced op that cannot run raises ``ValueError`` with its reasons; it never falls back.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Iterable, Iterator
+
+from .op import Op
+from .registry import Registry
+from .tuning import TuningTables
+
+OpLike = Any  # type[Op] | str | tuple[type[Op] | None, type[Op] | None] | None
+
+
+class NoSupportedOpError(ValueError):
+    """No op can run a call; the message lists every op with its reasons."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    op: type[Op]
+    unavailable: str | None  # None when the op can run in this process
+    reasons: tuple[str, ...]  # why it does not support the problem (empty: supported)
+    estimate: float | None  # seconds
+    source: str  # "table" | "model" | "priority"
+
+    @property
+    def ok(self) -> bool:
+        return self.unavailable is None and not self.reasons
+
+    def why_not(self) -> str:
+        if self.unavailable:
+            return f"unavailable: {self.unavailable}"
+        return "; ".join(self.reasons)
+
+
+@dataclass
+class Report:
+    """What ``explain`` returns: one verdict per op (ranked), and the winner."""
+
+    problem: Any
+    kind: str
+    verdicts: list[Verdict]
+    selected: type[Op] | None
+    note: str = ""
+
+    def __str__(self) -> str:
+        lines = [f"problem: {self.problem}", f"kind: {self.kind}"]
+        if self.note:
+            lines.append(self.note)
+        width = max((len(v.op.NAME) for v in self.verdicts), default=4)
+        for v in self.verdicts:
+            mark = "*" if v.op is self.selected else " "
+            if v.ok:
+                est = "-" if v.estimate is None else f"{v.estimate * 1e6:.1f} us"
+                lines.append(f"{mark} {v.op.NAME:<{width}}  supported  estimate {est} ({v.source})")
+            else:
+                lines.append(f"{mark} {v.op.NAME:<{width}}  no: {v.why_not()}")
+        lines.append(f"selected: {self.selected.NAME if self.selected else None}")
+        return "\n".join(lines)
+
+
+_SCOPE: contextvars.ContextVar[tuple[frozenset | None, frozenset]] = contextvars.ContextVar(
+    "fmha_ops_scope", default=(None, frozenset())
+)
+
+
+class Selector:
+    def __init__(self, registry: Registry, tables: TuningTables, env_prefix: str = "FMHA_OPS") -> None:
+        self.registry = registry
+        self.tables = tables
+        self._env_prefix = env_prefix
+        self._memo: dict[Hashable, type[Op]] = {}
+        self.refresh_env()
+
+    # ---- overrides -------------------------------------------------------------------
+    def refresh_env(self) -> None:
+        """Re-read FORCE / DISABLE / LOG from the environment and drop the memo."""
+        p = self._env_prefix
+        self._env_force = tuple(n for n in os.environ.get(f"{p}_FORCE", "").split(",") if n.strip())
+        self._env_disable = frozenset(n.strip() for n in os.environ.get(f"{p}_DISABLE", "").split(",") if n.strip())
+        self._log = os.environ.get(f"{p}_LOG", "") not in ("", "0")
+        self.clear()
+
+    def clear(self) -> None:
+        self._memo.clear()
+
+    def resolve(self, op: OpLike, kind: str) -> type[Op] | None:
+        """An ``op=`` value -> the op class of ``kind`` it names (None: let the selector choose)."""
+        if op is None:
+            return None
+        if isinstance(op, tuple):
+            if len(op) != 2:
+                raise ValueError(f"op={op!r}: a tuple must be (FwOp, BwOp)")
+            return self.resolve(op[0] if kind == "fw" else op[1], kind)
+        if isinstance(op, str):
+            op = self.registry.get(op)
+        if not (isinstance(op, type) and issubclass(op, Op)):
+            raise ValueError(f"op={op!r} is not an op class, op name or (FwOp, BwOp) tuple")
+        if op.KIND != kind:
+            raise ValueError(f"op={op.NAME!r} is a {op.KIND} op; a {kind} op is needed here")
+        return op
+
+    @contextlib.contextmanager
+    def use_ops(self, *ops: type[Op] | str, exclude: Iterable[type[Op] | str] = ()) -> Iterator[None]:
+        """Restrict selection to ``ops`` (any kind; one op per kind forces it) and/or exclude some."""
+        include = frozenset(self._name(o) for o in ops) or None
+        token = _SCOPE.set((include, frozenset(self._name(o) for o in exclude)))
+        try:
+            yield
+        finally:
+            _SCOPE.reset(token)
+
+    def _name(self, op: type[Op] | str) -> str:
+        return (self.registry.get(op) if isinstance(op, str) else op).NAME
+
+    # ---- ranking ------------------------------------------------------------------------
+    def verdict(self, op: type[Op], problem: Any) -> Verdict:
+        unavailable = op.available()
+        reasons: list[str] = []
+        if unavailable is None:
+            if not op.supports_arch(problem.arch):
+                reasons.append(f"runs on {', '.join(map(str, op.arch_specs()))}; the inputs are on {problem.arch}")
+            reasons.extend(op.not_supported_reasons(problem))
+        estimate, source = None, "priority"
+        if unavailable is None and not reasons:
+            estimate = self.tables.lookup(problem.arch.name, op.NAME, problem.bucket())
+            source = "table"
+            if estimate is None:
+                estimate, source = op.estimate(problem), "model"
+                if estimate is None or not math.isfinite(estimate):
+                    estimate, source = None, "priority"
+        return Verdict(op, unavailable, tuple(reasons), estimate, source)
+
+    @staticmethod
+    def _rank(v: Verdict) -> tuple:
+        return (not v.ok, v.estimate is None, v.estimate or 0.0, -v.op.PRIORITY, v.op.NAME)
+
+    def _candidates(self, kind: str) -> tuple[list[type[Op]], str]:
+        """Ops of ``kind`` allowed by the context and the environment, and a note on the restriction."""
+        include, exclude = _SCOPE.get()
+        ops = self.registry.ops(kind)
+        note = []
+        forced_env = [self.registry.get(n) for n in self._env_force]
+        forced_env = [o for o in forced_env if o.KIND == kind]
+        if forced_env:
+            ops = forced_env
+            note.append(f"forced by {self._env_prefix}_FORCE")
+        if include is not None:
+            ops = [o for o in ops if o.NAME in include]
+            note.append(f"restricted by use_ops to {sorted(include)}")
+        blocked = exclude | self._env_disable
+        if blocked:
+            ops = [o for o in ops if o.NAME not in blocked and not (set(o.ALIASES) & blocked)]
+            note.append(f"excluded: {sorted(blocked)}")
+        return ops, "; ".join(note)
+
+    def explain(self, problem: Any, kind: str = "fw", op: OpLike = None) -> Report:
+        forced = self.resolve(op, kind)
+        if forced is not None:
+            v = self.verdict(forced, problem)
+            return Report(problem, kind, [v], forced if v.ok else None, f"forced by op={forced.NAME!r}")
+        ops, note = self._candidates(kind)
+        verdicts = sorted((self.verdict(o, problem) for o in ops), key=self._rank)
+        selected = verdicts[0].op if verdicts and verdicts[0].ok else None
+        return Report(problem, kind, verdicts, selected, note)
+
+    # ---- the hot path ----------------------------------------------------------------------
+    def select(self, key: Hashable, make_problem: Callable[[], Any], kind: str = "fw", op: OpLike = None) -> type[Op]:
+        """The op for a call whose signature is ``key``; ``make_problem()`` runs only on a memo miss."""
+        memo_key = (kind, op, _SCOPE.get(), key)
+        try:
+            return self._memo[memo_key]
+        except KeyError:
+            pass
+        problem = make_problem()
+        report = self.explain(problem, kind, op)
+        if report.selected is None:
+            raise _no_op_error(report, op is not None)
+        if self._log:
+            sys.stderr.write(f"[fmha_ops] {kind} {problem} -> {report.selected.NAME}\n")
+        self._memo[memo_key] = report.selected
+        return report.selected
+
+
+def _no_op_error(report: Report, forced: bool) -> NoSupportedOpError:
+    if forced:
+        v = report.verdicts[0]
+        return NoSupportedOpError(f"op={v.op.NAME!r} cannot run this call: {v.why_not()}\n  problem: {report.problem}")
+    lines = [f"no {report.kind} op supports this call: {report.problem}"]
+    if report.note:
+        lines.append(f"  ({report.note})")
+    lines += [f"  {v.op.NAME}: {v.why_not()}" for v in report.verdicts]
+    return NoSupportedOpError("\n".join(lines))
+
+

@@ -1,0 +1,70 @@
+"""Measured timings per (device, op, shape bucket), read by the selector.
+
+A table is a JSON file::
+
+    {"device": "NVIDIA H200", "versions": {"torch": "...", "triton": "..."},
+     "timings": {"<op NAME>": {"<bucket>": seconds, ...}, ...}}
+
+Buckets are strings the domain package computes from a problem (``problem.bucket()``).
+The selector asks ``lookup(device_name, op_name, bucket)``; tables of other devices are ignored.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TuningTable:
+    device: str
+    versions: dict = field(default_factory=dict)
+    timings: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def lookup(self, op_name: str, bucket: str) -> float | None:
+        return self.timings.get(op_name, {}).get(bucket)
+
+    def record(self, op_name: str, bucket: str, seconds: float) -> None:
+        self.timings.setdefault(op_name, {})[bucket] = float(seconds)
+
+    def save(self, path: str) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"device": self.device, "versions": self.versions, "timings": self.timings}, f, indent=1,
+                      sort_keys=True)
+
+    @classmethod
+    def load(cls, path: str) -> "TuningTable":
+        with open(path) as f:
+            data = json.load(f)
+        return cls(device=data["device"], versions=data.get("versions", {}), timings=data.get("timings", {}))
+
+
+class TuningTables:
+    """All tables found in a list of folders (later folders override earlier ones)."""
+
+    def __init__(self, folders: list[str]) -> None:
+        self._folders = folders
+        self._by_device: dict[str, TuningTable] | None = None
+
+    def _load(self) -> dict[str, TuningTable]:
+        tables: dict[str, TuningTable] = {}
+        for folder in self._folders:
+            if not folder or not os.path.isdir(folder):
+                continue
+            for name in sorted(os.listdir(folder)):
+                if name.endswith(".json"):
+                    table = TuningTable.load(os.path.join(folder, name))
+                    merged = tables.setdefault(table.device, TuningTable(table.device, table.versions))
+                    for op_name, rows in table.timings.items():
+                        merged.timings.setdefault(op_name, {}).update(rows)
+        return tables
+
+    def lookup(self, device: str, op_name: str, bucket: str) -> float | None:
+        if self._by_device is None:
+            self._by_device = self._load()
+        table = self._by_device.get(device)
+        return table.lookup(op_name, bucket) if table else None
+
+    def reload(self) -> None:
+        self._by_device = None
