@@ -233,7 +233,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
                       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                       out_dtype=None, return_lse=False, pv_fp8: bool = True, pv_two_level: bool = False,
                       v_transposed: bool | None = None, block_m=None, block_n=None, num_warps=None, num_stages=None,
-                      warp_specialize: bool = False):
+                      warp_specialize: bool = False, out=None):
     """Attention forward, BMHK layout.
 
     q: (B, Mq, Hq, D), k: (B, Mk, Hkv, D), v: (B, Mk, Hkv, Dv); last dim contiguous, other strides free;
@@ -251,7 +251,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
     Options: pv_fp8=False runs PV in fp16 for fp8 v (more accurate, slower); pv_two_level=True adds each block's fp8 PV
     product to the fp32 accumulator outside the tensor core (the Hopper fp8 MMA accumulates imprecisely);
     v_transposed (default: True for fp8 v on CUDA) copies V to (B, Hkv, Dv, Mk) first; block sizes and
-    launch options override ``default_config``.
+    launch options override ``default_config``; ``out`` is an optional preallocated (B, Mq, Hq, Dv) output.
     """
     B, Mq, Hq, D = q.shape
     _, Mk, Hkv, Dv = v.shape
@@ -313,7 +313,10 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
     else:
         v_arg, v_strides = v, (v.stride(0), v.stride(1), v.stride(2))
 
-    out = torch.empty((B, Mq, Hq, Dv), dtype=out_dtype, device=device)
+    if out is None:
+        out = torch.empty((B, Mq, Hq, Dv), dtype=out_dtype, device=device)
+    else:
+        assert out.shape == (B, Mq, Hq, Dv) and out.stride(-1) == 1, "out must be (B, Mq, Hq, Dv), last dim contiguous"
     lse = torch.empty((B, Hq, Mq), dtype=torch.float32, device=device) if return_lse else None
     if out.numel() == 0:
         if lse is not None:
