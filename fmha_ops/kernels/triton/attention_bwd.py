@@ -1,0 +1,318 @@
+"""Triton attention backward (bf16/fp16): BMHK layout, GQA/MQA, causal (both alignments), varlen.
+
+Three launches, deterministic (no atomics):
+
+- ``_bwd_preprocess``: ``delta = rowsum(dO * O)`` in float32, laid out like ``lse``.
+- ``_bwd_dkdv``: one program per (key block, kv head, batch); loops over the q heads of the
+  kv head's group and over query blocks, accumulating dK and dV in float32 registers
+  (so GQA sums need no atomics).
+- ``_bwd_dq``: one program per (query block, q head, batch); loops over key blocks.
+
+Causal masks are applied only on the diagonal blocks (and bounds masks only on tail blocks).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Tile sizes, warps and pipeline stages of the dK/dV kernel (``*_kv``) and the dQ kernel (``*_q``)."""
+
+    block_m_kv: int
+    block_n_kv: int
+    warps_kv: int
+    stages_kv: int
+    block_m_q: int
+    block_n_q: int
+    warps_q: int
+    stages_q: int
+
+
+DEFAULT_CONFIGS = {
+    16: BwdConfig(64, 128, 8, 3, 128, 64, 8, 3),
+    32: BwdConfig(64, 128, 8, 3, 128, 64, 8, 3),
+    64: BwdConfig(64, 128, 8, 3, 128, 64, 8, 3),
+    128: BwdConfig(64, 128, 8, 2, 128, 64, 8, 2),
+    256: BwdConfig(64, 64, 8, 2, 64, 64, 8, 2),
+}
+
+
+@triton.jit
+def _bwd_preprocess(o_ptr, do_ptr, delta_ptr, M,
+                    s_ob, s_om, s_oh, s_dob, s_dom, s_doh, s_eb, s_eh,
+                    BLOCK_M: tl.constexpr, HEAD_DIM_V: tl.constexpr):
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_V)
+    ok = offs_m < M
+    o = tl.load(o_ptr + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_d[None, :], mask=ok[:, None], other=0.0)
+    do = tl.load(do_ptr + b * s_dob + h * s_doh + offs_m[:, None] * s_dom + offs_d[None, :], mask=ok[:, None],
+                 other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(delta_ptr + b * s_eb + h * s_eh + offs_m, delta, mask=ok)
+
+
+@triton.jit
+def _seq_bounds(cu_ptr, b, M, IS_VARLEN: tl.constexpr):
+    """(row offset of sequence b in the packed tensor, its length)."""
+    if IS_VARLEN:
+        start = tl.load(cu_ptr + b)
+        length = tl.load(cu_ptr + b + 1) - start
+        return start.to(tl.int64), length
+    else:
+        return 0, M
+
+
+@triton.jit
+def _load_lse2(lse_row_ptr, ok):
+    """log2-domain LSE; out-of-range rows and rows that see no key (lse = -inf) become +inf, so p = 0."""
+    lse = tl.load(lse_row_ptr, mask=ok, other=float("inf"))
+    return tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, s_qm, s_dom, s_lm,
+                start_n, lo, hi, q_len, qk_scale, offset,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                NUM_STAGES: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    """Accumulate dK, dV of one key block over query blocks [lo, hi). MASKED: causal and bounds masks."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_dv = tl.arange(0, HEAD_DIM_V)
+    for start_m in tl.range(lo, hi, BLOCK_M, num_stages=NUM_STAGES):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        if MASKED:
+            ok = offs_m < q_len
+            q = tl.load(q_base + offs_m[:, None] * s_qm + offs_d[None, :], mask=ok[:, None], other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * s_dom + offs_dv[None, :], mask=ok[:, None], other=0.0)
+            delta = tl.load(delta_base + offs_m, mask=ok, other=0.0)
+        else:
+            ok = offs_m >= 0
+            q = tl.load(q_base + offs_m[:, None] * s_qm + offs_d[None, :])
+            do = tl.load(do_base + offs_m[:, None] * s_dom + offs_dv[None, :])
+            delta = tl.load(delta_base + offs_m)
+        lse2 = _load_lse2(lse_base + offs_m * s_lm, ok)
+        p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])
+        if MASKED and CAUSAL:
+            p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + offset, p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv)
+        dp_t = tl.dot(v, tl.trans(do))
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr,
+              s_qb, s_qm, s_qh, s_kb, s_km, s_kh, s_vb, s_vm, s_vh, s_dob, s_dom, s_doh,
+              s_lb, s_lh, s_lm, s_eb, s_eh,
+              s_dkb, s_dkm, s_dkh, s_dvb, s_dvm, s_dvh,
+              Mq, Mk, qk_scale, sm_scale,
+              GROUP: tl.constexpr, CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, IS_VARLEN: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+              NUM_STAGES: tl.constexpr):
+    start_n = tl.program_id(0) * BLOCK_N
+    hk = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, q_len = _seq_bounds(cu_q_ptr, b, Mq, IS_VARLEN)
+    k_start, k_len = _seq_bounds(cu_k_ptr, b, Mk, IS_VARLEN)
+    if start_n >= k_len:
+        return
+    b = b.to(tl.int64)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_dv = tl.arange(0, HEAD_DIM_V)
+    n_ok = offs_n < k_len
+    k = tl.load(k_ptr + b * s_kb + hk * s_kh + (k_start + offs_n[:, None]) * s_km + offs_d[None, :],
+                mask=n_ok[:, None], other=0.0)
+    v = tl.load(v_ptr + b * s_vb + hk * s_vh + (k_start + offs_n[:, None]) * s_vm + offs_dv[None, :],
+                mask=n_ok[:, None], other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_V], dtype=tl.float32)
+    # Query blocks: [lo, mid) diagonal (masked), [mid, q_full) interior, [max(mid, q_full), q_len) tail (masked).
+    q_full = q_len // BLOCK_M * BLOCK_M
+    if CAUSAL:
+        offset = k_len - q_len if BOTTOM_RIGHT else 0
+        lo = tl.maximum(start_n - offset, 0) // BLOCK_M * BLOCK_M
+        mid = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - offset, 0), BLOCK_M) * BLOCK_M
+        mid = tl.minimum(mid, q_len)
+    else:
+        offset = 0
+        lo = 0
+        mid = 0
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        q_base = q_ptr + b * s_qb + h * s_qh + q_start * s_qm
+        do_base = do_ptr + b * s_dob + h * s_doh + q_start * s_dom
+        lse_base = lse_ptr + b * s_lb + h * s_lh + q_start * s_lm
+        delta_base = delta_ptr + b * s_eb + h * s_eh + q_start
+        if CAUSAL:
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, s_qm, s_dom, s_lm,
+                                 start_n, lo, mid, q_len, qk_scale, offset,
+                                 BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_STAGES, True, CAUSAL)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, s_qm, s_dom, s_lm,
+                             start_n, mid, q_full, q_len, qk_scale, offset,
+                             BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_STAGES, False, CAUSAL)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, s_qm, s_dom, s_lm,
+                             start_n, tl.maximum(mid, q_full), q_len, q_len, qk_scale, offset,
+                             BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_STAGES, True, CAUSAL)
+    dk = dk * sm_scale
+    tl.store(dk_ptr + b * s_dkb + hk * s_dkh + (k_start + offs_n[:, None]) * s_dkm + offs_d[None, :],
+             dk.to(dk_ptr.dtype.element_ty), mask=n_ok[:, None])
+    tl.store(dv_ptr + b * s_dvb + hk * s_dvh + (k_start + offs_n[:, None]) * s_dvm + offs_dv[None, :],
+             dv.to(dv_ptr.dtype.element_ty), mask=n_ok[:, None])
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, s_km, s_vm,
+              start_m, lo, hi, k_len, qk_scale, offset,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+              NUM_STAGES: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    """Accumulate dQ of one query block over key blocks [lo, hi). MASKED: causal and bounds masks."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_dv = tl.arange(0, HEAD_DIM_V)
+    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        if MASKED:
+            n_ok = offs_n < k_len
+            k = tl.load(k_base + offs_n[:, None] * s_km + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+            v = tl.load(v_base + offs_n[:, None] * s_vm + offs_dv[None, :], mask=n_ok[:, None], other=0.0)
+        else:
+            k = tl.load(k_base + offs_n[:, None] * s_km + offs_d[None, :])
+            v = tl.load(v_base + offs_n[:, None] * s_vm + offs_dv[None, :])
+        p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None])
+        if MASKED:
+            vis = n_ok[None, :]
+            if CAUSAL:
+                vis = vis & (offs_n[None, :] <= offs_m[:, None] + offset)
+            p = tl.where(vis, p, 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+    return dq
+
+
+@triton.jit
+def _bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_q_ptr, cu_k_ptr,
+            s_qb, s_qm, s_qh, s_kb, s_km, s_kh, s_vb, s_vm, s_vh, s_dob, s_dom, s_doh,
+            s_lb, s_lh, s_lm, s_eb, s_eh, s_dqb, s_dqm, s_dqh,
+            Mq, Mk, qk_scale, sm_scale,
+            GROUP: tl.constexpr, CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, IS_VARLEN: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+            NUM_STAGES: tl.constexpr):
+    pid_m = tl.program_id(0)
+    if CAUSAL:  # the last query blocks see the most keys: start them first
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    start_m = pid_m * BLOCK_M
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, q_len = _seq_bounds(cu_q_ptr, b, Mq, IS_VARLEN)
+    k_start, k_len = _seq_bounds(cu_k_ptr, b, Mk, IS_VARLEN)
+    if start_m >= q_len:
+        return
+    b = b.to(tl.int64)
+    hk = h // GROUP
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_dv = tl.arange(0, HEAD_DIM_V)
+    ok = offs_m < q_len
+    q = tl.load(q_ptr + b * s_qb + h * s_qh + (q_start + offs_m[:, None]) * s_qm + offs_d[None, :],
+                mask=ok[:, None], other=0.0)
+    do = tl.load(do_ptr + b * s_dob + h * s_doh + (q_start + offs_m[:, None]) * s_dom + offs_dv[None, :],
+                 mask=ok[:, None], other=0.0)
+    lse2 = _load_lse2(lse_ptr + b * s_lb + h * s_lh + (q_start + offs_m) * s_lm, ok)
+    delta = tl.load(delta_ptr + b * s_eb + h * s_eh + q_start + offs_m, mask=ok, other=0.0)
+    k_base = k_ptr + b * s_kb + hk * s_kh + k_start * s_km
+    v_base = v_ptr + b * s_vb + hk * s_vh + k_start * s_vm
+    # Key blocks: [0, mid) interior (every key visible to every row), [mid, hi) diagonal / tail (masked).
+    if CAUSAL:
+        offset = k_len - q_len if BOTTOM_RIGHT else 0
+        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + offset, 0), k_len)
+        mid = tl.minimum(tl.maximum(start_m + 1 + offset, 0), k_len) // BLOCK_N * BLOCK_N
+    else:
+        offset = 0
+        hi = k_len
+        mid = k_len // BLOCK_N * BLOCK_N
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, s_km, s_vm, start_m, 0, mid, k_len, qk_scale, offset,
+                   BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_STAGES, False, CAUSAL)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, s_km, s_vm, start_m, mid, hi, k_len, qk_scale, offset,
+                   BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_STAGES, True, CAUSAL)
+    dq = dq * sm_scale
+    tl.store(dq_ptr + b * s_dqb + h * s_dqh + (q_start + offs_m[:, None]) * s_dqm + offs_d[None, :],
+             dq.to(dq_ptr.dtype.element_ty), mask=ok[:, None])
+
+
+def attention_backward(do, q, k, v, out, lse, *, scale: float, causal: bool = False, causal_bottom_right: bool = True,
+                       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                       dq=None, dk=None, dv=None, config: BwdConfig | None = None):
+    """Gradients (dq, dk, dv) of ``out = softmax(scale * q @ k^T [+ causal mask]) @ v``.
+
+    Layout BMHK: ``q``, ``do``, ``out`` (B, Mq, Hq, D) / (B, Mq, Hq, Dv); ``k`` (B, Mk, Hkv, D);
+    ``v`` (B, Mk, Hkv, Dv); bf16 or fp16, last dim contiguous, other strides arbitrary.
+    D, Dv in {16, 32, 64, 128, 256}; Hq a multiple of Hkv (GQA/MQA: dk/dv summed over each group).
+    ``lse``: float32 natural-log row logsumexp of the scaled scores, (B, Hq, Mq); rows with
+    ``lse = -inf`` (no visible key) get zero gradient.
+    Varlen: B == 1, int32 ``cu_seqlens_q``/``cu_seqlens_k`` of length nseq + 1, lse (1, Hq, total_q).
+    Causal: query i sees key j iff ``j <= i + Mk - Mq`` (bottom-right, FlashAttention) or ``j <= i``
+    (top-left, xformers), per sequence.
+    ``dq``/``dk``/``dv``: optional outputs (shapes of q/k/v, last dim contiguous), else allocated
+    like q/k/v. Deterministic: no atomics. Returns (dq, dk, dv).
+    """
+    B, Mq, Hq, D = q.shape
+    _, Mk, Hkv, Dv = v.shape
+    assert Hq % Hkv == 0 and D in DEFAULT_CONFIGS and Dv in DEFAULT_CONFIGS
+    cfg = config or DEFAULT_CONFIGS[max(D, Dv)]
+    dq = torch.empty_like(q) if dq is None else dq
+    dk = torch.empty_like(k) if dk is None else dk
+    dv = torch.empty_like(v) if dv is None else dv
+    for t in (do, q, k, v, out, dq, dk, dv):
+        assert t.stride(-1) == 1
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        assert B == 1 and cu_seqlens_k is not None
+        nseq = cu_seqlens_q.numel() - 1
+        max_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if max_seqlen_q is None else max_seqlen_q
+        max_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()) if max_seqlen_k is None else max_seqlen_k
+    else:
+        nseq, max_q, max_k = B, Mq, Mk
+        cu_seqlens_q = cu_seqlens_k = q  # unused placeholder pointer
+    delta = torch.empty(lse.shape, device=q.device, dtype=torch.float32)
+    if q.numel() == 0 or k.numel() == 0 or nseq == 0:
+        dq.zero_(), dk.zero_(), dv.zero_()
+        return dq, dk, dv
+    pre_block = 64
+    _bwd_preprocess[(triton.cdiv(Mq, pre_block), Hq, B)](
+        out, do, delta, Mq, out.stride(0), out.stride(1), out.stride(2), do.stride(0), do.stride(1), do.stride(2),
+        delta.stride(0), delta.stride(1), BLOCK_M=pre_block, HEAD_DIM_V=Dv, num_warps=4)
+
+    def bstride(t):  # varlen sequences all live in batch 0
+        return 0 if varlen else t.stride(0)
+
+    common = (bstride(q), q.stride(1), q.stride(2), bstride(k), k.stride(1), k.stride(2),
+              bstride(v), v.stride(1), v.stride(2), bstride(do), do.stride(1), do.stride(2),
+              bstride(lse), lse.stride(1), lse.stride(2), bstride(delta), delta.stride(1))
+    meta = dict(GROUP=Hq // Hkv, CAUSAL=causal, BOTTOM_RIGHT=causal_bottom_right, IS_VARLEN=varlen,
+                HEAD_DIM=D, HEAD_DIM_V=Dv)
+    qk_scale = scale * LOG2E
+    _bwd_dkdv[(triton.cdiv(max_k, cfg.block_n_kv), Hkv, nseq)](
+        q, k, v, do, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *common,
+        bstride(dk), dk.stride(1), dk.stride(2), bstride(dv), dv.stride(1), dv.stride(2),
+        Mq, Mk, qk_scale, scale, BLOCK_M=cfg.block_m_kv, BLOCK_N=cfg.block_n_kv, NUM_STAGES=cfg.stages_kv,
+        num_warps=cfg.warps_kv, **meta)
+    _bwd_dq[(triton.cdiv(max_q, cfg.block_m_q), Hq, nseq)](
+        q, k, v, do, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *common,
+        bstride(dq), dq.stride(1), dq.stride(2),
+        Mq, Mk, qk_scale, scale, BLOCK_M=cfg.block_m_q, BLOCK_N=cfg.block_n_q, NUM_STAGES=cfg.stages_q,
+        num_warps=cfg.warps_q, **meta)
+    return dq, dk, dv
