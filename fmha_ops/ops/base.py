@@ -73,7 +73,7 @@ class AttentionOp(Op):
             r.append(f"GQA/MQA (Hq={p.heads_q}, Hkv={p.heads_kv}) not supported")
         if p.page_size and p.page_size not in cls.PAGE_SIZES:
             r.append(f"page_size={p.page_size} not supported; supported: {_fmt(cls.PAGE_SIZES)}")
-        for role, kind in zip("qkv", p.descales):
+        for role, kind in zip("qkv", p.descales if dts in cls.DTYPES else ()):
             if kind not in cls.DESCALES[role]:
                 r.append(f"{role}_descale kind {kind!r} not supported; supported: {', '.join(sorted(cls.DESCALES[role]))}")
         if p.quantize_kv and not cls.QUANTIZE_KV:

@@ -29,7 +29,7 @@ class _SdpaOp(AttentionFwOp):
     DROPOUT = True
     #: achieved (TFLOP/s, TB/s, overhead us) on the H200 for the cost model; CPU rates below
     RATES: ClassVar[tuple[float, float, float]]
-    CPU_RATES: ClassVar[tuple[float, float, float]] = (0.05, 0.02, 20.0)
+    CPU_RATES: ClassVar[tuple[float, float, float]] = (0.001, 0.005, 100.0)
 
     @classmethod
     def extra_reasons(cls, p: Problem) -> list[str]:
@@ -78,7 +78,7 @@ class SdpaFlashFwOp(_SdpaOp):
     OUT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
     HEAD_DIMS = range(8, 257, 8)
     RATES = (340.0, 2.5, 8.0)
-    CPU_RATES = (0.1, 0.02, 20.0)
+    CPU_RATES = (0.01, 0.01, 50.0)
 
     @classmethod
     def extra_reasons(cls, p: Problem) -> list[str]:

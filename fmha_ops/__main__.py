@@ -1,0 +1,106 @@
+"""``python -m fmha_ops [info|explain]``.
+
+info (default): the arch, every registered op with whether it is available here (and why not),
+and one sample call routed through the selector with the op chosen and its time.
+explain: the selector's verdict for one shape, e.g.
+``python -m fmha_ops explain --shape 4,4096,32,4096,8,128 --dtype bfloat16 --causal``.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+import fmha_ops
+from fmha_ops.dispatch import REGISTRY, SELECTOR
+from registry import current_arch
+
+
+def _sample(device: str, dtype: torch.dtype, b: int, mq: int, hq: int, mk: int, hkv: int, d: int, seed: int = 0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(b, mq, hq, d, generator=g).to(device, dtype)
+    k = torch.randn(b, mk, hkv, d, generator=g).to(device, dtype)
+    v = torch.randn(b, mk, hkv, d, generator=g).to(device, dtype)
+    return q, k, v
+
+
+def info() -> int:
+    arch = current_arch()
+    print(f"fmha_ops on {arch}; torch {torch.__version__}")
+    rows = []
+    for op in REGISTRY.ops():
+        why = op.available()
+        archs = ",".join(op.ARCHS)
+        aliases = ",".join(op.ALIASES + op.LEGACY_ALIASES)
+        rows.append((op.NAME, op.KIND, archs, "yes" if why is None else f"no: {why}", aliases))
+    widths = [max(len(r[i]) for r in rows + [("op", "kind", "archs", "available", "aliases")]) for i in range(5)]
+    for r in [("op", "kind", "archs", "available", "aliases")] + rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    if arch.kind == "cpu":
+        device, dtype, shape = "cpu", torch.float32, (1, 256, 8, 256, 2, 64)
+    else:
+        device, dtype, shape = "cuda", torch.bfloat16, (4, 4096, 32, 4096, 8, 128)
+    q, k, v = _sample(device, dtype, *shape)
+    bias = fmha_ops.LowerTriangularMask()
+    report = fmha_ops.explain(q, k, v, bias)
+    print(f"\nsample call: q {tuple(q.shape)} k/v {tuple(k.shape)} {dtype} causal on {device}")
+    print(report)
+    fmha_ops.memory_efficient_attention(q, k, v, bias)
+    t_ms = _time_ms(lambda: fmha_ops.memory_efficient_attention(q, k, v, bias), device)
+    print(f"ran {report.selected.NAME}: {t_ms:.3f} ms")
+    return 0
+
+
+def _time_ms(fn, device: str) -> float:
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, return_mode="median"))
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[2] * 1e3
+
+
+def explain(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m fmha_ops explain")
+    p.add_argument("--shape", default="1,128,8,128,8,64", help="B,Mq,Hq,Mk,Hkv,K")
+    p.add_argument("--dtype", default="bfloat16", help="float16|bfloat16|float32|float8_e4m3fn|i8fp8")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--partial", action="store_true", help="the call needs the LSE")
+    p.add_argument("--kind", default="fw", choices=("fw", "bw"))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a = p.parse_args(argv)
+    b, mq, hq, mk, hkv, d = (int(x) for x in a.shape.split(","))
+    extra = {}
+    if a.dtype in ("float16", "bfloat16", "float32"):
+        q, k, v = _sample(a.device, getattr(torch, a.dtype), b, mq, hq, mk, hkv, d)
+    else:
+        q, k, v = _sample(a.device, torch.float32, b, mq, hq, mk, hkv, d)
+        f8 = torch.float8_e4m3fn
+        qk_dtype = torch.int8 if a.dtype == "i8fp8" else f8
+        q, k, v = q.to(qk_dtype), k.to(qk_dtype), v.to(f8)
+        one = torch.ones(1, device=a.device)
+        extra = {"q_descale": one, "k_descale": one, "v_descale": one}
+    bias = fmha_ops.LowerTriangularFromBottomRightMask() if a.causal else None
+    print(fmha_ops.explain(q, k, v, bias, partial=a.partial, kind=a.kind, **extra))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    cmd, rest = (argv[0], argv[1:]) if argv else ("info", [])
+    if cmd == "info":
+        return info()
+    if cmd == "explain":
+        return explain(rest)
+    print(f"unknown command {cmd!r}; use: info | explain", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
