@@ -139,6 +139,16 @@ def paged_to_dense(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
     return cache[pages, (pos % page_size)[None, :]]
 
 
+def flat(t: torch.Tensor) -> torch.Tensor:
+    """1-D view from ``t``'s first element over every element it addresses.
+
+    The kernels index with explicit strides, so passing 1-D views makes each compiled
+    specialization depend on dtypes only (not on ranks or which dims have stride 1).
+    """
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 1
+    return t.as_strided((span,), (1,))
+
+
 def _check(q, k_cache, v_cache, block_table, seqlens, k_scale, v_scale):
     assert q.dim() == 4 and k_cache.dim() == 4 and q.stride(-1) == 1 and k_cache.stride(-1) == 1
     assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
@@ -176,7 +186,8 @@ def decode_args(q, k_cache, v_cache, block_table, seqlens, out, lse, *, k_scale=
     vs = v_scale if fp8 else lse
     sc_st = k_scale.stride() if fp8 else (0, 0, 0)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    args = (q, k_cache, v_cache, ks, vs, block_table, seqlens, out, lse,
+    tensors = tuple(flat(t) for t in (q, k_cache, v_cache, ks, vs, block_table, seqlens, out, lse))
+    args = (*tensors,
             q.stride(0), q.stride(1), q.stride(2), *k_cache.stride()[:3], *sc_st, block_table.stride(0),
             *o_st, *l_st, B, Mq, Hq // Hkv, Hkv, k_cache.shape[1], num_splits, scale)
     consts = (D, q.dtype == torch.bfloat16, fp8, split)
@@ -188,7 +199,7 @@ def reduce_args(part_out, part_lse, out, lse):
     B, S, Mq, Hq, D = part_out.shape
     assert part_out.stride(-1) == 1 and out.stride(-1) == 1 and out.shape == (B, Mq, Hq, D)
     assert part_lse.shape == (B, S, Hq, Mq) and lse.shape == (B, Hq, Mq)
-    args = (part_out, part_lse, out, lse, *part_out.stride()[:4], *part_lse.stride(),
+    args = (*(flat(t) for t in (part_out, part_lse, out, lse)), *part_out.stride()[:4], *part_lse.stride(),
             out.stride(0), out.stride(1), out.stride(2), *lse.stride(), B, Mq, Hq, S)
     return args, (D, out.dtype == torch.bfloat16)
 
