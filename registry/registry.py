@@ -38,7 +38,9 @@ class Registry:
             ) from None
         if name in self._legacy and name not in self._warned:
             self._warned.add(name)
-            warnings.warn(f"op name {name!r} is a legacy alias; use {op.NAME!r}", DeprecationWarning, stacklevel=3)
+            # FutureWarning, not DeprecationWarning: the default filters hide DeprecationWarnings attributed
+            # to library frames (op= reaches here through the selector), and this one is shown only once.
+            warnings.warn(f"op name {name!r} is a legacy alias; use {op.NAME!r}", FutureWarning, stacklevel=3)
         return op
 
     def ops(self, kind: str | None = None) -> list[type[Op]]:
