@@ -17,22 +17,23 @@ CPU_DTYPE = torch.float16
 
 
 def reference(q, k, v, seqlens, scale):
-    """float64 decode attention; k, v dense (B, L, Hkv, D); returns (out, lse (B, Hq, Mq))."""
+    """float64 decode attention on q's device; k, v dense (B, L, Hkv, D); returns CPU (out, lse (B, Hq, Mq))."""
     B, MQ, HQ, D = q.shape
-    G = HQ // k.shape[2]
+    HKV = k.shape[2]
+    G = HQ // HKV
     out = torch.zeros(B, MQ, HQ, D, dtype=torch.float64)
     lse = torch.full((B, HQ, MQ), float("-inf"), dtype=torch.float64)
     for b in range(B):
         n = int(seqlens[b])
-        kk = k[b, :n].double().cpu().repeat_interleave(G, 1)
-        vv = v[b, :n].double().cpu().repeat_interleave(G, 1)
-        s = torch.einsum("mhd,nhd->hmn", q[b].double().cpu(), kk) * scale
-        pos = n - MQ + torch.arange(MQ)
-        s = s.masked_fill(~(torch.arange(n)[None, :] <= pos[:, None]), float("-inf"))
+        kk = k[b, :n].to(q.device).double()
+        vv = v[b, :n].to(q.device).double()
+        s = torch.einsum("mkgd,nkd->kgmn", q[b].double().view(MQ, HKV, G, D), kk) * scale
+        pos = n - MQ + torch.arange(MQ, device=q.device)
+        s = s.masked_fill(~(torch.arange(n, device=q.device)[None, :] <= pos[:, None]), float("-inf"))
         lb = torch.logsumexp(s, -1)
         p = torch.exp(s - lb[..., None]).nan_to_num(0.0)
-        out[b] = torch.einsum("hmn,nhd->mhd", p, vv)
-        lse[b] = lb
+        out[b] = torch.einsum("kgmn,nkd->mkgd", p, vv).reshape(MQ, HQ, D).cpu()
+        lse[b] = lb.reshape(HQ, MQ).cpu()
     return out, lse
 
 
@@ -158,10 +159,12 @@ def test_choose_num_splits():
 GPU_REL = {torch.bfloat16: 8e-3, torch.float16: FP16_REL}
 
 
+GPU_CASES = [(torch.bfloat16, p, f) for p in (None, 1, 16, 64, 256) for f in (None, torch.float8_e4m3fn)]
+GPU_CASES += [(torch.float16, 64, None), (torch.float16, 16, torch.float8_e4m3fn)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("page_size", [None, 1, 16, 64, 256])
-@pytest.mark.parametrize("fp8", [None, torch.float8_e4m3fn])
+@pytest.mark.parametrize("dtype,page_size,fp8", GPU_CASES)
 def test_gpu_real_sizes(dtype, page_size, fp8):
     from fmha_ops.kernels.triton.decode import choose_num_splits
 

@@ -1,0 +1,224 @@
+"""Paged decode benchmark: Triton split-K decoder (bf16 and fp8 KV) vs SDPA on contiguous KV.
+
+Effective bandwidth = bytes of K and V (and fp8 scales) read / time. Each shape runs in its own
+subprocess. Modes: ``graph`` = CUDA-graph replay timed by do_bench (the captured graph is checked
+to write a poisoned output); ``eager`` = back-to-back launcher calls between two CUDA events,
+so host overhead that outruns the GPU shows. Baselines on contiguous (B, Hkv, L, D) KV in the
+same process: SDPA cuDNN and FLASH backends, each with ``enable_gqa=True`` and with the query
+heads of a KV head packed as query rows (``q (B, Hkv, Hq/Hkv, D)``, equivalent for Mq=1), best
+of the two reported.
+
+    python bench/decoder_bench.py [--quick] [--sweep] [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from bench import common  # noqa: E402
+
+SHAPES = [  # name, B, Hq, Hkv, L, D, page_size
+    ("B64_L4096_p64", 64, 32, 8, 4096, 128, 64),
+    ("B64_L4096_p16", 64, 32, 8, 4096, 128, 16),
+    ("B64_L4096_p256", 64, 32, 8, 4096, 128, 256),
+    ("B8_L32768_p64", 8, 32, 8, 32768, 128, 64),
+    ("B1_Hq64_L131072_p64", 1, 64, 8, 131072, 128, 64),
+    ("B128_L1024_p64", 128, 32, 8, 1024, 128, 64),
+]
+TARGETS = {"B64_L4096_p64": 3.9, "B1_Hq64_L131072_p64": 3.8, "B128_L1024_p64": 3.5}
+
+
+def eager_loop_ms(fn, iters: int = 40, reps: int = 7) -> float:
+    """Median over ``reps`` of the mean time of ``iters`` back-to-back calls (host overhead included)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(iters):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / iters)
+    return sorted(times)[len(times) // 2]
+
+
+def graph_ms_checked(fn, out: torch.Tensor) -> tuple[float, bool]:
+    """do_bench time of ``fn`` replayed from a CUDA graph, and whether a replay rewrote a poisoned ``out``."""
+    ms, g = common.time_graph_ms(fn, warmup=10, rep=60)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    return ms, bool(not out.isnan().any())
+
+
+def sdpa_ms(q, k, v, backend, pack: bool):
+    from torch.nn.attention import sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    B, Hq, _, D = q.shape
+    Hkv = k.shape[1]
+    qq = q.view(B, Hkv, Hq // Hkv, D) if pack else q
+    kwargs = {} if pack else {"enable_gqa": True}
+
+    def fn():
+        with sdpa_kernel(backend):
+            return sdpa(qq, k, v, **kwargs)
+
+    try:
+        fn()
+        return common.time_graph_ms(fn, warmup=10, rep=60)[0], fn().reshape(B, Hq, D)
+    except Exception as e:  # backend refuses the shape
+        return None, repr(e)[:120]
+
+
+def run_shape(spec: dict) -> dict:
+    from fmha_ops.kernels.triton.decode import choose_num_splits, paged_decode
+    from fmha_ops.kv_cache import quantize_fp8
+    from torch.nn.attention import SDPBackend
+
+    name, B, Hq, Hkv, L, D, ps = (spec[k] for k in ("name", "B", "Hq", "Hkv", "L", "D", "page"))
+    dev = "cuda"
+    torch.manual_seed(0)
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    per_seq = L // ps
+    perm = torch.randperm(B * per_seq, device=dev)
+    bt = perm.view(B, per_seq).to(torch.int32)
+    k_pages = torch.randn(B * per_seq, ps, Hkv, D, device=dev, dtype=torch.bfloat16)
+    v_pages = torch.randn_like(k_pages)
+    q = torch.randn(B, 1, Hq, D, device=dev, dtype=torch.bfloat16)
+    seq = torch.full((B,), L, device=dev, dtype=torch.int32)
+    splits = spec.get("splits") or choose_num_splits(B, Hkv, per_seq * ps, Hq // Hkv, sm)
+    out = torch.empty_like(q)
+    lse = torch.empty(B, Hq, 1, device=dev)
+    row = {"shape": name, "splits": splits}
+    nbytes_bf16 = 2 * B * Hkv * L * D * 2
+
+    # contiguous KV for the baselines, gathered through the page table
+    kd = k_pages[bt.long()].reshape(B, L, Hkv, D).transpose(1, 2).contiguous()
+    vd = v_pages[bt.long()].reshape(B, L, Hkv, D).transpose(1, 2).contiguous()
+    qd = q.transpose(1, 2).contiguous()
+    ref = None
+    for label, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+        best, note = None, []
+        for pack in (False, True):
+            ms, res = sdpa_ms(qd, kd, vd, backend, pack)
+            if ms is None:
+                note.append(res)
+                continue
+            if best is None or ms < best[0]:
+                best = (ms, res)
+        row[f"{label}_TBps"] = nbytes_bf16 / best[0] / 1e9 if best else None
+        if best is None:
+            row[f"{label}_error"] = note
+        elif label == "cudnn" or ref is None:
+            ref = best[1]
+    del kd, vd
+
+    variants = [("bf16", k_pages, v_pages, None, None, nbytes_bf16)]
+    k8, ks = quantize_fp8(k_pages)
+    v8, vs = quantize_fp8(v_pages)
+    variants.append(("fp8", k8, v8, ks, vs, nbytes_bf16 // 2 + 2 * B * Hkv * L * 4))
+    for kv, kc, vc, ksc, vsc, nbytes in variants:
+        def call(**cfg):
+            return paged_decode(q, kc, vc, seq, block_table=bt, scale=D ** -0.5, k_scale=ksc, v_scale=vsc,
+                                out=out, lse=lse, **{"num_splits": splits, **cfg})
+
+        ms_g, graph_ok = graph_ms_checked(call, out)
+        ms_e = eager_loop_ms(call)
+        row[f"{kv}_graph_TBps"] = nbytes / ms_g / 1e9
+        row[f"{kv}_eager_TBps"] = nbytes / ms_e / 1e9
+        row[f"{kv}_graph_us"] = ms_g * 1e3
+        row[f"{kv}_graph_ok"] = graph_ok
+        call()
+        if ref is not None:
+            from tests.numerics import error_report
+
+            row[f"{kv}_rel_vs_cudnn"] = error_report(out.reshape(B, Hq, D).float(), ref.float())["rel"]
+        if spec.get("sweep"):
+            row[f"{kv}_sweep"] = sweep(call, nbytes, kv, name, B, Hkv, splits)
+    row["fp8_speedup"] = row["bf16_graph_us"] / row["fp8_graph_us"]
+    return row
+
+
+def sweep(call, nbytes, kv, name, B, Hkv, splits):
+    res = []
+    cfgs = [dict(block_n=bn, num_warps=nw, num_stages=ns)
+            for bn in ((32, 64, 128) if kv == "bf16" else (64, 128)) for nw in (4, 8)
+            for ns in ((2, 3, 4) if kv == "bf16" else (2, 3))]
+    if B * Hkv < 132:
+        cfgs += [dict(num_splits=s) for s in (8, 16, 32, 64) if s != splits]
+    for cfg in cfgs:
+        try:
+            ms = common.time_graph_ms(lambda: call(**cfg), warmup=5, rep=30)[0]
+            res.append({**cfg, "TBps": round(nbytes / ms / 1e9, 3)})
+        except Exception as e:
+            res.append({**cfg, "error": repr(e)[:100]})
+    print(name, kv, "sweep", json.dumps(sorted([r for r in res if "TBps" in r], key=lambda r: -r["TBps"])[:5]),
+          flush=True)
+    return res
+
+
+COLUMNS = ["shape", "splits", "bf16_graph_TBps", "bf16_eager_TBps", "fp8_graph_TBps", "fp8_eager_TBps",
+           "fp8_speedup", "cudnn_TBps", "flash_TBps", "target_TBps", "bf16_graph_ok", "fp8_graph_ok",
+           "bf16_rel_vs_cudnn", "fp8_rel_vs_cudnn"]
+
+
+def markdown(rows, env) -> str:
+    lines = [f"## Decode (paged, Mq=1, D=128) - {env.get('date')}, {env.get('gpu')}, torch {env.get('torch')}, "
+             f"triton {env.get('triton')}", "",
+             "Effective TB/s = K+V (+fp8 scales) bytes / time; graph = CUDA-graph replay (do_bench median), "
+             "eager = back-to-back calls; SDPA on contiguous KV (graph).", "",
+             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in rows:
+        lines.append("| " + " | ".join(common._fmt(r.get(c)) for c in COLUMNS) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    p = common.base_parser(__doc__)
+    p.add_argument("--one", help=argparse.SUPPRESS)
+    p.add_argument("--sweep", action="store_true", help="time tuning variants on the first shapes too")
+    args = p.parse_args()
+    if args.one:
+        print("RESULT " + json.dumps(run_shape(json.loads(args.one))), flush=True)
+        return
+    out = common.out_dir(args.out)
+    shapes = SHAPES[:1] + SHAPES[4:5] if args.quick else SHAPES
+    rows = []
+    for name, B, Hq, Hkv, L, D, ps in shapes:
+        spec = dict(name=name, B=B, Hq=Hq, Hkv=Hkv, L=L, D=D, page=ps,
+                    sweep=args.sweep and name in ("B64_L4096_p64", "B1_Hq64_L131072_p64"))
+        proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True,
+                              text=True, timeout=300)
+        res = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        print("\n".join(ln for ln in proc.stdout.splitlines() if not ln.startswith("RESULT ")), flush=True)
+        if not res:
+            print(f"{name} failed:\n{proc.stderr[-3000:]}", flush=True)
+            rows.append({"shape": name, "error": proc.stderr[-500:]})
+            continue
+        row = json.loads(res[0][7:])
+        row["target_TBps"] = TARGETS.get(name)
+        rows.append(row)
+    env = common.environment()
+    common.print_table(rows, COLUMNS)
+    common.write_json(out, "decode", rows)
+    common.bar_plot(out, "decode", rows, "shape", ["bf16_graph_TBps", "bf16_eager_TBps", "fp8_graph_TBps",
+                                                   "cudnn_TBps", "flash_TBps"], "TB/s (effective)",
+                    "Paged decode, H200")
+    md = markdown(rows, env)
+    with open(os.path.join(out, "decode.md"), "w") as f:
+        f.write(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
