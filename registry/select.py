@@ -100,7 +100,7 @@ class Selector:
     def refresh_env(self) -> None:
         """Re-read FORCE / DISABLE / LOG from the environment and drop the memo."""
         p = self._env_prefix
-        self._env_force = tuple(n for n in os.environ.get(f"{p}_FORCE", "").split(",") if n.strip())
+        self._env_force = tuple(n.strip() for n in os.environ.get(f"{p}_FORCE", "").split(",") if n.strip())
         self._env_disable = frozenset(n.strip() for n in os.environ.get(f"{p}_DISABLE", "").split(",") if n.strip())
         self._log = os.environ.get(f"{p}_LOG", "") not in ("", "0")
         self.clear()
