@@ -8,7 +8,8 @@ Quantized inputs carry float32 descales; out = attention(q * q_descale, k * k_de
 Descale kinds (``Problem.descales`` holds one per role):
   "none"    no descale (float inputs only)
   "tensor"  one value (numel 1)
-  "head"    (B, Hkv): per batch and kv head (FA3 convention; q's descale is indexed by its kv head)
+  "head"    (B, Hkv): per batch and kv head (FA3 convention; q's descale is indexed by its kv head);
+            with a varlen (BlockDiagonal) mask (num_sequences, Hkv)
   "block"   q: (B, Hq, cdiv(Mq, 128)), k: (B, Hkv, cdiv(Mk, 64)) (i8fp8 per-block grids)
   "channel" v only: (B, Hkv, Kv)
   "token"   k/v only: key.shape[:-1], one per cached token and kv head (fp8 KV cache)
@@ -29,6 +30,29 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 Q_SCALE_BLOCK = 128
 K_SCALE_BLOCK = 64
+
+
+_FP8_BACKWARD = [False]
+
+
+class set_fp8_dequantized_backward:
+    """Let fp8 / i8fp8 forward calls be differentiated: the backward runs on the dequantized values
+    (q * q_descale, ...) with a bf16 backward kernel. A switch (``set_fp8_dequantized_backward(True)``)
+    and a context manager (``with set_fp8_dequantized_backward(True): ...`` restores the old value)."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self._previous = _FP8_BACKWARD[0]
+        _FP8_BACKWARD[0] = bool(enabled)
+
+    def __enter__(self) -> "set_fp8_dequantized_backward":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _FP8_BACKWARD[0] = self._previous
+
+
+def fp8_dequantized_backward_enabled() -> bool:
+    return _FP8_BACKWARD[0]
 
 
 def dtype_name(dt: torch.dtype) -> str:
@@ -62,6 +86,7 @@ class Problem:
     needs_grad: bool
     deterministic: bool
     graph_capture: bool
+    fp8_backward: bool = False  # set_fp8_dequantized_backward is on
 
     @property
     def causal(self) -> bool:
@@ -146,7 +171,7 @@ class Inputs:
                 q.stride(-1), k.stride(-1), v.stride(-1), _bias_signature(self.attn_bias),
                 _tensor_signature(self.q_descale), _tensor_signature(self.k_descale),
                 _tensor_signature(self.v_descale), self.p, self.scale, self.output_dtype, self.is_partial,
-                self.quantize_kv_to_fp8, self.needs_grad(), torch.are_deterministic_algorithms_enabled(), capturing)
+                self.quantize_kv_to_fp8, self.needs_grad(), torch.are_deterministic_algorithms_enabled(), capturing, _FP8_BACKWARD[0])
 
     # ---- validation ----------------------------------------------------------------------
     def validate(self) -> None:
@@ -286,7 +311,7 @@ class Inputs:
             descales=descale_kinds(self), quantize_kv=self.quantize_kv_to_fp8, dropout=self.p > 0.0,
             needs_lse=needs_lse or self.is_partial, needs_grad=self.needs_grad(),
             deterministic=torch.are_deterministic_algorithms_enabled(),
-            graph_capture=q.is_cuda and torch.cuda.is_current_stream_capturing(),
+            graph_capture=q.is_cuda and torch.cuda.is_current_stream_capturing(), fp8_backward=_FP8_BACKWARD[0],
         )
 
 
@@ -295,7 +320,8 @@ def descale_kinds(inp: Inputs) -> tuple[str, str, str]:
     q, k, v = inp.query, inp.key, inp.value
     b, mq, hq, _ = q.shape
     mk, hkv = k.shape[1], k.shape[2]
-    head = (b, hkv)
+    varlen = isinstance(inp.attn_bias, ab.BlockDiagonalMask)
+    head = (len(inp.attn_bias.q_seqinfo.seqstart_py) - 1 if varlen else b, hkv)
     shapes = {
         "q_descale": (inp.q_descale, {"head": head, "block": (b, hq, -(-mq // Q_SCALE_BLOCK))}),
         "k_descale": (inp.k_descale, {"head": head, "block": (b, hkv, -(-mk // K_SCALE_BLOCK)),

@@ -1,2 +1,2 @@
 """Backends: importing this package registers every op (one module per backend)."""
-from . import reference, sdpa  # noqa: F401
+from . import reference, sdpa, triton_attention, triton_decode  # noqa: F401

@@ -59,22 +59,37 @@ def quantize_per_token(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tenso
     return (x.float() / scale[..., None]).clamp(-fmax, fmax).to(dtype), scale
 
 
-def reference_attention(inp: Inputs, compute_dtype: torch.dtype = torch.float32
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out (B, Mq, Hq, Kv) in ``compute_dtype``, lse (B, Hq, Mq) float32, natural log).
-    Rows that see no key: out 0, lse -inf."""
+def dequantized_qkv(inp: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 q, k, v as the kernels see them: times their descales (or quantized per token to the
+    arch's fp8 and back when ``quantize_kv_to_fp8``)."""
     q, k, v = inp.query, inp.key, inp.value
-    hq, hkv = q.shape[2], k.shape[2]
     kinds = descale_kinds(inp)
+    descales = [inp.q_descale, inp.k_descale, inp.v_descale]
+    if isinstance(inp.attn_bias, ab.BlockDiagonalMask):  # per-sequence descales -> per token
+        for i, (info, kind) in enumerate(zip((inp.attn_bias.q_seqinfo, inp.attn_bias.k_seqinfo, inp.attn_bias.k_seqinfo),
+                                             kinds)):
+            if kind == "head":
+                seq = torch.repeat_interleave(torch.tensor(info.seqlens), torch.tensor(info.seqlens))
+                d = descales[i][seq.to(q.device)]
+                descales[i] = d.repeat_interleave((q if i == 0 else k).shape[2] // d.shape[1], dim=1)[None]
+                kinds = kinds[:i] + ("token",) + kinds[i + 1:]
     if inp.quantize_kv_to_fp8:
         f8 = fp8_dtype(current_arch(q.device))
         (k8, ks), (v8, vs) = quantize_per_token(k, f8), quantize_per_token(v, f8)
         kf, vf = k8.float() * ks[..., None], v8.float() * vs[..., None]
     else:
-        kf = dequantize(k, inp.k_descale, kinds[1], K_SCALE_BLOCK)
-        vf = dequantize(v, inp.v_descale, kinds[2])
-    qf = dequantize(q, inp.q_descale, kinds[0], Q_SCALE_BLOCK)
-    qf, kf, vf = (t.to(compute_dtype) for t in (qf, kf, vf))
+        kf = dequantize(k, descales[1], kinds[1], K_SCALE_BLOCK)
+        vf = dequantize(v, descales[2], kinds[2])
+    return dequantize(q, descales[0], kinds[0], Q_SCALE_BLOCK), kf, vf
+
+
+def reference_attention(inp: Inputs, compute_dtype: torch.dtype = torch.float32
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (B, Mq, Hq, Kv) in ``compute_dtype``, lse (B, Hq, Mq) float32, natural log).
+    Rows that see no key: out 0, lse -inf."""
+    q, k = inp.query, inp.key
+    hq, hkv = q.shape[2], k.shape[2]
+    qf, kf, vf = (t.to(compute_dtype) for t in dequantized_qkv(inp))
     if hq != hkv:
         kf = kf.repeat_interleave(hq // hkv, dim=2)
         vf = vf.repeat_interleave(hq // hkv, dim=2)
@@ -172,10 +187,7 @@ class ReferenceBwOp(AttentionBwOp):
 
     @classmethod
     def apply_bw(cls, inp, out, lse, grad_out):
-        kinds = descale_kinds(inp)
-        leaves = [dequantize(t, d, kind, blk).detach().requires_grad_(True) for t, d, kind, blk in (
-            (inp.query, inp.q_descale, kinds[0], Q_SCALE_BLOCK), (inp.key, inp.k_descale, kinds[1], K_SCALE_BLOCK),
-            (inp.value, inp.v_descale, kinds[2], 0))]
+        leaves = [t.detach().requires_grad_(True) for t in dequantized_qkv(inp)]
         plain = Inputs(*leaves, attn_bias=inp.attn_bias, scale=inp.softmax_scale)
         with torch.enable_grad():
             o, _ = reference_attention(plain)

@@ -1,0 +1,150 @@
+"""Triton prefill/training attention: fp8, i8fp8 and bf16/fp16 forward ops, and the backward op.
+
+One kernel (``kernels/triton/attention_fwd.py``) serves the three forward ops through dtype
+switches; the selector routes by dtype (fp8 q/k/v -> triton_fp8F, int8 q/k + fp8 v ->
+triton_i8fp8F). The backward op runs on bf16/fp16 values; for fp8/int8 forward inputs it runs on
+the dequantized values when ``set_fp8_dequantized_backward(True)`` is on.
+On a CPU the ops are available only under ``TRITON_INTERPRET=1`` (tests), with an estimate that
+keeps the selector away from them.
+"""
+from __future__ import annotations
+
+import os
+from typing import ClassVar
+
+import torch
+
+from .. import attn_bias as ab
+from ..dispatch import register
+from ..inputs import FP8_DTYPES, Inputs, Problem
+from .base import AttentionBwOp, AttentionFwOp
+from .cost import attention_time
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_ARCHS = ("cuda>=8.9",) + (("cpu",) if _INTERPRET else ())
+_HEAD_DIMS = range(16, 257, 16)
+_BIAS = frozenset({ab.NONE, ab.CAUSAL, ab.CAUSAL_BR, ab.BLOCK_DIAGONAL, ab.BLOCK_DIAGONAL_CAUSAL,
+                   ab.BLOCK_DIAGONAL_CAUSAL_BR})
+_TOP_LEFT = frozenset({ab.CAUSAL, ab.BLOCK_DIAGONAL_CAUSAL})
+_OUT = frozenset({torch.bfloat16, torch.float16, torch.float32})
+
+
+def mask_args(inp: Inputs) -> dict:
+    """The kernel's causal / varlen keyword arguments for the call's attn_bias."""
+    kind = inp.bias_kind
+    args = {"causal": kind in ab.CAUSAL_KINDS, "causal_bottom_right": kind not in _TOP_LEFT}
+    if kind in ab.VARLEN_KINDS:
+        b = inp.attn_bias
+        args.update(cu_seqlens_q=b.q_seqinfo.seqstart, cu_seqlens_k=b.k_seqinfo.seqstart,
+                    max_seqlen_q=b.q_seqinfo.max_seqlen, max_seqlen_k=b.k_seqinfo.max_seqlen)
+    return args
+
+
+class _TritonFwOp(AttentionFwOp):
+    ARCHS = _ARCHS
+    REQUIRES = ("triton",)
+    OUT_DTYPES = _OUT
+    HEAD_DIMS = _HEAD_DIMS
+    HEAD_DIMS_V = _HEAD_DIMS
+    BIAS_KINDS = _BIAS
+    GQA = True
+    PARTIAL = True
+    #: achieved TFLOP/s on the H200 (non-causal, d128), for the cost model
+    TFLOPS: ClassVar[float]
+
+    @classmethod
+    def apply(cls, inp, needs_lse):
+        from ..kernels.triton.attention_fwd import attention_forward
+
+        return attention_forward(inp.query, inp.key, inp.value, scale=inp.softmax_scale, q_descale=inp.q_descale,
+                                 k_descale=inp.k_descale, v_descale=inp.v_descale, out_dtype=inp.out_dtype,
+                                 return_lse=needs_lse, **mask_args(inp))
+
+    @classmethod
+    def estimate(cls, p: Problem) -> float:
+        if p.arch.kind == "cpu":  # the interpreter: correct, never fast
+            return attention_time(p, 1e-6, 1e-6, 1e5)
+        return attention_time(p, cls.TFLOPS, 3.0, 6.0)
+
+
+@register
+class TritonFp8FwOp(_TritonFwOp):
+    """fp8 e4m3 q/k/v with float32 descales (FA3 convention), bf16 out; P quantized to fp8 for PV."""
+
+    NAME = "triton_fp8F"
+    DTYPES = frozenset((f, f, f) for f in FP8_DTYPES)
+    DESCALES = {r: frozenset({"tensor", "head"}) for r in "qkv"}
+    TFLOPS = 900.0
+
+
+@register
+class TritonI8Fp8FwOp(_TritonFwOp):
+    """i8fp8 (SageAttention-like): int8 q/k (int32 QK^T), fp8 v, bf16 out; per-block q/k descales."""
+
+    NAME = "triton_i8fp8F"
+    DTYPES = frozenset((torch.int8, torch.int8, f) for f in FP8_DTYPES)
+    DESCALES = {"q": frozenset({"tensor", "head", "block"}), "k": frozenset({"tensor", "head", "block"}),
+                "v": frozenset({"tensor", "head", "channel"})}
+    TFLOPS = 850.0
+
+    @classmethod
+    def extra_reasons(cls, p: Problem) -> list[str]:
+        if p.bias in ab.VARLEN_KINDS and "block" in p.descales:
+            return ["per-block descales with a varlen (BlockDiagonal) mask not supported"]
+        return []
+
+
+@register
+class TritonFwOp(_TritonFwOp):
+    """bf16/fp16 flash attention in Triton (TMA descriptors on Hopper)."""
+
+    NAME = "triton_attnF"
+    DTYPES = frozenset({(torch.bfloat16,) * 3, (torch.float16,) * 3})
+    OUT_DTYPES = frozenset({torch.bfloat16, torch.float16})
+    TFLOPS = 450.0
+
+    @classmethod
+    def extra_reasons(cls, p: Problem) -> list[str]:
+        return [] if p.out_dtype == p.q_dtype else [f"output dtype must equal the input dtype {p.q_dtype}"]
+
+
+@register
+class TritonBwOp(AttentionBwOp):
+    """Backward on bf16/fp16 values (FA2-style: dK/dV and dQ kernels, deterministic). For fp8/int8
+    forward inputs it differentiates w.r.t. the dequantized values, when
+    ``set_fp8_dequantized_backward(True)`` is on; gradients come back in the inputs' dtypes."""
+
+    NAME = "triton_attnB"
+    ARCHS = _ARCHS
+    REQUIRES = ("triton",)
+    DTYPES = TritonFwOp.DTYPES | TritonFp8FwOp.DTYPES | TritonI8Fp8FwOp.DTYPES
+    OUT_DTYPES = _OUT
+    HEAD_DIMS = (16, 32, 64, 128, 256)
+    HEAD_DIMS_V = HEAD_DIMS
+    BIAS_KINDS = _BIAS
+    GQA = True
+    PARTIAL = True
+    DESCALES = {r: kinds | {"none"} for r, kinds in TritonI8Fp8FwOp.DESCALES.items()}
+
+    @classmethod
+    def extra_reasons(cls, p: Problem) -> list[str]:
+        if p.q_dtype in (torch.bfloat16, torch.float16) or p.fp8_backward:
+            return []
+        return [f"backward through {p.q_dtype} inputs needs set_fp8_dequantized_backward(True)"]
+
+    @classmethod
+    def apply_bw(cls, inp, out, lse, grad_out):
+        from ..kernels.triton.attention_bwd import attention_backward
+        from .reference import dequantized_qkv
+
+        q, k, v = inp.query, inp.key, inp.value
+        if q.dtype not in (torch.bfloat16, torch.float16):
+            q, k, v = (t.to(torch.bfloat16) for t in dequantized_qkv(inp))
+            out, grad_out = out.to(q.dtype), grad_out.to(q.dtype)
+        return attention_backward(grad_out, q, k, v, out, lse, scale=inp.softmax_scale, **mask_args(inp))
+
+    @classmethod
+    def estimate(cls, p: Problem) -> float:
+        if p.arch.kind == "cpu":
+            return attention_time(p, 1e-6, 1e-6, 1e5)
+        return 2.5 * attention_time(p, 450.0, 2.0, 15.0)
