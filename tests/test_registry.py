@@ -159,7 +159,7 @@ def test_archspec_parse_fields_and_str():
     assert str(ArchSpec.parse("cpu")) == "cpu"
 
 
-@pytest.mark.parametrize("text", ["gpu", "cuda=9.0", "cuda>=9.0,9.1", "tpu:v5", ""])
+@pytest.mark.parametrize("text", ["gpu:h200", "cuda=9.0", "cuda>=9.0,9.1", "tpu:v5", ""])
 def test_archspec_bad(text):
     with pytest.raises(ValueError, match="bad arch spec"):
         ArchSpec.parse(text)
