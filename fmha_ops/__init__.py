@@ -13,7 +13,9 @@ from .attn_bias import (BlockDiagonalCausalFromBottomRightMask, BlockDiagonalCau
                         LowerTriangularFromBottomRightMask, LowerTriangularMask,
                         PagedBlockDiagonalCausalWithOffsetPaddedKeysMask, PagedBlockDiagonalPaddedKeysMask)
 from .dispatch import REGISTRY, SELECTOR, use_ops
-from .inputs import Inputs, Problem
+from .flash_attn_interface import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from .inputs import Inputs, Problem, set_fp8_dequantized_backward
+from .quantized import fp8_attention, i8fp8_attention
 from registry import NoSupportedOpError
 
 ALL_FW_OPS = REGISTRY.ops("fw")
@@ -25,5 +27,6 @@ __all__ = [
     "NoSupportedOpError", "attn_bias", "LowerTriangularMask", "LowerTriangularFromBottomRightMask",
     "BlockDiagonalMask", "BlockDiagonalCausalMask", "BlockDiagonalCausalFromBottomRightMask",
     "BlockDiagonalPaddedKeysMask", "BlockDiagonalCausalWithOffsetPaddedKeysMask", "PagedBlockDiagonalPaddedKeysMask",
-    "PagedBlockDiagonalCausalWithOffsetPaddedKeysMask",
+    "PagedBlockDiagonalCausalWithOffsetPaddedKeysMask", "flash_attn_func", "flash_attn_varlen_func",
+    "flash_attn_with_kvcache", "set_fp8_dequantized_backward", "fp8_attention", "i8fp8_attention",
 ]

@@ -140,9 +140,11 @@ class _SeqLenInfo:
 
 @dataclass
 class _PaddedSeqLenInfo:
-    """Keys of sequence b at rows [b * padding, b * padding + seqlen[b]); ``seqlen`` int32 tensor."""
+    """Keys of sequence b at rows [b * padding, b * padding + seqlen[b]); ``seqlen`` int32 tensor.
+    ``seqlen_py`` (host copy) is None when the lengths live only on the device (no host sync;
+    ``flash_attn_with_kvcache``); ``lengths()`` then syncs once, for slow paths only."""
 
-    seqlen_py: list[int]
+    seqlen_py: list[int] | None
     seqlen: torch.Tensor = field(repr=False)
     padding: int = 0
 
@@ -156,6 +158,9 @@ class _PaddedSeqLenInfo:
 
     def to(self, device) -> "_PaddedSeqLenInfo":
         return _PaddedSeqLenInfo(self.seqlen_py, self.seqlen.to(device), self.padding)
+
+    def lengths(self) -> list[int]:
+        return self.seqlen_py if self.seqlen_py is not None else self.seqlen.tolist()
 
 
 @dataclass
@@ -236,7 +241,7 @@ class BlockDiagonalPaddedKeysMask(AttentionBias):
 
     def segments(self, mq, mk):
         pad = self.k_seqinfo.padding
-        for b, n in enumerate(self.k_seqinfo.seqlen_py):
+        for b, n in enumerate(self.k_seqinfo.lengths()):
             qs, qe = self.q_seqinfo.seqstart_py[b], self.q_seqinfo.seqstart_py[b + 1]
             yield Segment(qs, qe, (b * pad, b * pad + n), self._CAUSAL)
 
@@ -262,13 +267,13 @@ class PagedBlockDiagonalPaddedKeysMask(AttentionBias):
     _CAUSAL: ClassVar[str] = ""
 
     def __post_init__(self) -> None:
-        b = len(self.k_seqinfo.seqlen_py)
+        b = len(self.q_seqinfo.seqstart_py) - 1
         if self.block_tables.ndim != 2 or self.block_tables.shape[0] != b:
             raise ValueError(f"block_tables must be (batch={b}, max_pages), got {tuple(self.block_tables.shape)}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         cap = self.block_tables.shape[1] * self.page_size
-        if any(n > cap for n in self.k_seqinfo.seqlen_py):
+        if self.k_seqinfo.seqlen_py is not None and any(n > cap for n in self.k_seqinfo.seqlen_py):
             raise ValueError(f"kv_seqlen {self.k_seqinfo.seqlen_py} exceeds block_tables capacity {cap}")
 
     def to(self, device):
@@ -277,7 +282,7 @@ class PagedBlockDiagonalPaddedKeysMask(AttentionBias):
 
     def segments(self, mq, mk):
         table = self.block_tables.cpu().long()
-        for b, n in enumerate(self.k_seqinfo.seqlen_py):
+        for b, n in enumerate(self.k_seqinfo.lengths()):
             qs, qe = self.q_seqinfo.seqstart_py[b], self.q_seqinfo.seqstart_py[b + 1]
             pos = torch.arange(n)
             rows = table[b, pos // self.page_size] * self.page_size + pos % self.page_size

@@ -269,8 +269,9 @@ class Inputs:
                 raise ValueError(f"key has {k.shape[1]} tokens but attn_bias k_seqinfo covers {nk}")
             return
         nseq = len(bias.q_seqinfo.seqstart_py) - 1
-        if nseq != len(bias.k_seqinfo.seqlen_py):
-            raise ValueError(f"attn_bias has {nseq} query sequences but {len(bias.k_seqinfo.seqlen_py)} key sequences")
+        if bias.k_seqinfo.seqlen.shape != (nseq,):
+            raise ValueError(f"attn_bias has {nseq} query sequences but k_seqinfo.seqlen has shape "
+                             f"{tuple(bias.k_seqinfo.seqlen.shape)}")
         if isinstance(bias, ab.PagedBlockDiagonalPaddedKeysMask):
             if k.shape[1] % bias.page_size:
                 raise ValueError(f"paged key has {k.shape[1]} rows, not a multiple of page_size={bias.page_size}")

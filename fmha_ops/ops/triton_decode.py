@@ -80,7 +80,7 @@ class _DecodeOp(AttentionFwOp):
     HEAD_DIMS = (16, 32, 64, 128, 256)
     BIAS_KINDS = _MASKS
     GQA = True
-    PAGE_SIZES = range(1, 257)
+    PAGE_SIZES = range(1, 1 << 24)  # a dense cache runs as one page of its full length
     DESCALES = {"q": frozenset({"none"}), "k": frozenset({"none"}) | _FP8_KV_DESCALES,
                 "v": frozenset({"none"}) | _FP8_KV_DESCALES}
     QUANTIZE_KV = True
