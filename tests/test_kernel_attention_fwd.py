@@ -119,6 +119,21 @@ def test_fp16_head_dims_differ_and_strided_inputs():
     assert error_report(o, ref)["rel"] < 2e-3
 
 
+def test_transpose_v():
+    from fmha_ops.kernels.triton.attention_fwd import transpose_v
+
+    v = torch.randn(2, 37, 3, 80, device=DEVICE).to(FP8)[:, :, 1:]
+    vt, cu = transpose_v(v)
+    assert vt.shape == (2, 2, 80, 48) and cu is None
+    assert torch.equal(vt[..., :37].float(), v.permute(0, 2, 3, 1).float())
+    cuk = torch.tensor([0, 5, 5, 22, 37], dtype=torch.int32, device=DEVICE)
+    vt, cu = transpose_v(v[:1], cuk, 17)
+    assert cu.tolist() == [0, 16, 16, 48, 64]
+    for i in range(4):
+        a, b = cuk[i].item(), cuk[i + 1].item()
+        assert torch.equal(vt[0, :, :, cu[i]:cu[i] + b - a].float(), v[0, a:b].permute(1, 2, 0).float())
+
+
 def test_empty_keys_and_queries():
     q = torch.randn(1, 5, 2, 32, device=DEVICE).half()
     k = torch.randn(1, 0, 2, 32, device=DEVICE).half()
@@ -135,14 +150,14 @@ def _fp8_inputs(kind, B, Mq, Mk, Hq, Hkv, D, dtype=FP8, seed=0):
     return quantize_qkv_fp8(q, k, v, dtype)
 
 
-@pytest.mark.parametrize("kind", ["normal", "transformer_like"])
+@pytest.mark.parametrize("kind,vt", [("normal", False), ("transformer_like", True)])
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e4m3fnuz])
-def test_fp8_descales(kind, fp8):
+def test_fp8_descales(kind, vt, fp8):
     B, Mq, Mk, Hq, Hkv, D = 2, 37, 45, 4, 2, 64
     q8, k8, v8, qd, kd, vd = _fp8_inputs(kind, B, Mq, Mk, Hq, Hkv, D, fp8)
     out = _poisoned(B, Mq, Hq, D, torch.bfloat16)
     o, lse = _fwd()(q8, k8, v8, scale=D ** -0.5, causal=True, q_descale=qd, k_descale=kd, v_descale=vd,
-                    return_lse=True, pv_fp8=False, block_m=16, block_n=32, out=out)
+                    return_lse=True, pv_fp8=False, v_transposed=vt, block_m=16, block_n=32, out=out)
     assert o.dtype == torch.bfloat16
     ref, ref_lse = reference(_dq(q8, qd, Hq // Hkv), _dq(k8, kd), _dq(v8, vd), D ** -0.5, True)
     err = error_report(o, ref)
@@ -197,7 +212,7 @@ def test_i8fp8_matches_dequantized_reference(gran, vgran, causal):
     out = _poisoned(B, Mq, Hq, D, torch.bfloat16)
     o, lse = _fwd()(x.q, x.k, x.v, scale=x.softmax_scale, causal=causal, q_descale=x.q_descale,
                     k_descale=x.k_descale, v_descale=x.v_descale, return_lse=True, pv_fp8=False,
-                    block_m=64, block_n=64, out=out)
+                    v_transposed=causal, block_m=64, block_n=64, out=out)
     dq, dk, dv = _i8_dequant(x, Hq, Hkv)
     ref, _ = reference(dq, dk, dv, 1.0, causal)
     err = error_report(o, ref)
@@ -251,7 +266,8 @@ def test_varlen_fp8_per_sequence_descales():
         return x8.float() * d[tok][None, :, :, None].repeat_interleave(x8.shape[2] // Hkv, 2)
 
     o, _ = _fwd()(q8, k8, v8, scale=0.3, causal=True, q_descale=qd, k_descale=kd, v_descale=vd, cu_seqlens_q=cq,
-                  cu_seqlens_k=cq, max_seqlen_q=20, max_seqlen_k=20, pv_fp8=False, block_m=16, block_n=16)
+                  cu_seqlens_k=cq, max_seqlen_q=20, max_seqlen_k=20, pv_fp8=False, v_transposed=True,
+                  block_m=16, block_n=16)
     ref, _ = _varlen_reference(per_token(q8, qd), per_token(k8, kd), per_token(v8, vd), cq, cq, 0.3, True, True)
     assert error_report(o, ref)["rel"] < 6e-3
 
@@ -260,13 +276,10 @@ def test_varlen_fp8_per_sequence_descales():
 
 GPU_SHAPES = [
     # B, Mq, Mk, Hq, Hkv, D, causal, bottom_right
-    (2, 1000, 1000, 8, 8, 128, False, True),
     (2, 1000, 1000, 8, 2, 128, True, True),
-    (1, 17, 1000, 16, 1, 64, True, True),
-    (1, 1000, 17, 4, 4, 64, True, False),
-    (2, 4097, 4097, 4, 4, 256, True, True),
+    (1, 17, 1000, 16, 1, 64, True, False),
+    (2, 4097, 4097, 4, 4, 256, False, True),
     (1, 1, 4097, 8, 8, 128, False, True),
-    (2, 777, 1500, 16, 16, 64, False, True),
 ]
 
 
@@ -304,7 +317,7 @@ def test_gpu_all_paths(shape, kind):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ratio", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("ratio", [1, 3, 16])
 def test_gpu_gqa_varlen_fp8(ratio):
     from fmha_ops.quant import quantize_fp8
 

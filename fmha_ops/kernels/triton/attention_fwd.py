@@ -29,11 +29,13 @@ _LOG2E = 1.4426950408889634
 def _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, k_row0, start_n, seqlen_k, diag, offs_m, offs_n,
           MASKED: tl.constexpr, CAUSAL: tl.constexpr, QK_INT8: tl.constexpr, K_BLOCKSCALE: tl.constexpr,
           PV_FP8: tl.constexpr, PV_TWO_LEVEL: tl.constexpr, V_T: tl.constexpr, P_SHIFT: tl.constexpr,
-          K_SCALE_BLOCK: tl.constexpr):
+          K_SCALE_BLOCK: tl.constexpr, v_row0):
     """One BLOCK_N step of the online softmax. Scores are in log2 units after ``qk_scale``."""
     k = k_desc.load([k_row0 + start_n, 0])
     if QK_INT8:
-        s = tl.dot(q, k.T, out_dtype=tl.int32).to(tl.float32)
+        # int32 -> fp32 without I2F (16/clk/SM, as slow as exp2): |s| < 2**22 for D <= 256, so adding
+        # 1.5 * 2**23 puts s in the mantissa of a float whose value is 12582912 + s
+        s = (tl.dot(q, k.T, out_dtype=tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
     else:
         s = tl.dot(q, k.T)
     if K_BLOCKSCALE:
@@ -63,7 +65,7 @@ def _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, k_row0, start_n, s
         alpha = tl.math.exp2(m_i - m_ij)
     l_i = l_i * alpha + tl.sum(p, 1)
     if V_T:
-        v = v_desc.load([0, k_row0 + start_n]).T
+        v = v_desc.load([0, v_row0 + start_n]).T
     else:
         v = v_desc.load([k_row0 + start_n, 0])
     if PV_FP8 or not v.dtype.is_fp8():
@@ -80,7 +82,7 @@ def _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, k_row0, start_n, s
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, Out, Lse, QD, KD, VD, CuQ, CuK, sm_scale_log2,
+    Q, K, V, Out, Lse, QD, KD, VD, CuQ, CuK, CuVT, sm_scale_log2,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_km, stride_kh,
     stride_vb, stride_vm, stride_vh,
@@ -108,12 +110,17 @@ def _attn_fwd_kernel(
         seqlen_q = tl.load(CuQ + b + 1) - q_start
         k_start = tl.load(CuK + b)
         seqlen_k = tl.load(CuK + b + 1) - k_start
-        b_off = 0
+        if V_T:
+            v_start = tl.load(CuVT + b)
+        else:
+            v_start = k_start
+        b_off = bh * 0
     else:
         q_start = 0
         seqlen_q = Mq
         k_start = 0
         seqlen_k = Mk
+        v_start = 0
         b_off = b
     m0 = pid_m * BLOCK_M
     if m0 >= seqlen_q:
@@ -137,7 +144,7 @@ def _attn_fwd_kernel(
     if V_T:
         # V is (B, Hkv, DV, Mk): keys contiguous, the K-major operand the fp8 wgmma needs
         v_desc = tl.make_tensor_descriptor(V + b64 * stride_vb + hkv.to(tl.int64) * stride_vh,
-                                           shape=[DV, k_start + seqlen_k], strides=[stride_vm, 1],
+                                           shape=[DV, v_start + seqlen_k], strides=[stride_vm, 1],
                                            block_shape=[BLOCK_DV, BLOCK_N])
     else:
         v_desc = tl.make_tensor_descriptor(V + b64 * stride_vb + hkv.to(tl.int64) * stride_vh,
@@ -167,11 +174,11 @@ def _attn_fwd_kernel(
     for start_n in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, k_start, start_n, seqlen_k, diag,
                               offs_m, offs_n, False, CAUSAL, QK_INT8, K_BLOCKSCALE, PV_FP8, PV_TWO_LEVEL, V_T,
-                              P_SHIFT, K_SCALE_BLOCK)
+                              P_SHIFT, K_SCALE_BLOCK, v_start)
     for start_n in tl.range(full_end, kv_end, BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, k_start, start_n, seqlen_k, diag,
                               offs_m, offs_n, True, CAUSAL, QK_INT8, K_BLOCKSCALE, PV_FP8, PV_TWO_LEVEL, V_T,
-                              P_SHIFT, K_SCALE_BLOCK)
+                              P_SHIFT, K_SCALE_BLOCK, v_start)
 
     empty = l_i == 0.0
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)
@@ -186,6 +193,59 @@ def _attn_fwd_kernel(
     if WRITE_LSE:
         lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i)) - P_SHIFT) * 0.6931471805599453)
         tl.store(Lse + b64 * stride_lb + hq.to(tl.int64) * stride_lh + q_start + offs_m, lse, mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _transpose_v_kernel(V, VT, CuK, CuVT, Mk, Hkv, stride_vb, stride_vm, stride_vh, stride_tb, stride_th, stride_td,
+                        DV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_DV: tl.constexpr, VARLEN: tl.constexpr):
+    """VT[b, h, d, dst + t] = V[b, src + t, h, d] for one (BLOCK_T tokens, BLOCK_DV channels) tile of a sequence."""
+    bh = tl.program_id(1)
+    b = bh // Hkv
+    h = (bh % Hkv).to(tl.int64)
+    if VARLEN:
+        src = tl.load(CuK + b)
+        n = tl.load(CuK + b + 1) - src
+        dst = tl.load(CuVT + b)
+        b = bh * 0
+    else:
+        src = 0
+        n = Mk
+        dst = 0
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    mask = (offs_t[:, None] < n) & (offs_d[None, :] < DV)
+    b64 = b.to(tl.int64)
+    x = tl.load(V + b64 * stride_vb + h * stride_vh + (src + offs_t[:, None]) * stride_vm + offs_d[None, :], mask=mask)
+    tl.store(VT + b64 * stride_tb + h * stride_th + offs_d[:, None] * stride_td + dst + offs_t[None, :], tl.trans(x),
+             mask=tl.trans(mask))
+
+
+def transpose_v(v: torch.Tensor, cu_seqlens_k=None, max_seqlen_k=None):
+    """V (B, Mk, Hkv, Dv), last dim contiguous -> (VT (B, Hkv, Dv, L) contiguous, cu_vt or None).
+
+    Keys become the contiguous dim (the K-major operand of the fp8 PV wgmma). Without varlen L = Mk rounded up
+    to 16. With varlen (B == 1) each sequence starts at a multiple of 16 in VT (TMA box coordinates on the
+    contiguous dim must be 16-byte aligned); cu_vt (nseq + 1,) int32 holds those starts. Padding is unwritten.
+    """
+    B, Mk, Hkv, Dv = v.shape
+    varlen = cu_seqlens_k is not None
+    if varlen:
+        nseq = cu_seqlens_k.numel() - 1
+        lens = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+        cu_vt = torch.zeros(nseq + 1, dtype=torch.int32, device=v.device)
+        cu_vt[1:] = torch.cumsum((lens + 15) // 16 * 16, 0)
+        L, rows, grid_t = triton.cdiv(Mk, 16) * 16 + 16 * nseq, nseq, triton.cdiv(max_seqlen_k, 128)
+    else:
+        cu_vt, L, rows, grid_t = None, triton.cdiv(Mk, 16) * 16, B, triton.cdiv(Mk, 128)
+    vt = torch.empty((B, Hkv, Dv, L), dtype=v.dtype, device=v.device)
+    if vt.numel() == 0 or grid_t == 0:
+        return vt, cu_vt
+    BD = min(64, triton.next_power_of_2(Dv))
+    raw = torch.uint8 if v.element_size() == 1 else torch.int16
+    _transpose_v_kernel[(grid_t, rows * Hkv, triton.cdiv(Dv, BD))](
+        v.view(raw), vt.view(raw), cu_seqlens_k, cu_vt, Mk, Hkv, v.stride(0), v.stride(1), v.stride(2),
+        vt.stride(0), vt.stride(1), vt.stride(2), DV=Dv, BLOCK_T=128, BLOCK_DV=BD, VARLEN=varlen, num_warps=4)
+    return vt, cu_vt
 
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
@@ -288,13 +348,15 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
     k_block = qk_int8 and k_descale is not None and k_descale.dim() == 3
     assert not (varlen and (q_block or k_block)), "per-block descales are not supported with varlen"
     if q_block:
-        assert q_descale.shape == (B, Hq, triton.cdiv(Mq, Q_SCALE_BLOCK)) and q_descale.stride(-1) == 1
+        assert q_descale.shape == (B, Hq, triton.cdiv(Mq, Q_SCALE_BLOCK))
+        assert q_descale.shape[-1] == 1 or q_descale.stride(-1) == 1
         assert Q_SCALE_BLOCK % BM == 0
         qd, qd_sb, qd_sh = q_descale, q_descale.stride(0), q_descale.stride(1)
     else:
         qd, qd_sb, qd_sh = _descale_args(q_descale, device, nseq, Hkv, "q_descale")
     if k_block:
-        assert k_descale.shape == (B, Hkv, triton.cdiv(Mk, K_SCALE_BLOCK)) and k_descale.stride(-1) == 1
+        assert k_descale.shape == (B, Hkv, triton.cdiv(Mk, K_SCALE_BLOCK))
+        assert k_descale.shape[-1] == 1 or k_descale.stride(-1) == 1
         kd, kd_sb, kd_sh = k_descale, k_descale.stride(0), k_descale.stride(1)
     else:
         kd, kd_sb, kd_sh = _descale_args(k_descale, device, nseq, Hkv, "k_descale")
@@ -304,14 +366,6 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
         vd, vd_sb, vd_sh = v_descale, v_descale.stride(0), v_descale.stride(1)
     else:
         vd, vd_sb, vd_sh = _descale_args(v_descale, device, nseq, Hkv, "v_descale")
-
-    if v_transposed:
-        mk_pad = triton.cdiv(Mk, 16) * 16
-        vt = torch.empty((B, Hkv, Dv, mk_pad), dtype=v.dtype, device=device)
-        vt[..., :Mk].copy_(v.permute(0, 2, 3, 1))
-        v_arg, v_strides = vt, (vt.stride(0), vt.stride(2), vt.stride(1))
-    else:
-        v_arg, v_strides = v, (v.stride(0), v.stride(1), v.stride(2))
 
     if out is None:
         out = torch.empty((B, Mq, Hq, Dv), dtype=out_dtype, device=device)
@@ -324,11 +378,18 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
         return out, lse
     if device.type == "cuda":
         _ensure_allocator()
+    if v_transposed:
+        vt, cu_vt = transpose_v(v, cu_seqlens_k, max_seqlen_k)
+        v_arg, v_strides = vt, (vt.stride(0), vt.stride(2), vt.stride(1))
+    else:
+        v_arg, v_strides = v, (v.stride(0), v.stride(1), v.stride(2))
+
     p_shift = 0 if not (fp8_v and pv_fp8) else (8 if v.dtype == torch.float8_e4m3fn else 7)
     grid = (triton.cdiv(grid_m, BM), nseq * Hq)
     _attn_fwd_kernel[grid](
         q, k, v_arg, out, lse if lse is not None else qd, qd, kd, vd,
-        cu_seqlens_q if varlen else qd, cu_seqlens_k if varlen else qd, scale * _LOG2E,
+        cu_seqlens_q if varlen else qd, cu_seqlens_k if varlen else qd, cu_vt if varlen and v_transposed else qd,
+        scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         *v_strides,
