@@ -104,6 +104,8 @@ class AttentionFwOp(AttentionOp):
     @classmethod
     def not_supported_reasons(cls, p: Problem) -> list[str]:
         r = super().not_supported_reasons(p)
+        if p.needs_grad and p.q_dtype not in (torch.float16, torch.bfloat16, torch.float32) and not p.fp8_backward:
+            r.append(f"gradients through {dtype_name(p.q_dtype)} inputs need set_fp8_dequantized_backward(True)")
         if p.needs_grad and not (cls.AUTOGRAD or cls.PARTIAL):
             r.append("gradients are needed, and this forward neither supports autograd nor returns the "
                      "LSE a backward op needs")
@@ -117,6 +119,13 @@ class AttentionFwOp(AttentionOp):
 
 class AttentionBwOp(AttentionOp):
     KIND = "bw"
+
+    @classmethod
+    def not_supported_reasons(cls, p: Problem) -> list[str]:
+        r = super().not_supported_reasons(p)
+        if p.q_dtype not in (torch.float16, torch.bfloat16, torch.float32) and not p.fp8_backward:
+            r.append(f"backward through {dtype_name(p.q_dtype)} inputs needs set_fp8_dequantized_backward(True)")
+        return r
 
     @classmethod
     def apply_bw(cls, inp: Inputs, out: torch.Tensor, lse: torch.Tensor,

@@ -127,12 +127,6 @@ class TritonBwOp(AttentionBwOp):
     DESCALES = {r: kinds | {"none"} for r, kinds in TritonI8Fp8FwOp.DESCALES.items()}
 
     @classmethod
-    def extra_reasons(cls, p: Problem) -> list[str]:
-        if p.q_dtype in (torch.bfloat16, torch.float16) or p.fp8_backward:
-            return []
-        return [f"backward through {p.q_dtype} inputs needs set_fp8_dequantized_backward(True)"]
-
-    @classmethod
     def apply_bw(cls, inp, out, lse, grad_out):
         from ..kernels.triton.attention_bwd import attention_backward
         from .reference import dequantized_qkv
