@@ -144,26 +144,37 @@ def run_shape(spec: dict) -> dict:
 
             row[f"{kv}_rel_vs_cudnn"] = error_report(out.reshape(B, Hq, D).float(), ref.float())["rel"]
         if spec.get("sweep"):
-            row[f"{kv}_sweep"] = sweep(call, nbytes, kv, name, B, Hkv, splits)
+            row[f"{kv}_sweep"] = sweep(call, nbytes, kv, name)
     row["fp8_speedup"] = row["bf16_graph_us"] / row["fp8_graph_us"]
     return row
 
 
-def sweep(call, nbytes, kv, name, B, Hkv, splits):
+def _grid(**axes):
+    cfgs = [{}]
+    for key, values in axes.items():
+        cfgs = [{**c, key: v} for c in cfgs for v in values]
+    return cfgs
+
+
+SWEEPS = {  # tuning variants timed (graph mode) when --sweep is given
+    "B64_L4096_p64": {"bf16": _grid(block_n=(64, 128), num_warps=(4, 8), num_stages=(2, 3)),
+                      "fp8": _grid(block_n=(64, 128, 256), num_warps=(4, 8), num_stages=(2, 3))},
+    "B64_L4096_p16": {"bf16": _grid(block_n=(16, 32, 64, 128), num_stages=(2, 3)),
+                      "fp8": _grid(block_n=(16, 64, 128, 256))},
+    "B1_Hq64_L131072_p64": {"bf16": _grid(num_splits=(32, 48, 64), block_n=(64, 128)),
+                            "fp8": _grid(num_splits=(32, 64), block_n=(128, 256))},
+}
+
+
+def sweep(call, nbytes, kv, name):
     res = []
-    cfgs = [dict(block_n=bn, num_warps=nw, num_stages=ns)
-            for bn in ((32, 64, 128) if kv == "bf16" else (64, 128)) for nw in (4, 8)
-            for ns in ((2, 3, 4) if kv == "bf16" else (2, 3))]
-    if B * Hkv < 132:
-        cfgs += [dict(num_splits=s) for s in (8, 16, 32, 64) if s != splits]
-    for cfg in cfgs:
+    for cfg in SWEEPS[name][kv]:
         try:
             ms = common.time_graph_ms(lambda: call(**cfg), warmup=5, rep=30)[0]
             res.append({**cfg, "TBps": round(nbytes / ms / 1e9, 3)})
         except Exception as e:
             res.append({**cfg, "error": repr(e)[:100]})
-    print(name, kv, "sweep", json.dumps(sorted([r for r in res if "TBps" in r], key=lambda r: -r["TBps"])[:5]),
-          flush=True)
+    print(name, kv, "sweep", json.dumps(res), flush=True)
     return res
 
 
@@ -196,7 +207,7 @@ def main():
     rows = []
     for name, B, Hq, Hkv, L, D, ps in shapes:
         spec = dict(name=name, B=B, Hq=Hq, Hkv=Hkv, L=L, D=D, page=ps,
-                    sweep=args.sweep and name in ("B64_L4096_p64", "B1_Hq64_L131072_p64"))
+                    sweep=args.sweep and name in SWEEPS)
         proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True,
                               text=True, timeout=300)
         res = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

@@ -59,6 +59,9 @@ def _decode_kernel(
 
     q = tl.load(Q + b.to(tl.int64) * stride_qb + qi[:, None] * stride_qm + qh[:, None] * stride_qh
                 + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    if FP8:
+        # e4m3 -> fp16 is one packed cvt on sm89+, -> bf16 takes three: run both dots in fp16
+        q = q.to(tl.float16)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -66,14 +69,21 @@ def _decode_kernel(
 
     k_head = K + hkv * stride_kh
     v_head = V + hkv * stride_vh
+    bt_row = BT + b * stride_btb
+    if PAGED and PAGE_SIZE % BLOCK_N != 0:
+        # page ids of the next tile are loaded one iteration ahead, off the K/V loads' critical path
+        offs_next = start + tl.arange(0, BLOCK_N)
+        pages_next = tl.load(bt_row + offs_next // PAGE_SIZE, mask=offs_next < end, other=0)
     for n in range(start, end, BLOCK_N):
         offs_n = n + tl.arange(0, BLOCK_N)
         kv_ok = offs_n < end
         if PAGED:
             if PAGE_SIZE % BLOCK_N == 0:
-                page = tl.load(BT + b * stride_btb + n // PAGE_SIZE).to(tl.int64)
+                page = tl.load(bt_row + n // PAGE_SIZE).to(tl.int64)
             else:
-                page = tl.load(BT + b * stride_btb + offs_n // PAGE_SIZE, mask=kv_ok, other=0).to(tl.int64)
+                page = pages_next.to(tl.int64)
+                offs_next = offs_n + BLOCK_N
+                pages_next = tl.load(bt_row + offs_next // PAGE_SIZE, mask=offs_next < end, other=0)
             slot = offs_n % PAGE_SIZE
         else:
             page = b.to(tl.int64)
@@ -96,9 +106,14 @@ def _decode_kernel(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if FP8:
+            # V scales enter P's columns relative to the tile's largest, so fp16 P cannot overflow
             vs = tl.load(VS + page * stride_vsp + slot * stride_vss + hkv * stride_vsh, mask=kv_ok, other=0.0)
-            p = p * vs[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+            v_max = tl.max(vs, 0)
+            v_max = tl.where(v_max > 0.0, v_max, 1.0)
+            pv = (p * (vs / v_max)[None, :]).to(tl.float16)
+            acc = acc * alpha[:, None] + tl.dot(pv, v.to(tl.float16)) * v_max
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
         m_i = m_new
 
     seen = l_i > 0.0
@@ -149,21 +164,22 @@ def _block_m(rows: int) -> int:
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_len: int, q_rows_per_kv_head: int,
                       sm_count: int) -> int:
-    """Number of key splits: about two programs per SM, each split at least 512 keys, at most 64."""
+    """Number of key splits: 1 when the programs fill every SM once; else about four programs
+    per SM, each split at least 512 keys, at most 64 splits."""
     programs = batch * num_kv_heads * triton.cdiv(q_rows_per_kv_head, _block_m(q_rows_per_kv_head))
-    target = 2 * sm_count
-    if programs >= target:
+    if programs >= sm_count:
         return 1
-    return max(1, min(triton.cdiv(target, programs), max_len // 512, 64))
+    return max(1, min(triton.cdiv(4 * sm_count, programs), max_len // 512, 64))
 
 
-def _default_config(D: int, fp8: bool) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) for head dim ``D``."""
+def _default_config(D: int, fp8: bool, split: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for head dim ``D``; measured on the H200 for D=128
+    (bench/results/decode.md): fp8 and split (small) grids want longer tiles."""
     if D <= 64:
-        return 128, 4, 3
+        return 128, 4, 2
     if D <= 128:
-        return (128 if fp8 else 64), 4, 3
-    return (64 if fp8 else 32), 4, 3
+        return (128 if fp8 or split else 64), 4, 2
+    return (64 if fp8 else 32), 4, 2
 
 
 def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float,
@@ -179,7 +195,8 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
     Separate K/V tensors with their own strides; last dim contiguous.
     seqlens: int32 (B,) valid keys per sequence, the Mq new ones included. Query i of sequence b
     sits at position seqlens[b] - Mq + i and sees keys j <= that position; a row seeing no key
-    gets out 0 and lse -inf. Hq must be a multiple of Hkv.
+    gets out 0 and lse -inf. Hq must be a multiple of Hkv. With fp8 K/V both dots run in fp16
+    (q cast to fp16: |q| must stay below 65504).
     Returns (out (B, Mq, Hq, D) in q's dtype, lse float32 (B, Hq, Mq) natural log), written into
     ``out``/``lse`` when given. ``num_splits > 1`` runs the split kernel into a float32 workspace
     and the reduce kernel; no host sync, so it can be captured in a CUDA graph.
@@ -194,7 +211,7 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
         out = torch.empty_like(q)
     if lse is None:
         lse = torch.empty((B, HQ, MQ), device=q.device, dtype=torch.float32)
-    bn, nw, ns = _default_config(D, fp8)
+    bn, nw, ns = _default_config(D, fp8, num_splits > 1)
     bn, nw, ns = block_n or bn, num_warps or nw, num_stages or ns
     paged = block_table is not None
     page_size = k_cache.shape[1] if paged else 1
