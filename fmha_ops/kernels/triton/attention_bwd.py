@@ -43,12 +43,12 @@ class BwdConfig:
     atomic_dq: bool = False
 
 
-DEFAULT_CONFIGS = {
+DEFAULT_CONFIGS = {  # by max(D, Dv); spill-free on sm_90a per ptxas -v (dK/dV kernel at D=256: 28 bytes)
     16: BwdConfig(64, 128, 8, 3, 128, 64, 8, 3),
     32: BwdConfig(64, 128, 8, 3, 128, 64, 8, 3),
     64: BwdConfig(64, 128, 8, 3, 128, 64, 8, 3),
-    128: BwdConfig(64, 128, 8, 2, 128, 64, 8, 2),
-    256: BwdConfig(64, 64, 8, 2, 64, 64, 8, 2),
+    128: BwdConfig(64, 128, 8, 3, 128, 64, 8, 3),
+    256: BwdConfig(16, 64, 8, 2, 128, 32, 8, 2),
 }
 
 
@@ -132,7 +132,7 @@ def _bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, d
               s_lb, s_lh, s_lm, s_eb, s_eh,
               s_dkb, s_dkm, s_dkh, s_dvb, s_dvm, s_dvh, s_aqb, s_aqm, s_aqh,
               Mq, Mk, qk_scale, sm_scale,
-              GROUP: tl.constexpr, CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, IS_VARLEN: tl.constexpr,
+              GROUP, CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, IS_VARLEN: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
               NUM_STAGES: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
@@ -153,8 +153,7 @@ def _bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, d
                 mask=n_ok[:, None], other=0.0)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_V], dtype=tl.float32)
-    # Query blocks: [lo, mid) diagonal (masked), [mid, q_full) interior, [max(mid, q_full), q_len) tail (masked).
-    q_full = q_len // BLOCK_M * BLOCK_M
+    # Query blocks: causal: [lo, mid) diagonal, [mid, q_len) visible; else [0, q_full) full, [q_full, q_len) tail.
     if CAUSAL:
         offset = k_len - q_len if BOTTOM_RIGHT else 0
         lo = tl.maximum(start_n - offset, 0) // BLOCK_M * BLOCK_M
@@ -162,8 +161,7 @@ def _bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, d
         mid = tl.minimum(mid, q_len)
     else:
         offset = 0
-        lo = 0
-        mid = 0
+        q_full = q_len // BLOCK_M * BLOCK_M
     for g in range(GROUP):
         h = hk * GROUP + g
         q_base = q_ptr + b * s_qb + h * s_qh + q_start * s_qm
@@ -171,16 +169,20 @@ def _bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, d
         lse_base = lse_ptr + b * s_lb + h * s_lh + q_start * s_lm
         delta_base = delta_ptr + b * s_eb + h * s_eh + q_start
         dqa_base = dq_acc_ptr + b * s_aqb + h * s_aqh + q_start * s_aqm
-        if CAUSAL:
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dqa_base, s_qm, s_dom, s_lm, s_aqm,
-                                 start_n, lo, mid, q_len, k_len, qk_scale, offset,
-                                 BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_STAGES, True, CAUSAL, ATOMIC_DQ)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dqa_base, s_qm, s_dom, s_lm, s_aqm,
-                             start_n, mid, q_full, q_len, k_len, qk_scale, offset,
-                             BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_STAGES, False, CAUSAL, ATOMIC_DQ)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dqa_base, s_qm, s_dom, s_lm, s_aqm,
-                             start_n, tl.maximum(mid, q_full), q_len, q_len, k_len, qk_scale, offset,
-                             BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_STAGES, True, CAUSAL, ATOMIC_DQ)
+        if CAUSAL:  # diagonal blocks, then the rest with bounds masks only (a third loop costs spills)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dqa_base, s_qm, s_dom, s_lm,
+                                 s_aqm, start_n, lo, mid, q_len, k_len, qk_scale, offset,
+                                 BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_STAGES, True, True, ATOMIC_DQ)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dqa_base, s_qm, s_dom, s_lm,
+                                 s_aqm, start_n, mid, q_len, q_len, k_len, qk_scale, offset,
+                                 BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_STAGES, True, False, ATOMIC_DQ)
+        else:  # full blocks unmasked, then the tail block
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dqa_base, s_qm, s_dom, s_lm,
+                                 s_aqm, start_n, 0, q_full, q_len, k_len, qk_scale, offset,
+                                 BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_STAGES, False, False, ATOMIC_DQ)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dqa_base, s_qm, s_dom, s_lm,
+                                 s_aqm, start_n, q_full, q_len, q_len, k_len, qk_scale, offset,
+                                 BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_STAGES, True, False, ATOMIC_DQ)
     dk = dk * sm_scale
     tl.store(dk_ptr + b * s_dkb + hk * s_dkh + (k_start + offs_n[:, None]) * s_dkm + offs_d[None, :],
              dk.to(dk_ptr.dtype.element_ty), mask=n_ok[:, None])
@@ -223,7 +225,7 @@ def _bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_q_ptr, c
             s_qb, s_qm, s_qh, s_kb, s_km, s_kh, s_vb, s_vm, s_vh, s_dob, s_dom, s_doh,
             s_lb, s_lh, s_lm, s_eb, s_eh, s_dqb, s_dqm, s_dqh,
             Mq, Mk, qk_scale, sm_scale,
-            GROUP: tl.constexpr, CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, IS_VARLEN: tl.constexpr,
+            GROUP, CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, IS_VARLEN: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
             NUM_STAGES: tl.constexpr):
     pid_m = tl.program_id(0)
