@@ -30,3 +30,10 @@ __all__ = [
     "PagedBlockDiagonalCausalWithOffsetPaddedKeysMask", "flash_attn_func", "flash_attn_varlen_func",
     "flash_attn_with_kvcache", "set_fp8_dequantized_backward", "fp8_attention", "i8fp8_attention",
 ]
+
+
+def __getattr__(name: str):
+    """Legacy xformers op tuples (``MemoryEfficientAttentionCkDecoderOp``, ...): warn once, return (FwOp, None)."""
+    from .ops.flydsl_decode import xformers_tuple
+
+    return xformers_tuple(name)
