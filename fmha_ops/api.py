@@ -94,7 +94,7 @@ def merge_attentions(
     out = out.to(output_dtype or attn.dtype)
     if not write_lse:
         return out, None
-    merged = (top_safe + torch.log(total)).movedim(2, -1)
+    merged = (top_safe + torch.log(total)).movedim(1, -1)  # (B, M, [G,] H) -> (B, [G,] H, M)
     return out, merged
 
 
