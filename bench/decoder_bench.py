@@ -157,8 +157,8 @@ def _grid(**axes):
 
 
 SWEEPS = {  # tuning variants timed (graph mode) when --sweep is given
-    "B64_L4096_p64": {"bf16": _grid(block_n=(64, 128), num_warps=(4, 8), num_stages=(2, 3)),
-                      "fp8": _grid(block_n=(64, 128, 256), num_warps=(4, 8), num_stages=(2, 3))},
+    "B64_L4096_p64": {"bf16": _grid(block_n=(64, 128), num_stages=(2, 3)),
+                      "fp8": _grid(block_n=(64, 128, 256), num_stages=(2, 3))},
     "B64_L4096_p16": {"bf16": _grid(block_n=(16, 32, 64, 128), num_stages=(2, 3)),
                       "fp8": _grid(block_n=(16, 64, 128, 256))},
     "B1_Hq64_L131072_p64": {"bf16": _grid(num_splits=(32, 48, 64), block_n=(64, 128)),
