@@ -99,6 +99,7 @@ class SdpaEfficientFwOp(_SdpaOp):
     OUT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
     HEAD_DIMS = range(1, 513)
     HEAD_DIMS_V = range(1, 513)
+    GQA = False  # enable_gqa is not implemented by this backend (torch 2.11)
     DETERMINISTIC = False
     RATES = (250.0, 2.0, 8.0)
 
