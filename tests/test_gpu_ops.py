@@ -24,6 +24,8 @@ def rnd(*shape, dtype=torch.bfloat16):
 @pytest.mark.parametrize("op", ["sdpa_cudnnF", "sdpa_flashF", "sdpa_efficientF", "sdpa_mathF", "triton_attnF"])
 @pytest.mark.parametrize("hkv,causal", [(8, False), (2, True), (1, False)])
 def test_bf16_ops_match_reference(op, hkv, causal):
+    if op == "sdpa_efficientF" and hkv != 8:
+        pytest.skip("sdpa_efficientF declares no GQA")
     q, k, v = rnd(2, 333, 8, 128), rnd(2, 333, hkv, 128), rnd(2, 333, hkv, 128)
     bias = fmha_ops.LowerTriangularMask() if causal else None
     out = fmha_ops.memory_efficient_attention(q, k, v, bias, op=op)
@@ -111,7 +113,7 @@ def test_kvcache_paged_decode(page, fp8):
     for b in range(B):
         n = int(lens[b])
         rows = (table[b].long()[:, None] * page + torch.arange(page, device=DEV)).flatten()[:n]
-        r = ref(q[b:b + 1], kf[None, :].flatten(1, 2)[:, rows], vf[None].flatten(1, 2)[:, rows])
+        r = ref(q[b:b + 1].float(), kf[None].flatten(1, 2)[:, rows], vf[None].flatten(1, 2)[:, rows])
         rep = error_report(out[b:b + 1], r)
         assert rep["rel"] < 2e-2 or n == 0, (b, rep)
     assert out[0].abs().max() == 0
