@@ -2,8 +2,8 @@
 
     python bench/attention_fwd_bench.py [--sweep] [--quick] [--out DIR]
 
-TFLOP/s = 4*B*H*N^2*D / t, halved when causal. Our fp8/i8fp8 times include the V transpose copy the
-launcher makes (reported separately as ``vT_ms``) and exclude quantization (inputs arrive quantized,
+TFLOP/s = 4*B*H*N^2*D / t, halved when causal. Our fp8/i8fp8 times include the V transpose the
+launcher makes (``transpose_v``, reported separately as ``vT_ms``) and exclude quantization (inputs arrive quantized,
 as with FA3); SageAttention 1.0.6 (if importable) quantizes inside its call.
 ``--sweep`` first times tile/launch variants of the fp8 path per head dim and uses the best ones.
 Writes attention_fwd.json/.png, attention_fwd_sweep.json, and markdown sections attention_fwd.md and
@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import base_parser, bar_plot, environment, out_dir, print_table, time_ms, write_json  # noqa: E402
-from fmha_ops.kernels.triton.attention_fwd import attention_forward, default_config  # noqa: E402
+from fmha_ops.kernels.triton.attention_fwd import attention_forward, default_config, transpose_v  # noqa: E402
 from fmha_ops.quant import quantize_i8fp8, quantize_qkv_fp8  # noqa: E402
 from tests.numerics import error_report, transformer_like  # noqa: E402
 
@@ -37,14 +37,13 @@ SHAPES = [  # B, Hq, Hkv, N, D, causal
 ]
 
 SWEEP = {  # (head dim, causal) -> list of (block_m, block_n, num_warps, num_stages, extra options)
-    (128, False): [(128, 128, 8, 2, {}), (128, 128, 8, 3, {}), (128, 64, 4, 3, {}), (64, 128, 4, 3, {}),
-                   (128, 128, 8, 2, {"v_transposed": False}), (128, 128, 8, 2, {"warp_specialize": True}),
-                   (128, 128, 8, 2, {"pv_two_level": True})],
-    (128, True): [(128, 128, 8, 2, {}), (128, 128, 8, 3, {}), (128, 64, 4, 3, {})],
-    (64, False): [(128, 128, 8, 3, {}), (128, 64, 4, 3, {}), (128, 128, 4, 3, {})],
-    (256, False): [(128, 64, 8, 2, {}), (64, 64, 4, 2, {}), (128, 128, 8, 1, {})],
+    (128, False): [(64, 128, 4, 3, {}), (64, 128, 4, 4, {}), (64, 128, 4, 2, {}), (64, 64, 4, 4, {}),
+                   (64, 256, 4, 2, {}), (128, 128, 8, 3, {}), (64, 128, 4, 3, {"warp_specialize": True})],
+    (128, True): [(64, 128, 4, 3, {}), (128, 64, 4, 3, {}), (64, 64, 4, 3, {}), (64, 128, 4, 4, {})],
+    (64, False): [(128, 128, 4, 3, {}), (128, 128, 4, 4, {}), (64, 128, 4, 3, {}), (64, 256, 4, 3, {}),
+                  (128, 256, 8, 3, {})],
+    (256, False): [(64, 64, 4, 2, {}), (64, 64, 4, 3, {}), (64, 128, 4, 2, {}), (128, 64, 8, 3, {})],
 }
-I8_SWEEP = ({}, {"pv_two_level": True})  # i8fp8 variants timed on the first (128, False) config
 
 
 def tflops(B, H, N, D, causal, ms):
@@ -99,18 +98,17 @@ def sweep(out):
         q, k, v = prepare(B, H, H, N, D, False)
         q8, k8, v8, qd, kd, vd = quantize_qkv_fp8(q, k, v)
         xi = quantize_i8fp8(q, k, v) if (D, causal) == (128, False) else None
-        for i, (bm, bn, w, s, extra) in enumerate(variants):
+        for bm, bn, w, s, extra in variants:
             cfg = dict(block_m=bm, block_n=bn, num_warps=w, num_stages=s, **extra)
             row = dict(D=D, causal=causal, cfg=json.dumps(cfg))
             ms = _safe(lambda: time_ms(lambda: attention_forward(
                 q8, k8, v8, scale=D ** -0.5, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, **cfg)))
             row["fp8"] = tflops(B, H, N, D, causal, ms) if ms else None
-            if xi is not None and (i == 0 or not extra):
-                for j, iextra in enumerate(I8_SWEEP if i == 0 else ({},)):
-                    ms = _safe(lambda: time_ms(lambda: attention_forward(
-                        xi.q, xi.k, xi.v, scale=1.0, causal=causal, q_descale=xi.q_descale, k_descale=xi.k_descale,
-                        v_descale=xi.v_descale, **cfg, **iextra)))
-                    row["i8fp8" + ("_2lvl" if iextra else "")] = tflops(B, H, N, D, causal, ms) if ms else None
+            if xi is not None and not extra:
+                ms = _safe(lambda: time_ms(lambda: attention_forward(
+                    xi.q, xi.k, xi.v, scale=1.0, causal=causal, q_descale=xi.q_descale, k_descale=xi.k_descale,
+                    v_descale=xi.v_descale, **cfg)))
+                row["i8fp8"] = tflops(B, H, N, D, causal, ms) if ms else None
             print(row, flush=True)
             rows.append(row)
             key = (D, causal)
@@ -120,7 +118,7 @@ def sweep(out):
     with open(os.path.join(out, "attention_fwd_sweep.json"), "w") as f:
         json.dump({"env": environment(), "rows": rows, "best": {f"{k[0]}_{k[1]}": v for k, v in best.items()}}, f,
                   indent=1)
-    print_table(rows, ["D", "causal", "cfg", "fp8", "i8fp8", "i8fp8_2lvl"])
+    print_table(rows, ["D", "causal", "cfg", "fp8", "i8fp8"])
     return {k: v[1] for k, v in best.items()}
 
 
@@ -151,8 +149,7 @@ def speed_table(out, best, quick):
         if sage is not None and D in (64, 128):
             ks = k.clone()
             row["sage1"] = f(_safe(lambda: time_ms(lambda: sage(q, ks, v, tensor_layout="NHD", is_causal=causal))))
-        row["vT_ms"] = _safe(lambda: time_ms(lambda: torch.empty(B, Hkv, D, N, dtype=v8.dtype, device="cuda")
-                                             .copy_(v8.permute(0, 2, 3, 1))))
+        row["vT_ms"] = _safe(lambda: time_ms(lambda: transpose_v(v8)))
         for num, den in (("fp8", "cudnn"), ("i8fp8", "cudnn"), ("i8fp8", "fp8"), ("bf16", "cudnn")):
             row[f"{num}/{den}"] = row[num] / row[den] if row.get(num) and row.get(den) else None
         print(row, flush=True)
@@ -183,14 +180,18 @@ def accuracy_table(out, best):
         del kf, vf
         q8, k8, v8, qd, kd, vd = quantize_qkv_fp8(q, k, v)
         xi = quantize_i8fp8(q, k, v)
+        xh = quantize_i8fp8(q, k, v, qk_granularity="head")
         qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
         runs = {
             "ours i8fp8 (block q/k, channel v)": lambda: attention_forward(
                 xi.q, xi.k, xi.v, scale=1.0, q_descale=xi.q_descale, k_descale=xi.k_descale, v_descale=xi.v_descale,
                 **cfg)[0],
-            "ours i8fp8 + two-level PV": lambda: attention_forward(
+            "ours i8fp8 (head q/k, channel v)": lambda: attention_forward(
+                xh.q, xh.k, xh.v, scale=1.0, q_descale=xh.q_descale, k_descale=xh.k_descale, v_descale=xh.v_descale,
+                **cfg)[0],
+            "ours i8fp8 (block q/k, channel v), fp16 PV": lambda: attention_forward(
                 xi.q, xi.k, xi.v, scale=1.0, q_descale=xi.q_descale, k_descale=xi.k_descale, v_descale=xi.v_descale,
-                **{**cfg, "pv_two_level": True})[0],
+                pv_fp8=False, **cfg)[0],
             "ours fp8 (B,Hkv descales)": lambda: attention_forward(
                 q8, k8, v8, scale=D ** -0.5, q_descale=qd, k_descale=kd, v_descale=vd, **cfg)[0],
             "ours bf16": lambda: attention_forward(q, k, v, scale=D ** -0.5)[0],
@@ -208,7 +209,7 @@ def accuracy_table(out, best):
             rows.append(dict(inputs=dist, kernel=name, ms=ms, tflops=tflops(B, H, N, D, False, ms) if ms else None,
                              mae=e["mae"], max=e["max"], cos=e["cos"], rel=e["rel"]))
             print(rows[-1], flush=True)
-        del q, k, v, ref, q8, k8, v8, xi, qt, kt, vt
+        del q, k, v, ref, q8, k8, v8, xi, xh, qt, kt, vt
         torch.cuda.empty_cache()
     cols = ["inputs", "kernel", "ms", "tflops", "mae", "max", "cos", "rel"]
     print_table(rows, cols)
@@ -236,7 +237,7 @@ def main():
         best = _safe(lambda: sweep(out)) or {}
     for D in (64, 128, 256):
         for c in (False, True):
-            best.setdefault((D, c), default_config(D, torch.float8_e4m3fn))
+            best.setdefault((D, c), default_config(D, c))
     rows, cols = speed_table(out, best, args.quick)
     head = (f"date {env['date']}, GPU {env.get('gpu')}, torch {env['torch']}, triton {env['triton']}, "
             f"CUDA {env['cuda']}\n\n")

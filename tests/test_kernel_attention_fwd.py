@@ -319,18 +319,20 @@ def test_gpu_all_paths(shape, kind):
 @pytest.mark.gpu
 @pytest.mark.parametrize("ratio", [1, 3, 16])
 def test_gpu_gqa_varlen_fp8(ratio):
-    from fmha_ops.quant import quantize_fp8
+    from fmha_ops.quant import quantize_qkv_fp8
 
     Hkv, D = 2, 128
     seq_q, seq_k = [0, 1, 1000, 300, 4097, 0, 17], [3, 1, 1000, 700, 4097, 0, 0]
     q, k, v, cq, ck = _varlen_pack(seq_q, seq_k, Hkv * ratio, Hkv, D, torch.float32)
-    q8, k8, v8 = (quantize_fp8(t)[0] for t in (q, k, v))
+    q8, k8, v8, qd, kd, vd = quantize_qkv_fp8(q, k, v)  # one descale per (packed batch of 1, kv head)
+    n = len(seq_q)
     for causal in (False, True):
         o, lse = _fwd()(q8, k8, v8, scale=D ** -0.5, causal=causal, cu_seqlens_q=cq, cu_seqlens_k=ck,
+                        q_descale=qd.expand(n, Hkv), k_descale=kd.expand(n, Hkv), v_descale=vd.expand(n, Hkv),
                         max_seqlen_q=max(seq_q), max_seqlen_k=max(seq_k), return_lse=True,
                         out=_poisoned(1, q.shape[1], Hkv * ratio, D, torch.bfloat16))
-        ref, ref_lse = _varlen_reference(q8.float().double(), k8.float().double(), v8.float().double(), cq, ck,
-                                         D ** -0.5, causal, True)
+        ref, ref_lse = _varlen_reference(_dq(q8, qd, ratio).double(), _dq(k8, kd).double(), _dq(v8, vd).double(),
+                                         cq, ck, D ** -0.5, causal, True)
         err = error_report(o, ref)
         assert err["rel"] < 4e-2, err
         _check_lse(lse, ref_lse, 2e-2)

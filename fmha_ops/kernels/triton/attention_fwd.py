@@ -28,26 +28,28 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, k_row0, start_n, seqlen_k, diag, offs_m, offs_n,
           MASKED: tl.constexpr, CAUSAL: tl.constexpr, QK_INT8: tl.constexpr, K_BLOCKSCALE: tl.constexpr,
-          PV_FP8: tl.constexpr, PV_TWO_LEVEL: tl.constexpr, V_T: tl.constexpr, P_SHIFT: tl.constexpr,
+          PV_FP8: tl.constexpr, V_T: tl.constexpr, P_SHIFT: tl.constexpr,
           K_SCALE_BLOCK: tl.constexpr, v_row0):
     """One BLOCK_N step of the online softmax. Scores are in log2 units after ``qk_scale``."""
     k = k_desc.load([k_row0 + start_n, 0])
     if QK_INT8:
         # int32 -> fp32 without I2F (16/clk/SM, as slow as exp2): |s| < 2**22 for D <= 256, so adding
-        # 1.5 * 2**23 puts s in the mantissa of a float whose value is 12582912 + s
-        s = (tl.dot(q, k.T, out_dtype=tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+        # 1.5 * 2**23 puts s in the mantissa of a float worth 12582912 + s; the scaling FMA removes the offset
+        s = (tl.dot(q, k.T, out_dtype=tl.int32) + 0x4B400000).to(tl.float32, bitcast=True)
+        if K_BLOCKSCALE:
+            cols = start_n + offs_n
+            cs = tl.load(kd_ptr + cols // K_SCALE_BLOCK, mask=cols < seqlen_k, other=0.0) * qk_scale
+            s = s * cs[None, :] - (12582912.0 * cs)[None, :]
+        else:
+            s = s * qk_scale - 12582912.0 * qk_scale
     else:
         s = tl.dot(q, k.T)
-    if K_BLOCKSCALE:
-        cols = start_n + offs_n
-        kd = tl.load(kd_ptr + cols // K_SCALE_BLOCK, mask=cols < seqlen_k, other=0.0)
-        s = s * (kd * qk_scale)[None, :]
     if MASKED:
         cols = start_n + offs_n
         keep = cols[None, :] < seqlen_k
         if CAUSAL:
             keep = keep & (cols[None, :] <= offs_m[:, None] + diag)
-        if not K_BLOCKSCALE:
+        if not QK_INT8:
             s = s * qk_scale
         s = tl.where(keep, s, float("-inf"))
         m_ij = tl.maximum(m_i, tl.max(s, 1))
@@ -55,7 +57,7 @@ def _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, k_row0, start_n, s
         m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
         p = tl.math.exp2(s - (m_sub - P_SHIFT)[:, None])
         alpha = tl.math.exp2(m_i - m_sub)
-    elif K_BLOCKSCALE:
+    elif QK_INT8:
         m_ij = tl.maximum(m_i, tl.max(s, 1))
         p = tl.math.exp2(s - (m_ij - P_SHIFT)[:, None])
         alpha = tl.math.exp2(m_i - m_ij)
@@ -73,10 +75,7 @@ def _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, k_row0, start_n, s
     else:
         p = p.to(tl.float16)
         v = v.to(tl.float16)
-    if PV_TWO_LEVEL:
-        acc = acc * alpha[:, None] + tl.dot(p, v)
-    else:
-        acc = tl.dot(p, v, acc * alpha[:, None])
+    acc = tl.dot(p, v, acc * alpha[:, None])
     return acc, l_i, m_ij
 
 
@@ -93,7 +92,7 @@ def _attn_fwd_kernel(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, VARLEN: tl.constexpr,
-    QK_INT8: tl.constexpr, PV_FP8: tl.constexpr, PV_TWO_LEVEL: tl.constexpr, V_T: tl.constexpr,
+    QK_INT8: tl.constexpr, PV_FP8: tl.constexpr, V_T: tl.constexpr,
     P_SHIFT: tl.constexpr, Q_BLOCKSCALE: tl.constexpr, K_BLOCKSCALE: tl.constexpr, V_PER_CHANNEL: tl.constexpr,
     Q_SCALE_BLOCK: tl.constexpr, K_SCALE_BLOCK: tl.constexpr,
     WRITE_LSE: tl.constexpr, REVERSE_M: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
@@ -173,11 +172,11 @@ def _attn_fwd_kernel(
 
     for start_n in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, k_start, start_n, seqlen_k, diag,
-                              offs_m, offs_n, False, CAUSAL, QK_INT8, K_BLOCKSCALE, PV_FP8, PV_TWO_LEVEL, V_T,
+                              offs_m, offs_n, False, CAUSAL, QK_INT8, K_BLOCKSCALE, PV_FP8, V_T,
                               P_SHIFT, K_SCALE_BLOCK, v_start)
     for start_n in tl.range(full_end, kv_end, BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, k_start, start_n, seqlen_k, diag,
-                              offs_m, offs_n, True, CAUSAL, QK_INT8, K_BLOCKSCALE, PV_FP8, PV_TWO_LEVEL, V_T,
+                              offs_m, offs_n, True, CAUSAL, QK_INT8, K_BLOCKSCALE, PV_FP8, V_T,
                               P_SHIFT, K_SCALE_BLOCK, v_start)
 
     empty = l_i == 0.0
@@ -268,13 +267,15 @@ def _ensure_allocator() -> None:
         _ALLOCATOR_SET = True
 
 
-def default_config(head_dim: int, dtype: torch.dtype) -> dict:
-    """Tile sizes and launch options per head dim (tuned on an H200; see bench/results/attention_fwd.md)."""
-    if head_dim <= 64:
-        return dict(block_m=128, block_n=128, num_warps=8, num_stages=3)
+def default_config(head_dim: int, causal: bool) -> dict:
+    """Tile sizes and launch options per head dim, from the H200 sweep in bench/results/attention_fwd.md.
+
+    One warpgroup per program (4 warps, BLOCK_M 64) lets two programs share an SM, which overlaps one's
+    softmax with the other's MMAs; 8-warp BLOCK_M 128 tiles measured 20% slower.
+    """
     if head_dim <= 128:
-        return dict(block_m=128, block_n=128, num_warps=8, num_stages=2)
-    return dict(block_m=128, block_n=64, num_warps=8, num_stages=2)
+        return dict(block_m=64, block_n=64 if causal else 128, num_warps=4, num_stages=3)
+    return dict(block_m=64, block_n=64, num_warps=4, num_stages=3)
 
 
 def _descale_args(t, device, B, H, name):
@@ -291,7 +292,7 @@ def _descale_args(t, device, B, H, name):
 def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bottom_right: bool = True,
                       q_descale=None, k_descale=None, v_descale=None,
                       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                      out_dtype=None, return_lse=False, pv_fp8: bool = True, pv_two_level: bool = False,
+                      out_dtype=None, return_lse=False, pv_fp8: bool = True,
                       v_transposed: bool | None = None, block_m=None, block_n=None, num_warps=None, num_stages=None,
                       warp_specialize: bool = False, out=None):
     """Attention forward, BMHK layout.
@@ -308,9 +309,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
     Causal: key j visible to query i iff j <= i + Mk - Mq (bottom-right, FA2/FA3) or j <= i (top-left);
     rows that see no key give out = 0 and lse = -inf.
     Returns (out (B, Mq, Hq, Dv), lse float32 natural log (B, Hq, Mq) or None).
-    Options: pv_fp8=False runs PV in fp16 for fp8 v (more accurate, slower); pv_two_level=True adds each block's fp8 PV
-    product to the fp32 accumulator outside the tensor core (the Hopper fp8 MMA accumulates imprecisely);
-    v_transposed (default: True for fp8 v on CUDA) copies V to (B, Hkv, Dv, Mk) first; block sizes and
+    Options: pv_fp8=False runs PV in fp16 for fp8 v (more accurate, slower); v_transposed (default: True for fp8 v on CUDA) copies V to (B, Hkv, Dv, Mk) first; block sizes and
     launch options override ``default_config``; ``out`` is an optional preallocated (B, Mq, Hq, Dv) output.
     """
     B, Mq, Hq, D = q.shape
@@ -337,7 +336,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
         nseq = B
         grid_m = Mq
     device = q.device
-    cfg = default_config(max(D, Dv), q.dtype)
+    cfg = default_config(max(D, Dv), causal)
     BM = block_m or cfg["block_m"]
     BN = block_n or cfg["block_n"]
     if v_transposed is None:
@@ -400,7 +399,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
         D=D, DV=Dv, BLOCK_D=triton.next_power_of_2(D), BLOCK_DV=triton.next_power_of_2(Dv),
         BLOCK_M=BM, BLOCK_N=BN,
         CAUSAL=causal, BOTTOM_RIGHT=causal_bottom_right, VARLEN=varlen,
-        QK_INT8=qk_int8, PV_FP8=pv_fp8 and fp8_v, PV_TWO_LEVEL=pv_two_level, V_T=v_transposed,
+        QK_INT8=qk_int8, PV_FP8=pv_fp8 and fp8_v, V_T=v_transposed,
         P_SHIFT=p_shift, Q_BLOCKSCALE=q_block, K_BLOCKSCALE=k_block, V_PER_CHANNEL=v_chan,
         Q_SCALE_BLOCK=Q_SCALE_BLOCK, K_SCALE_BLOCK=K_SCALE_BLOCK,
         WRITE_LSE=return_lse, REVERSE_M=causal, WARP_SPECIALIZE=warp_specialize,
