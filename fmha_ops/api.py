@@ -145,13 +145,16 @@ _IDENTITY = _Fold()
 def _inputs(query, key, value, attn_bias, p, scale, output_dtype, is_partial, q_descale, k_descale, v_descale,
             quantize_kv) -> tuple[Inputs, _Fold]:
     fold = _IDENTITY
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if query.ndim == 5:
         if key.ndim != 5 or value.ndim != 5:
             raise ValueError(f"query is 5-D (BMGHK) but key is {key.ndim}-D and value {value.ndim}-D")
         b, m, g, h, _ = query.shape
         fold = _Fold((b, m, g, h))
         query = query.reshape(b, m, g * h, query.shape[-1])
-        if key.shape[3] == 1 or key.stride(3) == 0:
+        if _expanded_over_heads(key) and _expanded_over_heads(value):  # MQA/GQA: one kv head per group
             key, value = key[:, :, :, 0], value[:, :, :, 0]
         else:
             key, value = key.flatten(2, 3), value.flatten(2, 3)
@@ -164,6 +167,10 @@ def _inputs(query, key, value, attn_bias, p, scale, output_dtype, is_partial, q_
         attn_bias = ab.from_xformers(attn_bias)
     return Inputs(query, key, value, attn_bias, p, scale, output_dtype, is_partial, q_descale, k_descale, v_descale,
                   quantize_kv), fold
+
+
+def _expanded_over_heads(t: torch.Tensor) -> bool:
+    return t.shape[3] == 1 or t.stride(3) == 0
 
 
 def _make_problem(inp: Inputs, needs_lse: bool) -> Problem:

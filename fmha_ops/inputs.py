@@ -264,6 +264,9 @@ class Inputs:
         if q.shape[1] != nq:
             raise ValueError(f"query has {q.shape[1]} tokens but attn_bias q_seqinfo covers {nq}")
         if isinstance(bias, ab.BlockDiagonalMask):
+            if len(bias.k_seqinfo.seqstart_py) != len(bias.q_seqinfo.seqstart_py):
+                raise ValueError(f"attn_bias has {len(bias.q_seqinfo.seqstart_py) - 1} query sequences but "
+                                 f"{len(bias.k_seqinfo.seqstart_py) - 1} key sequences")
             nk = bias.k_seqinfo.seqstart_py[-1]
             if k.shape[1] != nk:
                 raise ValueError(f"key has {k.shape[1]} tokens but attn_bias k_seqinfo covers {nk}")

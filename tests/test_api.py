@@ -106,8 +106,6 @@ def ops_claiming(inp, skip_known_bad=True):
     return ops
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: under TRITON_INTERPRET=1 the triton ops declare bf16 support on CPU, but "
-                                       "the interpreter's bf16 tl.dot is wrong (outputs ~1e8)")
 def test_triton_ops_claiming_bf16_on_cpu_are_correct():
     q, k, v = _spec_inputs(SPECS["none"], torch.bfloat16)
     ref = naive_attention(q, k, v, None)
@@ -186,8 +184,6 @@ def test_bmghk(expanded):
     assert torch.allclose(lse[:, 1, 2], ref_lse[:, 0].float(), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: api._inputs folds value like key (value[:, :, :, 0]) when only key "
-                                       "is expanded over heads, silently dropping value heads")
 def test_bmghk_mixed_expanded_value():
     """key expanded over heads but value not: value's distinct heads must not be dropped."""
     b, m, n, g_, h, d = 1, 4, 5, 1, 3, 8
@@ -273,16 +269,10 @@ QUANT_CASES = [
 ]
 
 
-VARLEN_HEAD_BUG = pytest.mark.xfail(
-    strict=True, raises=IndexError,
-    reason="BUG in ops/reference.py dequantized_qkv: per-sequence 'head' descales are indexed by "
-           "repeat_interleave(seqlens, seqlens) (the lengths) instead of repeat_interleave(arange(nseq), seqlens)")
-
-
 def _quant_params():
     for mask in ("none", "varlen_causal"):
         for case in QUANT_CASES:
-            marks = [VARLEN_HEAD_BUG] if mask != "none" and "head" in case[2:] else []
+            marks = []
             yield pytest.param(*case, mask, marks=marks,
                                id=f"{mask}-" + "-".join(str(x).replace("torch.", "") for x in case))
 

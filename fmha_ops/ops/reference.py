@@ -69,7 +69,7 @@ def dequantized_qkv(inp: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
         for i, (info, kind) in enumerate(zip((inp.attn_bias.q_seqinfo, inp.attn_bias.k_seqinfo, inp.attn_bias.k_seqinfo),
                                              kinds)):
             if kind == "head":
-                seq = torch.repeat_interleave(torch.tensor(info.seqlens), torch.tensor(info.seqlens))
+                seq = torch.repeat_interleave(torch.arange(len(info.seqlens)), torch.tensor(info.seqlens))
                 d = descales[i][seq.to(q.device)]
                 descales[i] = d.repeat_interleave((q if i == 0 else k).shape[2] // d.shape[1], dim=1)[None]
                 kinds = kinds[:i] + ("token",) + kinds[i + 1:]

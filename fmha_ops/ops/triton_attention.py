@@ -29,6 +29,13 @@ _TOP_LEFT = frozenset({ab.CAUSAL, ab.BLOCK_DIAGONAL_CAUSAL})
 _OUT = frozenset({torch.bfloat16, torch.float16, torch.float32})
 
 
+def interpreter_reasons(p: Problem) -> list[str]:
+    """The Triton interpreter (CPU) computes bfloat16 tl.dot wrongly: refuse bf16 there."""
+    if p.arch.kind == "cpu" and torch.bfloat16 in (p.q_dtype, p.k_dtype, p.v_dtype):
+        return ["bfloat16 is not computed correctly by the Triton interpreter (CPU); use float16 there"]
+    return []
+
+
 def mask_args(inp: Inputs) -> dict:
     """The kernel's causal / varlen keyword arguments for the call's attn_bias."""
     kind = inp.bias_kind
@@ -51,6 +58,10 @@ class _TritonFwOp(AttentionFwOp):
     PARTIAL = True
     #: achieved TFLOP/s on the H200 (non-causal, d128), for the cost model
     TFLOPS: ClassVar[float]
+
+    @classmethod
+    def extra_reasons(cls, p: Problem) -> list[str]:
+        return interpreter_reasons(p)
 
     @classmethod
     def apply(cls, inp, needs_lse):
@@ -89,9 +100,10 @@ class TritonI8Fp8FwOp(_TritonFwOp):
 
     @classmethod
     def extra_reasons(cls, p: Problem) -> list[str]:
+        r = super().extra_reasons(p)
         if p.bias in ab.VARLEN_KINDS and "block" in p.descales:
-            return ["per-block descales with a varlen (BlockDiagonal) mask not supported"]
-        return []
+            r.append("per-block descales with a varlen (BlockDiagonal) mask not supported")
+        return r
 
 
 @register
@@ -105,7 +117,10 @@ class TritonFwOp(_TritonFwOp):
 
     @classmethod
     def extra_reasons(cls, p: Problem) -> list[str]:
-        return [] if p.out_dtype == p.q_dtype else [f"output dtype must equal the input dtype {p.q_dtype}"]
+        r = super().extra_reasons(p)
+        if p.out_dtype != p.q_dtype:
+            r.append(f"output dtype must equal the input dtype {p.q_dtype}")
+        return r
 
 
 @register
@@ -125,6 +140,10 @@ class TritonBwOp(AttentionBwOp):
     GQA = True
     PARTIAL = True
     DESCALES = {r: kinds | {"none"} for r, kinds in TritonI8Fp8FwOp.DESCALES.items()}
+
+    @classmethod
+    def extra_reasons(cls, p: Problem) -> list[str]:
+        return interpreter_reasons(p)
 
     @classmethod
     def apply_bw(cls, inp, out, lse, grad_out):

@@ -21,7 +21,7 @@ from ..dispatch import register
 from ..inputs import FP8_DTYPES, Inputs, Problem
 from .base import AttentionFwOp
 from .cost import attention_bytes
-from .triton_attention import _ARCHS
+from .triton_attention import _ARCHS, interpreter_reasons
 
 _HALF = (torch.float16, torch.bfloat16)
 _FP8_KV_DESCALES = frozenset({"token", "tensor", "head"})
@@ -91,7 +91,7 @@ class _DecodeOp(AttentionFwOp):
 
     @classmethod
     def extra_reasons(cls, p: Problem) -> list[str]:
-        r = []
+        r = interpreter_reasons(p)
         if p.out_dtype not in (p.q_dtype, torch.float32):
             r.append(f"output dtype must be the query's ({p.q_dtype}) or float32")
         if p.bias in (ab.NONE, ab.PADDED_KEYS, ab.PAGED) and p.seqlen_q > 1:
