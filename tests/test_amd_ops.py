@@ -140,7 +140,8 @@ def test_forced_op_raises_with_reason_no_fallback(fresh_warnings, op):
     q, k, v, bias = _decode_call()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with pytest.raises(ValueError, match=r"op='flydsl_\w+' cannot run this call: unavailable: .*(flydsl|rocm:gfx942,gfx950)"):
+        pattern = r"op='flydsl_\w+' cannot run this call: unavailable: .*(flydsl|rocm:gfx942,gfx950)"
+        with pytest.raises(ValueError, match=pattern):
             fmha_ops.memory_efficient_attention_forward(q, k, v, bias, op=op)
 
 
