@@ -70,7 +70,7 @@ def make_bias(spec: dict, device="cpu") -> ab.AttentionBias | None:
         m = ab.BlockDiagonalMask.from_seqlens(spec["q"], spec["k"], device=device)
         return {"": m, "tl": m.make_causal(), "br": m.make_causal_from_bottomright()}[c]
     cls = ab.BlockDiagonalCausalWithOffsetPaddedKeysMask if c == "br" else ab.BlockDiagonalPaddedKeysMask
-    padded = cls.from_seqlens(spec["q"], spec.get("padding", 0) or _cap(spec), spec["k"], device=device)
+    padded = cls.from_seqlens(spec["q"], spec["padding"] if kind == "padded" else _cap(spec), spec["k"], device=device)
     if kind == "padded":
         return padded
     return padded.make_paged(torch.tensor(spec["table"], dtype=torch.int32, device=device), spec["page"])
@@ -90,6 +90,8 @@ def naive_attention(q, k, v, allowed: torch.Tensor | None, scale: float | None =
     s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
     if allowed is not None:
         s = s.masked_fill(~allowed, -math.inf)
+    if s.shape[-1] == 0:
+        return q.new_zeros(*q.shape[:3], v.shape[-1])
     mx = s.amax(-1, keepdim=True)
     mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
     e = torch.exp(s - mx)
