@@ -34,36 +34,45 @@ CUDNN_REF = {0: 519, 1: 551, 2: 534, 3: 380, 4: 354}  # HARDWARE.md, TFLOP/s, fo
 # name -> config; "default" is DEFAULT_CONFIGS[D]. Fields: dkdv (BM, BN, warps, stages), dq (BM, BN, warps, stages).
 VARIANTS = {
     128: {
-        "kv32x128": BwdConfig(32, 128, 8, 2, 128, 64, 8, 3),
-        "kv64x64": BwdConfig(64, 64, 8, 3, 128, 64, 8, 3),
-        "kv16x128": BwdConfig(16, 128, 8, 3, 128, 64, 8, 3),
-        "q128x32": BwdConfig(64, 128, 8, 3, 128, 32, 8, 3),
-        "q128x64s2": BwdConfig(64, 128, 8, 3, 128, 64, 8, 2),
-        "atomic32x128": BwdConfig(32, 128, 8, 2, 0, 0, 0, 0, atomic_dq=True),
-        "atomic64x64": BwdConfig(64, 64, 8, 2, 0, 0, 0, 0, atomic_dq=True),
-        "atomic64x128": BwdConfig(64, 128, 8, 3, 0, 0, 0, 0, atomic_dq=True),
+        "kv64x128s4": BwdConfig(64, 128, 8, 4, 128, 64, 8, 3),
+        "q128x128": BwdConfig(64, 128, 8, 3, 128, 128, 8, 2),
+        "q128x64s4": BwdConfig(64, 128, 8, 3, 128, 64, 8, 4),
+        "q64x64": BwdConfig(64, 128, 8, 3, 64, 64, 4, 3),
     },
     256: {
-        "kv32x64": BwdConfig(32, 64, 8, 2, 128, 32, 8, 2),
-        "kv64x64": BwdConfig(64, 64, 8, 2, 128, 32, 8, 2),
-        "q64x32": BwdConfig(16, 64, 8, 2, 64, 32, 8, 2),
-        "q128x16": BwdConfig(16, 64, 8, 2, 128, 16, 8, 2),
-        "atomic16x64": BwdConfig(16, 64, 8, 2, 0, 0, 0, 0, atomic_dq=True),
-        "atomic32x64": BwdConfig(32, 64, 8, 2, 0, 0, 0, 0, atomic_dq=True),
+        "q64x64": BwdConfig(64, 64, 8, 2, 64, 64, 8, 2),
+        "q64x32": BwdConfig(64, 64, 8, 2, 64, 32, 8, 2),
+        "q128x16": BwdConfig(64, 64, 8, 2, 128, 16, 8, 2),
+        "kv64x64s1": BwdConfig(64, 64, 8, 1, 128, 32, 8, 2),
     },
 }
 
 NOTES = """\
 Method: one H200 call runs the GPU tests and this script; variants are compiled in parallel
-worker processes first (shared Triton cache), then timed one by one (do_bench median).
+worker processes first (shared Triton cache), then timed one by one (do_bench median). Register and
+shared-memory use of each tile choice was read beforehand, at no device time, from an sm_90a AOT compile
+on the CPU box (`triton.compile(..., target=GPUTarget("cuda", 90, 32))` + `ptxas -v`).
+Variant names: kvBMxBN = dK/dV kernel tile (queries x keys), qBMxBN = dQ kernel tile, sN = stages.
 
 Steps (prediction -> outcome):
-1. Baseline design: deterministic dK/dV kernel (4 matmuls) + dQ kernel (3 matmuls), causal masks on
-   diagonal blocks only, pointer loads (cp.async pipelining), tiles chosen spill-free with ptxas -v on
-   an sm_90a AOT compile on the CPU box. Prediction: 7 matmuls where the FLOP count credits 5, so
-   even at ~450 TFLOP/s of real tensor work the credited rate is ~320, i.e. ~0.6x cuDNN.
-2. Atomic-dQ variant (dQ added with float32 `red.global.add.v4.f32` from the dK/dV kernel, 5 matmuls).
-   Prediction: up to 7/5 faster if the atomics hide behind the matmuls; more register pressure.
+1. Baseline: deterministic dK/dV kernel (4 matmuls) + dQ kernel (3 matmuls), causal masks on the
+   diagonal blocks only, pointer loads (cp.async pipelining, wgmma), spill-free tiles.
+   Prediction: 7 matmuls where the FLOP count credits 5, so at ~450 TFLOP/s of real tensor work the
+   credited rate is ~320 (~0.6x cuDNN). Outcome (run 1), d128: 369 / 379 / 391 TFLOP/s credited
+   (0.71 / 0.69 / 0.74x cuDNN, 1.23-1.25x SDPA flash), i.e. ~530 TFLOP/s of real matmul work: better
+   than predicted. Tile sweep at d128 (dkdv BMxBN / warps / stages, dq likewise): 64x128/8/3 + 128x64/8/3
+   best; dkdv 32x128 -12%, 16x128 -30%, 64x64 -40%; dq 128x32 -5%, 2 stages instead of 3 -5%.
+2. Atomic-dQ variant (dQ added from the dK/dV kernel with float32 `red.global.add.v4.f32`: 5 matmuls,
+   no dQ kernel). Prediction: up to 7/5 faster if the atomics hide behind the matmuls. Outcome (run 1):
+   best tile 64x128 reached 358 / 377 / 358 TFLOP/s, no better than the deterministic pair (the
+   reduction traffic and the extra register pressure, 116 bytes of spills, eat the saved matmuls);
+   smaller tiles were 30-50% slower. Removed: the deterministic kernels stay.
+3. d256: ptxas showed every dK/dV tile spilling (the two 64x256 fp32 accumulators alone take 128 of
+   255 registers at 8 warps); first default 16x64 (28 bytes of spills) ran 128-132 TFLOP/s, while
+   64x64 (516 bytes of spills) ran 236 (0.62-0.66x cuDNN, 0.90-0.94x flash): the larger wgmma N
+   matters more than a few spills. Default changed to 64x64/8/2 + dq 128x32/8/2.
+4. Run 2 sweeps the dQ tile at d256 and deeper pipelining at d128 (table above; the best per shape is
+   in the `best` column). Prediction: at most +5%; the dK/dV kernel dominates.
 """
 
 

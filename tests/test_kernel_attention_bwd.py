@@ -51,10 +51,10 @@ from tests.numerics import error_report, transformer_like
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 
-def _small_cfg(atomic_dq=False):
+def _small_cfg():
     from fmha_ops.kernels.triton.attention_bwd import BwdConfig
 
-    return BwdConfig(16, 32, 4, 1, 32, 16, 4, 1, atomic_dq)
+    return BwdConfig(16, 32, 4, 1, 32, 16, 4, 1)
 
 
 def ref_attention(q, k, v, scale, causal, bottom_right, seqlens_q=None, seqlens_k=None):
@@ -165,14 +165,6 @@ def test_bwd_cpu_gqa(hq, hkv):
 def test_bwd_cpu_dtypes_dists(dtype, dist):
     r = _check(1, 50, 70, 2, 2, 64, dtype=dtype, dist=dist, causal=True, cfg=_small_cfg(), seed=3)
     print(dtype, dist, r)
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_bwd_cpu_atomic_dq(causal):
-    _check(2, 45, 37, 4, 2, 32, causal=causal, cfg=_small_cfg(atomic_dq=True), seed=6)
-    seqlens = ([5, 0, 1, 37, 18, 3], [7, 4, 1, 30, 0, 3])
-    _check(1, 64, 45, 4, 2, 32, causal=causal, bottom_right=False, cfg=_small_cfg(atomic_dq=True), seed=7,
-           seqlens=seqlens)
 
 
 def test_bwd_cpu_dv_differs_and_strided():

@@ -1,15 +1,12 @@
 """Triton attention backward (bf16/fp16): BMHK layout, GQA/MQA, causal (both alignments), varlen.
 
-Three launches, deterministic (no atomics) by default:
+Three launches, deterministic (no atomics):
 
 - ``_bwd_preprocess``: ``delta = rowsum(dO * O)`` in float32, laid out like ``lse``.
 - ``_bwd_dkdv``: one program per (key block, kv head, batch); loops over the q heads of the
   kv head's group and over query blocks, accumulating dK and dV in float32 registers
   (so GQA sums need no atomics).
 - ``_bwd_dq``: one program per (query block, q head, batch); loops over key blocks.
-
-Variant (``BwdConfig.atomic_dq``): the dK/dV kernel also adds dQ into a float32 buffer with atomics,
-and the dQ kernel is skipped.
 
 Causal masks are applied only on the diagonal blocks (and bounds masks only on tail blocks).
 """
@@ -26,11 +23,7 @@ LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class BwdConfig:
-    """Tile sizes, warps and pipeline stages of the dK/dV kernel (``*_kv``) and the dQ kernel (``*_q``).
-
-    ``atomic_dq``: the dK/dV kernel also accumulates dQ with float32 atomics (5 matmuls instead of
-    7, no dQ kernel; not deterministic, needs a float32 dQ buffer).
-    """
+    """Tile sizes, warps and pipeline stages of the dK/dV kernel (``*_kv``) and the dQ kernel (``*_q``)."""
 
     block_m_kv: int
     block_n_kv: int
@@ -40,15 +33,14 @@ class BwdConfig:
     block_n_q: int
     warps_q: int
     stages_q: int
-    atomic_dq: bool = False
 
 
-DEFAULT_CONFIGS = {  # by max(D, Dv); spill-free on sm_90a per ptxas -v (dK/dV kernel at D=256: 28 bytes)
+DEFAULT_CONFIGS = {  # by max(D, Dv); the fastest measured on the H200 (bench/results/attention_bwd.md)
     16: BwdConfig(64, 128, 8, 3, 128, 64, 8, 3),
     32: BwdConfig(64, 128, 8, 3, 128, 64, 8, 3),
     64: BwdConfig(64, 128, 8, 3, 128, 64, 8, 3),
     128: BwdConfig(64, 128, 8, 3, 128, 64, 8, 3),
-    256: BwdConfig(16, 64, 8, 2, 128, 32, 8, 2),
+    256: BwdConfig(64, 64, 8, 2, 128, 32, 8, 2),
 }
 
 
@@ -88,12 +80,12 @@ def _load_lse2(lse_row_ptr, ok):
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dqa_base, s_qm, s_dom, s_lm, s_aqm,
-                start_n, lo, hi, q_len, k_len, qk_scale, offset,
+def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, s_qm, s_dom, s_lm,
+                start_n, lo, hi, q_len, qk_scale, offset,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                NUM_STAGES: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr):
-    """Accumulate dK, dV of one key block over query blocks [lo, hi). MASKED: causal and bounds masks.
-    ATOMIC_DQ: also add this key block's dQ / scale contribution to the float32 buffer at dqa_base."""
+                NUM_STAGES: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    """Accumulate dK, dV of one key block over query blocks [lo, hi).
+    MASKED: bounds masks on the loads; with CAUSAL also the causal mask."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, HEAD_DIM_V)
@@ -113,28 +105,22 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dqa_base, s
         p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])
         if MASKED and CAUSAL:
             p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + offset, p_t, 0.0)
-        if ATOMIC_DQ:  # keys past the end: p may overflow, and their (zero) rows of K must add nothing to dQ
-            p_t = tl.where(offs_n[:, None] < k_len, p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv)
         dp_t = tl.dot(v, tl.trans(do))
         ds_t = p_t * (dp_t - delta[None, :])
-        ds_t = ds_t.to(q.dtype)
-        dk = tl.dot(ds_t, q, dk)
-        if ATOMIC_DQ:
-            tl.atomic_add(dqa_base + offs_m[:, None] * s_aqm + offs_d[None, :], tl.dot(tl.trans(ds_t), k),
-                          mask=ok[:, None], sem="relaxed")
+        dk = tl.dot(ds_t.to(q.dtype), q, dk)
     return dk, dv
 
 
 @triton.jit
-def _bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_acc_ptr, cu_q_ptr, cu_k_ptr,
+def _bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr,
               s_qb, s_qm, s_qh, s_kb, s_km, s_kh, s_vb, s_vm, s_vh, s_dob, s_dom, s_doh,
               s_lb, s_lh, s_lm, s_eb, s_eh,
-              s_dkb, s_dkm, s_dkh, s_dvb, s_dvm, s_dvh, s_aqb, s_aqm, s_aqh,
+              s_dkb, s_dkm, s_dkh, s_dvb, s_dvm, s_dvh,
               Mq, Mk, qk_scale, sm_scale,
               GROUP, CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, IS_VARLEN: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-              NUM_STAGES: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+              NUM_STAGES: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
     hk = tl.program_id(1)
     b = tl.program_id(2)
@@ -168,21 +154,20 @@ def _bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, d
         do_base = do_ptr + b * s_dob + h * s_doh + q_start * s_dom
         lse_base = lse_ptr + b * s_lb + h * s_lh + q_start * s_lm
         delta_base = delta_ptr + b * s_eb + h * s_eh + q_start
-        dqa_base = dq_acc_ptr + b * s_aqb + h * s_aqh + q_start * s_aqm
         if CAUSAL:  # diagonal blocks, then the rest with bounds masks only (a third loop costs spills)
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dqa_base, s_qm, s_dom, s_lm,
-                                 s_aqm, start_n, lo, mid, q_len, k_len, qk_scale, offset,
-                                 BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_STAGES, True, True, ATOMIC_DQ)
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dqa_base, s_qm, s_dom, s_lm,
-                                 s_aqm, start_n, mid, q_len, q_len, k_len, qk_scale, offset,
-                                 BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_STAGES, True, False, ATOMIC_DQ)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, s_qm, s_dom, s_lm,
+                                 start_n, lo, mid, q_len, qk_scale, offset,
+                                 BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_STAGES, True, True)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, s_qm, s_dom, s_lm,
+                                 start_n, mid, q_len, q_len, qk_scale, offset,
+                                 BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_STAGES, True, False)
         else:  # full blocks unmasked, then the tail block
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dqa_base, s_qm, s_dom, s_lm,
-                                 s_aqm, start_n, 0, q_full, q_len, k_len, qk_scale, offset,
-                                 BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_STAGES, False, False, ATOMIC_DQ)
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dqa_base, s_qm, s_dom, s_lm,
-                                 s_aqm, start_n, q_full, q_len, q_len, k_len, qk_scale, offset,
-                                 BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_STAGES, True, False, ATOMIC_DQ)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, s_qm, s_dom, s_lm,
+                                 start_n, 0, q_full, q_len, qk_scale, offset,
+                                 BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_STAGES, False, False)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, s_qm, s_dom, s_lm,
+                                 start_n, q_full, q_len, q_len, qk_scale, offset,
+                                 BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_STAGES, True, False)
     dk = dk * sm_scale
     tl.store(dk_ptr + b * s_dkb + hk * s_dkh + (k_start + offs_n[:, None]) * s_dkm + offs_d[None, :],
              dk.to(dk_ptr.dtype.element_ty), mask=n_ok[:, None])
@@ -285,7 +270,7 @@ def attention_backward(do, q, k, v, out, lse, *, scale: float, causal: bool = Fa
     Causal: query i sees key j iff ``j <= i + Mk - Mq`` (bottom-right, FlashAttention) or ``j <= i``
     (top-left, xformers), per sequence.
     ``dq``/``dk``/``dv``: optional outputs (shapes of q/k/v, last dim contiguous), else allocated
-    like q/k/v. Deterministic (no atomics) unless ``config.atomic_dq``. Returns (dq, dk, dv).
+    like q/k/v. Deterministic (no atomics). Returns (dq, dk, dv).
     """
     B, Mq, Hq, D = q.shape
     _, Mk, Hkv, Dv = v.shape
@@ -323,16 +308,11 @@ def attention_backward(do, q, k, v, out, lse, *, scale: float, causal: bool = Fa
     meta = dict(GROUP=Hq // Hkv, CAUSAL=causal, BOTTOM_RIGHT=causal_bottom_right, IS_VARLEN=varlen,
                 HEAD_DIM=D, HEAD_DIM_V=Dv)
     qk_scale = scale * LOG2E
-    dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if cfg.atomic_dq else dq
     _bwd_dkdv[(triton.cdiv(max_k, cfg.block_n_kv), Hkv, nseq)](
-        q, k, v, do, lse, delta, dk, dv, dq_acc, cu_seqlens_q, cu_seqlens_k, *common,
+        q, k, v, do, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *common,
         bstride(dk), dk.stride(1), dk.stride(2), bstride(dv), dv.stride(1), dv.stride(2),
-        bstride(dq_acc), dq_acc.stride(1), dq_acc.stride(2),
         Mq, Mk, qk_scale, scale, BLOCK_M=cfg.block_m_kv, BLOCK_N=cfg.block_n_kv, NUM_STAGES=cfg.stages_kv,
-        ATOMIC_DQ=cfg.atomic_dq, num_warps=cfg.warps_kv, **meta)
-    if cfg.atomic_dq:
-        dq.copy_(dq_acc.mul_(scale))
-        return dq, dk, dv
+        num_warps=cfg.warps_kv, **meta)
     _bwd_dq[(triton.cdiv(max_q, cfg.block_m_q), Hq, nseq)](
         q, k, v, do, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *common,
         bstride(dq), dq.stride(1), dq.stride(2),
