@@ -1,9 +1,11 @@
-"""``python -m fmha_ops [info|explain]``.
+"""``python -m fmha_ops [info|explain|tune]``.
 
 info (default): the arch, every registered op with whether it is available here (and why not),
 and one sample call routed through the selector with the op chosen and its time.
 explain: the selector's verdict for one shape, e.g.
 ``python -m fmha_ops explain --shape 4,4096,32,4096,8,128 --dtype bfloat16 --causal``.
+tune: time every available op on the tuning grid and write this GPU's timing table
+(default ``$FMHA_OPS_TUNING_DIR/<device>.json``, else ``./fmha_ops_tuning/<device>.json``).
 """
 from __future__ import annotations
 
@@ -91,6 +93,24 @@ def explain(argv: list[str]) -> int:
     return 0
 
 
+def tune(argv: list[str]) -> int:
+    import os
+
+    from fmha_ops.tune import tune as run_tune
+
+    p = argparse.ArgumentParser(prog="python -m fmha_ops tune")
+    p.add_argument("--out", default=None, help="table path (JSON)")
+    p.add_argument("--quick", action="store_true", help="a few tiny calls (smoke test)")
+    a = p.parse_args(argv)
+    name = current_arch().name.replace(" ", "_")
+    out = a.out or os.path.join(os.environ.get("FMHA_OPS_TUNING_DIR") or "fmha_ops_tuning", f"{name}.json")
+    table = run_tune(out, quick=a.quick)
+    n = sum(len(v) for v in table.timings.values())
+    print(f"wrote {n} timings for {len(table.timings)} ops to {out}; calibration: "
+          + ", ".join(f"{k}={v:.2f}" for k, v in sorted(table.calibration.items())))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cmd, rest = (argv[0], argv[1:]) if argv else ("info", [])
@@ -98,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         return info()
     if cmd == "explain":
         return explain(rest)
-    print(f"unknown command {cmd!r}; use: info | explain", file=sys.stderr)
+    if cmd == "tune":
+        return tune(rest)
+    print(f"unknown command {cmd!r}; use: info | explain | tune", file=sys.stderr)
     return 2
 
 

@@ -5,7 +5,7 @@ The problem object is the domain's: the selector needs only ``problem.arch``
 hands the problem to each op's ``not_supported_reasons`` and ``estimate``.
 
 Ranking: measured time from the tuning table for this device and bucket, else the
-op's cost model, else declared PRIORITY (ops with an estimate rank first). Ties break
+op's cost model (scaled by the table's calibration of that op), else declared PRIORITY (ops with an estimate rank first). Ties break
 on PRIORITY then NAME, so the choice is deterministic. ``select`` is memoized on the
 caller's hashable signature plus the active overrides, so a repeated call is one
 dict lookup.
@@ -45,7 +45,7 @@ class Verdict:
     unavailable: str | None  # None when the op can run in this process
     reasons: tuple[str, ...]  # why it does not support the problem (empty: supported)
     estimate: float | None  # seconds
-    source: str  # "table" | "model" | "priority"
+    source: str  # "table" | "calibrated model" | "model" | "priority"
 
     @property
     def ok(self) -> bool:
@@ -151,8 +151,11 @@ class Selector:
             source = "table"
             if estimate is None:
                 estimate, source = op.estimate(problem), "model"
+                factor = self.tables.calibration(problem.arch.name, op.NAME)
                 if estimate is None or not math.isfinite(estimate):
                     estimate, source = None, "priority"
+                elif factor is not None:
+                    estimate, source = estimate * factor, "calibrated model"
         return Verdict(op, unavailable, tuple(reasons), estimate, source)
 
     @staticmethod

@@ -3,10 +3,12 @@
 A table is a JSON file::
 
     {"device": "NVIDIA H200", "versions": {"torch": "...", "triton": "..."},
-     "timings": {"<op NAME>": {"<bucket>": seconds, ...}, ...}}
+     "timings": {"<op NAME>": {"<bucket>": seconds, ...}, ...},
+     "calibration": {"<op NAME>": measured / cost-model time (median over buckets), ...}}
 
 Buckets are strings the domain package computes from a problem (``problem.bucket()``).
-The selector asks ``lookup(device_name, op_name, bucket)``; tables of other devices are ignored.
+The selector asks ``lookup(device_name, op_name, bucket)`` and, where a bucket was not measured,
+scales the op's cost model by ``calibration(device_name, op_name)``; other devices' tables are ignored.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ class TuningTable:
     device: str
     versions: dict = field(default_factory=dict)
     timings: dict[str, dict[str, float]] = field(default_factory=dict)
+    calibration: dict[str, float] = field(default_factory=dict)
 
     def lookup(self, op_name: str, bucket: str) -> float | None:
         return self.timings.get(op_name, {}).get(bucket)
@@ -30,14 +33,15 @@ class TuningTable:
     def save(self, path: str) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
-            json.dump({"device": self.device, "versions": self.versions, "timings": self.timings}, f, indent=1,
-                      sort_keys=True)
+            json.dump({"device": self.device, "versions": self.versions, "timings": self.timings,
+                       "calibration": self.calibration}, f, indent=1, sort_keys=True)
 
     @classmethod
     def load(cls, path: str) -> "TuningTable":
         with open(path) as f:
             data = json.load(f)
-        return cls(device=data["device"], versions=data.get("versions", {}), timings=data.get("timings", {}))
+        return cls(device=data["device"], versions=data.get("versions", {}), timings=data.get("timings", {}),
+                   calibration=data.get("calibration", {}))
 
 
 class TuningTables:
@@ -58,6 +62,7 @@ class TuningTables:
                     merged = tables.setdefault(table.device, TuningTable(table.device, table.versions))
                     for op_name, rows in table.timings.items():
                         merged.timings.setdefault(op_name, {}).update(rows)
+                    merged.calibration.update(table.calibration)
         return tables
 
     def lookup(self, device: str, op_name: str, bucket: str) -> float | None:
@@ -65,6 +70,12 @@ class TuningTables:
             self._by_device = self._load()
         table = self._by_device.get(device)
         return table.lookup(op_name, bucket) if table else None
+
+    def calibration(self, device: str, op_name: str) -> float | None:
+        if self._by_device is None:
+            self._by_device = self._load()
+        table = self._by_device.get(device)
+        return table.calibration.get(op_name) if table else None
 
     def reload(self) -> None:
         self._by_device = None

@@ -1,0 +1,43 @@
+"""`python -m fmha_ops tune` on the CPU: it writes a table the selector then reads."""
+import json
+
+import torch
+
+import fmha_ops
+from fmha_ops.dispatch import SELECTOR, TUNING_DIRS
+from fmha_ops.tune import decode_call, prefill_call, tune
+
+
+def test_tune_writes_table_and_selector_uses_it(tmp_path):
+    out = tmp_path / "cpu.json"
+    table = tune(str(out), quick=True, device="cpu")
+    data = json.loads(out.read_text())
+    assert data["device"] == "cpu" and data["timings"] and data["calibration"]
+    assert all(v > 0 for rows in data["timings"].values() for v in rows.values())
+    saved = TUNING_DIRS[1]
+    TUNING_DIRS[1] = str(tmp_path)  # the selector's TuningTables reads this list
+    SELECTOR.tables.reload()
+    SELECTOR.clear()
+    try:
+        call = prefill_call(1, 64, 4, 2, 32, True, "float32", "cpu")
+        report = fmha_ops.explain(*call.args, **call.kwargs)
+        sources = {v.op.NAME: v.source for v in report.verdicts if v.ok}
+        measured = {name for name, rows in table.timings.items() if call.problem().bucket() in rows}
+        assert measured and all(sources[name] == "table" for name in measured)
+        fastest = min(measured, key=lambda n: table.timings[n][call.problem().bucket()])
+        assert report.selected.NAME == fastest
+        other = prefill_call(1, 300, 4, 4, 64, False, "float32", "cpu")  # an unmeasured bucket
+        srcs = {v.source for v in fmha_ops.explain(*other.args).verdicts if v.ok}
+        assert "calibrated model" in srcs
+    finally:
+        TUNING_DIRS[1] = saved
+        SELECTOR.tables.reload()
+        SELECTOR.clear()
+
+
+def test_decode_call_paged_matches_dense():
+    dense = decode_call(2, 40, 4, 2, 32, 0, "bf16", "cpu", seed=1)
+    paged = decode_call(2, 40, 4, 2, 32, 16, "bf16", "cpu", seed=1)
+    a = fmha_ops.memory_efficient_attention(*dense.args, op="torch_referenceF").float()
+    b = fmha_ops.memory_efficient_attention(*paged.args, op="torch_referenceF").float()
+    assert torch.allclose(a.view(-1), b.view(-1), atol=1e-2)
