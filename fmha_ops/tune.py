@@ -52,7 +52,7 @@ def prefill_call(b: int, n: int, hq: int, hkv: int, d: int, causal: bool, dtype:
     v = torch.randn(b, n, hkv, d, generator=g).to(device, torch.bfloat16)
     bias = ab.LowerTriangularFromBottomRightMask() if causal else None
     label = f"prefill {dtype} B{b} N{n} H{hq}/{hkv} D{d}{' causal' if causal else ''}"
-    if dtype in ("float16", "bfloat16"):
+    if dtype in ("float16", "bfloat16", "float32"):
         t = getattr(torch, dtype)
         return Call(label, (q.to(t), k.to(t), v.to(t), bias))
     f8 = fp8_dtype(current_arch(device))
