@@ -34,36 +34,29 @@ def _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, k_row0, start_n, s
     k = k_desc.load([k_row0 + start_n, 0])
     if QK_INT8:
         # int32 -> fp32 without I2F (16/clk/SM, as slow as exp2): |s| < 2**22 for D <= 256, so adding
-        # 1.5 * 2**23 puts s in the mantissa of a float worth 12582912 + s; the scaling FMA removes the offset
+        # 1.5 * 2**23 puts s in the mantissa of a float worth OFF + s; the scaling FMA removes OFF
         s = (tl.dot(q, k.T, out_dtype=tl.int32) + 0x4B400000).to(tl.float32, bitcast=True)
-        if K_BLOCKSCALE:
-            cols = start_n + offs_n
-            cs = tl.load(kd_ptr + cols // K_SCALE_BLOCK, mask=cols < seqlen_k, other=0.0) * qk_scale
-            s = s * cs[None, :] - (12582912.0 * cs)[None, :]
-        else:
-            s = s * qk_scale - 12582912.0 * qk_scale
+        OFF: tl.constexpr = 12582912.0
     else:
         s = tl.dot(q, k.T)
+        OFF: tl.constexpr = 0.0
+    if K_BLOCKSCALE:  # one k descale per tile: K_SCALE_BLOCK is a multiple of BLOCK_N
+        qk_scale = qk_scale * tl.load(kd_ptr + start_n // K_SCALE_BLOCK)
     if MASKED:
         cols = start_n + offs_n
         keep = cols[None, :] < seqlen_k
         if CAUSAL:
             keep = keep & (cols[None, :] <= offs_m[:, None] + diag)
-        if not QK_INT8:
-            s = s * qk_scale
-        s = tl.where(keep, s, float("-inf"))
+        s = tl.where(keep, (s - OFF) * qk_scale, float("-inf"))
         m_ij = tl.maximum(m_i, tl.max(s, 1))
         # rows that have seen no key yet keep m = -inf; subtract 0 instead to avoid inf - inf
         m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
         p = tl.math.exp2(s - (m_sub - P_SHIFT)[:, None])
         alpha = tl.math.exp2(m_i - m_sub)
-    elif QK_INT8:
-        m_ij = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - (m_ij - P_SHIFT)[:, None])
-        alpha = tl.math.exp2(m_i - m_ij)
     else:
-        m_ij = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        p = tl.math.exp2(s * qk_scale - (m_ij - P_SHIFT)[:, None])
+        # scale > 0, so the row max commutes with the scaling; one FMA per score feeds exp2
+        m_ij = tl.maximum(m_i, (tl.max(s, 1) - OFF) * qk_scale)
+        p = tl.math.exp2(s * qk_scale - (m_ij + (OFF * qk_scale - P_SHIFT))[:, None])
         alpha = tl.math.exp2(m_i - m_ij)
     l_i = l_i * alpha + tl.sum(p, 1)
     if V_T:
@@ -356,6 +349,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
     if k_block:
         assert k_descale.shape == (B, Hkv, triton.cdiv(Mk, K_SCALE_BLOCK))
         assert k_descale.shape[-1] == 1 or k_descale.stride(-1) == 1
+        assert K_SCALE_BLOCK % BN == 0
         kd, kd_sb, kd_sh = k_descale, k_descale.stride(0), k_descale.stride(1)
     else:
         kd, kd_sb, kd_sh = _descale_args(k_descale, device, nseq, Hkv, "k_descale")
