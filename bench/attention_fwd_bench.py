@@ -6,8 +6,9 @@ TFLOP/s = 4*B*H*N^2*D / t, halved when causal. Our fp8/i8fp8 times include the V
 launcher makes (``transpose_v``, reported separately as ``vT_ms``) and exclude quantization (inputs arrive quantized,
 as with FA3); SageAttention 1.0.6 (if importable) quantizes inside its call.
 ``--sweep`` first times tile/launch variants of the fp8 path per head dim and uses the best ones.
-Writes attention_fwd.json/.png, attention_fwd_sweep.json, and markdown sections attention_fwd.md and
-i8fp8_accuracy.md into --out.
+Writes attention_fwd.json/.png, attention_fwd_sweep.json, i8fp8_accuracy.json, and markdown sections
+attention_fwd.md and i8fp8_accuracy.md into --out; bench/results/ holds those sections with the
+optimisation notes added by hand.
 """
 from __future__ import annotations
 

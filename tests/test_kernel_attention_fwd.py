@@ -4,12 +4,10 @@ CPU (interpreter, tiny sizes): fp16 stands in for bf16 (the interpreter's bf16 t
 fp8/i8fp8 checks use ``pv_fp8=False`` for tight bounds, because the interpreter rounds fp32 -> fp8 casts
 wrongly (HARDWARE.md); the production fp8 P path is checked tightly by the ``gpu`` tests.
 """
-import math
-
 import pytest
 import torch
 
-from tests.conftest import DEVICE, HAS_CUDA
+from tests.conftest import DEVICE
 from tests.numerics import error_report, transformer_like
 
 FP8 = torch.float8_e4m3fn

@@ -14,8 +14,6 @@ blocks, sequence ends and head dims below the power-of-two block width.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
