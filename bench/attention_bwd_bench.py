@@ -71,8 +71,15 @@ Steps (prediction -> outcome):
    255 registers at 8 warps); first default 16x64 (28 bytes of spills) ran 128-132 TFLOP/s, while
    64x64 (516 bytes of spills) ran 236 (0.62-0.66x cuDNN, 0.90-0.94x flash): the larger wgmma N
    matters more than a few spills. Default changed to 64x64/8/2 + dq 128x32/8/2.
-4. Run 2 sweeps the dQ tile at d256 and deeper pipelining at d128 (table above; the best per shape is
-   in the `best` column). Prediction: at most +5%; the dK/dV kernel dominates.
+4. Run 2 (table above) swept the dQ tile at d256 and deeper pipelining at d128. Prediction: at most
+   +5%; the dK/dV kernel dominates. Outcome: at d128 every variant within +-1.5% of the default
+   (the default itself moved 369 -> 366 and 379 -> 372 between runs), so the default stays; at d256
+   dQ tiles 64x64 / 64x32 / 128x16 were 15-35% slower than 128x32 and a 1-stage dK/dV loop 14% slower.
+
+Where the gap to cuDNN (0.61-0.74x) comes from, and what is left to try: the split design does 7
+matmuls per credited 5 (the dQ kernel recomputes QK^T and dO V^T); the atomic alternative did not pay
+here. Next candidates: TMA descriptors for the Q/dO stream, `tl.range(..., warp_specialize=True)`,
+`maxnreg` to let d256 tiles stop spilling, and a persistent, causal-balanced grid.
 """
 
 
