@@ -10,6 +10,8 @@ import torch
 
 import fmha_ops
 from fmha_ops import attn_bias as ab
+from fmha_ops.inputs import K_SCALE_BLOCK as KB
+from fmha_ops.inputs import Q_SCALE_BLOCK as QB
 from fmha_ops.inputs import Inputs
 from fmha_ops.ops.reference import ReferenceBwOp, ReferenceFwOp, reference_attention
 from tests.numerics import error_report
@@ -225,7 +227,7 @@ def my_dequant(x, d, kind, role, seq_of_row=None):
                 elif kind == "head":
                     s = d[bi if seq_of_row is None else seq_of_row[mi], hi // (h_ // d.shape[1])]
                 elif kind == "block":
-                    s = d[bi, hi, mi // (128 if role == "q" else 64)]
+                    s = d[bi, hi, mi // (QB if role == "q" else KB)]
                 elif kind == "token":
                     s = d[bi, mi, hi]
                 else:  # channel
@@ -245,7 +247,7 @@ def descale(kind, role, b, mq, mk, hq, hkv, dv, gen, base, nseq=None):
     if kind == "none":
         return None
     shape = {"tensor": (1,), "head": (nseq or b, hkv), "channel": (b, hkv, dv), "token": (b, mk, hkv),
-             "block": (b, hq, -(-mq // 128)) if role == "q" else (b, hkv, -(-mk // 64))}[kind]
+             "block": (b, hq, -(-mq // QB)) if role == "q" else (b, hkv, -(-mk // KB))}[kind]
     return (torch.rand(*shape, generator=gen) + 0.5) * base
 
 

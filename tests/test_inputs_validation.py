@@ -9,7 +9,7 @@ import torch
 
 import fmha_ops
 from fmha_ops import attn_bias as ab
-from fmha_ops.inputs import Inputs, descale_kinds
+from fmha_ops.inputs import K_SCALE_BLOCK, Q_SCALE_BLOCK, Inputs, descale_kinds
 
 F8 = torch.float8_e4m3fn
 F8NUZ = torch.float8_e4m3fnuz
@@ -165,7 +165,7 @@ def test_good_combos_pass_and_kinds(dts, desc):
 
 
 def test_descale_kinds_detected():
-    q, k, v = qkv(torch.int8, torch.int8, F8, mq=130, mk=65)
+    q, k, v = qkv(torch.int8, torch.int8, F8, mq=Q_SCALE_BLOCK + 2, mk=K_SCALE_BLOCK + 1)
     inp = Inputs(q, k, v, q_descale=ones(B, HQ, 2), k_descale=ones(B, HKV, 2), v_descale=ones(B, HKV, D))
     assert descale_kinds(inp) == ("block", "block", "channel")
     q, k, v = qkv(torch.bfloat16, F8, F8)

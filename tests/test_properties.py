@@ -8,6 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fmha_ops
+from fmha_ops.inputs import K_SCALE_BLOCK as KB
+from fmha_ops.inputs import Q_SCALE_BLOCK as QB
 from tests.numerics import error_report
 from tests.test_attn_bias import hand_mask, make_bias, naive_attention
 
@@ -103,7 +105,7 @@ def test_fp8_and_i8fp8_descales_match_reference(qk, kk, vk, int8, mq, mk, seed):
         shape = {"tensor": (1,), "head": (b, hkv), "block": (b, heads, -(-rows // blk)), "channel": (b, hkv, d)}[kind]
         return (torch.rand(*shape, generator=g) + 0.5) * base
 
-    qd, kd, vd = ds(qk, mq, 128, hq, base), ds(kk, mk, 64, hkv, base), ds(vk, mk, 1, hkv, 0.5)
+    qd, kd, vd = ds(qk, mq, QB, hq, base), ds(kk, mk, KB, hkv, base), ds(vk, mk, 1, hkv, 0.5)
     out = fmha_ops.memory_efficient_attention(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd,
                                               output_dtype=torch.float32)
 
@@ -118,7 +120,7 @@ def test_fp8_and_i8fp8_descales_match_reference(qk, kk, vk, int8, mq, mk, seed):
             return xf * dsc.double()[:, :, rows].permute(0, 2, 1)[..., None]
         return xf * dsc.double()[:, None]  # channel
 
-    ref = naive_attention(expand(q, qd, qk, 128, hq), expand(k, kd, kk, 64, hkv), expand(v, vd, vk, 0, hkv), None)
+    ref = naive_attention(expand(q, qd, qk, QB, hq), expand(k, kd, kk, KB, hkv), expand(v, vd, vk, 0, hkv), None)
     rep = error_report(out, ref)
     assert rep["rel"] < 1e-5, rep
 
