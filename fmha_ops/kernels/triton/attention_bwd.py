@@ -35,7 +35,7 @@ class BwdConfig:
     stages_q: int
 
 
-DEFAULT_CONFIGS = {  # by max(D, Dv); the fastest measured on the H200 (bench/results/attention_bwd.md)
+DEFAULT_CONFIGS = {  # by max(D, Dv); 128 and 256 tuned on the H200 (bench/results/attention_bwd.md), <= 64 not timed
     16: BwdConfig(64, 128, 8, 3, 128, 64, 8, 3),
     32: BwdConfig(64, 128, 8, 3, 128, 64, 8, 3),
     64: BwdConfig(64, 128, 8, 3, 128, 64, 8, 3),
