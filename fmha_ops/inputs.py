@@ -10,7 +10,8 @@ Descale kinds (``Problem.descales`` holds one per role):
   "tensor"  one value (numel 1)
   "head"    (B, Hkv): per batch and kv head (FA3 convention; q's descale is indexed by its kv head);
             with a varlen (BlockDiagonal) mask (num_sequences, Hkv)
-  "block"   q: (B, Hq, cdiv(Mq, 128)), k: (B, Hkv, cdiv(Mk, 64)) (i8fp8 per-block grids)
+  "block"   q: (B, Hq, cdiv(Mq, Q_SCALE_BLOCK)), k: (B, Hkv, cdiv(Mk, K_SCALE_BLOCK)) (i8fp8 per-block
+            grids; both 128, see fmha_ops.quant)
   "channel" v only: (B, Hkv, Kv)
   "token"   k/v only: key.shape[:-1], one per cached token and kv head (fp8 KV cache)
 """
@@ -25,11 +26,10 @@ import torch
 from registry import Arch, current_arch
 
 from . import attn_bias as ab
+from .quant import K_SCALE_BLOCK, Q_SCALE_BLOCK  # noqa: F401  (re-exported for the descale shapes)
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
-Q_SCALE_BLOCK = 128
-K_SCALE_BLOCK = 64
 
 
 _FP8_BACKWARD = [False]
@@ -249,6 +249,9 @@ class Inputs:
                 raise ValueError(f"{role} must be float32, got {dtype_name(d.dtype)}")
             if d.device != self.query.device:
                 raise ValueError(f"{role} is on {d.device} but query is on {self.query.device}")
+        if self.bias_kind in ab.DECODE_KINDS and "head" in kinds:
+            raise ValueError(f"per-(batch, head) descales are not supported with {type(self.attn_bias).__name__} "
+                             f"(queries packed in batch 1); pass per-token k/v descales of shape key.shape[:3]")
         if kinds[1] == "token" and self.query.dtype not in FLOAT_DTYPES:
             raise ValueError("per-token k/v descales are only for a float16/bfloat16 query with an fp8 KV cache")
 
