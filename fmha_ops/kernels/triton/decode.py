@@ -172,13 +172,15 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_len: int, q_rows_per_kv
     return max(1, min(triton.cdiv(4 * sm_count, programs), max_len // 512, 64))
 
 
-def _default_config(D: int, fp8: bool, split: bool) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) for head dim ``D``; measured on the H200 for D=128
-    (bench/results/decode.md): fp8 and split (small) grids want longer tiles."""
+def _default_config(D: int, fp8: bool, page_aligned: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages); measured on the H200 for D=128 (bench/results/decode.md).
+    ``page_aligned``: dense, or pages a multiple of 64 keys (one page id per tile)."""
     if D <= 64:
         return 128, 4, 2
     if D <= 128:
-        return (128 if fp8 or split else 64), 4, 2
+        if fp8:
+            return 128, 4, 3
+        return (64, 4, 2) if page_aligned else (32, 4, 3)
     return (64 if fp8 else 32), 4, 2
 
 
@@ -211,10 +213,10 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
         out = torch.empty_like(q)
     if lse is None:
         lse = torch.empty((B, HQ, MQ), device=q.device, dtype=torch.float32)
-    bn, nw, ns = _default_config(D, fp8, num_splits > 1)
-    bn, nw, ns = block_n or bn, num_warps or nw, num_stages or ns
     paged = block_table is not None
     page_size = k_cache.shape[1] if paged else 1
+    bn, nw, ns = _default_config(D, fp8, not paged or page_size % 64 == 0)
+    bn, nw, ns = block_n or bn, num_warps or nw, num_stages or ns
     rows = G * MQ
     bm = _block_m(rows)
     ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)
