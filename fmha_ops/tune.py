@@ -176,6 +176,9 @@ def tune(out: str, quick: bool = False, device: str | None = None) -> TuningTabl
         best = min(times, key=times.get) if times else "-"
         sys.stderr.write(f"\r[{i + 1}/{len(points)}] {call.label:<48} best {best}\033[K")
         del call
+        if i % 10 == 9:  # keep what was measured if the run is cut short
+            table.calibration = {name: statistics.median(r) for name, r in ratios.items()}
+            table.save(out)
     sys.stderr.write("\n")
     table.calibration = {name: statistics.median(r) for name, r in ratios.items()}
     table.save(out)

@@ -30,9 +30,13 @@ _OUT = frozenset({torch.bfloat16, torch.float16, torch.float32})
 
 
 def interpreter_reasons(p: Problem) -> list[str]:
-    """The Triton interpreter (CPU) computes bfloat16 tl.dot wrongly: refuse bf16 there."""
-    if p.arch.kind == "cpu" and torch.bfloat16 in (p.q_dtype, p.k_dtype, p.v_dtype):
+    """Platform limits of the Triton ops: the interpreter (CPU) computes bfloat16 tl.dot wrongly, and
+    float8_e4m3fnuz is an AMD format (NVIDIA GPUs take float8_e4m3fn)."""
+    dts = (p.q_dtype, p.k_dtype, p.v_dtype)
+    if p.arch.kind == "cpu" and torch.bfloat16 in dts:
         return ["bfloat16 is not computed correctly by the Triton interpreter (CPU); use float16 there"]
+    if p.arch.kind == "cuda" and torch.float8_e4m3fnuz in dts:
+        return ["float8_e4m3fnuz is not an NVIDIA format; use float8_e4m3fn"]
     return []
 
 
