@@ -13,6 +13,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo, for fmha_ops
 
 import torch  # noqa: E402
 
