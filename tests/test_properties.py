@@ -11,6 +11,7 @@ import fmha_ops
 from fmha_ops.inputs import K_SCALE_BLOCK as KB
 from fmha_ops.inputs import Q_SCALE_BLOCK as QB
 from tests.numerics import error_report
+from tests.test_api import mask_geometry
 from tests.test_attn_bias import hand_mask, make_bias, naive_attention
 
 F8 = torch.float8_e4m3fn
@@ -39,18 +40,7 @@ def mask_specs(draw):
     pool = nseq * max_pages + draw(st.integers(0, 2))
     perm = draw(st.permutations(list(range(pool))))
     table = [perm[i * max_pages:(i + 1) * max_pages] for i in range(nseq)]
-    return {"kind": kind, "q": q, "k": k, "page": page, "table": table, "pool": pool, "causal": causal}
-
-
-def geometry(spec):
-    kind = spec["kind"]
-    if kind == "varlen":
-        return 1, sum(spec["q"]), sum(spec["k"])
-    if kind == "padded":
-        return 1, sum(spec["q"]), len(spec["k"]) * spec["padding"]
-    if kind == "paged":
-        return 1, sum(spec["q"]), spec["pool"] * spec["page"]
-    return spec["b"], spec["mq"], spec["mk"]
+    return {"kind": kind, "q": q, "k": k, "page": page, "table": table, "pool_pages": pool, "causal": causal}
 
 
 @st.composite
@@ -70,7 +60,7 @@ def valid_calls(draw):
 @given(valid_calls())
 def test_valid_calls_match_reference(call):
     spec, dtype, hq, hkv, d, dv, seed, scale = call
-    b, mq, mk = geometry(spec)
+    b, mq, mk = mask_geometry(spec)
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, mq, hq, d, generator=g).to(dtype)
     k = torch.randn(b, mk, hkv, d, generator=g).to(dtype)

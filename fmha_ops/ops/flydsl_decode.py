@@ -27,7 +27,7 @@ from ..dispatch import REGISTRY, register
 from ..inputs import FP8_DTYPES, Inputs, Problem
 from .base import AttentionFwOp
 from .cost import attention_bytes
-from .triton_decode import decode_views
+from .triton_decode import decode_outputs, decode_views
 
 _HALF = (torch.float16, torch.bfloat16)
 _MASKS = frozenset({ab.NONE, ab.CAUSAL_BR, ab.PADDED_KEYS, ab.PADDED_KEYS_CAUSAL, ab.PAGED, ab.PAGED_CAUSAL})
@@ -127,10 +127,7 @@ class _FlyDSLDecodeOp(AttentionFwOp):
                                 table.shape[1] * k.shape[1], q.device)
         out, lse = paged_decode(q, k, v, table, seqlens, k_scale=ks, v_scale=vs, scale=inp.softmax_scale,
                                 num_splits=splits)
-        out = out.view(inp.query.shape[:3] + out.shape[3:])
-        if needs_lse and inp.attn_bias is not None and inp.query.shape[0] == 1 and q.shape[0] != 1:
-            lse = lse.permute(1, 0, 2).reshape(1, lse.shape[1], -1)  # packed layout (1, Hq, B * Mq)
-        return out, (lse if needs_lse else None)
+        return decode_outputs(inp, q, out, lse, needs_lse)
 
     @classmethod
     def _splits_for(cls, p: Problem) -> int:

@@ -63,6 +63,17 @@ def decode_views(inp: Inputs):
     return q, k, v, seqlens, block_table, ks, vs
 
 
+def decode_outputs(inp: Inputs, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, needs_lse: bool):
+    """A decode kernel's (B, Mq, Hq, D) out and (B, Hq, Mq) lse in the call's layout (packed when the mask
+    packs the queries into batch 1: out (1, B * Mq, Hq, D), lse (1, Hq, B * Mq))."""
+    out = out.view(inp.query.shape[:3] + out.shape[3:])
+    if not needs_lse:
+        return out, None
+    if inp.attn_bias is not None and inp.query.shape[0] == 1 and q.shape[0] != 1:
+        lse = lse.permute(1, 0, 2).reshape(1, lse.shape[1], -1)
+    return out, lse
+
+
 def _token_scale(d: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     """A tensor / (B, Hkv) / per-token descale as a per-token view (stride 0 where it repeats)."""
     if d.numel() == 1:
@@ -119,10 +130,7 @@ class _DecodeOp(AttentionFwOp):
         out = torch.empty(q.shape, dtype=inp.out_dtype, device=q.device)
         out, lse = paged_decode(q, k, v, seqlens, block_table=table, scale=inp.softmax_scale, k_scale=ks,
                                 v_scale=vs, num_splits=splits, out=out)
-        out = out.view(inp.query.shape[:3] + out.shape[3:])
-        if needs_lse and inp.attn_bias is not None and inp.query.shape[0] == 1 and q.shape[0] != 1:
-            lse = lse.permute(1, 0, 2).reshape(1, lse.shape[1], -1)  # packed layout (1, Hq, B * Mq)
-        return out, (lse if needs_lse else None)
+        return decode_outputs(inp, q, out, lse, needs_lse)
 
     @classmethod
     def estimate(cls, p: Problem) -> float:
