@@ -20,7 +20,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fmha_ops  # noqa: E402
 from bench.common import base_parser, environment, out_dir, print_table, write_json  # noqa: E402
-from fmha_ops import attn_bias as ab  # noqa: E402
 from fmha_ops.api import _inputs  # noqa: E402
 from fmha_ops.dispatch import SELECTOR  # noqa: E402
 from fmha_ops.inputs import _bias_signature  # noqa: E402

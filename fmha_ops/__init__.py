@@ -23,7 +23,7 @@ ALL_BW_OPS = REGISTRY.ops("bw")
 
 __all__ = [
     "memory_efficient_attention", "memory_efficient_attention_forward", "memory_efficient_attention_partial",
-    "merge_attentions", "explain", "get_op", "use_ops", "ALL_FW_OPS", "ALL_BW_OPS", "Inputs", "Problem",
+    "merge_attentions", "explain", "get_op", "use_ops", "REGISTRY", "SELECTOR", "ALL_FW_OPS", "ALL_BW_OPS", "Inputs", "Problem",
     "NoSupportedOpError", "attn_bias", "LowerTriangularMask", "LowerTriangularFromBottomRightMask",
     "BlockDiagonalMask", "BlockDiagonalCausalMask", "BlockDiagonalCausalFromBottomRightMask",
     "BlockDiagonalPaddedKeysMask", "BlockDiagonalCausalWithOffsetPaddedKeysMask", "PagedBlockDiagonalPaddedKeysMask",

@@ -16,7 +16,7 @@ import time
 import torch
 
 import fmha_ops
-from fmha_ops.dispatch import REGISTRY, SELECTOR
+from fmha_ops.dispatch import REGISTRY
 from registry import current_arch
 
 

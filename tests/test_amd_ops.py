@@ -19,7 +19,7 @@ from fmha_ops.kv_cache import paged_from_dense
 from fmha_ops.kernels.flydsl import host
 from fmha_ops.ops import aiter_asm, flydsl_decode
 from fmha_ops.ops.aiter_asm import AiterAsmI8Fp8FwOp
-from fmha_ops.ops.flydsl_decode import FIXED_SPLIT_OPS, FlyDSLDecoderFwOp, FlyDSLSplitKFwOp, flydsl_views
+from fmha_ops.ops.flydsl_decode import FIXED_SPLIT_OPS, FlyDSLDecoderFwOp, FlyDSLSplitKFwOp
 from fmha_ops.ops.reference import ReferenceFwOp
 from registry import Arch
 from tests.numerics import error_report, transformer_like

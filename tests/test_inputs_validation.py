@@ -2,7 +2,6 @@
 combinations pass; Problem fields and the signature reflect the call."""
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

@@ -13,7 +13,6 @@ weights. Each sequence's keys are cut into ``num_splits`` equal chunks of its ow
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import triton
