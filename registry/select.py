@@ -83,17 +83,15 @@ class Report:
         return "\n".join(lines)
 
 
-_SCOPE: contextvars.ContextVar[tuple[frozenset | None, frozenset]] = contextvars.ContextVar(
-    "fmha_ops_scope", default=(None, frozenset())
-)
-
-
 class Selector:
     def __init__(self, registry: Registry, tables: TuningTables, env_prefix: str = "FMHA_OPS") -> None:
         self.registry = registry
         self.tables = tables
         self._env_prefix = env_prefix
         self._memo: dict[Hashable, type[Op]] = {}
+        #: (allowed op NAMEs or None for all, excluded names) set by use_ops for the current context
+        self._scope: contextvars.ContextVar[tuple[frozenset | None, frozenset]] = contextvars.ContextVar(
+            f"{env_prefix}_scope", default=(None, frozenset()))
         self.refresh_env()
 
     # ---- overrides -------------------------------------------------------------------
@@ -126,13 +124,17 @@ class Selector:
 
     @contextlib.contextmanager
     def use_ops(self, *ops: type[Op] | str, exclude: Iterable[type[Op] | str] = ()) -> Iterator[None]:
-        """Restrict selection to ``ops`` (any kind; one op per kind forces it) and/or exclude some."""
+        """Restrict selection to ``ops`` (any kind; one op per kind forces it) and/or exclude some.
+        Nested blocks narrow the enclosing one: allowed sets intersect, exclusions add up."""
+        outer_include, outer_exclude = self._scope.get()
         include = frozenset(self._name(o) for o in ops) or None
-        token = _SCOPE.set((include, frozenset(self._name(o) for o in exclude)))
+        if outer_include is not None:
+            include = outer_include if include is None else include & outer_include
+        token = self._scope.set((include, outer_exclude | frozenset(self._name(o) for o in exclude)))
         try:
             yield
         finally:
-            _SCOPE.reset(token)
+            self._scope.reset(token)
 
     def _name(self, op: type[Op] | str) -> str:
         return (self.registry.get(op) if isinstance(op, str) else op).NAME
@@ -164,7 +166,7 @@ class Selector:
 
     def _candidates(self, kind: str) -> tuple[list[type[Op]], str]:
         """Ops of ``kind`` allowed by the context and the environment, and a note on the restriction."""
-        include, exclude = _SCOPE.get()
+        include, exclude = self._scope.get()
         ops = self.registry.ops(kind)
         note = []
         forced_env = [self.registry.get(n) for n in self._env_force]
@@ -177,7 +179,7 @@ class Selector:
             note.append(f"restricted by use_ops to {sorted(include)}")
         blocked = exclude | self._env_disable
         if blocked:
-            ops = [o for o in ops if o.NAME not in blocked and not (set(o.ALIASES) & blocked)]
+            ops = [o for o in ops if not ({o.NAME, *o.ALIASES, *o.LEGACY_ALIASES} & blocked)]
             note.append(f"excluded: {sorted(blocked)}")
         return ops, "; ".join(note)
 
@@ -194,7 +196,7 @@ class Selector:
     # ---- the hot path ----------------------------------------------------------------------
     def select(self, key: Hashable, make_problem: Callable[[], Any], kind: str = "fw", op: OpLike = None) -> type[Op]:
         """The op for a call whose signature is ``key``; ``make_problem()`` runs only on a memo miss."""
-        memo_key = (kind, op, _SCOPE.get(), key)
+        memo_key = (kind, op, self._scope.get(), key)
         try:
             return self._memo[memo_key]
         except KeyError:

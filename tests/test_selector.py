@@ -244,8 +244,11 @@ def test_use_ops_restricts_forces_nests_and_restores():
         assert [v.op for v in sel.explain(Prob()).verdicts] == [b, c]
         with pytest.raises(NoSupportedOpError, match="no bw op supports"):
             sel.select("k", p, "bw")
-        with sel.use_ops(exclude=["bF"]):  # inner scope replaces the outer one
-            assert sel.select("k", p) is a
+        with sel.use_ops(exclude=["bF"]):  # inner scope narrows the outer one: only cF is left, and it refuses
+            with pytest.raises(NoSupportedOpError, match="cF: flavor plain"):
+                sel.select("k", p)
+        with sel.use_ops("aF", "bF"):  # allowed sets intersect: {bF}
+            assert sel.select("k", p) is b
         assert sel.select("k", p) is b  # restored
         with sel.use_ops(c):  # one op: forced; it cannot run -> error naming it, no fallback
             with pytest.raises(NoSupportedOpError, match=r"(?s)restricted by use_ops to \['cF'\].*cF: flavor plain"):
