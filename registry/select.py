@@ -35,6 +35,9 @@ from .tuning import TuningTables
 OpLike = Any  # type[Op] | str | tuple[type[Op] | None, type[Op] | None] | None
 
 
+MEMO_LIMIT = 1 << 16  # memoized signatures before the memo is cleared
+
+
 class NoSupportedOpError(ValueError):
     """No op can run a call; the message lists every op with its reasons."""
 
@@ -207,6 +210,8 @@ class Selector:
             raise _no_op_error(report, op is not None)
         if self._log:
             sys.stderr.write(f"[fmha_ops] {kind} {problem} -> {report.selected.NAME}\n")
+        if len(self._memo) >= MEMO_LIMIT:  # varlen workloads make new signatures without end
+            self._memo.clear()
         self._memo[memo_key] = report.selected
         return report.selected
 
