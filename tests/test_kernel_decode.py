@@ -127,6 +127,25 @@ def test_fp8_kv_matches_dequantized_reference(page_size):
     check(q, kw, k, v, rel=FP16_REL, num_splits=2)
 
 
+def test_fp8_v_scales_changing_across_tiles():
+    # acc is kept in units of the current tile's largest V scale: tiles whose V magnitudes differ by
+    # 1e7 (both directions) must rescale it exactly; 16-key tiles put several tiles in each split
+    g = torch.Generator().manual_seed(9)
+    B, MQ, HQ, HKV, D, L = 2, 2, 4, 2, 32, 100
+    mag = torch.where(torch.arange(L) % 48 < 16, 1e-4, 1e3)[None, :, None, None]
+    k = torch.randn(B, L, HKV, D, generator=g).half()
+    v = (torch.randn(B, L, HKV, D, generator=g) * mag).half()
+    q = torch.randn(B, MQ, HQ, D, generator=g).half()
+    k8, v8, ks, vs = quantize_kv_fp8(k, v, torch.float8_e4m3fn)
+    kd, vd = dequantize_fp8(k8, ks), dequantize_fp8(v8, vs)
+    cache = [c.to(DEVICE) for c in (k8.view(torch.uint8), v8.view(torch.uint8), ks, vs)]
+    seq = torch.tensor([L, 61], dtype=torch.int32)
+    kw = dict(k_cache=cache[0].view(torch.float8_e4m3fn), v_cache=cache[1].view(torch.float8_e4m3fn),
+              k_scale=cache[2], v_scale=cache[3], seqlens=seq.to(DEVICE), scale=D ** -0.5)
+    for splits in (1, 2):
+        check(q.to(DEVICE), kw, kd, vd, rel=FP16_REL, num_splits=splits, block_n=16)
+
+
 def test_separate_strided_kv_and_transformer_like():
     q, kw, k, v = make_case(2, 4, 8, 2, 32, [150, 9], page_size=16, dist="transformer", split_kv=True)
     assert not kw["k_cache"].is_contiguous()
