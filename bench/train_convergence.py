@@ -49,8 +49,8 @@ NAME = "train_convergence"
 VARIANTS = ("sdpa", "fp8", "i8fp8")
 VOCAB = 256
 VAL_TOLERANCE = 0.01  # fp8 val loss within 1% of sdpa's
-TINY = dict(layers=2, d_model=64, heads=2, context=64, batch=8, steps=20, minutes=0.0, warmup=2, lr=3e-3,
-            eval_every=10, val_batches=2)
+TINY = {"layers": 2, "d_model": 64, "heads": 2, "context": 64, "batch": 8, "steps": 20, "minutes": 0.0, "warmup": 2,
+        "lr": 3e-3, "eval_every": 10, "val_batches": 2}
 
 
 # ---- data ------------------------------------------------------------------------------------
@@ -75,8 +75,8 @@ def load_corpus(root: str, val_mod: int) -> tuple[torch.Tensor, torch.Tensor, di
             "crc32_val": zlib.crc32(val)}
     if len(train) < 1 << 20 or len(val) < 1 << 16:
         raise RuntimeError(f"corpus under {root} too small ({info}); pass --corpus DIR with Python sources")
-    as_tensor = lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8)  # noqa: E731
-    return as_tensor(train), as_tensor(val), info
+    return (torch.frombuffer(bytearray(train), dtype=torch.uint8),
+            torch.frombuffer(bytearray(val), dtype=torch.uint8), info)
 
 
 class Batches:
@@ -205,7 +205,10 @@ def probe_attention(attend, shape: tuple[int, int, int, int], device: torch.devi
         ref_grad, = torch.autograd.grad(ref, ref_in, do.float().transpose(1, 2))
     out = attend(*qkv.unbind(2))
     grad, = torch.autograd.grad(out, qkv, do)
-    rel = lambda a, b: float((a.detach().float() - b).norm() / b.norm())  # noqa: E731
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.detach().float() - b).norm() / b.norm())
+
     res = {"fwd_rel_err": rel(out, ref.detach().transpose(1, 2))}
     res.update({f"d{n}_rel_err": rel(grad[:, :, i], ref_grad[:, :, i]) for i, n in enumerate("qkv")})
     if device.type == "cuda":
@@ -454,18 +457,19 @@ def plot(out: str, results: list[dict]) -> str | None:
 
 def markdown(rows: list[dict], cmp_step, args, env: dict, corpus: dict, results: list[dict]) -> str:
     cols = [c for c in COLUMNS if any(r.get(c) is not None for r in rows)]
-    lines = [f"## Training convergence (issue 8): {args.layers}L d{args.d_model} {args.heads}h ctx{args.context}, "
-             f"batch {args.batch}, {args.steps} steps", "",
-             f"date {env['date']}, GPU {env.get('gpu', 'none (CPU)')}, torch {env['torch']}, triton {env['triton']}, "
-             f"CUDA {env['cuda']}", "",
-             f"Corpus: {corpus['files']} stdlib .py files ({corpus['train_bytes'] / 1e6:.1f} MB train, "
-             f"{corpus['val_bytes'] / 1e6:.1f} MB val by file) under {corpus['root']}. Val loss in nats/byte at "
-             f"step {cmp_step} (last step every variant evaluated), {args.val_batches} x {args.batch} fixed windows.",
-             "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    title = (f"## Training convergence (issue 8): {args.layers}L d{args.d_model} {args.heads}h ctx{args.context}, "
+             f"batch {args.batch}, {args.steps} steps")
+    versions = (f"date {env['date']}, GPU {env.get('gpu', 'none (CPU)')}, torch {env['torch']}, "
+                f"triton {env['triton']}, CUDA {env['cuda']}")
+    data = (f"Corpus: {corpus['files']} stdlib .py files ({corpus['train_bytes'] / 1e6:.1f} MB train, "
+            f"{corpus['val_bytes'] / 1e6:.1f} MB val by file) under {corpus['root']}. Val loss in nats/byte at "
+            f"step {cmp_step} (last step every variant evaluated), {args.val_batches} x {args.batch} fixed windows.")
+    notes = ("`val_loss_sdpa_attn`: the final weights evaluated with bf16 SDPA attention instead of their own. "
+             "`attn_fwdbwd_ms`: one attention forward+backward at the training shape (do_bench median). "
+             "Target: val_ratio <= 1.01, no NaN/Inf, speedup > 1.")
+    lines = [title, "", versions, "", data, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(common._fmt(r.get(c)) for c in cols) + " |" for r in rows]
-    lines += ["", "`val_loss_sdpa_attn`: the final weights evaluated with bf16 SDPA attention instead of their own. "
-              "`attn_fwdbwd_ms`: one attention forward+backward at the training shape (do_bench median). "
-              "Target: val_ratio <= 1.01, no NaN/Inf, speedup > 1."]
+    lines += ["", notes]
     lines += [f"- {r['variant']}: ops {r['ops']}; attention probe {r['probe']}"
               + (f"; stopped: {r['stopped']}" if r["stopped"] else "") for r in results]
     return "\n".join(lines) + "\n"

@@ -62,7 +62,7 @@ def test_sdpa_loss_decreases(tmp_path, capsys):
 
 
 def test_data_order_and_init_are_fixed():
-    train, val, info = tc.load_corpus(tc.sysconfig.get_paths()["stdlib"], 10)
+    train, _, info = tc.load_corpus(tc.sysconfig.get_paths()["stdlib"], 10)
     assert info["val_files"] > 0 and info["train_bytes"] > 4 * info["val_bytes"] > 0
     a, b = (tc.Batches(train, 2, 16, 0, 3, torch.device("cpu")) for _ in range(2))
     for step in range(3):
@@ -73,3 +73,10 @@ def test_data_order_and_init_are_fixed():
     torch.manual_seed(0)
     m2 = tc.GPT(1, 32, 2, 16)
     assert all(torch.equal(p, q) for p, q in zip(m1.parameters(), m2.parameters()))
+
+
+def test_divergence_stops_and_is_reported(tmp_path, capsys):
+    res, out = _run(tmp_path, capsys, "--variants", "sdpa,fp8", "--steps", "20", "--lr", "1e30", "--warmup", "1")
+    for r in res["results"]:
+        assert r["nan_step"] is not None and r["nan_step"] < 5 and "non-finite" in r["stopped"]
+    assert "STOPPED" in out and res["rows"][1]["target"].startswith("missed: NaN/Inf")
