@@ -9,21 +9,14 @@ heads of a KV head packed as query rows (``q (B, Hkv, Hq/Hkv, D)``, equivalent f
 of the two reported.
 
     python bench/decoder_bench.py [--quick] [--sweep] [--out DIR]
-
-``--sweep`` also times the fp8 tuning grid of ``SWEEPS`` (block_n, num_warps, num_stages, maxnreg,
-splits, and ``asm=False``: the plain ``.to(float16)`` conversion, i.e. the fp8 path before the
-inline-asm change) and prints that table last; JSON in ``decode.json`` (rows) and ``decode_sweep.json``.
-About 4 minutes on the H200 (bench/results/decode_fp8_analysis.md).
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -163,65 +156,21 @@ def _grid(**axes):
     return cfgs
 
 
-_FP8_SMALL = ([{"asm": False}, {"block_n": 64}, {"block_n": 64, "maxnreg": 128}, {"block_n": 256, "num_warps": 8}]
-              + _grid(block_n=(128,), num_stages=(2, 4)))
-SWEEPS = {  # fp8 tuning variants timed (graph mode) when --sweep is given; earlier sweeps: bench/results/decode.md
-    "B64_L4096_p64": {"bf16": [], "fp8": (
-        [{"asm": False}, {"asm": False, "block_n": 64}]
-        + _grid(block_n=(64, 128), num_warps=(4, 8), num_stages=(2, 3, 4))
-        + _grid(block_n=(256,), num_warps=(4, 8), num_stages=(2, 3))
-        + [{"block_n": 64, "maxnreg": 128}, {"block_n": 64, "num_stages": 3, "maxnreg": 128},
-           {"block_n": 128, "maxnreg": 168}, {"block_n": 128, "num_stages": 2, "maxnreg": 168}]
-        + _grid(num_splits=(2, 4)))},
-    "B64_L4096_p16": {"bf16": [], "fp8": [{"asm": False}, {"block_n": 64}, {"block_n": 32}]},
-    "B64_L4096_p256": {"bf16": [], "fp8": [{"asm": False}, {"block_n": 256, "num_warps": 8}, {"block_n": 64}]},
-    "B1_Hq64_L131072_p64": {"bf16": [], "fp8": _FP8_SMALL + _grid(block_n=(64, 128), num_splits=(32, 128))},
-    "B128_L1024_p64": {"bf16": [], "fp8": _FP8_SMALL},
+SWEEPS = {  # tuning variants timed (graph mode) when --sweep is given; earlier sweeps: bench/results/decode.md
+    "B64_L4096_p64": {"bf16": [], "fp8": _grid(block_n=(128,), num_warps=(2, 4), num_stages=(3, 4))},
 }
-
-
-@contextlib.contextmanager
-def _kernel_knobs(asm=None, maxnreg=None):
-    """Knobs the launcher does not take: the fp8 conversion (``asm``) and a register cap (``maxnreg``)."""
-    from fmha_ops.kernels.triton import decode
-
-    saved = decode._asm_cvt, decode._default_config
-    if asm is not None:
-        decode._asm_cvt = lambda device: asm and saved[0](device)
-    if maxnreg is not None:
-        decode._default_config = lambda *a: (*saved[1](*a)[:3], maxnreg)
-    try:
-        yield
-    finally:
-        decode._asm_cvt, decode._default_config = saved
 
 
 def sweep(call, nbytes, kv, name):
     res = []
     for cfg in SWEEPS[name][kv]:
-        knobs = {k: cfg[k] for k in ("asm", "maxnreg") if k in cfg}
-        launch = {k: v for k, v in cfg.items() if k not in knobs}
         try:
-            with _kernel_knobs(**knobs):
-                ms = common.time_graph_ms(lambda: call(**launch), warmup=5, rep=30)[0]
-            res.append({**cfg, "TBps": round(nbytes / ms / 1e9, 3), "us": round(ms * 1e3, 2)})
+            ms = common.time_graph_ms(lambda: call(**cfg), warmup=5, rep=30)[0]
+            res.append({**cfg, "TBps": round(nbytes / ms / 1e9, 3)})
         except Exception as e:
             res.append({**cfg, "error": repr(e)[:100]})
     print(name, kv, "sweep", json.dumps(res), flush=True)
     return res
-
-
-def sweep_rows(rows) -> list[dict]:
-    """One row per swept fp8 config: its time and speedup over the same run's default bf16 and fp8."""
-    out = []
-    for r in rows:
-        for cfg in r.get("fp8_sweep") or []:
-            knobs = ",".join(f"{k}={v}" for k, v in cfg.items() if k not in ("TBps", "us", "error"))
-            us = cfg.get("us")
-            out.append({"shape": r["shape"], "config": knobs or "default", "fp8_TBps": cfg.get("TBps"), "us": us,
-                        "vs_bf16": r["bf16_graph_us"] / us if us else None,
-                        "vs_fp8_default": r["fp8_graph_us"] / us if us else None, "error": cfg.get("error")})
-    return out
 
 
 COLUMNS = ["shape", "splits", "bf16_graph_TBps", "bf16_eager_TBps", "fp8_graph_TBps", "fp8_eager_TBps",
@@ -251,7 +200,6 @@ def main():
     out = common.out_dir(args.out)
     shapes = SHAPES[:1] + SHAPES[4:5] if args.quick else SHAPES
     rows = []
-    t0 = time.time()
     for name, B, Hq, Hkv, L, D, ps in shapes:
         spec = dict(name=name, B=B, Hq=Hq, Hkv=Hkv, L=L, D=D, page=ps,
                     sweep=args.sweep and name in SWEEPS)
@@ -266,7 +214,6 @@ def main():
         row = json.loads(res[0][7:])
         row["target_TBps"] = TARGETS.get(name)
         rows.append(row)
-        print(f"{name} done at {time.time() - t0:.0f} s", flush=True)
     env = common.environment()
     common.print_table(rows, COLUMNS)
     common.write_json(out, "decode", rows)
@@ -277,11 +224,6 @@ def main():
     with open(os.path.join(out, "decode.md"), "w") as f:
         f.write(md)
     print(md)
-    if args.sweep:
-        srows = sweep_rows(rows)
-        common.write_json(out, "decode_sweep", srows)
-        print("fp8 sweep (graph mode; vs_* = speedup in time over this run's defaults):")
-        common.print_table(srows, ["shape", "config", "fp8_TBps", "us", "vs_bf16", "vs_fp8_default", "error"])
 
 
 if __name__ == "__main__":

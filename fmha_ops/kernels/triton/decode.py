@@ -202,16 +202,16 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_len: int, q_rows_per_kv
     return max(1, min(triton.cdiv(4 * sm_count, programs), max_len // 512, 64))
 
 
-def _default_config(D: int, fp8: bool, page_aligned: bool) -> tuple[int, int, int, int | None]:
-    """(BLOCK_N, num_warps, num_stages, maxnreg); measured on the H200 for D=128 (bench/results/decode.md).
+def _default_config(D: int, fp8: bool, page_aligned: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages); measured on the H200 for D=128 (bench/results/decode.md).
     ``page_aligned``: dense, or pages a multiple of 64 keys (one page id per tile)."""
     if D <= 64:
-        return 128, 4, 2, None
+        return 128, 4, 2
     if D <= 128:
         if fp8:
-            return 128, 4, 3, None
-        return (64, 4, 2, None) if page_aligned else (32, 4, 3, None)
-    return (64 if fp8 else 32), 4, 2, None
+            return 128, 4, 3
+        return (64, 4, 2) if page_aligned else (32, 4, 3)
+    return (64 if fp8 else 32), 4, 2
 
 
 def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float,
@@ -245,7 +245,7 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
         lse = torch.empty((B, HQ, MQ), device=q.device, dtype=torch.float32)
     paged = block_table is not None
     page_size = k_cache.shape[1] if paged else 1
-    bn, nw, ns, maxnreg = _default_config(D, fp8, not paged or page_size % 64 == 0)
+    bn, nw, ns = _default_config(D, fp8, not paged or page_size % 64 == 0)
     bn, nw, ns = block_n or bn, num_warps or nw, num_stages or ns
     rows = G * MQ
     bm = _block_m(rows)
@@ -273,7 +273,6 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
         scale * _LOG2E, HKV, num_splits,
         G=G, MQ=MQ, D=D, BLOCK_M=bm, BLOCK_N=bn, PAGE_SIZE=page_size, PAGED=paged, FP8=fp8,
         PARTIAL=num_splits > 1, ASM_CVT=fp8 and _asm_cvt(q.device), num_warps=nw, num_stages=ns,
-        **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     if num_splits > 1:
         _reduce_kernel[(B * MQ * HQ,)](
