@@ -13,29 +13,12 @@ weights. Each sequence's keys are cut into ``num_splits`` equal chunks of its ow
 """
 from __future__ import annotations
 
-import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _e4m3_to_f16(x, ASM: tl.constexpr):
-    """fp8 e4m3 -> fp16. ``ASM`` (sm89+ only): the same packed cvt as ``x.to(tl.float16)``, but as
-    impure inline asm, which Triton's dot-operand pass cannot hoist past the layout conversion: the
-    conversion then runs in the load layout (16-byte shared loads, fp16 into the mma operand through
-    ldmatrix) instead of on bytes gathered one by one in the mma operand layout (one LDS.U8 per byte
-    for V, whose reduction dim is not contiguous)."""
-    if ASM:
-        return tl.inline_asm_elementwise(
-            "{ .reg .b16 a<2>; mov.b32 {a0, a1}, $2; cvt.rn.f16x2.e4m3x2 $0, a0; cvt.rn.f16x2.e4m3x2 $1, a1; }",
-            "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
-    else:
-        return x.to(tl.float16)
 
 
 @triton.jit
@@ -54,7 +37,6 @@ def _decode_kernel(
     G: tl.constexpr, MQ: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, FP8: tl.constexpr, PARTIAL: tl.constexpr,
-    ASM_CVT: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -83,8 +65,6 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    # fp8: acc holds the output in units of the last tile's largest V scale
-    v_unit = 1.0
 
     k_head = K + hkv * stride_kh
     v_head = V + hkv * stride_vh
@@ -111,17 +91,14 @@ def _decode_kernel(
                     mask=kv_ok[:, None], other=0.0)
         v = tl.load(v_head + (page * stride_vp + slot * stride_vs)[:, None] + offs_d[None, :],
                     mask=kv_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)))
         if FP8:
-            s = tl.dot(q, tl.trans(_e4m3_to_f16(k, ASM_CVT)))
             ks = tl.load(KS + page * stride_ksp + slot * stride_kss + hkv * stride_ksh, mask=kv_ok, other=0.0)
-            col_scale = ks * qk_scale
+            s = s * (ks * qk_scale)[None, :]
         else:
-            s = tl.dot(q, tl.trans(k))
-            col_scale = tl.full([BLOCK_N], qk_scale, tl.float32)
-        # keys past the end: scale 0 and bias -inf, one FMA per score instead of a compare and select
-        s = s * col_scale[None, :] + tl.where(kv_ok, 0.0, float("-inf"))[None, :]
-        if MQ > 1:
-            s = tl.where(offs_n[None, :] <= last_key[:, None], s, float("-inf"))
+            s = s * qk_scale
+        visible = (offs_n[None, :] <= last_key[:, None]) & kv_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
@@ -133,14 +110,13 @@ def _decode_kernel(
             v_max = tl.max(vs, 0)
             v_max = tl.where(v_max > 0.0, v_max, 1.0)
             pv = (p * (vs / v_max)[None, :]).to(tl.float16)
-            acc = tl.dot(pv, _e4m3_to_f16(v, ASM_CVT), acc * (alpha * (v_unit / v_max))[:, None])
-            v_unit = v_max
+            acc = acc * alpha[:, None] + tl.dot(pv, v.to(tl.float16)) * v_max
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
         m_i = m_new
 
     seen = l_i > 0.0
-    o = acc * (v_unit / tl.where(seen, l_i, 1.0))[:, None]
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     o_ptrs = (OUT + split.to(tl.int64) * stride_os + b.to(tl.int64) * stride_ob + qi[:, None] * stride_om
               + qh[:, None] * stride_oh + offs_d[None, :])
@@ -179,13 +155,6 @@ def _reduce_kernel(
     tl.store(OUT + b.to(tl.int64) * stride_ob + i * stride_om + h * stride_oh + offs_d,
              o.to(OUT.dtype.element_ty))
     tl.store(LSE + b * stride_lb + h * stride_lh + i * stride_lm, lse)
-
-
-@functools.lru_cache(maxsize=16)
-def _asm_cvt(device: torch.device) -> bool:
-    """Whether the fp8 path may use the inline-asm e4m3 conversion: NVIDIA sm89+, compiled (not interpreted)."""
-    return (device.type == "cuda" and torch.version.hip is None and os.environ.get("TRITON_INTERPRET") != "1"
-            and torch.cuda.get_device_capability(device) >= (8, 9))
 
 
 def _block_m(rows: int) -> int:
@@ -272,7 +241,7 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
         *kss, *vss, bt_stride, *o_strides, *l_strides,
         scale * _LOG2E, HKV, num_splits,
         G=G, MQ=MQ, D=D, BLOCK_M=bm, BLOCK_N=bn, PAGE_SIZE=page_size, PAGED=paged, FP8=fp8,
-        PARTIAL=num_splits > 1, ASM_CVT=fp8 and _asm_cvt(q.device), num_warps=nw, num_stages=ns,
+        PARTIAL=num_splits > 1, num_warps=nw, num_stages=ns,
     )
     if num_splits > 1:
         _reduce_kernel[(B * MQ * HQ,)](
