@@ -15,7 +15,7 @@ from registry import Op, Report
 
 from . import attn_bias as ab
 from .dispatch import REGISTRY, SELECTOR
-from .inputs import FLOAT_DTYPES, Inputs, Problem
+from .inputs import FLOAT_DTYPES, SIG_NEEDS_GRAD, Inputs, Problem
 
 OpArg = Any  # an op class, name/alias, or (FwOp, BwOp) tuple
 
@@ -181,7 +181,7 @@ def _make_problem(inp: Inputs, needs_lse: bool) -> Problem:
 def _forward(inp: Inputs, op: OpArg, needs_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     sig = inp.signature()
     fw = SELECTOR.select(sig, lambda: _make_problem(inp, needs_lse), "fw", op)
-    if not sig[-4] or (fw.AUTOGRAD and inp.query.dtype in FLOAT_DTYPES):  # sig[-4] is needs_grad
+    if not sig[SIG_NEEDS_GRAD] or (fw.AUTOGRAD and inp.query.dtype in FLOAT_DTYPES):
         return fw.apply(inp, needs_lse)
     bw = SELECTOR.select(sig, lambda: _make_problem(inp, needs_lse), "bw", op)
     return _Attention.apply(fw, bw, inp, inp.query, inp.key, inp.value)

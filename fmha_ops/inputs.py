@@ -33,6 +33,7 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
 
 _FP8_BACKWARD = [False]
+SIG_NEEDS_GRAD = 0  # index of the needs-grad flag in Inputs.signature()
 
 
 class set_fp8_dequantized_backward:
@@ -164,14 +165,15 @@ class Inputs:
             self.query.requires_grad or self.key.requires_grad or self.value.requires_grad)
 
     def signature(self) -> tuple:
-        """Hashable key of everything validation and selection depend on (the memo key)."""
+        """Hashable key of everything validation and selection depend on (the memo key);
+        element ``SIG_NEEDS_GRAD`` says whether autograd needs this call's gradients."""
         q, k, v = self.query, self.key, self.value
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-        return (q.dtype, k.dtype, v.dtype, q.shape, k.shape, v.shape, q.device, k.device, v.device,
-                q.stride(-1), k.stride(-1), v.stride(-1), _bias_signature(self.attn_bias),
+        return (self.needs_grad(), q.dtype, k.dtype, v.dtype, q.shape, k.shape, v.shape, q.device, k.device,
+                v.device, q.stride(-1), k.stride(-1), v.stride(-1), _bias_signature(self.attn_bias),
                 _tensor_signature(self.q_descale), _tensor_signature(self.k_descale),
                 _tensor_signature(self.v_descale), self.p, self.scale, self.output_dtype, self.is_partial,
-                self.quantize_kv_to_fp8, self.needs_grad(), torch.are_deterministic_algorithms_enabled(), capturing, _FP8_BACKWARD[0])
+                self.quantize_kv_to_fp8, torch.are_deterministic_algorithms_enabled(), capturing, _FP8_BACKWARD[0])
 
     # ---- validation ----------------------------------------------------------------------
     def validate(self) -> None:
