@@ -22,7 +22,15 @@ import torch
 Q_SCALE_BLOCK = 128
 K_SCALE_BLOCK = 128
 
-__all__ = ["quantize_fp8", "quantize_qkv_fp8", "quantize_i8fp8", "I8FP8Inputs", "Q_SCALE_BLOCK", "K_SCALE_BLOCK"]
+__all__ = [
+    "K_SCALE_BLOCK",
+    "Q_SCALE_BLOCK",
+    "I8FP8Inputs",
+    "quantize_blocks",
+    "quantize_fp8",
+    "quantize_i8fp8",
+    "quantize_qkv_fp8",
+]
 
 
 def _safe_descale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
@@ -68,14 +76,21 @@ class I8FP8Inputs(NamedTuple):
     softmax_scale: float
 
 
-def _int8_blocks(x: torch.Tensor, block: int):
-    """Per-(batch, head, token block) int8: x (B, M, H, D) -> (int8 x, descale (B, H, cdiv(M, block)))."""
+def quantize_blocks(x: torch.Tensor, block: int, dtype: torch.dtype = torch.int8):
+    """Per-(batch, head, block of ``block`` tokens) quantization of x (B, M, H, D) to int8 or fp8.
+
+    Returns (xq (B, M, H, D), descale float32 (B, H, cdiv(M, block))); descale = amax / qmax (1 for an
+    all-zero block); int8 rounds half away from zero, as the fused kernel (kernels/triton/quantize.py) does.
+    """
     B, M, H, D = x.shape
     nb = -(-M // block)
-    xp = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, nb * block - M)).reshape(B, nb, block, H, D)
-    descale = _safe_descale(xp.abs().amax(dim=(2, 4)), 127.0)  # (B, nb, H)
-    xq = torch.round(xp / descale[:, :, None, :, None]).clamp(-127, 127).to(torch.int8)
-    return xq.reshape(B, nb * block, H, D)[:, :M], descale.permute(0, 2, 1).contiguous()
+    qmax = 127.0 if dtype == torch.int8 else torch.finfo(dtype).max
+    xp = torch.nn.functional.pad(x.float(), (0, 0, 0, 0, 0, nb * block - M)).reshape(B, nb, block, H, D)
+    descale = _safe_descale(xp.abs().amax(dim=(2, 4)), qmax)  # (B, nb, H)
+    y = (xp / descale[:, :, None, :, None]).clamp(-qmax, qmax)
+    if dtype == torch.int8:
+        y = (y + torch.where(y >= 0, 0.5, -0.5)).trunc()
+    return y.to(dtype).reshape(B, nb * block, H, D)[:, :M], descale.permute(0, 2, 1).contiguous()
 
 
 def _int8_grouped(x: torch.Tensor, groups: int | None):
@@ -107,8 +122,8 @@ def quantize_i8fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: 
     if smooth_k and kf.shape[1] > 0:
         kf = kf - kf.mean(dim=1, keepdim=True)
     if qk_granularity == "block":
-        q8, qd = _int8_blocks(qf, Q_SCALE_BLOCK)
-        k8, kd = _int8_blocks(kf, K_SCALE_BLOCK)
+        q8, qd = quantize_blocks(qf, Q_SCALE_BLOCK)
+        k8, kd = quantize_blocks(kf, K_SCALE_BLOCK)
     elif qk_granularity in ("head", "tensor"):
         groups = hkv if qk_granularity == "head" else None
         q8, qd = _int8_grouped(qf, groups)

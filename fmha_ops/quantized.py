@@ -1,14 +1,18 @@
 """Quantize-inside attention for training and convenience: bf16/fp16 in, bf16/fp16 out, autograd.
 
-``fp8_attention``: q/k/v quantized to fp8 per (batch, kv head) (FA3 convention), fp8 forward;
-``i8fp8_attention``: int8 q/k per block with smooth-K, fp8 v per channel (SageAttention-like).
-Both differentiate with a bf16/fp16 backward kernel on the original q/k/v, using the quantized
-forward's output and LSE, so gradients flow to the bf16 tensors (the practical training path).
+``fp8_attention``: fp8 q/k per block of 128 tokens and head, fp8 v per channel; ``i8fp8_attention``:
+the same with int8 q/k (SageAttention-like). Both smooth K first (subtract its mean over the sequence,
+a per-query-row constant in the logits, so softmax is unchanged and K's shared component does not eat
+the quantization range) and fold the softmax scale into q. On CUDA the quantization is one fused Triton
+pass per tensor (kernels/triton/quantize.py); elsewhere torch ops (``fmha_ops.quant.quantize_blocks``),
+the kernel's tested reference.
+
+Gradients: a bf16/fp16 backward kernel on the original q/k/v, using the quantized forward's output and
+its LSE with the smooth-K offset ``scale * q . mean(K)`` added back, so the backward's recomputed
+probabilities ``exp(scale * q k^T - lse)`` are those of the forward (the practical training path).
 The forward op is selected by dtype (triton_fp8F / triton_i8fp8F where available, else the reference).
 """
 from __future__ import annotations
-
-from typing import Callable
 
 import torch
 
@@ -17,29 +21,53 @@ from registry import current_arch, fp8_dtype
 from . import attn_bias as ab
 from .api import _forward, _inputs
 from .dispatch import SELECTOR
-from .quant import quantize_i8fp8, quantize_qkv_fp8
+from .quant import K_SCALE_BLOCK, Q_SCALE_BLOCK, _safe_descale, quantize_blocks
 
 __all__ = ["fp8_attention", "i8fp8_attention"]
 
 
-def _fp8(q, k, v, scale):
-    q8, k8, v8, qd, kd, vd = quantize_qkv_fp8(q, k, v, dtype=fp8_dtype(current_arch(q.device)))
-    return (q8, k8, v8), dict(q_descale=qd, k_descale=kd, v_descale=vd), scale
+def quantize_smooth(q, k, v, scale: float, qk_dtype: torch.dtype):
+    """q (B, Mq, Hq, D), k (B, Mk, Hkv, D), v (B, Mk, Hkv, Dv) -> ((q8, k8, v8), descales, lse offset).
 
+    q8 = quantize(q * scale), k8 = quantize(k - mean_seq(k)) per block (``qk_dtype`` int8 or fp8), v8 fp8
+    per channel; descales as the attention ops take them ("block", "block", "channel"); lse offset
+    float32 (B, Hq, Mq) = scale * q . mean(k) (the logit shift smooth-K removed), natural log units.
+    """
+    B, Mk, Hkv, D = k.shape
+    v_dtype = fp8_dtype(current_arch(q.device))
+    if Mk:
+        k_mean = torch.mean(k, dim=1, dtype=torch.float32)
+        v_amax = torch.linalg.vector_norm(v, float("inf"), dim=1, dtype=torch.float32)
+    else:
+        k_mean = torch.zeros((B, Hkv, D), dtype=torch.float32, device=k.device)
+        v_amax = torch.zeros((B, Hkv, v.shape[3]), dtype=torch.float32, device=k.device)
+    vd = _safe_descale(v_amax, torch.finfo(v_dtype).max)
+    if q.is_cuda:
+        from .kernels.triton.quantize import quantize_rows
 
-def _i8fp8(q, k, v, scale):
-    r = quantize_i8fp8(q, k, v, scale=scale, fp8_dtype=fp8_dtype(current_arch(q.device)))
-    return (r.q, r.k, r.v), dict(q_descale=r.q_descale, k_descale=r.k_descale, v_descale=r.v_descale), r.softmax_scale
+        q8, qd, lse_offset = quantize_rows(q, qk_dtype, block=Q_SCALE_BLOCK, scale=scale, dot=k_mean)
+        k8, kd, _ = quantize_rows(k, qk_dtype, block=K_SCALE_BLOCK, mean=k_mean)
+        v8, _, _ = quantize_rows(v, v_dtype, channel_descale=vd)
+    else:
+        qs = q.float() * scale
+        q8, qd = quantize_blocks(qs, Q_SCALE_BLOCK, qk_dtype)
+        k8, kd = quantize_blocks(k.float() - k_mean[:, None], K_SCALE_BLOCK, qk_dtype)
+        fmax = torch.finfo(v_dtype).max
+        v8 = (v.float() / vd[:, None]).clamp(-fmax, fmax).to(v_dtype)
+        qg = qs.reshape(*qs.shape[:2], Hkv, -1, D)
+        lse_offset = torch.einsum("bmhgd,bhd->bhgm", qg, k_mean).reshape(B, -1, qs.shape[1])
+    return (q8, k8, v8), {"q_descale": qd, "k_descale": kd, "v_descale": vd}, lse_offset
 
 
 class _QuantizedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, quantize: Callable, bias, scale, op, query, key, value):
-        qkv, descales, kernel_scale = quantize(query, key, value, scale)
-        inp, _ = _inputs(*qkv, bias, 0.0, kernel_scale, query.dtype, True, descales["q_descale"],
+    def forward(ctx, qk_dtype, bias, scale, op, query, key, value):
+        kernel_scale = query.shape[-1] ** -0.5 if scale is None else scale
+        qkv, descales, lse_offset = quantize_smooth(query, key, value, kernel_scale, qk_dtype)
+        inp, _ = _inputs(*qkv, bias, 0.0, 1.0, query.dtype, True, descales["q_descale"],
                          descales["k_descale"], descales["v_descale"], False)
         out, lse = _forward(inp, op, True)
-        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.save_for_backward(query, key, value, out, lse + lse_offset)
         ctx.bias, ctx.scale = bias, scale
         return out
 
@@ -63,12 +91,12 @@ def _causal(causal: bool):
 
 def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                   softmax_scale: float | None = None, *, op=None) -> torch.Tensor:
-    """q (B, Mq, Hq, D), k/v (B, Mk, Hkv, D) bf16/fp16 -> out (B, Mq, Hq, D) in q's dtype, via fp8.
-    ``causal`` is bottom-right aligned; ``op`` forces the forward op."""
-    return _QuantizedAttention.apply(_fp8, _causal(causal), softmax_scale, op, q, k, v)
+    """q (B, Mq, Hq, D), k/v (B, Mk, Hkv, D) bf16/fp16 -> out (B, Mq, Hq, D) in q's dtype, via fp8
+    (``quantize_smooth``). ``causal`` is bottom-right aligned; ``op`` forces the forward op."""
+    return _QuantizedAttention.apply(fp8_dtype(current_arch(q.device)), _causal(causal), softmax_scale, op, q, k, v)
 
 
 def i8fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                     softmax_scale: float | None = None, *, op=None) -> torch.Tensor:
     """Like ``fp8_attention`` with int8 q/k (per-block scales, smooth-K) and fp8 v (per channel)."""
-    return _QuantizedAttention.apply(_i8fp8, _causal(causal), softmax_scale, op, q, k, v)
+    return _QuantizedAttention.apply(torch.int8, _causal(causal), softmax_scale, op, q, k, v)

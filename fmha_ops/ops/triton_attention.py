@@ -65,7 +65,10 @@ class _TritonFwOp(AttentionFwOp):
 
     @classmethod
     def extra_reasons(cls, p: Problem) -> list[str]:
-        return interpreter_reasons(p)
+        r = interpreter_reasons(p)
+        if p.bias in ab.VARLEN_KINDS and "block" in p.descales:
+            r.append("per-block descales with a varlen (BlockDiagonal) mask not supported")
+        return r
 
     @classmethod
     def apply(cls, inp, needs_lse):
@@ -84,11 +87,13 @@ class _TritonFwOp(AttentionFwOp):
 
 @register
 class TritonFp8FwOp(_TritonFwOp):
-    """fp8 e4m3 q/k/v with float32 descales (FA3 convention), bf16 out; P quantized to fp8 for PV."""
+    """fp8 e4m3 q/k/v with float32 descales (FA3 convention, or per-block q/k and per-channel v as the
+    training path quantizes), bf16 out; P quantized to fp8 for PV."""
 
     NAME = "triton_fp8F"
     DTYPES = frozenset((f, f, f) for f in FP8_DTYPES)
-    DESCALES = {r: frozenset({"tensor", "head"}) for r in "qkv"}
+    DESCALES = {"q": frozenset({"tensor", "head", "block"}), "k": frozenset({"tensor", "head", "block"}),
+                "v": frozenset({"tensor", "head", "channel"})}
     TFLOPS = 900.0
 
 
@@ -102,12 +107,6 @@ class TritonI8Fp8FwOp(_TritonFwOp):
                 "v": frozenset({"tensor", "head", "channel"})}
     TFLOPS = 850.0
 
-    @classmethod
-    def extra_reasons(cls, p: Problem) -> list[str]:
-        r = super().extra_reasons(p)
-        if p.bias in ab.VARLEN_KINDS and "block" in p.descales:
-            r.append("per-block descales with a varlen (BlockDiagonal) mask not supported")
-        return r
 
 
 @register

@@ -292,7 +292,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
     Hq % Hkv == 0 (query head h reads kv head h // (Hq // Hkv)); D, Dv multiples of 16, <= 256.
     dtypes: fp8/fp8/fp8 (e4m3fn or e4m3fnuz), int8/int8/fp8 (i8fp8) -> bf16 by default; bf16 or fp16 for all
     three -> same dtype. Computes softmax(scale * (q*qd)(k*kd)^T) (v*vd) with float32 descales:
-    None, numel 1, (B, Hkv) (q indexed by its kv head; (nseq, Hkv) for varlen); for int8 q/k also per block along the sequence,
+    None, numel 1, (B, Hkv) (q indexed by its kv head; (nseq, Hkv) for varlen); for fp8 or int8 q/k also per block along the sequence,
     q_descale (B, Hq, cdiv(Mq, Q_SCALE_BLOCK)), k_descale (B, Hkv, cdiv(Mk, K_SCALE_BLOCK)); v_descale may be
     per channel (B, Hkv, Dv).
     Varlen: B == 1, sequences packed along dim 1, cu_seqlens_q/k int32 (nseq + 1,) on the device,
@@ -334,8 +334,8 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
         v_transposed = fp8_v and device.type == "cuda"
 
     # descales
-    q_block = qk_int8 and q_descale is not None and q_descale.dim() == 3
-    k_block = qk_int8 and k_descale is not None and k_descale.dim() == 3
+    q_block = q_descale is not None and q_descale.dim() == 3
+    k_block = k_descale is not None and k_descale.dim() == 3
     assert not (varlen and (q_block or k_block)), "per-block descales are not supported with varlen"
     if q_block:
         assert q_descale.shape == (B, Hq, triton.cdiv(Mq, Q_SCALE_BLOCK))
