@@ -7,9 +7,11 @@ the quantization range) and fold the softmax scale into q. On CUDA the quantizat
 pass per tensor (kernels/triton/quantize.py); elsewhere torch ops (``fmha_ops.quant.quantize_blocks``),
 the kernel's tested reference.
 
-Gradients: a bf16/fp16 backward kernel on the original q/k/v, using the quantized forward's output and
-its LSE with the smooth-K offset ``scale * q . mean(K)`` added back, so the backward's recomputed
-probabilities ``exp(scale * q k^T - lse)`` are those of the forward (the practical training path).
+Gradients: a bf16/fp16 backward kernel on q, the smoothed k and v, with the quantized forward's output
+and LSE (both of the smoothed logits), so gradients flow to the bf16 tensors (the practical training
+path). The smoothed k matters: the backward's dS = P (dP - rowsum(dO O)) does not sum to exactly 0 over
+keys when O comes from the quantized forward, and dQ = dS k multiplies that residue by K's mean.
+dK is unchanged by the shift (d(k - mean(k))/dk only removes a component dK does not have).
 The forward op is selected by dtype (triton_fp8F / triton_i8fp8F where available, else the reference).
 """
 from __future__ import annotations
@@ -27,11 +29,11 @@ __all__ = ["fp8_attention", "i8fp8_attention"]
 
 
 def quantize_smooth(q, k, v, scale: float, qk_dtype: torch.dtype):
-    """q (B, Mq, Hq, D), k (B, Mk, Hkv, D), v (B, Mk, Hkv, Dv) -> ((q8, k8, v8), descales, lse offset).
+    """q (B, Mq, Hq, D), k (B, Mk, Hkv, D), v (B, Mk, Hkv, Dv) -> ((q8, k8, v8), descales, k_smooth).
 
     q8 = quantize(q * scale), k8 = quantize(k - mean_seq(k)) per block (``qk_dtype`` int8 or fp8), v8 fp8
-    per channel; descales as the attention ops take them ("block", "block", "channel"); lse offset
-    float32 (B, Hq, Mq) = scale * q . mean(k) (the logit shift smooth-K removed), natural log units.
+    per channel; descales as the attention ops take them ("block", "block", "channel");
+    k_smooth = k - mean_seq(k) in k's dtype.
     """
     B, Mk, Hkv, D = k.shape
     v_dtype = fp8_dtype(current_arch(q.device))
@@ -45,36 +47,35 @@ def quantize_smooth(q, k, v, scale: float, qk_dtype: torch.dtype):
     if q.is_cuda:
         from .kernels.triton.quantize import quantize_rows
 
-        q8, qd, lse_offset = quantize_rows(q, qk_dtype, block=Q_SCALE_BLOCK, scale=scale, dot=k_mean)
-        k8, kd, _ = quantize_rows(k, qk_dtype, block=K_SCALE_BLOCK, mean=k_mean)
+        q8, qd, _ = quantize_rows(q, qk_dtype, block=Q_SCALE_BLOCK, scale=scale)
+        k8, kd, k_smooth = quantize_rows(k, qk_dtype, block=K_SCALE_BLOCK, mean=k_mean)
         v8, _, _ = quantize_rows(v, v_dtype, channel_descale=vd)
     else:
-        qs = q.float() * scale
-        q8, qd = quantize_blocks(qs, Q_SCALE_BLOCK, qk_dtype)
-        k8, kd = quantize_blocks(k.float() - k_mean[:, None], K_SCALE_BLOCK, qk_dtype)
+        q8, qd = quantize_blocks(q.float() * scale, Q_SCALE_BLOCK, qk_dtype)
+        ks = k.float() - k_mean[:, None]
+        k8, kd = quantize_blocks(ks, K_SCALE_BLOCK, qk_dtype)
+        k_smooth = ks.to(k.dtype)
         fmax = torch.finfo(v_dtype).max
         v8 = (v.float() / vd[:, None]).clamp(-fmax, fmax).to(v_dtype)
-        qg = qs.reshape(*qs.shape[:2], Hkv, -1, D)
-        lse_offset = torch.einsum("bmhgd,bhd->bhgm", qg, k_mean).reshape(B, -1, qs.shape[1])
-    return (q8, k8, v8), {"q_descale": qd, "k_descale": kd, "v_descale": vd}, lse_offset
+    return (q8, k8, v8), {"q_descale": qd, "k_descale": kd, "v_descale": vd}, k_smooth
 
 
 class _QuantizedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qk_dtype, bias, scale, op, query, key, value):
         kernel_scale = query.shape[-1] ** -0.5 if scale is None else scale
-        qkv, descales, lse_offset = quantize_smooth(query, key, value, kernel_scale, qk_dtype)
+        qkv, descales, k_smooth = quantize_smooth(query, key, value, kernel_scale, qk_dtype)
         inp, _ = _inputs(*qkv, bias, 0.0, 1.0, query.dtype, True, descales["q_descale"],
                          descales["k_descale"], descales["v_descale"], False)
         out, lse = _forward(inp, op, True)
-        ctx.save_for_backward(query, key, value, out, lse + lse_offset)
+        ctx.save_for_backward(query, k_smooth, value, out, lse)
         ctx.bias, ctx.scale = bias, scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, out, lse = ctx.saved_tensors
-        inp, _ = _inputs(query, key, value, ctx.bias, 0.0, ctx.scale, None, True, None, None, None, False)
+        query, k_smooth, value, out, lse = ctx.saved_tensors
+        inp, _ = _inputs(query, k_smooth, value, ctx.bias, 0.0, ctx.scale, None, True, None, None, None, False)
         bw = SELECTOR.select(("qbw",) + inp.signature(), lambda: _problem(inp), "bw")
         dq, dk, dv = bw.apply_bw(inp, out, lse, grad_out.contiguous())
         return None, None, None, None, dq, dk, dv
