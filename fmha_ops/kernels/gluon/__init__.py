@@ -1,0 +1,1 @@
+"""Gluon (triton.experimental.gluon) kernels: explicit async wgmma, TMA rings, mbarriers (Hopper sm90)."""

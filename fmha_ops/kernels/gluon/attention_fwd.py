@@ -1,0 +1,296 @@
+"""fp8 attention forward for Hopper (sm90) in Gluon: async wgmma, TMA rings, softmax overlapped with PV.
+
+Shapes, dtypes, layouts (the conventions of ``kernels/triton/attention_fwd.py``):
+
+* q (B, Mq, Hq, D), k (B, Mk, Hkv, D): ``float8_e4m3fn``, last dim contiguous, other strides free;
+  D in {64, 128, 256}; Hq % Hkv == 0 (query head h reads kv head h // (Hq // Hkv)).
+* v (B, Mk, Hkv, D) fp8, copied by ``transpose_v`` to (B, Hkv, D, L) so the PV wgmma gets a K-major B operand.
+* descales float32: None, per tensor (numel 1) or per (batch, kv head) ``(B, Hkv)``.
+* out bf16 (B, Mq, Hq, D); lse float32 (B, Hq, Mq), natural log (optional).
+* causal is bottom-right aligned: query i sees key j iff j <= i + Mk - Mq; rows that see no key give
+  out = 0 and lse = -inf. Any Mq, Mk: TMA zero padding and store clipping handle partial tiles.
+
+One CTA = one warpgroup (4 warps) owning BLOCK_M = 64 query rows; two CTAs share an SM. Per KV tile j the
+warpgroup issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} as async wgmmas, waits for S_j only, and runs the
+softmax of S_j (exp2 on MUFU, FP32 ops) while the tensor cores still work on P_{j-1} V_{j-1} (the FA3
+intra-warpgroup pipeline). K and V tiles stream through separate STAGES-deep shared-memory rings filled by
+TMA and guarded by mbarriers; a K slot is refilled as soon as S_j has read it, a V slot once PV has.
+Softmax in exp2 with scale * q_descale * k_descale folded into one multiplier; P is scaled by 2**P_SHIFT
+before the fp8 cast (small probabilities stay normal e4m3 numbers) and the shift is removed from the LSE.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from ..triton.attention_fwd import _descale_args, _ensure_allocator, transpose_v
+
+_LOG2E = 1.4426950408889634
+HEAD_DIMS = (64, 128, 256)
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, qk_scale, start_n, seqlen_k, diag, offs_m,
+             MASKED: gl.constexpr, CAUSAL: gl.constexpr, P_SHIFT: gl.constexpr, BLOCK_N: gl.constexpr,
+             s_layout: gl.constexpr):
+    """Online-softmax step on one S tile (raw scores); returns (p fp32 scaled by 2**P_SHIFT, m, l, alpha)."""
+    if MASKED:
+        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        keep = gl.expand_dims(cols, 0) < seqlen_k
+        if CAUSAL:
+            keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(offs_m, 1) + diag)
+        s = gl.where(keep, s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        # rows that have seen no key keep m = -inf: subtract 0 instead to avoid inf - inf
+        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - gl.expand_dims(m_sub - P_SHIFT, 1))
+        alpha = gl.exp2(m_i - m_sub)
+    else:
+        # qk_scale > 0 commutes with the row max: one FMA per score feeds exp2
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new - P_SHIFT, 1))
+        alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, m_new, l_i, alpha
+
+
+@gluon.jit
+def _attn_fwd_kernel(
+    Q, K, VT, Out, Lse, QD, KD, VD, sm_scale_log2,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_km, stride_kh,
+    stride_vb, stride_vh, stride_vd,
+    stride_ob, stride_om, stride_oh,
+    stride_lb, stride_lh,
+    qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh,
+    Mq, Mk, Hq, GROUP,
+    HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, P_SHIFT: gl.constexpr, num_warps: gl.constexpr,
+):
+    pid_m = gl.program_id(0)
+    if CAUSAL:  # longest rows first
+        pid_m = gl.num_programs(0) - 1 - pid_m
+    bh = gl.program_id(1)
+    b = bh // Hq
+    hq = bh % Hq
+    hkv = hq // GROUP
+    m0 = pid_m * BLOCK_M
+    b64 = b.to(gl.int64)
+    diag = Mk - Mq
+    if CAUSAL:
+        kv_end = gl.maximum(gl.minimum(Mk, m0 + BLOCK_M + diag), 0)
+        full_end = gl.maximum(gl.minimum(Mk, m0 + diag + 1), 0) // BLOCK_N * BLOCK_N
+    else:
+        kv_end = Mk
+        full_end = Mk // BLOCK_N * BLOCK_N
+    # at least one (then fully masked) tile, so rows that see no key take the masked path: out 0, lse -inf
+    n_tiles = gl.maximum(gl.cdiv(kv_end, BLOCK_N), 1)
+
+    # layouts: S and O accumulators of one m64 wgmma per warpgroup; P feeds the PV wgmma from registers
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 32])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, HEAD_D, 32])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    s_row: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_row: gl.constexpr = gl.SliceLayout(1, o_layout)
+    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_D], gl.float8e4nv)
+    k_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], gl.float8e4nv)
+    v_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_D, BLOCK_N], gl.float8e4nv)
+    o_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_D], gl.bfloat16)
+
+    q_desc = tma.make_tensor_descriptor(Q + b64 * stride_qb + hq.to(gl.int64) * stride_qh, shape=[Mq, HEAD_D],
+                                        strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_D], layout=q_sl)
+    k_desc = tma.make_tensor_descriptor(K + b64 * stride_kb + hkv.to(gl.int64) * stride_kh, shape=[Mk, HEAD_D],
+                                        strides=[stride_km, 1], block_shape=[BLOCK_N, HEAD_D], layout=k_sl)
+    # V^T (B, Hkv, D, L): keys contiguous; shape Mk (not L) so the padding columns read as zeros
+    v_desc = tma.make_tensor_descriptor(VT + b64 * stride_vb + hkv.to(gl.int64) * stride_vh, shape=[HEAD_D, Mk],
+                                        strides=[stride_vd, 1], block_shape=[HEAD_D, BLOCK_N], layout=v_sl)
+    o_desc = tma.make_tensor_descriptor(Out + b64 * stride_ob + hq.to(gl.int64) * stride_oh, shape=[Mq, HEAD_D],
+                                        strides=[stride_om, 1], block_shape=[BLOCK_M, HEAD_D], layout=o_sl)
+
+    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_M, HEAD_D], q_sl)
+    k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_D], k_sl)
+    v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_D, BLOCK_N], v_sl)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_bars.index(i), count=1)
+        mbarrier.init(v_bars.index(i), count=1)
+
+    K_BYTES: gl.constexpr = BLOCK_N * HEAD_D
+    mbarrier.expect(q_bar, BLOCK_M * HEAD_D)
+    tma.async_copy_global_to_shared(q_desc, [m0, 0], q_bar, q_smem)
+    for i in gl.static_range(STAGES):
+        ok = i < n_tiles
+        mbarrier.expect(k_bars.index(i), K_BYTES, pred=ok)
+        tma.async_copy_global_to_shared(k_desc, [i * BLOCK_N, 0], k_bars.index(i), k_smem.index(i), pred=ok)
+        mbarrier.expect(v_bars.index(i), K_BYTES, pred=ok)
+        tma.async_copy_global_to_shared(v_desc, [0, i * BLOCK_N], v_bars.index(i), v_smem.index(i), pred=ok)
+
+    qd = gl.load(QD + b * qd_sb + hkv * qd_sh)
+    kd = gl.load(KD + b * kd_sb + hkv * kd_sh)
+    qk_scale = qd * kd * sm_scale_log2
+    offs_m = m0 + gl.arange(0, BLOCK_M, layout=s_row)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=s_row)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=s_row)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=o_layout)
+
+    # tile 0: S_0 and its softmax (nothing to overlap with yet)
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(k_bars.index(0), 0)
+    s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s_tok, ))
+    ok = STAGES < n_tiles
+    mbarrier.expect(k_bars.index(0), K_BYTES, pred=ok)
+    tma.async_copy_global_to_shared(k_desc, [STAGES * BLOCK_N, 0], k_bars.index(0), k_smem.index(0), pred=ok)
+    if full_end <= 0:
+        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, 0, Mk, diag, offs_m, True, CAUSAL, P_SHIFT, BLOCK_N,
+                                      s_layout)
+    else:
+        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, 0, Mk, diag, offs_m, False, CAUSAL, P_SHIFT, BLOCK_N,
+                                      s_layout)
+    p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+
+    for j in range(1, n_tiles):
+        ks = j % STAGES
+        mbarrier.wait(k_bars.index(ks), (j // STAGES) & 1)
+        s_tok = warpgroup_mma(q_smem, k_smem.index(ks).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        vs = (j - 1) % STAGES
+        mbarrier.wait(v_bars.index(vs), ((j - 1) // STAGES) & 1)
+        o_tok = warpgroup_mma(p8, v_smem.index(vs).permute((1, 0)), acc, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s_tok, ))
+        # S_j has read K slot ks: refill it with tile j + STAGES
+        nxt = j + STAGES
+        ok = nxt < n_tiles
+        mbarrier.expect(k_bars.index(ks), K_BYTES, pred=ok)
+        tma.async_copy_global_to_shared(k_desc, [nxt * BLOCK_N, 0], k_bars.index(ks), k_smem.index(ks), pred=ok)
+        start_n = j * BLOCK_N
+        if start_n >= full_end:
+            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, start_n, Mk, diag, offs_m, True, CAUSAL, P_SHIFT,
+                                          BLOCK_N, s_layout)
+        else:
+            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, start_n, Mk, diag, offs_m, False, CAUSAL, P_SHIFT,
+                                          BLOCK_N, s_layout)
+        p_next = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+        acc = warpgroup_mma_wait(0, deps=(o_tok, ))
+        # PV_{j-1} has read V slot vs: refill it with tile j - 1 + STAGES
+        nxt = j - 1 + STAGES
+        ok = nxt < n_tiles
+        mbarrier.expect(v_bars.index(vs), K_BYTES, pred=ok)
+        tma.async_copy_global_to_shared(v_desc, [0, nxt * BLOCK_N], v_bars.index(vs), v_smem.index(vs), pred=ok)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row), 1)
+        p8 = p_next
+
+    last = n_tiles - 1
+    vs = last % STAGES
+    mbarrier.wait(v_bars.index(vs), (last // STAGES) & 1)
+    o_tok = warpgroup_mma(p8, v_smem.index(vs).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(o_tok, ))
+
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(k_bars.index(i))
+        mbarrier.invalidate(v_bars.index(i))
+
+    empty = l_i == 0.0
+    inv_l = 1.0 / gl.where(empty, 1.0, l_i)
+    vd = gl.load(VD + b * vd_sb + hkv * vd_sh)
+    out = acc * gl.expand_dims(gl.convert_layout(inv_l * vd, o_row), 1)
+    o_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, HEAD_D], o_sl)
+    o_smem.store(out.to(gl.bfloat16))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [m0, 0], o_smem)
+    if WRITE_LSE:
+        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i)) - P_SHIFT) * 0.6931471805599453)
+        gl.store(Lse + b64 * stride_lb + hq.to(gl.int64) * stride_lh + offs_m, lse, mask=offs_m < Mq)
+    tma.store_wait(pendings=0)
+
+
+def default_config(head_dim: int, causal: bool) -> dict:
+    """Tile sizes per head dim (one warpgroup, BLOCK_M 64, two CTAs per SM); see bench/results/attention_fwd.md."""
+    if head_dim <= 128:
+        return {"block_n": 128, "stages": 2}
+    return {"block_n": 64, "stages": 2}
+
+
+def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=None, k_descale=None,
+                      v_descale=None, return_lse: bool = False, block_n=None, stages=None, out=None):
+    """fp8 attention forward on Hopper (see the module docstring for shapes, dtypes and layouts).
+
+    Returns (out bf16 (B, Mq, Hq, D), lse float32 (B, Hq, Mq) natural log, or None).
+    """
+    B, Mq, Hq, D = q.shape
+    _, Mk, Hkv, Dv = v.shape
+    assert k.shape == v.shape and k.shape[0] == B and k.shape[3] == D and Dv == D, "q/k/v shapes disagree"
+    assert D in HEAD_DIMS, f"head dim {D} not supported; supported: {HEAD_DIMS}"
+    assert Hq % Hkv == 0, "Hq must be a multiple of Hkv"
+    assert q.dtype == k.dtype == v.dtype == torch.float8_e4m3fn, "q/k/v must be float8_e4m3fn"
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1, "last dim must be contiguous"
+    assert all(s % 16 == 0 for t in (q, k) for s in t.stride()[:3]), "q/k strides must be multiples of 16 (TMA)"
+    device = q.device
+    cfg = default_config(D, causal)
+    BN = block_n or cfg["block_n"]
+    ST = stages or cfg["stages"]
+    qd, qd_sb, qd_sh = _descale_args(q_descale, device, B, Hkv, "q_descale")
+    kd, kd_sb, kd_sh = _descale_args(k_descale, device, B, Hkv, "k_descale")
+    vd, vd_sb, vd_sh = _descale_args(v_descale, device, B, Hkv, "v_descale")
+    if out is None:
+        out = torch.empty((B, Mq, Hq, D), dtype=torch.bfloat16, device=device)
+    else:
+        assert out.shape == (B, Mq, Hq, D) and out.dtype == torch.bfloat16 and out.stride(-1) == 1
+    lse = torch.empty((B, Hq, Mq), dtype=torch.float32, device=device) if return_lse else None
+    if out.numel() == 0 or Mk == 0:
+        out.zero_()
+        if lse is not None:
+            lse.fill_(float("-inf"))
+        return out, lse
+    _ensure_allocator()
+    vt, _ = transpose_v(v)
+    BM = 64
+    grid = (triton.cdiv(Mq, BM), B * Hq)
+    _attn_fwd_kernel[grid](
+        q, k, vt, out, lse if lse is not None else qd, qd, kd, vd, scale * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        vt.stride(0), vt.stride(1), vt.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
+        qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh,
+        Mq, Mk, Hq, Hq // Hkv,
+        HEAD_D=D, BLOCK_M=BM, BLOCK_N=BN, STAGES=ST, CAUSAL=causal, WRITE_LSE=return_lse, P_SHIFT=8,
+        num_warps=4,
+    )
+    return out, lse
+
+
+def compile_sm90(head_dim=128, block_n=128, stages=2, causal=False, write_lse=False):
+    """Compile the kernel ahead of time for sm90 (no GPU needed); returns the CompiledKernel (asm: ptx, cubin)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    ptr, i32 = "*fp8e4nv", "i32"
+    sig = {"Q": ptr, "K": ptr, "VT": ptr, "Out": "*bf16", "Lse": "*fp32", "QD": "*fp32", "KD": "*fp32",
+           "VD": "*fp32", "sm_scale_log2": "fp32"}
+    for n in ("stride_qb", "stride_qm", "stride_qh", "stride_kb", "stride_km", "stride_kh", "stride_vb",
+              "stride_vh", "stride_vd", "stride_ob", "stride_om", "stride_oh", "stride_lb", "stride_lh",
+              "qd_sb", "qd_sh", "kd_sb", "kd_sh", "vd_sb", "vd_sh", "Mq", "Mk", "Hq", "GROUP"):
+        sig[n] = i32
+    const = {"HEAD_D": head_dim, "BLOCK_M": 64, "BLOCK_N": block_n, "STAGES": stages, "CAUSAL": causal,
+             "WRITE_LSE": write_lse, "P_SHIFT": 8, "num_warps": 4}
+    for n in const:
+        sig[n] = "constexpr"
+    src = GluonASTSource(_attn_fwd_kernel, sig, constexprs={(list(sig).index(n),): v for n, v in const.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})

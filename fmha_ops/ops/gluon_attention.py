@@ -1,0 +1,57 @@
+"""Gluon fp8 attention forward for Hopper (``kernels/gluon/attention_fwd.py``): the op ``gluon_fp8F``.
+
+sm90 only (async wgmma, TMA and mbarriers as Gluon exposes them for Hopper); needs a Triton with
+``triton.experimental.gluon`` (3.6.0 has it). Dense batches, head dims 64/128/256 (K == Kv), no mask or
+bottom-right causal, GQA, q/k/v descales per tensor or per (batch, kv head); bf16 out; returns the LSE.
+Gluon kernels do not run in the Triton interpreter: the op never runs on a CPU.
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from .. import attn_bias as ab
+from ..dispatch import register
+from ..inputs import Problem
+from .base import AttentionFwOp
+from .cost import attention_time
+
+_FP8 = torch.float8_e4m3fn
+
+
+@register
+class GluonFp8FwOp(AttentionFwOp):
+    """fp8 e4m3fn q/k/v, FA3-style pipeline in Gluon (softmax of S_j overlapped with P_{j-1} V_{j-1})."""
+
+    NAME = "gluon_fp8F"
+    ARCHS = ("cuda>=9.0,<10.0",)
+    REQUIRES = ("triton.experimental.gluon",)
+    DTYPES = frozenset({(_FP8, _FP8, _FP8)})
+    OUT_DTYPES = frozenset({torch.bfloat16})
+    HEAD_DIMS = (64, 128, 256)
+    HEAD_DIMS_V = None  # Kv == K
+    BIAS_KINDS = frozenset({ab.NONE, ab.CAUSAL_BR})
+    GQA = True
+    PARTIAL = True
+    DESCALES: ClassVar[dict[str, frozenset[str]]] = {r: frozenset({"none", "tensor", "head"}) for r in "qkv"}
+    #: achieved TFLOP/s on the H200 (fp8, d128, non-causal, 4x32x4096), for the cost model
+    TFLOPS = 800.0
+
+    @classmethod
+    def extra_reasons(cls, p: Problem) -> list[str]:
+        if p.arch.kind == "cuda" and p.arch.capability[0] != 9:
+            return [f"needs sm90 (Hopper); this is sm{p.arch.capability[0]}{p.arch.capability[1]}"]
+        return []
+
+    @classmethod
+    def apply(cls, inp, needs_lse):
+        from ..kernels.gluon.attention_fwd import attention_forward
+
+        return attention_forward(inp.query, inp.key, inp.value, scale=inp.softmax_scale, causal=inp.bias_kind != ab.NONE,
+                                 q_descale=inp.q_descale, k_descale=inp.k_descale, v_descale=inp.v_descale,
+                                 return_lse=needs_lse)
+
+    @classmethod
+    def estimate(cls, p: Problem) -> float:
+        return attention_time(p, cls.TFLOPS, 3.0, 6.0)
