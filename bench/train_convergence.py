@@ -173,19 +173,13 @@ def selected_ops(variant: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """The forward/backward ops ``fmha_ops.explain`` picks for this variant's calls (quantized exactly as
     ``fmha_ops.quantized`` does), with the forward problem line."""
     import fmha_ops
-    from fmha_ops.quant import quantize_i8fp8, quantize_qkv_fp8
+    from fmha_ops.quantized import quantize_smooth
     from registry import current_arch, fp8_dtype
 
-    f8 = fp8_dtype(current_arch(q.device))
+    qk_dtype = fp8_dtype(current_arch(q.device)) if variant == "fp8" else torch.int8
+    (q8, k8, v8), descales, _ = quantize_smooth(q, k, v, q.shape[-1] ** -0.5, qk_dtype)
     bias = fmha_ops.LowerTriangularFromBottomRightMask()
-    if variant == "fp8":
-        q8, k8, v8, qd, kd, vd = quantize_qkv_fp8(q, k, v, dtype=f8)
-        fw = fmha_ops.explain(q8, k8, v8, bias, output_dtype=q.dtype, partial=True,
-                              q_descale=qd, k_descale=kd, v_descale=vd)
-    else:
-        r = quantize_i8fp8(q, k, v, fp8_dtype=f8)
-        fw = fmha_ops.explain(r.q, r.k, r.v, bias, scale=r.softmax_scale, output_dtype=q.dtype, partial=True,
-                              q_descale=r.q_descale, k_descale=r.k_descale, v_descale=r.v_descale)
+    fw = fmha_ops.explain(q8, k8, v8, bias, scale=1.0, output_dtype=q.dtype, partial=True, **descales)
     bw = fmha_ops.explain(*(t.detach().requires_grad_() for t in (q, k, v)), bias, partial=True, kind="bw")
     if fw.selected is None or bw.selected is None:
         raise RuntimeError(f"no op for the {variant} path:\n{fw}\n{bw}")
