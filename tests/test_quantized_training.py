@@ -76,16 +76,18 @@ def test_quantized_attention_gradients_with_shifted_keys(fn, shape):
     k = k + 4.0
     q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
     # the Triton backward kernel uses the forward's LSE (the reference backward recomputes its own)
-    ops = ("triton_attnB",) if DEVICE == "cuda" else ("triton_attnB", "torch_referenceF")
+    fw = ("triton_fp8F", "triton_i8fp8F") if DEVICE == "cuda" else ("torch_referenceF",)
+    ops = ("triton_attnB", *fw)
     with fmha_ops.use_ops(*ops):
         out = fn(q, k, v, causal=True)
-        g = torch.randn_like(out)
+        g = torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(out)
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), g)
     ro, rq, rk, rv = _reference_grads(q, k, v, g, D ** -0.5)
     reports = {n: error_report(a, b) for n, a, b in (("out", out, ro), ("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv))}
-    # measured on CPU (reference forward on the quantized values): fp8 dq cos 0.973-0.983 (0.86-0.90 with
-    # the original keys in the backward), i8fp8 0.984-0.9997 (0.967 before)
-    floor = 0.96 if fn is fmha_ops.fp8_attention else 0.98
+    # gradient cosines measured (CPU: reference forward on the quantized values; H200: the Triton kernels,
+    # P in fp8 too): fp8 0.94-0.99 (CPU 0.86-0.90 with the original keys in the backward), i8fp8 0.984-0.9997
+    # (0.967 with the original keys)
+    floor = 0.93 if fn is fmha_ops.fp8_attention else 0.98
     assert reports["out"]["cos"] > 0.995, reports
     for name, rep in reports.items():
         assert rep["cos"] > floor, (name, reports)
