@@ -1,4 +1,5 @@
-"""Forward attention benchmark: our Triton fp8 / i8fp8 / bf16 kernel vs SDPA cuDNN and flash (bf16).
+"""Forward attention benchmark: our Triton fp8 / i8fp8 / bf16 kernel and the Gluon fp8 kernel (sm90) vs SDPA
+cuDNN and flash (bf16).
 
     python bench/attention_fwd_bench.py [--sweep] [--quick] [--out DIR]
 
@@ -61,6 +62,18 @@ def _sdpa(backend):
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
 
     return run
+
+
+def _gluon():
+    """The Gluon fp8 forward (fmha_ops/kernels/gluon), or None where it cannot run (not sm90, no gluon)."""
+    try:
+        if torch.cuda.get_device_capability()[0] != 9:
+            return None
+        from fmha_ops.kernels.gluon.attention_fwd import attention_forward as gluon_fwd
+
+        return gluon_fwd
+    except Exception:  # noqa: BLE001 - optional backend
+        return None
 
 
 def _sage():
@@ -129,7 +142,7 @@ def cfg_for(best, D, causal):
 
 def speed_table(out, best, quick):
     rows = []
-    sdpa_cudnn, sdpa_flash, sage = _sdpa("CUDNN_ATTENTION"), _sdpa("FLASH_ATTENTION"), _sage()
+    sdpa_cudnn, sdpa_flash, sage, gluon = _sdpa("CUDNN_ATTENTION"), _sdpa("FLASH_ATTENTION"), _sage(), _gluon()
     for B, Hq, Hkv, N, D, causal in (SHAPES[:2] if quick else SHAPES):
         q, k, v = prepare(B, Hq, Hkv, N, D, causal)
         q8, k8, v8, qd, kd, vd = quantize_qkv_fp8(q, k, v)
@@ -141,6 +154,9 @@ def speed_table(out, best, quick):
         row = dict(shape=f"{B}x{Hq}/{Hkv}x{N}x{D}{' causal' if causal else ''}", cfg=json.dumps(cfg))
         row["fp8"] = f(_safe(lambda: time_ms(lambda: attention_forward(
             q8, k8, v8, scale=D ** -0.5, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, **cfg))))
+        if gluon is not None:
+            row["gluon"] = f(_safe(lambda: time_ms(lambda: gluon(q8, k8, v8, scale=D ** -0.5, causal=causal,
+                                                                 q_descale=qd, k_descale=kd, v_descale=vd))))
         row["i8fp8"] = f(_safe(lambda: time_ms(lambda: attention_forward(
             xi.q, xi.k, xi.v, scale=1.0, causal=causal, q_descale=xi.q_descale, k_descale=xi.k_descale,
             v_descale=xi.v_descale, **cfg))))
@@ -151,17 +167,18 @@ def speed_table(out, best, quick):
             ks = k.clone()
             row["sage1"] = f(_safe(lambda: time_ms(lambda: sage(q, ks, v, tensor_layout="NHD", is_causal=causal))))
         row["vT_ms"] = _safe(lambda: time_ms(lambda: transpose_v(v8)))
-        for num, den in (("fp8", "cudnn"), ("i8fp8", "cudnn"), ("i8fp8", "fp8"), ("bf16", "cudnn")):
+        for num, den in (("fp8", "cudnn"), ("i8fp8", "cudnn"), ("i8fp8", "fp8"), ("bf16", "cudnn"), ("gluon", "fp8"),
+                         ("gluon", "cudnn")):
             row[f"{num}/{den}"] = row[num] / row[den] if row.get(num) and row.get(den) else None
         print(row, flush=True)
         rows.append(row)
         del q, k, v, q8, k8, v8, xi, qt, kt, vt
         torch.cuda.empty_cache()
-    cols = ["shape", "fp8", "i8fp8", "bf16", "cudnn", "flash", "sage1", "vT_ms", "fp8/cudnn", "i8fp8/cudnn",
-            "i8fp8/fp8", "bf16/cudnn"]
+    cols = ["shape", "fp8", "gluon", "i8fp8", "bf16", "cudnn", "flash", "sage1", "vT_ms", "fp8/cudnn", "gluon/fp8",
+            "gluon/cudnn", "i8fp8/cudnn", "i8fp8/fp8", "bf16/cudnn"]
     print_table(rows, cols)
     write_json(out, "attention_fwd", rows)
-    bar_plot(out, "attention_fwd", rows, "shape", ["fp8", "i8fp8", "bf16", "cudnn", "flash", "sage1"], "TFLOP/s",
+    bar_plot(out, "attention_fwd", rows, "shape", ["fp8", "gluon", "i8fp8", "bf16", "cudnn", "flash", "sage1"], "TFLOP/s",
              "attention forward, H200")
     return rows, cols
 
@@ -196,6 +213,8 @@ def accuracy_table(out, best):
             "ours fp8 (B,Hkv descales)": lambda: attention_forward(
                 q8, k8, v8, scale=D ** -0.5, q_descale=qd, k_descale=kd, v_descale=vd, **cfg)[0],
             "ours bf16": lambda: attention_forward(q, k, v, scale=D ** -0.5)[0],
+            "ours Gluon fp8 (B,Hkv descales)": lambda: _gluon()(
+                q8, k8, v8, scale=D ** -0.5, q_descale=qd, k_descale=kd, v_descale=vd)[0],
             "SDPA cuDNN bf16": lambda: sdpa_cudnn(qt, kt, vt, False, False).transpose(1, 2),
         }
         if sage is not None:

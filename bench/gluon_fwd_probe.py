@@ -24,10 +24,10 @@ from fmha_ops.kernels.triton.attention_fwd import attention_forward as triton_fw
 from fmha_ops.quant import quantize_qkv_fp8
 from tests.numerics import error_report
 
-VARIANTS = {  # head dim -> (block_n, stages) variants
-    64: [(128, 2), (128, 3), (64, 3)],
-    128: [(128, 2), (128, 3), (64, 3)],
-    256: [(64, 2), (64, 3), (128, 1)],
+VARIANTS = {  # head dim -> (block_m, block_n, stages) variants; block_m 128 = two warpgroups per CTA
+    64: [(64, 128, 2), (64, 128, 3), (64, 64, 3), (128, 128, 2)],
+    128: [(64, 128, 2), (64, 128, 3), (64, 64, 3), (128, 128, 2)],
+    256: [(64, 64, 2), (64, 64, 3), (128, 64, 2)],
 }
 
 
@@ -46,11 +46,11 @@ def probe_shape(B, Hq, Hkv, N, D, causal, cudnn):
     row["cudnn"] = f(_safe(lambda: time_ms(lambda: cudnn(qt, kt, vt, causal, Hq != Hkv))))
     ref = triton_fwd(q8, k8, v8, **kw)[0]
     best = None
-    for bn, st in VARIANTS[D]:
-        name = f"g{bn}s{st}"
+    for bm, bn, st in VARIANTS[D]:
+        name = f"g{bm}_{bn}s{st}"
 
-        def run(bn=bn, st=st):
-            return G.attention_forward(q8, k8, v8, block_n=bn, stages=st, **kw)[0]
+        def run(bm=bm, bn=bn, st=st):
+            return G.attention_forward(q8, k8, v8, block_m=bm, block_n=bn, stages=st, **kw)[0]
 
         o = _safe(run)
         if o is None:

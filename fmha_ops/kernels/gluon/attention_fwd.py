@@ -10,11 +10,12 @@ Shapes, dtypes, layouts (the conventions of ``kernels/triton/attention_fwd.py``)
 * causal is bottom-right aligned: query i sees key j iff j <= i + Mk - Mq; rows that see no key give
   out = 0 and lse = -inf. Any Mq, Mk: TMA zero padding and store clipping handle partial tiles.
 
-One CTA = one warpgroup (4 warps) owning BLOCK_M = 64 query rows; two CTAs share an SM. Per KV tile j the
-warpgroup issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} as async wgmmas, waits for S_j only, and runs the
-softmax of S_j (exp2 on MUFU, FP32 ops) while the tensor cores still work on P_{j-1} V_{j-1} (the FA3
-intra-warpgroup pipeline). K and V tiles stream through separate STAGES-deep shared-memory rings filled by
-TMA and guarded by mbarriers; a K slot is refilled as soon as S_j has read it, a V slot once PV has.
+One CTA = one warpgroup (4 warps) owning BLOCK_M = 64 query rows (block_m=128: two warpgroups); two CTAs
+share an SM. Iteration j runs softmax(S_j) (exp2 on MUFU, FP32 ops) while the tensor cores still work on the
+async P_{j-1} V_{j-1} wgmma, then issues S_{j+1} = Q K_{j+1}^T and P_j V_j as async wgmmas and waits for S_{j+1}
+only (the FA3 intra-warpgroup overlap). P_j is converted to the PV operand layout in the iteration that uses it.
+K and V tiles stream through separate STAGES-deep shared-memory rings filled by TMA and guarded by mbarriers; a
+K slot is refilled as soon as its S has read it, a V slot once its PV has.
 Softmax in exp2 with scale * q_descale * k_descale folded into one multiplier; P is scaled by 2**P_SHIFT
 before the fp8 cast (small probabilities stay normal e4m3 numbers) and the shift is removed from the LSE.
 """
@@ -29,6 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
+    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 
@@ -148,7 +150,7 @@ def _attn_fwd_kernel(
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=o_layout)
 
-    # tile 0: S_0 and its softmax (nothing to overlap with yet)
+    # S_0 (nothing to overlap with yet)
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(k_bars.index(0), 0)
     s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -156,27 +158,11 @@ def _attn_fwd_kernel(
     ok = STAGES < n_tiles
     mbarrier.expect(k_bars.index(0), K_BYTES, pred=ok)
     tma.async_copy_global_to_shared(k_desc, [STAGES * BLOCK_N, 0], k_bars.index(0), k_smem.index(0), pred=ok)
-    if full_end <= 0:
-        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, 0, Mk, diag, offs_m, True, CAUSAL, P_SHIFT, BLOCK_N,
-                                      s_layout)
-    else:
-        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, 0, Mk, diag, offs_m, False, CAUSAL, P_SHIFT, BLOCK_N,
-                                      s_layout)
-    p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+    acc = warpgroup_mma_init(acc)
 
-    for j in range(1, n_tiles):
-        ks = j % STAGES
-        mbarrier.wait(k_bars.index(ks), (j // STAGES) & 1)
-        s_tok = warpgroup_mma(q_smem, k_smem.index(ks).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        vs = (j - 1) % STAGES
-        mbarrier.wait(v_bars.index(vs), ((j - 1) // STAGES) & 1)
-        o_tok = warpgroup_mma(p8, v_smem.index(vs).permute((1, 0)), acc, is_async=True)
-        s = warpgroup_mma_wait(1, deps=(s_tok, ))
-        # S_j has read K slot ks: refill it with tile j + STAGES
-        nxt = j + STAGES
-        ok = nxt < n_tiles
-        mbarrier.expect(k_bars.index(ks), K_BYTES, pred=ok)
-        tma.async_copy_global_to_shared(k_desc, [nxt * BLOCK_N, 0], k_bars.index(ks), k_smem.index(ks), pred=ok)
+    # iteration j: softmax(S_j) while P_{j-1} V_{j-1} runs; then issue S_{j+1} and P_j V_j, wait for S_{j+1} only.
+    # P_j is converted and consumed in the same iteration (a loop-carried fp8 tensor costs byte shuffles)
+    for j in range(n_tiles - 1):
         start_n = j * BLOCK_N
         if start_n >= full_end:
             p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, start_n, Mk, diag, offs_m, True, CAUSAL, P_SHIFT,
@@ -184,21 +170,45 @@ def _attn_fwd_kernel(
         else:
             p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, start_n, Mk, diag, offs_m, False, CAUSAL, P_SHIFT,
                                           BLOCK_N, s_layout)
-        p_next = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
-        acc = warpgroup_mma_wait(0, deps=(o_tok, ))
-        # PV_{j-1} has read V slot vs: refill it with tile j - 1 + STAGES
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        # P_{j-1} V_{j-1} has read V slot (j-1) % STAGES: refill it with tile j - 1 + STAGES
+        vs_prev = (j + STAGES - 1) % STAGES
         nxt = j - 1 + STAGES
-        ok = nxt < n_tiles
-        mbarrier.expect(v_bars.index(vs), K_BYTES, pred=ok)
-        tma.async_copy_global_to_shared(v_desc, [0, nxt * BLOCK_N], v_bars.index(vs), v_smem.index(vs), pred=ok)
+        ok = (j > 0) & (nxt < n_tiles)
+        mbarrier.expect(v_bars.index(vs_prev), K_BYTES, pred=ok)
+        tma.async_copy_global_to_shared(v_desc, [0, nxt * BLOCK_N], v_bars.index(vs_prev), v_smem.index(vs_prev),
+                                        pred=ok)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row), 1)
-        p8 = p_next
+        p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+        ks = (j + 1) % STAGES
+        mbarrier.wait(k_bars.index(ks), ((j + 1) // STAGES) & 1)
+        s_tok = warpgroup_mma(q_smem, k_smem.index(ks).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        vs = j % STAGES
+        mbarrier.wait(v_bars.index(vs), (j // STAGES) & 1)
+        acc = warpgroup_mma(p8, v_smem.index(vs).permute((1, 0)), acc, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s_tok, ))
+        # S_{j+1} has read K slot ks: refill it with tile j + 1 + STAGES
+        nxt = j + 1 + STAGES
+        ok = nxt < n_tiles
+        mbarrier.expect(k_bars.index(ks), K_BYTES, pred=ok)
+        tma.async_copy_global_to_shared(k_desc, [nxt * BLOCK_N, 0], k_bars.index(ks), k_smem.index(ks), pred=ok)
 
+    # last tile (always masked when it is partial or on the causal diagonal)
     last = n_tiles - 1
+    start_n = last * BLOCK_N
+    if start_n >= full_end:
+        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, start_n, Mk, diag, offs_m, True, CAUSAL, P_SHIFT,
+                                      BLOCK_N, s_layout)
+    else:
+        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, start_n, Mk, diag, offs_m, False, CAUSAL, P_SHIFT,
+                                      BLOCK_N, s_layout)
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row), 1)
+    p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
     vs = last % STAGES
     mbarrier.wait(v_bars.index(vs), (last // STAGES) & 1)
-    o_tok = warpgroup_mma(p8, v_smem.index(vs).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=(o_tok, ))
+    acc = warpgroup_mma(p8, v_smem.index(vs).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
 
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(STAGES):
@@ -222,12 +232,12 @@ def _attn_fwd_kernel(
 def default_config(head_dim: int, causal: bool) -> dict:
     """Tile sizes per head dim (one warpgroup, BLOCK_M 64, two CTAs per SM); see bench/results/attention_fwd.md."""
     if head_dim <= 128:
-        return {"block_n": 128, "stages": 2}
-    return {"block_n": 64, "stages": 2}
+        return {"block_m": 64, "block_n": 128, "stages": 2}
+    return {"block_m": 64, "block_n": 64, "stages": 2}
 
 
 def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=None, k_descale=None,
-                      v_descale=None, return_lse: bool = False, block_n=None, stages=None, out=None):
+                      v_descale=None, return_lse: bool = False, block_m=None, block_n=None, stages=None, out=None):
     """fp8 attention forward on Hopper (see the module docstring for shapes, dtypes and layouts).
 
     Returns (out bf16 (B, Mq, Hq, D), lse float32 (B, Hq, Mq) natural log, or None).
@@ -244,6 +254,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=
     cfg = default_config(D, causal)
     BN = block_n or cfg["block_n"]
     ST = stages or cfg["stages"]
+    assert ST >= 2, "the K/V rings need at least 2 stages"
     qd, qd_sb, qd_sh = _descale_args(q_descale, device, B, Hkv, "q_descale")
     kd, kd_sb, kd_sh = _descale_args(k_descale, device, B, Hkv, "k_descale")
     vd, vd_sb, vd_sh = _descale_args(v_descale, device, B, Hkv, "v_descale")
@@ -259,7 +270,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=
         return out, lse
     _ensure_allocator()
     vt, _ = transpose_v(v)
-    BM = 64
+    BM = block_m or cfg["block_m"]  # 64 rows per warpgroup
     grid = (triton.cdiv(Mq, BM), B * Hq)
     _attn_fwd_kernel[grid](
         q, k, vt, out, lse if lse is not None else qd, qd, kd, vd, scale * _LOG2E,
@@ -271,12 +282,12 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=
         qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh,
         Mq, Mk, Hq, Hq // Hkv,
         HEAD_D=D, BLOCK_M=BM, BLOCK_N=BN, STAGES=ST, CAUSAL=causal, WRITE_LSE=return_lse, P_SHIFT=8,
-        num_warps=4,
+        num_warps=BM // 16,
     )
     return out, lse
 
 
-def compile_sm90(head_dim=128, block_n=128, stages=2, causal=False, write_lse=False):
+def compile_sm90(head_dim=128, block_n=128, stages=2, causal=False, write_lse=False, block_m=64):
     """Compile the kernel ahead of time for sm90 (no GPU needed); returns the CompiledKernel (asm: ptx, cubin)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -288,9 +299,9 @@ def compile_sm90(head_dim=128, block_n=128, stages=2, causal=False, write_lse=Fa
               "stride_vh", "stride_vd", "stride_ob", "stride_om", "stride_oh", "stride_lb", "stride_lh",
               "qd_sb", "qd_sh", "kd_sb", "kd_sh", "vd_sb", "vd_sh", "Mq", "Mk", "Hq", "GROUP"):
         sig[n] = i32
-    const = {"HEAD_D": head_dim, "BLOCK_M": 64, "BLOCK_N": block_n, "STAGES": stages, "CAUSAL": causal,
-             "WRITE_LSE": write_lse, "P_SHIFT": 8, "num_warps": 4}
+    const = {"HEAD_D": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages, "CAUSAL": causal,
+             "WRITE_LSE": write_lse, "P_SHIFT": 8, "num_warps": block_m // 16}
     for n in const:
         sig[n] = "constexpr"
     src = GluonASTSource(_attn_fwd_kernel, sig, constexprs={(list(sig).index(n),): v for n, v in const.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": block_m // 16})
