@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from dataclasses import dataclass, field
 
 
@@ -72,10 +73,15 @@ class TuningTables:
         return table.lookup(op_name, bucket) if table else None
 
     def calibration(self, device: str, op_name: str) -> float | None:
+        """The op's measured/model factor on ``device``; for an op the table has not measured, the median
+        factor of the ops it has (cost models share a device-wide bias), so a new op's raw estimate is
+        not compared with its neighbours' corrected ones."""
         if self._by_device is None:
             self._by_device = self._load()
         table = self._by_device.get(device)
-        return table.calibration.get(op_name) if table else None
+        if not table or not table.calibration:
+            return None
+        return table.calibration.get(op_name, statistics.median(table.calibration.values()))
 
     def reload(self) -> None:
         self._by_device = None

@@ -90,6 +90,24 @@ def test_table_beats_model_beats_priority(tmp_path):
     assert r.selected is fast_model and r.verdicts[1].source == "table" and r.verdicts[1].estimate == 9e-6
 
 
+def test_unmeasured_op_gets_the_device_median_calibration(tmp_path):
+    """A new op's raw estimate is scaled like its measured neighbours', not compared raw against them."""
+    measured = op("measuredF", est=1e-6)  # calibrated 2x: real time 2e-6
+    other = op("otherF", est=1e-6)  # calibrated 4x
+    newcomer = op("newF", est=1.5e-6)  # not in the table: gets the median factor 3x -> 4.5e-6
+    os.makedirs(tmp_path, exist_ok=True)
+    TuningTable("cpu", {"torch": "x"}, {}, calibration={"measuredF": 2.0, "otherF": 4.0}).save(
+        os.path.join(tmp_path, "t.json"))
+    sel = make_selector(measured, other, newcomer, tables=TuningTables([str(tmp_path)]))
+    r = sel.explain(Prob())
+    assert [(v.op, v.source) for v in r.verdicts] == [
+        (measured, "calibrated model"), (other, "calibrated model"), (newcomer, "calibrated model")]
+    assert r.verdicts[2].estimate == pytest.approx(4.5e-6)
+    # no table for the device: raw models
+    assert make_selector(measured, newcomer).explain(Prob()).selected is measured
+    assert make_selector(measured, newcomer).explain(Prob()).verdicts[0].source == "model"
+
+
 def test_priority_ranks_ops_without_estimates():
     lo, hi = op("loF", priority=-5), op("hiF", priority=7)
     sel = make_selector(lo, hi)
