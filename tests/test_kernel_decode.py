@@ -58,10 +58,11 @@ def make_case(B, MQ, HQ, HKV, D, seqlens, *, page_size=None, dtype=CPU_DTYPE, fp
         cache, bt = tensors, None
     else:
         cache, bt = paged_from_dense(tensors, page_size, num_pages=B * -(-L // page_size) + 3, generator=g)
+    cache = [c.to(DEVICE) for c in cache]
     if split_kv:  # K and V interleaved in one buffer: each has its own non-contiguous strides
+        # (built on the device: .to() would make the strided views contiguous)
         both = torch.stack(cache[:2], 2)
         cache[:2] = [both[:, :, 0], both[:, :, 1]]
-    cache = [c.to(DEVICE) for c in cache]
     if fp8 is not None:
         cache[0], cache[1] = cache[0].view(fp8), cache[1].view(fp8)
     kw = dict(k_cache=cache[0], v_cache=cache[1], seqlens=seq.to(DEVICE), scale=D ** -0.5,
