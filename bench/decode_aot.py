@@ -4,7 +4,7 @@ specialisation (stride 1 constexpr, multiples of 16 marked divisible).
 
     python bench/decode_aot.py REPO [CONSTEXPR=value ...] [--warps 4] [--stages 2] [--maxnreg N]
         [--bn 64] [--D 128] [--G 4] [--fp8 1] [--partial] [--dump DIR] [--hist]
-    e.g. python bench/decode_aot.py . FLIP=True ASM_CVT=True BLOCK_M=8 --stages 3
+    e.g. python bench/decode_aot.py . BLOCK_N=64 --stages 3   (constexprs of a patched kernel work the same way)
 """
 import argparse
 import collections

@@ -37,15 +37,9 @@ SHAPES = {  # name: (B, Hq, Hkv, L, D, page)
     "B128_L1024_p64": (128, 32, 8, 1024, 128, 64),
 }
 VARIANTS = {  # name: paged_decode keyword arguments for fp8 KV ("default" = the launcher's choice);
-    # the wgmma-path variants of bench/results/decode_fp8_wgmma.patch add e.g. {"fp8_path": "wgmma"}.
-    # flip*: keys as the mma's M, query rows as N, fp16 mma on K/V converted in the load layout
-    # (decode.md step 6; sm90 AOT registers / programs per SM / SASS per 64-key tile at Hq/Hkv = 4)
+    # the wgmma-path variants of bench/results/decode_fp8_wgmma.patch add e.g. {"fp8_path": "wgmma"}
     "default": {},
-    "flip": {"fp8_flip": True},  # wgmma 64x16x16, 2 stages, maxnreg 128: 127 regs, 4/SM, 549
-    "flip_nocap": {"fp8_flip": True, "maxnreg": 255},  # the same uncapped: 134 regs, 3/SM, 549
-    "flip_bm8": {"fp8_flip": True, "block_m": 8},  # mma.sync N=8, 2 stages: 112 regs, 4/SM, 477
-    "flip_bm8_ns3": {"fp8_flip": True, "block_m": 8, "num_stages": 3},  # 96 regs, 5/SM, 493
-    "flip_bm8_mr96": {"fp8_flip": True, "block_m": 8, "num_stages": 3, "maxnreg": 96},  # 5/SM (28 B spill), 500
+    "bn64_ns3": {"block_n": 64, "num_stages": 3},
 }
 CONFIGS = [None, (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 4), (256, 4, 2), (128, 8, 3), (256, 8, 3)]
 

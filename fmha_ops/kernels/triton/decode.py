@@ -13,27 +13,12 @@ weights. Each sequence's keys are cut into ``num_splits`` equal chunks of its ow
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _e4m3_to_f16(x, ASM: tl.constexpr):
-    """fp8 e4m3 -> fp16. ``ASM`` (sm89+, compiled only): the packed cvt ``x.to(tl.float16)`` emits,
-    as impure inline asm, which the dot-operand pass cannot hoist past the layout conversion, so the
-    tile is converted in its load layout (16-byte shared loads) instead of gathered byte by byte in
-    the mma operand layout."""
-    if ASM:
-        return tl.inline_asm_elementwise(
-            "{ .reg .b16 a<2>; mov.b32 {a0, a1}, $2; cvt.rn.f16x2.e4m3x2 $0, a0; cvt.rn.f16x2.e4m3x2 $1, a1; }",
-            "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
-    else:
-        return x.to(tl.float16)
 
 
 @triton.jit
@@ -52,7 +37,6 @@ def _decode_kernel(
     G: tl.constexpr, MQ: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, FP8: tl.constexpr, PARTIAL: tl.constexpr,
-    FLIP: tl.constexpr = False, ASM_CVT: tl.constexpr = False,
 ):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -80,13 +64,7 @@ def _decode_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    if FLIP:
-        # fp8 KV with keys as the mma's M (64 per warpgroup: wgmma on sm90) and query rows as N
-        qt = tl.trans(q)
-        acc = tl.zeros([D, BLOCK_M], tl.float32)
-        l_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # per-thread row sums, reduced after the loop
-    else:
-        acc = tl.zeros([BLOCK_M, D], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
 
     k_head = K + hkv * stride_kh
     v_head = V + hkv * stride_vh
@@ -113,53 +91,30 @@ def _decode_kernel(
                     mask=kv_ok[:, None], other=0.0)
         v = tl.load(v_head + (page * stride_vp + slot * stride_vs)[:, None] + offs_d[None, :],
                     mask=kv_ok[:, None], other=0.0)
-        if FLIP:
-            # S^T = K q^T and O^T = V^T P^T, fp16 wgmma with float32 accumulation on K and V converted
-            # in their load layout. The V scale enters P^T through exp2 (one exp2 for P * vs, no
-            # cross-warp max of the scales): the running max covers s + log2(vs) clamped to +-64, so
-            # P * vs <= 2^15 fits fp16 for V scales up to 2^79 and the row-sum terms stay <= 2^64.
-            st = tl.dot(_e4m3_to_f16(k, ASM_CVT), qt)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        if FP8:
             ks = tl.load(KS + page * stride_ksp + slot * stride_kss + hkv * stride_ksh, mask=kv_ok, other=0.0)
-            st = st * (ks * qk_scale)[:, None]
-            visible = (offs_n[:, None] <= last_key[None, :]) & kv_ok[:, None]
-            st = tl.where(visible, st, float("-inf"))
-            vs = tl.load(VS + page * stride_vsp + slot * stride_vss + hkv * stride_vsh, mask=kv_ok, other=0.0)
-            lv = tl.log2(vs)
-            m_new = tl.maximum(m_i, tl.max(st + tl.minimum(tl.maximum(lv, -64.0), 64.0)[:, None], 0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            st = st - m_safe[None, :]
-            l_t = l_t * alpha[None, :] + tl.exp2(st)
-            pvt = tl.exp2(st + lv[:, None]).to(tl.float16)
-            acc = tl.dot(tl.trans(_e4m3_to_f16(v, ASM_CVT)), pvt, acc * alpha[None, :])
+            s = s * (ks * qk_scale)[None, :]
         else:
-            s = tl.dot(q, tl.trans(k.to(q.dtype)))
-            if FP8:
-                ks = tl.load(KS + page * stride_ksp + slot * stride_kss + hkv * stride_ksh, mask=kv_ok, other=0.0)
-                s = s * (ks * qk_scale)[None, :]
-            else:
-                s = s * qk_scale
-            visible = (offs_n[None, :] <= last_key[:, None]) & kv_ok[None, :]
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if FP8:
-                # V scales enter P's columns relative to the tile's largest, so fp16 P cannot overflow
-                vs = tl.load(VS + page * stride_vsp + slot * stride_vss + hkv * stride_vsh, mask=kv_ok, other=0.0)
-                v_max = tl.max(vs, 0)
-                v_max = tl.where(v_max > 0.0, v_max, 1.0)
-                pv = (p * (vs / v_max)[None, :]).to(tl.float16)
-                acc = acc * alpha[:, None] + tl.dot(pv, v.to(tl.float16)) * v_max
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+            s = s * qk_scale
+        visible = (offs_n[None, :] <= last_key[:, None]) & kv_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if FP8:
+            # V scales enter P's columns relative to the tile's largest, so fp16 P cannot overflow
+            vs = tl.load(VS + page * stride_vsp + slot * stride_vss + hkv * stride_vsh, mask=kv_ok, other=0.0)
+            v_max = tl.max(vs, 0)
+            v_max = tl.where(v_max > 0.0, v_max, 1.0)
+            pv = (p * (vs / v_max)[None, :]).to(tl.float16)
+            acc = acc * alpha[:, None] + tl.dot(pv, v.to(tl.float16)) * v_max
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
         m_i = m_new
 
-    if FLIP:
-        acc = tl.trans(acc)
-        l_i = tl.sum(l_t, 0)
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
@@ -228,17 +183,10 @@ def _default_config(D: int, fp8: bool, page_aligned: bool) -> tuple[int, int, in
     return (64 if fp8 else 32), 4, 2
 
 
-def _asm_cvt(device: torch.device) -> bool:
-    """e4m3 -> fp16 as inline asm: compiled for an NVIDIA GPU of compute capability 8.9 or newer."""
-    return (device.type == "cuda" and torch.version.hip is None and os.environ.get("TRITON_INTERPRET") != "1"
-            and torch.cuda.get_device_capability(device) >= (8, 9))
-
-
 def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float,
                  k_scale=None, v_scale=None, num_splits: int = 1, out=None, lse=None,
                  block_n: int | None = None, num_warps: int | None = None,
-                 num_stages: int | None = None, fp8_flip: bool = False, block_m: int | None = None,
-                 maxnreg: int | None = None):
+                 num_stages: int | None = None):
     """Attention of ``Mq`` new query tokens per sequence against a (paged) KV cache.
 
     q: (B, Mq, Hq, D) bf16/fp16, Mq in 1..16, last dim contiguous; D a power of two >= 16.
@@ -250,10 +198,6 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
     sits at position seqlens[b] - Mq + i and sees keys j <= that position; a row seeing no key
     gets out 0 and lse -inf. Hq must be a multiple of Hkv. With fp8 K/V both dots run in fp16
     (q cast to fp16: |q| must stay below 65504).
-    ``fp8_flip`` (fp8 K/V; experimental, issue #4): keys as the mma's M and query rows as N (S^T = K q^T,
-    O^T = V^T P^T, fp16 mma on K/V converted in the load layout; V scales in [2^-64, 2^79]); defaults
-    BLOCK_N 64, 4 warps, 2 stages, maxnreg 128 for block_m 16 and D <= 128. ``block_m``, ``maxnreg``:
-    tuning overrides (``block_m`` 8 runs mma.sync with N=8 instead of a 16-column wgmma on sm90).
     Returns (out (B, Mq, Hq, D) in q's dtype, lse float32 (B, Hq, Mq) natural log), written into
     ``out``/``lse`` when given. ``num_splits > 1`` runs the split kernel into a float32 workspace
     and the reduce kernel; no host sync, so it can be captured in a CUDA graph.
@@ -270,13 +214,10 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
         lse = torch.empty((B, HQ, MQ), device=q.device, dtype=torch.float32)
     paged = block_table is not None
     page_size = k_cache.shape[1] if paged else 1
-    flip = fp8 and fp8_flip
-    bn, nw, ns = (64, 4, 2) if flip else _default_config(D, fp8, not paged or page_size % 64 == 0)
+    bn, nw, ns = _default_config(D, fp8, not paged or page_size % 64 == 0)
     bn, nw, ns = block_n or bn, num_warps or nw, num_stages or ns
     rows = G * MQ
-    bm = block_m or _block_m(rows)
-    if flip and maxnreg is None and bm == 16 and D <= 128:
-        maxnreg = 128  # 134 -> 127 registers without spills: 4 programs per SM instead of 3 (sm90)
+    bm = _block_m(rows)
     ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)
     kss = k_scale.stride() if fp8 else (0, 0, 0)
     vss = v_scale.stride() if fp8 else (0, 0, 0)
@@ -301,8 +242,6 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
         scale * _LOG2E, HKV, num_splits,
         G=G, MQ=MQ, D=D, BLOCK_M=bm, BLOCK_N=bn, PAGE_SIZE=page_size, PAGED=paged, FP8=fp8,
         PARTIAL=num_splits > 1, num_warps=nw, num_stages=ns,
-        **({"FLIP": True, "ASM_CVT": _asm_cvt(q.device)} if flip else {}),
-        **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     if num_splits > 1:
         _reduce_kernel[(B * MQ * HQ,)](
