@@ -53,6 +53,7 @@ class FusedBwdConfig:
     warps: int
     stages: int
     maxnreg: int | None = None
+    dq_swap: bool = False  # dQ^T = K^T dS^T (needed for wgmma when block_m < 64)
 
 
 FUSED_CONFIGS = {  # by max(D, Dv); from sm_90a AOT compiles only (bench/results/attention_bwd.md), not yet timed
@@ -310,7 +311,8 @@ def _bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_q_ptr, c
 def _fused_inner(dk, dv, k, v, q_desc, do_desc, lse_desc, delta_desc, dq_desc, dqa_base, s_am,
                  start_n, lo, hi, q_row0, l_row0, q_len, k_len, qk_scale, offset,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 NUM_STAGES: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, TMA_REDUCE: tl.constexpr):
+                 NUM_STAGES: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, TMA_REDUCE: tl.constexpr,
+                 DQ_SWAP: tl.constexpr):
     """dK, dV of one key block over query blocks [lo, hi), and each query block's dQ part added to the float32
     accumulator. Rows past q_len load as zeros (TMA padding): with zero q and dO they add nothing.
     MASKED: key bounds mask, and with CAUSAL the causal mask."""
@@ -330,7 +332,10 @@ def _fused_inner(dk, dv, k, v, q_desc, do_desc, lse_desc, delta_desc, dq_desc, d
         dp_t = tl.dot(v, tl.trans(do))
         ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
         dk = tl.dot(ds_t, q, dk)
-        dq = tl.dot(tl.trans(ds_t), k)  # (BLOCK_M, HEAD_DIM) float32, unscaled
+        if DQ_SWAP:  # dQ^T = K^T dS^T: wgmma M = HEAD_DIM (BLOCK_M 32 has no M=32 wgmma)
+            dq = tl.trans(tl.dot(tl.trans(k), ds_t))
+        else:
+            dq = tl.dot(tl.trans(ds_t), k)  # (BLOCK_M, HEAD_DIM) float32, unscaled
         if TMA_REDUCE:  # smem staging + cp.reduce.async.bulk.tensor; rows past q_len are clipped
             dq_desc.atomic_add([q_row0 + start_m, 0], dq)
         else:  # red.global.add.f32 (the interpreter has no descriptor reduce)
@@ -347,7 +352,7 @@ def _bwd_fused(q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr,
                Mq, Mk, qk_scale, sm_scale,
                GROUP, CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, IS_VARLEN: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-               NUM_STAGES: tl.constexpr, TMA_REDUCE: tl.constexpr, PAD: tl.constexpr):
+               NUM_STAGES: tl.constexpr, TMA_REDUCE: tl.constexpr, DQ_SWAP: tl.constexpr, PAD: tl.constexpr):
     """5-matmul backward (FA3-style): one program per (key block, kv head, batch) keeps dK, dV in registers
     and adds dS @ K per query block into the float32 dQ accumulator (B, Mq, Hq, D), TMA reduce-add.
     Q, dO, lse2, delta stream in through TMA descriptors; lse2/delta are the padded preprocess buffers."""
@@ -399,10 +404,10 @@ def _bwd_fused(q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr,
         dqa_base += q_start * s_am
         dk, dv = _fused_inner(dk, dv, k, v, q_desc, do_desc, lse_desc, delta_desc, dq_desc, dqa_base, s_am,
                               start_n, lo, mid, q_start, l_row0, q_len, k_len, qk_scale, offset,
-                              BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, True, CAUSAL, TMA_REDUCE)
+                              BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, True, CAUSAL, TMA_REDUCE, DQ_SWAP)
         dk, dv = _fused_inner(dk, dv, k, v, q_desc, do_desc, lse_desc, delta_desc, dq_desc, dqa_base, s_am,
                               start_n, mid, q_len, q_start, l_row0, q_len, k_len, qk_scale, offset,
-                              BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, False, CAUSAL, TMA_REDUCE)
+                              BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, False, CAUSAL, TMA_REDUCE, DQ_SWAP)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_ok = offs_n < k_len
     tl.store(dk_ptr + b * s_dkb + hk * s_dkh + (k_start + offs_n[:, None]) * s_dkm + tl.arange(0, HEAD_DIM)[None, :],
@@ -562,7 +567,7 @@ def _fused_backward(do, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, nseq, max_q, 
         bstride(delta), delta.stride(1), bstride(dqa), dqa.stride(1), dqa.stride(2),
         bstride(dk), dk.stride(1), dk.stride(2), bstride(dv), dv.stride(1), dv.stride(2),
         Mq, Mk, qk_scale, scale, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.stages,
-        TMA_REDUCE=tma_reduce, PAD=PAD, num_warps=cfg.warps, **meta, **opts)
+        TMA_REDUCE=tma_reduce, DQ_SWAP=cfg.dq_swap, PAD=PAD, num_warps=cfg.warps, **meta, **opts)
     _bwd_dq_convert[grid_q](dqa, dq, cu_q, Mq, bstride(dqa), dqa.stride(1), dqa.stride(2),
                             bstride(dq), dq.stride(1), dq.stride(2), scale,
                             BLOCK_M=pre_block, HEAD_DIM=D, IS_VARLEN=varlen, num_warps=4)
