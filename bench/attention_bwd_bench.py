@@ -6,21 +6,40 @@ TFLOP/s = 2.5 * 4*B*H*N^2*D / t (halved if causal). SDPA is timed as
 call (delta preprocess + kernels + allocations). Out and LSE come from SDPA flash's forward.
 Writes attention_bwd.json/.png/.md to --out and the markdown to bench/results/attention_bwd.md.
 
-    python bench/attention_bwd_bench.py [--quick] [--variants default|all]
+    python bench/attention_bwd_bench.py [--quick] [--variants default|all|fused] [--dq-modes split,tma,atomic]
+        [--shapes 0,5] [--no-results-md]
+
+--dq-modes: "split" times the deterministic dK/dV + dQ pair (variants named by tile, "default"); "tma" and
+"atomic" the fused 5-matmul kernel (dQ by TMA reduce-add / pointer atomics; variants "tma", "tma64x64", ...).
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import multiprocessing as mp
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import torch  # noqa: E402
+import torch
 
-from bench.common import base_parser, bar_plot, environment, out_dir, print_table, time_ms, write_json  # noqa: E402
-from fmha_ops.kernels.triton.attention_bwd import DEFAULT_CONFIGS, BwdConfig, attention_backward  # noqa: E402
+from bench.common import (
+    bar_plot,
+    base_parser,
+    environment,
+    out_dir,
+    print_table,
+    time_ms,
+    write_json,
+)
+from fmha_ops.kernels.triton.attention_bwd import (
+    DEFAULT_CONFIGS,
+    FUSED_CONFIGS,
+    BwdConfig,
+    FusedBwdConfig,
+    attention_backward,
+)
 
 SHAPES = [  # B, H, N, D, causal
     (4, 32, 4096, 128, False),
@@ -28,6 +47,7 @@ SHAPES = [  # B, H, N, D, causal
     (2, 16, 16384, 128, True),
     (4, 16, 4096, 256, False),
     (2, 8, 16384, 256, False),
+    (16, 8, 1024, 64, True),  # the training shape (B16 N1024 H8 D64 causal)
 ]
 CUDNN_REF = {0: 519, 1: 551, 2: 534, 3: 380, 4: 354}  # HARDWARE.md, TFLOP/s, for a sanity look only
 
@@ -45,6 +65,14 @@ VARIANTS = {
         "q128x16": BwdConfig(64, 64, 8, 2, 128, 16, 8, 2),
         "kv64x64s1": BwdConfig(64, 64, 8, 1, 128, 32, 8, 2),
     },
+}
+
+# fused kernel (dq_mode "tma"; the "atomic" mode runs its default only): name -> FusedBwdConfig
+FUSED_VARIANTS = {
+    64: {"tma64x128s3": FusedBwdConfig(64, 128, 8, 3)},
+    128: {"tma64x64": FusedBwdConfig(64, 64, 8, 2), "tma32x128": FusedBwdConfig(32, 128, 8, 2),
+          "tma64x128s3": FusedBwdConfig(64, 128, 8, 3)},
+    256: {"tma32x64swap": FusedBwdConfig(32, 64, 8, 1, dq_swap=True)},
 }
 
 NOTES = """\
@@ -95,18 +123,27 @@ def _inputs(B, H, N, D, causal, seed=0):
     return q, k, v, do, res[0].transpose(1, 2), res[1]
 
 
-def _warm(D, causal, cfg):
-    """Compile one (head dim, causal, config) into the shared Triton cache (worker process)."""
+def _warm(D, causal, mode, cfg):
+    """Compile one (head dim, causal, mode, config) into the shared Triton cache (worker process)."""
     q, k, v, do, out, lse = _inputs(1, 2, 256, D, causal)
-    attention_backward(do, q, k, v, out, lse, scale=D ** -0.5, causal=causal, config=cfg)
+    attention_backward(do, q, k, v, out, lse, scale=D ** -0.5, causal=causal, config=cfg, dq_mode=mode)
     torch.cuda.synchronize()
-    return D, causal, cfg
+    return D, causal, mode, cfg
 
 
-def _variants(D, which):
-    vs = {"default": DEFAULT_CONFIGS[D]}
-    if which == "all":
-        vs.update(VARIANTS[D])
+def _variants(D, which, modes=("split",)):
+    """name -> (dq_mode, config)."""
+    vs = {}
+    if "split" in modes:
+        vs["default"] = ("split", DEFAULT_CONFIGS[D])
+        if which == "all":
+            vs.update({n: ("split", c) for n, c in VARIANTS.get(D, {}).items()})
+    if "tma" in modes:
+        vs["tma"] = ("tma", FUSED_CONFIGS[D])
+        if which in ("all", "fused"):
+            vs.update({n: ("tma", c) for n, c in FUSED_VARIANTS.get(D, {}).items()})
+    if "atomic" in modes:
+        vs["atomic"] = ("atomic", FUSED_CONFIGS[D])
     return vs
 
 
@@ -124,18 +161,26 @@ def _sdpa_bwd_ms(q, k, v, do, causal, backend):
 
 def main():
     p = base_parser(__doc__.splitlines()[0])
-    p.add_argument("--variants", default="all", choices=["default", "all"])
+    p.add_argument("--variants", default="all", choices=["default", "all", "fused"],
+                   help="fused: the split default plus every fused variant")
+    p.add_argument("--dq-modes", default="split", help="comma list of split, tma, atomic")
+    p.add_argument("--shapes", default=None, help="comma list of SHAPES indices (default: all, --quick: 0,3)")
+    p.add_argument("--no-results-md", action="store_true", help="write the markdown to --out only")
     args = p.parse_args()
+    modes = tuple(args.dq_modes.split(","))
     out = out_dir(args.out)
     from torch.nn.attention import SDPBackend
 
-    shapes = SHAPES[:1] + SHAPES[3:4] if args.quick else SHAPES
-    jobs = {(D, c, cfg) for (_, _, _, D, c) in shapes for cfg in _variants(D, args.variants).values()}
+    if args.shapes:
+        shapes = [SHAPES[int(i)] for i in args.shapes.split(",")]
+    else:
+        shapes = SHAPES[:1] + SHAPES[3:4] if args.quick else SHAPES
+    jobs = {(D, c, m, cfg) for (_, _, _, D, c) in shapes for m, cfg in _variants(D, args.variants, modes).values()}
     with cf.ProcessPoolExecutor(min(14, len(jobs)), mp_context=mp.get_context("spawn")) as ex:
         for f in cf.as_completed([ex.submit(_warm, *j) for j in jobs]):
             try:
                 f.result()
-            except Exception as e:  # a variant that does not compile/launch is reported, not fatal
+            except Exception as e:  # noqa: BLE001  (a variant that does not compile/launch is reported, not fatal)
                 print("compile failed:", repr(e)[:300], flush=True)
 
     rows = []
@@ -148,13 +193,14 @@ def main():
         row["cudnn"] = fl / cudnn_ms * 1e-9
         row["flash"] = fl / flash_ms * 1e-9
         best = None
-        for name, cfg in _variants(D, args.variants).items():
-            fn = lambda: attention_backward(do, q, k, v, o, lse, scale=D ** -0.5, causal=causal, config=cfg)  # noqa: E731
+        for name, (mode, cfg) in _variants(D, args.variants, modes).items():
+            fn = functools.partial(attention_backward, do, q, k, v, o, lse, scale=D ** -0.5, causal=causal,
+                                   config=cfg, dq_mode=mode)
             try:
                 got = fn()
                 rel = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, ref))
                 ms = time_ms(fn)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001
                 print(f"{row['shape']} {name}: failed {repr(e)[:200]}", flush=True)
                 continue
             row[name] = fl / ms * 1e-9
@@ -167,7 +213,7 @@ def main():
         row["ours"] = row.get(best)
         row["ours/cudnn"] = row["ours"] / row["cudnn"] if best else None
         row["ours/flash"] = row["ours"] / row["flash"] if best else None
-        print(f"{row['shape']:>22}  cudnn {row['cudnn']:.1f} (HARDWARE.md {CUDNN_REF[SHAPES.index((B, H, N, D, causal))]})"
+        print(f"{row['shape']:>22}  cudnn {row['cudnn']:.1f} (HARDWARE.md {CUDNN_REF.get(SHAPES.index((B, H, N, D, causal)))})"
               f"  flash {row['flash']:.1f}  best {best} {row['ours']}", flush=True)
         rows.append(row)
         del q, k, v, do, o, lse, ref
@@ -180,8 +226,10 @@ def main():
              "attention backward bf16, H200")
     variant_names = sorted({k for r in rows for k in r if k not in cols and not k.endswith("_rel_vs_flash")})
     md = _markdown(rows, cols, variant_names)
-    for path in (os.path.join(out, "attention_bwd.md"), os.path.join(os.path.dirname(__file__), "results",
-                                                                       "attention_bwd.md")):
+    paths = [os.path.join(out, "attention_bwd.md")]
+    if not args.no_results_md:
+        paths.append(os.path.join(os.path.dirname(__file__), "results", "attention_bwd.md"))
+    for path in paths:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
             f.write(md)
@@ -189,10 +237,10 @@ def main():
 
 def _markdown(rows, cols, variant_names):
     env = environment()
-    fmt = lambda x: f"{x:.3g}" if isinstance(x, float) else ("-" if x is None else str(x))  # noqa: E731
+    fmt = lambda x: f"{x:.3g}" if isinstance(x, float) else ("-" if x is None else str(x))
     lines = ["## Attention backward (Triton, bf16)", "",
-             f"{env['date']}, {env.get('gpu')}, torch {env['torch']}, triton {env['triton']}. "
-             "TFLOP/s = 2.5 x 4*B*H*N^2*D / t (halved if causal); SDPA timed through autograd.grad.", "",
+             (f"{env['date']}, {env.get('gpu')}, torch {env['torch']}, triton {env['triton']}. "
+              "TFLOP/s = 2.5 x 4*B*H*N^2*D / t (halved if causal); SDPA timed through autograd.grad."), "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
     lines += ["", "All variants (TFLOP/s):", "", "| shape | " + " | ".join(variant_names) + " |",

@@ -224,6 +224,13 @@ def test_bwd_cpu_fused_default_tiles_gqa(dq_mode):  # 64x128 tiles (D 64): parti
     _check(1, 130, 150, 6, 2, 64, causal=True, dtype=torch.float16, seed=21, dq_mode=dq_mode)
 
 
+def test_bwd_cpu_fused_dq_swap():  # dQ^T = K^T dS^T with block_m 32 (the d256 / small-tile option)
+    from fmha_ops.kernels.triton.attention_bwd import FusedBwdConfig
+
+    _check(1, 70, 45, 2, 1, 32, causal=True, dtype=torch.float16, cfg=FusedBwdConfig(32, 32, 4, 1, dq_swap=True),
+           seed=8, dq_mode="tma")
+
+
 @pytest.mark.parametrize("dq_mode", FUSED_MODES)
 @pytest.mark.parametrize("causal,bottom_right", [(False, True), (True, True), (True, False)])
 def test_bwd_cpu_fused_varlen(dq_mode, causal, bottom_right):
