@@ -9,6 +9,11 @@ Three launches, deterministic (no atomics):
 - ``_bwd_dq``: one program per (query block, q head, batch); loops over key blocks.
 
 Causal masks are applied only on the diagonal blocks (and bounds masks only on tail blocks).
+
+``dq_mode="tma"`` (not the default; measured status in bench/results/attention_bwd.md) replaces the pair by
+``_bwd_fused`` (5 matmuls, FA3-style): the dK/dV program also adds each query block's dS @ K into a float32
+dQ accumulator with TMA reduce-add, Q/dO/lse2/delta stream in through TMA descriptors, and
+``_bwd_dq_convert`` scales and casts dQ; ``"atomic"`` is the same kernel with pointer atomics.
 """
 from __future__ import annotations
 
