@@ -65,6 +65,20 @@ def _softmax(s, m_i, l_i, qk_scale, start_n, seqlen_k, diag, offs_m,
     return p, m_new, l_i, alpha
 
 
+
+@gluon.jit
+def _tile_softmax(s, m_i, l_i, qk_scale, start_n, full_end, seqlen_k, diag, offs_m,
+                  CAUSAL: gl.constexpr, P_SHIFT: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """``_softmax`` with the key/causal masks only on tiles at or past ``full_end`` (partial or diagonal)."""
+    if start_n >= full_end:
+        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, start_n, seqlen_k, diag, offs_m, True, CAUSAL, P_SHIFT,
+                                      BLOCK_N, s_layout)
+    else:
+        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, start_n, seqlen_k, diag, offs_m, False, CAUSAL,
+                                      P_SHIFT, BLOCK_N, s_layout)
+    return p, m_i, l_i, alpha
+
+
 @gluon.jit
 def _attn_fwd_kernel(
     Q, K, VT, Out, Lse, QD, KD, VD, sm_scale_log2,
@@ -164,12 +178,8 @@ def _attn_fwd_kernel(
     # P_j is converted and consumed in the same iteration (a loop-carried fp8 tensor costs byte shuffles)
     for j in range(n_tiles - 1):
         start_n = j * BLOCK_N
-        if start_n >= full_end:
-            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, start_n, Mk, diag, offs_m, True, CAUSAL, P_SHIFT,
-                                          BLOCK_N, s_layout)
-        else:
-            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, start_n, Mk, diag, offs_m, False, CAUSAL, P_SHIFT,
-                                          BLOCK_N, s_layout)
+        p, m_i, l_i, alpha = _tile_softmax(s, m_i, l_i, qk_scale, start_n, full_end, Mk, diag, offs_m, CAUSAL,
+                                           P_SHIFT, BLOCK_N, s_layout)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         # P_{j-1} V_{j-1} has read V slot (j-1) % STAGES: refill it with tile j - 1 + STAGES
         vs_prev = (j + STAGES - 1) % STAGES
@@ -196,12 +206,8 @@ def _attn_fwd_kernel(
     # last tile (always masked when it is partial or on the causal diagonal)
     last = n_tiles - 1
     start_n = last * BLOCK_N
-    if start_n >= full_end:
-        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, start_n, Mk, diag, offs_m, True, CAUSAL, P_SHIFT,
-                                      BLOCK_N, s_layout)
-    else:
-        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, start_n, Mk, diag, offs_m, False, CAUSAL, P_SHIFT,
-                                      BLOCK_N, s_layout)
+    p, m_i, l_i, alpha = _tile_softmax(s, m_i, l_i, qk_scale, start_n, full_end, Mk, diag, offs_m, CAUSAL,
+                                       P_SHIFT, BLOCK_N, s_layout)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row), 1)
     p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)

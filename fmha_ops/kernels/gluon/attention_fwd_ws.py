@@ -53,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..triton.attention_fwd import _descale_args, _ensure_allocator, transpose_v
-from .attention_fwd import _softmax
+from .attention_fwd import _tile_softmax
 
 _LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128, 256)
@@ -151,12 +151,8 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full, v_empty, t
             s_tok = warpgroup_mma(q_tile, k_smem.index(ks).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             if PINGPONG:
                 mbarrier.arrive(turn_other)
-            if start_n >= full_end:
-                p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, start_n, Mk, diag, offs_m, True, CAUSAL, P_SHIFT,
-                                              BLOCK_N, s_layout)
-            else:
-                p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, start_n, Mk, diag, offs_m, False, CAUSAL,
-                                              P_SHIFT, BLOCK_N, s_layout)
+            p, m_i, l_i, alpha = _tile_softmax(s, m_i, l_i, qk_scale, start_n, full_end, Mk, diag, offs_m, CAUSAL,
+                                               P_SHIFT, BLOCK_N, s_layout)
             s, acc = warpgroup_mma_wait(0, deps=(s_tok, acc))
             mbarrier.arrive(k_empty.index(ks))
             mbarrier.arrive(v_empty.index((j + STAGES - 1) % STAGES), pred=j > 0)
@@ -167,12 +163,8 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full, v_empty, t
     else:
         for j in range(n_tiles - 1):
             start_n = j * BLOCK_N
-            if start_n >= full_end:
-                p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, start_n, Mk, diag, offs_m, True, CAUSAL, P_SHIFT,
-                                              BLOCK_N, s_layout)
-            else:
-                p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, start_n, Mk, diag, offs_m, False, CAUSAL, P_SHIFT,
-                                              BLOCK_N, s_layout)
+            p, m_i, l_i, alpha = _tile_softmax(s, m_i, l_i, qk_scale, start_n, full_end, Mk, diag, offs_m, CAUSAL,
+                                               P_SHIFT, BLOCK_N, s_layout)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             # P_{j-1} V_{j-1} has read V slot (j-1) % STAGES
             mbarrier.arrive(v_empty.index((j + STAGES - 1) % STAGES), pred=j > 0)
@@ -198,12 +190,8 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full, v_empty, t
 
     last = n_tiles - 1
     start_n = last * BLOCK_N
-    if start_n >= full_end:
-        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, start_n, Mk, diag, offs_m, True, CAUSAL, P_SHIFT,
-                                      BLOCK_N, s_layout)
-    else:
-        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, start_n, Mk, diag, offs_m, False, CAUSAL, P_SHIFT,
-                                      BLOCK_N, s_layout)
+    p, m_i, l_i, alpha = _tile_softmax(s, m_i, l_i, qk_scale, start_n, full_end, Mk, diag, offs_m, CAUSAL,
+                                       P_SHIFT, BLOCK_N, s_layout)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     mbarrier.arrive(v_empty.index((last + STAGES - 1) % STAGES), pred=last > 0)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row), 1)
