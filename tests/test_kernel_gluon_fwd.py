@@ -82,6 +82,25 @@ def test_op_rejects_other_archs():
         assert not GluonFp8FwOp.supports_arch(arch), arch
 
 
+@pytest.mark.parametrize("module", ["attention_fwd", "attention_fwd_ws"])
+def test_launchers_finish_empty_problems_and_reject_bad_inputs(module):
+    """Both Gluon launchers share prepare_launch: empty problems never reach a kernel (so this runs on a CPU)."""
+    import importlib
+
+    fwd = importlib.import_module(f"fmha_ops.kernels.gluon.{module}").attention_forward
+    q, k = torch.randn(2, 0, 4, 64).to(FP8), torch.randn(2, 5, 2, 64).to(FP8)
+    out, lse = fwd(q, k, k, scale=0.125, return_lse=True)
+    assert out.shape == (2, 0, 4, 64) and out.dtype == torch.bfloat16 and lse.shape == (2, 4, 0)
+    q = torch.randn(1, 3, 4, 64).to(FP8)
+    out, lse = fwd(q, k[:1, :0], k[:1, :0], scale=0.125, return_lse=True)
+    assert out.float().eq(0).all() and lse.eq(float("-inf")).all()
+    with pytest.raises(AssertionError, match="head dim"):
+        fwd(torch.randn(1, 3, 4, 32).to(FP8), torch.randn(1, 5, 2, 32).to(FP8), torch.randn(1, 5, 2, 32).to(FP8),
+            scale=1.0)
+    with pytest.raises(AssertionError, match="float8_e4m3fn"):
+        fwd(q.float(), k[:1], k[:1], scale=1.0)
+
+
 # ----------------------------------------------------------------------------------------- GPU suite
 
 GPU_SHAPES = [  # B, Mq, Mk, Hq, Hkv, D, causal

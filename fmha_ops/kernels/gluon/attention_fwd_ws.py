@@ -39,7 +39,6 @@ import inspect
 import re
 import zlib
 
-import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -52,11 +51,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ..triton.attention_fwd import _descale_args, _ensure_allocator, transpose_v
-from .attention_fwd import _tile_softmax
+from .attention_fwd import _tile_softmax, compile_for_sm90, kernel_args, prepare_launch
 
-_LOG2E = 1.4426950408889634
-HEAD_DIMS = (64, 128, 256)
 WG_M = 64  # query rows per consumer warpgroup (one m64 wgmma)
 
 
@@ -434,54 +430,24 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=
     (a key of SCHEDULES), ``consumer_regs`` and ``idle_regs`` (the PTX register patch; 0 disables it).
     Returns (out bf16 (B, Mq, Hq, D), lse float32 (B, Hq, Mq) natural log, or None).
     """
-    B, Mq, Hq, D = q.shape
-    _, Mk, Hkv, Dv = v.shape
-    assert k.shape == v.shape and k.shape[0] == B and k.shape[3] == D and Dv == D, "q/k/v shapes disagree"
-    assert D in HEAD_DIMS, f"head dim {D} not supported; supported: {HEAD_DIMS}"
-    assert Hq % Hkv == 0, "Hq must be a multiple of Hkv"
-    assert q.dtype == k.dtype == v.dtype == torch.float8_e4m3fn, "q/k/v must be float8_e4m3fn"
-    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1, "last dim must be contiguous"
-    assert all(s % 16 == 0 for t in (q, k) for s in t.stride()[:3]), "q/k strides must be multiples of 16 (TMA)"
     assert block_m in (None, 128), "BLOCK_M is 128 (two consumer warpgroups of 64 rows)"
-    device = q.device
-    cfg = default_config(D, causal)
+    cfg = default_config(q.shape[3], causal)
     BN = block_n or cfg["block_n"]
     ST = stages or cfg["stages"]
     assert ST >= 2, "the K/V rings need at least 2 stages"
-    sched = schedule or cfg["schedule"]
-    pingpong, overlap = SCHEDULES[sched]
+    pingpong, overlap = SCHEDULES[schedule or cfg["schedule"]]
     idle = (cfg["idle_regs"] if idle_regs is None else idle_regs) if overlap else 0
-    qd, qd_sb, qd_sh = _descale_args(q_descale, device, B, Hkv, "q_descale")
-    kd, kd_sb, kd_sh = _descale_args(k_descale, device, B, Hkv, "k_descale")
-    vd, vd_sb, vd_sh = _descale_args(v_descale, device, B, Hkv, "v_descale")
-    if out is None:
-        out = torch.empty((B, Mq, Hq, D), dtype=torch.bfloat16, device=device)
-    else:
-        assert out.shape == (B, Mq, Hq, D) and out.dtype == torch.bfloat16 and out.stride(-1) == 1
-    lse = torch.empty((B, Hq, Mq), dtype=torch.float32, device=device) if return_lse else None
-    if out.numel() == 0 or Mk == 0:
-        out.zero_()
-        if lse is not None:
-            lse.fill_(float("-inf"))
-        return out, lse
-    _ensure_allocator()
-    vt, _ = transpose_v(v)
-    grid = (triton.cdiv(Mq, 128), B * Hq)
+    L = prepare_launch(q, k, v, q_descale, k_descale, v_descale, return_lse, out)
+    if L.vt is None:
+        return L.out, L.lse
     with _ptx_patch_hook(idle):
-        _attn_fwd_ws_kernel[grid](
-            q, k, vt, out, lse if lse is not None else qd, qd, kd, vd, scale * _LOG2E,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            vt.stride(0), vt.stride(1), vt.stride(2),
-            out.stride(0), out.stride(1), out.stride(2),
-            lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
-            qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh,
-            Mq, Mk, Hq, Hq // Hkv,
-            HEAD_D=D, BLOCK_N=BN, STAGES=ST, CAUSAL=causal, WRITE_LSE=return_lse, P_SHIFT=8,
+        _attn_fwd_ws_kernel[(triton.cdiv(L.Mq, 128), L.B * L.Hq)](
+            *kernel_args(q, k, L, scale),
+            HEAD_D=L.D, BLOCK_N=BN, STAGES=ST, CAUSAL=causal, WRITE_LSE=return_lse, P_SHIFT=8,
             PINGPONG=pingpong, OVERLAP=overlap, CONSUMER_REGS=consumer_regs or cfg["consumer_regs"],
             IDLE_REGS=_ptx_patch_key(idle), num_warps=4,
         )
-    return out, lse
+    return L.out, L.lse
 
 
 def compile_sm90(head_dim=128, block_n=None, stages=None, causal=False, write_lse=False, schedule=None,
@@ -491,26 +457,12 @@ def compile_sm90(head_dim=128, block_n=None, stages=None, causal=False, write_ls
     Same configuration and PTX patch as ``attention_forward``; ``ptxas -v`` on asm["ptx"] gives the register and
     wgmma-serialization report.
     """
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     cfg = default_config(head_dim, causal)
-    sched = schedule or cfg["schedule"]
-    pingpong, overlap = SCHEDULES[sched]
+    pingpong, overlap = SCHEDULES[schedule or cfg["schedule"]]
     idle = (cfg["idle_regs"] if idle_regs is None else idle_regs) if overlap else 0
-    ptr, i32 = "*fp8e4nv", "i32"
-    sig = {"Q": ptr, "K": ptr, "VT": ptr, "Out": "*bf16", "Lse": "*fp32", "QD": "*fp32", "KD": "*fp32",
-           "VD": "*fp32", "sm_scale_log2": "fp32"}
-    for n in ("stride_qb", "stride_qm", "stride_qh", "stride_kb", "stride_km", "stride_kh", "stride_vb",
-              "stride_vh", "stride_vd", "stride_ob", "stride_om", "stride_oh", "stride_lb", "stride_lh",
-              "qd_sb", "qd_sh", "kd_sb", "kd_sh", "vd_sb", "vd_sh", "Mq", "Mk", "Hq", "GROUP"):
-        sig[n] = i32
     const = {"HEAD_D": head_dim, "BLOCK_N": block_n or cfg["block_n"], "STAGES": stages or cfg["stages"],
              "CAUSAL": causal, "WRITE_LSE": write_lse, "P_SHIFT": 8, "PINGPONG": pingpong, "OVERLAP": overlap,
              "CONSUMER_REGS": consumer_regs or cfg["consumer_regs"], "IDLE_REGS": _ptx_patch_key(idle),
              "num_warps": 4}
-    for n in const:
-        sig[n] = "constexpr"
-    src = GluonASTSource(_attn_fwd_ws_kernel, sig, constexprs={(list(sig).index(n),): v for n, v in const.items()})
     with _ptx_patch_hook(idle):
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        return compile_for_sm90(_attn_fwd_ws_kernel, const, 4)
