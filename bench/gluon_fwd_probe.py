@@ -86,27 +86,16 @@ def probe_shape(B, Hq, Hkv, N, D, causal, cudnn):
 # ------------------------------------------------------------------------------------ --ws: warp-specialized kernel
 
 WS_SCHEDULES = ("pingpong", "pingpong_overlap", "pingpong_lookahead", "overlap")
-WS_CHECKS = [  # B, Mq, Mk, Hq, Hkv, D, causal (tests/test_kernel_gluon_fwd.py GPU_SHAPES)
-    (1, 1, 1, 1, 1, 128, False),
-    (2, 17, 1000, 4, 2, 128, False),
-    (2, 1000, 17, 4, 2, 128, True),
-    (1, 4097, 4097, 8, 1, 128, True),
-    (2, 1000, 4097, 6, 3, 64, False),
-    (1, 4097, 1000, 8, 2, 64, True),
-    (2, 1000, 1000, 4, 4, 256, False),
-    (1, 17, 4097, 8, 8, 256, True),
-    (1, 4097, 4097, 8, 4, 256, False),
-    (3, 257, 383, 16, 2, 128, False),
-]
 
 
 def _ws_check(schedule):
-    """Worst errors of one schedule over WS_CHECKS against the float32 reference (raises on a failure)."""
+    """Worst errors of one schedule over the Gluon GPU test shapes against the float32 reference (raises on a failure)."""
     from fmha_ops.kernels.gluon import attention_fwd_ws as W
     from tests.test_kernel_attention_fwd import _dq, _inputs, reference
+    from tests.test_kernel_gluon_fwd import GPU_SHAPES
 
     worst = {"rel": 0.0, "cos": 1.0, "lse": 0.0}
-    for B, Mq, Mk, Hq, Hkv, D, causal in WS_CHECKS:
+    for B, Mq, Mk, Hq, Hkv, D, causal in GPU_SHAPES:
         q, k, v = _inputs("normal", B, Mq, Mk, Hq, Hkv, D, D, torch.bfloat16, seed=Mq + Mk)
         q8, k8, v8, qd, kd, vd = quantize_qkv_fp8(q, k, v)
         ref, ref_lse = reference(_dq(q8, qd, Hq // Hkv), _dq(k8, kd), _dq(v8, vd), D ** -0.5, causal)
@@ -136,7 +125,7 @@ def ws_child(name, out, quick):
 
         t0 = time.time()
         res["check"] = _ws_check(name)
-        print(f"{name}: correct on {len(WS_CHECKS)} shapes ({time.time() - t0:.0f} s with compiles)", flush=True)
+        print(f"{name}: correct on the Gluon GPU test shapes ({time.time() - t0:.0f} s with compiles)", flush=True)
     for B, Hq, Hkv, N, D, causal in shapes:
         q, k, v = prepare(B, Hq, Hkv, N, D, causal)
         q8, k8, v8, qd, kd, vd = quantize_qkv_fp8(q, k, v)
