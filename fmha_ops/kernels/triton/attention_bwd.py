@@ -169,6 +169,30 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, s_qm, s_dom
 
 
 @triton.jit
+def _causal_diagonal(start_n, k_len, q_len, BOTTOM_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+    """(offset, lo, mid) for key block ``start_n`` under a causal mask: query blocks [lo, mid) hold its
+    diagonal (need the mask), [mid, q_len) see all of it; ``offset`` aligns queries to keys."""
+    offset = k_len - q_len if BOTTOM_RIGHT else 0
+    lo = tl.maximum(start_n - offset, 0) // BLOCK_M * BLOCK_M
+    mid = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - offset, 0), BLOCK_M) * BLOCK_M
+    return offset, lo, tl.minimum(mid, q_len)
+
+
+@triton.jit
+def _store_kv_grads(dk, dv, dk_ptr, dv_ptr, b, hk, k_start, start_n, k_len,
+                    s_dkb, s_dkm, s_dkh, s_dvb, s_dvm, s_dvh,
+                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr):
+    """Store one key block's dK (already scaled) and dV rows, masked at the sequence end."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < k_len
+    tl.store(dk_ptr + b * s_dkb + hk * s_dkh + (k_start + offs_n[:, None]) * s_dkm + tl.arange(0, HEAD_DIM)[None, :],
+             dk.to(dk_ptr.dtype.element_ty), mask=n_ok[:, None])
+    tl.store(dv_ptr + b * s_dvb + hk * s_dvh + (k_start + offs_n[:, None]) * s_dvm + tl.arange(0, HEAD_DIM_V)[None, :],
+             dv.to(dv_ptr.dtype.element_ty), mask=n_ok[:, None])
+
+
+@triton.jit
 def _bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr,
               s_qb, s_qm, s_qh, s_kb, s_km, s_kh, s_vb, s_vm, s_vh, s_dob, s_dom, s_doh,
               s_lb, s_lh, s_lm, s_eb, s_eh,
@@ -197,10 +221,7 @@ def _bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, c
     dv = tl.zeros([BLOCK_N, HEAD_DIM_V], dtype=tl.float32)
     # Query blocks: causal: [lo, mid) diagonal, [mid, q_len) visible; else [0, q_full) full, [q_full, q_len) tail.
     if CAUSAL:
-        offset = k_len - q_len if BOTTOM_RIGHT else 0
-        lo = tl.maximum(start_n - offset, 0) // BLOCK_M * BLOCK_M
-        mid = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - offset, 0), BLOCK_M) * BLOCK_M
-        mid = tl.minimum(mid, q_len)
+        offset, lo, mid = _causal_diagonal(start_n, k_len, q_len, BOTTOM_RIGHT, BLOCK_M, BLOCK_N)
     else:
         offset = 0
         q_full = q_len // BLOCK_M * BLOCK_M
@@ -224,11 +245,8 @@ def _bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, c
             dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, s_qm, s_dom, s_lm,
                                  start_n, q_full, q_len, q_len, qk_scale, offset,
                                  BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_STAGES, True, False)
-    dk = dk * sm_scale
-    tl.store(dk_ptr + b * s_dkb + hk * s_dkh + (k_start + offs_n[:, None]) * s_dkm + offs_d[None, :],
-             dk.to(dk_ptr.dtype.element_ty), mask=n_ok[:, None])
-    tl.store(dv_ptr + b * s_dvb + hk * s_dvh + (k_start + offs_n[:, None]) * s_dvm + offs_dv[None, :],
-             dv.to(dv_ptr.dtype.element_ty), mask=n_ok[:, None])
+    _store_kv_grads(dk * sm_scale, dv, dk_ptr, dv_ptr, b, hk, k_start, start_n, k_len,
+                    s_dkb, s_dkm, s_dkh, s_dvb, s_dvm, s_dvh, BLOCK_N, HEAD_DIM, HEAD_DIM_V)
 
 
 @triton.jit
@@ -383,10 +401,7 @@ def _bwd_fused(q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr,
     # Query blocks [lo, mid) masked (causal diagonal), [mid, q_len) unmasked; in the key block that runs past
     # k_len everything is masked (two loop bodies only: a third costs registers).
     if CAUSAL:
-        offset = k_len - q_len if BOTTOM_RIGHT else 0
-        lo = tl.maximum(start_n - offset, 0) // BLOCK_M * BLOCK_M
-        mid = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - offset, 0), BLOCK_M) * BLOCK_M
-        mid = tl.minimum(mid, q_len)
+        offset, lo, mid = _causal_diagonal(start_n, k_len, q_len, BOTTOM_RIGHT, BLOCK_M, BLOCK_N)
     else:
         offset = 0
         lo = 0
@@ -413,12 +428,8 @@ def _bwd_fused(q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr,
         dk, dv = _fused_inner(dk, dv, k, v, q_desc, do_desc, lse_desc, delta_desc, dq_desc, dqa_base, s_am,
                               start_n, mid, q_len, q_start, l_row0, q_len, k_len, qk_scale, offset,
                               BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, False, CAUSAL, TMA_REDUCE, DQ_SWAP)
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < k_len
-    tl.store(dk_ptr + b * s_dkb + hk * s_dkh + (k_start + offs_n[:, None]) * s_dkm + tl.arange(0, HEAD_DIM)[None, :],
-             (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=n_ok[:, None])
-    tl.store(dv_ptr + b * s_dvb + hk * s_dvh + (k_start + offs_n[:, None]) * s_dvm + tl.arange(0, HEAD_DIM_V)[None, :],
-             dv.to(dv_ptr.dtype.element_ty), mask=n_ok[:, None])
+    _store_kv_grads(dk * sm_scale, dv, dk_ptr, dv_ptr, b, hk, k_start, start_n, k_len,
+                    s_dkb, s_dkm, s_dkh, s_dvb, s_dvm, s_dvh, BLOCK_N, HEAD_DIM, HEAD_DIM_V)
 
 
 @triton.jit
