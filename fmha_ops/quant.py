@@ -26,8 +26,10 @@ __all__ = [
     "K_SCALE_BLOCK",
     "Q_SCALE_BLOCK",
     "I8FP8Inputs",
+    "fp8_channel_descale",
     "quantize_blocks",
     "quantize_fp8",
+    "quantize_fp8_channels",
     "quantize_i8fp8",
     "quantize_qkv_fp8",
 ]
@@ -105,6 +107,22 @@ def _int8_grouped(x: torch.Tensor, groups: int | None):
     return xq.reshape(B, M, H, D), descale
 
 
+def fp8_channel_descale(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 (B, H, D) descale of v (B, M, H, D) per channel over the sequence: amax / fp8 max (1 where all
+    zero, and for an empty sequence)."""
+    B, M, H, D = v.shape
+    if not M:
+        return torch.ones((B, H, D), dtype=torch.float32, device=v.device)
+    amax = torch.linalg.vector_norm(v, float("inf"), dim=1, dtype=torch.float32)
+    return _safe_descale(amax, torch.finfo(dtype).max)
+
+
+def quantize_fp8_channels(v: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """v (B, M, H, D) / descale (B, H, D), saturated, as ``dtype`` (fp8)."""
+    fmax = torch.finfo(dtype).max
+    return (v.float() / descale[:, None]).clamp(-fmax, fmax).to(dtype)
+
+
 def quantize_i8fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
                    smooth_k: bool = True, qk_granularity: str = "block", v_granularity: str = "channel",
                    fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> I8FP8Inputs:
@@ -130,12 +148,12 @@ def quantize_i8fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: 
         k8, kd = _int8_grouped(kf, groups)
     else:
         raise ValueError(f"qk_granularity must be 'block', 'head' or 'tensor', got {qk_granularity!r}")
-    fmax = torch.finfo(fp8_dtype).max
-    vf = v.float()
     if v_granularity == "channel":
-        vd = _safe_descale(vf.abs().amax(dim=1), fmax)  # (B, Hkv, Dv)
-        v8 = (vf / vd[:, None]).clamp(-fmax, fmax).to(fp8_dtype)
+        vd = fp8_channel_descale(v, fp8_dtype)  # (B, Hkv, Dv)
+        v8 = quantize_fp8_channels(v, vd, fp8_dtype)
     elif v_granularity == "tensor":
+        fmax = torch.finfo(fp8_dtype).max
+        vf = v.float()
         vd = _safe_descale(vf.abs().amax().reshape(1), fmax)
         v8 = (vf / vd).clamp(-fmax, fmax).to(fp8_dtype)
     else:

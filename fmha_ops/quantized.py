@@ -23,7 +23,13 @@ from registry import current_arch, fp8_dtype
 from . import attn_bias as ab
 from .api import _forward, _inputs
 from .dispatch import SELECTOR
-from .quant import K_SCALE_BLOCK, Q_SCALE_BLOCK, _safe_descale, quantize_blocks
+from .quant import (
+    K_SCALE_BLOCK,
+    Q_SCALE_BLOCK,
+    fp8_channel_descale,
+    quantize_blocks,
+    quantize_fp8_channels,
+)
 
 __all__ = ["fp8_attention", "i8fp8_attention"]
 
@@ -39,11 +45,9 @@ def quantize_smooth(q, k, v, scale: float, qk_dtype: torch.dtype):
     v_dtype = fp8_dtype(current_arch(q.device))
     if Mk:
         k_mean = torch.mean(k, dim=1, dtype=torch.float32)
-        v_amax = torch.linalg.vector_norm(v, float("inf"), dim=1, dtype=torch.float32)
     else:
         k_mean = torch.zeros((B, Hkv, D), dtype=torch.float32, device=k.device)
-        v_amax = torch.zeros((B, Hkv, v.shape[3]), dtype=torch.float32, device=k.device)
-    vd = _safe_descale(v_amax, torch.finfo(v_dtype).max)
+    vd = fp8_channel_descale(v, v_dtype)
     if q.is_cuda:
         from .kernels.triton.quantize import quantize_rows
 
@@ -55,8 +59,7 @@ def quantize_smooth(q, k, v, scale: float, qk_dtype: torch.dtype):
         ks = k.float() - k_mean[:, None]
         k8, kd = quantize_blocks(ks, K_SCALE_BLOCK, qk_dtype)
         k_smooth = ks.to(k.dtype)
-        fmax = torch.finfo(v_dtype).max
-        v8 = (v.float() / vd[:, None]).clamp(-fmax, fmax).to(v_dtype)
+        v8 = quantize_fp8_channels(v, vd, v_dtype)
     return (q8, k8, v8), {"q_descale": qd, "k_descale": kd, "v_descale": vd}, k_smooth
 
 
