@@ -95,6 +95,12 @@ def quantize_blocks(x: torch.Tensor, block: int, dtype: torch.dtype = torch.int8
     return y.to(dtype).reshape(B, nb * block, H, D)[:, :M], descale.permute(0, 2, 1).contiguous()
 
 
+def dequantize_blocks(xq: torch.Tensor, descale: torch.Tensor, block: int) -> torch.Tensor:
+    """float32 values of ``quantize_blocks``' output: xq (B, M, H, D) * descale (B, H, cdiv(M, block))."""
+    M = xq.shape[1]
+    return xq.float() * descale.repeat_interleave(block, 2)[:, :, :M].transpose(1, 2)[..., None]
+
+
 def _int8_grouped(x: torch.Tensor, groups: int | None):
     """int8 with one descale per (batch, group of heads) (shape (B, groups)) or per tensor (groups None)."""
     B, M, H, D = x.shape

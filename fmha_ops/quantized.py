@@ -7,10 +7,14 @@ the quantization range) and fold the softmax scale into q. On CUDA the quantizat
 pass per tensor (kernels/triton/quantize.py); elsewhere torch ops (``fmha_ops.quant.quantize_blocks``),
 the kernel's tested reference.
 
-Gradients: a bf16/fp16 backward kernel on q, the smoothed k and v, with the quantized forward's output
-and LSE (both of the smoothed logits), so gradients flow to the bf16 tensors (the practical training
-path). The smoothed k matters: the backward's dS = P (dP - rowsum(dO O)) does not sum to exactly 0 over
-keys when O comes from the quantized forward, and dQ = dS k multiplies that residue by K's mean.
+Gradients (straight-through): a bf16/fp16 backward kernel on the *dequantized* q, k and v (the values
+the quantized forward attended to, written by the same quantization pass), with the forward's output and
+LSE, so gradients flow to the bf16 tensors (the practical training path). The backward must see the
+forward's logits: it recomputes P = exp(q k^T - lse) with the forward's LSE, so keys or queries that differ
+from the forward's by the fp8 rounding (2^-4 relative per element) make rows of P that do not sum to 1
+(off by exp of the logit error), and that bias trains a model far worse than bf16 (fp8 val loss 1.83x
+before this, bench/results/train_convergence.md). The keys are the smoothed ones: dS does not sum to
+exactly 0 over keys against a quantized forward, and dQ = dS k would multiply that residue by K's mean.
 dK is unchanged by the shift (d(k - mean(k))/dk only removes a component dK does not have).
 The forward op is selected by dtype (triton_fp8F / triton_i8fp8F where available, else the reference).
 """
@@ -26,6 +30,7 @@ from .dispatch import SELECTOR
 from .quant import (
     K_SCALE_BLOCK,
     Q_SCALE_BLOCK,
+    dequantize_blocks,
     fp8_channel_descale,
     quantize_blocks,
     quantize_fp8_channels,
@@ -35,11 +40,11 @@ __all__ = ["fp8_attention", "i8fp8_attention"]
 
 
 def quantize_smooth(q, k, v, scale: float, qk_dtype: torch.dtype):
-    """q (B, Mq, Hq, D), k (B, Mk, Hkv, D), v (B, Mk, Hkv, Dv) -> ((q8, k8, v8), descales, k_smooth).
+    """q (B, Mq, Hq, D), k (B, Mk, Hkv, D), v (B, Mk, Hkv, Dv) -> ((q8, k8, v8), descales, (qh, kh, vh)).
 
     q8 = quantize(q * scale), k8 = quantize(k - mean_seq(k)) per block (``qk_dtype`` int8 or fp8), v8 fp8
-    per channel; descales as the attention ops take them ("block", "block", "channel");
-    k_smooth = k - mean_seq(k) in k's dtype.
+    per channel; descales as the attention ops take them ("block", "block", "channel"); qh, kh, vh are the
+    dequantized values in the inputs' dtype and units (qh ~ q (0 if scale is 0), kh ~ k - mean_seq(k), vh ~ v).
     """
     B, Mk, Hkv, D = k.shape
     v_dtype = fp8_dtype(current_arch(q.device))
@@ -51,34 +56,35 @@ def quantize_smooth(q, k, v, scale: float, qk_dtype: torch.dtype):
     if q.is_cuda:
         from .kernels.triton.quantize import quantize_rows
 
-        q8, qd, _ = quantize_rows(q, qk_dtype, block=Q_SCALE_BLOCK, scale=scale)
-        k8, kd, k_smooth = quantize_rows(k, qk_dtype, block=K_SCALE_BLOCK, mean=k_mean)
-        v8, _, _ = quantize_rows(v, v_dtype, channel_descale=vd)
+        q8, qd, qh = quantize_rows(q, qk_dtype, block=Q_SCALE_BLOCK, scale=scale, dequant=True)
+        k8, kd, kh = quantize_rows(k, qk_dtype, block=K_SCALE_BLOCK, mean=k_mean, dequant=True)
+        v8, _, vh = quantize_rows(v, v_dtype, channel_descale=vd, dequant=True)
     else:
         q8, qd = quantize_blocks(q.float() * scale, Q_SCALE_BLOCK, qk_dtype)
-        ks = k.float() - k_mean[:, None]
-        k8, kd = quantize_blocks(ks, K_SCALE_BLOCK, qk_dtype)
-        k_smooth = ks.to(k.dtype)
+        k8, kd = quantize_blocks(k.float() - k_mean[:, None], K_SCALE_BLOCK, qk_dtype)
         v8 = quantize_fp8_channels(v, vd, v_dtype)
-    return (q8, k8, v8), {"q_descale": qd, "k_descale": kd, "v_descale": vd}, k_smooth
+        qh = (dequantize_blocks(q8, qd, Q_SCALE_BLOCK) * (1.0 / scale if scale else 0.0)).to(q.dtype)
+        kh = dequantize_blocks(k8, kd, K_SCALE_BLOCK).to(k.dtype)
+        vh = (v8.float() * vd[:, None]).to(v.dtype)
+    return (q8, k8, v8), {"q_descale": qd, "k_descale": kd, "v_descale": vd}, (qh, kh, vh)
 
 
 class _QuantizedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qk_dtype, bias, scale, op, query, key, value):
         kernel_scale = query.shape[-1] ** -0.5 if scale is None else scale
-        qkv, descales, k_smooth = quantize_smooth(query, key, value, kernel_scale, qk_dtype)
+        qkv, descales, dequantized = quantize_smooth(query, key, value, kernel_scale, qk_dtype)
         inp, _ = _inputs(*qkv, bias, 0.0, 1.0, query.dtype, True, descales["q_descale"],
                          descales["k_descale"], descales["v_descale"], False)
         out, lse = _forward(inp, op, True)
-        ctx.save_for_backward(query, k_smooth, value, out, lse)
+        ctx.save_for_backward(*dequantized, out, lse)
         ctx.bias, ctx.scale = bias, scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, k_smooth, value, out, lse = ctx.saved_tensors
-        inp, _ = _inputs(query, k_smooth, value, ctx.bias, 0.0, ctx.scale, None, True, None, None, None, False)
+        qh, kh, vh, out, lse = ctx.saved_tensors
+        inp, _ = _inputs(qh, kh, vh, ctx.bias, 0.0, ctx.scale, None, True, None, None, None, False)
         bw = SELECTOR.select(("qbw",) + inp.signature(), lambda: _problem(inp), "bw")
         dq, dk, dv = bw.apply_bw(inp, out, lse, grad_out.contiguous())
         return None, None, None, None, dq, dk, dv
