@@ -2,14 +2,18 @@
 
 Shape: the training benchmark's attention (B=16, N=1024, H=8, D=64, causal, bf16 q/k/v with grads).
 Prints, per variant, the profiler table sorted by device time (kernels, their counts and times) and the
-wall time per call (host included), and writes attention_call_profile.json.
+wall time per call (host included), and writes attention_call_profile.json. With ``--cprofile`` also the
+host side: cProfile over 50 calls per variant, the top functions by own time into attention_call_cprofile.txt.
 
     PYTHONPATH=$PWD python bench/attention_call_profile.py --out DIR
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
 import sys
 import time
 
@@ -37,7 +41,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None)
     p.add_argument("--shape", default="16,1024,8,64", help="B,N,H,D")
+    p.add_argument("--cprofile", action="store_true", help="also profile the host side (Python) with cProfile")
     args = p.parse_args()
+    host_report = io.StringIO()
     B, N, H, D = (int(x) for x in args.shape.split(","))
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
@@ -67,7 +73,20 @@ def main() -> None:
                    if e.device_time_total > 0 and e.cpu_time_total == 0]
         rows.append({"variant": name, "wall_ms": wall_ms, "do_bench_ms": gpu_ms,
                      "kernels": sorted(kernels, key=lambda x: -x[2])[:20]})
-    common.write_json(common.out_dir(args.out), "attention_call_profile", rows)
+        if args.cprofile:
+            prof_host = cProfile.Profile()
+            prof_host.enable()
+            for _ in range(50):
+                step()
+            torch.cuda.synchronize()
+            prof_host.disable()
+            host_report.write(f"\n=== {name}: 50 calls of forward+backward\n")
+            pstats.Stats(prof_host, stream=host_report).sort_stats("tottime").print_stats(40)
+    out = common.out_dir(args.out)
+    common.write_json(out, "attention_call_profile", rows)
+    if args.cprofile:
+        with open(os.path.join(out, "attention_call_cprofile.txt"), "w") as fh:
+            fh.write(host_report.getvalue())
 
 
 if __name__ == "__main__":
