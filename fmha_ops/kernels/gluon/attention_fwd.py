@@ -245,7 +245,7 @@ def default_config(head_dim: int, causal: bool) -> dict:
 
 
 class _Launch(NamedTuple):
-    """Host-side pieces both Gluon launchers share: validated sizes, descales, outputs, V^T (None if empty)."""
+    """Host-side pieces of a launch: validated sizes, descales, outputs, V^T (None if empty)."""
 
     B: int
     Mq: int
@@ -291,7 +291,7 @@ def prepare_launch(q, k, v, q_descale, k_descale, v_descale, return_lse: bool, o
 
 
 def kernel_args(q, k, L: _Launch, scale: float) -> tuple:
-    """The runtime arguments of both Gluon kernels, in their order (see ``AOT_SIGNATURE``)."""
+    """The kernel's runtime arguments, in their order (see ``AOT_SIGNATURE``)."""
     qd, kd, vd, *descale_strides = L.descales
     lse, out, vt = L.lse, L.out, L.vt
     return (q, k, vt, out, lse if lse is not None else qd, qd, kd, vd, scale * _LOG2E,
@@ -306,16 +306,6 @@ _I32_ARGS = ("stride_qb", "stride_qm", "stride_qh", "stride_kb", "stride_km", "s
              "qd_sb", "qd_sh", "kd_sb", "kd_sh", "vd_sb", "vd_sh", "Mq", "Mk", "Hq", "GROUP")
 AOT_SIGNATURE = {"Q": "*fp8e4nv", "K": "*fp8e4nv", "VT": "*fp8e4nv", "Out": "*bf16", "Lse": "*fp32", "QD": "*fp32",
                  "KD": "*fp32", "VD": "*fp32", "sm_scale_log2": "fp32", **dict.fromkeys(_I32_ARGS, "i32")}
-
-
-def compile_for_sm90(kernel, const: dict, num_warps: int):
-    """AOT-compile a Gluon kernel with ``AOT_SIGNATURE`` and the constexprs ``const`` for sm90 (no GPU)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    sig = {**AOT_SIGNATURE, **dict.fromkeys(const, "constexpr")}
-    src = GluonASTSource(kernel, sig, constexprs={(list(sig).index(n),): v for n, v in const.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 
 def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=None, k_descale=None,
@@ -342,6 +332,11 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=
 
 def compile_sm90(head_dim=128, block_n=128, stages=2, causal=False, write_lse=False, block_m=64):
     """Compile the kernel ahead of time for sm90 (no GPU needed); returns the CompiledKernel (asm: ptx, cubin)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
     const = {"HEAD_D": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages, "CAUSAL": causal,
              "WRITE_LSE": write_lse, "P_SHIFT": 8, "num_warps": block_m // 16}
-    return compile_for_sm90(_attn_fwd_kernel, const, block_m // 16)
+    sig = {**AOT_SIGNATURE, **dict.fromkeys(const, "constexpr")}
+    src = GluonASTSource(_attn_fwd_kernel, sig, constexprs={(list(sig).index(n),): v for n, v in const.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": block_m // 16})
