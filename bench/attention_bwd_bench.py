@@ -1,4 +1,4 @@
-"""Attention backward (bf16) on the H200: Triton kernel (tile variants, deterministic and atomic-dQ)
+"""Attention backward (bf16) on the H200: Triton kernel (tile variants of the dK/dV + dQ pair)
 vs torch SDPA cuDNN and flash backward, same shapes, same run.
 
 TFLOP/s = 2.5 * 4*B*H*N^2*D / t (halved if causal). SDPA is timed as
@@ -6,11 +6,10 @@ TFLOP/s = 2.5 * 4*B*H*N^2*D / t (halved if causal). SDPA is timed as
 call (delta preprocess + kernels + allocations). Out and LSE come from SDPA flash's forward.
 Writes attention_bwd.json/.png/.md to --out and the markdown to bench/results/attention_bwd.md.
 
-    python bench/attention_bwd_bench.py [--quick] [--variants default|all|fused] [--dq-modes split,tma,atomic]
-        [--shapes 0,5] [--no-results-md]
+    python bench/attention_bwd_bench.py [--quick] [--variants default|all] [--shapes 0,5] [--no-results-md]
 
---dq-modes: "split" times the deterministic dK/dV + dQ pair (variants named by tile, "default"); "tma" and
-"atomic" the fused 5-matmul kernel (dQ by TMA reduce-add / pointer atomics; variants "tma", "tma64x64", ...).
+--no-results-md: write the markdown to --out only (bench/results/attention_bwd.md has hand-written sections
+after the generated ones, which a plain run would overwrite).
 """
 from __future__ import annotations
 
@@ -35,9 +34,7 @@ from bench.common import (
 )
 from fmha_ops.kernels.triton.attention_bwd import (
     DEFAULT_CONFIGS,
-    FUSED_CONFIGS,
     BwdConfig,
-    FusedBwdConfig,
     attention_backward,
 )
 
@@ -65,14 +62,6 @@ VARIANTS = {
         "q128x16": BwdConfig(64, 64, 8, 2, 128, 16, 8, 2),
         "kv64x64s1": BwdConfig(64, 64, 8, 1, 128, 32, 8, 2),
     },
-}
-
-# fused kernel (dq_mode "tma"; the "atomic" mode runs its default only): name -> FusedBwdConfig
-FUSED_VARIANTS = {
-    64: {"tma64x128s3": FusedBwdConfig(64, 128, 8, 3)},
-    128: {"tma64x64": FusedBwdConfig(64, 64, 8, 2), "tma32x128": FusedBwdConfig(32, 128, 8, 2),
-          "tma64x128s3": FusedBwdConfig(64, 128, 8, 3)},
-    256: {"tma32x64swap": FusedBwdConfig(32, 64, 8, 1, dq_swap=True)},
 }
 
 NOTES = """\
@@ -123,27 +112,19 @@ def _inputs(B, H, N, D, causal, seed=0):
     return q, k, v, do, res[0].transpose(1, 2), res[1]
 
 
-def _warm(D, causal, mode, cfg):
-    """Compile one (head dim, causal, mode, config) into the shared Triton cache (worker process)."""
+def _warm(D, causal, cfg):
+    """Compile one (head dim, causal, config) into the shared Triton cache (worker process)."""
     q, k, v, do, out, lse = _inputs(1, 2, 256, D, causal)
-    attention_backward(do, q, k, v, out, lse, scale=D ** -0.5, causal=causal, config=cfg, dq_mode=mode)
+    attention_backward(do, q, k, v, out, lse, scale=D ** -0.5, causal=causal, config=cfg)
     torch.cuda.synchronize()
-    return D, causal, mode, cfg
+    return D, causal, cfg
 
 
-def _variants(D, which, modes=("split",)):
-    """name -> (dq_mode, config)."""
-    vs = {}
-    if "split" in modes:
-        vs["default"] = ("split", DEFAULT_CONFIGS[D])
-        if which == "all":
-            vs.update({n: ("split", c) for n, c in VARIANTS.get(D, {}).items()})
-    if "tma" in modes:
-        vs["tma"] = ("tma", FUSED_CONFIGS[D])
-        if which in ("all", "fused"):
-            vs.update({n: ("tma", c) for n, c in FUSED_VARIANTS.get(D, {}).items()})
-    if "atomic" in modes:
-        vs["atomic"] = ("atomic", FUSED_CONFIGS[D])
+def _variants(D, which):
+    """name -> config."""
+    vs = {"default": DEFAULT_CONFIGS[D]}
+    if which == "all":
+        vs.update(VARIANTS.get(D, {}))
     return vs
 
 
@@ -161,13 +142,10 @@ def _sdpa_bwd_ms(q, k, v, do, causal, backend):
 
 def main():
     p = base_parser(__doc__.splitlines()[0])
-    p.add_argument("--variants", default="all", choices=["default", "all", "fused"],
-                   help="fused: the split default plus every fused variant")
-    p.add_argument("--dq-modes", default="split", help="comma list of split, tma, atomic")
+    p.add_argument("--variants", default="all", choices=["default", "all"])
     p.add_argument("--shapes", default=None, help="comma list of SHAPES indices (default: all, --quick: 0,3)")
     p.add_argument("--no-results-md", action="store_true", help="write the markdown to --out only")
     args = p.parse_args()
-    modes = tuple(args.dq_modes.split(","))
     out = out_dir(args.out)
     from torch.nn.attention import SDPBackend
 
@@ -175,7 +153,7 @@ def main():
         shapes = [SHAPES[int(i)] for i in args.shapes.split(",")]
     else:
         shapes = SHAPES[:1] + SHAPES[3:4] if args.quick else SHAPES
-    jobs = {(D, c, m, cfg) for (_, _, _, D, c) in shapes for m, cfg in _variants(D, args.variants, modes).values()}
+    jobs = {(D, c, cfg) for (_, _, _, D, c) in shapes for cfg in _variants(D, args.variants).values()}
     with cf.ProcessPoolExecutor(min(14, len(jobs)), mp_context=mp.get_context("spawn")) as ex:
         for f in cf.as_completed([ex.submit(_warm, *j) for j in jobs]):
             try:
@@ -193,9 +171,9 @@ def main():
         row["cudnn"] = fl / cudnn_ms * 1e-9
         row["flash"] = fl / flash_ms * 1e-9
         best = None
-        for name, (mode, cfg) in _variants(D, args.variants, modes).items():
+        for name, cfg in _variants(D, args.variants).items():
             fn = functools.partial(attention_backward, do, q, k, v, o, lse, scale=D ** -0.5, causal=causal,
-                                   config=cfg, dq_mode=mode)
+                                   config=cfg)
             try:
                 got = fn()
                 rel = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, ref))

@@ -10,10 +10,8 @@ Three launches, deterministic (no atomics):
 
 Causal masks are applied only on the diagonal blocks (and bounds masks only on tail blocks).
 
-``dq_mode="tma"`` (not the default; measured status in bench/results/attention_bwd.md) replaces the pair by
-``_bwd_fused`` (5 matmuls, FA3-style): the dK/dV program also adds each query block's dS @ K into a float32
-dQ accumulator with TMA reduce-add, Q/dO/lse2/delta stream in through TMA descriptors, and
-``_bwd_dq_convert`` scales and casts dQ; ``"atomic"`` is the same kernel with pointer atomics.
+A fused 5-matmul variant (dQ by TMA reduce-add / pointer atomics from the dK/dV program) was measured on the
+H200 and removed: 0.55-0.9x this pair (bench/results/attention_bwd.md).
 """
 from __future__ import annotations
 
@@ -49,29 +47,6 @@ DEFAULT_CONFIGS = {  # by max(D, Dv); 128 and 256 tuned on the H200 (bench/resul
 }
 
 
-@dataclass(frozen=True)
-class FusedBwdConfig:
-    """Tile (queries x keys), warps, pipeline stages and optional register cap of the fused kernel."""
-
-    block_m: int
-    block_n: int
-    warps: int
-    stages: int
-    maxnreg: int | None = None
-    dq_swap: bool = False  # dQ^T = K^T dS^T (needed for wgmma when block_m < 64)
-
-
-FUSED_CONFIGS = {  # by max(D, Dv); from sm_90a AOT compiles only (bench/results/attention_bwd.md), not yet timed
-    16: FusedBwdConfig(64, 128, 8, 2),
-    32: FusedBwdConfig(64, 128, 8, 2),
-    64: FusedBwdConfig(64, 128, 8, 2),
-    128: FusedBwdConfig(64, 128, 8, 2),
-    256: FusedBwdConfig(64, 64, 8, 1),
-}
-DQ_MODES = ("split", "tma", "atomic")
-PAD = 128  # fused path: sequence starts in the lse2/delta buffers are multiples of PAD (>= every block_m)
-
-
 @triton.jit
 def _seq_bounds(cu_ptr, b, M, IS_VARLEN: tl.constexpr):
     """(row offset of sequence b in the packed tensor, its length)."""
@@ -91,48 +66,21 @@ def _load_lse2(lse_row_ptr, ok):
 
 
 @triton.jit
-def _pad_start(b, q_start, IS_VARLEN: tl.constexpr, PAD: tl.constexpr):
-    """Start of sequence b in the padded lse2/delta buffers of the fused path: a multiple of PAD (a multiple of
-    every BLOCK_M, so TMA box coordinates stay 16-byte aligned), at least q_start, sequences disjoint."""
-    if IS_VARLEN:
-        return (q_start + b * PAD) // PAD * PAD
-    else:
-        return 0
-
-
-@triton.jit
-def _bwd_preprocess(o_ptr, do_ptr, delta_ptr, lse_ptr, lse2_ptr, dqa_ptr, cu_q_ptr, M,
-                    s_ob, s_om, s_oh, s_dob, s_dom, s_doh, s_eb, s_eh, s_lb, s_lh, s_lm, s_ab, s_am, s_ah,
-                    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                    FUSED: tl.constexpr, IS_VARLEN: tl.constexpr, PAD: tl.constexpr):
-    """delta = rowsum(dO * O). FUSED (one program per (block, head, sequence)): delta and the log2 LSE go to the
-    padded (B, Hq, L) buffers at _pad_start, and the float32 dQ accumulator rows of the block are zeroed."""
+def _bwd_preprocess(o_ptr, do_ptr, delta_ptr, M,
+                    s_ob, s_om, s_oh, s_dob, s_dom, s_doh, s_eb, s_eh,
+                    BLOCK_M: tl.constexpr, HEAD_DIM_V: tl.constexpr):
+    """delta = rowsum(dO * O), float32, laid out like lse."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
-    b = tl.program_id(2)
-    if FUSED:
-        q_start, q_len = _seq_bounds(cu_q_ptr, b, M, IS_VARLEN)
-        pad = _pad_start(b, q_start, IS_VARLEN, PAD)
-        if pid_m * BLOCK_M >= q_len:
-            return
-    else:
-        q_start, q_len, pad = 0, M, 0
-    b = b.to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_V)
-    ok = offs_m < q_len
-    rows = q_start + offs_m
-    o = tl.load(o_ptr + b * s_ob + h * s_oh + rows[:, None] * s_om + offs_d[None, :], mask=ok[:, None], other=0.0)
-    do = tl.load(do_ptr + b * s_dob + h * s_doh + rows[:, None] * s_dom + offs_d[None, :], mask=ok[:, None],
+    ok = offs_m < M
+    o = tl.load(o_ptr + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_d[None, :], mask=ok[:, None], other=0.0)
+    do = tl.load(do_ptr + b * s_dob + h * s_doh + offs_m[:, None] * s_dom + offs_d[None, :], mask=ok[:, None],
                  other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    tl.store(delta_ptr + b * s_eb + h * s_eh + pad + offs_m, delta, mask=ok)
-    if FUSED:
-        lse2 = _load_lse2(lse_ptr + b * s_lb + h * s_lh + rows * s_lm, ok)
-        tl.store(lse2_ptr + b * s_eb + h * s_eh + pad + offs_m, lse2, mask=ok)
-        offs_dq = tl.arange(0, HEAD_DIM)
-        tl.store(dqa_ptr + b * s_ab + h * s_ah + rows[:, None] * s_am + offs_dq[None, :],
-                 tl.zeros([BLOCK_M, HEAD_DIM], tl.float32), mask=ok[:, None])
+    tl.store(delta_ptr + b * s_eb + h * s_eh + offs_m, delta, mask=ok)
 
 
 @triton.jit
@@ -330,144 +278,9 @@ def _bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_q_ptr, c
              dq.to(dq_ptr.dtype.element_ty), mask=ok[:, None])
 
 
-@triton.jit
-def _fused_inner(dk, dv, k, v, q_desc, do_desc, lse_desc, delta_desc, dq_desc, dqa_base, s_am,
-                 start_n, lo, hi, q_row0, l_row0, q_len, k_len, qk_scale, offset,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 NUM_STAGES: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, TMA_REDUCE: tl.constexpr,
-                 DQ_SWAP: tl.constexpr):
-    """dK, dV of one key block over query blocks [lo, hi), and each query block's dQ part added to the float32
-    accumulator. Rows past q_len load as zeros (TMA padding): with zero q and dO they add nothing.
-    MASKED: key bounds mask, and with CAUSAL the causal mask."""
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    for start_m in tl.range(lo, hi, BLOCK_M, num_stages=NUM_STAGES):
-        q = q_desc.load([q_row0 + start_m, 0])
-        do = do_desc.load([q_row0 + start_m, 0])
-        lse2 = lse_desc.load([l_row0 + start_m])
-        delta = delta_desc.load([l_row0 + start_m])
-        p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])
-        if MASKED:  # keys past k_len have zero K rows but p = exp2(-lse2) may overflow: 0 * inf in dQ
-            vis = offs_n[:, None] < k_len
-            if CAUSAL:
-                vis = vis & (offs_n[:, None] <= start_m + tl.arange(0, BLOCK_M)[None, :] + offset)
-            p_t = tl.where(vis, p_t, 0.0)
-        dv = tl.dot(p_t.to(do.dtype), do, dv)
-        dp_t = tl.dot(v, tl.trans(do))
-        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
-        dk = tl.dot(ds_t, q, dk)
-        if DQ_SWAP:  # dQ^T = K^T dS^T: wgmma M = HEAD_DIM (BLOCK_M 32 has no M=32 wgmma)
-            dq = tl.trans(tl.dot(tl.trans(k), ds_t))
-        else:
-            dq = tl.dot(tl.trans(ds_t), k)  # (BLOCK_M, HEAD_DIM) float32, unscaled
-        if TMA_REDUCE:  # smem staging + cp.reduce.async.bulk.tensor; rows past q_len are clipped
-            dq_desc.atomic_add([q_row0 + start_m, 0], dq)
-        else:  # red.global.add.f32 (the interpreter has no descriptor reduce)
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            tl.atomic_add(dqa_base + offs_m[:, None] * s_am + tl.arange(0, HEAD_DIM)[None, :], dq,
-                          mask=(offs_m < q_len)[:, None], sem="relaxed")
-    return dk, dv
-
-
-@triton.jit
-def _bwd_fused(q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, dqa_ptr, cu_q_ptr, cu_k_ptr,
-               s_qb, s_qm, s_qh, s_kb, s_km, s_kh, s_vb, s_vm, s_vh, s_dob, s_dom, s_doh,
-               s_eb, s_eh, s_ab, s_am, s_ah, s_dkb, s_dkm, s_dkh, s_dvb, s_dvm, s_dvh,
-               Mq, Mk, qk_scale, sm_scale,
-               GROUP, CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, IS_VARLEN: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-               NUM_STAGES: tl.constexpr, TMA_REDUCE: tl.constexpr, DQ_SWAP: tl.constexpr, PAD: tl.constexpr):
-    """5-matmul backward (FA3-style): one program per (key block, kv head, batch) keeps dK, dV in registers
-    and adds dS @ K per query block into the float32 dQ accumulator (B, Mq, Hq, D), TMA reduce-add.
-    Q, dO, lse2, delta stream in through TMA descriptors; lse2/delta are the padded preprocess buffers."""
-    start_n = tl.program_id(0) * BLOCK_N
-    hk = tl.program_id(1)
-    b = tl.program_id(2)
-    q_start, q_len = _seq_bounds(cu_q_ptr, b, Mq, IS_VARLEN)
-    k_start, k_len = _seq_bounds(cu_k_ptr, b, Mk, IS_VARLEN)
-    if start_n >= k_len:
-        return
-    l_row0 = tl.cast(_pad_start(b, q_start, IS_VARLEN, PAD), tl.int32)
-    q_start = tl.cast(q_start, tl.int32)  # TMA coordinates are int32
-    k_start = tl.cast(k_start, tl.int32)
-    b = b.to(tl.int64)
-    k_desc = tl.make_tensor_descriptor(k_ptr + b * s_kb + hk * s_kh, shape=[k_start + k_len, HEAD_DIM],
-                                       strides=[s_km, 1], block_shape=[BLOCK_N, HEAD_DIM])
-    v_desc = tl.make_tensor_descriptor(v_ptr + b * s_vb + hk * s_vh, shape=[k_start + k_len, HEAD_DIM_V],
-                                       strides=[s_vm, 1], block_shape=[BLOCK_N, HEAD_DIM_V])
-    k = k_desc.load([k_start + start_n, 0])  # rows past k_len are zeros
-    v = v_desc.load([k_start + start_n, 0])
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM_V], dtype=tl.float32)
-    # Query blocks [lo, mid) masked (causal diagonal), [mid, q_len) unmasked; in the key block that runs past
-    # k_len everything is masked (two loop bodies only: a third costs registers).
-    if CAUSAL:
-        offset, lo, mid = _causal_diagonal(start_n, k_len, q_len, BOTTOM_RIGHT, BLOCK_M, BLOCK_N)
-    else:
-        offset = 0
-        lo = 0
-        mid = 0
-    if start_n + BLOCK_N > k_len:
-        mid = q_len
-    for g in range(GROUP):
-        h = hk * GROUP + g
-        q_desc = tl.make_tensor_descriptor(q_ptr + b * s_qb + h * s_qh, shape=[q_start + q_len, HEAD_DIM],
-                                           strides=[s_qm, 1], block_shape=[BLOCK_M, HEAD_DIM])
-        do_desc = tl.make_tensor_descriptor(do_ptr + b * s_dob + h * s_doh, shape=[q_start + q_len, HEAD_DIM_V],
-                                            strides=[s_dom, 1], block_shape=[BLOCK_M, HEAD_DIM_V])
-        lse_desc = tl.make_tensor_descriptor(lse2_ptr + b * s_eb + h * s_eh, shape=[l_row0 + q_len], strides=[1],
-                                             block_shape=[BLOCK_M])
-        delta_desc = tl.make_tensor_descriptor(delta_ptr + b * s_eb + h * s_eh, shape=[l_row0 + q_len],
-                                               strides=[1], block_shape=[BLOCK_M])
-        dqa_base = dqa_ptr + b * s_ab + h * s_ah
-        dq_desc = tl.make_tensor_descriptor(dqa_base, shape=[q_start + q_len, HEAD_DIM], strides=[s_am, 1],
-                                            block_shape=[BLOCK_M, HEAD_DIM])
-        dqa_base += q_start * s_am
-        dk, dv = _fused_inner(dk, dv, k, v, q_desc, do_desc, lse_desc, delta_desc, dq_desc, dqa_base, s_am,
-                              start_n, lo, mid, q_start, l_row0, q_len, k_len, qk_scale, offset,
-                              BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, True, CAUSAL, TMA_REDUCE, DQ_SWAP)
-        dk, dv = _fused_inner(dk, dv, k, v, q_desc, do_desc, lse_desc, delta_desc, dq_desc, dqa_base, s_am,
-                              start_n, mid, q_len, q_start, l_row0, q_len, k_len, qk_scale, offset,
-                              BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, False, CAUSAL, TMA_REDUCE, DQ_SWAP)
-    _store_kv_grads(dk * sm_scale, dv, dk_ptr, dv_ptr, b, hk, k_start, start_n, k_len,
-                    s_dkb, s_dkm, s_dkh, s_dvb, s_dvm, s_dvh, BLOCK_N, HEAD_DIM, HEAD_DIM_V)
-
-
-@triton.jit
-def _bwd_dq_convert(dqa_ptr, dq_ptr, cu_q_ptr, M, s_ab, s_am, s_ah, s_qb, s_qm, s_qh, sm_scale,
-                    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """dq = sm_scale * accumulator, cast to dq's dtype (rows of the sequences only)."""
-    pid_m = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    q_start, q_len = _seq_bounds(cu_q_ptr, b, M, IS_VARLEN)
-    if pid_m * BLOCK_M >= q_len:
-        return
-    b = b.to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    ok = (offs_m < q_len)[:, None]
-    rows = q_start + offs_m[:, None]
-    dq = tl.load(dqa_ptr + b * s_ab + h * s_ah + rows * s_am + offs_d[None, :], mask=ok, other=0.0)
-    tl.store(dq_ptr + b * s_qb + h * s_qh + rows * s_qm + offs_d[None, :], (dq * sm_scale).to(dq_ptr.dtype.element_ty),
-             mask=ok)
-
-
-def _tma_aligned(t: torch.Tensor, varlen: bool) -> bool:
-    """TMA needs a 16-byte aligned base and 16-byte multiples for the strides it uses (rows, heads, batch)."""
-    strides = t.stride()[1:-1] if varlen else t.stride()[:-1]
-    return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in strides)
-
-
-def _interpreter_has_descriptor_reduce() -> bool:
-    from triton.runtime.interpreter import InterpreterBuilder
-
-    return hasattr(InterpreterBuilder, "create_descriptor_reduce")
-
-
 def attention_backward(do, q, k, v, out, lse, *, scale: float, causal: bool = False, causal_bottom_right: bool = True,
                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                       dq=None, dk=None, dv=None, config: BwdConfig | FusedBwdConfig | None = None,
-                       dq_mode: str = "split"):
+                       dq=None, dk=None, dv=None, config: BwdConfig | None = None):
     """Gradients (dq, dk, dv) of ``out = softmax(scale * q @ k^T [+ causal mask]) @ v``.
 
     Layout BMHK: ``q``, ``do``, ``out`` (B, Mq, Hq, D) / (B, Mq, Hq, Dv); ``k`` (B, Mk, Hkv, D);
@@ -479,25 +292,12 @@ def attention_backward(do, q, k, v, out, lse, *, scale: float, causal: bool = Fa
     Causal: query i sees key j iff ``j <= i + Mk - Mq`` (bottom-right, FlashAttention) or ``j <= i``
     (top-left, xformers), per sequence.
     ``dq``/``dk``/``dv``: optional outputs (shapes of q/k/v, last dim contiguous), else allocated
-    like q/k/v. Returns (dq, dk, dv).
-    ``dq_mode``: ``"split"`` (default) dK/dV kernel + dQ kernel, 7 matmuls, deterministic (no atomics);
-    ``"tma"`` one fused kernel, 5 matmuls, dQ added into a float32 accumulator with TMA reduce-add
-    (``cp.reduce.async.bulk.tensor``; not deterministic; q/k/v/do 16-byte aligned); ``"atomic"`` the same
-    kernel with ``red.global.add.f32`` pointer atomics. ``config``: a ``BwdConfig`` for "split"; a
-    ``FusedBwdConfig`` (or a ``BwdConfig``, whose ``*_kv`` fields are used) for the fused modes.
+    like q/k/v. Returns (dq, dk, dv). ``config``: tiles of the two kernels (default ``DEFAULT_CONFIGS``).
     """
-    assert dq_mode in DQ_MODES, dq_mode
     B, Mq, Hq, D = q.shape
     _, Mk, Hkv, Dv = v.shape
     assert Hq % Hkv == 0 and D in DEFAULT_CONFIGS and Dv in DEFAULT_CONFIGS
-    fused = dq_mode != "split"
-    if fused:
-        cfg = config or FUSED_CONFIGS[max(D, Dv)]
-        if isinstance(cfg, BwdConfig):
-            cfg = FusedBwdConfig(cfg.block_m_kv, cfg.block_n_kv, cfg.warps_kv, cfg.stages_kv)
-        assert PAD % cfg.block_m == 0
-    else:
-        cfg = config or DEFAULT_CONFIGS[max(D, Dv)]
+    cfg = config or DEFAULT_CONFIGS[max(D, Dv)]
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
@@ -523,14 +323,11 @@ def attention_backward(do, q, k, v, out, lse, *, scale: float, causal: bool = Fa
             "HEAD_DIM": D, "HEAD_DIM_V": Dv}
     qk_scale = scale * LOG2E
     pre_block = 64
-    if fused:
-        return _fused_backward(do, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, nseq, max_q, max_k,
-                               scale, qk_scale, cfg, dq_mode, bstride, meta, pre_block)
     delta = torch.empty(lse.shape, device=q.device, dtype=torch.float32)
     _bwd_preprocess[(triton.cdiv(Mq, pre_block), Hq, B)](
-        out, do, delta, lse, delta, delta, q, Mq, out.stride(0), out.stride(1), out.stride(2),
-        do.stride(0), do.stride(1), do.stride(2), delta.stride(0), delta.stride(1), 0, 0, 0, 0, 0, 0,
-        BLOCK_M=pre_block, HEAD_DIM=Dv, HEAD_DIM_V=Dv, FUSED=False, IS_VARLEN=False, PAD=PAD, num_warps=4)
+        out, do, delta, Mq, out.stride(0), out.stride(1), out.stride(2),
+        do.stride(0), do.stride(1), do.stride(2), delta.stride(0), delta.stride(1),
+        BLOCK_M=pre_block, HEAD_DIM_V=Dv, num_warps=4)
 
     common = (bstride(q), q.stride(1), q.stride(2), bstride(k), k.stride(1), k.stride(2),
               bstride(v), v.stride(1), v.stride(2), bstride(do), do.stride(1), do.stride(2),
@@ -547,44 +344,3 @@ def attention_backward(do, q, k, v, out, lse, *, scale: float, causal: bool = Fa
         num_warps=cfg.warps_q, **meta)
     return dq, dk, dv
 
-
-def _fused_backward(do, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, nseq, max_q, max_k, scale, qk_scale,
-                    cfg: FusedBwdConfig, dq_mode, bstride, meta, pre_block):
-    B, Mq, Hq, D = q.shape
-    Mk = k.shape[1]
-    varlen = meta["IS_VARLEN"]
-    on_gpu = q.device.type == "cuda"
-    # the interpreter (CPU tests) lacks descriptor reduce: it runs the pointer-atomic branch of the same kernel
-    tma_reduce = dq_mode == "tma" and (on_gpu or _interpreter_has_descriptor_reduce())
-    if on_gpu:
-        from .attention_fwd import _ensure_allocator
-
-        _ensure_allocator()
-        bad = [n for n, t in (("q", q), ("k", k), ("v", v), ("do", do)) if not _tma_aligned(t, varlen)]
-        if bad:
-            raise ValueError(f"dq_mode={dq_mode!r} loads through TMA: {bad} need 16-byte aligned base and strides")
-    # lse2 / delta: (B, Hq, L) float32, varlen (1, Hq, L) with sequence b at _pad_start(b)
-    L = triton.cdiv(Mq + nseq * PAD, PAD) * PAD if varlen else triton.cdiv(Mq, PAD) * PAD
-    lse2 = torch.empty((1 if varlen else B, Hq, L), device=q.device, dtype=torch.float32)
-    delta = torch.empty_like(lse2)
-    dqa = torch.empty((B, Mq, Hq, D), device=q.device, dtype=torch.float32)  # zeroed by the preprocess
-    grid_q = (triton.cdiv(max_q, pre_block), Hq, nseq)
-    _bwd_preprocess[grid_q](
-        out, do, delta, lse, lse2, dqa, cu_q, Mq, bstride(out), out.stride(1), out.stride(2),
-        bstride(do), do.stride(1), do.stride(2), bstride(delta), delta.stride(1),
-        bstride(lse), lse.stride(1), lse.stride(2), bstride(dqa), dqa.stride(1), dqa.stride(2),
-        BLOCK_M=pre_block, HEAD_DIM=D, HEAD_DIM_V=meta["HEAD_DIM_V"], FUSED=True, IS_VARLEN=varlen, PAD=PAD,
-        num_warps=4)
-    opts = {} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}
-    _bwd_fused[(triton.cdiv(max_k, cfg.block_n), k.shape[2], nseq)](
-        q, k, v, do, lse2, delta, dk, dv, dqa, cu_q, cu_k,
-        bstride(q), q.stride(1), q.stride(2), bstride(k), k.stride(1), k.stride(2),
-        bstride(v), v.stride(1), v.stride(2), bstride(do), do.stride(1), do.stride(2),
-        bstride(delta), delta.stride(1), bstride(dqa), dqa.stride(1), dqa.stride(2),
-        bstride(dk), dk.stride(1), dk.stride(2), bstride(dv), dv.stride(1), dv.stride(2),
-        Mq, Mk, qk_scale, scale, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.stages,
-        TMA_REDUCE=tma_reduce, DQ_SWAP=cfg.dq_swap, PAD=PAD, num_warps=cfg.warps, **meta, **opts)
-    _bwd_dq_convert[grid_q](dqa, dq, cu_q, Mq, bstride(dqa), dqa.stride(1), dqa.stride(2),
-                            bstride(dq), dq.stride(1), dq.stride(2), scale,
-                            BLOCK_M=pre_block, HEAD_DIM=D, IS_VARLEN=varlen, num_warps=4)
-    return dq, dk, dv
