@@ -45,11 +45,25 @@ SHAPES = [  # B, H, N, D, causal
     (4, 16, 4096, 256, False),
     (2, 8, 16384, 256, False),
     (16, 8, 1024, 64, True),  # the training shape (B16 N1024 H8 D64 causal)
+    (4, 32, 4096, 64, False),
 ]
 CUDNN_REF = {0: 519, 1: 551, 2: 534, 3: 380, 4: 354}  # HARDWARE.md, TFLOP/s, for a sanity look only
 
 # name -> config; "default" is DEFAULT_CONFIGS[D]. Fields: dkdv (BM, BN, warps, stages), dq (BM, BN, warps, stages).
 VARIANTS = {
+    64: {  # default: dK/dV 32x128 / 4 warps / 3 stages, dQ 128x64 / 8 / 3
+        "kv64x128": BwdConfig(64, 128, 8, 3, 128, 64, 8, 3),
+        "kv64x128w4": BwdConfig(64, 128, 4, 3, 128, 64, 8, 3),
+        "kv32x128w4s2": BwdConfig(32, 128, 4, 2, 128, 64, 8, 3),
+        "kv32x128w4s4": BwdConfig(32, 128, 4, 4, 128, 64, 8, 3),
+        "kv32x128w8": BwdConfig(32, 128, 8, 3, 128, 64, 8, 3),
+        "kv16x128w4": BwdConfig(16, 128, 4, 3, 128, 64, 8, 3),
+        "kv32x64w4": BwdConfig(32, 64, 4, 3, 128, 64, 8, 3),
+        "kv64x64w4": BwdConfig(64, 64, 4, 3, 128, 64, 8, 3),
+        "q64x64w4": BwdConfig(32, 128, 4, 3, 64, 64, 4, 3),
+        "q64x128w4": BwdConfig(32, 128, 4, 3, 64, 128, 4, 3),
+        "q128x64s4": BwdConfig(32, 128, 4, 3, 128, 64, 8, 4),
+    },
     128: {
         "kv64x128s4": BwdConfig(64, 128, 8, 4, 128, 64, 8, 3),
         "q128x128": BwdConfig(64, 128, 8, 3, 128, 128, 8, 2),
@@ -92,8 +106,32 @@ Steps (prediction -> outcome):
    +5%; the dK/dV kernel dominates. Outcome: at d128 every variant within +-1.5% of the default
    (the default itself moved 369 -> 366 and 379 -> 372 between runs), so the default stays; at d256
    dQ tiles 64x64 / 64x32 / 128x16 were 15-35% slower than 128x32 and a 1-stage dK/dV loop 14% slower.
+5. D64 (third session; `--shapes 5,6`: the training shape 16,8,1024,64 causal and 4,32,4096,64). D64 had
+   inherited the D128 tiles untimed. Prediction: the smaller dK/dV accumulators (BLOCK_N x 64) let one
+   warpgroup hold a 128-key tile, so 4-warp tiles should win, +10%. Outcome (two runs, TFLOP/s, same run as
+   cuDNN / flash): dK/dV 32x128 / 4 warps / 3 stages is the new D64 default: 174.6 -> 193.6 at the training
+   shape (0.80x -> 0.89x cuDNN), 290.4 -> 324.8 at 4x32x4096 (0.68x -> 0.76x). 64x128 / 4 warps is best
+   non-causal (340.9) but collapses causal (59 TFLOP/s, 3.3x slower: the masked diagonal tiles), so it is
+   not the default; dQ 64x64 / 4 warps +3.5% causal, -3% non-causal (kept 128x64 / 8).
 
-Where the gap to cuDNN (0.61-0.74x) comes from, and what is left to try: the split design does 7
+   | variant (dK/dV BMxBN/warps/stages + dQ) | 16,8,1024,64 causal | 4,32,4096,64 |
+   |---|---|---|
+   | old default kv64x128/8/3 + q128x64/8/3 | 174.6 / 176.2 | 290.4 / 291.2 |
+   | **kv32x128/4/3 (new default)** | 194.6 / 193.6 | 324.7 / 324.8 |
+   | kv64x128/4/3 | 59.0 / 59.2 | 343.9 / 340.9 |
+   | kv32x128/4/2, /4/4 | 183.9, 193.9 | 335.0, 321.3 |
+   | kv32x128/8/3 | 167.1 | 277.8 |
+   | kv16x128/4/3 | 180.8 | 257.5 |
+   | kv32x64/4/3 | 192.6 | 330.5 |
+   | kv64x64/4/3 | 193.3 / 194.6 | 313.0 |
+   | kv128x128/8/3 | 135.4 | 320.8 |
+   | kv128x64/4/3 | 161.9 | 315.0 |
+   | new default + q64x64/4/3 | 200.4 | 314.8 |
+   | new default + q64x128/4/3 | 189.0 | 314.1 |
+   | new default + q128x64/8/4 | 196.2 | 309.3 |
+   | cuDNN / flash | 217.8, 216.8 / 164.3, 164.0 | 434.3, 425.5 / 278.0, 278.2 |
+
+Where the gap to cuDNN (0.61-0.89x) comes from, and what is left to try: the split design does 7
 matmuls per credited 5 (the dQ kernel recomputes QK^T and dO V^T); the atomic alternative did not pay
 here. Next candidates: TMA descriptors for the Q/dO stream, `tl.range(..., warp_specialize=True)`,
 `maxnreg` to let d256 tiles stop spilling, and a persistent, causal-balanced grid.

@@ -38,10 +38,10 @@ class BwdConfig:
     stages_q: int
 
 
-DEFAULT_CONFIGS = {  # by max(D, Dv); 128 and 256 tuned on the H200 (bench/results/attention_bwd.md), <= 64 not timed
+DEFAULT_CONFIGS = {  # by max(D, Dv); 64, 128 and 256 tuned on the H200 (bench/results/attention_bwd.md), < 64 not timed
     16: BwdConfig(64, 128, 8, 3, 128, 64, 8, 3),
     32: BwdConfig(64, 128, 8, 3, 128, 64, 8, 3),
-    64: BwdConfig(64, 128, 8, 3, 128, 64, 8, 3),
+    64: BwdConfig(32, 128, 4, 3, 128, 64, 8, 3),
     128: BwdConfig(64, 128, 8, 3, 128, 64, 8, 3),
     256: BwdConfig(64, 64, 8, 2, 128, 32, 8, 2),
 }
