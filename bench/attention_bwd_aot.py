@@ -5,7 +5,7 @@ non-varlen B x N x H x D problem (pointers and multiples of 16 marked divisible,
 
     python bench/attention_bwd_aot.py [--kernel dkdv|dq|pre] [--D 128] [--bm 64] [--bn 128] [--warps 8]
         [--stages 3] [--maxnreg N] [--causal] [--group 1] [--dump DIR]
-    python bench/attention_bwd_aot.py --table        (DEFAULT_CONFIGS of both kernels, D 64/128/256)
+    python bench/attention_bwd_aot.py --table        (default tiles of both kernels, D 64/128/256)
 """
 from __future__ import annotations
 
@@ -100,13 +100,13 @@ def compile_one(kernel="dkdv", D=128, bm=64, bn=128, warps=8, stages=3, maxnreg=
 
 
 def _table():
-    """(kernel, D, bm, bn, warps, stages, maxnreg, causal) of the defaults in DEFAULT_CONFIGS."""
-    from fmha_ops.kernels.triton.attention_bwd import DEFAULT_CONFIGS
+    """(kernel, D, bm, bn, warps, stages, maxnreg, causal) of the defaults (``default_config``)."""
+    from fmha_ops.kernels.triton.attention_bwd import default_config
 
     rows = []
     for D in (64, 128, 256):
-        c = DEFAULT_CONFIGS[D]
         for causal in (False, True):
+            c = default_config(D, causal)
             rows.append(("dkdv", D, c.block_m_kv, c.block_n_kv, c.warps_kv, c.stages_kv, None, causal))
             rows.append(("dq", D, c.block_m_q, c.block_n_q, c.warps_q, c.stages_q, None, causal))
         rows.append(("pre", D, 64, 0, 4, 3, None, False))
