@@ -14,11 +14,15 @@ fused projection as (batch, seq, heads, head_dim) views (BMHK). fp32 master weig
 called on the bf16 q/k/v with autocast off), AdamW (betas 0.9/0.95, weight decay on matrices), linear warmup
 then cosine decay to ``--min-lr-ratio``, gradient clipping. NaN/Inf in the loss or gradient norm stops a
 variant (checked one step late, so the host stays a step ahead of the GPU). Step time: CUDA events around
-each optimizer step (perf_counter on CPU), median after warm-up; evaluation excluded.
+each optimizer step (perf_counter on CPU), median after warm-up; evaluation excluded. ``--cuda-graph`` (CUDA):
+after 3 eager steps on a side stream, one whole step (forward, backward, clipping, capturable fused AdamW with
+a tensor LR) is captured and replayed with each batch copied into static inputs, for every variant alike: the
+step time without Python/launch overhead.
 
 Target (issue 8): fp8 validation loss within 1% of sdpa's, no NaN/Inf, faster step than sdpa.
 
     PYTHONPATH=$PWD python bench/train_convergence.py --out $OUT     # H200: all three variants (~3-5 min)
+    PYTHONPATH=$PWD python bench/train_convergence.py --cuda-graph --out $OUT   # steps replayed from a CUDA graph
     python bench/train_convergence.py --tiny --steps 5                # CPU smoke run (reference op)
 
 Writes train_convergence.json / .png / .md to --out; on CUDA (not --tiny) also bench/results/train_convergence.md.
@@ -49,6 +53,7 @@ NAME = "train_convergence"
 VARIANTS = ("sdpa", "fp8", "i8fp8")
 VOCAB = 256
 VAL_TOLERANCE = 0.01  # fp8 val loss within 1% of sdpa's
+GRAPH_WARMUP = 3  # --cuda-graph: eager steps (side stream) before the step is captured
 TINY = {"layers": 2, "d_model": 64, "heads": 2, "context": 64, "batch": 8, "steps": 20, "minutes": 0.0, "warmup": 2,
         "lr": 3e-3, "eval_every": 10, "val_batches": 2}
 
@@ -302,7 +307,9 @@ def _train_loop(variant: str, args, train: torch.Tensor, val: list, attend, devi
     params = [p for p in model.parameters()]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+    graphed = args.cuda_graph and device.type == "cuda"
+    lr0 = torch.tensor(args.lr, device=device) if graphed else args.lr  # a tensor LR is read at replay
+    opt = torch.optim.AdamW(groups, lr=lr0, betas=(0.9, 0.95), fused=device.type == "cuda", capturable=graphed)
     batches = Batches(train, args.batch, args.context, args.seed, args.steps, device)
     timer = StepTimer(device)
     tokens = args.batch * args.context
@@ -312,6 +319,21 @@ def _train_loop(variant: str, args, train: torch.Tensor, val: list, attend, devi
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t_begin, eval_s, done = time.perf_counter(), 0.0, 0
+
+    def train_step(x, y, cache: bool = True):
+        with torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=cache):
+            logits = model(x, attend)
+        loss = F.cross_entropy(logits.float().view(-1, VOCAB), y.reshape(-1))
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(params, args.clip)
+        opt.step()
+        return loss.detach(), gnorm.detach()
+
+    graph, static = None, None
+    if graphed:  # steps 0..GRAPH_WARMUP-1 run eagerly on a side stream, then one step is captured and replayed
+        static = [t.clone() for t in batches[0]]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
 
     def finish(entry) -> bool:
         step, loss, gnorm, lr, t0, t1 = entry
@@ -334,17 +356,33 @@ def _train_loop(variant: str, args, train: torch.Tensor, val: list, attend, devi
             run_eval(step)
         lr = lr_at(step, args)
         for g in opt.param_groups:
-            g["lr"] = lr
+            if graphed:
+                g["lr"].fill_(lr)
+            else:
+                g["lr"] = lr
         x, y = batches[step]
         t0 = timer.mark()
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            logits = model(x, attend)
-        loss = F.cross_entropy(logits.float().view(-1, VOCAB), y.reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(params, args.clip)
-        opt.step()
-        pending.append((step, loss.detach(), gnorm.detach(), lr, t0, timer.mark()))
+        if graphed and step >= GRAPH_WARMUP:
+            if graph is None:
+                torch.cuda.current_stream().wait_stream(side)
+                opt.zero_grad(set_to_none=True)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    static_out = train_step(*static, cache=False)
+                t0 = timer.mark()
+            static[0].copy_(x)
+            static[1].copy_(y)
+            graph.replay()
+            loss, gnorm = (t.clone() for t in static_out)
+        elif graphed:
+            with torch.cuda.stream(side):
+                opt.zero_grad(set_to_none=True)
+                loss, gnorm = train_step(x, y)
+            torch.cuda.current_stream().wait_stream(side)
+        else:
+            opt.zero_grad(set_to_none=True)
+            loss, gnorm = train_step(x, y)
+        pending.append((step, loss, gnorm, lr, t0, timer.mark()))
         done = step + 1
         if len(pending) > 1 and not finish(pending.pop(0)):
             nan_step = log[-1]["step"]
@@ -363,9 +401,10 @@ def _train_loop(variant: str, args, train: torch.Tensor, val: list, attend, devi
     if device.type == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - t_begin
-    steady = [r["step_ms"] for r in log[min(5, len(log) - 1):]] if log else [math.nan]
+    skip = GRAPH_WARMUP + 1 if graphed else 5  # graph mode: eager warm-up steps and the capture step
+    steady = [r["step_ms"] for r in log[min(skip, len(log) - 1):]] if log else [math.nan]
     step_ms = statistics.median(steady)
-    return {"_model": model, "log": log, "evals": evals, "steps_done": done, "stopped": stopped,
+    return {"_model": model, "log": log, "evals": evals, "steps_done": done, "stopped": stopped, "cuda_graph": graphed,
             "nan_step": nan_step, "step_ms": step_ms, "tokens_per_s": tokens / step_ms * 1e3,
             "train_wall_s": wall - eval_s, "eval_wall_s": eval_s,
             "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
@@ -452,7 +491,7 @@ def plot(out: str, results: list[dict]) -> str | None:
 def markdown(rows: list[dict], cmp_step, args, env: dict, corpus: dict, results: list[dict]) -> str:
     cols = [c for c in COLUMNS if any(r.get(c) is not None for r in rows)]
     title = (f"## Training convergence (issue 8): {args.layers}L d{args.d_model} {args.heads}h ctx{args.context}, "
-             f"batch {args.batch}, {args.steps} steps")
+             f"batch {args.batch}, {args.steps} steps" + (", CUDA-graph steps" if args.cuda_graph else ""))
     versions = (f"date {env['date']}, GPU {env.get('gpu', 'none (CPU)')}, torch {env['torch']}, "
                 f"triton {env['triton']}, CUDA {env['cuda']}")
     data = (f"Corpus: {corpus['files']} stdlib .py files ({corpus['train_bytes'] / 1e6:.1f} MB train, "
@@ -495,6 +534,9 @@ def parse_args(argv):
     p.add_argument("--corpus", default=None, help="folder of .py files (default: the stdlib)")
     p.add_argument("--val-mod", type=int, default=10, help="a file is validation when crc32(path) %% N == 0")
     p.add_argument("--device", default=None)
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="capture one whole training step (forward, backward, clip, AdamW) in a CUDA graph and replay "
+                        "it: step time without host overhead, for every variant")
     pre, _ = p.parse_known_args(argv)
     if pre.tiny:
         p.set_defaults(**TINY)
