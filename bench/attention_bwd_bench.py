@@ -46,6 +46,7 @@ SHAPES = [  # B, H, N, D, causal
     (2, 8, 16384, 256, False),
     (16, 8, 1024, 64, True),  # the training shape (B16 N1024 H8 D64 causal)
     (4, 32, 4096, 64, False),
+    (2, 16, 8192, 64, True),
 ]
 CUDNN_REF = {0: 519, 1: 551, 2: 534, 3: 380, 4: 354}  # HARDWARE.md, TFLOP/s, for a sanity look only
 

@@ -45,7 +45,8 @@ SWEEP = {  # (head dim, causal) -> list of (block_m, block_n, num_warps, num_sta
     (64, False): [(128, 128, 4, 3, {}), (128, 128, 4, 4, {}), (64, 128, 4, 3, {}), (64, 256, 4, 3, {}),
                   (128, 256, 8, 3, {}), (64, 64, 4, 3, {}), (64, 128, 4, 2, {}), (64, 128, 4, 4, {}),
                   (64, 64, 4, 4, {}), (128, 128, 8, 3, {})],
-    (64, True): [(64, 64, 4, 3, {}), (64, 128, 4, 3, {}), (64, 64, 4, 4, {}), (64, 32, 4, 3, {})],
+    (64, True): [(64, 64, 4, 3, {}), (64, 128, 4, 3, {}), (64, 64, 4, 4, {}), (64, 32, 4, 3, {}),
+                 (128, 64, 4, 3, {}), (128, 64, 8, 3, {}), (128, 128, 8, 3, {}), (64, 64, 4, 2, {})],
     (256, False): [(64, 64, 4, 2, {}), (64, 64, 4, 3, {}), (64, 128, 4, 2, {}), (128, 64, 8, 3, {})],
 }
 
@@ -106,13 +107,13 @@ def prepare(B, Hq, Hkv, N, D, causal, dist="normal", seed=0):
     return q, k, v
 
 
-def sweep(out, dims=(64, 128, 256)):
+def sweep(out, dims=(64, 128, 256), shape=None):
     rows = []
     best = {}
     for (D, causal), variants in SWEEP.items():
         if D not in dims:
             continue
-        B, H, N = {128: (4, 32, 4096), 64: (4, 16, 4096), 256: (4, 16, 4096)}[D]
+        B, H, N = shape or {128: (4, 32, 4096), 64: (4, 16, 4096), 256: (4, 16, 4096)}[D]
         q, k, v = prepare(B, H, H, N, D, False)
         q8, k8, v8, qd, kd, vd = quantize_qkv_fp8(q, k, v)
         xi = quantize_i8fp8(q, k, v) if (D, causal) in ((128, False), (64, False)) else None
@@ -252,13 +253,15 @@ def main():
     p = base_parser(__doc__)
     p.add_argument("--sweep", action="store_true", help="time tile/launch variants first and use the best")
     p.add_argument("--sweep-only", default=None, help="comma list of head dims: run only their sweep, then stop")
+    p.add_argument("--sweep-shape", default=None, help="B,H,N for --sweep-only (default 4,32,4096 at D128, 4,16,4096)")
     p.add_argument("--no-accuracy", action="store_true")
     args = p.parse_args()
     out = out_dir(args.out)
     env = environment()
     print(env)
     if args.sweep_only:
-        sweep(out, tuple(int(d) for d in args.sweep_only.split(",")))
+        shape = tuple(int(x) for x in args.sweep_shape.split(",")) if args.sweep_shape else None
+        sweep(out, tuple(int(d) for d in args.sweep_only.split(",")), shape)
         return
     best = {}
     if args.sweep:
