@@ -118,6 +118,8 @@ Steps (prediction -> outcome):
    shape (0.80x -> 0.89x cuDNN), 290.4 -> 324.8 at 4x32x4096 (0.68x -> 0.76x). 64x128 / 4 warps is best
    non-causal (340.9) but collapses causal (59 TFLOP/s, 3.3x slower: the masked diagonal tiles), so it is
    not the default; dQ 64x64 / 4 warps +3.5% causal, -3% non-causal (kept 128x64 / 8).
+   Run 9 added 2,16,8192,64 causal: default 326.6 TFLOP/s (0.81x cuDNN 401.5, 1.29x flash); dQ 64x64 / 4 warps
+   321.3 there and 197.9 vs 196.2 at the training shape: within noise, the dQ default stays.
 
    | variant (dK/dV BMxBN/warps/stages + dQ) | 16,8,1024,64 causal | 4,32,4096,64 |
    |---|---|---|
