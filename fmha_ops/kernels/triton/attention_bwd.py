@@ -93,6 +93,16 @@ def _bwd_preprocess(o_ptr, do_ptr, delta_ptr, M,
 
 
 @triton.jit
+def _load_rows(base, rows, stride, cols, n_rows, MASKED: tl.constexpr):
+    """Tile base[rows, cols] (row stride ``stride``); MASKED: rows >= n_rows read as 0."""
+    if MASKED:
+        ok = rows < n_rows
+        return tl.load(base + rows[:, None] * stride + cols[None, :], mask=ok[:, None], other=0.0)
+    else:
+        return tl.load(base + rows[:, None] * stride + cols[None, :])
+
+
+@triton.jit
 def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, s_qm, s_dom, s_lm,
                 start_n, lo, hi, q_len, qk_scale, offset,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -104,15 +114,13 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, s_qm, s_dom
     offs_dv = tl.arange(0, HEAD_DIM_V)
     for start_m in tl.range(lo, hi, BLOCK_M, num_stages=NUM_STAGES):
         offs_m = start_m + tl.arange(0, BLOCK_M)
+        q = _load_rows(q_base, offs_m, s_qm, offs_d, q_len, MASKED)
+        do = _load_rows(do_base, offs_m, s_dom, offs_dv, q_len, MASKED)
         if MASKED:
             ok = offs_m < q_len
-            q = tl.load(q_base + offs_m[:, None] * s_qm + offs_d[None, :], mask=ok[:, None], other=0.0)
-            do = tl.load(do_base + offs_m[:, None] * s_dom + offs_dv[None, :], mask=ok[:, None], other=0.0)
             delta = tl.load(delta_base + offs_m, mask=ok, other=0.0)
         else:
             ok = offs_m >= 0
-            q = tl.load(q_base + offs_m[:, None] * s_qm + offs_d[None, :])
-            do = tl.load(do_base + offs_m[:, None] * s_dom + offs_dv[None, :])
             delta = tl.load(delta_base + offs_m)
         lse2 = _load_lse2(lse_base + offs_m * s_lm, ok)
         p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])
@@ -217,16 +225,11 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, s_km, s_vm,
     offs_dv = tl.arange(0, HEAD_DIM_V)
     for start_n in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        if MASKED:
-            n_ok = offs_n < k_len
-            k = tl.load(k_base + offs_n[:, None] * s_km + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-            v = tl.load(v_base + offs_n[:, None] * s_vm + offs_dv[None, :], mask=n_ok[:, None], other=0.0)
-        else:
-            k = tl.load(k_base + offs_n[:, None] * s_km + offs_d[None, :])
-            v = tl.load(v_base + offs_n[:, None] * s_vm + offs_dv[None, :])
+        k = _load_rows(k_base, offs_n, s_km, offs_d, k_len, MASKED)
+        v = _load_rows(v_base, offs_n, s_vm, offs_dv, k_len, MASKED)
         p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None])
         if MASKED:
-            vis = n_ok[None, :]
+            vis = (offs_n < k_len)[None, :]
             if CAUSAL:
                 vis = vis & (offs_n[None, :] <= offs_m[:, None] + offset)
             p = tl.where(vis, p, 0.0)
