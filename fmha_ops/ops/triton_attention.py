@@ -51,6 +51,11 @@ def mask_args(inp: Inputs) -> dict:
     return args
 
 
+#: descales of the quantized (fp8, i8fp8) ops: FA3's per tensor / (batch, kv head), the training path's per block
+_QUANTIZED_DESCALES = {"q": frozenset({"tensor", "head", "block"}), "k": frozenset({"tensor", "head", "block"}),
+                       "v": frozenset({"tensor", "head", "channel"})}
+
+
 class _TritonFwOp(AttentionFwOp):
     ARCHS = _ARCHS
     REQUIRES = ("triton",)
@@ -92,8 +97,7 @@ class TritonFp8FwOp(_TritonFwOp):
 
     NAME = "triton_fp8F"
     DTYPES = frozenset((f, f, f) for f in FP8_DTYPES)
-    DESCALES = {"q": frozenset({"tensor", "head", "block"}), "k": frozenset({"tensor", "head", "block"}),
-                "v": frozenset({"tensor", "head", "channel"})}
+    DESCALES = _QUANTIZED_DESCALES
     TFLOPS = 900.0
 
 
@@ -103,10 +107,8 @@ class TritonI8Fp8FwOp(_TritonFwOp):
 
     NAME = "triton_i8fp8F"
     DTYPES = frozenset((torch.int8, torch.int8, f) for f in FP8_DTYPES)
-    DESCALES = {"q": frozenset({"tensor", "head", "block"}), "k": frozenset({"tensor", "head", "block"}),
-                "v": frozenset({"tensor", "head", "channel"})}
+    DESCALES = _QUANTIZED_DESCALES
     TFLOPS = 850.0
-
 
 
 @register

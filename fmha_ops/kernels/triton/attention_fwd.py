@@ -280,6 +280,13 @@ def _descale_args(t, device, B, H, name):
     return t, t.stride(0), t.stride(1)
 
 
+def _block_descale_args(t, shape, scale_block, tile):
+    """(tensor, stride_b, stride_h) for a per-block descale of ``shape``; one scale block spans whole tiles."""
+    assert t.shape == shape and (shape[-1] == 1 or t.stride(-1) == 1), (tuple(t.shape), shape)
+    assert scale_block % tile == 0, (scale_block, tile)
+    return t, t.stride(0), t.stride(1)
+
+
 def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bottom_right: bool = True,
                       q_descale=None, k_descale=None, v_descale=None,
                       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
@@ -338,17 +345,11 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
     k_block = k_descale is not None and k_descale.dim() == 3
     assert not (varlen and (q_block or k_block)), "per-block descales are not supported with varlen"
     if q_block:
-        assert q_descale.shape == (B, Hq, triton.cdiv(Mq, Q_SCALE_BLOCK))
-        assert q_descale.shape[-1] == 1 or q_descale.stride(-1) == 1
-        assert Q_SCALE_BLOCK % BM == 0
-        qd, qd_sb, qd_sh = q_descale, q_descale.stride(0), q_descale.stride(1)
+        qd, qd_sb, qd_sh = _block_descale_args(q_descale, (B, Hq, triton.cdiv(Mq, Q_SCALE_BLOCK)), Q_SCALE_BLOCK, BM)
     else:
         qd, qd_sb, qd_sh = _descale_args(q_descale, device, nseq, Hkv, "q_descale")
     if k_block:
-        assert k_descale.shape == (B, Hkv, triton.cdiv(Mk, K_SCALE_BLOCK))
-        assert k_descale.shape[-1] == 1 or k_descale.stride(-1) == 1
-        assert K_SCALE_BLOCK % BN == 0
-        kd, kd_sb, kd_sh = k_descale, k_descale.stride(0), k_descale.stride(1)
+        kd, kd_sb, kd_sh = _block_descale_args(k_descale, (B, Hkv, triton.cdiv(Mk, K_SCALE_BLOCK)), K_SCALE_BLOCK, BN)
     else:
         kd, kd_sb, kd_sh = _descale_args(k_descale, device, nseq, Hkv, "k_descale")
     v_chan = v_descale is not None and v_descale.dim() == 3
