@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import traceback
 
 import torch
 
@@ -91,8 +90,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception:
-        traceback.print_exc()
-        raise
+    main()
