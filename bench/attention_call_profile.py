@@ -1,8 +1,8 @@
 """Where one attention call's time goes: torch.profiler over forward+backward of each training variant.
 
 Shape: the training benchmark's attention (B=16, N=1024, H=8, D=64, causal, bf16 q/k/v with grads).
-Prints, per variant, the profiler table sorted by device time (kernels, their counts and times) and the
-wall time per call (host included), and writes attention_call_profile.json. With ``--cprofile`` also the
+Prints, per variant, the profiler table sorted by device time (kernels, their counts and times), the
+wall time per call (host included) and the GPU time of CUDA-graph replays of the forward and forward+backward, and writes attention_call_profile.json. With ``--cprofile`` also the
 host side: cProfile over 50 calls per variant, the top functions by own time into attention_call_cprofile.txt.
 
     PYTHONPATH=$PWD python bench/attention_call_profile.py --out DIR
@@ -63,15 +63,19 @@ def main() -> None:
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - t0) / 20 * 1e3
         gpu_ms = common.time_ms(step)
+        graphs = {"fwd": common.capture_graph(lambda fn=fn: fn(q, k, v)), "fwd_bwd": common.capture_graph(step)}
+        graph_ms = {part: common.time_ms(g.replay) for part, g in graphs.items()}
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
                 step()
             torch.cuda.synchronize()
-        print(f"\n=== {name}: wall {wall_ms:.3f} ms per fwd+bwd (host included), do_bench {gpu_ms:.3f} ms")
+        print(f"\n=== {name}: wall {wall_ms:.3f} ms per fwd+bwd (host included), do_bench {gpu_ms:.3f} ms, "
+              f"graph replay fwd {graph_ms['fwd']:.4f} ms, fwd+bwd {graph_ms['fwd_bwd']:.4f} ms")
         print(prof.key_averages().table(sort_by="device_time_total", row_limit=14, max_name_column_width=60))
         kernels = [(e.key, e.count / 5, e.device_time_total / 5 / 1e3) for e in prof.key_averages()
                    if e.device_time_total > 0 and e.cpu_time_total == 0]
-        rows.append({"variant": name, "wall_ms": wall_ms, "do_bench_ms": gpu_ms,
+        rows.append({"variant": name, "wall_ms": wall_ms, "do_bench_ms": gpu_ms, "graph_fwd_ms": graph_ms["fwd"],
+                     "graph_fwd_bwd_ms": graph_ms["fwd_bwd"],
                      "kernels": sorted(kernels, key=lambda x: -x[2])[:20]})
         if args.cprofile:
             prof_host = cProfile.Profile()

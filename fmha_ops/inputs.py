@@ -3,6 +3,9 @@
 Layout: BMHK. query (B, Mq, Hq, K), key (B, Mk, Hkv, K), value (B, Mk, Hkv, Kv), Hq % Hkv == 0
 (GQA/MQA: query head h uses kv head h // (Hq // Hkv)). BMGHK (B, M, G, H, K) is accepted by the
 public API and folded to BMHK before an ``Inputs`` is built. Masks are in ``attn_bias``.
+Every tensor is contiguous in its last dim, except that value may instead be keys-contiguous
+(stride 1 along the sequence, other strides multiples of 16 bytes): a (B, Mk, Hkv, Kv) view of a
+(B, Hkv, Kv, L >= Mk) tensor, the K-major operand fp8 PV products read (ops declare V_KEYS_CONTIGUOUS).
 
 Quantized inputs carry float32 descales; out = attention(q * q_descale, k * k_descale, v * v_descale).
 Descale kinds (``Problem.descales`` holds one per role):
@@ -88,6 +91,7 @@ class Problem:
     deterministic: bool
     graph_capture: bool
     fp8_backward: bool = False  # set_fp8_dequantized_backward is on
+    v_keys_contiguous: bool = False  # value is keys-contiguous (see the module docstring)
 
     @property
     def causal(self) -> bool:
@@ -123,6 +127,17 @@ class Problem:
         return (f"{dts}->{dtype_name(self.out_dtype)} B={self.batch} Mq={self.seqlen_q} Mk={self.seqlen_k} "
                 f"Hq={self.heads_q} Hkv={self.heads_kv} K={self.head_dim} Kv={self.head_dim_v} "
                 f"bias={self.bias} " + " ".join(extra + [f"on {self.arch}"]))
+
+
+def value_layout(v: torch.Tensor) -> Any:
+    """"last" (contiguous in the head dim), "keys" (keys-contiguous, see the module docstring), or the
+    strides of a layout that is neither."""
+    if v.shape[-1] == 0 or v.stride(-1) == 1:
+        return "last"
+    if (v.stride(1) == 1 or v.shape[1] <= 1) and all(
+            v.stride(d) * v.element_size() % 16 == 0 for d in (0, 2, 3)):
+        return "keys"
+    return v.stride()
 
 
 def _p2(n: int) -> int:
@@ -170,7 +185,7 @@ class Inputs:
         q, k, v = self.query, self.key, self.value
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
         return (self.needs_grad(), q.dtype, k.dtype, v.dtype, q.shape, k.shape, v.shape, q.device, k.device,
-                v.device, q.stride(-1), k.stride(-1), v.stride(-1), _bias_signature(self.attn_bias),
+                v.device, q.stride(-1), k.stride(-1), value_layout(v), _bias_signature(self.attn_bias),
                 _tensor_signature(self.q_descale), _tensor_signature(self.k_descale),
                 _tensor_signature(self.v_descale), self.p, self.scale, self.output_dtype, self.is_partial,
                 self.quantize_kv_to_fp8, torch.are_deterministic_algorithms_enabled(), capturing, _FP8_BACKWARD[0])
@@ -186,8 +201,11 @@ class Inputs:
                 raise ValueError(f"{name} must be 4-D BMHK (batch, seqlen, heads, headdim), got shape {tuple(t.shape)}")
             if t.device != q.device:
                 raise ValueError(f"{name} is on {t.device} but query is on {q.device}; all inputs must share a device")
-            if t.shape[-1] and t.stride(-1) != 1:
+            if t is not v and t.shape[-1] and t.stride(-1) != 1:
                 raise ValueError(f"{name} must be contiguous in its last dim (stride 1), got stride {t.stride(-1)}")
+        if value_layout(v) not in ("last", "keys"):
+            raise ValueError(f"value must be contiguous in its last dim (stride 1), or keys-contiguous (stride 1 "
+                             f"along the sequence dim 1, other strides multiples of 16 bytes); got strides {v.stride()}")
         if k.shape[:3] != v.shape[:3]:
             raise ValueError(f"key {tuple(k.shape)} and value {tuple(v.shape)} must agree in (batch, seqlen, heads)")
         if q.shape[0] != k.shape[0]:
@@ -321,6 +339,7 @@ class Inputs:
             needs_lse=needs_lse or self.is_partial, needs_grad=self.needs_grad(),
             deterministic=torch.are_deterministic_algorithms_enabled(),
             graph_capture=q.is_cuda and torch.cuda.is_current_stream_capturing(), fp8_backward=_FP8_BACKWARD[0],
+            v_keys_contiguous=value_layout(v) == "keys",
         )
 
 

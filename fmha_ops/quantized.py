@@ -3,8 +3,8 @@
 ``fp8_attention``: fp8 q/k per block of 128 tokens and head, fp8 v per channel; ``i8fp8_attention``:
 the same with int8 q/k (SageAttention-like). Both smooth K first (subtract its mean over the sequence,
 a per-query-row constant in the logits, so softmax is unchanged and K's shared component does not eat
-the quantization range) and fold the softmax scale into q. On CUDA the quantization is one fused Triton
-pass per tensor (kernels/triton/quantize.py); elsewhere torch ops (``fmha_ops.quant.quantize_blocks``),
+the quantization range) and fold the softmax scale into q. On CUDA the quantization is two fused Triton
+launches for all three tensors (kernels/triton/quantize.py); elsewhere torch ops (``fmha_ops.quant.quantize_blocks``),
 the kernel's tested reference.
 
 Gradients (straight-through): a bf16/fp16 backward kernel on the *dequantized* q, k and v (the values
@@ -45,21 +45,20 @@ def quantize_smooth(q, k, v, scale: float, qk_dtype: torch.dtype):
     q8 = quantize(q * scale), k8 = quantize(k - mean_seq(k)) per block (``qk_dtype`` int8 or fp8), v8 fp8
     per channel; descales as the attention ops take them ("block", "block", "channel"); qh, kh, vh are the
     dequantized values in the inputs' dtype and units (qh ~ q (0 if scale is 0), kh ~ k - mean_seq(k), vh ~ v).
+    On CUDA two fused launches (``kernels.triton.quantize.quantize_qkv``; v8 keys-contiguous, the layout the
+    fp8 PV product reads), elsewhere torch ops (v8 in v's layout).
     """
-    B, Mk, Hkv, D = k.shape
     v_dtype = fp8_dtype(current_arch(q.device))
-    if Mk:
-        k_mean = torch.mean(k, dim=1, dtype=torch.float32)
-    else:
-        k_mean = torch.zeros((B, Hkv, D), dtype=torch.float32, device=k.device)
-    vd = fp8_channel_descale(v, v_dtype)
     if q.is_cuda:
-        from .kernels.triton.quantize import quantize_rows
+        from .kernels.triton.quantize import quantize_qkv
 
-        q8, qd, qh = quantize_rows(q, qk_dtype, block=Q_SCALE_BLOCK, scale=scale, dequant=True)
-        k8, kd, kh = quantize_rows(k, qk_dtype, block=K_SCALE_BLOCK, mean=k_mean, dequant=True)
-        v8, _, vh = quantize_rows(v, v_dtype, channel_descale=vd, dequant=True)
+        (q8, k8, v8), (qd, kd, vd), (qh, kh, vh) = quantize_qkv(
+            q, k, v, qk_dtype, v_dtype, scale=scale, q_block=Q_SCALE_BLOCK, k_block=K_SCALE_BLOCK)
     else:
+        B, Mk, Hkv, D = k.shape
+        k_mean = (torch.mean(k, dim=1, dtype=torch.float32) if Mk
+                  else torch.zeros((B, Hkv, D), dtype=torch.float32, device=k.device))
+        vd = fp8_channel_descale(v, v_dtype)
         q8, qd = quantize_blocks(q.float() * scale, Q_SCALE_BLOCK, qk_dtype)
         k8, kd = quantize_blocks(k.float() - k_mean[:, None], K_SCALE_BLOCK, qk_dtype)
         v8 = quantize_fp8_channels(v, vd, v_dtype)

@@ -80,8 +80,27 @@ def test_last_dim_stride(role):
     args = {"query": q, "key": k, "value": v}
     x = args[role]
     args[role] = torch.cat([x, x], dim=-1)[..., ::2]
-    with pytest.raises(ValueError, match=rf"{role} must be contiguous in its last dim \(stride 1\), got stride 2"):
+    msg = (r"value must be contiguous in its last dim \(stride 1\), or keys-contiguous .*; got strides \(" if role == "value"
+           else rf"{role} must be contiguous in its last dim \(stride 1\), got stride 2")
+    with pytest.raises(ValueError, match=msg):
         Inputs(args["query"], args["key"], args["value"]).validate()
+
+
+def test_keys_contiguous_value():
+    """value may be a view of (B, Hkv, Kv, L) storage (stride 1 along the keys); ops must declare it."""
+    q, k, v = qkv(torch.float32)
+    storage = torch.randn(B, HKV, D, MK + 1)  # 32-byte channel stride
+    vk = storage.permute(0, 3, 1, 2)[:, :MK]
+    inp = Inputs(q, k, vk)
+    inp.validate()
+    assert inp.problem().v_keys_contiguous and not Inputs(q, k, v).problem().v_keys_contiguous
+    out = fmha_ops.memory_efficient_attention(q, k, vk)
+    torch.testing.assert_close(out, fmha_ops.memory_efficient_attention(q, k, vk.contiguous()))
+    with pytest.raises(ValueError, match="keys-contiguous value .* not supported; pass value.contiguous"):
+        fmha_ops.memory_efficient_attention(q, k, vk, op="sdpa_mathF")
+    odd = torch.randn(B, HKV, D, MK + 4).permute(0, 3, 1, 2)[:, :MK]  # fp32 channel stride 44 bytes
+    with pytest.raises(ValueError, match="or keys-contiguous"):
+        Inputs(q, k, odd).validate()
 
 
 def test_non_contiguous_other_dims_is_fine():

@@ -132,6 +132,25 @@ def test_transpose_v():
         assert torch.equal(vt[0, :, :, cu[i]:cu[i] + b - a].float(), v[0, a:b].permute(1, 2, 0).float())
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, FP8])
+def test_keys_contiguous_v_is_read_in_place(dtype):
+    """v as a (B, Mk, Hkv, Dv) view of (B, Hkv, Dv, L) storage: the same result as the copying transpose, and
+    the padding keys (poisoned with NaN) are never read."""
+    B, Mq, Mk, Hq, Hkv, D, Dv = 2, 21, 37, 4, 2, 32, 48
+    q, k, v = (torch.randn(B, m, h, d, device=DEVICE) for m, h, d in ((Mq, Hq, D), (Mk, Hkv, D), (Mk, Hkv, Dv)))
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    storage = torch.full((B, Hkv, Dv, 48), float("nan"), device=DEVICE).to(dtype)
+    storage[..., :Mk] = v.permute(0, 2, 3, 1)
+    v_keys = storage.permute(0, 3, 1, 2)[:, :Mk]
+    assert v_keys.stride(1) == 1 and torch.equal(v_keys.float(), v.float())
+    kw = dict(scale=D ** -0.5, causal=True, return_lse=True, block_m=16, block_n=16)
+    if dtype == FP8:
+        kw.update(q_descale=torch.full((B, Hkv), 0.5, device=DEVICE), pv_fp8=False)
+    o, lse = _fwd()(q, k, v_keys, **kw)
+    ro, rlse = _fwd()(q, k, v, v_transposed=True, **kw)
+    assert not o.isnan().any() and torch.equal(o, ro) and torch.equal(lse, rlse)
+
+
 def test_empty_keys_and_queries():
     q = torch.randn(1, 5, 2, 32, device=DEVICE).half()
     k = torch.randn(1, 0, 2, 32, device=DEVICE).half()

@@ -9,56 +9,57 @@ import pytest
 import torch
 
 import fmha_ops
-from fmha_ops.kernels.triton.quantize import quantize_rows
-from fmha_ops.quant import dequantize_blocks, quantize_blocks
+from fmha_ops.kernels.triton.quantize import quantize_qkv
+from fmha_ops.quant import dequantize_blocks, fp8_channel_descale, quantize_blocks, quantize_fp8_channels
 from fmha_ops.quantized import quantize_smooth
 from tests.conftest import DEVICE
 from tests.numerics import error_report, transformer_like
 
 FP8 = torch.float8_e4m3fn
 @pytest.mark.parametrize("dtype", [torch.int8, FP8])
-@pytest.mark.parametrize("M,D", [(1, 64), (17, 80), (130, 64)])
-def test_quantize_rows_matches_torch(dtype, M, D):
+@pytest.mark.parametrize("M,D,Dv", [(1, 64, 64), (17, 80, 48), (300, 64, 32)])
+def test_quantize_qkv_matches_torch(dtype, M, D, Dv):
+    """The fused two-launch quantization against the torch ops it replaces (``fmha_ops.quant``): GQA, q and k
+    of different lengths, an all-zero head, keys with a shared offset (smooth-K), 300 keys = 3 stats chunks."""
     g = torch.Generator().manual_seed(M)
-    x = (torch.randn(2, M, 4, D, generator=g) * torch.linspace(0.1, 8.0, 4)[None, None, :, None]).to(DEVICE)
-    x[0, :, 1] = 0  # an all-zero head gets descale 1
-    xq, ds, none = quantize_rows(x, dtype, block=16, scale=0.5)
-    rq, rd = quantize_blocks(x.float() * 0.5, 16, dtype)
-    assert none is None and ds.shape == (2, 4, -(-M // 16))
-    _, _, xd = quantize_rows(x, dtype, block=16, scale=0.5, dequant=True)
-    assert xd.dtype == x.dtype
-    torch.testing.assert_close(xd, dequantize_blocks(xq, ds, 16) * 2.0)
-    torch.testing.assert_close(ds, rd.to(DEVICE))
-    assert ds[0, 1].eq(1).all() and xq[0, :, 1].float().eq(0).all()
-    deq = xq.float() * ds.repeat_interleave(16, 2)[:, :, :M].transpose(1, 2)[..., None]
-    ref = rq.float() * rd.repeat_interleave(16, 2)[:, :, :M].transpose(1, 2)[..., None]
+    B, Hq, Hkv, Mk = 2, 4, 2, M + 3
+    q = (torch.randn(B, M, Hq, D, generator=g) * torch.linspace(0.1, 8.0, Hq)[None, None, :, None]).to(DEVICE)
+    k = (torch.randn(B, Mk, Hkv, D, generator=g) + 2.0).to(DEVICE)
+    v = torch.randn(B, Mk, Hkv, Dv, generator=g).to(DEVICE)
+    q[0, :, 1] = 0  # all-zero groups get descale 1
+    v[1, :, 0] = 0
+    (q8, k8, v8), (qd, kd, vd), (qh, kh, vh) = quantize_qkv(q, k, v, dtype, FP8, scale=0.5, q_block=16, k_block=16)
+    assert q8.shape == q.shape and k8.shape == k.shape and v8.shape == v.shape and v8.stride(1) == 1
+    assert (q8.dtype, k8.dtype, v8.dtype) == (dtype, dtype, FP8) and (qh.dtype, kh.dtype, vh.dtype) == (q.dtype,) * 3
+    rq, rqd = quantize_blocks(q.float() * 0.5, 16, dtype)
+    rk, rkd = quantize_blocks(k.float() - k.float().mean(1, keepdim=True), 16, dtype)
+    rvd = fp8_channel_descale(v, FP8)
+    torch.testing.assert_close(qd, rqd)
+    torch.testing.assert_close(kd, rkd)
+    torch.testing.assert_close(vd, rvd)
+    assert qd[0, 1].eq(1).all() and q8[0, :, 1].float().eq(0).all() and vd[1, 0].eq(1).all()
+    torch.testing.assert_close(qh, dequantize_blocks(q8, qd, 16) * 2.0)
+    torch.testing.assert_close(kh, dequantize_blocks(k8, kd, 16))
+    torch.testing.assert_close(vh, v8.float() * vd[:, None])
     if dtype == torch.int8:  # ties may round differently after the float division: one step at most
-        assert (xq.int() - rq.to(DEVICE).int()).abs().max() <= 1
-        assert (xq.int() != rq.to(DEVICE).int()).float().mean() < 0.01
-    elif DEVICE == "cuda":  # the Triton 3.6 interpreter's fp32 -> fp8 cast loses carries (124.7 -> 64)
-        torch.testing.assert_close(deq, ref.to(DEVICE), rtol=2 ** -4, atol=1e-6)
+        for a, r in ((q8, rq), (k8, rk)):
+            assert (a.int() - r.int()).abs().max() <= 1 and (a.int() != r.int()).float().mean() < 0.01
+    if DEVICE == "cuda":  # the Triton 3.6 interpreter's fp32 -> fp8 cast loses carries (124.7 -> 64)
+        torch.testing.assert_close(v8.float(), quantize_fp8_channels(v, rvd, FP8).float(), rtol=2 ** -3, atol=0)
+        if dtype == FP8:
+            torch.testing.assert_close(dequantize_blocks(q8, qd, 16), dequantize_blocks(rq, rqd, 16),
+                                       rtol=2 ** -4, atol=1e-6)
 
 
-def test_quantize_rows_mean_and_channel():
-    g = torch.Generator().manual_seed(1)
-    B, M, H, D = 2, 37, 2, 64
-    k = (torch.randn(B, M, H, D, generator=g) + 3.0).to(DEVICE)
-    mean = k.float().mean(1)
-    kq, kd, kh = quantize_rows(k, torch.int8, block=16, mean=mean, dequant=True)
-    rq, rd = quantize_blocks(k.float() - mean[:, None], 16)
-    torch.testing.assert_close(kd, rd.to(DEVICE))
-    assert (kq.int() - rq.to(DEVICE).int()).abs().max() <= 1
-    assert kh.dtype == k.dtype
-    torch.testing.assert_close(kh, dequantize_blocks(kq, kd, 16))
-    assert ((kh - (k - mean[:, None])).abs() <= kd.repeat_interleave(16, 2)[:, :, :M].transpose(1, 2)[..., None]
-            * 0.5 + 1e-6).all()
-    cd = k.float().abs().amax(1) / 448.0
-    vq, same, vh = quantize_rows(k, FP8, channel_descale=cd, dequant=True)
-    assert same is cd and vq.dtype == FP8
-    torch.testing.assert_close(vh, vq.float() * cd[:, None])
-    if DEVICE == "cuda":  # see test_quantize_rows_matches_torch
-        err = (vq.float() * cd[:, None] - k.float()).abs()
-        assert (err <= k.float().abs() * 2 ** -4 + cd[:, None] * 2 ** -9).all()
+def test_quantize_qkv_empty_sequences():
+    q = torch.randn(2, 5, 2, 32, device=DEVICE)
+    k = v = torch.randn(2, 0, 1, 32, device=DEVICE)
+    (q8, k8, v8), (qd, kd, vd), (qh, kh, vh) = quantize_qkv(q, k, v, torch.int8, FP8, scale=1.0, q_block=16,
+                                                             k_block=16)
+    assert k8.shape == v8.shape == kh.shape == vh.shape == (2, 0, 1, 32) and kd.shape == (2, 1, 0)
+    assert vd.eq(1).all() and vd.shape == (2, 1, 32) and q8.shape == q.shape and qd.shape == (2, 2, 1)
+    (q8, _, _), (qd, _, _), _ = quantize_qkv(q[:, :0], k, v, torch.int8, FP8, scale=1.0, q_block=16, k_block=16)
+    assert q8.shape == (2, 0, 2, 32) and qd.shape == (2, 2, 0)
 
 
 def _reference_grads(q, k, v, g, scale):

@@ -16,6 +16,7 @@ Declarations (class attributes; every check below reads only these):
   DROPOUT        p > 0
   DETERMINISTIC  bitwise reproducible (checked when torch.use_deterministic_algorithms is on)
   CUDA_GRAPH     capturable in a CUDA graph
+  V_KEYS_CONTIGUOUS  accepts a keys-contiguous value (stride 1 along the sequence; fmha_ops.inputs)
 Ops add op-specific reasons in ``extra_reasons``.
 """
 from __future__ import annotations
@@ -49,6 +50,7 @@ class AttentionOp(Op):
     DROPOUT: ClassVar[bool] = False
     DETERMINISTIC: ClassVar[bool] = True
     CUDA_GRAPH: ClassVar[bool] = True
+    V_KEYS_CONTIGUOUS: ClassVar[bool] = False
 
     @classmethod
     def not_supported_reasons(cls, p: Problem) -> list[str]:
@@ -90,6 +92,8 @@ class AttentionOp(Op):
             r.append("not deterministic (torch.use_deterministic_algorithms is on)")
         if p.graph_capture and not cls.CUDA_GRAPH:
             r.append("not CUDA-graph capturable (a capture is in progress)")
+        if p.v_keys_contiguous and not cls.V_KEYS_CONTIGUOUS:
+            r.append("a keys-contiguous value (stride 1 along the sequence) not supported; pass value.contiguous()")
         r.extend(cls.extra_reasons(p))
         return r
 

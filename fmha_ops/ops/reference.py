@@ -151,6 +151,7 @@ class ReferenceFwOp(AttentionFwOp):
     PARTIAL = True
     AUTOGRAD = True
     DROPOUT = True
+    V_KEYS_CONTIGUOUS = True
     CUDA_GRAPH = False  # loops over sequences on the host
     PRIORITY = -100
 
@@ -182,6 +183,7 @@ class ReferenceBwOp(AttentionBwOp):
     PAGE_SIZES = ReferenceFwOp.PAGE_SIZES
     DESCALES = _ALL_DESCALES
     PARTIAL = True
+    V_KEYS_CONTIGUOUS = True
     CUDA_GRAPH = False
     PRIORITY = -100
 

@@ -65,6 +65,7 @@ class _TritonFwOp(AttentionFwOp):
     BIAS_KINDS = _BIAS
     GQA = True
     PARTIAL = True
+    V_KEYS_CONTIGUOUS = True
     #: achieved TFLOP/s on the H200 (non-causal, d128), for the cost model
     TFLOPS: ClassVar[float]
 
@@ -73,6 +74,8 @@ class _TritonFwOp(AttentionFwOp):
         r = interpreter_reasons(p)
         if p.bias in ab.VARLEN_KINDS and "block" in p.descales:
             r.append("per-block descales with a varlen (BlockDiagonal) mask not supported")
+        if p.bias in ab.VARLEN_KINDS and p.v_keys_contiguous:
+            r.append("a keys-contiguous value with a varlen (BlockDiagonal) mask not supported")
         return r
 
     @classmethod

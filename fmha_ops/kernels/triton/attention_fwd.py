@@ -295,7 +295,8 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
                       warp_specialize: bool = False, out=None):
     """Attention forward, BMHK layout.
 
-    q: (B, Mq, Hq, D), k: (B, Mk, Hkv, D), v: (B, Mk, Hkv, Dv); last dim contiguous, other strides free;
+    q: (B, Mq, Hq, D), k: (B, Mk, Hkv, D), v: (B, Mk, Hkv, Dv); last dim contiguous, other strides free; v may
+    instead be keys-contiguous (v.stride(1) == 1: a view of a (B, Hkv, Dv, L) tensor, read as is; not with varlen);
     Hq % Hkv == 0 (query head h reads kv head h // (Hq // Hkv)); D, Dv multiples of 16, <= 256.
     dtypes: fp8/fp8/fp8 (e4m3fn or e4m3fnuz), int8/int8/fp8 (i8fp8) -> bf16 by default; bf16 or fp16 for all
     three -> same dtype. Computes softmax(scale * (q*qd)(k*kd)^T) (v*vd) with float32 descales:
@@ -307,14 +308,17 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
     Causal: key j visible to query i iff j <= i + Mk - Mq (bottom-right, FA2/FA3) or j <= i (top-left);
     rows that see no key give out = 0 and lse = -inf.
     Returns (out (B, Mq, Hq, Dv), lse float32 natural log (B, Hq, Mq) or None).
-    Options: pv_fp8=False runs PV in fp16 for fp8 v (more accurate, slower); v_transposed (default: True for fp8 v on CUDA) copies V to (B, Hkv, Dv, Mk) first; block sizes and
+    Options: pv_fp8=False runs PV in fp16 for fp8 v (more accurate, slower); v_transposed (default: True for fp8 v on CUDA) copies
+    a last-dim-contiguous V to (B, Hkv, Dv, Mk) first; block sizes and
     launch options override ``default_config``; ``out`` is an optional preallocated (B, Mq, Hq, Dv) output.
     """
     B, Mq, Hq, D = q.shape
     _, Mk, Hkv, Dv = v.shape
     assert k.shape[:3] == v.shape[:3] and k.shape[3] == D and k.shape[0] == B, "q/k/v shapes disagree"
     assert Hq % Hkv == 0, "Hq must be a multiple of Hkv"
-    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1, "last dim must be contiguous"
+    v_keys = v.stride(-1) != 1
+    assert q.stride(-1) == 1 and k.stride(-1) == 1, "q/k last dim must be contiguous"
+    assert not v_keys or v.stride(1) == 1 or Mk <= 1, "v must be contiguous in its last dim or keys-contiguous"
     assert D % 16 == 0 and Dv % 16 == 0 and D <= 256 and Dv <= 256, "head dims must be multiples of 16, <= 256"
     qk_int8 = q.dtype == torch.int8
     fp8_v = v.dtype in _FP8
@@ -338,7 +342,9 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
     BM = block_m or cfg["block_m"]
     BN = block_n or cfg["block_n"]
     if v_transposed is None:
-        v_transposed = fp8_v and device.type == "cuda"
+        v_transposed = v_keys or (fp8_v and device.type == "cuda")
+    assert v_transposed or not v_keys, "a keys-contiguous v is read transposed (v_transposed=False impossible)"
+    assert not (varlen and v_keys), "a keys-contiguous v is not supported with varlen"
 
     # descales
     q_block = q_descale is not None and q_descale.dim() == 3
@@ -370,7 +376,9 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
         return out, lse
     if device.type == "cuda":
         _ensure_allocator()
-    if v_transposed:
+    if v_keys:
+        v_arg, v_strides, cu_vt = v, (v.stride(0), v.stride(3), v.stride(2)), None
+    elif v_transposed:
         vt, cu_vt = transpose_v(v, cu_seqlens_k, max_seqlen_k)
         v_arg, v_strides = vt, (vt.stride(0), vt.stride(2), vt.stride(1))
     else:

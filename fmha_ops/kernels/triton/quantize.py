@@ -1,16 +1,19 @@
-"""Fused one-pass quantization of BMHK attention inputs to int8 / fp8 (the training path's q, k, v).
+"""Fused quantization of one attention call's q, k, v (the training path): two launches in all.
 
-One program quantizes ``BLOCK`` rows of one head: it reads x (bf16/fp16/fp32) once and writes the
-quantized rows and their descale, so quantization costs one read and one narrow write per element
-(the torch version in ``fmha_ops.quant`` makes several full-precision passes).
+``quantize_qkv`` quantizes q and k per block of rows and head (int8 or fp8; q times the softmax scale,
+k minus its mean over the sequence: smooth-K) and v per channel (fp8), and writes the dequantized values
+the quantized forward attends to (for the straight-through backward):
 
-* per block: descale = amax(block) / qmax over ``BLOCK`` rows x D, written to (B, H, cdiv(M, BLOCK));
-* per channel: descale given as (B, H, D) (computed over the whole sequence beforehand), only applied.
+1. ``_kv_stats_kernel``: per (batch, kv head) and chunk of the sequence, the column sums of k and the
+   column amax of |v| (partials, so long sequences still spread over the GPU);
+2. ``_quantize_qkv_kernel``: one program per block of rows of q, k or v (one launch for all three);
+   k and v programs first reduce the partials to k's mean and v's channel descale. v is written
+   transposed, (B, Hkv, Dv, L) with keys contiguous: the K-major operand of the fp8 PV product, so the
+   attention kernel needs no separate transpose.
 
-Optionally ``mean`` (B, H, D) is subtracted from every row first (smooth-K: a per-query-row constant in
-the logits), and optionally the dequantized rows (quantized value * descale / scale, in x's dtype and
-units) are written too: the values the quantized forward actually attended to, for the backward pass.
-int8 rounds half away from zero; fp8 saturates to the format's max and rounds to nearest even.
+Every element is read once (k and v twice: stats, then quantize) and written once narrow and once in
+the input dtype. int8 rounds half away from zero; fp8 saturates to the format's max and rounds to
+nearest even. Descales: amax / qmax (1 for an all-zero group).
 """
 from __future__ import annotations
 
@@ -18,78 +21,172 @@ import torch
 import triton
 import triton.language as tl
 
+_ROWS = 128  # rows per v program, and the granularity of the stats chunks
+_MAX_SPLITS = 32  # partials per (batch, kv head), so each k/v program reduces few
+_STATS_PROGRAMS = 1024  # enough stats programs to keep every SM's loads in flight
+
 
 @triton.jit
-def _quantize_kernel(
-    X, XQ, XD, DS, MEAN,
-    stride_xb, stride_xm, stride_xh,
-    stride_qb, stride_qm, stride_qh,
-    stride_db, stride_dh, stride_mb, stride_mh,
-    M, H, scale, inv_scale, qmax,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
-    PER_CHANNEL: tl.constexpr, SUB_MEAN: tl.constexpr, INT8: tl.constexpr, DEQUANT: tl.constexpr,
-):
-    blk = tl.program_id(0)
+def _kv_stats_kernel(K, V, KSUM, VMAX, stride_kb, stride_km, stride_kh, stride_vb, stride_vm, stride_vh,
+                     M, H, CHUNK, NS,
+                     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                     BLOCK_M: tl.constexpr):
+    """KSUM[bh, s, :D] = sum of k rows, VMAX[bh, s, :DV] = max |v| over rows [s*CHUNK, (s+1)*CHUNK)."""
+    s = tl.program_id(0)
     bh = tl.program_id(1)
-    b = bh // H
+    b = (bh // H).to(tl.int64)
     h = bh % H
-    rows = blk * BLOCK + tl.arange(0, BLOCK)
+    cols_k = tl.arange(0, BLOCK_D)
+    cols_v = tl.arange(0, BLOCK_DV)
+    ksum = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    vmax = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    end = tl.minimum(s * CHUNK + CHUNK, M)
+    for m0 in range(s * CHUNK, end, BLOCK_M):
+        rows = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+        ok = rows < end
+        ksum += tl.load(K + b * stride_kb + rows[:, None] * stride_km + h * stride_kh + cols_k[None, :],
+                        mask=ok[:, None] & (cols_k < D)[None, :], other=0.0).to(tl.float32)
+        vx = tl.load(V + b * stride_vb + rows[:, None] * stride_vm + h * stride_vh + cols_v[None, :],
+                     mask=ok[:, None] & (cols_v < DV)[None, :], other=0.0).to(tl.float32)
+        vmax = tl.maximum(vmax, tl.abs(vx))
+    out = (bh * NS + s).to(tl.int64)
+    tl.store(KSUM + out * BLOCK_D + cols_k, tl.sum(ksum, 0))
+    tl.store(VMAX + out * BLOCK_DV + cols_v, tl.max(vmax, 0))
+
+
+@triton.jit
+def _reduce_partials(P, bh, NS, BLOCK_D: tl.constexpr, MAX: tl.constexpr):
+    """Sum (or max, ``MAX``) of the NS partial rows P[bh, :NS, :BLOCK_D]."""
+    s = tl.arange(0, 16)
+    cols = tl.arange(0, BLOCK_D)
+    acc = tl.zeros([16, BLOCK_D], tl.float32)
+    for s0 in range(0, NS, 16):
+        x = tl.load(P + (bh * NS + s0 + s).to(tl.int64)[:, None] * BLOCK_D + cols[None, :],
+                    mask=(s0 + s < NS)[:, None], other=0.0)
+        acc = tl.maximum(acc, x) if MAX else acc + x
+    return tl.max(acc, 0) if MAX else tl.sum(acc, 0)
+
+
+@triton.jit
+def _quantize_block(X, XQ, XH, DS, STATS, i, NB, M, H, NS,
+                    stride_xb, stride_xm, stride_xh, stride_qb, stride_qm, stride_qh, stride_qd,
+                    scale, inv_scale, qmax,
+                    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+                    SMOOTH: tl.constexpr, PER_CHANNEL: tl.constexpr, INT8: tl.constexpr):
+    """Block ``i`` (= (b * H + h) * NB + blk) of x (B, M, H, D): BLOCK rows of one head.
+
+    Writes XQ (strides b, m, h, d), XH (x's dtype, contiguous (B, M, H, D)) and the descale: per block
+    DS (B, H, NB), or per channel (``PER_CHANNEL``, from the amax partials STATS) DS (B, H, D).
+    ``SMOOTH`` subtracts the mean (from the sum partials STATS) first.
+    """
+    bh = i // NB
+    blk = i % NB
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    rows = (blk * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     ok = (rows < M)[:, None] & (cols < D)[None, :]
-    offs_q = b.to(tl.int64) * stride_qb + rows.to(tl.int64)[:, None] * stride_qm + h * stride_qh + cols[None, :]
-    x = tl.load(X + b.to(tl.int64) * stride_xb + rows.to(tl.int64)[:, None] * stride_xm + h * stride_xh
-                + cols[None, :], mask=ok, other=0.0).to(tl.float32) * scale
-    if SUB_MEAN:
-        mu = tl.load(MEAN + b * stride_mb + h * stride_mh + cols, mask=cols < D, other=0.0)
+    x = tl.load(X + b * stride_xb + rows[:, None] * stride_xm + h * stride_xh + cols[None, :],
+                mask=ok, other=0.0).to(tl.float32) * scale
+    if SMOOTH:
+        mu = _reduce_partials(STATS, bh, NS, BLOCK_D, False) / M
         x = tl.where(ok, x - mu[None, :], 0.0)
     if PER_CHANNEL:
-        ds = tl.load(DS + b * stride_db + h * stride_dh + cols, mask=cols < D, other=1.0)
+        amax = _reduce_partials(STATS, bh, NS, BLOCK_D, True)
+        ds = tl.where(amax > 0.0, amax / qmax, 1.0)
+        if blk == 0:
+            tl.store(DS + bh.to(tl.int64) * D + cols, ds, mask=cols < D)
         y = x / ds[None, :]
     else:
         amax = tl.max(tl.max(tl.abs(x), 1), 0)
         ds = tl.where(amax > 0.0, amax / qmax, 1.0)
-        tl.store(DS + b * stride_db + h * stride_dh + blk, ds)
+        tl.store(DS + i, ds)
         y = x / ds
     y = tl.minimum(tl.maximum(y, -qmax), qmax)
     if INT8:
         y = y + tl.where(y >= 0.0, 0.5, -0.5)  # the int8 cast truncates toward zero
     yq = y.to(XQ.dtype.element_ty)
-    tl.store(XQ + offs_q, yq, mask=ok)
-    if DEQUANT:
-        if PER_CHANNEL:
-            xd = yq.to(tl.float32) * (ds * inv_scale)[None, :]
-        else:
-            xd = yq.to(tl.float32) * (ds * inv_scale)
-        tl.store(XD + offs_q, xd.to(XD.dtype.element_ty), mask=ok)
+    tl.store(XQ + b * stride_qb + rows[:, None] * stride_qm + h * stride_qh + cols[None, :] * stride_qd, yq, mask=ok)
+    if PER_CHANNEL:
+        xh = yq.to(tl.float32) * (ds * inv_scale)[None, :]
+    else:
+        xh = yq.to(tl.float32) * (ds * inv_scale)
+    tl.store(XH + ((b * M + rows[:, None]) * H + h) * D + cols[None, :], xh.to(XH.dtype.element_ty), mask=ok)
 
 
-def quantize_rows(x: torch.Tensor, dtype: torch.dtype, *, block: int = 128, scale: float = 1.0,
-                  channel_descale: torch.Tensor | None = None, mean: torch.Tensor | None = None,
-                  dequant: bool = False):
-    """Quantize x (B, M, H, D) (x * ``scale``, minus ``mean``) to ``dtype`` (int8 or an fp8) in one pass.
+@triton.jit
+def _quantize_qkv_kernel(
+    Q, K, V, Q8, K8, V8, QH, KH, VH, QD, KD, VD, KSUM, VMAX,
+    stride_qb, stride_qm, stride_qh, stride_kb, stride_km, stride_kh, stride_vb, stride_vm, stride_vh,
+    stride_tb, stride_th, stride_td,
+    Mq, Mk, Hq, Hkv, NBQ, NBK, NQ, NK, NS, scale, inv_scale, qk_max, v_max,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    Q_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, V_BLOCK: tl.constexpr, INT8: tl.constexpr,
+):
+    """Programs [0, NQ) quantize q blocks, [NQ, NQ + NK) k blocks, the rest v blocks (written transposed)."""
+    pid = tl.program_id(0)
+    if pid < NQ:
+        _quantize_block(Q, Q8, QH, QD, QD, pid, NBQ, Mq, Hq, NS, stride_qb, stride_qm, stride_qh,
+                        Mq * Hq * D, Hq * D, D, 1, scale, inv_scale, qk_max,
+                        D, BLOCK_D, Q_BLOCK, False, False, INT8)
+    elif pid < NQ + NK:
+        _quantize_block(K, K8, KH, KD, KSUM, pid - NQ, NBK, Mk, Hkv, NS, stride_kb, stride_km, stride_kh,
+                        Mk * Hkv * D, Hkv * D, D, 1, 1.0, 1.0, qk_max,
+                        D, BLOCK_D, K_BLOCK, True, False, INT8)
+    else:
+        _quantize_block(V, V8, VH, VD, VMAX, pid - NQ - NK, tl.cdiv(Mk, V_BLOCK), Mk, Hkv, NS,
+                        stride_vb, stride_vm, stride_vh, stride_tb, 1, stride_th, stride_td, 1.0, 1.0, v_max,
+                        DV, BLOCK_DV, V_BLOCK, False, True, False)
 
-    Per block of ``block`` rows and head unless ``channel_descale`` (B, H, D) float32 is given.
-    ``mean``: float32 (B, H, D). Returns (xq (B, M, H, D) contiguous, descale (B, H, cdiv(M, block)) or
-    ``channel_descale``, and with ``dequant`` xq * descale / scale (B, M, H, D) in x's dtype (0 where
-``scale`` is 0), else None).
+
+def _qmax(dtype: torch.dtype) -> float:
+    return 127.0 if dtype == torch.int8 else torch.finfo(dtype).max
+
+
+def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_dtype: torch.dtype, v_dtype: torch.dtype, *,
+                 scale: float, q_block: int, k_block: int):
+    """q (B, Mq, Hq, D), k (B, Mk, Hkv, D), v (B, Mk, Hkv, Dv), bf16/fp16/fp32, last dim contiguous.
+
+    Returns ((q8, k8, v8), (qd, kd, vd), (qh, kh, vh)):
+    q8 = quantize(q * scale) and k8 = quantize(k - mean_seq(k)) in ``qk_dtype`` (int8 or fp8), contiguous,
+    descales qd (B, Hq, cdiv(Mq, q_block)) and kd (B, Hkv, cdiv(Mk, k_block)); v8 fp8 ``v_dtype`` per channel
+    with vd (B, Hkv, Dv), as a (B, Mk, Hkv, Dv) view of (B, Hkv, Dv, L) storage (keys contiguous, L = Mk rounded
+    up to 16); qh ~ q (0 if scale is 0), kh ~ k - mean_seq(k), vh ~ v: the dequantized values in the inputs'
+    dtypes, contiguous.
     """
-    B, M, H, D = x.shape
-    assert x.stride(-1) == 1, "x's last dim must be contiguous"
-    qmax = 127.0 if dtype == torch.int8 else torch.finfo(dtype).max
-    nb = triton.cdiv(M, block)
-    xq = torch.empty((B, M, H, D), dtype=dtype, device=x.device)
-    ds = channel_descale if channel_descale is not None else torch.empty((B, H, nb), dtype=torch.float32,
-                                                                         device=x.device)
-    xd = torch.empty((B, M, H, D), dtype=x.dtype, device=x.device) if dequant else None
-    m_arg = mean if mean is not None else ds
-    if xq.numel():
-        _quantize_kernel[(nb, B * H)](
-            x, xq, xd if xd is not None else xq, ds, m_arg,
-            x.stride(0), x.stride(1), x.stride(2), xq.stride(0), xq.stride(1), xq.stride(2),
-            ds.stride(0), ds.stride(1), m_arg.stride(0), m_arg.stride(1),
-            M, H, scale, 1.0 / scale if scale else 0.0, qmax,
-            D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK=block,
-            PER_CHANNEL=channel_descale is not None, SUB_MEAN=mean is not None,
-            INT8=dtype == torch.int8, DEQUANT=dequant, num_warps=8 if D > 128 else 4,
-        )
-    return xq, ds, xd
+    B, Mq, Hq, D = q.shape
+    _, Mk, Hkv, Dv = v.shape
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1, "last dims must be contiguous"
+    dev = q.device
+    nbq, nbk, nbv = triton.cdiv(Mq, q_block), triton.cdiv(Mk, k_block), triton.cdiv(Mk, _ROWS)
+    q8 = torch.empty((B, Mq, Hq, D), dtype=qk_dtype, device=dev)
+    k8 = torch.empty((B, Mk, Hkv, D), dtype=qk_dtype, device=dev)
+    v8t = torch.empty((B, Hkv, Dv, triton.cdiv(Mk, 16) * 16), dtype=v_dtype, device=dev)
+    qh, kh, vh = torch.empty_like(q8, dtype=q.dtype), torch.empty_like(k8, dtype=k.dtype), torch.empty(
+        (B, Mk, Hkv, Dv), dtype=v.dtype, device=dev)
+    qd = torch.empty((B, Hq, nbq), dtype=torch.float32, device=dev)
+    kd = torch.empty((B, Hkv, nbk), dtype=torch.float32, device=dev)
+    vd = (torch.empty if Mk else torch.ones)((B, Hkv, Dv), dtype=torch.float32, device=dev)
+    bd, bdv = triton.next_power_of_2(D), triton.next_power_of_2(Dv)
+    splits = min(triton.cdiv(Mk, _ROWS), _MAX_SPLITS, max(1, triton.cdiv(_STATS_PROGRAMS, B * Hkv)))
+    chunk = triton.cdiv(triton.cdiv(Mk, max(splits, 1)), _ROWS) * _ROWS
+    ns = triton.cdiv(Mk, chunk) if Mk else 0
+    ksum = torch.empty((B * Hkv, ns, bd), dtype=torch.float32, device=dev)
+    vmax = torch.empty((B * Hkv, ns, bdv), dtype=torch.float32, device=dev)
+    if ns and B * Hkv:
+        _kv_stats_kernel[(ns, B * Hkv)](
+            k, v, ksum, vmax, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+            Mk, Hkv, chunk, ns, D=D, DV=Dv, BLOCK_D=bd, BLOCK_DV=bdv, BLOCK_M=max(16, 8192 // max(bd, bdv)),
+            num_warps=8)
+    nq, nk, nv = B * Hq * nbq, B * Hkv * nbk, B * Hkv * nbv
+    if nq + nk + nv:
+        _quantize_qkv_kernel[(nq + nk + nv,)](
+            q, k, v, q8, k8, v8t, qh, kh, vh, qd, kd, vd, ksum, vmax,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), v8t.stride(0), v8t.stride(1), v8t.stride(2),
+            Mq, Mk, Hq, Hkv, nbq, nbk, nq, nk, ns, scale, 1.0 / scale if scale else 0.0,
+            _qmax(qk_dtype), _qmax(v_dtype),
+            D=D, DV=Dv, BLOCK_D=bd, BLOCK_DV=bdv, Q_BLOCK=q_block, K_BLOCK=k_block, V_BLOCK=_ROWS,
+            INT8=qk_dtype == torch.int8, num_warps=8 if max(D, Dv) > 128 else 4)
+    v8 = v8t.permute(0, 3, 1, 2)[:, :Mk]
+    return (q8, k8, v8), (qd, kd, vd), (qh, kh, vh)
