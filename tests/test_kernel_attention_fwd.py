@@ -143,7 +143,7 @@ def test_keys_contiguous_v_is_read_in_place(dtype):
     storage[..., :Mk] = v.permute(0, 2, 3, 1)
     v_keys = storage.permute(0, 3, 1, 2)[:, :Mk]
     assert v_keys.stride(1) == 1 and torch.equal(v_keys.float(), v.float())
-    kw = dict(scale=D ** -0.5, causal=True, return_lse=True, block_m=16, block_n=16)
+    kw = dict(scale=D ** -0.5, causal=True, return_lse=True, block_m=16, block_n=32)
     if dtype == FP8:
         kw.update(q_descale=torch.full((B, Hkv), 0.5, device=DEVICE), pv_fp8=False)
     o, lse = _fwd()(q, k, v_keys, **kw)
@@ -168,7 +168,8 @@ def _fp8_inputs(kind, B, Mq, Mk, Hq, Hkv, D, dtype=FP8, seed=0):
 
 
 @pytest.mark.parametrize("kind,vt", [("normal", False), ("transformer_like", True)])
-@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e4m3fnuz])
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, pytest.param(torch.float8_e4m3fnuz, marks=pytest.mark.skipif(
+    DEVICE == "cuda", reason="e4m3fnuz is an AMD format: Triton rejects it on NVIDIA (so does the op)"))])
 def test_fp8_descales(kind, vt, fp8):
     B, Mq, Mk, Hq, Hkv, D = 2, 37, 45, 4, 2, 64
     q8, k8, v8, qd, kd, vd = _fp8_inputs(kind, B, Mq, Mk, Hq, Hkv, D, fp8)
@@ -191,9 +192,10 @@ def test_fp8_per_tensor_descale_and_fp8_p():
     o, _ = _fwd()(q8, k8, v8, scale=D ** -0.5, q_descale=sq, k_descale=sk, v_descale=sv, pv_fp8=False,
                   block_m=16, block_n=16)
     assert error_report(o, ref)["rel"] < 6e-3
-    # P cast to fp8 in the kernel: the interpreter rounds that cast wrongly, so only a loose bound here
-    o, _ = _fwd()(q8, k8, v8, scale=D ** -0.5, q_descale=sq, k_descale=sk, v_descale=sv, block_m=16, block_n=16)
-    assert error_report(o, ref)["rel"] < 0.25
+    # P cast to fp8 in the kernel (an fp8 dot needs K = block_n >= 32 on the GPU): the interpreter rounds that
+    # cast wrongly, so only a loose bound on the CPU
+    o, _ = _fwd()(q8, k8, v8, scale=D ** -0.5, q_descale=sq, k_descale=sk, v_descale=sv, block_m=16, block_n=32)
+    assert error_report(o, ref)["rel"] < (0.25 if DEVICE == "cpu" else 0.05)
 
 
 def _i8_inputs(kind, B, Mq, Mk, Hq, Hkv, D, gran="block", vgran="channel", seed=0):

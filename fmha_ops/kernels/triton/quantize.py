@@ -30,25 +30,32 @@ _STATS_PROGRAMS = 1024  # enough stats programs to keep every SM's loads in flig
 def _kv_stats_kernel(K, V, KSUM, VMAX, stride_kb, stride_km, stride_kh, stride_vb, stride_vm, stride_vh,
                      M, H, CHUNK, NS,
                      D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                     BLOCK_M: tl.constexpr):
-    """KSUM[bh, s, :D] = sum of k rows, VMAX[bh, s, :DV] = max |v| over rows [s*CHUNK, (s+1)*CHUNK)."""
-    s = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = bh % H
+                     SUB: tl.constexpr):
+    """KSUM[bh, s, :D] = sum of k rows, VMAX[bh, s, :DV] = max |v| over rows [s*CHUNK, (s+1)*CHUNK).
+
+    Steps of 4 independent SUB-row tiles (unrolled, so their loads are in flight together)."""
+    h = tl.program_id(0)  # heads fastest: programs running together read neighbouring bytes of the same rows
+    s = tl.program_id(1)
+    bh = tl.program_id(2) * H + h
+    b = tl.program_id(2).to(tl.int64)
+    start = s * CHUNK
+    n = tl.minimum(CHUNK, M - start)
+    k_ptr = K + b * stride_kb + h * stride_kh + start.to(tl.int64) * stride_km
+    v_ptr = V + b * stride_vb + h * stride_vh + start.to(tl.int64) * stride_vm
+    r = tl.arange(0, SUB)
     cols_k = tl.arange(0, BLOCK_D)
     cols_v = tl.arange(0, BLOCK_DV)
-    ksum = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    vmax = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    end = tl.minimum(s * CHUNK + CHUNK, M)
-    for m0 in range(s * CHUNK, end, BLOCK_M):
-        rows = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
-        ok = rows < end
-        ksum += tl.load(K + b * stride_kb + rows[:, None] * stride_km + h * stride_kh + cols_k[None, :],
-                        mask=ok[:, None] & (cols_k < D)[None, :], other=0.0).to(tl.float32)
-        vx = tl.load(V + b * stride_vb + rows[:, None] * stride_vm + h * stride_vh + cols_v[None, :],
-                     mask=ok[:, None] & (cols_v < DV)[None, :], other=0.0).to(tl.float32)
-        vmax = tl.maximum(vmax, tl.abs(vx))
+    ksum = tl.zeros([SUB, BLOCK_D], tl.float32)
+    vmax = tl.zeros([SUB, BLOCK_DV], tl.float32)
+    for m0 in range(0, n, 4 * SUB):
+        for j in tl.static_range(4):
+            rows = m0 + j * SUB + r
+            ok = (rows < n)[:, None]
+            ksum += tl.load(k_ptr + rows[:, None] * stride_km + cols_k[None, :],
+                            mask=ok & (cols_k < D)[None, :], other=0.0).to(tl.float32)
+            vx = tl.load(v_ptr + rows[:, None] * stride_vm + cols_v[None, :],
+                         mask=ok & (cols_v < DV)[None, :], other=0.0).to(tl.float32)
+            vmax = tl.maximum(vmax, tl.abs(vx))
     out = (bh * NS + s).to(tl.int64)
     tl.store(KSUM + out * BLOCK_D + cols_k, tl.sum(ksum, 0))
     tl.store(VMAX + out * BLOCK_DV + cols_v, tl.max(vmax, 0))
@@ -68,50 +75,71 @@ def _reduce_partials(P, bh, NS, BLOCK_D: tl.constexpr, MAX: tl.constexpr):
 
 
 @triton.jit
+def _load_block_rows(x_ptr, rows, stride_m, cols, n, scale, mu,
+                     D: tl.constexpr, SMOOTH: tl.constexpr):
+    """x[rows] * scale (- mu), float32, 0 outside the n rows and D columns."""
+    ok = (rows < n)[:, None] & (cols < D)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :], mask=ok, other=0.0).to(tl.float32) * scale
+    if SMOOTH:
+        x = tl.where(ok, x - mu[None, :], 0.0)
+    return x, ok
+
+
+@triton.jit
 def _quantize_block(X, XQ, XH, DS, STATS, i, NB, M, H, NS,
                     stride_xb, stride_xm, stride_xh, stride_qb, stride_qm, stride_qh, stride_qd,
                     scale, inv_scale, qmax,
-                    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+                    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
                     SMOOTH: tl.constexpr, PER_CHANNEL: tl.constexpr, INT8: tl.constexpr):
-    """Block ``i`` (= (b * H + h) * NB + blk) of x (B, M, H, D): BLOCK rows of one head.
+    """Block ``i`` (= (b * NB + blk) * H + h: heads fastest, so programs running together read neighbouring
+    bytes of the same rows) of x (B, M, H, D): BLOCK rows of one head, in SUB-row tiles
+    (small tiles keep registers low and many programs resident; a per-block amax reads the block twice,
+    the second time from cache).
 
     Writes XQ (strides b, m, h, d), XH (x's dtype, contiguous (B, M, H, D)) and the descale: per block
     DS (B, H, NB), or per channel (``PER_CHANNEL``, from the amax partials STATS) DS (B, H, D).
     ``SMOOTH`` subtracts the mean (from the sum partials STATS) first.
     """
-    bh = i // NB
-    blk = i % NB
-    b = (bh // H).to(tl.int64)
-    h = bh % H
-    rows = (blk * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    h = i % H
+    blk = (i // H) % NB
+    b = (i // (H * NB)).to(tl.int64)
+    bh = b * H + h
+    row0 = blk.to(tl.int64) * BLOCK
+    n = M - row0
+    x_ptr = X + (b * stride_xb + row0 * stride_xm + h * stride_xh)
+    q_ptr = XQ + (b * stride_qb + row0 * stride_qm + h * stride_qh)
+    h_ptr = XH + ((b * M + row0) * H + h) * D
+    r = tl.arange(0, SUB)
     cols = tl.arange(0, BLOCK_D)
-    ok = (rows < M)[:, None] & (cols < D)[None, :]
-    x = tl.load(X + b * stride_xb + rows[:, None] * stride_xm + h * stride_xh + cols[None, :],
-                mask=ok, other=0.0).to(tl.float32) * scale
+    mu = tl.zeros([BLOCK_D], tl.float32)
     if SMOOTH:
         mu = _reduce_partials(STATS, bh, NS, BLOCK_D, False) / M
-        x = tl.where(ok, x - mu[None, :], 0.0)
     if PER_CHANNEL:
         amax = _reduce_partials(STATS, bh, NS, BLOCK_D, True)
         ds = tl.where(amax > 0.0, amax / qmax, 1.0)
         if blk == 0:
             tl.store(DS + bh.to(tl.int64) * D + cols, ds, mask=cols < D)
-        y = x / ds[None, :]
+        inv = (1.0 / ds)[None, :]
+        deq = (ds * inv_scale)[None, :]
     else:
-        amax = tl.max(tl.max(tl.abs(x), 1), 0)
+        amax = 0.0
+        for j in tl.static_range(BLOCK // SUB):
+            x, ok = _load_block_rows(x_ptr, j * SUB + r, stride_xm, cols, n, scale, mu, D, SMOOTH)
+            amax = tl.maximum(amax, tl.max(tl.max(tl.abs(x), 1), 0))
         ds = tl.where(amax > 0.0, amax / qmax, 1.0)
-        tl.store(DS + i, ds)
-        y = x / ds
-    y = tl.minimum(tl.maximum(y, -qmax), qmax)
-    if INT8:
-        y = y + tl.where(y >= 0.0, 0.5, -0.5)  # the int8 cast truncates toward zero
-    yq = y.to(XQ.dtype.element_ty)
-    tl.store(XQ + b * stride_qb + rows[:, None] * stride_qm + h * stride_qh + cols[None, :] * stride_qd, yq, mask=ok)
-    if PER_CHANNEL:
-        xh = yq.to(tl.float32) * (ds * inv_scale)[None, :]
-    else:
-        xh = yq.to(tl.float32) * (ds * inv_scale)
-    tl.store(XH + ((b * M + rows[:, None]) * H + h) * D + cols[None, :], xh.to(XH.dtype.element_ty), mask=ok)
+        tl.store(DS + bh * NB + blk, ds)
+        inv = 1.0 / ds
+        deq = ds * inv_scale
+    for j in tl.static_range(BLOCK // SUB):
+        rows = j * SUB + r
+        x, ok = _load_block_rows(x_ptr, rows, stride_xm, cols, n, scale, mu, D, SMOOTH)
+        y = tl.minimum(tl.maximum(x * inv, -qmax), qmax)
+        if INT8:
+            y = y + tl.where(y >= 0.0, 0.5, -0.5)  # the int8 cast truncates toward zero
+        yq = y.to(XQ.dtype.element_ty)
+        tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :] * stride_qd, yq, mask=ok)
+        tl.store(h_ptr + rows[:, None] * (H * D) + cols[None, :], (yq.to(tl.float32) * deq).to(XH.dtype.element_ty),
+                 mask=ok)
 
 
 @triton.jit
@@ -121,22 +149,28 @@ def _quantize_qkv_kernel(
     stride_tb, stride_th, stride_td,
     Mq, Mk, Hq, Hkv, NBQ, NBK, NQ, NK, NS, scale, inv_scale, qk_max, v_max,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    Q_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, V_BLOCK: tl.constexpr, INT8: tl.constexpr,
+    Q_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, V_BLOCK: tl.constexpr, SUB: tl.constexpr, SUB_V: tl.constexpr,
+    INT8: tl.constexpr,
 ):
     """Programs [0, NQ) quantize q blocks, [NQ, NQ + NK) k blocks, the rest v blocks (written transposed)."""
     pid = tl.program_id(0)
     if pid < NQ:
         _quantize_block(Q, Q8, QH, QD, QD, pid, NBQ, Mq, Hq, NS, stride_qb, stride_qm, stride_qh,
                         Mq * Hq * D, Hq * D, D, 1, scale, inv_scale, qk_max,
-                        D, BLOCK_D, Q_BLOCK, False, False, INT8)
+                        D, BLOCK_D, Q_BLOCK, SUB, False, False, INT8)
     elif pid < NQ + NK:
         _quantize_block(K, K8, KH, KD, KSUM, pid - NQ, NBK, Mk, Hkv, NS, stride_kb, stride_km, stride_kh,
                         Mk * Hkv * D, Hkv * D, D, 1, 1.0, 1.0, qk_max,
-                        D, BLOCK_D, K_BLOCK, True, False, INT8)
+                        D, BLOCK_D, K_BLOCK, SUB, True, False, INT8)
     else:
         _quantize_block(V, V8, VH, VD, VMAX, pid - NQ - NK, tl.cdiv(Mk, V_BLOCK), Mk, Hkv, NS,
                         stride_vb, stride_vm, stride_vh, stride_tb, 1, stride_th, stride_td, 1.0, 1.0, v_max,
-                        DV, BLOCK_DV, V_BLOCK, False, True, False)
+                        DV, BLOCK_DV, V_BLOCK, SUB_V, False, True, False)
+
+
+def _sub_rows(block_d: int) -> int:
+    """Rows per register tile: 2048 elements (16 per thread with 4 warps)."""
+    return min(_ROWS, max(8, 2048 // block_d))
 
 
 def _qmax(dtype: torch.dtype) -> float:
@@ -157,6 +191,7 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_dtype: to
     B, Mq, Hq, D = q.shape
     _, Mk, Hkv, Dv = v.shape
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1, "last dims must be contiguous"
+    assert q_block & (q_block - 1) == 0 and k_block & (k_block - 1) == 0, "block sizes must be powers of 2"
     dev = q.device
     nbq, nbk, nbv = triton.cdiv(Mq, q_block), triton.cdiv(Mk, k_block), triton.cdiv(Mk, _ROWS)
     q8 = torch.empty((B, Mq, Hq, D), dtype=qk_dtype, device=dev)
@@ -174,10 +209,9 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_dtype: to
     ksum = torch.empty((B * Hkv, ns, bd), dtype=torch.float32, device=dev)
     vmax = torch.empty((B * Hkv, ns, bdv), dtype=torch.float32, device=dev)
     if ns and B * Hkv:
-        _kv_stats_kernel[(ns, B * Hkv)](
+        _kv_stats_kernel[(Hkv, ns, B)](
             k, v, ksum, vmax, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-            Mk, Hkv, chunk, ns, D=D, DV=Dv, BLOCK_D=bd, BLOCK_DV=bdv, BLOCK_M=max(16, 8192 // max(bd, bdv)),
-            num_warps=8)
+            Mk, Hkv, chunk, ns, D=D, DV=Dv, BLOCK_D=bd, BLOCK_DV=bdv, SUB=_sub_rows(max(bd, bdv)), num_warps=4)
     nq, nk, nv = B * Hq * nbq, B * Hkv * nbk, B * Hkv * nbv
     if nq + nk + nv:
         _quantize_qkv_kernel[(nq + nk + nv,)](
@@ -187,6 +221,6 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_dtype: to
             Mq, Mk, Hq, Hkv, nbq, nbk, nq, nk, ns, scale, 1.0 / scale if scale else 0.0,
             _qmax(qk_dtype), _qmax(v_dtype),
             D=D, DV=Dv, BLOCK_D=bd, BLOCK_DV=bdv, Q_BLOCK=q_block, K_BLOCK=k_block, V_BLOCK=_ROWS,
-            INT8=qk_dtype == torch.int8, num_warps=8 if max(D, Dv) > 128 else 4)
+            SUB=min(_sub_rows(bd), q_block, k_block), SUB_V=_sub_rows(bdv), INT8=qk_dtype == torch.int8, num_warps=4)
     v8 = v8t.permute(0, 3, 1, 2)[:, :Mk]
     return (q8, k8, v8), (qd, kd, vd), (qh, kh, vh)
