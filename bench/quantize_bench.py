@@ -1,7 +1,7 @@
 """The training path's quantization pass (``quantize_qkv``: kv stats + fused quantize) against the copy roofline.
 
 Per shape (B, N, H, D; q/k/v bf16 of that shape): CUDA-graph replay time of ``quantize_qkv`` for int8 and fp8
-q/k, of its stats launch alone, and of ``torch.clone`` of q, k and v (the device's read+write copy speed on the
+q/k, of its stats launch (``kv_stats``: k and v read once) alone, and of ``torch.clone`` of q, k and v (the device's read+write copy speed on the
 same bytes). Bytes moved by the pass: q, k, v read, k and v read again (stats), the narrow copies and the
 dequantized bf16 copies written. Prints a table, writes quantize_bench.json and quantize_bench.png.
 
@@ -41,11 +41,15 @@ def main() -> None:
                                                                            q_block=128, k_block=128))
             row[f"{name}_us"] = ms * 1e3
             row[f"{name}_TBps"] = moved / ms / 1e9
+        stats_ms, _ = common.time_graph_ms(lambda: mod.kv_stats(k, v))
+        row["stats_us"] = stats_ms * 1e3
+        row["stats_TBps"] = 4 * elems / stats_ms / 1e9
         copy_ms, _ = common.time_graph_ms(lambda: (q.clone(), k.clone(), v.clone()))
         row["copy_qkv_us"] = copy_ms * 1e3
         row["copy_TBps"] = 4 * elems * 3 / copy_ms / 1e9
         rows.append(row)
-    cols = ["shape", "MB_moved", "int8_us", "int8_TBps", "fp8_us", "fp8_TBps", "copy_qkv_us", "copy_TBps"]
+    cols = ["shape", "MB_moved", "int8_us", "int8_TBps", "fp8_us", "fp8_TBps", "stats_us", "stats_TBps", "copy_qkv_us",
+            "copy_TBps"]
     common.print_table(rows, cols)
     out = common.out_dir(args.out)
     common.write_json(out, "quantize_bench", rows, {"module": args.module})

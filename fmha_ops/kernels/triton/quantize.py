@@ -21,9 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
-_ROWS = 128  # rows per v program, and the granularity of the stats chunks
+_ROWS = 128  # rows per v program
 _MAX_SPLITS = 32  # partials per (batch, kv head), so each k/v program reduces few
 _STATS_PROGRAMS = 1024  # enough stats programs to keep every SM's loads in flight
+_STATS_TILE = 2048  # elements per stats register tile (4 of them per step)
+_STATS_WARPS = 4
 
 
 @triton.jit
@@ -168,6 +170,26 @@ def _quantize_qkv_kernel(
                         DV, BLOCK_DV, V_BLOCK, SUB_V, False, True, False)
 
 
+def kv_stats(k: torch.Tensor, v: torch.Tensor):
+    """Partials over chunks of the sequence: (ksum (B * Hkv, NS, next_pow2(D)) column sums of k,
+    vmax (B * Hkv, NS, next_pow2(Dv)) column amax of |v|), float32; NS = 0 for an empty sequence."""
+    B, Mk, Hkv, D = k.shape
+    Dv = v.shape[3]
+    bd, bdv = triton.next_power_of_2(D), triton.next_power_of_2(Dv)
+    sub = max(1, min(_ROWS, _STATS_TILE // max(bd, bdv)))
+    step = 4 * sub  # rows per loop step; chunks are whole steps
+    splits = min(triton.cdiv(Mk, step), _MAX_SPLITS, max(1, triton.cdiv(_STATS_PROGRAMS, B * Hkv)))
+    chunk = triton.cdiv(triton.cdiv(Mk, max(splits, 1)), step) * step
+    ns = triton.cdiv(Mk, chunk) if Mk else 0
+    ksum = torch.empty((B * Hkv, ns, bd), dtype=torch.float32, device=k.device)
+    vmax = torch.empty((B * Hkv, ns, bdv), dtype=torch.float32, device=k.device)
+    if ns and B * Hkv:
+        _kv_stats_kernel[(Hkv, ns, B)](
+            k, v, ksum, vmax, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+            Mk, Hkv, chunk, ns, D=D, DV=Dv, BLOCK_D=bd, BLOCK_DV=bdv, SUB=sub, num_warps=_STATS_WARPS)
+    return ksum, vmax
+
+
 def _sub_rows(block_d: int) -> int:
     """Rows per register tile: 2048 elements (16 per thread with 4 warps)."""
     return min(_ROWS, max(8, 2048 // block_d))
@@ -203,15 +225,8 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_dtype: to
     kd = torch.empty((B, Hkv, nbk), dtype=torch.float32, device=dev)
     vd = (torch.empty if Mk else torch.ones)((B, Hkv, Dv), dtype=torch.float32, device=dev)
     bd, bdv = triton.next_power_of_2(D), triton.next_power_of_2(Dv)
-    splits = min(triton.cdiv(Mk, _ROWS), _MAX_SPLITS, max(1, triton.cdiv(_STATS_PROGRAMS, B * Hkv)))
-    chunk = triton.cdiv(triton.cdiv(Mk, max(splits, 1)), _ROWS) * _ROWS
-    ns = triton.cdiv(Mk, chunk) if Mk else 0
-    ksum = torch.empty((B * Hkv, ns, bd), dtype=torch.float32, device=dev)
-    vmax = torch.empty((B * Hkv, ns, bdv), dtype=torch.float32, device=dev)
-    if ns and B * Hkv:
-        _kv_stats_kernel[(Hkv, ns, B)](
-            k, v, ksum, vmax, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-            Mk, Hkv, chunk, ns, D=D, DV=Dv, BLOCK_D=bd, BLOCK_DV=bdv, SUB=_sub_rows(max(bd, bdv)), num_warps=4)
+    ksum, vmax = kv_stats(k, v)
+    ns = ksum.shape[1]
     nq, nk, nv = B * Hq * nbq, B * Hkv * nbk, B * Hkv * nbv
     if nq + nk + nv:
         _quantize_qkv_kernel[(nq + nk + nv,)](
