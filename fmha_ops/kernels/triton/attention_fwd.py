@@ -9,14 +9,17 @@ One kernel, specialised by ``tl.constexpr`` switches:
 
 Softmax runs in fp32 with exp2; q*k descales and the softmax scale are folded into one
 multiplier per tile, the v descale is applied once at the end. Tiles move with TMA tensor
-descriptors created on the device, whose zero padding and store clipping handle partial
-blocks, sequence ends and head dims below the power-of-two block width.
+descriptors, whose zero padding and store clipping handle partial blocks, sequence ends and head
+dims below the power-of-two block width. Without varlen the launcher makes them on the host (one
+per tensor, over (B, H, rows, cols)); varlen bounds are per sequence, so there each program makes
+its own on the device.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fmha_ops.quant import K_SCALE_BLOCK, Q_SCALE_BLOCK
 
@@ -24,12 +27,23 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _load(desc, b, h, r, c, R: tl.constexpr, C: tl.constexpr, HOST_DESC: tl.constexpr):
+    """An [R, C] tile at (r, c) of head (b, h): a host descriptor spans (B, H, rows, cols), a device one
+    was made for the head."""
+    if HOST_DESC:
+        return desc.load([b, h, r, c]).reshape(R, C)
+    else:
+        return desc.load([r, c])
+
+
+@triton.jit
 def _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, k_row0, start_n, seqlen_k, diag, offs_m, offs_n,
           MASKED: tl.constexpr, CAUSAL: tl.constexpr, QK_INT8: tl.constexpr, K_BLOCKSCALE: tl.constexpr,
           PV_FP8: tl.constexpr, V_T: tl.constexpr, P_SHIFT: tl.constexpr,
-          K_SCALE_BLOCK: tl.constexpr, v_row0):
+          K_SCALE_BLOCK: tl.constexpr, v_row0, b, hkv,
+          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HOST_DESC: tl.constexpr):
     """One BLOCK_N step of the online softmax. Scores are in log2 units after ``qk_scale``."""
-    k = k_desc.load([k_row0 + start_n, 0])
+    k = _load(k_desc, b, hkv, k_row0 + start_n, 0, BLOCK_N, BLOCK_D, HOST_DESC)
     if QK_INT8:
         # int32 -> fp32 without I2F (16/clk/SM, as slow as exp2): |s| < 2**22 for D <= 256, so adding
         # 1.5 * 2**23 puts s in the mantissa of a float worth OFF + s; the scaling FMA removes OFF
@@ -58,9 +72,9 @@ def _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, k_row0, start_n, s
         alpha = tl.math.exp2(m_i - m_ij)
     l_i = l_i * alpha + tl.sum(p, 1)
     if V_T:
-        v = v_desc.load([0, v_row0 + start_n]).T
+        v = _load(v_desc, b, hkv, 0, v_row0 + start_n, BLOCK_DV, BLOCK_N, HOST_DESC).T
     else:
-        v = v_desc.load([k_row0 + start_n, 0])
+        v = _load(v_desc, b, hkv, k_row0 + start_n, 0, BLOCK_N, BLOCK_DV, HOST_DESC)
     if PV_FP8 or not v.dtype.is_fp8():
         p = p.to(v.dtype)
     else:
@@ -86,7 +100,7 @@ def _attn_fwd_kernel(
     QK_INT8: tl.constexpr, PV_FP8: tl.constexpr, V_T: tl.constexpr,
     P_SHIFT: tl.constexpr, Q_BLOCKSCALE: tl.constexpr, K_BLOCKSCALE: tl.constexpr, V_PER_CHANNEL: tl.constexpr,
     Q_SCALE_BLOCK: tl.constexpr, K_SCALE_BLOCK: tl.constexpr,
-    WRITE_LSE: tl.constexpr, REVERSE_M: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    WRITE_LSE: tl.constexpr, REVERSE_M: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, HOST_DESC: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     if REVERSE_M:
@@ -127,22 +141,30 @@ def _attn_fwd_kernel(
         kv_end = seqlen_k
         full_end = seqlen_k // BLOCK_N * BLOCK_N
 
-    q_desc = tl.make_tensor_descriptor(Q + b64 * stride_qb + hq.to(tl.int64) * stride_qh, shape=[q_start + seqlen_q, D],
-                                       strides=[stride_qm, 1], block_shape=[BLOCK_M, BLOCK_D])
-    k_desc = tl.make_tensor_descriptor(K + b64 * stride_kb + hkv.to(tl.int64) * stride_kh, shape=[k_start + seqlen_k, D],
-                                       strides=[stride_km, 1], block_shape=[BLOCK_N, BLOCK_D])
-    if V_T:
-        # V is (B, Hkv, DV, Mk): keys contiguous, the K-major operand the fp8 wgmma needs
-        v_desc = tl.make_tensor_descriptor(V + b64 * stride_vb + hkv.to(tl.int64) * stride_vh,
-                                           shape=[DV, v_start + seqlen_k], strides=[stride_vm, 1],
-                                           block_shape=[BLOCK_DV, BLOCK_N])
+    if HOST_DESC:  # Q, K, V, Out are descriptors over (B, H, rows, cols), made by the launcher
+        q_desc = Q
+        k_desc = K
+        v_desc = V
+        o_desc = Out
     else:
-        v_desc = tl.make_tensor_descriptor(V + b64 * stride_vb + hkv.to(tl.int64) * stride_vh,
-                                           shape=[k_start + seqlen_k, DV], strides=[stride_vm, 1],
-                                           block_shape=[BLOCK_N, BLOCK_DV])
-    o_desc = tl.make_tensor_descriptor(Out + b64 * stride_ob + hq.to(tl.int64) * stride_oh,
-                                       shape=[q_start + seqlen_q, DV], strides=[stride_om, 1],
-                                       block_shape=[BLOCK_M, BLOCK_DV])
+        q_desc = tl.make_tensor_descriptor(Q + b64 * stride_qb + hq.to(tl.int64) * stride_qh,
+                                           shape=[q_start + seqlen_q, D], strides=[stride_qm, 1],
+                                           block_shape=[BLOCK_M, BLOCK_D])
+        k_desc = tl.make_tensor_descriptor(K + b64 * stride_kb + hkv.to(tl.int64) * stride_kh,
+                                           shape=[k_start + seqlen_k, D], strides=[stride_km, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+        if V_T:
+            # V is (B, Hkv, DV, Mk): keys contiguous, the K-major operand the fp8 wgmma needs
+            v_desc = tl.make_tensor_descriptor(V + b64 * stride_vb + hkv.to(tl.int64) * stride_vh,
+                                               shape=[DV, v_start + seqlen_k], strides=[stride_vm, 1],
+                                               block_shape=[BLOCK_DV, BLOCK_N])
+        else:
+            v_desc = tl.make_tensor_descriptor(V + b64 * stride_vb + hkv.to(tl.int64) * stride_vh,
+                                               shape=[k_start + seqlen_k, DV], strides=[stride_vm, 1],
+                                               block_shape=[BLOCK_N, BLOCK_DV])
+        o_desc = tl.make_tensor_descriptor(Out + b64 * stride_ob + hq.to(tl.int64) * stride_oh,
+                                           shape=[q_start + seqlen_q, DV], strides=[stride_om, 1],
+                                           block_shape=[BLOCK_M, BLOCK_DV])
 
     if Q_BLOCKSCALE:
         qd = tl.load(QD + b * qd_sb + hq * qd_sh + m0 // Q_SCALE_BLOCK)
@@ -159,16 +181,16 @@ def _attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    q = q_desc.load([q_start + m0, 0])
+    q = _load(q_desc, b_off, hq, q_start + m0, 0, BLOCK_M, BLOCK_D, HOST_DESC)
 
     for start_n in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, k_start, start_n, seqlen_k, diag,
                               offs_m, offs_n, False, CAUSAL, QK_INT8, K_BLOCKSCALE, PV_FP8, V_T,
-                              P_SHIFT, K_SCALE_BLOCK, v_start)
+                              P_SHIFT, K_SCALE_BLOCK, v_start, b_off, hkv, BLOCK_N, BLOCK_D, BLOCK_DV, HOST_DESC)
     for start_n in tl.range(full_end, kv_end, BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, k_start, start_n, seqlen_k, diag,
                               offs_m, offs_n, True, CAUSAL, QK_INT8, K_BLOCKSCALE, PV_FP8, V_T,
-                              P_SHIFT, K_SCALE_BLOCK, v_start)
+                              P_SHIFT, K_SCALE_BLOCK, v_start, b_off, hkv, BLOCK_N, BLOCK_D, BLOCK_DV, HOST_DESC)
 
     empty = l_i == 0.0
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)
@@ -179,7 +201,11 @@ def _attn_fwd_kernel(
         out = acc * inv_l[:, None] * vd[None, :]
     else:
         out = acc * (inv_l * tl.load(vd_ptr))[:, None]
-    o_desc.store([q_start + m0, 0], out.to(Out.dtype.element_ty))
+    out = out.to(o_desc.dtype)
+    if HOST_DESC:
+        o_desc.store([b_off, hq, m0, 0], out.reshape(1, 1, BLOCK_M, BLOCK_DV))
+    else:
+        o_desc.store([q_start + m0, 0], out)
     if WRITE_LSE:
         lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i)) - P_SHIFT) * 0.6931471805599453)
         tl.store(Lse + b64 * stride_lb + hq.to(tl.int64) * stride_lh + q_start + offs_m, lse, mask=offs_m < seqlen_q)
@@ -267,6 +293,12 @@ def default_config(head_dim: int, causal: bool) -> dict:
     if head_dim <= 128:
         return dict(block_m=64, block_n=64 if causal else 128, num_warps=4, num_stages=3)
     return dict(block_m=64, block_n=64, num_warps=4, num_stages=3)
+
+
+def _desc4(t, shape, strides, block):
+    """Host TMA descriptor over ``t`` seen as (B, H, rows, cols) (``strides`` of the first three; cols are
+    contiguous), loading [1, 1, *block] tiles; out-of-bounds rows and cols read as 0, stores are clipped."""
+    return TensorDescriptor(t, list(shape), [*strides, 1], [1, 1, *block])
 
 
 def _descale_args(t, device, B, H, name):
@@ -385,9 +417,21 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
         v_arg, v_strides = v, (v.stride(0), v.stride(1), v.stride(2))
 
     p_shift = 0 if not (fp8_v and pv_fp8) else (8 if v.dtype == torch.float8_e4m3fn else 7)
+    BD, BDV = triton.next_power_of_2(D), triton.next_power_of_2(Dv)
+    host_desc = not varlen
+    if host_desc:  # one descriptor per tensor, spanning (B, H, rows, cols); varlen needs per-sequence bounds
+        Mk1 = max(Mk, 1)  # never read when Mk == 0; a descriptor needs positive sizes
+        sb, srow, sh = v_strides
+        qkvo = (_desc4(q, (B, Hq, Mq, D), (q.stride(0), q.stride(2), q.stride(1)), (BM, BD)),
+                _desc4(k, (B, Hkv, Mk1, D), (k.stride(0), k.stride(2), k.stride(1)), (BN, BD)),
+                _desc4(v_arg, (B, Hkv, Dv, Mk1) if v_transposed else (B, Hkv, Mk1, Dv), (sb, sh, srow),
+                       (BDV, BN) if v_transposed else (BN, BDV)),
+                _desc4(out, (B, Hq, Mq, Dv), (out.stride(0), out.stride(2), out.stride(1)), (BM, BDV)))
+    else:
+        qkvo = (q, k, v_arg, out)
     grid = (triton.cdiv(grid_m, BM), nseq * Hq)
     _attn_fwd_kernel[grid](
-        q, k, v_arg, out, lse if lse is not None else qd, qd, kd, vd,
+        *qkvo, lse if lse is not None else qd, qd, kd, vd,
         cu_seqlens_q if varlen else qd, cu_seqlens_k if varlen else qd, cu_vt if varlen and v_transposed else qd,
         scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
@@ -397,13 +441,13 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
         lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
         qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh,
         Mq, Mk, Hq, Hq // Hkv,
-        D=D, DV=Dv, BLOCK_D=triton.next_power_of_2(D), BLOCK_DV=triton.next_power_of_2(Dv),
+        D=D, DV=Dv, BLOCK_D=BD, BLOCK_DV=BDV,
         BLOCK_M=BM, BLOCK_N=BN,
         CAUSAL=causal, BOTTOM_RIGHT=causal_bottom_right, VARLEN=varlen,
         QK_INT8=qk_int8, PV_FP8=pv_fp8 and fp8_v, V_T=v_transposed,
         P_SHIFT=p_shift, Q_BLOCKSCALE=q_block, K_BLOCKSCALE=k_block, V_PER_CHANNEL=v_chan,
         Q_SCALE_BLOCK=Q_SCALE_BLOCK, K_SCALE_BLOCK=K_SCALE_BLOCK,
-        WRITE_LSE=return_lse, REVERSE_M=causal, WARP_SPECIALIZE=warp_specialize,
+        WRITE_LSE=return_lse, REVERSE_M=causal, WARP_SPECIALIZE=warp_specialize, HOST_DESC=host_desc,
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
     )
     return out, lse
