@@ -92,6 +92,7 @@ class Problem:
     graph_capture: bool
     fp8_backward: bool = False  # set_fp8_dequantized_backward is on
     v_keys_contiguous: bool = False  # value is keys-contiguous (see the module docstring)
+    tma_misaligned: tuple[str, ...] = ()  # inputs a TMA descriptor cannot address (``tma_misaligned``)
 
     @property
     def causal(self) -> bool:
@@ -140,6 +141,16 @@ def value_layout(v: torch.Tensor) -> Any:
     return v.stride()
 
 
+def tma_misaligned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[str, ...]:
+    """Names of the non-empty inputs whose start address is not a multiple of 16 bytes (a TMA descriptor
+    needs it; the signature holds the same test, ``_misaligned``)."""
+    return tuple(name for name, t in (("query", q), ("key", k), ("value", v)) if t.numel() and t.data_ptr() % 16)
+
+
+def _misaligned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+    return (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15
+
+
 def _p2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
@@ -186,7 +197,7 @@ class Inputs:
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
         return (self.needs_grad(), q.dtype, k.dtype, v.dtype, q.shape, k.shape, v.shape, q.device, k.device,
                 v.device, q.stride(-1), k.stride(-1), value_layout(v), _bias_signature(self.attn_bias),
-                _tensor_signature(self.q_descale), _tensor_signature(self.k_descale),
+                _misaligned(q, k, v), _tensor_signature(self.q_descale), _tensor_signature(self.k_descale),
                 _tensor_signature(self.v_descale), self.p, self.scale, self.output_dtype, self.is_partial,
                 self.quantize_kv_to_fp8, torch.are_deterministic_algorithms_enabled(), capturing, _FP8_BACKWARD[0])
 
@@ -339,7 +350,7 @@ class Inputs:
             needs_lse=needs_lse or self.is_partial, needs_grad=self.needs_grad(),
             deterministic=torch.are_deterministic_algorithms_enabled(),
             graph_capture=q.is_cuda and torch.cuda.is_current_stream_capturing(), fp8_backward=_FP8_BACKWARD[0],
-            v_keys_contiguous=value_layout(v) == "keys",
+            v_keys_contiguous=value_layout(v) == "keys", tma_misaligned=tma_misaligned(q, k, v),
         )
 
 

@@ -398,3 +398,16 @@ def test_signature_tracks_what_validation_depends_on():
     assert base not in sigs and len(set(sigs)) == len(sigs)
     with torch.no_grad():
         assert Inputs(q, k, v).signature() == base  # requires_grad under no_grad: no grad needed
+
+
+def test_misaligned_inputs_are_not_given_to_tma_ops():
+    """A query starting 8 bytes into its storage: TMA ops (triton_attnF here) say so and are skipped; a forced
+    one raises naming the input; the selector's pick computes the right answer."""
+    q, k, v = qkv(torch.float16)
+    qm = torch.cat([torch.zeros(B, MQ, HQ, 4, dtype=torch.float16), q], dim=-1)[..., 4:]
+    assert qm.data_ptr() % 16 == 8 and torch.equal(qm, q)
+    assert Inputs(qm, k, v).problem().tma_misaligned == ("query",) and not Inputs(q, k, v).problem().tma_misaligned
+    with pytest.raises(ValueError, match="query does not start at a 16-byte aligned address"):
+        fmha_ops.memory_efficient_attention(qm, k, v, op="triton_attnF")
+    out = fmha_ops.memory_efficient_attention(qm, k, v)
+    torch.testing.assert_close(out, fmha_ops.memory_efficient_attention(q, k, v), atol=2e-3, rtol=2e-3)

@@ -17,6 +17,7 @@ Declarations (class attributes; every check below reads only these):
   DETERMINISTIC  bitwise reproducible (checked when torch.use_deterministic_algorithms is on)
   CUDA_GRAPH     capturable in a CUDA graph
   V_KEYS_CONTIGUOUS  accepts a keys-contiguous value (stride 1 along the sequence; fmha_ops.inputs)
+  TMA            moves tiles with TMA descriptors: q/k/v must start at 16-byte aligned addresses
 Ops add op-specific reasons in ``extra_reasons``.
 """
 from __future__ import annotations
@@ -51,6 +52,7 @@ class AttentionOp(Op):
     DETERMINISTIC: ClassVar[bool] = True
     CUDA_GRAPH: ClassVar[bool] = True
     V_KEYS_CONTIGUOUS: ClassVar[bool] = False
+    TMA: ClassVar[bool] = False
 
     @classmethod
     def not_supported_reasons(cls, p: Problem) -> list[str]:
@@ -94,6 +96,9 @@ class AttentionOp(Op):
             r.append("not CUDA-graph capturable (a capture is in progress)")
         if p.v_keys_contiguous and not cls.V_KEYS_CONTIGUOUS:
             r.append("a keys-contiguous value (stride 1 along the sequence) not supported; pass value.contiguous()")
+        if p.tma_misaligned and cls.TMA:
+            r.append(f"{'/'.join(p.tma_misaligned)} does not start at a 16-byte aligned address (TMA needs it); "
+                     f"pass a .contiguous() copy")
         r.extend(cls.extra_reasons(p))
         return r
 

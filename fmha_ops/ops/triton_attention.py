@@ -66,6 +66,7 @@ class _TritonFwOp(AttentionFwOp):
     GQA = True
     PARTIAL = True
     V_KEYS_CONTIGUOUS = True
+    TMA = True
     #: achieved TFLOP/s on the H200 (non-causal, d128), for the cost model
     TFLOPS: ClassVar[float]
 
