@@ -153,3 +153,14 @@ def test_quantized_gradients_are_those_at_the_dequantized_inputs(fn, shape):
     floor = 0.9995 if DEVICE == "cpu" else 0.99
     for name, rep in reports.items():
         assert rep["cos"] > floor, (name, reports)
+
+
+def test_quantize_qkv_strided_views_match_contiguous():
+    """The training layout: q, k, v are views of one (B, T, 3, H, D) projection output."""
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(2, 40, 3, 2, 32, generator=g).to(DEVICE)
+    views = qkv.unbind(2)
+    a = quantize_qkv(*views, torch.int8, FP8, scale=0.3, q_block=16, k_block=16)
+    b = quantize_qkv(*(t.contiguous() for t in views), torch.int8, FP8, scale=0.3, q_block=16, k_block=16)
+    for xa, xb in zip((*a[0], *a[1], *a[2]), (*b[0], *b[1], *b[2])):
+        assert torch.equal(xa.float(), xb.float())
