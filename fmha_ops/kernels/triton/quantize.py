@@ -4,15 +4,15 @@
 k minus its mean over the sequence: smooth-K) and v per channel (fp8), and writes the dequantized values
 the quantized forward attends to (for the straight-through backward):
 
-1. ``_kv_stats_kernel``: per (batch, kv head) and chunk of the sequence, the column sums of k and the
-   column amax of |v| (partials, so long sequences still spread over the GPU);
+1. ``_kv_stats_kernel``: per (batch, kv head) and chunk of the sequence (up to 32 chunks per head), the
+   column sums of k and the column amax of |v|;
 2. ``_quantize_qkv_kernel``: one program per block of rows of q, k or v (one launch for all three);
    k and v programs first reduce the partials to k's mean and v's channel descale. v is written
    transposed, (B, Hkv, Dv, L) with keys contiguous: the K-major operand of the fp8 PV product, so the
    attention kernel needs no separate transpose.
 
-Every element is read once (k and v twice: stats, then quantize) and written once narrow and once in
-the input dtype. int8 rounds half away from zero; fp8 saturates to the format's max and rounds to
+Every element is read from memory once (k and v twice: stats, then quantize; a per-block amax reads its
+block a second time from cache) and written once narrow and once in the input dtype. int8 rounds half away from zero; fp8 saturates to the format's max and rounds to
 nearest even. Descales: amax / qmax (1 for an all-zero group).
 """
 from __future__ import annotations
@@ -22,10 +22,9 @@ import triton
 import triton.language as tl
 
 _ROWS = 128  # rows per v program
+_TILE = 2048  # elements per register tile: 16 per thread with 4 warps, so many programs stay resident
 _MAX_SPLITS = 32  # partials per (batch, kv head), so each k/v program reduces few
-_STATS_PROGRAMS = 1024  # enough stats programs to keep every SM's loads in flight
-_STATS_TILE = 2048  # elements per stats register tile (4 of them per step)
-_STATS_WARPS = 4
+_STATS_PROGRAMS = 1024  # stats programs to aim for (bench/results/quantize.md: A/B of this tiling)
 
 
 @triton.jit
@@ -176,7 +175,7 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor):
     B, Mk, Hkv, D = k.shape
     Dv = v.shape[3]
     bd, bdv = triton.next_power_of_2(D), triton.next_power_of_2(Dv)
-    sub = max(1, min(_ROWS, _STATS_TILE // max(bd, bdv)))
+    sub = _sub_rows(max(bd, bdv))
     step = 4 * sub  # rows per loop step; chunks are whole steps
     splits = min(triton.cdiv(Mk, step), _MAX_SPLITS, max(1, triton.cdiv(_STATS_PROGRAMS, B * Hkv)))
     chunk = triton.cdiv(triton.cdiv(Mk, max(splits, 1)), step) * step
@@ -186,13 +185,13 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor):
     if ns and B * Hkv:
         _kv_stats_kernel[(Hkv, ns, B)](
             k, v, ksum, vmax, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-            Mk, Hkv, chunk, ns, D=D, DV=Dv, BLOCK_D=bd, BLOCK_DV=bdv, SUB=sub, num_warps=_STATS_WARPS)
+            Mk, Hkv, chunk, ns, D=D, DV=Dv, BLOCK_D=bd, BLOCK_DV=bdv, SUB=sub, num_warps=4)
     return ksum, vmax
 
 
 def _sub_rows(block_d: int) -> int:
-    """Rows per register tile: 2048 elements (16 per thread with 4 warps)."""
-    return min(_ROWS, max(8, 2048 // block_d))
+    """Rows per register tile of ``block_d`` columns."""
+    return min(_ROWS, max(8, _TILE // block_d))
 
 
 def _qmax(dtype: torch.dtype) -> float:
