@@ -27,6 +27,12 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _head_desc(base, rows, cols, stride, R: tl.constexpr, C: tl.constexpr):
+    """Device-made descriptor over one head's (rows, cols) matrix (row stride ``stride``), [R, C] tiles."""
+    return tl.make_tensor_descriptor(base, shape=[rows, cols], strides=[stride, 1], block_shape=[R, C])
+
+
+@triton.jit
 def _load(desc, b, h, r, c, R: tl.constexpr, C: tl.constexpr, HOST_DESC: tl.constexpr):
     """An [R, C] tile at (r, c) of head (b, h): a host descriptor spans (B, H, rows, cols), a device one
     was made for the head."""
@@ -147,24 +153,17 @@ def _attn_fwd_kernel(
         v_desc = V
         o_desc = Out
     else:
-        q_desc = tl.make_tensor_descriptor(Q + b64 * stride_qb + hq.to(tl.int64) * stride_qh,
-                                           shape=[q_start + seqlen_q, D], strides=[stride_qm, 1],
-                                           block_shape=[BLOCK_M, BLOCK_D])
-        k_desc = tl.make_tensor_descriptor(K + b64 * stride_kb + hkv.to(tl.int64) * stride_kh,
-                                           shape=[k_start + seqlen_k, D], strides=[stride_km, 1],
-                                           block_shape=[BLOCK_N, BLOCK_D])
-        if V_T:
-            # V is (B, Hkv, DV, Mk): keys contiguous, the K-major operand the fp8 wgmma needs
-            v_desc = tl.make_tensor_descriptor(V + b64 * stride_vb + hkv.to(tl.int64) * stride_vh,
-                                               shape=[DV, v_start + seqlen_k], strides=[stride_vm, 1],
-                                               block_shape=[BLOCK_DV, BLOCK_N])
+        q_desc = _head_desc(Q + b64 * stride_qb + hq.to(tl.int64) * stride_qh, q_start + seqlen_q, D, stride_qm,
+                            BLOCK_M, BLOCK_D)
+        k_desc = _head_desc(K + b64 * stride_kb + hkv.to(tl.int64) * stride_kh, k_start + seqlen_k, D, stride_km,
+                            BLOCK_N, BLOCK_D)
+        v_base = V + b64 * stride_vb + hkv.to(tl.int64) * stride_vh
+        if V_T:  # V is (B, Hkv, DV, Mk): keys contiguous, the K-major operand the fp8 wgmma needs
+            v_desc = _head_desc(v_base, DV, v_start + seqlen_k, stride_vm, BLOCK_DV, BLOCK_N)
         else:
-            v_desc = tl.make_tensor_descriptor(V + b64 * stride_vb + hkv.to(tl.int64) * stride_vh,
-                                               shape=[k_start + seqlen_k, DV], strides=[stride_vm, 1],
-                                               block_shape=[BLOCK_N, BLOCK_DV])
-        o_desc = tl.make_tensor_descriptor(Out + b64 * stride_ob + hq.to(tl.int64) * stride_oh,
-                                           shape=[q_start + seqlen_q, DV], strides=[stride_om, 1],
-                                           block_shape=[BLOCK_M, BLOCK_DV])
+            v_desc = _head_desc(v_base, k_start + seqlen_k, DV, stride_vm, BLOCK_N, BLOCK_DV)
+        o_desc = _head_desc(Out + b64 * stride_ob + hq.to(tl.int64) * stride_oh, q_start + seqlen_q, DV, stride_om,
+                            BLOCK_M, BLOCK_DV)
 
     if Q_BLOCKSCALE:
         qd = tl.load(QD + b * qd_sb + hq * qd_sh + m0 // Q_SCALE_BLOCK)
