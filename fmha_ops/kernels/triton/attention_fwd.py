@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from fmha_ops.kernels.triton.launch import launch
 from fmha_ops.quant import K_SCALE_BLOCK, Q_SCALE_BLOCK
 
 _LOG2E = 1.4426950408889634
@@ -257,7 +258,7 @@ def transpose_v(v: torch.Tensor, cu_seqlens_k=None, max_seqlen_k=None):
         return vt, cu_vt
     BD = min(64, triton.next_power_of_2(Dv))
     raw = torch.uint8 if v.element_size() == 1 else torch.int16
-    _transpose_v_kernel[(grid_t, rows * Hkv, triton.cdiv(Dv, BD))](
+    launch(_transpose_v_kernel)[(grid_t, rows * Hkv, triton.cdiv(Dv, BD))](
         v.view(raw), vt.view(raw), cu_seqlens_k, cu_vt, Mk, Hkv, v.stride(0), v.stride(1), v.stride(2),
         vt.stride(0), vt.stride(1), vt.stride(2), DV=Dv, BLOCK_T=128, BLOCK_DV=BD, VARLEN=varlen, num_warps=4)
     return vt, cu_vt
@@ -429,7 +430,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
     else:
         qkvo = (q, k, v_arg, out)
     grid = (triton.cdiv(grid_m, BM), nseq * Hq)
-    _attn_fwd_kernel[grid](
+    launch(_attn_fwd_kernel)[grid](
         *qkvo, lse if lse is not None else qd, qd, kd, vd,
         cu_seqlens_q if varlen else qd, cu_seqlens_k if varlen else qd, cu_vt if varlen and v_transposed else qd,
         scale * _LOG2E,

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fmha_ops.kernels.triton.launch import launch
+
 _LOG2E = 1.4426950408889634
 
 
@@ -233,7 +235,7 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
         l_buf = torch.empty((num_splits, B, HQ, MQ), device=q.device, dtype=torch.float32)
         o_strides = o_buf.stride()[:4]
         l_strides = l_buf.stride()
-    _decode_kernel[grid](
+    launch(_decode_kernel)[grid](
         q, k_cache, v_cache, ks, vs, seqlens, bt, o_buf, l_buf,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -244,7 +246,7 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
         PARTIAL=num_splits > 1, num_warps=nw, num_stages=ns,
     )
     if num_splits > 1:
-        _reduce_kernel[(B * MQ * HQ,)](
+        launch(_reduce_kernel)[(B * MQ * HQ,)](
             o_buf, l_buf, out, lse, o_buf.stride(0), l_buf.stride(0),
             out.stride(0), out.stride(1), out.stride(2), *lse.stride(), HQ, MQ, num_splits,
             S_PAD=triton.next_power_of_2(num_splits), D=D, num_warps=4,

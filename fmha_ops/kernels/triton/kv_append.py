@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fmha_ops.kernels.triton.launch import launch
+
 
 @triton.jit
 def _store_row(x, dst, scale_dst, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
@@ -72,7 +74,7 @@ def kv_append(k_new, v_new, k_cache, v_cache, cache_seqlens, *, block_table=None
         return
     paged = block_table is not None
     ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)
-    _kv_append_kernel[(B * MNEW, HKV)](
+    launch(_kv_append_kernel)[(B * MNEW, HKV)](
         k_new, v_new, k_cache, v_cache, ks, vs, cache_seqlens, block_table if paged else cache_seqlens,
         *k_new.stride()[:3], *v_new.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
         *(k_scale.stride() if fp8 else (0, 0, 0)), *(v_scale.stride() if fp8 else (0, 0, 0)),

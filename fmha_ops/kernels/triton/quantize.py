@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fmha_ops.kernels.triton.launch import launch
+
 _ROWS = 128  # rows per v program
 _TILE = 2048  # elements per register tile: 16 per thread with 4 warps, so many programs stay resident
 _MAX_SPLITS = 32  # partials per (batch, kv head), so each k/v program reduces few
@@ -183,7 +185,7 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor):
     ksum = torch.empty((B * Hkv, ns, bd), dtype=torch.float32, device=k.device)
     vmax = torch.empty((B * Hkv, ns, bdv), dtype=torch.float32, device=k.device)
     if ns and B * Hkv:
-        _kv_stats_kernel[(Hkv, ns, B)](
+        launch(_kv_stats_kernel)[(Hkv, ns, B)](
             k, v, ksum, vmax, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
             Mk, Hkv, chunk, ns, D=D, DV=Dv, BLOCK_D=bd, BLOCK_DV=bdv, SUB=sub, num_warps=4)
     return ksum, vmax
@@ -228,7 +230,7 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_dtype: to
     ns = ksum.shape[1]
     nq, nk, nv = B * Hq * nbq, B * Hkv * nbk, B * Hkv * nbv
     if nq + nk + nv:
-        _quantize_qkv_kernel[(nq + nk + nv,)](
+        launch(_quantize_qkv_kernel)[(nq + nk + nv,)](
             q, k, v, q8, k8, v8t, qh, kh, vh, qd, kd, vd, ksum, vmax,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), v8t.stride(0), v8t.stride(1), v8t.stride(2),
