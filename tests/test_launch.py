@@ -92,10 +92,16 @@ def test_any_specialization_change_goes_back_through_triton(fake, change):
     assert rec.calls == 2 and not rec.kernels[0].launches
 
 
-def test_runtime_argument_by_keyword_is_refused(fake):
-    ck, _ = fake
-    with pytest.raises(AssertionError, match="positionally"):
-        ck[(1,)](torch.zeros(4), torch.zeros(4), 4, scale=0.5, BLOCK=4)
+def test_runtime_arguments_by_keyword_are_keyed_and_passed_in_order(fake):
+    ck, rec = fake
+    x, y = torch.zeros(64), torch.zeros(64)
+    ck[(1,)](x, y, n=64, scale=0.5, BLOCK=32)
+    ck[(1,)](x, y, scale=0.25, n=64, BLOCK=32)  # another order of the same keywords: a new key
+    ck[(1,)](x, y, scale=0.25, n=64, BLOCK=32)
+    assert rec.calls == 2
+    assert rec.kernels[1].launches[0][1][2:] == (64, 0.25, 32, True)
+    ck[(1,)](x, y, scale=0.25, n=65, BLOCK=32)  # an int by keyword is keyed by value
+    assert rec.calls == 3
 
 
 def test_interpreted_kernels_take_tritons_path():

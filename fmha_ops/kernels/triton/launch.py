@@ -3,13 +3,14 @@
 ``JITFunction.run`` specializes every argument on every launch (about 0.4 us each, ~45 us for the forward
 kernel's 103 parameters on the H200's host) before it looks the compiled kernel up. ``CachedKernel`` keys
 each launch on the arguments themselves - ints by value, tensors by (dtype, 16-byte alignment), host TMA
-descriptors by (dtype, block shape), the keyword constexprs and launch options by value, and the current
-device - which determines every specialization Triton makes, and after the first launch of a key calls the
+descriptors by (dtype, block shape), constexprs and launch options by value, keywords alike, and the
+current device - which determines every specialization Triton makes, and after the first launch of a key calls the
 compiled kernel directly (``CompiledKernel[grid]``: the current stream, scratch allocation and launch hooks
 as in a normal launch). Interpreted kernels (``TRITON_INTERPRET=1``) always take Triton's own path.
 """
 from __future__ import annotations
 
+import torch
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -18,22 +19,22 @@ _MAX_ENTRIES = 4096  # distinct launch keys kept per kernel (ints are keyed by v
 
 
 def _spec(a):
-    """The part of one positional argument that Triton's specialization depends on."""
+    """The part of one argument that Triton's specialization depends on."""
     tp = type(a)
     if tp is int or a is None:
         return a  # ints by value: covers == 1 (constexpr), % 16 == 0 and the int32 / int64 choice
     if tp is TensorDescriptor:
         return tp, a.base.dtype, tuple(a.block_shape)
-    if tp is float or tp is bool:
-        return tp, a
-    return a.dtype, a.data_ptr() & 15 == 0  # a tensor
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() & 15 == 0
+    return tp, a  # floats, bools (kept apart from equal ints) and constexpr values
 
 
 class CachedKernel:
     """``launch(kernel)[grid](*args, **constexprs_and_options)`` launches like ``kernel[grid](...)``.
 
-    Positional arguments are the runtime values (tensors, descriptors, ints, floats, bools, None), keywords
-    only constexprs and launch options; ``grid`` is a tuple of 1 to 3 ints."""
+    Arguments as Triton's own call takes them (runtime values, constexprs and launch options, positional or
+    by keyword); ``grid`` is a tuple of 1 to 3 ints."""
 
     def __init__(self, fn):
         self.fn = fn
@@ -46,20 +47,18 @@ class CachedKernel:
     def _launch(self, grid, args, kwargs):
         if not self._compiled:
             return self.fn[grid](*args, **kwargs)
-        key = (driver.active.get_current_device(), tuple(map(_spec, args)), tuple(kwargs.items()))
+        key = (driver.active.get_current_device(), tuple(map(_spec, args)),
+               tuple((k, _spec(v)) for k, v in kwargs.items()))
         hit = self._cache.get(key)
-        if hit is not None:
-            kernel, tail = hit
-            kernel[(*grid, 1, 1)[:3]](*args, *tail)
+        if hit is not None:  # the kernel's remaining parameters, in order, from this call's keywords
+            kernel, rest = hit
+            kernel[(*grid, 1, 1)[:3]](*args, *(kwargs[n] if n in kwargs else d for n, d in rest))
             return kernel
         kernel = self.fn[grid](*args, **kwargs)
-        params = self.fn.params[len(args):]
-        runtime_kw = [p.name for p in params if p.name in kwargs and not p.is_constexpr]
-        assert not runtime_kw, f"{self.fn.__name__}: pass runtime arguments {runtime_kw} positionally"
-        tail = tuple(kwargs[p.name] if p.name in kwargs else p.default for p in params)
+        rest = tuple((p.name, p.default) for p in self.fn.params[len(args):])
         if len(self._cache) >= _MAX_ENTRIES:
             self._cache.clear()
-        self._cache[key] = (kernel, tail)
+        self._cache[key] = (kernel, rest)
         return kernel
 
 
