@@ -36,7 +36,9 @@ def _kv_stats_kernel(K, V, KSUM, VMAX, stride_kb, stride_km, stride_kh, stride_v
                      SUB: tl.constexpr):
     """KSUM[bh, s, :D] = sum of k rows, VMAX[bh, s, :DV] = max |v| over rows [s*CHUNK, (s+1)*CHUNK).
 
-    Steps of 4 independent SUB-row tiles (unrolled, so their loads are in flight together)."""
+    One load of SUB rows per tensor and step, reduced to column vectors at once: a load's vectors are all
+    issued before their first use (many 16-byte loads in flight per thread; separate small loads were
+    issued one at a time, each consumed before the next, sm90 SASS)."""
     h = tl.program_id(0)  # heads fastest: programs running together read neighbouring bytes of the same rows
     s = tl.program_id(1)
     bh = tl.program_id(2) * H + h
@@ -48,20 +50,18 @@ def _kv_stats_kernel(K, V, KSUM, VMAX, stride_kb, stride_km, stride_kh, stride_v
     r = tl.arange(0, SUB)
     cols_k = tl.arange(0, BLOCK_D)
     cols_v = tl.arange(0, BLOCK_DV)
-    ksum = tl.zeros([SUB, BLOCK_D], tl.float32)
-    vmax = tl.zeros([SUB, BLOCK_DV], tl.float32)
-    for m0 in range(0, n, 4 * SUB):
-        for j in tl.static_range(4):
-            rows = m0 + j * SUB + r
-            ok = (rows < n)[:, None]
-            ksum += tl.load(k_ptr + rows[:, None] * stride_km + cols_k[None, :],
-                            mask=ok & (cols_k < D)[None, :], other=0.0).to(tl.float32)
-            vx = tl.load(v_ptr + rows[:, None] * stride_vm + cols_v[None, :],
-                         mask=ok & (cols_v < DV)[None, :], other=0.0).to(tl.float32)
-            vmax = tl.maximum(vmax, tl.abs(vx))
+    ksum = tl.zeros([BLOCK_D], tl.float32)
+    vmax = tl.zeros([BLOCK_DV], tl.float32)
+    for m0 in range(0, n, SUB):
+        rows = m0 + r
+        ok = (rows < n)[:, None]
+        kx = tl.load(k_ptr + rows[:, None] * stride_km + cols_k[None, :], mask=ok & (cols_k < D)[None, :], other=0.0)
+        vx = tl.load(v_ptr + rows[:, None] * stride_vm + cols_v[None, :], mask=ok & (cols_v < DV)[None, :], other=0.0)
+        ksum += tl.sum(kx.to(tl.float32), 0)
+        vmax = tl.maximum(vmax, tl.max(tl.abs(vx.to(tl.float32)), 0))
     out = (bh * NS + s).to(tl.int64)
-    tl.store(KSUM + out * BLOCK_D + cols_k, tl.sum(ksum, 0))
-    tl.store(VMAX + out * BLOCK_DV + cols_v, tl.max(vmax, 0))
+    tl.store(KSUM + out * BLOCK_D + cols_k, ksum)
+    tl.store(VMAX + out * BLOCK_DV + cols_v, vmax)
 
 
 @triton.jit
@@ -94,6 +94,7 @@ def _quantize_block(X, XQ, XH, DS, STATS, i, NB, M, H, NS,
                     scale, inv_scale, qmax,
                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
                     SMOOTH: tl.constexpr, PER_CHANNEL: tl.constexpr, INT8: tl.constexpr):
+    BIG: tl.constexpr = min(BLOCK, 8192 // BLOCK_D)  # rows per amax load (4 x _TILE): all in flight together
     """Block ``i`` (= (b * NB + blk) * H + h: heads fastest, so programs running together read neighbouring
     bytes of the same rows) of x (B, M, H, D): BLOCK rows of one head, in SUB-row tiles
     (small tiles keep registers low and many programs resident; a per-block amax reads the block twice,
@@ -126,8 +127,8 @@ def _quantize_block(X, XQ, XH, DS, STATS, i, NB, M, H, NS,
         deq = (ds * inv_scale)[None, :]
     else:
         amax = 0.0
-        for j in tl.static_range(BLOCK // SUB):
-            x, ok = _load_block_rows(x_ptr, j * SUB + r, stride_xm, cols, n, scale, mu, D, SMOOTH)
+        for j in tl.static_range(BLOCK // BIG):
+            x, ok = _load_block_rows(x_ptr, j * BIG + tl.arange(0, BIG), stride_xm, cols, n, scale, mu, D, SMOOTH)
             amax = tl.maximum(amax, tl.max(tl.max(tl.abs(x), 1), 0))
         ds = tl.where(amax > 0.0, amax / qmax, 1.0)
         tl.store(DS + bh * NB + blk, ds)
@@ -177,8 +178,7 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor):
     B, Mk, Hkv, D = k.shape
     Dv = v.shape[3]
     bd, bdv = triton.next_power_of_2(D), triton.next_power_of_2(Dv)
-    sub = _sub_rows(max(bd, bdv))
-    step = 4 * sub  # rows per loop step; chunks are whole steps
+    step = min(_ROWS, max(8, 4 * _TILE // max(bd, bdv)))  # rows per load (8192 elements); chunks are whole steps
     splits = min(triton.cdiv(Mk, step), _MAX_SPLITS, max(1, triton.cdiv(_STATS_PROGRAMS, B * Hkv)))
     chunk = triton.cdiv(triton.cdiv(Mk, max(splits, 1)), step) * step
     ns = triton.cdiv(Mk, chunk) if Mk else 0
@@ -187,7 +187,7 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor):
     if ns and B * Hkv:
         launch(_kv_stats_kernel)[(Hkv, ns, B)](
             k, v, ksum, vmax, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-            Mk, Hkv, chunk, ns, D=D, DV=Dv, BLOCK_D=bd, BLOCK_DV=bdv, SUB=sub, num_warps=4)
+            Mk, Hkv, chunk, ns, D=D, DV=Dv, BLOCK_D=bd, BLOCK_DV=bdv, SUB=step, num_warps=4)
     return ksum, vmax
 
 
