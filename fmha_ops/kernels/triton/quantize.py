@@ -94,7 +94,6 @@ def _quantize_block(X, XQ, XH, DS, STATS, i, NB, M, H, NS,
                     scale, inv_scale, qmax,
                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
                     SMOOTH: tl.constexpr, PER_CHANNEL: tl.constexpr, INT8: tl.constexpr):
-    BIG: tl.constexpr = min(BLOCK, 8192 // BLOCK_D)  # rows per amax load (4 x _TILE): all in flight together
     """Block ``i`` (= (b * NB + blk) * H + h: heads fastest, so programs running together read neighbouring
     bytes of the same rows) of x (B, M, H, D): BLOCK rows of one head, in SUB-row tiles
     (small tiles keep registers low and many programs resident; a per-block amax reads the block twice,
@@ -104,6 +103,7 @@ def _quantize_block(X, XQ, XH, DS, STATS, i, NB, M, H, NS,
     DS (B, H, NB), or per channel (``PER_CHANNEL``, from the amax partials STATS) DS (B, H, D).
     ``SMOOTH`` subtracts the mean (from the sum partials STATS) first.
     """
+    BIG: tl.constexpr = min(BLOCK, 8192 // BLOCK_D)  # rows per amax load (4 x _TILE): all in flight together
     h = i % H
     blk = (i // H) % NB
     b = (i // (H * NB)).to(tl.int64)
