@@ -1,12 +1,14 @@
 """Kernel launches without Triton's per-call argument binding.
 
-``JITFunction.run`` specializes every argument on every launch (about 0.4 us each, ~45 us for the forward
-kernel's 103 parameters on the H200's host) before it looks the compiled kernel up. ``CachedKernel`` keys
-each launch on the arguments themselves - ints by value, tensors by (dtype, 16-byte alignment), host TMA
-descriptors by (dtype, block shape), constexprs and launch options by value, keywords alike, and the
-current device - which determines every specialization Triton makes, and after the first launch of a key calls the
-compiled kernel directly (``CompiledKernel[grid]``: the current stream, scratch allocation and launch hooks
-as in a normal launch). Interpreted kernels (``TRITON_INTERPRET=1``) always take Triton's own path.
+``JITFunction.run`` specializes every argument on every launch before it looks the compiled kernel up.
+``CachedKernel`` keys each launch on the arguments themselves - ints by value, tensors by (dtype, 16-byte
+alignment), host TMA descriptors by (dtype, block shape), constexprs and launch options by value, keywords
+alike, and the current device - which determines every specialization Triton makes, and after the first
+launch of a key calls the compiled kernel directly (``CompiledKernel[grid]``: the current stream, scratch
+allocation and launch hooks as in a normal launch). Interpreted kernels (``TRITON_INTERPRET=1``) always take
+Triton's own path. H200 host, the forward kernel (35 positional arguments, 23 keywords, 4 host descriptors):
+Triton's launch 57 us, this one ~35 us, the compiled kernel's own launch path alone 19 us; a 17-argument
+kernel: 15 -> 14 us.
 """
 from __future__ import annotations
 
@@ -47,12 +49,12 @@ class CachedKernel:
     def _launch(self, grid, args, kwargs):
         if not self._compiled:
             return self.fn[grid](*args, **kwargs)
-        key = (driver.active.get_current_device(), tuple(map(_spec, args)),
-               tuple((k, _spec(v)) for k, v in kwargs.items()))
+        key = (driver.active.get_current_device(), tuple([a if type(a) is int else _spec(a) for a in args]),
+               tuple(kwargs), tuple([v if type(v) is int else _spec(v) for v in kwargs.values()]))
         hit = self._cache.get(key)
         if hit is not None:  # the kernel's remaining parameters, in order, from this call's keywords
             kernel, rest = hit
-            kernel[(*grid, 1, 1)[:3]](*args, *(kwargs[n] if n in kwargs else d for n, d in rest))
+            kernel[(*grid, 1, 1)[:3]](*args, *[kwargs[n] if n in kwargs else d for n, d in rest])
             return kernel
         kernel = self.fn[grid](*args, **kwargs)
         rest = tuple((p.name, p.default) for p in self.fn.params[len(args):])
