@@ -1,5 +1,6 @@
 """Host time per call on the GPU machine: Triton kernel launches (Triton's own path, ``CachedKernel``, the compiled
-kernel's runner alone) and whole calls at small sizes, where the host, not the GPU, sets the pace.
+kernel's runner alone), the layers of the fp8 training path, and whole calls at small sizes, where the host, not
+the GPU, sets the pace.
 
 Host wall time of back-to-back calls (``time.perf_counter`` over ``--iters`` calls after a warm-up, then one sync;
 per-call microseconds); the GPU work of every case is far shorter than its host time. Compared in the same run
@@ -55,12 +56,28 @@ def captured_launch(fn, call):
 
 
 def launch_rows(iters: int) -> list[dict]:
-    q8, k8, v8 = (torch.randn(1, 128, 1, 64, device="cuda").to(torch.float8_e4m3fn) for _ in range(3))
-    ds = torch.ones(1, 1, device="cuda")
+    """Each Triton launch of the fp8 training path at a tiny size (1x64x1x64 bf16 q/k/v): Triton's launch,
+    CachedKernel's, and the compiled kernel's runner alone."""
+    from fmha_ops.kernels.triton import attention_bwd as ab, quantize as qz
+
+    qkv = [torch.randn(1, 64, 1, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    fp8 = torch.float8_e4m3fn
+    quantize = lambda: qz.quantize_qkv(*qkv, fp8, fp8, scale=0.125, q_block=128, k_block=128)  # noqa: E731
+    (q8, k8, v8), (qd, kd, vd), _ = quantize()
+    forward = lambda: af.attention_forward(q8, k8, v8, scale=1.0, causal=True, q_descale=qd,  # noqa: E731
+                                           k_descale=kd, v_descale=vd, return_lse=True)
+    out, lse = forward()
+    backward = lambda: ab.attention_backward(torch.ones_like(qkv[0]), *qkv, out, lse, scale=0.125,  # noqa: E731
+                                             causal=True)
+    vt_input = torch.randn(1, 64, 1, 64, device="cuda").to(fp8)
     cases = {
-        "attention fwd (4 host TMA descriptors)": (af._attn_fwd_kernel, lambda: af.attention_forward(
-            q8, k8, v8, scale=0.125, causal=True, q_descale=ds, k_descale=ds, v_descale=ds)),
-        "V transpose (pointers)": (af._transpose_v_kernel, lambda: af.transpose_v(v8)),
+        "kv stats": (qz._kv_stats_kernel, quantize),
+        "fused quantize": (qz._quantize_qkv_kernel, quantize),
+        "attention fwd (4 host TMA descriptors)": (af._attn_fwd_kernel, forward),
+        "V transpose": (af._transpose_v_kernel, lambda: af.transpose_v(vt_input)),
+        "bwd preprocess": (ab._bwd_preprocess, backward),
+        "bwd dK/dV": (ab._bwd_dkdv, backward),
+        "bwd dQ": (ab._bwd_dq, backward),
     }
     rows = []
     for name, (fn, call) in cases.items():
@@ -69,10 +86,57 @@ def launch_rows(iters: int) -> list[dict]:
         full = list(args) + [kwargs[n] if n in kwargs else d for n, d in rest]
         grid3 = (*grid, 1, 1)[:3]
         rows.append({"case": f"launch: {name}", "args": len(args) + len(kwargs),
+                     "tensors": sum(isinstance(a, torch.Tensor) for a in args),
                      "triton_us": host_us(lambda: fn[grid](*args, **kwargs), iters),
                      "cached_us": host_us(lambda: ck[grid](*args, **kwargs), iters),
                      "runner_us": host_us(lambda: kernel[grid3](*full), iters)})
     return rows
+
+
+def layer_rows(iters: int) -> list[dict]:
+    """Host time of each layer of the fp8 training path at a tiny size, outermost last."""
+    from fmha_ops import attn_bias
+    from fmha_ops.api import _forward, _inputs
+    from fmha_ops.kernels.triton import attention_bwd as ab, quantize as qz
+
+    qkv = [torch.randn(1, 64, 1, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    grads = [t.clone().requires_grad_() for t in qkv]
+    fp8 = torch.float8_e4m3fn
+    (q8, k8, v8), (qd, kd, vd), _ = qz.quantize_qkv(*qkv, fp8, fp8, scale=0.125, q_block=128, k_block=128)
+    causal = attn_bias.LowerTriangularFromBottomRightMask()
+    inputs = lambda: _inputs(q8, k8, v8, causal, 0.0, 1.0, torch.bfloat16, True, qd, kd, vd, False)  # noqa: E731
+    inp, _ = inputs()
+    out, lse = af.attention_forward(q8, k8, v8, scale=1.0, causal=True, q_descale=qd, k_descale=kd, v_descale=vd,
+                                    return_lse=True)
+    ones = torch.ones_like(qkv[0])
+
+    class Identity(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b, c):
+            return a.view_as(a)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g, None, None
+
+    cases = {
+        "torch.empty (CUDA)": lambda: torch.empty((1, 64, 1, 64), dtype=fp8, device="cuda"),
+        "TensorDescriptor": lambda: af._desc4(q8, (1, 1, 64, 64), (q8.stride(0), q8.stride(2), q8.stride(1)),
+                                              (64, 64)),
+        "kv_stats": lambda: qz.kv_stats(*qkv[1:]),
+        "quantize_qkv": lambda: qz.quantize_qkv(*qkv, fp8, fp8, scale=0.125, q_block=128, k_block=128),
+        "attention_forward": lambda: af.attention_forward(q8, k8, v8, scale=1.0, causal=True, q_descale=qd,
+                                                          k_descale=kd, v_descale=vd, return_lse=True),
+        "_inputs": inputs,
+        "Inputs.signature": inp.signature,
+        "_forward (dispatch + attention_forward)": lambda: _forward(inp, None, True),
+        "attention_backward": lambda: ab.attention_backward(ones, *qkv, out, lse, scale=0.125, causal=True),
+        "autograd.Function identity fwd+bwd": lambda: torch.autograd.grad(Identity.apply(*grads), grads[0], ones),
+        "fp8_attention fwd, no grad": lambda: fmha_ops.fp8_attention(*qkv, causal=True),
+        "fp8_attention fwd+bwd": lambda: torch.autograd.grad(fmha_ops.fp8_attention(*grads, causal=True), grads,
+                                                             ones),
+    }
+    return [{"case": f"layer: {name}", "host_us": host_us(fn, iters)} for name, fn in cases.items()]
 
 
 def call_rows(iters: int) -> list[dict]:
@@ -107,13 +171,15 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=2000)
     args = p.parse_args()
     launches = launch_rows(args.iters)
-    common.print_table(launches, ["case", "args", "triton_us", "cached_us", "runner_us"])
+    common.print_table(launches, ["case", "args", "tensors", "triton_us", "cached_us", "runner_us"])
+    layers = layer_rows(max(args.iters // 2, 50))
+    common.print_table(layers, ["case", "host_us"])
     calls = call_rows(max(args.iters // 5, 50))
     for r in calls:
         r["ours_over_sdpa"] = r["ours_us"] / r["sdpa_us"]
     common.print_table(calls, ["case", "ours_us", "sdpa_us", "ours_over_sdpa"])
     out = common.out_dir(args.out)
-    common.write_json(out, "launch_overhead", launches + calls)
+    common.write_json(out, "launch_overhead", launches + layers + calls)
     common.bar_plot(out, "launch_overhead", launches, "case", ["triton_us", "cached_us", "runner_us"], "host us",
                     "Triton launch host time (H200 host)")
 

@@ -20,13 +20,20 @@ def _kernel_py(X, Y, n, scale, BLOCK: tl.constexpr, FLAG: tl.constexpr = True):
 
 
 class _Compiled:
-    """Stands in for triton's CompiledKernel: records what a cached launch passes."""
+    """Stands in for triton's CompiledKernel: records what a cached launch passes, by which path."""
+
+    function, packed_metadata = "function", "metadata"
 
     def __init__(self):
         self.launches = []
 
+    def run(self, g0, g1, g2, stream, function, metadata, launch_metadata, enter_hook, exit_hook, *args):
+        assert (stream, function, metadata) == ("stream", "function", "metadata")
+        assert launch_metadata is enter_hook is exit_hook is None
+        self.launches.append(((g0, g1, g2), args))
+
     def __getitem__(self, grid):
-        return lambda *args: self.launches.append((grid, args))
+        return lambda *args: self.launches.append(("hooked", grid, args))
 
 
 class _Recorder:
@@ -45,7 +52,8 @@ def fake(monkeypatch):
     fn = JITFunction(_kernel_py)
     rec = _Recorder()
     monkeypatch.setattr(fn, "run", rec)
-    monkeypatch.setattr(launch_mod, "driver", SimpleNamespace(active=SimpleNamespace(get_current_device=lambda: 0)))
+    active = SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda device: "stream")
+    monkeypatch.setattr(launch_mod, "driver", SimpleNamespace(active=active))
     return CachedKernel(fn), rec
 
 
@@ -70,6 +78,22 @@ def test_repeat_launch_reuses_the_compiled_kernel_with_constexprs_appended(fake)
     assert grid == (4, 1, 1)
     assert args[2:] == (64, 0.5, 32, True)  # BLOCK, then FLAG's default, in parameter order
     assert torch.equal(args[0], torch.ones(64))  # this launch's tensors, not the first one's
+
+
+def test_registered_launch_hooks_take_tritons_launch_path(fake):
+    ck, rec = fake
+    x, y = torch.zeros(64), torch.zeros(64)
+    ck[(2, 3)](x, y, 64, 0.5, BLOCK=32)
+    hook = lambda metadata: None  # noqa: E731
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        ck[(2, 3)](x, y, 64, 0.5, BLOCK=32)
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    ck[(2, 3)](x, y, 64, 0.5, BLOCK=32)
+    launches = rec.kernels[0].launches
+    assert [entry[0] for entry in launches] == ["hooked", (2, 3, 1)]
+    assert launches[0][1] == (2, 3, 1)
 
 
 @pytest.mark.parametrize("change", ["int_value", "alignment", "dtype", "constexpr", "option"])
