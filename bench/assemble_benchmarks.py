@@ -8,7 +8,7 @@ import os
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 ORDER = ("summary", "attention_fwd", "i8fp8_accuracy", "attention_bwd", "train_convergence", "quantize", "decode",
-         "decode_fp8_analysis", "selector", "dispatch_overhead", "flydsl")
+         "decode_fp8_analysis", "selector", "dispatch_overhead", "launch_overhead", "flydsl")
 
 
 def main() -> None:
