@@ -11,7 +11,7 @@ from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fmha_ops.kernels.triton import launch as launch_mod
-from fmha_ops.kernels.triton.launch import CachedKernel, _spec
+from fmha_ops.kernels.triton.launch import CachedKernel, _spec, cdiv, next_pow2
 from tests.conftest import HAS_CUDA
 
 
@@ -131,6 +131,13 @@ def test_runtime_arguments_by_keyword_are_keyed_and_passed_in_order(fake):
 def test_interpreted_kernels_take_tritons_path():
     ck = CachedKernel(object())
     assert not ck._compiled
+
+
+def test_host_int_helpers_match_triton():
+    for n in [*range(0, 300), 2**20, 2**20 + 1, 2**33 + 5]:
+        assert next_pow2(n) == triton.next_power_of_2(n), n
+        for b in (1, 3, 16, 64, 128):
+            assert cdiv(n, b) == triton.cdiv(n, b), (n, b)
 
 
 @triton.jit

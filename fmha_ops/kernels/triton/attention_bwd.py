@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fmha_ops.kernels.triton.launch import launch
+from fmha_ops.kernels.triton.launch import cdiv, launch, next_pow2
 
 LOG2E = 1.4426950408889634
 
@@ -338,7 +338,7 @@ def attention_backward(do, q, k, v, out, lse, *, scale: float, causal: bool = Fa
     qk_scale = scale * LOG2E
     pre_block = 64
     delta = torch.empty(lse.shape, device=q.device, dtype=torch.float32)
-    launch(_bwd_preprocess)[(triton.cdiv(Mq, pre_block), Hq, B)](
+    launch(_bwd_preprocess)[(cdiv(Mq, pre_block), Hq, B)](
         out, do, delta, Mq, out.stride(0), out.stride(1), out.stride(2),
         do.stride(0), do.stride(1), do.stride(2), delta.stride(0), delta.stride(1),
         BLOCK_M=pre_block, HEAD_DIM_V=Dv, num_warps=4)
@@ -346,12 +346,12 @@ def attention_backward(do, q, k, v, out, lse, *, scale: float, causal: bool = Fa
     common = (bstride(q), q.stride(1), q.stride(2), bstride(k), k.stride(1), k.stride(2),
               bstride(v), v.stride(1), v.stride(2), bstride(do), do.stride(1), do.stride(2),
               bstride(lse), lse.stride(1), lse.stride(2), bstride(delta), delta.stride(1))
-    launch(_bwd_dkdv)[(triton.cdiv(max_k, cfg.block_n_kv), Hkv, nseq)](
+    launch(_bwd_dkdv)[(cdiv(max_k, cfg.block_n_kv), Hkv, nseq)](
         q, k, v, do, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *common,
         bstride(dk), dk.stride(1), dk.stride(2), bstride(dv), dv.stride(1), dv.stride(2),
         Mq, Mk, qk_scale, scale, BLOCK_M=cfg.block_m_kv, BLOCK_N=cfg.block_n_kv, NUM_STAGES=cfg.stages_kv,
         num_warps=cfg.warps_kv, **meta)
-    launch(_bwd_dq)[(triton.cdiv(max_q, cfg.block_m_q), Hq, nseq)](
+    launch(_bwd_dq)[(cdiv(max_q, cfg.block_m_q), Hq, nseq)](
         q, k, v, do, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *common,
         bstride(dq), dq.stride(1), dq.stride(2),
         Mq, Mk, qk_scale, scale, BLOCK_M=cfg.block_m_q, BLOCK_N=cfg.block_n_q, NUM_STAGES=cfg.stages_q,

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from fmha_ops.kernels.triton.launch import launch
+from fmha_ops.kernels.triton.launch import cdiv, launch, next_pow2
 from fmha_ops.quant import K_SCALE_BLOCK, Q_SCALE_BLOCK
 
 _LOG2E = 1.4426950408889634
@@ -250,15 +250,15 @@ def transpose_v(v: torch.Tensor, cu_seqlens_k=None, max_seqlen_k=None):
         lens = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
         cu_vt = torch.zeros(nseq + 1, dtype=torch.int32, device=v.device)
         cu_vt[1:] = torch.cumsum((lens + 15) // 16 * 16, 0)
-        L, rows, grid_t = triton.cdiv(Mk, 16) * 16 + 16 * nseq, nseq, triton.cdiv(max_seqlen_k, 128)
+        L, rows, grid_t = cdiv(Mk, 16) * 16 + 16 * nseq, nseq, cdiv(max_seqlen_k, 128)
     else:
-        cu_vt, L, rows, grid_t = None, triton.cdiv(Mk, 16) * 16, B, triton.cdiv(Mk, 128)
+        cu_vt, L, rows, grid_t = None, cdiv(Mk, 16) * 16, B, cdiv(Mk, 128)
     vt = torch.empty((B, Hkv, Dv, L), dtype=v.dtype, device=v.device)
     if vt.numel() == 0 or grid_t == 0:
         return vt, cu_vt
-    BD = min(64, triton.next_power_of_2(Dv))
+    BD = min(64, next_pow2(Dv))
     raw = torch.uint8 if v.element_size() == 1 else torch.int16
-    launch(_transpose_v_kernel)[(grid_t, rows * Hkv, triton.cdiv(Dv, BD))](
+    launch(_transpose_v_kernel)[(grid_t, rows * Hkv, cdiv(Dv, BD))](
         v.view(raw), vt.view(raw), cu_seqlens_k, cu_vt, Mk, Hkv, v.stride(0), v.stride(1), v.stride(2),
         vt.stride(0), vt.stride(1), vt.stride(2), DV=Dv, BLOCK_T=128, BLOCK_DV=BD, VARLEN=varlen, num_warps=4)
     return vt, cu_vt
@@ -383,11 +383,11 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
     k_block = k_descale is not None and k_descale.dim() == 3
     assert not (varlen and (q_block or k_block)), "per-block descales are not supported with varlen"
     if q_block:
-        qd, qd_sb, qd_sh = _block_descale_args(q_descale, (B, Hq, triton.cdiv(Mq, Q_SCALE_BLOCK)), Q_SCALE_BLOCK, BM)
+        qd, qd_sb, qd_sh = _block_descale_args(q_descale, (B, Hq, cdiv(Mq, Q_SCALE_BLOCK)), Q_SCALE_BLOCK, BM)
     else:
         qd, qd_sb, qd_sh = _descale_args(q_descale, device, nseq, Hkv, "q_descale")
     if k_block:
-        kd, kd_sb, kd_sh = _block_descale_args(k_descale, (B, Hkv, triton.cdiv(Mk, K_SCALE_BLOCK)), K_SCALE_BLOCK, BN)
+        kd, kd_sb, kd_sh = _block_descale_args(k_descale, (B, Hkv, cdiv(Mk, K_SCALE_BLOCK)), K_SCALE_BLOCK, BN)
     else:
         kd, kd_sb, kd_sh = _descale_args(k_descale, device, nseq, Hkv, "k_descale")
     v_chan = v_descale is not None and v_descale.dim() == 3
@@ -417,7 +417,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
         v_arg, v_strides = v, (v.stride(0), v.stride(1), v.stride(2))
 
     p_shift = 0 if not (fp8_v and pv_fp8) else (8 if v.dtype == torch.float8_e4m3fn else 7)
-    BD, BDV = triton.next_power_of_2(D), triton.next_power_of_2(Dv)
+    BD, BDV = next_pow2(D), next_pow2(Dv)
     host_desc = not varlen
     if host_desc:  # one descriptor per tensor, spanning (B, H, rows, cols); varlen needs per-sequence bounds
         Mk1 = max(Mk, 1)  # never read when Mk == 0; a descriptor needs positive sizes
@@ -429,7 +429,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
                 _desc4(out, (B, Hq, Mq, Dv), (out.stride(0), out.stride(2), out.stride(1)), (BM, BDV)))
     else:
         qkvo = (q, k, v_arg, out)
-    grid = (triton.cdiv(grid_m, BM), nseq * Hq)
+    grid = (cdiv(grid_m, BM), nseq * Hq)
     launch(_attn_fwd_kernel)[grid](
         *qkvo, lse if lse is not None else qd, qd, kd, vd,
         cu_seqlens_q if varlen else qd, cu_seqlens_k if varlen else qd, cu_vt if varlen and v_transposed else qd,

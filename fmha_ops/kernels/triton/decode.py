@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fmha_ops.kernels.triton.launch import launch
+from fmha_ops.kernels.triton.launch import cdiv, launch, next_pow2
 
 _LOG2E = 1.4426950408889634
 
@@ -160,17 +160,17 @@ def _reduce_kernel(
 
 
 def _block_m(rows: int) -> int:
-    return min(64, max(16, triton.next_power_of_2(rows)))
+    return min(64, max(16, next_pow2(rows)))
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_len: int, q_rows_per_kv_head: int,
                       sm_count: int) -> int:
     """Number of key splits: 1 when the programs fill every SM once; else about four programs
     per SM, each split at least 512 keys, at most 64 splits."""
-    programs = batch * num_kv_heads * triton.cdiv(q_rows_per_kv_head, _block_m(q_rows_per_kv_head))
+    programs = batch * num_kv_heads * cdiv(q_rows_per_kv_head, _block_m(q_rows_per_kv_head))
     if programs >= sm_count:
         return 1
-    return max(1, min(triton.cdiv(4 * sm_count, programs), max_len // 512, 64))
+    return max(1, min(cdiv(4 * sm_count, programs), max_len // 512, 64))
 
 
 def _default_config(D: int, fp8: bool, page_aligned: bool) -> tuple[int, int, int]:
@@ -225,7 +225,7 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
     vss = v_scale.stride() if fp8 else (0, 0, 0)
     bt = block_table if paged else seqlens
     bt_stride = block_table.stride(0) if paged else 0
-    grid = (B * HKV, num_splits, triton.cdiv(rows, bm))
+    grid = (B * HKV, num_splits, cdiv(rows, bm))
     if num_splits == 1:
         o_buf, l_buf = out, lse
         o_strides = (0, *out.stride()[:3])
@@ -249,6 +249,6 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
         launch(_reduce_kernel)[(B * MQ * HQ,)](
             o_buf, l_buf, out, lse, o_buf.stride(0), l_buf.stride(0),
             out.stride(0), out.stride(1), out.stride(2), *lse.stride(), HQ, MQ, num_splits,
-            S_PAD=triton.next_power_of_2(num_splits), D=D, num_warps=4,
+            S_PAD=next_pow2(num_splits), D=D, num_warps=4,
         )
     return out, lse

@@ -72,6 +72,17 @@ class CachedKernel:
         return kernel
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceil division of host ints for launch geometry (``triton.cdiv`` costs ~1 us per call on the H200 host:
+    it unwraps constexprs)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of 2 >= n for n >= 1 (0 for 0), as ``triton.next_power_of_2`` without its overhead."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 _KERNELS: dict = {}
 
 

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fmha_ops.kernels.triton.launch import launch
+from fmha_ops.kernels.triton.launch import cdiv, launch, next_pow2
 
 _ROWS = 128  # rows per v program
 _TILE = 2048  # elements per register tile: 16 per thread with 4 warps, so many programs stay resident
@@ -177,11 +177,11 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor):
     vmax (B * Hkv, NS, next_pow2(Dv)) column amax of |v|), float32; NS = 0 for an empty sequence."""
     B, Mk, Hkv, D = k.shape
     Dv = v.shape[3]
-    bd, bdv = triton.next_power_of_2(D), triton.next_power_of_2(Dv)
+    bd, bdv = next_pow2(D), next_pow2(Dv)
     step = min(_ROWS, max(8, 4 * _TILE // max(bd, bdv)))  # rows per load (8192 elements); chunks are whole steps
-    splits = min(triton.cdiv(Mk, step), _MAX_SPLITS, max(1, triton.cdiv(_STATS_PROGRAMS, B * Hkv)))
-    chunk = triton.cdiv(triton.cdiv(Mk, max(splits, 1)), step) * step
-    ns = triton.cdiv(Mk, chunk) if Mk else 0
+    splits = min(cdiv(Mk, step), _MAX_SPLITS, max(1, cdiv(_STATS_PROGRAMS, B * Hkv)))
+    chunk = cdiv(cdiv(Mk, max(splits, 1)), step) * step
+    ns = cdiv(Mk, chunk) if Mk else 0
     ksum = torch.empty((B * Hkv, ns, bd), dtype=torch.float32, device=k.device)
     vmax = torch.empty((B * Hkv, ns, bdv), dtype=torch.float32, device=k.device)
     if ns and B * Hkv:
@@ -216,16 +216,16 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_dtype: to
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1, "last dims must be contiguous"
     assert q_block & (q_block - 1) == 0 and k_block & (k_block - 1) == 0, "block sizes must be powers of 2"
     dev = q.device
-    nbq, nbk, nbv = triton.cdiv(Mq, q_block), triton.cdiv(Mk, k_block), triton.cdiv(Mk, _ROWS)
+    nbq, nbk, nbv = cdiv(Mq, q_block), cdiv(Mk, k_block), cdiv(Mk, _ROWS)
     q8 = torch.empty((B, Mq, Hq, D), dtype=qk_dtype, device=dev)
     k8 = torch.empty((B, Mk, Hkv, D), dtype=qk_dtype, device=dev)
-    v8t = torch.empty((B, Hkv, Dv, triton.cdiv(Mk, 16) * 16), dtype=v_dtype, device=dev)
+    v8t = torch.empty((B, Hkv, Dv, cdiv(Mk, 16) * 16), dtype=v_dtype, device=dev)
     qh, kh, vh = torch.empty_like(q8, dtype=q.dtype), torch.empty_like(k8, dtype=k.dtype), torch.empty(
         (B, Mk, Hkv, Dv), dtype=v.dtype, device=dev)
     qd = torch.empty((B, Hq, nbq), dtype=torch.float32, device=dev)
     kd = torch.empty((B, Hkv, nbk), dtype=torch.float32, device=dev)
     vd = (torch.empty if Mk else torch.ones)((B, Hkv, Dv), dtype=torch.float32, device=dev)
-    bd, bdv = triton.next_power_of_2(D), triton.next_power_of_2(Dv)
+    bd, bdv = next_pow2(D), next_pow2(Dv)
     ksum, vmax = kv_stats(k, v)
     ns = ksum.shape[1]
     nq, nk, nv = B * Hq * nbq, B * Hkv * nbk, B * Hkv * nbv
