@@ -139,6 +139,55 @@ def layer_rows(iters: int) -> list[dict]:
     return [{"case": f"layer: {name}", "host_us": host_us(fn, iters)} for name, fn in cases.items()]
 
 
+def autograd_rows(iters: int) -> list[dict]:
+    """Where ``autograd.grad`` spends host time on the fp8 path's node: each case times the backward called
+    directly on this thread (``node.apply``) and through ``autograd.grad`` on a graph built once (retained), for
+    ``fp8_attention`` itself and for replicas of its Function that drop one ingredient at a time."""
+    from fmha_ops import quantized as qz
+    from fmha_ops.kernels.triton.attention_bwd import attention_backward
+
+    qkv = [torch.randn(1, 64, 1, 64, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3)]
+    ones = torch.ones_like(qkv[0])
+
+    def replica(save_output: bool, dispatch: bool):
+        class Replica(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, q, k, v):
+                qkv8, descales, dequantized = qz.quantize_smooth(q, k, v, 0.125, torch.float8_e4m3fn)
+                inp, _ = qz._inputs(*qkv8, qz._causal(True), 0.0, 1.0, q.dtype, True, descales["q_descale"],
+                                    descales["k_descale"], descales["v_descale"], False)
+                out, lse = qz._forward(inp, None, True)
+                ctx.save_for_backward(*dequantized, out if save_output else out.detach().clone(), lse)
+                ctx.bias = qz._causal(True)
+                return out
+
+            @staticmethod
+            def backward(ctx, grad_out):
+                qh, kh, vh, out, lse = ctx.saved_tensors
+                if not dispatch:
+                    return attention_backward(grad_out, qh, kh, vh, out, lse, scale=0.125, causal=True)
+                inp, _ = qz._inputs(qh, kh, vh, ctx.bias, 0.0, 0.125, None, True, None, None, None, False)
+                bw = qz.SELECTOR.select(("qbw",) + inp.signature(), lambda: qz._problem(inp), "bw")
+                return bw.apply_bw(inp, out, lse, grad_out.contiguous())
+
+        return lambda: Replica.apply(*qkv)
+
+    cases = {
+        "fp8_attention": lambda: qz.fp8_attention(*qkv, causal=True),
+        "replica": replica(True, True),
+        "replica, output saved as a copy": replica(False, True),
+        "replica, backward without dispatch": replica(True, False),
+    }
+    rows = []
+    for name, make in cases.items():
+        y = make()
+        rows.append({"case": f"autograd: {name}", "node_apply_us": host_us(lambda: y.grad_fn.apply(ones), iters),
+                     "autograd_grad_us": host_us(lambda: torch.autograd.grad(y, qkv, ones, retain_graph=True),
+                                                 iters)})
+        rows[-1]["engine_us"] = rows[-1]["autograd_grad_us"] - rows[-1]["node_apply_us"]
+    return rows
+
+
 def call_rows(iters: int) -> list[dict]:
     g = torch.Generator(device="cuda").manual_seed(0)
     small = [torch.randn(1, 128, 1, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3)]
@@ -174,12 +223,14 @@ def main() -> None:
     common.print_table(launches, ["case", "args", "tensors", "triton_us", "cached_us", "runner_us"])
     layers = layer_rows(max(args.iters // 2, 50))
     common.print_table(layers, ["case", "host_us"])
+    engine = autograd_rows(max(args.iters // 2, 50))
+    common.print_table(engine, ["case", "node_apply_us", "autograd_grad_us", "engine_us"])
     calls = call_rows(max(args.iters // 5, 50))
     for r in calls:
         r["ours_over_sdpa"] = r["ours_us"] / r["sdpa_us"]
     common.print_table(calls, ["case", "ours_us", "sdpa_us", "ours_over_sdpa"])
     out = common.out_dir(args.out)
-    common.write_json(out, "launch_overhead", launches + layers + calls)
+    common.write_json(out, "launch_overhead", launches + layers + engine + calls)
     common.bar_plot(out, "launch_overhead", launches, "case", ["triton_us", "cached_us", "runner_us"], "host us",
                     "Triton launch host time (H200 host)")
 
