@@ -13,14 +13,13 @@ import argparse
 import concurrent.futures as cf
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from bench.aot import compile_sm90  # noqa: E402
+
 N, H = 4096, 32
-SMEM_PER_SM = 233472  # sm_90: 228 KiB per SM, up to 227 KiB per CTA; each CTA also reserves 1 KiB
 
 
 def _args(kernel, D, group, dtype="*bf16"):
@@ -44,10 +43,6 @@ def _args(kernel, D, group, dtype="*bf16"):
 
 def compile_one(kernel="dkdv", D=128, bm=64, bn=128, warps=8, stages=3, maxnreg=None, causal=False, group=1,
                 dump=None):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from fmha_ops.kernels.triton import attention_bwd as A
 
     fn = {"dkdv": A._bwd_dkdv, "dq": A._bwd_dq, "pre": A._bwd_preprocess}[kernel]
@@ -56,46 +51,12 @@ def compile_one(kernel="dkdv", D=128, bm=64, bn=128, warps=8, stages=3, maxnreg=
     else:
         const = {"CAUSAL": causal, "BOTTOM_RIGHT": True, "IS_VARLEN": False, "BLOCK_M": bm, "BLOCK_N": bn,
                  "HEAD_DIM": D, "HEAD_DIM_V": D, "NUM_STAGES": stages}
-    names = fn.arg_names
-    sig, consts, attrs = {}, {}, {}
-    for n, t, v in _args(kernel, D, group):
-        if v == 1 and not t.startswith("*"):
-            sig[n], consts[n] = "constexpr", 1
-        else:
-            sig[n] = t
-            if t.startswith("*") or (v is not None and v % 16 == 0):
-                attrs[(names.index(n),)] = [["tt.divisibility", 16]]
-    for n, v in const.items():
-        sig[n], consts[n] = "constexpr", v
-    assert sorted(sig) == sorted(names), set(names) ^ set(sig)
-    sig = {n: sig[n] for n in names}
-    opts = {"num_warps": warps, "num_stages": stages}
-    if maxnreg:
-        opts["maxnreg"] = maxnreg
-    k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
-    d = dump or tempfile.mkdtemp()
-    os.makedirs(d, exist_ok=True)
-    for ext, body in (("ptx", k.asm["ptx"]), ("ttgir", k.asm["ttgir"])):
-        with open(os.path.join(d, f"k.{ext}"), "w") as f:
-            f.write(body)
-    with open(os.path.join(d, "k.cubin"), "wb") as f:
-        f.write(k.asm["cubin"])
-    r = subprocess.run([os.path.join(bindir, "ptxas"), "-v", "--gpu-name", "sm_90a", os.path.join(d, "k.ptx"),
-                        "-o", os.path.join(d, "v.cubin")], capture_output=True, text=True, check=True)
-    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
-    res = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", os.path.join(d, "k.cubin")],
-                         capture_output=True, text=True, check=True).stdout
-    regs = int(re.search(r"REG:(\d+)", res).group(1))
-    smem = k.metadata.shared
-    ctas = min(65536 // (((regs + 7) // 8 * 8) * 32 * warps), SMEM_PER_SM // (smem + 1024), 32)
-    sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", os.path.join(d, "k.cubin")],
-                          capture_output=True, text=True, check=True).stdout
+    r = compile_sm90(fn, _args(kernel, D, group), const, warps=warps, stages=stages, maxnreg=maxnreg, dump=dump)
     return {
         "kernel": kernel, "D": D, "tile": "-" if kernel == "pre" else f"{bm}x{bn}", "warps": warps,
-        "stages": stages, "maxnreg": maxnreg, "causal": causal, "regs": regs,
-        "spill_st": int(spill.group(1)) if spill else -1, "spill_ld": int(spill.group(2)) if spill else -1,
-        "smem": smem, "ctas_per_sm": ctas, "sass_wgmma": len(re.findall(r"HGMMA", sass)), "dump": d,
+        "stages": stages, "maxnreg": maxnreg, "causal": causal, "regs": r["regs"], "spill_st": r["spill_st"],
+        "spill_ld": r["spill_ld"], "smem": r["smem"], "ctas_per_sm": r["ctas_per_sm"],
+        "sass_wgmma": len(re.findall(r"HGMMA", r["sass"])), "dump": r["dump"],
     }
 
 

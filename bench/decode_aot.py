@@ -11,9 +11,7 @@ import collections
 import importlib.util
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 p = argparse.ArgumentParser()
 p.add_argument("repo")
@@ -32,9 +30,10 @@ p.add_argument("--partial", action="store_true")
 a = p.parse_args()
 
 sys.path.insert(0, a.repo)
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import triton  # noqa: E402
+
+from bench.aot import compile_sm90, opcodes, sass_instructions, sass_loops  # noqa: E402
 
 spec = importlib.util.spec_from_file_location("dec", os.path.join(a.repo, "fmha_ops/kernels/triton/decode.py"))
 mod = importlib.util.module_from_spec(spec)
@@ -67,72 +66,20 @@ const = {"G": G, "MQ": 1, "D": D, "BLOCK_M": bm, "BLOCK_N": a.bn, "PAGE_SIZE": P
 for e in a.extra:
     k, v = e.split("=")
     const[k] = eval(v)
-names = fn.arg_names
-sig, consts, attrs = {}, {}, {}
-for n, t, v in args:
-    if v == 1 and not t.startswith("*"):
-        sig[n] = "constexpr"; consts[n] = 1
-    else:
-        sig[n] = t
-        if t.startswith("*") or (v is not None and v % 16 == 0):
-            attrs[(names.index(n),)] = [["tt.divisibility", 16]]
-for k, v in const.items():
-    sig[k] = "constexpr"; consts[k] = v
-missing = [n for n in names if n not in sig]
-assert not missing, missing
-sig = {n: sig[n] for n in names}
-opts = {"num_warps": a.warps, "num_stages": a.stages}
-if a.maxnreg:
-    opts["maxnreg"] = a.maxnreg
-k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
-bindir = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
-d = a.dump or tempfile.mkdtemp()
-os.makedirs(d, exist_ok=True)
-with open(os.path.join(d, "k.ptx"), "w") as f:
-    f.write(k.asm["ptx"])
-with open(os.path.join(d, "k.ttgir"), "w") as f:
-    f.write(k.asm["ttgir"])
-with open(os.path.join(d, "k.cubin"), "wb") as f:
-    f.write(k.asm["cubin"])
-r = subprocess.run([os.path.join(bindir, "ptxas"), "-v", "--gpu-name", "sm_90a", os.path.join(d, "k.ptx"), "-o", os.path.join(d, "v.cubin")], capture_output=True, text=True, check=True)
-info = " ".join(l.strip() for l in r.stderr.splitlines() if "Used" in l or "spill" in l)
-sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", os.path.join(d, "k.cubin")], capture_output=True, text=True, check=True).stdout
-with open(os.path.join(d, "k.sass"), "w") as f:
-    f.write(sass)
-ins = []
-for line in sass.splitlines():
-    m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
-    if m:
-        ins.append((int(m.group(1), 16), m.group(2).strip()))
-addr_idx = {ad: i for i, (ad, _) in enumerate(ins)}
-best = None
-for i, (ad, txt) in enumerate(ins):
-    m = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)|)\s*`?\(?\.?L?_?x?_?\d*\)?\s*", txt)
-    mm = re.search(r"BRA.*?0x([0-9a-f]+)", txt)
-    if "BRA" in txt and mm:
-        tgt = int(mm.group(1), 16)
-        if tgt < ad and tgt in addr_idx:
-            n = i - addr_idx[tgt] + 1
-            if best is None or n > best[0]:
-                best = (n, addr_idx[tgt], i)
-n_loop = best[0] if best else -1
-res = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", os.path.join(d, "k.cubin")], capture_output=True, text=True, check=True).stdout
-regs = int(re.search(r"REG:(\d+)", res).group(1))
-info = f"cubin REG {regs}; ptxas: " + info
-smem = k.metadata.shared
-ctas = min(65536 // (regs * 32 * a.warps) if regs else 99, (233472 - 1024) // (smem + 1024) if smem else 32, 32)
-ctas = min(65536 // (((regs + 7) // 8 * 8) * 32 * a.warps), (233472) // (smem + 1024), 32)
-print(f"regs/spill: {info}")
-print(f"smem {smem} B, CTAs/SM {ctas} (warps/scheduler {ctas * a.warps / 4:.1f}), loop {n_loop} SASS, "
-      f"warp-instr/key {n_loop * a.warps / a.bn:.1f}")
-if best:
-    loop = [t for _, t in ins[best[1]:best[2] + 1]]
-    ops = collections.Counter(t.split()[0] if not t.startswith("@") else t.split()[1] for t in loop)
-    base = collections.Counter()
-    for o, c in ops.items():
-        base[o.split(".")[0]] += c
-    key = ["LDS", "LDSM", "STS", "LDGSTS", "LDG", "HGMMA", "QGMMA", "WARPGROUP", "BAR", "SHFL", "MUFU", "F2FP", "FFMA", "FMUL", "FADD", "FMNMX", "PRMT", "I2F", "F2I", "IMAD", "SYNCS", "WARPSYNC", "DEPBAR", "FSEL", "SEL", "FSETP", "ISETP"]
+r = compile_sm90(fn, args, const, warps=a.warps, stages=a.stages, maxnreg=a.maxnreg, dump=a.dump)
+loops = sass_loops(sass_instructions(r["sass"]))
+loop = max(loops, key=len) if loops else []
+n_loop = len(loop) if loop else -1
+print(f"regs/spill: cubin REG {r['regs']}; spill stores {r['spill_st']} B, loads {r['spill_ld']} B")
+print(f"smem {r['smem']} B, CTAs/SM {r['ctas_per_sm']} (warps/scheduler {r['ctas_per_sm'] * a.warps / 4:.1f}), "
+      f"loop {n_loop} SASS, warp-instr/key {n_loop * a.warps / a.bn:.1f}")
+if loop:
+    base = opcodes(loop)
+    key = ["LDS", "LDSM", "STS", "LDGSTS", "LDG", "HGMMA", "QGMMA", "WARPGROUP", "BAR", "SHFL", "MUFU", "F2FP", "FFMA",
+           "FMUL", "FADD", "FMNMX", "PRMT", "I2F", "F2I", "IMAD", "SYNCS", "WARPSYNC", "DEPBAR", "FSEL", "SEL", "FSETP",
+           "ISETP"]
     print("  " + " ".join(f"{x}:{base[x]}" for x in key if base[x]))
-    print("  LDS.U8:", sum(c for o, c in ops.items() if o.startswith(("LDS.U8", "LDS.S8"))))
+    print("  LDS.U8:", sum(1 for t in loop if re.search(r"\bLDS\.(U8|S8)", t)))
     if a.hist:
-        print(sorted(ops.items(), key=lambda x: -x[1]))
+        full = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in loop)
+        print(sorted(full.items(), key=lambda x: -x[1]))
