@@ -21,8 +21,6 @@ before the fp8 cast (small probabilities stay normal e4m3 numbers) and the shift
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -65,7 +63,6 @@ def _softmax(s, m_i, l_i, qk_scale, start_n, seqlen_k, diag, offs_m,
         alpha = gl.exp2(m_i - m_new)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, m_new, l_i, alpha
-
 
 
 @gluon.jit
@@ -244,24 +241,12 @@ def default_config(head_dim: int, causal: bool) -> dict:
     return {"block_m": 64, "block_n": 64, "stages": 2}
 
 
-class _Launch(NamedTuple):
-    """Host-side pieces of a launch: validated sizes, descales, outputs, V^T (None if empty)."""
+def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=None, k_descale=None,
+                      v_descale=None, return_lse: bool = False, block_m=None, block_n=None, stages=None, out=None):
+    """fp8 attention forward on Hopper (see the module docstring for shapes, dtypes and layouts).
 
-    B: int
-    Mq: int
-    Mk: int
-    Hq: int
-    Hkv: int
-    D: int
-    descales: tuple  # (qd, kd, vd, qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh)
-    out: torch.Tensor
-    lse: torch.Tensor | None
-    vt: torch.Tensor | None
-
-
-def prepare_launch(q, k, v, q_descale, k_descale, v_descale, return_lse: bool, out) -> _Launch:
-    """Validate q/k/v, build descale arguments and outputs, transpose V; empty problems are finished here
-    (out = 0, lse = -inf) and come back with ``vt`` None."""
+    Returns (out bf16 (B, Mq, Hq, D), lse float32 (B, Hq, Mq) natural log, or None).
+    """
     B, Mq, Hq, D = q.shape
     _, Mk, Hkv, Dv = v.shape
     assert k.shape == v.shape and k.shape[0] == B and k.shape[3] == D and Dv == D, "q/k/v shapes disagree"
@@ -271,6 +256,10 @@ def prepare_launch(q, k, v, q_descale, k_descale, v_descale, return_lse: bool, o
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1, "last dim must be contiguous"
     assert all(s % 16 == 0 for t in (q, k) for s in t.stride()[:3]), "q/k strides must be multiples of 16 (TMA)"
     device = q.device
+    cfg = default_config(D, causal)
+    BN = block_n or cfg["block_n"]
+    ST = stages or cfg["stages"]
+    assert ST >= 2, "the K/V rings need at least 2 stages"
     qd, qd_sb, qd_sh = _descale_args(q_descale, device, B, Hkv, "q_descale")
     kd, kd_sb, kd_sh = _descale_args(k_descale, device, B, Hkv, "k_descale")
     vd, vd_sb, vd_sh = _descale_args(v_descale, device, B, Hkv, "v_descale")
@@ -279,55 +268,27 @@ def prepare_launch(q, k, v, q_descale, k_descale, v_descale, return_lse: bool, o
     else:
         assert out.shape == (B, Mq, Hq, D) and out.dtype == torch.bfloat16 and out.stride(-1) == 1
     lse = torch.empty((B, Hq, Mq), dtype=torch.float32, device=device) if return_lse else None
-    vt = None
     if out.numel() == 0 or Mk == 0:
         out.zero_()
         if lse is not None:
             lse.fill_(float("-inf"))
-    else:
-        _ensure_allocator()
-        vt, _ = transpose_v(v)
-    return _Launch(B, Mq, Mk, Hq, Hkv, D, (qd, kd, vd, qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh), out, lse, vt)
-
-
-def kernel_args(q, k, L: _Launch, scale: float) -> tuple:
-    """The kernel's runtime arguments, in their order (see ``AOT_SIGNATURE``)."""
-    qd, kd, vd, *descale_strides = L.descales
-    lse, out, vt = L.lse, L.out, L.vt
-    return (q, k, vt, out, lse if lse is not None else qd, qd, kd, vd, scale * _LOG2E,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            vt.stride(0), vt.stride(1), vt.stride(2), out.stride(0), out.stride(1), out.stride(2),
-            lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
-            *descale_strides, L.Mq, L.Mk, L.Hq, L.Hq // L.Hkv)
-
-
-_I32_ARGS = ("stride_qb", "stride_qm", "stride_qh", "stride_kb", "stride_km", "stride_kh", "stride_vb", "stride_vh",
-             "stride_vd", "stride_ob", "stride_om", "stride_oh", "stride_lb", "stride_lh",
-             "qd_sb", "qd_sh", "kd_sb", "kd_sh", "vd_sb", "vd_sh", "Mq", "Mk", "Hq", "GROUP")
-AOT_SIGNATURE = {"Q": "*fp8e4nv", "K": "*fp8e4nv", "VT": "*fp8e4nv", "Out": "*bf16", "Lse": "*fp32", "QD": "*fp32",
-                 "KD": "*fp32", "VD": "*fp32", "sm_scale_log2": "fp32", **dict.fromkeys(_I32_ARGS, "i32")}
-
-
-def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=None, k_descale=None,
-                      v_descale=None, return_lse: bool = False, block_m=None, block_n=None, stages=None, out=None):
-    """fp8 attention forward on Hopper (see the module docstring for shapes, dtypes and layouts).
-
-    Returns (out bf16 (B, Mq, Hq, D), lse float32 (B, Hq, Mq) natural log, or None).
-    """
-    cfg = default_config(q.shape[3], causal)
-    BN = block_n or cfg["block_n"]
-    ST = stages or cfg["stages"]
-    assert ST >= 2, "the K/V rings need at least 2 stages"
-    L = prepare_launch(q, k, v, q_descale, k_descale, v_descale, return_lse, out)
-    if L.vt is None:
-        return L.out, L.lse
+        return out, lse
     BM = block_m or cfg["block_m"]  # 64 rows per warpgroup
-    _attn_fwd_kernel[(triton.cdiv(L.Mq, BM), L.B * L.Hq)](
-        *kernel_args(q, k, L, scale),
-        HEAD_D=L.D, BLOCK_M=BM, BLOCK_N=BN, STAGES=ST, CAUSAL=causal, WRITE_LSE=return_lse, P_SHIFT=8,
+    _ensure_allocator()
+    vt, _ = transpose_v(v)
+    _attn_fwd_kernel[(triton.cdiv(Mq, BM), B * Hq)](
+        q, k, vt, out, lse if lse is not None else qd, qd, kd, vd, scale * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        vt.stride(0), vt.stride(1), vt.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
+        qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh,
+        Mq, Mk, Hq, Hq // Hkv,
+        HEAD_D=D, BLOCK_M=BM, BLOCK_N=BN, STAGES=ST, CAUSAL=causal, WRITE_LSE=return_lse, P_SHIFT=8,
         num_warps=BM // 16,
     )
-    return L.out, L.lse
+    return out, lse
 
 
 def compile_sm90(head_dim=128, block_n=128, stages=2, causal=False, write_lse=False, block_m=64):
@@ -337,6 +298,11 @@ def compile_sm90(head_dim=128, block_n=128, stages=2, causal=False, write_lse=Fa
 
     const = {"HEAD_D": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages, "CAUSAL": causal,
              "WRITE_LSE": write_lse, "P_SHIFT": 8, "num_warps": block_m // 16}
-    sig = {**AOT_SIGNATURE, **dict.fromkeys(const, "constexpr")}
+    i32 = ("stride_qb", "stride_qm", "stride_qh", "stride_kb", "stride_km", "stride_kh", "stride_vb", "stride_vh",
+           "stride_vd", "stride_ob", "stride_om", "stride_oh", "stride_lb", "stride_lh",
+           "qd_sb", "qd_sh", "kd_sb", "kd_sh", "vd_sb", "vd_sh", "Mq", "Mk", "Hq", "GROUP")
+    sig = {"Q": "*fp8e4nv", "K": "*fp8e4nv", "VT": "*fp8e4nv", "Out": "*bf16", "Lse": "*fp32", "QD": "*fp32",
+           "KD": "*fp32", "VD": "*fp32", "sm_scale_log2": "fp32", **dict.fromkeys(i32, "i32"),
+           **dict.fromkeys(const, "constexpr")}
     src = GluonASTSource(_attn_fwd_kernel, sig, constexprs={(list(sig).index(n),): v for n, v in const.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": block_m // 16})
