@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fmha_ops.kernels.triton.launch import cdiv, launch, next_pow2
+from fmha_ops.kernels.triton.launch import cdiv, launch
 
 LOG2E = 1.4426950408889634
 
