@@ -167,6 +167,36 @@ def _fp8_inputs(kind, B, Mq, Mk, Hq, Hkv, D, dtype=FP8, seed=0):
     return quantize_qkv_fp8(q, k, v, dtype)
 
 
+def test_scratch_allocator_is_set_per_thread_and_keeps_a_callers():
+    """Device-made TMA descriptors (varlen) need Triton's scratch allocator, which lives in a ContextVar: every
+    thread that launches (the autograd engine's, a data loader's) must get it, and one a caller set stays."""
+    import contextvars
+    import threading
+
+    from triton.runtime import _allocation
+
+    from fmha_ops.kernels.triton.attention_fwd import _ensure_allocator, _scratch
+
+    def allocator_after_ensure():
+        _ensure_allocator()
+        return _allocation._allocator.get()
+
+    assert contextvars.copy_context().run(allocator_after_ensure) is _scratch
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(contextvars.copy_context().run(allocator_after_ensure)))
+    contextvars.copy_context().run(allocator_after_ensure)  # set in this context first, then a new thread
+    thread.start()
+    thread.join()
+    assert seen == [_scratch]
+
+    def callers_allocator_kept():
+        mine = lambda size, align, stream: None  # noqa: E731
+        _allocation._allocator.set(mine)
+        return allocator_after_ensure() is mine
+
+    assert contextvars.copy_context().run(callers_allocator_kept)
+
+
 @pytest.mark.parametrize("kind,vt", [("normal", False), ("transformer_like", True)])
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, pytest.param(torch.float8_e4m3fnuz, marks=pytest.mark.skipif(
     DEVICE == "cuda", reason="e4m3fnuz is an AMD format: Triton rejects it on NVIDIA (so does the op)"))])

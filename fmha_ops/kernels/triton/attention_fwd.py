@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import _allocation
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fmha_ops.kernels.triton.launch import cdiv, launch, next_pow2
@@ -266,7 +267,6 @@ def transpose_v(v: torch.Tensor, cu_seqlens_k=None, max_seqlen_k=None):
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 _ONES: dict = {}
-_ALLOCATOR_SET = False
 
 
 def _ones(device: torch.device) -> torch.Tensor:
@@ -276,12 +276,16 @@ def _ones(device: torch.device) -> torch.Tensor:
     return t
 
 
+def _scratch(size: int, align: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
 def _ensure_allocator() -> None:
-    """Device-side TMA descriptors need a global scratch allocator (128 B per descriptor)."""
-    global _ALLOCATOR_SET
-    if not _ALLOCATOR_SET:
-        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-        _ALLOCATOR_SET = True
+    """Device-side TMA descriptors need a global scratch allocator (128 B per descriptor). Triton keeps it in a
+    ContextVar, so each thread (the autograd engine's, a data loader's) starts without one: set ours where none
+    is set; an allocator the caller set is kept."""
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)
 
 
 def default_config(head_dim: int, causal: bool) -> dict:
@@ -406,7 +410,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
         if lse is not None:
             lse.fill_(float("-inf"))
         return out, lse
-    if device.type == "cuda":
+    if varlen and device.type == "cuda":  # only varlen programs make their descriptors on the device
         _ensure_allocator()
     if v_keys:
         v_arg, v_strides, cu_vt = v, (v.stride(0), v.stride(3), v.stride(2)), None
