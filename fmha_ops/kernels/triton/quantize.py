@@ -12,8 +12,9 @@ the quantized forward attends to (for the straight-through backward):
    attention kernel needs no separate transpose.
 
 Every element is read from memory once (k and v twice: stats, then quantize; a per-block amax reads its
-block a second time from cache) and written once narrow and once in the input dtype. int8 rounds half away from zero; fp8 saturates to the format's max and rounds to
-nearest even. Descales: amax / qmax (1 for an all-zero group).
+block a second time from cache) and written once narrow and once in the input dtype. int8 rounds half away
+from zero; fp8 saturates to the format's max and rounds to nearest even. Descales: amax / qmax (1 for an
+all-zero group).
 """
 from __future__ import annotations
 
