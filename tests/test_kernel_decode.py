@@ -174,6 +174,24 @@ def test_choose_num_splits():
     assert choose_num_splits(8, 8, 32768, 4, 132) > 1
 
 
+def test_choose_num_splits_latency_bound_waves():
+    """fp8 KV (resident programs per SM given): splits fill whole waves of resident programs."""
+    from fmha_ops.kernels.triton.decode import choose_num_splits, resident_programs
+
+    assert resident_programs(128, False) is None and resident_programs(128, True) == 2
+    # 512 programs on 132 x 2 slots are 1.94 waves: no split helps
+    assert choose_num_splits(64, 8, 4096, 4, 132, resident_programs(128, True)) == 1
+    # 512 programs on 132 x 3 slots are 1.3 waves (2 launched); 3 splits make 3.9 waves of thirds
+    assert choose_num_splits(64, 8, 4096, 4, 132, resident_programs(64, True)) == 3
+    # 64 programs: 4 splits fill one wave of 264; 9 (the bandwidth rule) would need 3 waves of ninths
+    assert choose_num_splits(8, 8, 32768, 4, 132) == 9
+    assert choose_num_splits(8, 8, 32768, 4, 132, 2) == 4
+    assert choose_num_splits(1, 8, 600, 8, 132, 2) == 1  # too short to split
+    for B, L, D in ((1, 131072, 128), (3, 5000, 256), (200, 70000, 64)):
+        s = choose_num_splits(B, 8, L, 4, 132, resident_programs(D, True))
+        assert 1 <= s <= min(64, max(1, L // 512))
+
+
 # ---------------------------------------------------------------- GPU, real sizes
 
 GPU_REL = {torch.bfloat16: 8e-3, torch.float16: FP16_REL}

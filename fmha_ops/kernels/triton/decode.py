@@ -5,6 +5,7 @@ One program handles one (sequence, KV head, key split, row block). Its rows are 
 byte of a split is read once per row block. K/V are bf16/fp16 like ``q``, or fp8 e4m3 with
 a float32 scale per token and KV head: the K scale multiplies the columns of ``q @ k^T``
 and the V scale the columns of ``P`` before ``P @ v``, so dequantization costs no extra pass.
+On NVIDIA sm89+ the fp8 V tile is converted to fp16 in its load layout (see ``_e4m3_to_f16``).
 
 With ``num_splits == 1`` the decoder writes the final output and LSE. Otherwise each
 split writes a float32 partial output (normalized) and its LSE into a workspace whose size
@@ -13,6 +14,7 @@ weights. Each sequence's keys are cut into ``num_splits`` equal chunks of its ow
 """
 from __future__ import annotations
 
+import functools
 
 import torch
 import triton
@@ -21,6 +23,21 @@ import triton.language as tl
 from fmha_ops.kernels.triton.launch import cdiv, launch, next_pow2
 
 _LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _e4m3_to_f16(x, ASM: tl.constexpr):
+    """fp8 e4m3 -> fp16, exact. ``ASM``: the packed ``cvt.rn.f16x2.e4m3x2`` as impure inline asm, which Triton
+    cannot hoist past the layout change into the mma operand: the tile is then converted in its load layout
+    (16-byte shared loads) and reaches the operand through ldmatrix, instead of being gathered one byte per
+    shared load in the operand layout (V's reduction dim, the keys, is not contiguous). For K (reduction dim
+    D contiguous) the hoisted plain conversion is faster. bench/results/decode.md step 7."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 a<2>; mov.b32 {a0, a1}, $2; cvt.rn.f16x2.e4m3x2 $0, a0; cvt.rn.f16x2.e4m3x2 $1, a1; }",
+            "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
+    else:
+        return x.to(tl.float16)
 
 
 @triton.jit
@@ -39,6 +56,7 @@ def _decode_kernel(
     G: tl.constexpr, MQ: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, FP8: tl.constexpr, PARTIAL: tl.constexpr,
+    ASM_CVT: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -112,7 +130,7 @@ def _decode_kernel(
             v_max = tl.max(vs, 0)
             v_max = tl.where(v_max > 0.0, v_max, 1.0)
             pv = (p * (vs / v_max)[None, :]).to(tl.float16)
-            acc = acc * alpha[:, None] + tl.dot(pv, v.to(tl.float16)) * v_max
+            acc = acc * alpha[:, None] + tl.dot(pv, _e4m3_to_f16(v, ASM_CVT)) * v_max
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
         m_i = m_new
@@ -159,18 +177,43 @@ def _reduce_kernel(
     tl.store(LSE + b * stride_lb + h * stride_lh + i * stride_lm, lse)
 
 
+@functools.cache
+def _asm_cvt(device: torch.device) -> bool:
+    """Whether ``_e4m3_to_f16`` may use inline asm: compiled (not interpreted) for an NVIDIA GPU of sm89+."""
+    return (isinstance(_decode_kernel, triton.runtime.JITFunction) and device.type == "cuda"
+            and torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
 def _block_m(rows: int) -> int:
     return min(64, max(16, next_pow2(rows)))
 
 
+def resident_programs(head_dim: int, kv_fp8: bool) -> int | None:
+    """Programs of the default fp8-KV config resident per SM on sm90 (registers and shared memory from
+    ``bench/decode_aot.py``, <= 16 query rows per KV head): the fp8 kernel is latency bound, so its time
+    follows waves of resident programs. None for bf16/fp16 KV, which is bandwidth bound."""
+    if not kv_fp8:
+        return None
+    return 2 if 64 < head_dim <= 128 else 3
+
+
 def choose_num_splits(batch: int, num_kv_heads: int, max_len: int, q_rows_per_kv_head: int,
-                      sm_count: int) -> int:
-    """Number of key splits: 1 when the programs fill every SM once; else about four programs
-    per SM, each split at least 512 keys, at most 64 splits."""
+                      sm_count: int, resident: int | None = None) -> int:
+    """Number of key splits (each at least 512 keys, at most 64).
+
+    ``resident=None`` (bandwidth-bound kernel): 1 when the programs fill every SM once, else about four
+    programs per SM. ``resident`` programs per SM (latency-bound kernel, ``resident_programs``): the time
+    is modelled as waves of ``sm_count * resident`` programs, each as long as its split, and the fewest
+    splits within 5% of the best are taken (B=64 x 8 KV heads at D=64: 512 programs fill 1.3 waves of
+    396 slots, so 3 splits run 4 full waves of thirds)."""
     programs = batch * num_kv_heads * cdiv(q_rows_per_kv_head, _block_m(q_rows_per_kv_head))
-    if programs >= sm_count:
-        return 1
-    return max(1, min(cdiv(4 * sm_count, programs), max_len // 512, 64))
+    most = max(1, min(max_len // 512, 64))
+    if resident is None:
+        return 1 if programs >= sm_count else min(cdiv(4 * sm_count, programs), most)
+    slots = sm_count * resident
+    cost = [cdiv(programs * s, slots) / s for s in range(1, most + 1)]
+    best = min(cost)
+    return next(s for s, c in enumerate(cost, 1) if c <= 1.05 * best)
 
 
 def _default_config(D: int, fp8: bool, page_aligned: bool) -> tuple[int, int, int]:
@@ -243,7 +286,7 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
         *kss, *vss, bt_stride, *o_strides, *l_strides,
         scale * _LOG2E, HKV, num_splits,
         G=G, MQ=MQ, D=D, BLOCK_M=bm, BLOCK_N=bn, PAGE_SIZE=page_size, PAGED=paged, FP8=fp8,
-        PARTIAL=num_splits > 1, num_warps=nw, num_stages=ns,
+        PARTIAL=num_splits > 1, ASM_CVT=fp8 and _asm_cvt(q.device), num_warps=nw, num_stages=ns,
     )
     if num_splits > 1:
         launch(_reduce_kernel)[(B * MQ * HQ,)](
