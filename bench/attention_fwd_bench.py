@@ -157,6 +157,7 @@ def sweep(out, dims=(64, 128, 256), shape=None):
 
 
 def cfg_for(best, D, causal):
+    """The sweep's best config for (D, causal), else {} (the kernel's own default for the shape)."""
     return best.get((D, causal)) or best.get((D, False)) or {}
 
 
@@ -171,7 +172,8 @@ def speed_table(out, best, quick):
         qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
         gqa = Hq != Hkv
         f = lambda ms: tflops(B, Hq, N, D, causal, ms) if ms else None  # noqa: E731
-        row = dict(shape=f"{B}x{Hq}/{Hkv}x{N}x{D}{' causal' if causal else ''}", cfg=json.dumps(cfg))
+        row = dict(shape=f"{B}x{Hq}/{Hkv}x{N}x{D}{' causal' if causal else ''}",
+                   cfg=json.dumps(cfg or default_config(D, causal, N)))
         row["fp8"] = f(_safe(lambda: time_ms(lambda: attention_forward(
             q8, k8, v8, scale=D ** -0.5, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, **cfg))))
         if gluon is not None:
@@ -281,9 +283,6 @@ def main():
     best = {}
     if args.sweep:
         best = _safe(lambda: sweep(out)) or {}
-    for D in (64, 128, 256):
-        for c in (False, True):
-            best.setdefault((D, c), default_config(D, c))
     rows, cols = speed_table(out, best, args.quick)
     head = (f"date {env['date']}, GPU {env.get('gpu')}, torch {env['torch']}, triton {env['triton']}, "
             f"CUDA {env['cuda']}\n\n")

@@ -288,14 +288,15 @@ def _ensure_allocator() -> None:
         triton.set_allocator(_scratch)
 
 
-def default_config(head_dim: int, causal: bool) -> dict:
-    """Tile sizes and launch options per head dim, from the H200 sweep in bench/results/attention_fwd.md.
+def default_config(head_dim: int, causal: bool, seqlen_k: int = 0) -> dict:
+    """Tile sizes and launch options per head dim, from the H200 sweeps in bench/results/attention_fwd.md.
 
     One warpgroup per program (4 warps, BLOCK_M 64) lets two programs share an SM, which overlaps one's
-    softmax with the other's MMAs; 8-warp BLOCK_M 128 tiles measured 20% slower.
+    softmax with the other's MMAs; 8-warp BLOCK_M 128 tiles measured 20% slower. Causal at head dim <= 128
+    takes 64-key tiles below 4096 keys (``seqlen_k``), where the masked diagonal tiles weigh more (step 13).
     """
     if head_dim <= 128:
-        return dict(block_m=64, block_n=64 if causal else 128, num_warps=4, num_stages=3)
+        return dict(block_m=64, block_n=64 if causal and seqlen_k < 4096 else 128, num_warps=4, num_stages=3)
     return dict(block_m=64, block_n=64, num_warps=4, num_stages=3)
 
 
@@ -374,7 +375,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
         nseq = B
         grid_m = Mq
     device = q.device
-    cfg = default_config(max(D, Dv), causal)
+    cfg = default_config(max(D, Dv), causal, (max_seqlen_k or 0) if varlen else Mk)
     BM = block_m or cfg["block_m"]
     BN = block_n or cfg["block_n"]
     if v_transposed is None:
