@@ -149,10 +149,11 @@ def autograd_rows(iters: int) -> list[dict]:
     qkv = [torch.randn(1, 64, 1, 64, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3)]
     ones = torch.ones_like(qkv[0])
 
-    def replica(save_output: bool, dispatch: bool):
+    def replica(save_output: bool, dispatch: bool, extra_inputs: bool = False):
         class Replica(torch.autograd.Function):
             @staticmethod
-            def forward(ctx, q, k, v):
+            def forward(ctx, *args):
+                q, k, v = args[-3:]
                 qkv8, descales, dequantized = qz.quantize_smooth(q, k, v, 0.125, torch.float8_e4m3fn)
                 inp, _ = qz._inputs(*qkv8, qz._causal(True), 0.0, 1.0, q.dtype, True, descales["q_descale"],
                                     descales["k_descale"], descales["v_descale"], False)
@@ -165,11 +166,15 @@ def autograd_rows(iters: int) -> list[dict]:
             def backward(ctx, grad_out):
                 qh, kh, vh, out, lse = ctx.saved_tensors
                 if not dispatch:
-                    return attention_backward(grad_out, qh, kh, vh, out, lse, scale=0.125, causal=True)
-                inp, _ = qz._inputs(qh, kh, vh, ctx.bias, 0.0, 0.125, None, True, None, None, None, False)
-                bw = qz.SELECTOR.select(("qbw",) + inp.signature(), lambda: qz._problem(inp), "bw")
-                return bw.apply_bw(inp, out, lse, grad_out.contiguous())
+                    grads = attention_backward(grad_out, qh, kh, vh, out, lse, scale=0.125, causal=True)
+                else:
+                    inp, _ = qz._inputs(qh, kh, vh, ctx.bias, 0.0, 0.125, None, True, None, None, None, False)
+                    bw = qz.SELECTOR.select(("qbw",) + inp.signature(), lambda: qz._problem(inp), "bw")
+                    grads = bw.apply_bw(inp, out, lse, grad_out.contiguous())
+                return (None, None, None, None, *grads) if extra_inputs else grads
 
+        if extra_inputs:  # fp8_attention's own signature: four non-tensor inputs before q, k, v
+            return lambda: Replica.apply(torch.float8_e4m3fn, qz._causal(True), None, None, *qkv)
         return lambda: Replica.apply(*qkv)
 
     cases = {
@@ -177,6 +182,8 @@ def autograd_rows(iters: int) -> list[dict]:
         "replica": replica(True, True),
         "replica, output saved as a copy": replica(False, True),
         "replica, backward without dispatch": replica(True, False),
+        "replica, fp8_attention's signature": replica(True, True, True),
+        "fp8_attention, timed again last": lambda: qz.fp8_attention(*qkv, causal=True),
     }
     rows = []
     for name, make in cases.items():
