@@ -130,7 +130,7 @@ def run_shape(spec: dict) -> dict:
     variants.append(("fp8", k8, v8, ks, vs, nbytes_bf16 // 2 + 2 * B * Hkv * L * 4))
     for kv, kc, vc, ksc, vsc, nbytes in variants:
         splits = spec.get("splits") or choose_num_splits(B, Hkv, per_seq * ps, Hq // Hkv, sm,
-                                                         resident_programs(D, kv == "fp8"))
+                                                         resident_programs(D, kv == "fp8", Hq // Hkv))
         row[f"{kv}_splits"] = splits
 
         def call(splits=splits, **cfg):

@@ -109,6 +109,15 @@ def test_pages_and_splits(page_size, num_splits):
     check(q, kw, k, v, rel=FP16_REL, num_splits=num_splits)
 
 
+@pytest.mark.parametrize("fp8", [None, torch.float8_e4m3fn])
+@pytest.mark.parametrize("block_n,num_splits", [(16, 1), (32, 1), (16, 3)])
+def test_page_aligned_tiles(fp8, block_n, num_splits):
+    """Pages a multiple of BLOCK_N: one page id per tile, loaded a tile ahead (shuffled pages, several per
+    sequence, a split boundary inside a page)."""
+    q, kw, k, v = make_case(3, 1, 4, 2, 32, [150, 1, 64], page_size=32, fp8=fp8, seed=9)
+    check(q, kw, k, v, rel=FP16_REL, num_splits=num_splits, block_n=block_n)
+
+
 @pytest.mark.parametrize("G", range(1, 17))
 def test_gqa_ratios_and_q_lengths(G):
     MQ = (7 * G) % 16 + 1  # every Mq in 1..16 once over the 16 ratios
@@ -178,17 +187,19 @@ def test_choose_num_splits_latency_bound_waves():
     """fp8 KV (resident programs per SM given): splits fill whole waves of resident programs."""
     from fmha_ops.kernels.triton.decode import choose_num_splits, resident_programs
 
-    assert resident_programs(128, False) is None and resident_programs(128, True) == 2
-    # 512 programs on 132 x 2 slots are 1.94 waves: no split helps
-    assert choose_num_splits(64, 8, 4096, 4, 132, resident_programs(128, True)) == 1
+    assert resident_programs(128, False, 4) is None
+    assert resident_programs(128, True, 4) == 4 and resident_programs(256, True, 4) == 3
+    assert resident_programs(128, True, 64) == 2  # 64-row blocks: four-warp programs
+    # 512 programs on 132 x 4 slots: one wave, no split helps
+    assert choose_num_splits(64, 8, 4096, 4, 132, resident_programs(128, True, 4)) == 1
     # 512 programs on 132 x 3 slots are 1.3 waves (2 launched); 3 splits make 3.9 waves of thirds
-    assert choose_num_splits(64, 8, 4096, 4, 132, resident_programs(64, True)) == 3
+    assert choose_num_splits(64, 8, 4096, 4, 132, resident_programs(256, True, 4)) == 3
     # 64 programs: 4 splits fill one wave of 264; 9 (the bandwidth rule) would need 3 waves of ninths
     assert choose_num_splits(8, 8, 32768, 4, 132) == 9
     assert choose_num_splits(8, 8, 32768, 4, 132, 2) == 4
     assert choose_num_splits(1, 8, 600, 8, 132, 2) == 1  # too short to split
-    for B, L, D in ((1, 131072, 128), (3, 5000, 256), (200, 70000, 64)):
-        s = choose_num_splits(B, 8, L, 4, 132, resident_programs(D, True))
+    for B, L, D, rows in ((1, 131072, 128, 8), (3, 5000, 256, 4), (200, 70000, 64, 64)):
+        s = choose_num_splits(B, 8, L, rows, 132, resident_programs(D, True, rows))
         assert 1 <= s <= min(64, max(1, L // 512))
 
 

@@ -119,7 +119,7 @@ class _DecodeOp(AttentionFwOp):
         from ..kernels.triton.decode import choose_num_splits, resident_programs
 
         sms = sm_count(_arch(device)) if device.type == "cuda" else 132
-        return choose_num_splits(p_batch, hkv, max_len, rows, sms, resident_programs(head_dim, kv_fp8))
+        return choose_num_splits(p_batch, hkv, max_len, rows, sms, resident_programs(head_dim, kv_fp8, rows))
 
     @classmethod
     def apply(cls, inp, needs_lse):
@@ -145,7 +145,7 @@ class _DecodeOp(AttentionFwOp):
             from ..kernels.triton.decode import choose_num_splits, resident_programs
 
             splits = choose_num_splits(p.batch, p.heads_kv, p.seqlen_k, rows, sm_count(p.arch),
-                                       resident_programs(p.head_dim, p.kv_fp8))
+                                       resident_programs(p.head_dim, p.kv_fp8, rows))
         fill = min(1.0, programs * splits / (1.5 * sm_count(p.arch)))
         kv_bytes = attention_bytes(p) * (0.55 if p.kv_fp8 and not p.quantize_kv else 1.0)
         extra = 3.0 * attention_bytes(p) if p.quantize_kv else 0.0

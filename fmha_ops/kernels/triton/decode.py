@@ -89,8 +89,11 @@ def _decode_kernel(
     k_head = K + hkv * stride_kh
     v_head = V + hkv * stride_vh
     bt_row = BT + b * stride_btb
-    if PAGED and PAGE_SIZE % BLOCK_N != 0:
-        # page ids of the next tile are loaded one iteration ahead, off the K/V loads' critical path
+    # page ids of the next tile are loaded one iteration ahead, off the K/V loads' critical path (a page id
+    # loaded in the same iteration keeps Triton's pipeliner from prefetching that tile's K/V)
+    if PAGED and PAGE_SIZE % BLOCK_N == 0:
+        page_next = tl.load(bt_row + start // PAGE_SIZE, mask=start < end, other=0)
+    elif PAGED:
         offs_next = start + tl.arange(0, BLOCK_N)
         pages_next = tl.load(bt_row + offs_next // PAGE_SIZE, mask=offs_next < end, other=0)
     for n in range(start, end, BLOCK_N):
@@ -98,7 +101,8 @@ def _decode_kernel(
         kv_ok = offs_n < end
         if PAGED:
             if PAGE_SIZE % BLOCK_N == 0:
-                page = tl.load(bt_row + n // PAGE_SIZE).to(tl.int64)
+                page = page_next.to(tl.int64)
+                page_next = tl.load(bt_row + (n + BLOCK_N) // PAGE_SIZE, mask=n + BLOCK_N < end, other=0)
             else:
                 page = pages_next.to(tl.int64)
                 offs_next = offs_n + BLOCK_N
@@ -188,13 +192,21 @@ def _block_m(rows: int) -> int:
     return min(64, max(16, next_pow2(rows)))
 
 
-def resident_programs(head_dim: int, kv_fp8: bool) -> int | None:
-    """Programs of the default fp8-KV config resident per SM on sm90 (registers and shared memory from
-    ``bench/decode_aot.py``, <= 16 query rows per KV head): the fp8 kernel is latency bound, so its time
-    follows waves of resident programs. None for bf16/fp16 KV, which is bandwidth bound."""
+def resident_programs(head_dim: int, kv_fp8: bool, q_rows_per_kv_head: int) -> int | None:
+    """Programs per SM that keep the SM busy with the default fp8-KV config on sm90: its residency (registers
+    and shared memory from ``bench/decode_aot.py``), capped at 4 where more resident programs measured no
+    faster (D64: 7 resident). The fp8 kernel is latency bound, so its time follows waves of these programs.
+    None for bf16/fp16 KV, which is bandwidth bound."""
     if not kv_fp8:
         return None
-    return 2 if 64 < head_dim <= 128 else 3
+    bm = _block_m(q_rows_per_kv_head)
+    if bm > 32:
+        return 2
+    if head_dim <= 64:
+        return 4
+    if head_dim <= 128:
+        return 4 if bm <= 16 else 3
+    return 3 if bm <= 16 else 2
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_len: int, q_rows_per_kv_head: int,
@@ -216,16 +228,19 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_len: int, q_rows_per_kv
     return next(s for s, c in enumerate(cost, 1) if c <= 1.05 * best)
 
 
-def _default_config(D: int, fp8: bool, page_aligned: bool) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages); measured on the H200 for D=128 (bench/results/decode.md).
-    ``page_aligned``: dense, or pages a multiple of 64 keys (one page id per tile)."""
+def _default_config(D: int, fp8: bool, page_aligned: bool, block_m: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages); measured on the H200 at B=64/Hkv=8/L=4096, 4 query rows per KV head
+    (bench/results/decode.md). ``page_aligned``: dense, or pages a multiple of 64 keys (one page id per tile).
+    fp8: two-warp programs with 64-key tiles (4-7 resident per SM) up to 32 rows, four warps beyond."""
+    if fp8:
+        if D <= 128:
+            return (64, 2, 3) if block_m <= 32 else (64, 4, 3)
+        return 64, 4, 2
     if D <= 64:
         return 128, 4, 2
     if D <= 128:
-        if fp8:
-            return 128, 4, 3
         return (64, 4, 2) if page_aligned else (32, 4, 3)
-    return (64 if fp8 else 32), 4, 2
+    return 32, 4, 2
 
 
 def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float,
@@ -259,10 +274,10 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
         lse = torch.empty((B, HQ, MQ), device=q.device, dtype=torch.float32)
     paged = block_table is not None
     page_size = k_cache.shape[1] if paged else 1
-    bn, nw, ns = _default_config(D, fp8, not paged or page_size % 64 == 0)
-    bn, nw, ns = block_n or bn, num_warps or nw, num_stages or ns
     rows = G * MQ
     bm = _block_m(rows)
+    bn, nw, ns = _default_config(D, fp8, not paged or page_size % 64 == 0, bm)
+    bn, nw, ns = block_n or bn, num_warps or nw, num_stages or ns
     ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)
     kss = k_scale.stride() if fp8 else (0, 0, 0)
     vss = v_scale.stride() if fp8 else (0, 0, 0)
