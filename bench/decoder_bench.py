@@ -162,7 +162,7 @@ def _grid(**axes):
 
 
 SWEEPS = {  # tuning variants timed (graph mode) when --sweep is given; earlier sweeps: bench/results/decode.md
-    "B64_L4096_p64": {"bf16": [], "fp8": _grid(block_n=(128,), num_warps=(2, 4), num_stages=(3, 4))},
+    "B64_L4096_p64": {"bf16": [], "fp8": _grid(block_n=(32, 64), num_warps=(1, 2), num_stages=(3, 4))},
 }
 
 

@@ -216,8 +216,8 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_len: int, q_rows_per_kv
     ``resident=None`` (bandwidth-bound kernel): 1 when the programs fill every SM once, else about four
     programs per SM. ``resident`` programs per SM (latency-bound kernel, ``resident_programs``): the time
     is modelled as waves of ``sm_count * resident`` programs, each as long as its split, and the fewest
-    splits within 5% of the best are taken (B=64 x 8 KV heads at D=64: 512 programs fill 1.3 waves of
-    396 slots, so 3 splits run 4 full waves of thirds)."""
+    splits within 5% of the best are taken (B=64 x 8 KV heads, fp8 at D=256: 512 programs fill 1.3 waves
+    of 132 x 3 slots, so 3 splits run 4 full waves of thirds)."""
     programs = batch * num_kv_heads * cdiv(q_rows_per_kv_head, _block_m(q_rows_per_kv_head))
     most = max(1, min(max_len // 512, 64))
     if resident is None:
