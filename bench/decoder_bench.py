@@ -83,7 +83,7 @@ def sdpa_ms(q, k, v, backend, pack: bool):
 
 
 def run_shape(spec: dict) -> dict:
-    from fmha_ops.kernels.triton.decode import choose_num_splits, paged_decode, resident_programs
+    from fmha_ops.kernels.triton.decode import choose_num_splits, gluon_fp8_decoder, paged_decode, resident_programs
     from fmha_ops.kv_cache import quantize_fp8
     from torch.nn.attention import SDPBackend
 
@@ -129,8 +129,9 @@ def run_shape(spec: dict) -> dict:
     v8, vs = quantize_fp8(v_pages)
     variants.append(("fp8", k8, v8, ks, vs, nbytes_bf16 // 2 + 2 * B * Hkv * L * 4))
     for kv, kc, vc, ksc, vsc, nbytes in variants:
+        gluon = kv == "fp8" and gluon_fp8_decoder(torch.cuda.get_device_capability(), D, Hq // Hkv, ps)
         splits = spec.get("splits") or choose_num_splits(B, Hkv, per_seq * ps, Hq // Hkv, sm,
-                                                         resident_programs(D, kv == "fp8", Hq // Hkv))
+                                                         resident_programs(D, kv == "fp8", Hq // Hkv, gluon))
         row[f"{kv}_splits"] = splits
 
         def call(splits=splits, **cfg):

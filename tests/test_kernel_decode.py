@@ -203,6 +203,19 @@ def test_choose_num_splits_latency_bound_waves():
         assert 1 <= s <= min(64, max(1, L // 512))
 
 
+def test_gluon_fp8_decoder_routing():
+    """The Gluon decoder runs compiled on sm90 only: under the interpreter (and on a CPU) the Triton kernel
+    runs, so the CPU tests above cover it; the shape rule matches the Gluon module's tile rule."""
+    from fmha_ops.kernels.triton.decode import _gluon_decoder, gluon_fp8_decoder, resident_programs
+
+    assert _gluon_decoder(torch.device("cpu")) is None
+    assert gluon_fp8_decoder((9, 0), 128, 4, 64) and gluon_fp8_decoder((9, 0), 64, 16, None)
+    assert not gluon_fp8_decoder((8, 9), 128, 4, 64)  # measured on sm90 only
+    assert not gluon_fp8_decoder((9, 0), 256, 4, 64) and not gluon_fp8_decoder((9, 0), 128, 32, 64)
+    assert not gluon_fp8_decoder((9, 0), 128, 4, 8)  # tiles would straddle pages
+    assert resident_programs(128, True, 4, gluon=True) == 8
+
+
 # ---------------------------------------------------------------- GPU, real sizes
 
 GPU_REL = {torch.bfloat16: 8e-3, torch.float16: FP16_REL}
@@ -270,3 +283,25 @@ def test_gpu_graph_replay_equals_eager(num_splits):
     g.replay()
     ref, _ = reference(q, k, v, kw["seqlens"].cpu(), kw["scale"])
     assert error_report(out.cpu(), ref)["rel"] < GPU_REL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [None, 16, 64, 256])
+@pytest.mark.parametrize("G,MQ,D", [(4, 1, 128), (8, 2, 64), (16, 1, 128), (1, 5, 128)])
+def test_gpu_gluon_decoder_matches_triton(page_size, G, MQ, D):
+    """fp8 KV on sm90: the Gluon decoder (default) against the Triton kernel (chosen by passing its tile
+    options) and the float32 reference: ragged lengths incl. 0, 1 and partial tiles, splits 1 / 3 / 8."""
+    from fmha_ops.kernels.triton.decode import _gluon_decoder
+
+    if _gluon_decoder(torch.device(DEVICE)) is None:
+        pytest.skip("the Gluon decoder runs on sm90")
+    lens = [0, 1, 17, 1000, 4097, 33]
+    q, kw, k, v = make_case(6, MQ, 2 * G, 2, D, lens, page_size=page_size, dtype=torch.bfloat16, fp8=torch.float8_e4m3fn,
+                            dist="transformer", seed=G + MQ)
+    for s in (1, 3, 8):
+        out_g, lse_g, rep = check(q, kw, k, v, rel=GPU_REL[torch.bfloat16], num_splits=s)
+        out_t, lse_t = run(q, kw, num_splits=s, block_n=64, num_warps=2, num_stages=3)
+        assert error_report(out_g, out_t)["rel"] < 2e-3
+        seen = torch.isfinite(lse_t)
+        assert torch.equal(seen, torch.isfinite(lse_g)) and (lse_g - lse_t)[seen].abs().max() < 1e-3
+        print(page_size, G, MQ, D, s, rep)

@@ -113,13 +113,14 @@ class _DecodeOp(AttentionFwOp):
 
     @classmethod
     def num_splits(cls, p_batch: int, hkv: int, max_len: int, rows: int, head_dim: int, kv_fp8: bool,
-                   device: torch.device) -> int:
+                   page_size: int | None, arch) -> int:
         if not cls.SPLIT_K:
             return 1
-        from ..kernels.triton.decode import choose_num_splits, resident_programs
+        from ..kernels.triton.decode import choose_num_splits, gluon_fp8_decoder, resident_programs
 
-        sms = sm_count(_arch(device)) if device.type == "cuda" else 132
-        return choose_num_splits(p_batch, hkv, max_len, rows, sms, resident_programs(head_dim, kv_fp8, rows))
+        gluon = kv_fp8 and gluon_fp8_decoder(arch.capability, head_dim, rows, page_size)
+        return choose_num_splits(p_batch, hkv, max_len, rows, sm_count(arch) if arch.kind != "cpu" else 132,
+                                 resident_programs(head_dim, kv_fp8, rows, gluon))
 
     @classmethod
     def apply(cls, inp, needs_lse):
@@ -128,7 +129,7 @@ class _DecodeOp(AttentionFwOp):
         q, k, v, seqlens, table, ks, vs = decode_views(inp)
         max_len = k.shape[1] * (table.shape[1] if table is not None else 1)
         splits = cls.num_splits(q.shape[0], k.shape[2], max_len, q.shape[2] // k.shape[2] * q.shape[1], q.shape[3],
-                                k.dtype != q.dtype, q.device)
+                                k.dtype != q.dtype, k.shape[1] if table is not None else None, _arch(q.device))
         out = torch.empty(q.shape, dtype=inp.out_dtype, device=q.device)
         out, lse = paged_decode(q, k, v, seqlens, block_table=table, scale=inp.softmax_scale, k_scale=ks,
                                 v_scale=vs, num_splits=splits, out=out)
@@ -142,10 +143,8 @@ class _DecodeOp(AttentionFwOp):
         programs = p.batch * p.heads_kv * max(1, -(-rows // 64))
         splits = 1
         if cls.SPLIT_K:
-            from ..kernels.triton.decode import choose_num_splits, resident_programs
-
-            splits = choose_num_splits(p.batch, p.heads_kv, p.seqlen_k, rows, sm_count(p.arch),
-                                       resident_programs(p.head_dim, p.kv_fp8, rows))
+            splits = cls.num_splits(p.batch, p.heads_kv, p.seqlen_k, rows, p.head_dim, p.kv_fp8, p.page_size or None,
+                                    p.arch)
         fill = min(1.0, programs * splits / (1.5 * sm_count(p.arch)))
         kv_bytes = attention_bytes(p) * (0.55 if p.kv_fp8 and not p.quantize_kv else 1.0)
         extra = 3.0 * attention_bytes(p) if p.quantize_kv else 0.0

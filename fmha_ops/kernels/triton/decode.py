@@ -6,6 +6,8 @@ byte of a split is read once per row block. K/V are bf16/fp16 like ``q``, or fp8
 a float32 scale per token and KV head: the K scale multiplies the columns of ``q @ k^T``
 and the V scale the columns of ``P`` before ``P @ v``, so dequantization costs no extra pass.
 On NVIDIA sm89+ the fp8 V tile is converted to fp16 in its load layout (see ``_e4m3_to_f16``).
+On sm90, fp8 KV with at most 16 query rows per KV head, D 64/128 and pages a multiple of 16 keys runs the Gluon
+kernel of ``kernels/gluon/decode.py`` instead (``gluon_fp8_decoder``), unless tile options are given.
 
 With ``num_splits == 1`` the decoder writes the final output and LSE. Otherwise each
 split writes a float32 partial output (normalized) and its LSE into a workspace whose size
@@ -188,17 +190,39 @@ def _asm_cvt(device: torch.device) -> bool:
             and torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 9))
 
 
+@functools.cache
+def _gluon_decoder(device: torch.device):
+    """``kernels/gluon/decode.py`` where its kernel can run (compiled, NVIDIA sm90), else None."""
+    if not (isinstance(_decode_kernel, triton.runtime.JITFunction) and device.type == "cuda"
+            and torch.version.hip is None and torch.cuda.get_device_capability(device) == (9, 0)):
+        return None
+    from fmha_ops.kernels.gluon import decode
+
+    return decode
+
+
 def _block_m(rows: int) -> int:
     return min(64, max(16, next_pow2(rows)))
 
 
-def resident_programs(head_dim: int, kv_fp8: bool, q_rows_per_kv_head: int) -> int | None:
+def gluon_fp8_decoder(capability: tuple[int, int], head_dim: int, q_rows_per_kv_head: int,
+                      page_size: int | None) -> bool:
+    """Whether fp8 KV of this shape runs the Gluon decoder on a GPU of ``capability`` (measured on sm90 only;
+    ``page_size`` None: dense cache). ``kernels/gluon/decode.py`` checks strides and dtypes as well."""
+    return (capability == (9, 0) and head_dim in (64, 128) and q_rows_per_kv_head <= 16
+            and (page_size is None or page_size % 16 == 0))
+
+
+def resident_programs(head_dim: int, kv_fp8: bool, q_rows_per_kv_head: int, gluon: bool = False) -> int | None:
     """Programs per SM that keep the SM busy with the default fp8-KV config on sm90: its residency (registers
     and shared memory from ``bench/decode_aot.py``), capped at 4 where more resident programs measured no
-    faster (D64: 7 resident). The fp8 kernel is latency bound, so its time follows waves of these programs.
-    None for bf16/fp16 KV, which is bandwidth bound."""
+    faster (D64: 7 resident); ``gluon``: the one-warp Gluon programs, 8 per SM (shared memory). The fp8
+    kernels are latency bound, so their time follows waves of these programs. None for bf16/fp16 KV, which
+    is bandwidth bound."""
     if not kv_fp8:
         return None
+    if gluon:
+        return 8
     bm = _block_m(q_rows_per_kv_head)
     if bm > 32:
         return 2
@@ -293,16 +317,21 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
         l_buf = torch.empty((num_splits, B, HQ, MQ), device=q.device, dtype=torch.float32)
         o_strides = o_buf.stride()[:4]
         l_strides = l_buf.stride()
-    launch(_decode_kernel)[grid](
-        q, k_cache, v_cache, ks, vs, seqlens, bt, o_buf, l_buf,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        *kss, *vss, bt_stride, *o_strides, *l_strides,
-        scale * _LOG2E, HKV, num_splits,
-        G=G, MQ=MQ, D=D, BLOCK_M=bm, BLOCK_N=bn, PAGE_SIZE=page_size, PAGED=paged, FP8=fp8,
-        PARTIAL=num_splits > 1, ASM_CVT=fp8 and _asm_cvt(q.device), num_warps=nw, num_stages=ns,
-    )
+    gluon = _gluon_decoder(q.device) if fp8 and not (block_n or num_warps or num_stages) else None
+    if gluon is not None and gluon.supported(q, k_cache, v_cache, k_scale, v_scale, page_size if paged else None):
+        gluon.launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, o_buf, l_buf, o_strides, l_strides,
+                     scale * _LOG2E, num_splits, page_size if paged else None)
+    else:
+        launch(_decode_kernel)[grid](
+            q, k_cache, v_cache, ks, vs, seqlens, bt, o_buf, l_buf,
+            q.stride(0), q.stride(1), q.stride(2),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            *kss, *vss, bt_stride, *o_strides, *l_strides,
+            scale * _LOG2E, HKV, num_splits,
+            G=G, MQ=MQ, D=D, BLOCK_M=bm, BLOCK_N=bn, PAGE_SIZE=page_size, PAGED=paged, FP8=fp8,
+            PARTIAL=num_splits > 1, ASM_CVT=fp8 and _asm_cvt(q.device), num_warps=nw, num_stages=ns,
+        )
     if num_splits > 1:
         launch(_reduce_kernel)[(B * MQ * HQ,)](
             o_buf, l_buf, out, lse, o_buf.stride(0), l_buf.stride(0),
