@@ -300,8 +300,8 @@ def test_gpu_gluon_decoder_matches_triton(page_size, G, MQ, D):
                             dist="transformer", seed=G + MQ)
     for s in (1, 3, 8):
         out_g, lse_g, rep = check(q, kw, k, v, rel=GPU_REL[torch.bfloat16], num_splits=s)
-        out_t, lse_t = run(q, kw, num_splits=s, block_n=64, num_warps=2, num_stages=3)
-        assert error_report(out_g, out_t)["rel"] < 2e-3
+        out_t, lse_t = (t.cpu() for t in run(q, kw, num_splits=s, block_n=64, num_warps=2, num_stages=3))
+        assert error_report(out_g, out_t)["rel"] < GPU_REL[torch.bfloat16]
         seen = torch.isfinite(lse_t)
         assert torch.equal(seen, torch.isfinite(lse_g)) and (lse_g - lse_t)[seen].abs().max() < 1e-3
         print(page_size, G, MQ, D, s, rep)
