@@ -216,6 +216,25 @@ def test_gluon_fp8_decoder_routing():
     assert resident_programs(128, True, 4, gluon=True) == 8
 
 
+def test_gluon_decoder_supported_inputs():
+    """The Gluon decoder takes contiguous heads of e4m3fn K/V with per-token scales, D 64/128, <= 16 rows per KV
+    head and whole-tile pages; anything else stays on the Triton kernel."""
+    from fmha_ops.kernels.gluon import decode as gd
+
+    f8 = torch.float8_e4m3fn
+    q = torch.zeros(2, 1, 8, 128)
+    k = torch.zeros(10, 64, 2, 128).to(f8)
+    s = torch.zeros(10, 64, 2)
+    assert gd.supported(q, k, k, s, s, 64) and gd.supported(q, k, k, s, s, None)
+    assert not gd.supported(q, k, k, s, s, 8)  # a 16-key tile would straddle pages
+    assert not gd.supported(torch.zeros(2, 1, 8, 256), k, k, s, s, 64)  # head dim
+    assert not gd.supported(torch.zeros(2, 3, 16, 128), k, k, s, s, 64)  # 24 rows per KV head
+    assert not gd.supported(q, k.to(torch.float8_e5m2), k.to(torch.float8_e5m2), s, s, 64)
+    both = torch.zeros(10, 64, 2, 2, 128).to(f8)  # K and V interleaved: heads not contiguous
+    assert not gd.supported(q, both[:, :, :, 0], both[:, :, :, 1], s, s, 64)
+    assert not gd.supported(q, k, k, torch.zeros(10, 2, 64).transpose(1, 2), s, 64)  # strided scales
+
+
 # ---------------------------------------------------------------- GPU, real sizes
 
 GPU_REL = {torch.bfloat16: 8e-3, torch.float16: FP16_REL}
