@@ -193,8 +193,7 @@ def _asm_cvt(device: torch.device) -> bool:
 @functools.cache
 def _gluon_decoder(device: torch.device):
     """``kernels/gluon/decode.py`` where its kernel can run (compiled, NVIDIA sm90), else None."""
-    if not (isinstance(_decode_kernel, triton.runtime.JITFunction) and device.type == "cuda"
-            and torch.version.hip is None and torch.cuda.get_device_capability(device) == (9, 0)):
+    if not (_asm_cvt(device) and torch.cuda.get_device_capability(device) == (9, 0)):
         return None
     from fmha_ops.kernels.gluon import decode
 
