@@ -26,6 +26,46 @@ HEAD_DIMS = (64, 128)
 ROWS = gl.constexpr(16)  # the mma M: query rows per KV head a program can hold
 
 
+@gluon.constexpr_function
+def _v_pairs_layout(block_n, d):
+    """Lane (g, t) of V's permuted [BLOCK_N, D] view holds what mma's B operand needs (keys 16kb + 8h + 2t + e,
+    columns 8j + g), its registers ordered j, then e, h, kb: the D/8 columns j of one key are D/8 contiguous bytes
+    of shared memory (one 16-byte load at D=128), and the two keys of a pair follow each other."""
+    regs = [[0, 8 << i] for i in range((d // 8).bit_length() - 1)] + [[1, 0], [8, 0]]
+    regs += [[16 << i, 0] for i in range((block_n // 16).bit_length() - 1)]
+    return gl.DistributedLinearLayout(regs, [[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]], [], [], [block_n, d])
+
+
+@gluon.constexpr_function
+def _v_pairs_asm(d):
+    """PTX for one key pair of ``_v_pairs_layout``: D/32 words of key 2i and D/32 of key 2i+1 in, D/8 f16x2 out,
+    output j = (key 2i, key 2i+1) of column j: two byte permutes and four packed cvts per four columns."""
+    words = d // 32
+    lines = ["{", ".reg .b32 p<2>;", ".reg .b16 h<4>;"]
+    for w in range(words):
+        e, o = f"${d // 8 + w}", f"${d // 8 + words + w}"
+        lines += [f"prmt.b32 p0, {e}, {o}, 0x5140;", f"prmt.b32 p1, {e}, {o}, 0x7362;",
+                  "mov.b32 {h0, h1}, p0;", "mov.b32 {h2, h3}, p1;"]
+        lines += [f"cvt.rn.f16x2.e4m3x2 ${4 * w + i}, h{i};" for i in range(4)]
+    return "\n".join(lines + ["}"])
+
+
+@gluon.constexpr_function
+def _v_pairs_constraints(d):
+    return ",".join(["=r"] * (d // 8) + ["r"] * (d // 16))
+
+
+@gluon.jit
+def _v_operand(v8, b_op: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr):
+    """fp8 V tile ``v8`` (``_v_pairs_layout``) -> the fp16 B operand of PV. The asm writes column j's key pair into
+    one register, so its output element 2j + e holds (key e, column j); the reshape/permute below only renames
+    those registers to the coordinates they hold (key pair bit and the high bit of j swap places)."""
+    pairs = gl.inline_asm_elementwise(_v_pairs_asm(D), _v_pairs_constraints(D), [v8],
+                                      dtype=gl.float16, is_pure=True, pack=D // 4)
+    pairs = gl.reshape(pairs, [BLOCK_N // 2, 2, D // 16, 2, 8])
+    return gl.convert_layout(gl.reshape(gl.permute(pairs, [0, 3, 1, 2, 4]), [BLOCK_N, D]), b_op)
+
+
 @gluon.jit
 def _issue(k_smem, v_smem, ks_smem, vs_smem, st, K, V, KS, VS, page, slot0, n0, end, hkv, off_k, off_v, rows,
            stride_kp, stride_ks, stride_vp, stride_vs, stride_ksp, stride_kss, stride_vsp, stride_vss,
@@ -54,7 +94,7 @@ def _tile_origin(bt_row, b, n, end, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr
         return b.to(gl.int64), n
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["Q_ROWS"])
 def _decode_fp8_kernel(
     Q, K, V, KS, VS, SEQ, BT, OUT, LSE,
     stride_qb, stride_qm, stride_qh,
@@ -63,13 +103,14 @@ def _decode_fp8_kernel(
     stride_btb,
     stride_os, stride_ob, stride_om, stride_oh,
     stride_ls, stride_lb, stride_lh, stride_lm,
-    qk_scale, NUM_KV_HEADS, NUM_SPLITS,
+    qk_scale, NUM_KV_HEADS, NUM_SPLITS, Q_ROWS,
     G: gl.constexpr, MQ: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
     PAGED: gl.constexpr, PARTIAL: gl.constexpr, STAGES: gl.constexpr,
 ):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    v_layout: gl.constexpr = _v_pairs_layout(BLOCK_N, D)
     kv_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (D // 16), D // 16], [1, 1], [1, 0])
     sc_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     # 16-byte chunks XOR-swizzled by row: the operand loads of rows 2t, 2t+1, ... hit different banks
@@ -92,7 +133,9 @@ def _decode_fp8_kernel(
     qd = ((qk // 2) % 4) * (D // 4) + (qk // 16) * 4 + ((qk // 8) % 2) * 2 + qk % 2
     q_ptr = (Q + b.to(gl.int64) * stride_qb + gl.expand_dims((qr // G) * stride_qm + (hkv * G + qr % G) * stride_qh, 1)
              + gl.expand_dims(qd, 0))
-    q = gl.load(q_ptr, mask=gl.expand_dims(qr < G * MQ, 1), other=0.0).to(gl.float16)
+    # Q_ROWS (= G * MQ) is a runtime value so that the padding rows are registers, not constant zeros that would
+    # be rematerialised into a register quad before every QK^T mma
+    q = gl.load(q_ptr, mask=gl.expand_dims(qr < Q_ROWS, 1), other=0.0).to(gl.float16)
 
     k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, D], kv_smem)
     v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, D], kv_smem)
@@ -152,8 +195,8 @@ def _decode_fp8_kernel(
         v_max = gl.max(vs, 0)
         v_max = gl.where(v_max > 0.0, v_max, 1.0)
         pv = gl.convert_layout((p * gl.expand_dims(vs / v_max, 0)).to(gl.float16), a_op)
-        vv = v_smem.index(st).reshape([BLOCK_N, 8, D // 8]).permute([0, 2, 1]).reshape([BLOCK_N, D]).load(b_op)
-        acc = mma_v2(pv, vv.to(gl.float16), acc * gl.expand_dims(alpha * (unit / v_max), 1))
+        v8 = v_smem.index(st).reshape([BLOCK_N, 8, D // 8]).permute([0, 2, 1]).reshape([BLOCK_N, D]).load(v_layout)
+        acc = mma_v2(pv, _v_operand(v8, b_op, BLOCK_N, D), acc * gl.expand_dims(alpha * (unit / v_max), 1))
         unit = v_max
         m_i = m_new
     async_copy.wait_group(0)
@@ -211,7 +254,7 @@ def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         k_scale.stride(0), k_scale.stride(1), v_scale.stride(0), v_scale.stride(1),
         block_table.stride(0) if paged else 0, *out_strides, *lse_strides,
-        qk_scale_log2, hkv, num_splits,
+        qk_scale_log2, hkv, num_splits, MQ * (HQ // hkv),
         G=HQ // hkv, MQ=MQ, D=D, BLOCK_N=block_n, PAGE_SIZE=page_size or 1, PAGED=paged, PARTIAL=num_splits > 1,
         STAGES=stages, num_warps=1,
     )
