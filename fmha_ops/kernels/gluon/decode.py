@@ -80,9 +80,9 @@ def _issue(k_smem, v_smem, ks_smem, vs_smem, st, K, V, KS, VS, page, slot0, n0, 
     r = gl.arange(0, BLOCK_N, layout=sc_layout)
     ok_r = n0 + r < end
     async_copy.async_copy_global_to_shared(
-        ks_smem.index(st), KS + (page * stride_ksp + slot0 * stride_kss + hkv) + r * stride_kss, mask=ok_r)
+        ks_smem.index(st), KS + (page * stride_ksp + slot0 * stride_kss) + r * stride_kss, mask=ok_r)
     async_copy.async_copy_global_to_shared(
-        vs_smem.index(st), VS + (page * stride_vsp + slot0 * stride_vss + hkv) + r * stride_vss, mask=ok_r)
+        vs_smem.index(st), VS + (page * stride_vsp + slot0 * stride_vss) + r * stride_vss, mask=ok_r)
 
 
 @gluon.jit
@@ -99,7 +99,7 @@ def _decode_fp8_kernel(
     Q, K, V, KS, VS, SEQ, BT, OUT, LSE,
     stride_qb, stride_qm, stride_qh,
     stride_kp, stride_ks, stride_vp, stride_vs,
-    stride_ksp, stride_kss, stride_vsp, stride_vss,
+    stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
     stride_btb,
     stride_os, stride_ob, stride_om, stride_oh,
     stride_ls, stride_lb, stride_lh, stride_lm,
@@ -147,6 +147,8 @@ def _decode_fp8_kernel(
     off_v = gl.expand_dims(kv_rows * stride_vs, 1) + gl.expand_dims(kv_cols, 0)
 
     bt_row = BT + b * stride_btb
+    KS += hkv * stride_ksh  # this program's head; the per-token scales of a tile are stride_kss apart
+    VS += hkv * stride_vsh
     for i in gl.static_range(STAGES - 1):  # prologue; groups past the end are empty but keep the count
         page, slot0 = _tile_origin(bt_row, b, start + i * BLOCK_N, end, PAGE_SIZE, PAGED)
         _issue(k_smem, v_smem, ks_smem, vs_smem, i, K, V, KS, VS, page, slot0, start + i * BLOCK_N, end, hkv,
@@ -218,11 +220,12 @@ def _decode_fp8_kernel(
     gl.store(LSE + split * stride_ls + b * stride_lb + qh * stride_lh + qi * stride_lm, lse, mask=row_ok)
 
 
-def tile_config(page_size: int | None) -> tuple[int, int] | None:
+def tile_config(page_size: int | None, head_dim: int) -> tuple[int, int] | None:
     """(BLOCK_N, STAGES) for a page size (None: dense cache), or None where tiles would straddle pages.
-    H200, B64/L4096 and B128/L1024 at D128 (decode.md step 10): 32-key tiles, 3 stages."""
+    H200, one program per KV head and 4 per SM (decode.md step 11): 32-key tiles, 2 stages at D128 (B64/L4096
+    144 us vs 154 at 3 stages, B128/L1024 82 vs 87), 3 at D64 (93-100 us vs 104-106); more stages ran slower."""
     if page_size is None or page_size % 32 == 0:
-        return 32, 3
+        return 32, 2 if head_dim > 64 else 3
     if page_size % 16 == 0:
         return 16, 4
     return None
@@ -233,10 +236,10 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_s
     """Whether ``launch`` handles this call (the Triton decoder handles the rest)."""
     B, MQ, HQ, D = q.shape
     hkv = k_cache.shape[2]
-    return (D in HEAD_DIMS and MQ * (HQ // hkv) <= ROWS and tile_config(page_size) is not None
+    return (D in HEAD_DIMS and MQ * (HQ // hkv) <= ROWS and tile_config(page_size, D) is not None
             and k_cache.dtype == v_cache.dtype == torch.float8_e4m3fn
             and all(t.stride(3) == 1 and t.stride(2) == D for t in (k_cache, v_cache))
-            and k_scale.stride(2) == 1 and v_scale.stride(2) == 1 and q.stride(3) == 1)
+            and q.stride(3) == 1)
 
 
 def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse, out_strides, lse_strides,
@@ -245,14 +248,14 @@ def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse
     strides in ``out_strides`` / ``lse_strides``); arguments as ``kernels.triton.decode.paged_decode``'s."""
     B, MQ, HQ, D = q.shape
     hkv = k_cache.shape[2]
-    block_n, stages = tile_config(page_size)
+    block_n, stages = tile_config(page_size, D)
     paged = page_size is not None
     bt = block_table if paged else seqlens
     _decode_fp8_kernel[(B * hkv, num_splits)](
         q, k_cache, v_cache, k_scale, v_scale, seqlens, bt, out, lse,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        k_scale.stride(0), k_scale.stride(1), v_scale.stride(0), v_scale.stride(1),
+        *k_scale.stride(), *v_scale.stride(),
         block_table.stride(0) if paged else 0, *out_strides, *lse_strides,
         qk_scale_log2, hkv, num_splits, MQ * (HQ // hkv),
         G=HQ // hkv, MQ=MQ, D=D, BLOCK_N=block_n, PAGE_SIZE=page_size or 1, PAGED=paged, PARTIAL=num_splits > 1,
