@@ -23,23 +23,23 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 HEAD_DIMS = (64, 128)
-MAX_ROWS = 16  # query rows per KV head a program can hold (the mma N: 8, or 16 beyond 8 rows)
+ROWS = gl.constexpr(16)  # the mma M: query rows per KV head a program can hold
 
 
 @gluon.constexpr_function
-def _vt_pairs_layout(d, block_n):
-    """Lane (g, t) of the [D, BLOCK_N] V^T view holds what PV's A operand needs (rows m = 16i + 8h + g, keys
-    16kb + 8c + 2t + e), its registers ordered h, i (the D/8 contiguous bytes of one key, ``_vt_view``), then e, c,
-    kb: one 16-byte shared load per key at D=128, and the two keys of a pair follow each other."""
-    regs = [[8, 0]] + [[16 << i, 0] for i in range((d // 16).bit_length() - 1)] + [[0, 1], [0, 8]]
-    regs += [[0, 16 << i] for i in range((block_n // 16).bit_length() - 1)]
-    return gl.DistributedLinearLayout(regs, [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], [], [], [d, block_n])
+def _v_pairs_layout(block_n, d):
+    """Lane (g, t) of V's permuted [BLOCK_N, D] view holds what mma's B operand needs (keys 16kb + 8h + 2t + e,
+    columns 8j + g), its registers ordered j, then e, h, kb: the D/8 columns j of one key are D/8 contiguous bytes
+    of shared memory (one 16-byte load at D=128), and the two keys of a pair follow each other."""
+    regs = [[0, 8 << i] for i in range((d // 8).bit_length() - 1)] + [[1, 0], [8, 0]]
+    regs += [[16 << i, 0] for i in range((block_n // 16).bit_length() - 1)]
+    return gl.DistributedLinearLayout(regs, [[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]], [], [], [block_n, d])
 
 
 @gluon.constexpr_function
-def _pairs_asm(d):
-    """PTX for one key pair of ``_vt_pairs_layout``: D/32 words of key 2j and D/32 of key 2j+1 in, D/8 f16x2 out,
-    output r = (key 2j, key 2j+1) of the pair's byte r: two byte permutes and four packed cvts per four bytes."""
+def _v_pairs_asm(d):
+    """PTX for one key pair of ``_v_pairs_layout``: D/32 words of key 2i and D/32 of key 2i+1 in, D/8 f16x2 out,
+    output j = (key 2i, key 2i+1) of column j: two byte permutes and four packed cvts per four columns."""
     words = d // 32
     lines = ["{", ".reg .b32 p<2>;", ".reg .b16 h<4>;"]
     for w in range(words):
@@ -51,21 +51,19 @@ def _pairs_asm(d):
 
 
 @gluon.constexpr_function
-def _pairs_constraints(d):
+def _v_pairs_constraints(d):
     return ",".join(["=r"] * (d // 8) + ["r"] * (d // 16))
 
 
 @gluon.jit
-def _vt_operand(v8, a_op: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr):
-    """fp8 V^T tile ``v8`` ([D, BLOCK_N], ``_vt_pairs_layout``) -> the fp16 A operand of PV. The asm puts a key
-    pair's two bytes of one row into one register, so its output element 2r + e (labelled with its input's
-    coordinates: bits m3, m4, .., top m bit, key bit 0 in pack order) holds key bit e of byte r (key bit 0, m3,
-    m4, ..). The reshape/permute only renames registers to what they hold: key bit 0 takes m3's place, m3..top-1
-    take m4..top's, and the top m bit takes key bit 0's."""
-    pairs = gl.inline_asm_elementwise(_pairs_asm(D), _pairs_constraints(D), [v8], dtype=gl.float16, is_pure=True,
-                                      pack=D // 4)
-    pairs = gl.permute(gl.reshape(pairs, [D // 16, 2, 8, BLOCK_N // 2, 2]), [4, 0, 2, 3, 1])
-    return gl.convert_layout(gl.reshape(pairs, [D, BLOCK_N]), a_op)
+def _v_operand(v8, b_op: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr):
+    """fp8 V tile ``v8`` (``_v_pairs_layout``) -> the fp16 B operand of PV. The asm writes column j's key pair into
+    one register, so its output element 2j + e holds (key e, column j); the reshape/permute below only renames
+    those registers to the coordinates they hold (key pair bit and the high bit of j swap places)."""
+    pairs = gl.inline_asm_elementwise(_v_pairs_asm(D), _v_pairs_constraints(D), [v8],
+                                      dtype=gl.float16, is_pure=True, pack=D // 4)
+    pairs = gl.reshape(pairs, [BLOCK_N // 2, 2, D // 16, 2, 8])
+    return gl.convert_layout(gl.reshape(gl.permute(pairs, [0, 3, 1, 2, 4]), [BLOCK_N, D]), b_op)
 
 
 @gluon.jit
@@ -106,13 +104,13 @@ def _decode_fp8_kernel(
     stride_os, stride_ob, stride_om, stride_oh,
     stride_ls, stride_lb, stride_lh, stride_lm,
     qk_scale, NUM_KV_HEADS, NUM_SPLITS, Q_ROWS,
-    G: gl.constexpr, MQ: gl.constexpr, ROWS: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-    PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, PARTIAL: gl.constexpr, STAGES: gl.constexpr,
+    G: gl.constexpr, MQ: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
+    PAGED: gl.constexpr, PARTIAL: gl.constexpr, STAGES: gl.constexpr,
 ):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    vt_layout: gl.constexpr = _vt_pairs_layout(D, BLOCK_N)
+    v_layout: gl.constexpr = _v_pairs_layout(BLOCK_N, D)
     kv_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (D // 16), D // 16], [1, 1], [1, 0])
     sc_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     # 16-byte chunks XOR-swizzled by row: the operand loads of rows 2t, 2t+1, ... hit different banks
@@ -129,15 +127,15 @@ def _decode_fp8_kernel(
     end = gl.minimum(start + chunk, seqlen)
     n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
 
-    # q^T in the B-operand layout, its reduction dim permuted like K's view below
-    qk = gl.arange(0, D, layout=gl.SliceLayout(1, b_op))
-    qn = gl.arange(0, ROWS, layout=gl.SliceLayout(0, b_op))
+    # q in the A-operand layout with the reduction dim permuted like K's view below
+    qr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, a_op))
+    qk = gl.arange(0, D, layout=gl.SliceLayout(0, a_op))
     qd = ((qk // 2) % 4) * (D // 4) + (qk // 16) * 4 + ((qk // 8) % 2) * 2 + qk % 2
-    q_ptr = (Q + b.to(gl.int64) * stride_qb + gl.expand_dims(qd, 1)
-             + gl.expand_dims((qn // G) * stride_qm + (hkv * G + qn % G) * stride_qh, 0))
+    q_ptr = (Q + b.to(gl.int64) * stride_qb + gl.expand_dims((qr // G) * stride_qm + (hkv * G + qr % G) * stride_qh, 1)
+             + gl.expand_dims(qd, 0))
     # Q_ROWS (= G * MQ) is a runtime value so that the padding rows are registers, not constant zeros that would
-    # be rematerialised into a register pair before every QK^T mma
-    q_t = gl.load(q_ptr, mask=gl.expand_dims(qn < Q_ROWS, 0), other=0.0).to(gl.float16)
+    # be rematerialised into a register quad before every QK^T mma
+    q = gl.load(q_ptr, mask=gl.expand_dims(qr < Q_ROWS, 1), other=0.0).to(gl.float16)
 
     k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, D], kv_smem)
     v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, D], kv_smem)
@@ -158,11 +156,11 @@ def _decode_fp8_kernel(
                stride_vss, D, BLOCK_N, sc_layout)
         async_copy.commit_group()
 
-    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(0, mma))
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
     last_key = seqlen - MQ + rows // G  # query row r sees keys <= its position
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
-    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(0, mma))
-    acc = gl.zeros([D, ROWS], gl.float32, mma)  # O^T
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, mma))
+    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, mma))
+    acc = gl.zeros([ROWS, D], gl.float32, mma)
     unit = gl.to_tensor(1.0)
     # the page id of the tile issued next iteration is loaded one iteration ahead, off the issue's path
     page_next, slot_next = _tile_origin(bt_row, b, start + (STAGES - 1) * BLOCK_N, end, PAGE_SIZE, PAGED)
@@ -179,48 +177,46 @@ def _decode_fp8_kernel(
         gl.thread_barrier()  # tile `it` visible to every thread
         st = it % STAGES
 
-        # S^T = K q^T: keys are the mma's M, query rows its N
-        k8 = k_smem.index(st).reshape([BLOCK_N, 4, D // 16, 2, 2]).permute([0, 2, 3, 1, 4]).reshape([BLOCK_N, D])
-        s = mma_v2(k8.load(a_op).to(gl.float16), q_t, gl.zeros([BLOCK_N, ROWS], gl.float32, mma))
-        ks = ks_smem.index(st).load(gl.SliceLayout(1, mma))
-        vs = vs_smem.index(st).load(gl.SliceLayout(1, mma))
-        keys = start + it * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+        kt = (k_smem.index(st).reshape([BLOCK_N, 4, D // 16, 2, 2]).permute([0, 2, 3, 1, 4])
+              .reshape([BLOCK_N, D]).permute([1, 0]).load(b_op))
+        s = mma_v2(q, kt.to(gl.float16), gl.zeros([ROWS, BLOCK_N], gl.float32, mma))
+        ks = ks_smem.index(st).load(gl.SliceLayout(0, mma))
+        vs = vs_smem.index(st).load(gl.SliceLayout(0, mma))
+        cols = start + it * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
         if MQ > 1:
-            visible = (gl.expand_dims(keys, 1) <= gl.expand_dims(last_key, 0)) & gl.expand_dims(keys < end, 1)
-            s = gl.where(visible, s * gl.expand_dims(ks * qk_scale, 1), float("-inf"))
-        else:  # one FMA per score: keys past the end (zero-filled K) get -inf through the key bias
-            s = s * gl.expand_dims(ks * qk_scale, 1) + gl.expand_dims(gl.where(keys < end, 0.0, float("-inf")), 1)
-        m_new = gl.maximum(m_i, gl.max(s, 0))
+            visible = (gl.expand_dims(cols, 0) <= gl.expand_dims(last_key, 1)) & gl.expand_dims(cols < end, 0)
+            s = gl.where(visible, s * gl.expand_dims(ks * qk_scale, 0), float("-inf"))
+        else:  # one FMA per score: keys past the end (zero-filled K) get -inf through the column bias
+            s = s * gl.expand_dims(ks * qk_scale, 0) + gl.expand_dims(gl.where(cols < end, 0.0, float("-inf")), 0)
+        m_new = gl.maximum(m_i, gl.max(s, 1))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - gl.expand_dims(m_safe, 0))
-        l_i = l_i * alpha + gl.sum(p, 0)
+        p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+        l_i = l_i * alpha + gl.sum(p, 1)
         # V scales enter P relative to the tile's largest (fp16 P cannot overflow); acc is kept in that unit
         v_max = gl.max(vs, 0)
         v_max = gl.where(v_max > 0.0, v_max, 1.0)
-        p_t = gl.convert_layout((p * gl.expand_dims(vs / v_max, 1)).to(gl.float16), b_op)
-        # O^T += V^T P^T: V^T's rows m = 16i + 8h + g are head dims (D/8) g + 2i + h (contiguous per lane)
-        v8 = (v_smem.index(st).reshape([BLOCK_N, 8, D // 16, 2]).permute([0, 2, 3, 1]).reshape([BLOCK_N, D])
-              .permute([1, 0]).load(vt_layout))
-        acc = mma_v2(_vt_operand(v8, a_op, D, BLOCK_N), p_t, acc * gl.expand_dims(alpha * (unit / v_max), 0))
+        pv = gl.convert_layout((p * gl.expand_dims(vs / v_max, 0)).to(gl.float16), a_op)
+        v8 = v_smem.index(st).reshape([BLOCK_N, 8, D // 8]).permute([0, 2, 1]).reshape([BLOCK_N, D]).load(v_layout)
+        acc = mma_v2(pv, _v_operand(v8, b_op, BLOCK_N, D), acc * gl.expand_dims(alpha * (unit / v_max), 1))
         unit = v_max
         m_i = m_new
     async_copy.wait_group(0)
 
     seen = l_i > 0.0
-    o = acc * gl.expand_dims(gl.where(seen, unit / gl.where(seen, l_i, 1.0), 0.0), 0)
+    o = acc * gl.expand_dims(gl.where(seen, unit / gl.where(seen, l_i, 1.0), 0.0), 1)
     lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    m = gl.arange(0, D, layout=gl.SliceLayout(1, mma))
-    dim = (D // 8) * (m % 8) + 2 * (m // 16) + (m // 8) % 2  # O^T's row m is head dim `dim`
+    n = gl.arange(0, D, layout=gl.SliceLayout(0, mma))
+    col = (D // 8) * (n % 8) + n // 8  # PV's output column n is head dim `col`
     row_ok = rows < G * MQ
     qi = rows // G
     qh = hkv * G + rows % G
     o_ptr = (OUT + split.to(gl.int64) * stride_os + b.to(gl.int64) * stride_ob
-             + gl.expand_dims(dim, 1) + gl.expand_dims(qi * stride_om + qh * stride_oh, 0))
+             + gl.expand_dims(qi * stride_om + qh * stride_oh, 1) + gl.expand_dims(col, 0))
     if PARTIAL:
-        gl.store(o_ptr, o, mask=gl.expand_dims(row_ok, 0))
+        gl.store(o_ptr, o, mask=gl.expand_dims(row_ok, 1))
     else:
-        gl.store(o_ptr, o.to(OUT.dtype.element_ty), mask=gl.expand_dims(row_ok, 0))
+        gl.store(o_ptr, o.to(OUT.dtype.element_ty), mask=gl.expand_dims(row_ok, 1))
     gl.store(LSE + split * stride_ls + b * stride_lb + qh * stride_lh + qi * stride_lm, lse, mask=row_ok)
 
 
@@ -240,7 +236,7 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_s
     """Whether ``launch`` handles this call (the Triton decoder handles the rest)."""
     B, MQ, HQ, D = q.shape
     hkv = k_cache.shape[2]
-    return (D in HEAD_DIMS and MQ * (HQ // hkv) <= MAX_ROWS and tile_config(page_size, D) is not None
+    return (D in HEAD_DIMS and MQ * (HQ // hkv) <= ROWS and tile_config(page_size, D) is not None
             and k_cache.dtype == v_cache.dtype == torch.float8_e4m3fn
             and all(t.stride(3) == 1 and t.stride(2) == D for t in (k_cache, v_cache))
             and q.stride(3) == 1)
@@ -262,6 +258,6 @@ def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse
         *k_scale.stride(), *v_scale.stride(),
         block_table.stride(0) if paged else 0, *out_strides, *lse_strides,
         qk_scale_log2, hkv, num_splits, MQ * (HQ // hkv),
-        G=HQ // hkv, MQ=MQ, ROWS=8 if MQ * (HQ // hkv) <= 8 else 16, D=D, BLOCK_N=block_n, PAGE_SIZE=page_size or 1, PAGED=paged, PARTIAL=num_splits > 1,
+        G=HQ // hkv, MQ=MQ, D=D, BLOCK_N=block_n, PAGE_SIZE=page_size or 1, PAGED=paged, PARTIAL=num_splits > 1,
         STAGES=stages, num_warps=1,
     )
