@@ -131,7 +131,7 @@ def run_shape(spec: dict) -> dict:
     for kv, kc, vc, ksc, vsc, nbytes in variants:
         gluon = kv == "fp8" and gluon_fp8_decoder(torch.cuda.get_device_capability(), D, Hq // Hkv, ps)
         splits = spec.get("splits") or choose_num_splits(B, Hkv, per_seq * ps, Hq // Hkv, sm,
-                                                         resident_programs(D, kv == "fp8", Hq // Hkv, gluon))
+                                                         resident_programs(D, kv == "fp8", Hq // Hkv, gluon, ps))
         row[f"{kv}_splits"] = splits
 
         def call(splits=splits, **cfg):

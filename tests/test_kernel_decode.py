@@ -213,7 +213,8 @@ def test_gluon_fp8_decoder_routing():
     assert not gluon_fp8_decoder((8, 9), 128, 4, 64)  # measured on sm90 only
     assert not gluon_fp8_decoder((9, 0), 256, 4, 64) and not gluon_fp8_decoder((9, 0), 128, 32, 64)
     assert not gluon_fp8_decoder((9, 0), 128, 4, 8)  # tiles would straddle pages
-    assert resident_programs(128, True, 4, gluon=True) == 4
+    assert resident_programs(128, True, 4, gluon=True, page_size=64) == 4
+    assert resident_programs(128, True, 4, gluon=True, page_size=16) == 8  # 16-key tiles
 
 
 def test_gluon_decoder_supported_inputs():

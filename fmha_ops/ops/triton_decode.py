@@ -120,7 +120,7 @@ class _DecodeOp(AttentionFwOp):
 
         gluon = kv_fp8 and gluon_fp8_decoder(arch.capability, head_dim, rows, page_size)
         return choose_num_splits(p_batch, hkv, max_len, rows, sm_count(arch) if arch.kind != "cpu" else 132,
-                                 resident_programs(head_dim, kv_fp8, rows, gluon))
+                                 resident_programs(head_dim, kv_fp8, rows, gluon, page_size))
 
     @classmethod
     def apply(cls, inp, needs_lse):
