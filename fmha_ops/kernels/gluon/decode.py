@@ -58,8 +58,10 @@ def _v_pairs_constraints(d):
 @gluon.jit
 def _v_operand(v8, b_op: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr):
     """fp8 V tile ``v8`` (``_v_pairs_layout``) -> the fp16 B operand of PV. The asm writes column j's key pair into
-    one register, so its output element 2j + e holds (key e, column j); the reshape/permute below only renames
-    those registers to the coordinates they hold (key pair bit and the high bit of j swap places)."""
+    one register, so its output element 2j + e, labelled with its input's coordinates (key bit = the element
+    index's top bit, column j' = its other bits), holds (key e, column j); the reshape/permute below only renames
+    the registers to what they hold: the key bit is j''s lowest bit, j's top bit is the key bit, j's other bits
+    are j''s upper bits."""
     pairs = gl.inline_asm_elementwise(_v_pairs_asm(D), _v_pairs_constraints(D), [v8],
                                       dtype=gl.float16, is_pure=True, pack=D // 4)
     pairs = gl.reshape(pairs, [BLOCK_N // 2, 2, D // 16, 2, 8])
