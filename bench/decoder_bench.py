@@ -150,7 +150,8 @@ def run_shape(spec: dict) -> dict:
 
             row[f"{kv}_rel_vs_cudnn"] = error_report(out.reshape(B, Hq, D).float(), ref.float())["rel"]
         if spec.get("sweep"):
-            row[f"{kv}_sweep"] = sweep(call, nbytes, kv, name)
+            for variant in (kv, kv + "_gluon") if gluon else (kv,):
+                row[f"{variant}_sweep"] = sweep(call, nbytes, variant, name)
     row["fp8_speedup"] = row["bf16_graph_us"] / row["fp8_graph_us"]
     return row
 
@@ -163,18 +164,33 @@ def _grid(**axes):
 
 
 SWEEPS = {  # tuning variants timed (graph mode) when --sweep is given; earlier sweeps: bench/results/decode.md
-    "B64_L4096_p64": {"bf16": [], "fp8": _grid(block_n=(32, 64), num_warps=(1, 2), num_stages=(3, 4))},
+    # fp8: Triton tile options (they select the Triton kernel); fp8_gluon: the Gluon decoder's (BLOCK_N, STAGES)
+    # and split count, the tile set in place of `tile_config`'s for the timing (decode.md step 11)
+    "B64_L4096_p64": {"bf16": [], "fp8": _grid(block_n=(32, 64), num_warps=(1, 2), num_stages=(3, 4)),
+                      "fp8_gluon": _grid(tile=((32, 2), (32, 3), (32, 4), (16, 4)), num_splits=(1, 2))},
+    "B1_Hq64_L131072_p64": {"bf16": [], "fp8": [],
+                            "fp8_gluon": _grid(tile=((32, 2), (32, 3)), num_splits=(32, 61, 64, 128))},
 }
 
 
 def sweep(call, nbytes, kv, name):
+    """Graph-mode TB/s of ``call(**cfg)`` for each of the shape's ``kv`` variants."""
     res = []
     for cfg in SWEEPS[name][kv]:
+        opts = dict(cfg)
+        tile = opts.pop("tile", None)
+        if tile is not None:
+            from fmha_ops.kernels.gluon import decode as gluon_decode
+
+            default_tiles, gluon_decode.tile_config = gluon_decode.tile_config, lambda page_size, head_dim: tile
         try:
-            ms = common.time_graph_ms(lambda: call(**cfg), warmup=5, rep=30)[0]
+            ms = common.time_graph_ms(lambda: call(**opts), warmup=5, rep=30)[0]
             res.append({**cfg, "TBps": round(nbytes / ms / 1e9, 3)})
         except Exception as e:
             res.append({**cfg, "error": repr(e)[:100]})
+        finally:
+            if tile is not None:
+                gluon_decode.tile_config = default_tiles
     print(name, kv, "sweep", json.dumps(res), flush=True)
     return res
 
