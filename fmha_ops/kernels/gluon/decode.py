@@ -233,12 +233,16 @@ def tile_config(page_size: int | None, head_dim: int) -> tuple[int, int] | None:
     return None
 
 
+def takes_shape(head_dim: int, q_rows_per_kv_head: int, page_size: int | None) -> bool:
+    """Whether the kernel handles this shape: D 64/128, <= 16 query rows per KV head, whole tiles per page."""
+    return head_dim in HEAD_DIMS and q_rows_per_kv_head <= ROWS and tile_config(page_size, head_dim) is not None
+
+
 def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor,
               v_scale: torch.Tensor, page_size: int | None) -> bool:
     """Whether ``launch`` handles this call (the Triton decoder handles the rest)."""
     B, MQ, HQ, D = q.shape
-    hkv = k_cache.shape[2]
-    return (D in HEAD_DIMS and MQ * (HQ // hkv) <= ROWS and tile_config(page_size, D) is not None
+    return (takes_shape(D, MQ * (HQ // k_cache.shape[2]), page_size)
             and k_cache.dtype == v_cache.dtype == torch.float8_e4m3fn
             and all(t.stride(3) == 1 and t.stride(2) == D for t in (k_cache, v_cache))
             and q.stride(3) == 1)

@@ -208,8 +208,11 @@ def gluon_fp8_decoder(capability: tuple[int, int], head_dim: int, q_rows_per_kv_
                       page_size: int | None) -> bool:
     """Whether fp8 KV of this shape runs the Gluon decoder on a GPU of ``capability`` (measured on sm90 only;
     ``page_size`` None: dense cache). ``kernels/gluon/decode.py`` checks strides and dtypes as well."""
-    return (capability == (9, 0) and head_dim in (64, 128) and q_rows_per_kv_head <= 16
-            and (page_size is None or page_size % 16 == 0))
+    if capability != (9, 0):
+        return False
+    from fmha_ops.kernels.gluon.decode import takes_shape
+
+    return takes_shape(head_dim, q_rows_per_kv_head, page_size)
 
 
 def resident_programs(head_dim: int, kv_fp8: bool, q_rows_per_kv_head: int, gluon: bool = False,
@@ -235,6 +238,7 @@ def resident_programs(head_dim: int, kv_fp8: bool, q_rows_per_kv_head: int, gluo
     return 3 if bm <= 16 else 2
 
 
+@functools.lru_cache(maxsize=1024)  # on every decode call; the wave model below costs ~10 us at 64 candidates
 def choose_num_splits(batch: int, num_kv_heads: int, max_len: int, q_rows_per_kv_head: int,
                       sm_count: int, resident: int | None = None) -> int:
     """Number of key splits (each at least 512 keys, at most 64).
@@ -300,16 +304,6 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
         lse = torch.empty((B, HQ, MQ), device=q.device, dtype=torch.float32)
     paged = block_table is not None
     page_size = k_cache.shape[1] if paged else 1
-    rows = G * MQ
-    bm = _block_m(rows)
-    bn, nw, ns = _default_config(D, fp8, not paged or page_size % 64 == 0, bm)
-    bn, nw, ns = block_n or bn, num_warps or nw, num_stages or ns
-    ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)
-    kss = k_scale.stride() if fp8 else (0, 0, 0)
-    vss = v_scale.stride() if fp8 else (0, 0, 0)
-    bt = block_table if paged else seqlens
-    bt_stride = block_table.stride(0) if paged else 0
-    grid = (B * HKV, num_splits, cdiv(rows, bm))
     if num_splits == 1:
         o_buf, l_buf = out, lse
         o_strides = (0, *out.stride()[:3])
@@ -324,15 +318,21 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
         gluon.launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, o_buf, l_buf, o_strides, l_strides,
                      scale * _LOG2E, num_splits, page_size if paged else None)
     else:
-        launch(_decode_kernel)[grid](
-            q, k_cache, v_cache, ks, vs, seqlens, bt, o_buf, l_buf,
+        rows = G * MQ
+        bm = _block_m(rows)
+        bn, nw, ns = _default_config(D, fp8, not paged or page_size % 64 == 0, bm)
+        launch(_decode_kernel)[(B * HKV, num_splits, cdiv(rows, bm))](
+            q, k_cache, v_cache, k_scale if fp8 else k_cache, v_scale if fp8 else v_cache, seqlens,
+            block_table if paged else seqlens, o_buf, l_buf,
             q.stride(0), q.stride(1), q.stride(2),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            *kss, *vss, bt_stride, *o_strides, *l_strides,
+            *(k_scale.stride() if fp8 else (0, 0, 0)), *(v_scale.stride() if fp8 else (0, 0, 0)),
+            block_table.stride(0) if paged else 0, *o_strides, *l_strides,
             scale * _LOG2E, HKV, num_splits,
-            G=G, MQ=MQ, D=D, BLOCK_M=bm, BLOCK_N=bn, PAGE_SIZE=page_size, PAGED=paged, FP8=fp8,
-            PARTIAL=num_splits > 1, ASM_CVT=fp8 and _asm_cvt(q.device), num_warps=nw, num_stages=ns,
+            G=G, MQ=MQ, D=D, BLOCK_M=bm, BLOCK_N=block_n or bn, PAGE_SIZE=page_size, PAGED=paged, FP8=fp8,
+            PARTIAL=num_splits > 1, ASM_CVT=fp8 and _asm_cvt(q.device), num_warps=num_warps or nw,
+            num_stages=num_stages or ns,
         )
     if num_splits > 1:
         launch(_reduce_kernel)[(B * MQ * HQ,)](
