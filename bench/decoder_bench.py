@@ -83,7 +83,7 @@ def sdpa_ms(q, k, v, backend, pack: bool):
 
 
 def run_shape(spec: dict) -> dict:
-    from fmha_ops.kernels.triton.decode import choose_num_splits, gluon_fp8_decoder, paged_decode, resident_programs
+    from fmha_ops.kernels.triton.decode import default_num_splits, gluon_fp8_decoder, paged_decode
     from fmha_ops.kv_cache import quantize_fp8
     from torch.nn.attention import SDPBackend
 
@@ -129,9 +129,10 @@ def run_shape(spec: dict) -> dict:
     v8, vs = quantize_fp8(v_pages)
     variants.append(("fp8", k8, v8, ks, vs, nbytes_bf16 // 2 + 2 * B * Hkv * L * 4))
     for kv, kc, vc, ksc, vsc, nbytes in variants:
-        gluon = kv == "fp8" and gluon_fp8_decoder(torch.cuda.get_device_capability(), D, Hq // Hkv, ps)
-        splits = spec.get("splits") or choose_num_splits(B, Hkv, per_seq * ps, Hq // Hkv, sm,
-                                                         resident_programs(D, kv == "fp8", Hq // Hkv, gluon, ps))
+        capability = torch.cuda.get_device_capability()
+        gluon = kv == "fp8" and gluon_fp8_decoder(capability, D, Hq // Hkv, ps)
+        splits = spec.get("splits") or default_num_splits(B, Hkv, per_seq * ps, Hq // Hkv, D, kv == "fp8", ps,
+                                                          capability, sm)
         row[f"{kv}_splits"] = splits
 
         def call(splits=splits, **cfg):
@@ -182,7 +183,7 @@ def sweep(call, nbytes, kv, name):
         if tile is not None:
             from fmha_ops.kernels.gluon import decode as gluon_decode
 
-            default_tiles, gluon_decode.tile_config = gluon_decode.tile_config, lambda page_size, head_dim: tile
+            default_tiles, gluon_decode.tile_config = gluon_decode.tile_config, lambda page_size, tile_width: tile
         try:
             ms = common.time_graph_ms(lambda: call(**opts), warmup=5, rep=30)[0]
             res.append({**cfg, "TBps": round(nbytes / ms / 1e9, 3)})

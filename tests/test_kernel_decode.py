@@ -198,9 +198,24 @@ def test_choose_num_splits_latency_bound_waves():
     assert choose_num_splits(8, 8, 32768, 4, 132) == 9
     assert choose_num_splits(8, 8, 32768, 4, 132, 2) == 4
     assert choose_num_splits(1, 8, 600, 8, 132, 2) == 1  # too short to split
+    # 8 programs in one wave of 528 slots: as many splits as the wave holds, past the usual cap of 64
+    assert choose_num_splits(1, 8, 131072, 8, 132, 4) == 66
+    assert choose_num_splits(1, 8, 20000, 8, 132, 4) == 20000 // 512  # but each split keeps >= 512 keys
     for B, L, D, rows in ((1, 131072, 128, 8), (3, 5000, 256, 4), (200, 70000, 64, 64)):
-        s = choose_num_splits(B, 8, L, rows, 132, resident_programs(D, True, rows))
-        assert 1 <= s <= min(64, max(1, L // 512))
+        r = resident_programs(D, True, rows)
+        s = choose_num_splits(B, 8, L, rows, 132, r)
+        assert 1 <= s <= max(1, L // 512) and (s <= 64 or B * 8 * s <= 132 * r)
+
+
+def test_default_num_splits_counts_gluon_programs():
+    """The split count follows the programs of the kernel that runs: the Gluon decoder's D64 programs take two
+    KV heads each (B64 x 8 heads: 256 programs, so 2 splits fill the wave the D128 kernel fills with 1)."""
+    from fmha_ops.kernels.triton.decode import default_num_splits
+
+    assert default_num_splits(64, 8, 4096, 4, 128, True, 64, (9, 0), 132) == 1
+    assert default_num_splits(64, 8, 4096, 4, 64, True, 64, (9, 0), 132) == 2
+    assert default_num_splits(64, 8, 4096, 4, 64, True, 64, (8, 9), 132) == 1  # Triton kernel: one head each
+    assert default_num_splits(1, 8, 131072, 8, 128, False, 64, (9, 0), 132) == 64  # bf16: bandwidth rule
 
 
 def test_gluon_fp8_decoder_routing():
@@ -215,6 +230,17 @@ def test_gluon_fp8_decoder_routing():
     assert not gluon_fp8_decoder((9, 0), 128, 4, 8)  # tiles would straddle pages
     assert resident_programs(128, True, 4, gluon=True, page_size=64) == 4
     assert resident_programs(128, True, 4, gluon=True, page_size=16) == 8  # 16-key tiles
+
+
+def test_gluon_heads_per_program():
+    """D64 programs take two adjacent KV heads when both heads' query rows fit the 16-row mma."""
+    from fmha_ops.kernels.gluon import decode as gd
+
+    assert gd.heads_per_program(64, 8, 4) == 2 and gd.heads_per_program(64, 2, 8) == 2
+    assert gd.heads_per_program(64, 8, 9) == 1  # 18 rows would not fit
+    assert gd.heads_per_program(64, 1, 4) == 1 and gd.heads_per_program(64, 3, 4) == 1  # no pair for every head
+    assert gd.heads_per_program(128, 8, 4) == 1
+    assert gd.tile_config(64, 128) == (32, 2) and gd.tile_config(64, 64) == (32, 3) and gd.tile_config(16, 128) == (16, 4)
 
 
 def test_gluon_decoder_supported_inputs():
@@ -308,7 +334,8 @@ def test_gpu_graph_replay_equals_eager(num_splits):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [None, 16, 64, 256])
-@pytest.mark.parametrize("G,MQ,D", [(4, 1, 128), (8, 2, 64), (16, 1, 128), (1, 5, 128)])
+@pytest.mark.parametrize("G,MQ,D", [(4, 1, 128), (8, 2, 64), (16, 1, 128), (1, 5, 128), (4, 1, 64), (2, 4, 64),
+                                    (1, 5, 64)])
 def test_gpu_gluon_decoder_matches_triton(page_size, G, MQ, D):
     """fp8 KV on sm90: the Gluon decoder (default) against the Triton kernel (chosen by passing its tile
     options) and the float32 reference: ragged lengths incl. 0, 1 and partial tiles, splits 1 / 3 / 8."""
@@ -326,6 +353,31 @@ def test_gpu_gluon_decoder_matches_triton(page_size, G, MQ, D):
         seen = torch.isfinite(lse_t)
         assert torch.equal(seen, torch.isfinite(lse_g)) and (lse_g - lse_t)[seen].abs().max() < 1e-3
         print(page_size, G, MQ, D, s, rep)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [None, 16, 64])
+@pytest.mark.parametrize("G,MQ", [(4, 1), (1, 8)])
+def test_gpu_gluon_decoder_head_pairs(page_size, G, MQ):
+    """D64 with 8 KV heads: each program takes a pair of adjacent heads (pairs 0-1 .. 6-7); every head's rows
+    against the float32 reference and the Triton kernel (one head per program), head-major scales included."""
+    from fmha_ops.kernels.gluon import decode as gd
+    from fmha_ops.kernels.triton.decode import _gluon_decoder
+
+    if _gluon_decoder(torch.device(DEVICE)) is None:
+        pytest.skip("the Gluon decoder runs on sm90")
+    assert gd.heads_per_program(64, 8, G * MQ) == 2
+    q, kw, k, v = make_case(3, MQ, 8 * G, 8, 64, [2049, 1, 700], page_size=page_size, dtype=torch.bfloat16,
+                            fp8=torch.float8_e4m3fn, dist="transformer", seed=G)
+    head_major = dict(kw, **{n: kw[n].transpose(-1, -2).contiguous().transpose(-1, -2) for n in ("k_scale", "v_scale")})
+    for s in (1, 4):
+        out_g, lse_g, rep = check(q, kw, k, v, rel=GPU_REL[torch.bfloat16], num_splits=s)
+        out_t, lse_t = (t.cpu() for t in run(q, kw, num_splits=s, block_n=64, num_warps=2, num_stages=3))
+        assert error_report(out_g, out_t)["rel"] < GPU_REL[torch.bfloat16]
+        assert (lse_g - lse_t)[torch.isfinite(lse_t)].abs().max() < 1e-3
+        out_h, lse_h = run(q, head_major, num_splits=s)
+        assert torch.equal(out_h.cpu(), out_g) and torch.equal(lse_h.cpu(), lse_g)
+        print(page_size, G, MQ, s, rep)
 
 
 @pytest.mark.gpu

@@ -116,11 +116,10 @@ class _DecodeOp(AttentionFwOp):
                    page_size: int | None, arch) -> int:
         if not cls.SPLIT_K:
             return 1
-        from ..kernels.triton.decode import choose_num_splits, gluon_fp8_decoder, resident_programs
+        from ..kernels.triton.decode import default_num_splits
 
-        gluon = kv_fp8 and gluon_fp8_decoder(arch.capability, head_dim, rows, page_size)
-        return choose_num_splits(p_batch, hkv, max_len, rows, sm_count(arch) if arch.kind != "cpu" else 132,
-                                 resident_programs(head_dim, kv_fp8, rows, gluon, page_size))
+        return default_num_splits(p_batch, hkv, max_len, rows, head_dim, kv_fp8, page_size, arch.capability,
+                                  sm_count(arch) if arch.kind != "cpu" else 132)
 
     @classmethod
     def apply(cls, inp, needs_lse):

@@ -8,11 +8,12 @@ a block table, or dense (B, Lmax, Hkv, D), heads and D contiguous; float32 scale
 Why Gluon: Triton converts the fp8 V tile either byte by byte into the mma operand (V's reduction dim, the keys,
 is not contiguous) or through a fp16 copy in shared memory (the decoder's main stall, decode.md step 9). Here the
 shared-memory views are permuted so that each thread's operand bytes are contiguous: the QK^T reduction dim is
-permuted for q and K alike (logical k = 16s + 8h + 2t + e reads d = t * D/4 + 4s + 2h + e), and PV's output
-columns are permuted (n = 8j + g holds head dim (D/8) g + j, un-permuted at the store). K and V then reach
+permuted for q and K alike (logical k = 16s + 8h + 2t + e reads d = t * W/4 + 4s + 2h + e, W the tile width),
+and PV's output columns are permuted (n = 8j + g holds tile column (W/8) g + j, un-permuted at the store). K and V then reach
 registers by 16-byte shared loads, V's key pairs by byte permutes, both through the packed e4m3 -> f16 cvt.
 Tiles of BLOCK_N keys stream through a STAGES-deep cp.async ring (K, V and their scales); no cross-warp
-synchronisation. Numerics as the Triton decoder: fp16 products with float32 accumulation, V scales folded into
+synchronisation. At D64 a program takes two adjacent KV heads (``heads_per_program``) as one 128-byte tile per
+key: each head's query rows hold their q in that head's half of the reduction dim and zeros in the other's. Numerics as the Triton decoder: fp16 products with float32 accumulation, V scales folded into
 P relative to the tile's largest (the accumulator is kept in units of it), exp2 online softmax.
 """
 from __future__ import annotations
@@ -69,22 +70,25 @@ def _v_operand(v8, b_op: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr):
 
 
 @gluon.jit
-def _issue(k_smem, v_smem, ks_smem, vs_smem, st, K, V, KS, VS, page, slot0, n0, end, hkv, off_k, off_v, rows,
-           stride_kp, stride_ks, stride_vp, stride_vs, stride_ksp, stride_kss, stride_vsp, stride_vss,
-           D: gl.constexpr, BLOCK_N: gl.constexpr, sc_layout: gl.constexpr):
-    """cp.async of one tile (BLOCK_N keys from ``slot0`` of ``page``, keys >= ``end`` zero-filled) of K, V and
-    their scales into ring stage ``st``."""
+def _issue(k_smem, v_smem, ks_smem, vs_smem, st, K, V, KS, VS, page, slot0, n0, end, hkv0, off_k, off_v, rows,
+           stride_kp, stride_ks, stride_vp, stride_vs, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss,
+           stride_vsh, D: gl.constexpr, HEADS: gl.constexpr, BLOCK_N: gl.constexpr, sc_layout: gl.constexpr):
+    """cp.async of one tile (BLOCK_N keys from ``slot0`` of ``page``, keys >= ``end`` zero-filled) of K and V
+    (heads hkv0 .. hkv0 + HEADS - 1, adjacent in memory) and the scales of each head into ring stage ``st``."""
     ok = gl.expand_dims(n0 + rows < end, 1)
     async_copy.async_copy_global_to_shared(
-        k_smem.index(st), K + (page * stride_kp + slot0 * stride_ks + hkv * D) + off_k, mask=ok)
+        k_smem.index(st), K + (page * stride_kp + slot0 * stride_ks + hkv0 * D) + off_k, mask=ok)
     async_copy.async_copy_global_to_shared(
-        v_smem.index(st), V + (page * stride_vp + slot0 * stride_vs + hkv * D) + off_v, mask=ok)
+        v_smem.index(st), V + (page * stride_vp + slot0 * stride_vs + hkv0 * D) + off_v, mask=ok)
     r = gl.arange(0, BLOCK_N, layout=sc_layout)
     ok_r = n0 + r < end
-    async_copy.async_copy_global_to_shared(
-        ks_smem.index(st), KS + (page * stride_ksp + slot0 * stride_kss) + r * stride_kss, mask=ok_r)
-    async_copy.async_copy_global_to_shared(
-        vs_smem.index(st), VS + (page * stride_vsp + slot0 * stride_vss) + r * stride_vss, mask=ok_r)
+    for h in gl.static_range(HEADS):
+        async_copy.async_copy_global_to_shared(
+            ks_smem.index(st * HEADS + h),
+            KS + (page * stride_ksp + slot0 * stride_kss + (hkv0 + h) * stride_ksh) + r * stride_kss, mask=ok_r)
+        async_copy.async_copy_global_to_shared(
+            vs_smem.index(st * HEADS + h),
+            VS + (page * stride_vsp + slot0 * stride_vss + (hkv0 + h) * stride_vsh) + r * stride_vss, mask=ok_r)
 
 
 @gluon.jit
@@ -106,14 +110,19 @@ def _decode_fp8_kernel(
     stride_os, stride_ob, stride_om, stride_oh,
     stride_ls, stride_lb, stride_lh, stride_lm,
     qk_scale, NUM_KV_HEADS, NUM_SPLITS, Q_ROWS,
-    G: gl.constexpr, MQ: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    PAGED: gl.constexpr, PARTIAL: gl.constexpr, STAGES: gl.constexpr,
+    G: gl.constexpr, MQ: gl.constexpr, D: gl.constexpr, HEADS: gl.constexpr, BLOCK_N: gl.constexpr,
+    PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, PARTIAL: gl.constexpr, STAGES: gl.constexpr,
 ):
+    # HEADS (1 or 2) adjacent KV heads per program: the tile is DT = HEADS * D bytes of each key; query row r
+    # belongs to head r // RB of the program, and its q sits block-diagonally in the QK^T reduction dim (zeros against the
+    # other heads' K), so one mma serves every head; PV's output columns of other heads are not stored
+    DT: gl.constexpr = HEADS * D
+    RB: gl.constexpr = ROWS // HEADS
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    v_layout: gl.constexpr = _v_pairs_layout(BLOCK_N, D)
-    kv_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (D // 16), D // 16], [1, 1], [1, 0])
+    v_layout: gl.constexpr = _v_pairs_layout(BLOCK_N, DT)
+    kv_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (DT // 16), DT // 16], [1, 1], [1, 0])
     sc_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     # 16-byte chunks XOR-swizzled by row: the operand loads of rows 2t, 2t+1, ... hit different banks
     kv_smem: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, [1, 0])
@@ -121,8 +130,8 @@ def _decode_fp8_kernel(
 
     pid_bh = gl.program_id(0)
     split = gl.program_id(1)
-    b = pid_bh // NUM_KV_HEADS
-    hkv = pid_bh % NUM_KV_HEADS
+    b = pid_bh // (NUM_KV_HEADS // HEADS)
+    hkv0 = (pid_bh % (NUM_KV_HEADS // HEADS)) * HEADS
     seqlen = gl.load(SEQ + b)
     chunk = gl.cdiv(gl.cdiv(seqlen, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
@@ -131,38 +140,40 @@ def _decode_fp8_kernel(
 
     # q in the A-operand layout with the reduction dim permuted like K's view below
     qr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, a_op))
-    qk = gl.arange(0, D, layout=gl.SliceLayout(0, a_op))
-    qd = ((qk // 2) % 4) * (D // 4) + (qk // 16) * 4 + ((qk // 8) % 2) * 2 + qk % 2
-    q_ptr = (Q + b.to(gl.int64) * stride_qb + gl.expand_dims((qr // G) * stride_qm + (hkv * G + qr % G) * stride_qh, 1)
-             + gl.expand_dims(qd, 0))
-    # Q_ROWS (= G * MQ) is a runtime value so that the padding rows are registers, not constant zeros that would
-    # be rematerialised into a register quad before every QK^T mma
-    q = gl.load(q_ptr, mask=gl.expand_dims(qr < Q_ROWS, 1), other=0.0).to(gl.float16)
+    qk = gl.arange(0, DT, layout=gl.SliceLayout(0, a_op))
+    qd = ((qk // 2) % 4) * (DT // 4) + (qk // 16) * 4 + ((qk // 8) % 2) * 2 + qk % 2
+    q_row = (qr % RB // G) * stride_qm + ((hkv0 + qr // RB) * G + qr % RB % G) * stride_qh
+    q_ptr = Q + b.to(gl.int64) * stride_qb + gl.expand_dims(q_row, 1) + gl.expand_dims(qd % D, 0)
+    # Q_ROWS (= G * MQ per head) is a runtime value so that the padding rows are registers, not constant zeros
+    # that would be rematerialised into a register quad before every QK^T mma
+    q_ok = gl.expand_dims(qr % RB < Q_ROWS, 1) & (gl.expand_dims(qd // D, 0) == gl.expand_dims(qr // RB, 1))
+    q = gl.load(q_ptr, mask=q_ok, other=0.0).to(gl.float16)
 
-    k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, D], kv_smem)
-    v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, D], kv_smem)
-    ks_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], sc_smem)
-    vs_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], sc_smem)
+    k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, DT], kv_smem)
+    v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, DT], kv_smem)
+    ks_smem = gl.allocate_shared_memory(gl.float32, [STAGES * HEADS, BLOCK_N], sc_smem)
+    vs_smem = gl.allocate_shared_memory(gl.float32, [STAGES * HEADS, BLOCK_N], sc_smem)
     kv_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
-    kv_cols = gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout))
+    kv_cols = gl.arange(0, DT, layout=gl.SliceLayout(0, kv_layout))
     off_k = gl.expand_dims(kv_rows * stride_ks, 1) + gl.expand_dims(kv_cols, 0)
     off_v = gl.expand_dims(kv_rows * stride_vs, 1) + gl.expand_dims(kv_cols, 0)
 
     bt_row = BT + b * stride_btb
-    KS += hkv * stride_ksh  # this program's head; the per-token scales of a tile are stride_kss apart
-    VS += hkv * stride_vsh
     for i in gl.static_range(STAGES - 1):  # prologue; groups past the end are empty but keep the count
         page, slot0 = _tile_origin(bt_row, b, start + i * BLOCK_N, end, PAGE_SIZE, PAGED)
-        _issue(k_smem, v_smem, ks_smem, vs_smem, i, K, V, KS, VS, page, slot0, start + i * BLOCK_N, end, hkv,
-               off_k, off_v, kv_rows, stride_kp, stride_ks, stride_vp, stride_vs, stride_ksp, stride_kss, stride_vsp,
-               stride_vss, D, BLOCK_N, sc_layout)
+        _issue(k_smem, v_smem, ks_smem, vs_smem, i, K, V, KS, VS, page, slot0, start + i * BLOCK_N, end, hkv0,
+               off_k, off_v, kv_rows, stride_kp, stride_ks, stride_vp, stride_vs, stride_ksp, stride_kss, stride_ksh,
+               stride_vsp, stride_vss, stride_vsh, D, HEADS, BLOCK_N, sc_layout)
         async_copy.commit_group()
 
     rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
-    last_key = seqlen - MQ + rows // G  # query row r sees keys <= its position
+    row_head = gl.expand_dims(rows // RB, 1)
+    qi = rows % RB // G  # query token and head of each row
+    qh = (hkv0 + rows // RB) * G + rows % RB % G
+    last_key = seqlen - MQ + qi  # query row r sees keys <= its position
     m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, mma))
     l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, mma))
-    acc = gl.zeros([ROWS, D], gl.float32, mma)
+    acc = gl.zeros([ROWS, DT], gl.float32, mma)
     unit = gl.to_tensor(1.0)
     # the page id of the tile issued next iteration is loaded one iteration ahead, off the issue's path
     page_next, slot_next = _tile_origin(bt_row, b, start + (STAGES - 1) * BLOCK_N, end, PAGE_SIZE, PAGED)
@@ -172,35 +183,45 @@ def _decode_fp8_kernel(
         page, slot0 = page_next, slot_next
         page_next, slot_next = _tile_origin(bt_row, b, n_issue + BLOCK_N, end, PAGE_SIZE, PAGED)
         _issue(k_smem, v_smem, ks_smem, vs_smem, (it + STAGES - 1) % STAGES, K, V, KS, VS, page, slot0, n_issue, end,
-               hkv, off_k, off_v, kv_rows, stride_kp, stride_ks, stride_vp, stride_vs, stride_ksp, stride_kss,
-               stride_vsp, stride_vss, D, BLOCK_N, sc_layout)
+               hkv0, off_k, off_v, kv_rows, stride_kp, stride_ks, stride_vp, stride_vs, stride_ksp, stride_kss,
+               stride_ksh, stride_vsp, stride_vss, stride_vsh, D, HEADS, BLOCK_N, sc_layout)
         async_copy.commit_group()
         async_copy.wait_group(STAGES - 1)
         gl.thread_barrier()  # tile `it` visible to every thread
         st = it % STAGES
 
-        kt = (k_smem.index(st).reshape([BLOCK_N, 4, D // 16, 2, 2]).permute([0, 2, 3, 1, 4])
-              .reshape([BLOCK_N, D]).permute([1, 0]).load(b_op))
+        kt = (k_smem.index(st).reshape([BLOCK_N, 4, DT // 16, 2, 2]).permute([0, 2, 3, 1, 4])
+              .reshape([BLOCK_N, DT]).permute([1, 0]).load(b_op))
         s = mma_v2(q, kt.to(gl.float16), gl.zeros([ROWS, BLOCK_N], gl.float32, mma))
-        ks = ks_smem.index(st).load(gl.SliceLayout(0, mma))
-        vs = vs_smem.index(st).load(gl.SliceLayout(0, mma))
+        # per-key scales of the first head, [1, BLOCK_N]; of each row's head ([ROWS, BLOCK_N]) with two heads
+        ks = ks_smem.index(st * HEADS).load(gl.SliceLayout(0, mma))
+        vs = vs_smem.index(st * HEADS).load(gl.SliceLayout(0, mma))
+        v_max = gl.max(vs, 0)
+        if HEADS == 2:
+            ks1 = ks_smem.index(st * 2 + 1).load(gl.SliceLayout(0, mma))
+            vs1 = vs_smem.index(st * 2 + 1).load(gl.SliceLayout(0, mma))
+            v_max = gl.maximum(v_max, gl.max(vs1, 0))
+        v_max = gl.where(v_max > 0.0, v_max, 1.0)
+        k_sc = gl.expand_dims(ks * qk_scale, 0)
+        v_sc = gl.expand_dims(vs / v_max, 0)
+        if HEADS == 2:
+            k_sc = gl.where(row_head == 1, gl.expand_dims(ks1 * qk_scale, 0), k_sc)
+            v_sc = gl.where(row_head == 1, gl.expand_dims(vs1 / v_max, 0), v_sc)
         cols = start + it * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
         if MQ > 1:
             visible = (gl.expand_dims(cols, 0) <= gl.expand_dims(last_key, 1)) & gl.expand_dims(cols < end, 0)
-            s = gl.where(visible, s * gl.expand_dims(ks * qk_scale, 0), float("-inf"))
+            s = gl.where(visible, s * k_sc, float("-inf"))
         else:  # one FMA per score: keys past the end (zero-filled K) get -inf through the column bias
-            s = s * gl.expand_dims(ks * qk_scale, 0) + gl.expand_dims(gl.where(cols < end, 0.0, float("-inf")), 0)
+            s = s * k_sc + gl.expand_dims(gl.where(cols < end, 0.0, float("-inf")), 0)
         m_new = gl.maximum(m_i, gl.max(s, 1))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
         p = gl.exp2(s - gl.expand_dims(m_safe, 1))
         l_i = l_i * alpha + gl.sum(p, 1)
         # V scales enter P relative to the tile's largest (fp16 P cannot overflow); acc is kept in that unit
-        v_max = gl.max(vs, 0)
-        v_max = gl.where(v_max > 0.0, v_max, 1.0)
-        pv = gl.convert_layout((p * gl.expand_dims(vs / v_max, 0)).to(gl.float16), a_op)
-        v8 = v_smem.index(st).reshape([BLOCK_N, 8, D // 8]).permute([0, 2, 1]).reshape([BLOCK_N, D]).load(v_layout)
-        acc = mma_v2(pv, _v_operand(v8, b_op, BLOCK_N, D), acc * gl.expand_dims(alpha * (unit / v_max), 1))
+        pv = gl.convert_layout((p * v_sc).to(gl.float16), a_op)
+        v8 = v_smem.index(st).reshape([BLOCK_N, 8, DT // 8]).permute([0, 2, 1]).reshape([BLOCK_N, DT]).load(v_layout)
+        acc = mma_v2(pv, _v_operand(v8, b_op, BLOCK_N, DT), acc * gl.expand_dims(alpha * (unit / v_max), 1))
         unit = v_max
         m_i = m_new
     async_copy.wait_group(0)
@@ -208,26 +229,32 @@ def _decode_fp8_kernel(
     seen = l_i > 0.0
     o = acc * gl.expand_dims(gl.where(seen, unit / gl.where(seen, l_i, 1.0), 0.0), 1)
     lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    n = gl.arange(0, D, layout=gl.SliceLayout(0, mma))
-    col = (D // 8) * (n % 8) + n // 8  # PV's output column n is head dim `col`
-    row_ok = rows < G * MQ
-    qi = rows // G
-    qh = hkv * G + rows % G
+    n = gl.arange(0, DT, layout=gl.SliceLayout(0, mma))
+    col = (DT // 8) * (n % 8) + n // 8  # PV's output column n is tile column `col`: head col // D, dim col % D
+    row_ok = rows % RB < Q_ROWS
     o_ptr = (OUT + split.to(gl.int64) * stride_os + b.to(gl.int64) * stride_ob
-             + gl.expand_dims(qi * stride_om + qh * stride_oh, 1) + gl.expand_dims(col, 0))
+             + gl.expand_dims(qi * stride_om + qh * stride_oh, 1) + gl.expand_dims(col % D, 0))
+    o_ok = gl.expand_dims(row_ok, 1) & (gl.expand_dims(col // D, 0) == row_head)
     if PARTIAL:
-        gl.store(o_ptr, o, mask=gl.expand_dims(row_ok, 1))
+        gl.store(o_ptr, o, mask=o_ok)
     else:
-        gl.store(o_ptr, o.to(OUT.dtype.element_ty), mask=gl.expand_dims(row_ok, 1))
+        gl.store(o_ptr, o.to(OUT.dtype.element_ty), mask=o_ok)
     gl.store(LSE + split * stride_ls + b * stride_lb + qh * stride_lh + qi * stride_lm, lse, mask=row_ok)
 
 
-def tile_config(page_size: int | None, head_dim: int) -> tuple[int, int] | None:
-    """(BLOCK_N, STAGES) for a page size (None: dense cache), or None where tiles would straddle pages.
-    H200, one program per KV head and 4 per SM (decode.md step 11): 32-key tiles, 2 stages at D128 (B64/L4096
-    144 us vs 154 at 3 stages, B128/L1024 82 vs 87), 3 at D64 (93-100 us vs 104-106); more stages ran slower."""
+def heads_per_program(head_dim: int, num_kv_heads: int, q_rows_per_kv_head: int) -> int:
+    """KV heads one program takes: two adjacent heads at D64 when their query rows fit the 16-row mma together
+    (a 128-byte tile per key: the D128 program's work serves both heads), else one."""
+    return 2 if head_dim == 64 and num_kv_heads % 2 == 0 and q_rows_per_kv_head <= ROWS.value // 2 else 1
+
+
+def tile_config(page_size: int | None, tile_width: int) -> tuple[int, int] | None:
+    """(BLOCK_N, STAGES) for a page size (None: dense cache) and tile width (head dim x heads per program), or
+    None where tiles would straddle pages. H200, 4 programs per SM (decode.md step 11): 32-key tiles, 2 stages
+    for 128-byte rows (B64/L4096 144 us vs 154 at 3 stages, B128/L1024 82 vs 87), 3 for 64-byte rows (93-100 us
+    vs 104-106); more stages ran slower."""
     if page_size is None or page_size % 32 == 0:
-        return 32, 2 if head_dim > 64 else 3
+        return 32, 2 if tile_width > 64 else 3
     if page_size % 16 == 0:
         return 16, 4
     return None
@@ -254,16 +281,17 @@ def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse
     strides in ``out_strides`` / ``lse_strides``); arguments as ``kernels.triton.decode.paged_decode``'s."""
     B, MQ, HQ, D = q.shape
     hkv = k_cache.shape[2]
-    block_n, stages = tile_config(page_size, D)
+    heads = heads_per_program(D, hkv, MQ * (HQ // hkv))
+    block_n, stages = tile_config(page_size, heads * D)
     paged = page_size is not None
     bt = block_table if paged else seqlens
-    _decode_fp8_kernel[(B * hkv, num_splits)](
+    _decode_fp8_kernel[(B * hkv // heads, num_splits)](
         q, k_cache, v_cache, k_scale, v_scale, seqlens, bt, out, lse,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         *k_scale.stride(), *v_scale.stride(),
         block_table.stride(0) if paged else 0, *out_strides, *lse_strides,
         qk_scale_log2, hkv, num_splits, MQ * (HQ // hkv),
-        G=HQ // hkv, MQ=MQ, D=D, BLOCK_N=block_n, PAGE_SIZE=page_size or 1, PAGED=paged, PARTIAL=num_splits > 1,
+        G=HQ // hkv, MQ=MQ, D=D, HEADS=heads, BLOCK_N=block_n, PAGE_SIZE=page_size or 1, PAGED=paged, PARTIAL=num_splits > 1,
         STAGES=stages, num_warps=1,
     )
