@@ -227,7 +227,8 @@ def test_gluon_fp8_decoder_routing():
     assert gluon_fp8_decoder((9, 0), 128, 4, 64) and gluon_fp8_decoder((9, 0), 64, 16, None)
     assert not gluon_fp8_decoder((8, 9), 128, 4, 64)  # measured on sm90 only
     assert not gluon_fp8_decoder((9, 0), 256, 4, 64) and not gluon_fp8_decoder((9, 0), 128, 32, 64)
-    assert not gluon_fp8_decoder((9, 0), 128, 4, 8)  # tiles would straddle pages
+    assert gluon_fp8_decoder((9, 0), 128, 4, 8) and gluon_fp8_decoder((9, 0), 64, 4, 1)  # tiles span pages
+    assert not gluon_fp8_decoder((9, 0), 128, 4, 24)  # 32-key tiles neither span whole pages nor fit in one
     assert resident_programs(128, True, 4, gluon=True, page_size=64) == 4
     assert resident_programs(128, True, 4, gluon=True, page_size=16) == 8  # 16-key tiles
 
@@ -241,6 +242,7 @@ def test_gluon_heads_per_program():
     assert gd.heads_per_program(64, 1, 4) == 1 and gd.heads_per_program(64, 3, 4) == 1  # no pair for every head
     assert gd.heads_per_program(128, 8, 4) == 1
     assert gd.tile_config(64, 128) == (32, 2) and gd.tile_config(64, 64) == (32, 3) and gd.tile_config(16, 128) == (16, 4)
+    assert gd.tile_config(8, 128) == (32, 2) and gd.tile_config(1, 64) == (32, 3) and gd.tile_config(24, 128) is None
 
 
 def test_gluon_decoder_supported_inputs():
@@ -253,7 +255,8 @@ def test_gluon_decoder_supported_inputs():
     k = torch.zeros(10, 64, 2, 128).to(f8)
     s = torch.zeros(10, 64, 2)
     assert gd.supported(q, k, k, s, s, 64) and gd.supported(q, k, k, s, s, None)
-    assert not gd.supported(q, k, k, s, s, 8)  # a 16-key tile would straddle pages
+    assert gd.supported(q, k, k, s, s, 8)  # 32-key tiles spanning four pages
+    assert not gd.supported(q, k, k, s, s, 24)  # no tile size covers whole pages of 24
     assert not gd.supported(torch.zeros(2, 1, 8, 256), k, k, s, s, 64)  # head dim
     assert not gd.supported(torch.zeros(2, 3, 16, 128), k, k, s, s, 64)  # 24 rows per KV head
     assert not gd.supported(q, k.to(torch.float8_e5m2), k.to(torch.float8_e5m2), s, s, 64)
@@ -333,7 +336,7 @@ def test_gpu_graph_replay_equals_eager(num_splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page_size", [None, 16, 64, 256])
+@pytest.mark.parametrize("page_size", [None, 1, 8, 16, 64, 256])
 @pytest.mark.parametrize("G,MQ,D", [(4, 1, 128), (8, 2, 64), (16, 1, 128), (1, 5, 128), (4, 1, 64), (2, 4, 64),
                                     (1, 5, 64)])
 def test_gpu_gluon_decoder_matches_triton(page_size, G, MQ, D):
@@ -356,7 +359,7 @@ def test_gpu_gluon_decoder_matches_triton(page_size, G, MQ, D):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page_size", [None, 16, 64])
+@pytest.mark.parametrize("page_size", [None, 8, 16, 64])
 @pytest.mark.parametrize("G,MQ", [(4, 1), (1, 8)])
 def test_gpu_gluon_decoder_head_pairs(page_size, G, MQ):
     """D64 with 8 KV heads: each program takes a pair of adjacent heads (pairs 0-1 .. 6-7); every head's rows

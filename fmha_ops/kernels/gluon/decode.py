@@ -70,34 +70,48 @@ def _v_operand(v8, b_op: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr):
 
 
 @gluon.jit
-def _issue(k_smem, v_smem, ks_smem, vs_smem, st, K, V, KS, VS, page, slot0, n0, end, hkv0, off_k, off_v, rows,
-           stride_kp, stride_ks, stride_vp, stride_vs, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss,
-           stride_vsh, D: gl.constexpr, HEADS: gl.constexpr, BLOCK_N: gl.constexpr, sc_layout: gl.constexpr):
-    """cp.async of one tile (BLOCK_N keys from ``slot0`` of ``page``, keys >= ``end`` zero-filled) of K and V
-    (heads hkv0 .. hkv0 + HEADS - 1, adjacent in memory) and the scales of each head into ring stage ``st``."""
+def _issue(k_smem, v_smem, ks_smem, vs_smem, st, K, V, KS, VS, kv_page, sc_page, slot0, n0, end, hkv0, off_k, off_v,
+           rows, stride_kp, stride_ks, stride_vp, stride_vs, stride_ksp, stride_kss, stride_ksh, stride_vsp,
+           stride_vss, stride_vsh, D: gl.constexpr, HEADS: gl.constexpr, BLOCK_N: gl.constexpr,
+           PAGE_SIZE: gl.constexpr, STRADDLE: gl.constexpr, sc_layout: gl.constexpr):
+    """cp.async of one tile (BLOCK_N keys from ``slot0`` of page ``kv_page`` / ``sc_page``, or with STRADDLE the
+    page of each row; keys >= ``end`` zero-filled) of K and V (heads hkv0 .. hkv0 + HEADS - 1, adjacent in
+    memory) and the scales of each head into ring stage ``st``."""
     ok = gl.expand_dims(n0 + rows < end, 1)
+    if STRADDLE:
+        kv_page = gl.expand_dims(kv_page, 1)
     async_copy.async_copy_global_to_shared(
-        k_smem.index(st), K + (page * stride_kp + slot0 * stride_ks + hkv0 * D) + off_k, mask=ok)
+        k_smem.index(st), K + (kv_page * stride_kp + slot0 * stride_ks + hkv0 * D) + off_k, mask=ok)
     async_copy.async_copy_global_to_shared(
-        v_smem.index(st), V + (page * stride_vp + slot0 * stride_vs + hkv0 * D) + off_v, mask=ok)
+        v_smem.index(st), V + (kv_page * stride_vp + slot0 * stride_vs + hkv0 * D) + off_v, mask=ok)
     r = gl.arange(0, BLOCK_N, layout=sc_layout)
     ok_r = n0 + r < end
+    if STRADDLE:
+        r = r % PAGE_SIZE
     for h in gl.static_range(HEADS):
         async_copy.async_copy_global_to_shared(
             ks_smem.index(st * HEADS + h),
-            KS + (page * stride_ksp + slot0 * stride_kss + (hkv0 + h) * stride_ksh) + r * stride_kss, mask=ok_r)
+            KS + (sc_page * stride_ksp + slot0 * stride_kss + (hkv0 + h) * stride_ksh) + r * stride_kss, mask=ok_r)
         async_copy.async_copy_global_to_shared(
             vs_smem.index(st * HEADS + h),
-            VS + (page * stride_vsp + slot0 * stride_vss + (hkv0 + h) * stride_vsh) + r * stride_vss, mask=ok_r)
+            VS + (sc_page * stride_vsp + slot0 * stride_vss + (hkv0 + h) * stride_vsh) + r * stride_vss, mask=ok_r)
 
 
 @gluon.jit
-def _tile_origin(bt_row, b, n, end, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr):
-    """(page, first slot) of the tile starting at key ``n``; page 0 past ``end`` (its copies are masked)."""
-    if PAGED:
-        return gl.load(bt_row + n // PAGE_SIZE, mask=n < end, other=0).to(gl.int64), n % PAGE_SIZE
+def _tile_origin(bt_row, b, n, end, kv_rows, sc_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+                 PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, STRADDLE: gl.constexpr):
+    """(page in K/V's row layout, page in the scales' layout, first slot) of the tile starting at key ``n``; with
+    STRADDLE (pages shorter than the tile) the page of every row and slot 0; page 0 past ``end`` (masked)."""
+    if STRADDLE:
+        sc_rows = gl.arange(0, BLOCK_N, layout=sc_layout)
+        kv_page = gl.load(bt_row + (n + kv_rows) // PAGE_SIZE, mask=n + kv_rows < end, other=0).to(gl.int64)
+        sc_page = gl.load(bt_row + (n + sc_rows) // PAGE_SIZE, mask=n + sc_rows < end, other=0).to(gl.int64)
+        return kv_page, sc_page, 0
+    elif PAGED:
+        page = gl.load(bt_row + n // PAGE_SIZE, mask=n < end, other=0).to(gl.int64)
+        return page, page, n % PAGE_SIZE
     else:
-        return b.to(gl.int64), n
+        return b.to(gl.int64), b.to(gl.int64), n
 
 
 @gluon.jit(do_not_specialize=["Q_ROWS"])
@@ -113,6 +127,7 @@ def _decode_fp8_kernel(
     G: gl.constexpr, MQ: gl.constexpr, D: gl.constexpr, HEADS: gl.constexpr, BLOCK_N: gl.constexpr,
     PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, PARTIAL: gl.constexpr, STAGES: gl.constexpr,
 ):
+    STRADDLE: gl.constexpr = PAGED and PAGE_SIZE < BLOCK_N  # a tile spans BLOCK_N / PAGE_SIZE pages
     # HEADS (1 or 2) adjacent KV heads per program: the tile is DT = HEADS * D bytes of each key; query row r
     # belongs to head r // RB of the program, and its q sits block-diagonally in the QK^T reduction dim (zeros against the
     # other heads' K), so one mma serves every head; PV's output columns of other heads are not stored
@@ -155,15 +170,17 @@ def _decode_fp8_kernel(
     vs_smem = gl.allocate_shared_memory(gl.float32, [STAGES * HEADS, BLOCK_N], sc_smem)
     kv_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
     kv_cols = gl.arange(0, DT, layout=gl.SliceLayout(0, kv_layout))
-    off_k = gl.expand_dims(kv_rows * stride_ks, 1) + gl.expand_dims(kv_cols, 0)
-    off_v = gl.expand_dims(kv_rows * stride_vs, 1) + gl.expand_dims(kv_cols, 0)
+    kv_slots = kv_rows % PAGE_SIZE if STRADDLE else kv_rows  # each row's slot from the tile's first
+    off_k = gl.expand_dims(kv_slots * stride_ks, 1) + gl.expand_dims(kv_cols, 0)
+    off_v = gl.expand_dims(kv_slots * stride_vs, 1) + gl.expand_dims(kv_cols, 0)
 
     bt_row = BT + b * stride_btb
     for i in gl.static_range(STAGES - 1):  # prologue; groups past the end are empty but keep the count
-        page, slot0 = _tile_origin(bt_row, b, start + i * BLOCK_N, end, PAGE_SIZE, PAGED)
-        _issue(k_smem, v_smem, ks_smem, vs_smem, i, K, V, KS, VS, page, slot0, start + i * BLOCK_N, end, hkv0,
-               off_k, off_v, kv_rows, stride_kp, stride_ks, stride_vp, stride_vs, stride_ksp, stride_kss, stride_ksh,
-               stride_vsp, stride_vss, stride_vsh, D, HEADS, BLOCK_N, sc_layout)
+        kv_page, sc_page, slot0 = _tile_origin(bt_row, b, start + i * BLOCK_N, end, kv_rows, sc_layout, BLOCK_N,
+                                               PAGE_SIZE, PAGED, STRADDLE)
+        _issue(k_smem, v_smem, ks_smem, vs_smem, i, K, V, KS, VS, kv_page, sc_page, slot0, start + i * BLOCK_N, end,
+               hkv0, off_k, off_v, kv_rows, stride_kp, stride_ks, stride_vp, stride_vs, stride_ksp, stride_kss,
+               stride_ksh, stride_vsp, stride_vss, stride_vsh, D, HEADS, BLOCK_N, PAGE_SIZE, STRADDLE, sc_layout)
         async_copy.commit_group()
 
     rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
@@ -176,15 +193,18 @@ def _decode_fp8_kernel(
     acc = gl.zeros([ROWS, DT], gl.float32, mma)
     unit = gl.to_tensor(1.0)
     # the page id of the tile issued next iteration is loaded one iteration ahead, off the issue's path
-    page_next, slot_next = _tile_origin(bt_row, b, start + (STAGES - 1) * BLOCK_N, end, PAGE_SIZE, PAGED)
+    kv_next, sc_next, slot_next = _tile_origin(bt_row, b, start + (STAGES - 1) * BLOCK_N, end, kv_rows, sc_layout,
+                                               BLOCK_N, PAGE_SIZE, PAGED, STRADDLE)
     for it in range(n_tiles):
         gl.thread_barrier()  # every thread is done with the stage refilled below
         n_issue = start + (it + STAGES - 1) * BLOCK_N
-        page, slot0 = page_next, slot_next
-        page_next, slot_next = _tile_origin(bt_row, b, n_issue + BLOCK_N, end, PAGE_SIZE, PAGED)
-        _issue(k_smem, v_smem, ks_smem, vs_smem, (it + STAGES - 1) % STAGES, K, V, KS, VS, page, slot0, n_issue, end,
-               hkv0, off_k, off_v, kv_rows, stride_kp, stride_ks, stride_vp, stride_vs, stride_ksp, stride_kss,
-               stride_ksh, stride_vsp, stride_vss, stride_vsh, D, HEADS, BLOCK_N, sc_layout)
+        kv_page, sc_page, slot0 = kv_next, sc_next, slot_next
+        kv_next, sc_next, slot_next = _tile_origin(bt_row, b, n_issue + BLOCK_N, end, kv_rows, sc_layout, BLOCK_N,
+                                                   PAGE_SIZE, PAGED, STRADDLE)
+        _issue(k_smem, v_smem, ks_smem, vs_smem, (it + STAGES - 1) % STAGES, K, V, KS, VS, kv_page, sc_page, slot0,
+               n_issue, end, hkv0, off_k, off_v, kv_rows, stride_kp, stride_ks, stride_vp, stride_vs, stride_ksp,
+               stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh, D, HEADS, BLOCK_N, PAGE_SIZE, STRADDLE,
+               sc_layout)
         async_copy.commit_group()
         async_copy.wait_group(STAGES - 1)
         gl.thread_barrier()  # tile `it` visible to every thread
@@ -250,18 +270,19 @@ def heads_per_program(head_dim: int, num_kv_heads: int, q_rows_per_kv_head: int)
 
 def tile_config(page_size: int | None, tile_width: int) -> tuple[int, int] | None:
     """(BLOCK_N, STAGES) for a page size (None: dense cache) and tile width (head dim x heads per program), or
-    None where tiles would straddle pages. H200, 4 programs per SM (decode.md step 11): 32-key tiles, 2 stages
+    None for pages the tiles cannot cover. H200, 4 programs per SM (decode.md step 11): 32-key tiles, 2 stages
     for 128-byte rows (B64/L4096 144 us vs 154 at 3 stages, B128/L1024 82 vs 87), 3 for 64-byte rows (93-100 us
-    vs 104-106); more stages ran slower."""
-    if page_size is None or page_size % 32 == 0:
-        return 32, 2 if tile_width > 64 else 3
-    if page_size % 16 == 0:
+    vs 104-106); more stages ran slower. Pages of 1-8 keys: 32-key tiles spanning pages; pages of 16 (and other
+    multiples of 16): 16-key tiles within a page, 4 stages, 8 programs per SM."""
+    if page_size is not None and page_size % 16 == 0 and page_size % 32:
         return 16, 4
+    if page_size is None or page_size % 32 == 0 or 32 % page_size == 0:
+        return 32, 2 if tile_width > 64 else 3
     return None
 
 
 def takes_shape(head_dim: int, q_rows_per_kv_head: int, page_size: int | None) -> bool:
-    """Whether the kernel handles this shape: D 64/128, <= 16 query rows per KV head, whole tiles per page."""
+    """Whether the kernel handles this shape: D 64/128, <= 16 query rows per KV head, pages its tiles cover."""
     return head_dim in HEAD_DIMS and q_rows_per_kv_head <= ROWS and tile_config(page_size, head_dim) is not None
 
 
