@@ -230,7 +230,8 @@ def test_gluon_fp8_decoder_routing():
     assert gluon_fp8_decoder((9, 0), 128, 4, 8) and gluon_fp8_decoder((9, 0), 64, 4, 1)  # tiles span pages
     assert not gluon_fp8_decoder((9, 0), 128, 4, 24)  # 32-key tiles neither span whole pages nor fit in one
     assert resident_programs(128, True, 4, gluon=True, page_size=64) == 4
-    assert resident_programs(128, True, 4, gluon=True, page_size=16) == 8  # 16-key tiles
+    assert resident_programs(128, True, 4, gluon=True, page_size=16) == 4  # 32-key tiles over two pages
+    assert resident_programs(128, True, 4, gluon=True, page_size=48) == 8  # 16-key tiles
 
 
 def test_gluon_heads_per_program():
@@ -241,8 +242,9 @@ def test_gluon_heads_per_program():
     assert gd.heads_per_program(64, 8, 9) == 1  # 18 rows would not fit
     assert gd.heads_per_program(64, 1, 4) == 1 and gd.heads_per_program(64, 3, 4) == 1  # no pair for every head
     assert gd.heads_per_program(128, 8, 4) == 1
-    assert gd.tile_config(64, 128) == (32, 2) and gd.tile_config(64, 64) == (32, 3) and gd.tile_config(16, 128) == (16, 4)
-    assert gd.tile_config(8, 128) == (32, 2) and gd.tile_config(1, 64) == (32, 3) and gd.tile_config(24, 128) is None
+    assert gd.tile_config(64, 128) == (32, 2) and gd.tile_config(64, 64) == (32, 3) and gd.tile_config(16, 128) == (32, 2)
+    assert gd.tile_config(48, 128) == (16, 4) and gd.tile_config(8, 128) == (32, 2)
+    assert gd.tile_config(1, 64) == (32, 3) and gd.tile_config(24, 128) is None
 
 
 def test_gluon_decoder_supported_inputs():
@@ -336,7 +338,7 @@ def test_gpu_graph_replay_equals_eager(num_splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page_size", [None, 1, 8, 16, 64, 256])
+@pytest.mark.parametrize("page_size", [None, 1, 8, 16, 48, 64, 256])
 @pytest.mark.parametrize("G,MQ,D", [(4, 1, 128), (8, 2, 64), (16, 1, 128), (1, 5, 128), (4, 1, 64), (2, 4, 64),
                                     (1, 5, 64)])
 def test_gpu_gluon_decoder_matches_triton(page_size, G, MQ, D):

@@ -221,8 +221,8 @@ def resident_programs(head_dim: int, kv_fp8: bool, q_rows_per_kv_head: int, gluo
     and shared memory from ``bench/decode_aot.py``), capped at 4 where more resident programs measured no
     faster (D64: 7 resident); ``gluon``: the one-warp Gluon programs, 4 per SM with 32-key tiles (8 fit, but
     B64/L4096 and B128/L1024 ran 5-10% faster as one wave of 4 per SM than with the splits that fill 8), 8 with
-    the 16-key tiles (``gluon.decode.tile_config``) of pages of 16 (B64/L4096/p16: 1.64x bf16 with 8, 1.40x
-    with 4; decode.md step 11).
+    16-key tiles (``gluon.decode.tile_config``; B64/L4096 with them: 1.64x bf16 with 8, 1.40x with 4; decode.md
+    step 11).
     The fp8 kernels are latency bound, so their time follows waves of these programs. None for bf16/fp16 KV,
     which is bandwidth bound."""
     if not kv_fp8:
