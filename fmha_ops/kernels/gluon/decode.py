@@ -23,6 +23,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+from ..triton.launch import launch as launch_cached
+
 HEAD_DIMS = (64, 128)
 ROWS = gl.constexpr(16)  # the mma M: query rows per KV head a program can hold
 
@@ -306,7 +308,7 @@ def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse
     block_n, stages = tile_config(page_size, heads * D)
     paged = page_size is not None
     bt = block_table if paged else seqlens
-    _decode_fp8_kernel[(B * hkv // heads, num_splits)](
+    launch_cached(_decode_fp8_kernel)[(B * hkv // heads, num_splits)](
         q, k_cache, v_cache, k_scale, v_scale, seqlens, bt, out, lse,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),

@@ -87,7 +87,7 @@ _KERNELS: dict = {}
 
 
 def launch(fn) -> CachedKernel:
-    """The ``CachedKernel`` of a ``@triton.jit`` kernel (one per kernel)."""
+    """The ``CachedKernel`` of a ``@triton.jit`` or ``@gluon.jit`` kernel (one per kernel)."""
     k = _KERNELS.get(fn)
     if k is None:
         k = _KERNELS[fn] = CachedKernel(fn)
