@@ -242,7 +242,8 @@ def test_gluon_heads_per_program():
     assert gd.heads_per_program(64, 8, 9) == 1  # 18 rows would not fit
     assert gd.heads_per_program(64, 1, 4) == 1 and gd.heads_per_program(64, 3, 4) == 1  # no pair for every head
     assert gd.heads_per_program(128, 8, 4) == 1
-    assert gd.tile_config(64, 128) == (32, 2) and gd.tile_config(64, 64) == (32, 3) and gd.tile_config(16, 128) == (32, 2)
+    assert gd.tile_config(64, 128) == (32, 2) and gd.tile_config(64, 64) == (32, 3)
+    assert gd.tile_config(16, 128) == (32, 2)
     assert gd.tile_config(48, 128) == (16, 4) and gd.tile_config(8, 128) == (32, 2)
     assert gd.tile_config(1, 64) == (32, 3) and gd.tile_config(24, 128) is None
 

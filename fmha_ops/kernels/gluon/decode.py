@@ -9,12 +9,14 @@ Why Gluon: Triton converts the fp8 V tile either byte by byte into the mma opera
 is not contiguous) or through a fp16 copy in shared memory (the decoder's main stall, decode.md step 9). Here the
 shared-memory views are permuted so that each thread's operand bytes are contiguous: the QK^T reduction dim is
 permuted for q and K alike (logical k = 16s + 8h + 2t + e reads d = t * W/4 + 4s + 2h + e, W the tile width),
-and PV's output columns are permuted (n = 8j + g holds tile column (W/8) g + j, un-permuted at the store). K and V then reach
-registers by 16-byte shared loads, V's key pairs by byte permutes, both through the packed e4m3 -> f16 cvt.
-Tiles of BLOCK_N keys stream through a STAGES-deep cp.async ring (K, V and their scales); no cross-warp
-synchronisation. At D64 a program takes two adjacent KV heads (``heads_per_program``) as one 128-byte tile per
-key: each head's query rows hold their q in that head's half of the reduction dim and zeros in the other's. Numerics as the Triton decoder: fp16 products with float32 accumulation, V scales folded into
-P relative to the tile's largest (the accumulator is kept in units of it), exp2 online softmax.
+and PV's output columns are permuted (n = 8j + g holds tile column (W/8) g + j, un-permuted at the store). K and
+V then reach registers by 16-byte shared loads, V's key pairs by byte permutes, both through the packed e4m3 ->
+f16 cvt. Tiles of BLOCK_N keys stream through a STAGES-deep cp.async ring (K, V and their scales); no cross-warp
+synchronisation; with pages shorter than a tile, each row's page id comes from the block table. At D64 a program
+takes two adjacent KV heads (``heads_per_program``) as one 128-byte tile per key: each head's query rows hold
+their q in that head's half of the reduction dim and zeros in the other's. Numerics as the Triton decoder: fp16
+products with float32 accumulation, V scales folded into P relative to the tile's largest (the accumulator is
+kept in units of it), exp2 online softmax.
 """
 from __future__ import annotations
 
@@ -131,8 +133,8 @@ def _decode_fp8_kernel(
 ):
     STRADDLE: gl.constexpr = PAGED and PAGE_SIZE < BLOCK_N  # a tile spans BLOCK_N / PAGE_SIZE pages
     # HEADS (1 or 2) adjacent KV heads per program: the tile is DT = HEADS * D bytes of each key; query row r
-    # belongs to head r // RB of the program, and its q sits block-diagonally in the QK^T reduction dim (zeros against the
-    # other heads' K), so one mma serves every head; PV's output columns of other heads are not stored
+    # belongs to head r // RB of the program, and its q sits block-diagonally in the QK^T reduction dim (zeros
+    # against the other heads' K), so one mma serves every head; PV's output columns of other heads are not stored
     DT: gl.constexpr = HEADS * D
     RB: gl.constexpr = ROWS // HEADS
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
@@ -315,6 +317,6 @@ def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse
         *k_scale.stride(), *v_scale.stride(),
         block_table.stride(0) if paged else 0, *out_strides, *lse_strides,
         qk_scale_log2, hkv, num_splits, MQ * (HQ // hkv),
-        G=HQ // hkv, MQ=MQ, D=D, HEADS=heads, BLOCK_N=block_n, PAGE_SIZE=page_size or 1, PAGED=paged, PARTIAL=num_splits > 1,
-        STAGES=stages, num_warps=1,
+        G=HQ // hkv, MQ=MQ, D=D, HEADS=heads, BLOCK_N=block_n, PAGE_SIZE=page_size or 1, PAGED=paged,
+        PARTIAL=num_splits > 1, STAGES=stages, num_warps=1,
     )

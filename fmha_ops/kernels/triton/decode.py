@@ -249,10 +249,10 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_len: int, q_rows_per_kv
     ``resident=None`` (bandwidth-bound kernel): 1 when the programs fill every SM once, else about four
     programs per SM, at most 64 splits. ``resident`` programs per SM (latency-bound kernel,
     ``resident_programs``): the time is modelled as waves of ``sm_count * resident`` programs, each as long as
-    its split, and the fewest splits within 5% of the best are taken, or, when they run in one wave, as many as that wave holds
-    (at most 64 or one wave). B=64 x 8 KV heads, fp8 at D=256: 512 programs fill 1.3 waves of 132 x 3 slots,
-    so 3 splits run 4 full waves of thirds; B=1 x 8 KV heads on 528 slots: 66 splits, 1.8% faster than 64 on
-    the H200 (decode.md step 12)."""
+    its split, and the fewest splits within 5% of the best are taken, or, when they run in one wave, as many as
+    that wave holds (at most 64 or one wave). B=64 x 8 KV heads, fp8 at D=256: 512 programs fill 1.3 waves of
+    132 x 3 slots, so 3 splits run 4 full waves of thirds; B=1 x 8 KV heads on 528 slots: 66 splits, 1.8% faster
+    than 64 on the H200 (decode.md step 12)."""
     programs = batch * num_kv_heads * cdiv(q_rows_per_kv_head, _block_m(q_rows_per_kv_head))
     if resident is None:
         return 1 if programs >= sm_count else min(cdiv(4 * sm_count, programs), max(1, min(max_len // 512, 64)))
