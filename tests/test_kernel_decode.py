@@ -226,7 +226,8 @@ def test_gluon_fp8_decoder_routing():
     assert _gluon_decoder(torch.device("cpu")) is None
     assert gluon_fp8_decoder((9, 0), 128, 4, 64) and gluon_fp8_decoder((9, 0), 64, 16, None)
     assert not gluon_fp8_decoder((8, 9), 128, 4, 64)  # measured on sm90 only
-    assert not gluon_fp8_decoder((9, 0), 256, 4, 64) and not gluon_fp8_decoder((9, 0), 128, 32, 64)
+    assert gluon_fp8_decoder((9, 0), 256, 4, 64)  # two-warp programs
+    assert not gluon_fp8_decoder((9, 0), 96, 4, 64) and not gluon_fp8_decoder((9, 0), 128, 32, 64)
     assert gluon_fp8_decoder((9, 0), 128, 4, 8) and gluon_fp8_decoder((9, 0), 64, 4, 1)  # tiles span pages
     assert not gluon_fp8_decoder((9, 0), 128, 4, 24)  # 32-key tiles neither span whole pages nor fit in one
     assert resident_programs(128, True, 4, gluon=True, page_size=64) == 4
@@ -241,7 +242,8 @@ def test_gluon_heads_per_program():
     assert gd.heads_per_program(64, 8, 4) == 2 and gd.heads_per_program(64, 2, 8) == 2
     assert gd.heads_per_program(64, 8, 9) == 1  # 18 rows would not fit
     assert gd.heads_per_program(64, 1, 4) == 1 and gd.heads_per_program(64, 3, 4) == 1  # no pair for every head
-    assert gd.heads_per_program(128, 8, 4) == 1
+    assert gd.heads_per_program(128, 8, 4) == 1 and gd.heads_per_program(256, 8, 4) == 1
+    assert gd.warps_per_program(256) == 2 and gd.warps_per_program(128) == gd.warps_per_program(64) == 1
     assert gd.tile_config(64, 128) == (32, 2) and gd.tile_config(64, 64) == (32, 3)
     assert gd.tile_config(16, 128) == (32, 2)
     assert gd.tile_config(48, 128) == (16, 4) and gd.tile_config(8, 128) == (32, 2)
@@ -249,8 +251,8 @@ def test_gluon_heads_per_program():
 
 
 def test_gluon_decoder_supported_inputs():
-    """The Gluon decoder takes contiguous heads of e4m3fn K/V with per-token scales (any strides), D 64/128, <= 16
-    rows per KV head and whole-tile pages; anything else stays on the Triton kernel."""
+    """The Gluon decoder takes contiguous heads of e4m3fn K/V with per-token scales (any strides), D 64/128/256,
+    <= 16 rows per KV head and pages its tiles cover; anything else stays on the Triton kernel."""
     from fmha_ops.kernels.gluon import decode as gd
 
     f8 = torch.float8_e4m3fn
@@ -260,7 +262,7 @@ def test_gluon_decoder_supported_inputs():
     assert gd.supported(q, k, k, s, s, 64) and gd.supported(q, k, k, s, s, None)
     assert gd.supported(q, k, k, s, s, 8)  # 32-key tiles spanning four pages
     assert not gd.supported(q, k, k, s, s, 24)  # no tile size covers whole pages of 24
-    assert not gd.supported(torch.zeros(2, 1, 8, 256), k, k, s, s, 64)  # head dim
+    assert not gd.supported(torch.zeros(2, 1, 8, 96), k, k, s, s, 64)  # head dim
     assert not gd.supported(torch.zeros(2, 3, 16, 128), k, k, s, s, 64)  # 24 rows per KV head
     assert not gd.supported(q, k.to(torch.float8_e5m2), k.to(torch.float8_e5m2), s, s, 64)
     both = torch.zeros(10, 64, 2, 2, 128).to(f8)  # K and V interleaved: heads not contiguous
@@ -341,7 +343,7 @@ def test_gpu_graph_replay_equals_eager(num_splits):
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [None, 1, 8, 16, 48, 64, 256])
 @pytest.mark.parametrize("G,MQ,D", [(4, 1, 128), (8, 2, 64), (16, 1, 128), (1, 5, 128), (4, 1, 64), (2, 4, 64),
-                                    (1, 5, 64)])
+                                    (1, 5, 64), (4, 1, 256), (2, 3, 256)])
 def test_gpu_gluon_decoder_matches_triton(page_size, G, MQ, D):
     """fp8 KV on sm90: the Gluon decoder (default) against the Triton kernel (chosen by passing its tile
     options) and the float32 reference: ragged lengths incl. 0, 1 and partial tiles, splits 1 / 3 / 8."""

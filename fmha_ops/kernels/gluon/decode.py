@@ -27,18 +27,20 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from ..triton.launch import launch as launch_cached
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 ROWS = gl.constexpr(16)  # the mma M: query rows per KV head a program can hold
 
 
 @gluon.constexpr_function
-def _v_pairs_layout(block_n, d):
-    """Lane (g, t) of V's permuted [BLOCK_N, D] view holds what mma's B operand needs (keys 16kb + 8h + 2t + e,
-    columns 8j + g), its registers ordered j, then e, h, kb: the D/8 columns j of one key are D/8 contiguous bytes
-    of shared memory (one 16-byte load at D=128), and the two keys of a pair follow each other."""
-    regs = [[0, 8 << i] for i in range((d // 8).bit_length() - 1)] + [[1, 0], [8, 0]]
+def _v_pairs_layout(block_n, d, warps):
+    """Lane (g, t) of warp w in V's permuted [BLOCK_N, D] view holds what mma's B operand needs (keys
+    16kb + 8h + 2t + e, columns 8 warps j + 8w + g), its registers ordered j, then e, h, kb: the D/(8 warps)
+    columns j of one key are contiguous bytes of shared memory (one 16-byte load at 128 bytes per warp), and the
+    two keys of a pair follow each other."""
+    regs = [[0, 8 * warps << i] for i in range((d // (8 * warps)).bit_length() - 1)] + [[1, 0], [8, 0]]
     regs += [[16 << i, 0] for i in range((block_n // 16).bit_length() - 1)]
-    return gl.DistributedLinearLayout(regs, [[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]], [], [], [block_n, d])
+    warp_bases = [[0, 8 << i] for i in range(warps.bit_length() - 1)]
+    return gl.DistributedLinearLayout(regs, [[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]], warp_bases, [], [block_n, d])
 
 
 @gluon.constexpr_function
@@ -61,15 +63,16 @@ def _v_pairs_constraints(d):
 
 
 @gluon.jit
-def _v_operand(v8, b_op: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr):
+def _v_operand(v8, b_op: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, WARPS: gl.constexpr):
     """fp8 V tile ``v8`` (``_v_pairs_layout``) -> the fp16 B operand of PV. The asm writes column j's key pair into
     one register, so its output element 2j + e, labelled with its input's coordinates (key bit = the element
     index's top bit, column j' = its other bits), holds (key e, column j); the reshape/permute below only renames
     the registers to what they hold: the key bit is j''s lowest bit, j's top bit is the key bit, j's other bits
-    are j''s upper bits."""
-    pairs = gl.inline_asm_elementwise(_v_pairs_asm(D), _v_pairs_constraints(D), [v8],
-                                      dtype=gl.float16, is_pure=True, pack=D // 4)
-    pairs = gl.reshape(pairs, [BLOCK_N // 2, 2, D // 16, 2, 8])
+    are j''s upper bits (each warp holds D / WARPS columns)."""
+    DW: gl.constexpr = D // WARPS
+    pairs = gl.inline_asm_elementwise(_v_pairs_asm(DW), _v_pairs_constraints(DW), [v8],
+                                      dtype=gl.float16, is_pure=True, pack=DW // 4)
+    pairs = gl.reshape(pairs, [BLOCK_N // 2, 2, DW // 16, 2, 8 * WARPS])
     return gl.convert_layout(gl.reshape(gl.permute(pairs, [0, 3, 1, 2, 4]), [BLOCK_N, D]), b_op)
 
 
@@ -128,8 +131,9 @@ def _decode_fp8_kernel(
     stride_os, stride_ob, stride_om, stride_oh,
     stride_ls, stride_lb, stride_lh, stride_lm,
     qk_scale, NUM_KV_HEADS, NUM_SPLITS, Q_ROWS,
-    G: gl.constexpr, MQ: gl.constexpr, D: gl.constexpr, HEADS: gl.constexpr, BLOCK_N: gl.constexpr,
-    PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, PARTIAL: gl.constexpr, STAGES: gl.constexpr,
+    G: gl.constexpr, MQ: gl.constexpr, D: gl.constexpr, HEADS: gl.constexpr, WARPS: gl.constexpr,
+    BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, PARTIAL: gl.constexpr,
+    STAGES: gl.constexpr,
 ):
     STRADDLE: gl.constexpr = PAGED and PAGE_SIZE < BLOCK_N  # a tile spans BLOCK_N / PAGE_SIZE pages
     # HEADS (1 or 2) adjacent KV heads per program: the tile is DT = HEADS * D bytes of each key; query row r
@@ -137,12 +141,13 @@ def _decode_fp8_kernel(
     # against the other heads' K), so one mma serves every head; PV's output columns of other heads are not stored
     DT: gl.constexpr = HEADS * D
     RB: gl.constexpr = ROWS // HEADS
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    # WARPS (1 or 2) split the mma N: QK^T's keys and PV's output columns (D256: each warp the D128 program's work)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, WARPS], instr_shape=[16, 8])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    v_layout: gl.constexpr = _v_pairs_layout(BLOCK_N, DT)
-    kv_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (DT // 16), DT // 16], [1, 1], [1, 0])
-    sc_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    v_layout: gl.constexpr = _v_pairs_layout(BLOCK_N, DT, WARPS)
+    kv_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (DT // 16), DT // 16], [WARPS, 1], [1, 0])
+    sc_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     # 16-byte chunks XOR-swizzled by row: the operand loads of rows 2t, 2t+1, ... hit different banks
     kv_smem: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, [1, 0])
     sc_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -244,8 +249,9 @@ def _decode_fp8_kernel(
         l_i = l_i * alpha + gl.sum(p, 1)
         # V scales enter P relative to the tile's largest (fp16 P cannot overflow); acc is kept in that unit
         pv = gl.convert_layout((p * v_sc).to(gl.float16), a_op)
-        v8 = v_smem.index(st).reshape([BLOCK_N, 8, DT // 8]).permute([0, 2, 1]).reshape([BLOCK_N, DT]).load(v_layout)
-        acc = mma_v2(pv, _v_operand(v8, b_op, BLOCK_N, DT), acc * gl.expand_dims(alpha * (unit / v_max), 1))
+        v8 = (v_smem.index(st).reshape([BLOCK_N, 8, WARPS, DT // (8 * WARPS)]).permute([0, 3, 2, 1])
+              .reshape([BLOCK_N, DT]).load(v_layout))
+        acc = mma_v2(pv, _v_operand(v8, b_op, BLOCK_N, DT, WARPS), acc * gl.expand_dims(alpha * (unit / v_max), 1))
         unit = v_max
         m_i = m_new
     async_copy.wait_group(0)
@@ -254,7 +260,8 @@ def _decode_fp8_kernel(
     o = acc * gl.expand_dims(gl.where(seen, unit / gl.where(seen, l_i, 1.0), 0.0), 1)
     lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     n = gl.arange(0, DT, layout=gl.SliceLayout(0, mma))
-    col = (DT // 8) * (n % 8) + n // 8  # PV's output column n is tile column `col`: head col // D, dim col % D
+    # PV's output column n is tile column `col` (head col // D, dim col % D)
+    col = (DT // 8) * (n % 8) + (DT // (8 * WARPS)) * (n // 8 % WARPS) + n // (8 * WARPS)
     row_ok = rows % RB < Q_ROWS
     o_ptr = (OUT + split.to(gl.int64) * stride_os + b.to(gl.int64) * stride_ob
              + gl.expand_dims(qi * stride_om + qh * stride_oh, 1) + gl.expand_dims(col % D, 0))
@@ -270,6 +277,11 @@ def heads_per_program(head_dim: int, num_kv_heads: int, q_rows_per_kv_head: int)
     """KV heads one program takes: two adjacent heads at D64 when their query rows fit the 16-row mma together
     (a 128-byte tile per key: the D128 program's work serves both heads), else one."""
     return 2 if head_dim == 64 and num_kv_heads % 2 == 0 and q_rows_per_kv_head <= ROWS.value // 2 else 1
+
+
+def warps_per_program(head_dim: int) -> int:
+    """Warps of one program: two at D256 (each takes half of QK^T's keys and half of PV's columns), else one."""
+    return 2 if head_dim == 256 else 1
 
 
 def tile_config(page_size: int | None, tile_width: int) -> tuple[int, int] | None:
@@ -307,6 +319,7 @@ def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse
     B, MQ, HQ, D = q.shape
     hkv = k_cache.shape[2]
     heads = heads_per_program(D, hkv, MQ * (HQ // hkv))
+    warps = warps_per_program(D)
     block_n, stages = tile_config(page_size, heads * D)
     paged = page_size is not None
     bt = block_table if paged else seqlens
@@ -317,6 +330,6 @@ def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse
         *k_scale.stride(), *v_scale.stride(),
         block_table.stride(0) if paged else 0, *out_strides, *lse_strides,
         qk_scale_log2, hkv, num_splits, MQ * (HQ // hkv),
-        G=HQ // hkv, MQ=MQ, D=D, HEADS=heads, BLOCK_N=block_n, PAGE_SIZE=page_size or 1, PAGED=paged,
-        PARTIAL=num_splits > 1, STAGES=stages, num_warps=1,
+        G=HQ // hkv, MQ=MQ, D=D, HEADS=heads, WARPS=warps, BLOCK_N=block_n, PAGE_SIZE=page_size or 1,
+        PAGED=paged, PARTIAL=num_splits > 1, STAGES=stages, num_warps=warps,
     )
