@@ -1,8 +1,8 @@
-"""fp8-KV paged decode in Gluon (sm90): one warp per program, fp8 K and V into mma.sync operands in registers.
+"""fp8-KV paged decode in Gluon (sm90): one-warp programs (two at D256), fp8 K and V into mma.sync operands.
 
-The split-K decoder of ``kernels/triton/decode.py`` for its fastest case, with the same arguments and outputs
-(that module's launcher calls ``launch`` when ``supported`` says so): q (B, Mq, Hq, D) bf16/fp16 with
-Mq * Hq / Hkv <= 16 rows per KV head and D in {64, 128}; K/V caches fp8 e4m3 (num_pages, page_size, Hkv, D) with
+The split-K decoder of ``kernels/triton/decode.py`` for its fp8-KV case on sm90, with the same arguments and
+outputs (that module's launcher calls ``launch`` when ``supported`` says so): q (B, Mq, Hq, D) bf16/fp16 with
+Mq * Hq / Hkv <= 16 rows per KV head and D in {64, 128, 256}; K/V caches fp8 e4m3 (num_pages, page_size, Hkv, D) with
 a block table, or dense (B, Lmax, Hkv, D), heads and D contiguous; float32 scales per token and KV head.
 
 Why Gluon: Triton converts the fp8 V tile either byte by byte into the mma operand (V's reduction dim, the keys,
@@ -14,7 +14,8 @@ V then reach registers by 16-byte shared loads, V's key pairs by byte permutes, 
 f16 cvt. Tiles of BLOCK_N keys stream through a STAGES-deep cp.async ring (K, V and their scales); no cross-warp
 synchronisation; with pages shorter than a tile, each row's page id comes from the block table. At D64 a program
 takes two adjacent KV heads (``heads_per_program``) as one 128-byte tile per key: each head's query rows hold
-their q in that head's half of the reduction dim and zeros in the other's. Numerics as the Triton decoder: fp16
+their q in that head's half of the reduction dim and zeros in the other's. At D256 two warps split the mma N
+(``warps_per_program``): half of QK^T's keys and half of PV's columns each. Numerics as the Triton decoder: fp16
 products with float32 accumulation, V scales folded into P relative to the tile's largest (the accumulator is
 kept in units of it), exp2 online softmax.
 """
