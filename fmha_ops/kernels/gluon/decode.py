@@ -299,7 +299,7 @@ def tile_config(page_size: int | None, tile_width: int) -> tuple[int, int] | Non
 
 
 def takes_shape(head_dim: int, q_rows_per_kv_head: int, page_size: int | None) -> bool:
-    """Whether the kernel handles this shape: D 64/128, <= 16 query rows per KV head, pages its tiles cover."""
+    """Whether the kernel handles this shape: D 64/128/256, <= 16 query rows per KV head, pages its tiles cover."""
     return head_dim in HEAD_DIMS and q_rows_per_kv_head <= ROWS and tile_config(page_size, head_dim) is not None
 
 

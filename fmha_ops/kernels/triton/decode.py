@@ -6,8 +6,9 @@ byte of a split is read once per row block. K/V are bf16/fp16 like ``q``, or fp8
 a float32 scale per token and KV head: the K scale multiplies the columns of ``q @ k^T``
 and the V scale the columns of ``P`` before ``P @ v``, so dequantization costs no extra pass.
 On NVIDIA sm89+ the fp8 V tile is converted to fp16 in its load layout (see ``_e4m3_to_f16``).
-On sm90, fp8 KV with at most 16 query rows per KV head, D 64/128 and pages a multiple of 16 keys runs the Gluon
-kernel of ``kernels/gluon/decode.py`` instead (``gluon_fp8_decoder``), unless tile options are given.
+On sm90, fp8 KV with at most 16 query rows per KV head, D 64/128/256 and pages that divide 32 keys or are a
+multiple of 16 runs the Gluon kernel of ``kernels/gluon/decode.py`` instead (``gluon_fp8_decoder``), unless tile
+options are given.
 
 With ``num_splits == 1`` the decoder writes the final output and LSE. Otherwise each
 split writes a float32 partial output (normalized) and its LSE into a workspace whose size
