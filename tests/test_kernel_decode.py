@@ -109,6 +109,18 @@ def test_pages_and_splits(page_size, num_splits):
     check(q, kw, k, v, rel=FP16_REL, num_splits=num_splits)
 
 
+def test_reduce_in_head_dim_chunks():
+    """Few output rows: the split reduce runs several programs per row, each on a chunk of the head dims (D=128:
+    4 chunks of 32), and matches the single pass."""
+    from fmha_ops.kernels.triton.decode import _reduce_chunks
+
+    assert _reduce_chunks(2 * 4, 128) == 4 and _reduce_chunks(4096, 128) == 1
+    q, kw, k, v = make_case(2, 1, 4, 2, 128, [90, 33], page_size=16, seed=13)
+    one, one_lse, _ = check(q, kw, k, v, rel=FP16_REL, num_splits=1)
+    split, split_lse, _ = check(q, kw, k, v, rel=FP16_REL, num_splits=3)
+    assert error_report(split, one)["rel"] < FP16_REL and (split_lse - one_lse).abs().max() < 1e-4
+
+
 @pytest.mark.parametrize("fp8", [None, torch.float8_e4m3fn])
 @pytest.mark.parametrize("block_n,num_splits", [(16, 1), (32, 1), (16, 3)])
 def test_page_aligned_tiles(fp8, block_n, num_splits):

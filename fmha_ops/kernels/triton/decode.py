@@ -161,14 +161,15 @@ def _reduce_kernel(
     stride_ob, stride_om, stride_oh,
     stride_lb, stride_lh, stride_lm,
     HQ, MQ, NUM_SPLITS,
-    S_PAD: tl.constexpr, D: tl.constexpr,
+    S_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     row = tl.program_id(0)  # (b * MQ + i) * HQ + h, the row order of the contiguous partial output
+    chunk = tl.program_id(1)  # head dims [chunk * BLOCK_D, (chunk + 1) * BLOCK_D)
     h = row % HQ
     i = (row // HQ) % MQ
     b = row // (HQ * MQ)
     offs_s = tl.arange(0, S_PAD)
-    offs_d = tl.arange(0, D)
+    offs_d = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
     s_ok = offs_s < NUM_SPLITS
     pl = tl.load(PL + offs_s * stride_pls + (b * HQ + h) * MQ + i, mask=s_ok, other=float("-inf"))
     m = tl.max(pl, 0)
@@ -181,7 +182,8 @@ def _reduce_kernel(
     lse = tl.where(total > 0.0, m_safe + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf"))
     tl.store(OUT + b.to(tl.int64) * stride_ob + i * stride_om + h * stride_oh + offs_d,
              o.to(OUT.dtype.element_ty))
-    tl.store(LSE + b * stride_lb + h * stride_lh + i * stride_lm, lse)
+    if chunk == 0:
+        tl.store(LSE + b * stride_lb + h * stride_lh + i * stride_lm, lse)
 
 
 @functools.cache
@@ -281,6 +283,12 @@ def default_num_splits(batch: int, num_kv_heads: int, max_len: int, q_rows_per_k
                              resident_programs(head_dim, kv_fp8, q_rows_per_kv_head, gluon, page_size))
 
 
+def _reduce_chunks(rows: int, head_dim: int) -> int:
+    """Programs per output row of the reduce (each combines the splits for head_dim / chunks dims): enough for
+    ~512 programs when there are few rows (B1 x 64 heads: 4 chunks of 32 dims), at least 32 dims each."""
+    return max(1, min(head_dim // 32, next_pow2(cdiv(512, rows))))
+
+
 def _default_config(D: int, fp8: bool, page_aligned: bool, block_m: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages); measured on the H200 at B=64/Hkv=8/L=4096, 4 query rows per KV head
     (bench/results/decode.md). ``page_aligned``: dense, or pages a multiple of 64 keys (one page id per tile).
@@ -358,9 +366,10 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
             num_stages=num_stages or ns,
         )
     if num_splits > 1:
-        launch(_reduce_kernel)[(B * MQ * HQ,)](
+        chunks = _reduce_chunks(B * MQ * HQ, D)
+        launch(_reduce_kernel)[(B * MQ * HQ, chunks)](
             o_buf, l_buf, out, lse, o_buf.stride(0), l_buf.stride(0),
             out.stride(0), out.stride(1), out.stride(2), *lse.stride(), HQ, MQ, num_splits,
-            S_PAD=next_pow2(num_splits), D=D, num_warps=4,
+            S_PAD=next_pow2(num_splits), D=D, BLOCK_D=D // chunks, num_warps=4,
         )
     return out, lse
