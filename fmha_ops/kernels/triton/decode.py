@@ -244,7 +244,6 @@ def resident_programs(head_dim: int, kv_fp8: bool, q_rows_per_kv_head: int, gluo
     return 3 if bm <= 16 else 2
 
 
-@functools.lru_cache(maxsize=1024)  # on every decode call; the wave model below costs ~10 us at 64 candidates
 def choose_num_splits(batch: int, num_kv_heads: int, max_len: int, q_rows_per_kv_head: int,
                       sm_count: int, resident: int | None = None) -> int:
     """Number of key splits (each at least 512 keys).
@@ -269,6 +268,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_len: int, q_rows_per_kv
     return splits
 
 
+@functools.lru_cache(maxsize=1024)  # on every decode call; the wave model costs ~10 us at 64 candidates
 def default_num_splits(batch: int, num_kv_heads: int, max_len: int, q_rows_per_kv_head: int, head_dim: int,
                        kv_fp8: bool, page_size: int | None, capability: tuple[int, int], sm_count: int) -> int:
     """``choose_num_splits`` for the kernel ``paged_decode`` runs on this shape (``page_size`` None: dense
