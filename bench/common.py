@@ -53,6 +53,30 @@ def time_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float
 
     return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
+_EVICT: list = []
+
+
+def time_clean_l2_ms(fn: Callable[[], object], warmup: int = 10, rep: int = 60) -> float:
+    """Median time of ``fn()`` in milliseconds (CUDA events around each call), each call after a read-only L2
+    eviction: a sum over a 256 MB buffer leaves only clean lines in the L2. do_bench evicts by zeroing a buffer
+    instead, and the dirty lines that leaves are written back to DRAM during the timed call (~9 us on the H200,
+    bench/results/decode.md step 12), a fixed cost that weighs more on shorter calls."""
+    if not _EVICT:
+        _EVICT.append(torch.ones(64 * 2 ** 20, device="cuda", dtype=torch.float32))
+    buf = _EVICT[0]
+    events = []
+    for i in range(warmup + rep):
+        buf.sum()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        events.append((a, b))
+    torch.cuda.synchronize()
+    times = sorted(a.elapsed_time(b) for a, b in events[warmup:])
+    return times[len(times) // 2]
+
+
 def capture_graph(fn: Callable[[], object], warmup_iters: int = 3) -> torch.cuda.CUDAGraph:
     """Capture ``fn()`` into a CUDA graph (after warm-up on a side stream)."""
     s = torch.cuda.Stream()

@@ -2,7 +2,8 @@
 
 Effective bandwidth = bytes of K and V (and fp8 scales) read / time. Each shape runs in its own
 subprocess. Modes: ``graph`` = CUDA-graph replay timed by do_bench (the captured graph is checked
-to write a poisoned output); ``eager`` = back-to-back launcher calls between two CUDA events,
+to write a poisoned output); ``clean`` = the same replay timed after a read-only L2 eviction
+(do_bench's zeroing eviction leaves dirty lines that the timed call writes back); ``eager`` = back-to-back launcher calls between two CUDA events,
 so host overhead that outruns the GPU shows. Baselines on contiguous (B, Hkv, L, D) KV in the
 same process: SDPA cuDNN and FLASH backends, each with ``enable_gqa=True`` and with the query
 heads of a KV head packed as query rows (``q (B, Hkv, Hq/Hkv, D)``, equivalent for Mq=1), best
@@ -53,13 +54,15 @@ def eager_loop_ms(fn, iters: int = 40, reps: int = 7) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def graph_ms_checked(fn, out: torch.Tensor) -> tuple[float, bool]:
-    """do_bench time of ``fn`` replayed from a CUDA graph, and whether a replay rewrote a poisoned ``out``."""
+def graph_ms_checked(fn, out: torch.Tensor) -> tuple[float, float, bool]:
+    """Times of ``fn`` replayed from a CUDA graph (do_bench, and after a clean L2 eviction), and whether a
+    replay rewrote a poisoned ``out``."""
     ms, g = common.time_graph_ms(fn, warmup=10, rep=60)
+    ms_clean = common.time_clean_l2_ms(g.replay)
     out.fill_(float("nan"))
     g.replay()
     torch.cuda.synchronize()
-    return ms, bool(not out.isnan().any())
+    return ms, ms_clean, bool(not out.isnan().any())
 
 
 def sdpa_ms(q, k, v, backend, pack: bool):
@@ -139,9 +142,11 @@ def run_shape(spec: dict) -> dict:
             return paged_decode(q, kc, vc, seq, block_table=bt, scale=D ** -0.5, k_scale=ksc, v_scale=vsc,
                                 out=out, lse=lse, **{"num_splits": splits, **cfg})
 
-        ms_g, graph_ok = graph_ms_checked(call, out)
+        ms_g, ms_c, graph_ok = graph_ms_checked(call, out)
         ms_e = eager_loop_ms(call)
         row[f"{kv}_graph_TBps"] = nbytes / ms_g / 1e9
+        row[f"{kv}_clean_TBps"] = nbytes / ms_c / 1e9
+        row[f"{kv}_clean_us"] = ms_c * 1e3
         row[f"{kv}_eager_TBps"] = nbytes / ms_e / 1e9
         row[f"{kv}_graph_us"] = ms_g * 1e3
         row[f"{kv}_graph_ok"] = graph_ok
@@ -154,6 +159,7 @@ def run_shape(spec: dict) -> dict:
             for variant in (kv, kv + "_gluon") if gluon else (kv,):
                 row[f"{variant}_sweep"] = sweep(call, nbytes, variant, name)
     row["fp8_speedup"] = row["bf16_graph_us"] / row["fp8_graph_us"]
+    row["fp8_speedup_clean"] = row["bf16_clean_us"] / row["fp8_clean_us"]
     return row
 
 
@@ -197,7 +203,7 @@ def sweep(call, nbytes, kv, name):
 
 
 COLUMNS = ["shape", "bf16_splits", "fp8_splits", "bf16_graph_TBps", "bf16_eager_TBps", "fp8_graph_TBps", "fp8_eager_TBps",
-           "fp8_speedup", "cudnn_TBps", "flash_TBps", "target_TBps", "bf16_graph_ok", "fp8_graph_ok",
+           "fp8_speedup", "bf16_clean_TBps", "fp8_clean_TBps", "fp8_speedup_clean", "cudnn_TBps", "flash_TBps", "target_TBps", "bf16_graph_ok", "fp8_graph_ok",
            "bf16_rel_vs_cudnn", "fp8_rel_vs_cudnn"]
 
 
@@ -205,7 +211,9 @@ def markdown(rows, env) -> str:
     lines = [f"## Decode (paged, Mq=1, D=128) - {env.get('date')}, {env.get('gpu')}, torch {env.get('torch')}, "
              f"triton {env.get('triton')}", "",
              "Effective TB/s = K+V (+fp8 scales) bytes / time; graph = CUDA-graph replay (do_bench median), "
-             "eager = back-to-back calls; SDPA on contiguous KV (graph).", "",
+             "eager = back-to-back calls; clean = graph replay after a read-only L2 eviction "
+             "(`common.time_clean_l2_ms`: no dirty lines written back during the call); "
+             "SDPA on contiguous KV (graph).", "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in rows:
         lines.append("| " + " | ".join(common._fmt(r.get(c)) for c in COLUMNS) + " |")
