@@ -400,24 +400,13 @@ def test_gpu_gluon_decoder_head_pairs(page_size, G, MQ):
         print(page_size, G, MQ, s, rep)
 
 
-def test_gluon_decoder_tma_rule():
-    """K/V tiles go by TMA only where one descriptor per cache covers them: 128-byte rows (D128, or D64 head
-    pairs), tiles inside a page, contiguous caches."""
-    from fmha_ops.kernels.gluon.decode import uses_tma
-
-    c = torch.empty(4, 64, 2, 128, dtype=torch.float8_e4m3fn)
-    assert uses_tma(c, c, 128, 32, 64) and uses_tma(c, c, 128, 32, None) and uses_tma(c, c, 128, 16, 48)
-    assert not uses_tma(c, c, 128, 32, 16)  # tiles spanning pages: a page id per row
-    assert not uses_tma(c, c, 256, 32, 64) and not uses_tma(c, c, 64, 32, 64)
-    assert not uses_tma(c[:, :, :1], c[:, :, :1], 128, 32, 64)  # one head of two: rows not contiguous
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [None, 16, 32, 64, 256])
 @pytest.mark.parametrize("D", [64, 128])
 def test_gpu_decoder_ignores_cache_bytes_past_the_end(page_size, D):
-    """fp8 cache bytes past each sequence's end set to NaN (e4m3 0x7F), their scales too: whole-tile reads (TMA on
-    sm90 fetches the last tile's rows past the end) must not reach the output. Partial last tiles, splits 1/3."""
+    """fp8 cache bytes past each sequence's end set to NaN (e4m3 0x7F), their scales too: none of them may reach
+    the output (0 * NaN is NaN: masked keys must be zero-filled, not just weighted 0). Partial last tiles, D64 head
+    pairs, splits 1/3."""
     lens = [17, 1, 1000, 4097, 0, 33]
     q, kw, k, v = make_case(6, 1, 8, 2, D, lens, page_size=page_size, dtype=torch.bfloat16, fp8=torch.float8_e4m3fn,
                             dist="transformer", seed=21)

@@ -25,8 +25,6 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..triton.launch import launch as launch_cached
 
@@ -82,27 +80,18 @@ def _v_operand(v8, b_op: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, W
 @gluon.jit
 def _issue(k_smem, v_smem, ks_smem, vs_smem, st, K, V, KS, VS, kv_page, sc_page, slot0, n0, end, hkv0, off_k, off_v,
            rows, stride_kp, stride_ks, stride_vp, stride_vs, stride_ksp, stride_kss, stride_ksh, stride_vsp,
-           stride_vss, stride_vsh, KD, VD, bars, D: gl.constexpr, HEADS: gl.constexpr, BLOCK_N: gl.constexpr,
-           PAGE_SIZE: gl.constexpr, STRADDLE: gl.constexpr, TMA: gl.constexpr, sc_layout: gl.constexpr):
-    """One tile (BLOCK_N keys from ``slot0`` of page ``kv_page`` / ``sc_page``, or with STRADDLE the page of each
-    row) of K and V (heads hkv0 .. hkv0 + HEADS - 1, adjacent in memory) and the scales of each head into ring
-    stage ``st``: scales by cp.async (keys >= ``end`` zero-filled), K and V by cp.async as well (zero-filled
-    alike) or with TMA by two bulk copies completing on ``bars[st]`` (rows past ``end`` then hold whatever the
-    cache holds there; tiles past ``end`` are not issued)."""
-    if TMA:
-        row = (kv_page * (stride_kp // stride_ks) + slot0).to(gl.int32)
-        live = n0 < end
-        mbarrier.expect(bars.index(st), 2 * BLOCK_N * HEADS * D, pred=live)
-        tma.async_copy_global_to_shared(KD, [row, hkv0 * D], bars.index(st), k_smem.index(st), pred=live)
-        tma.async_copy_global_to_shared(VD, [row, hkv0 * D], bars.index(st), v_smem.index(st), pred=live)
-    else:
-        ok = gl.expand_dims(n0 + rows < end, 1)
-        if STRADDLE:
-            kv_page = gl.expand_dims(kv_page, 1)
-        async_copy.async_copy_global_to_shared(
-            k_smem.index(st), K + (kv_page * stride_kp + slot0 * stride_ks + hkv0 * D) + off_k, mask=ok)
-        async_copy.async_copy_global_to_shared(
-            v_smem.index(st), V + (kv_page * stride_vp + slot0 * stride_vs + hkv0 * D) + off_v, mask=ok)
+           stride_vss, stride_vsh, D: gl.constexpr, HEADS: gl.constexpr, BLOCK_N: gl.constexpr,
+           PAGE_SIZE: gl.constexpr, STRADDLE: gl.constexpr, sc_layout: gl.constexpr):
+    """cp.async of one tile (BLOCK_N keys from ``slot0`` of page ``kv_page`` / ``sc_page``, or with STRADDLE the
+    page of each row; keys >= ``end`` zero-filled) of K and V (heads hkv0 .. hkv0 + HEADS - 1, adjacent in
+    memory) and the scales of each head into ring stage ``st``."""
+    ok = gl.expand_dims(n0 + rows < end, 1)
+    if STRADDLE:
+        kv_page = gl.expand_dims(kv_page, 1)
+    async_copy.async_copy_global_to_shared(
+        k_smem.index(st), K + (kv_page * stride_kp + slot0 * stride_ks + hkv0 * D) + off_k, mask=ok)
+    async_copy.async_copy_global_to_shared(
+        v_smem.index(st), V + (kv_page * stride_vp + slot0 * stride_vs + hkv0 * D) + off_v, mask=ok)
     r = gl.arange(0, BLOCK_N, layout=sc_layout)
     ok_r = n0 + r < end
     if STRADDLE:
@@ -135,7 +124,7 @@ def _tile_origin(bt_row, b, n, end, kv_rows, sc_layout: gl.constexpr, BLOCK_N: g
 
 @gluon.jit(do_not_specialize=["Q_ROWS"])
 def _decode_fp8_kernel(
-    Q, K, V, KD, VD, KS, VS, SEQ, BT, OUT, LSE,
+    Q, K, V, KS, VS, SEQ, BT, OUT, LSE,
     stride_qb, stride_qm, stride_qh,
     stride_kp, stride_ks, stride_vp, stride_vs,
     stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
@@ -145,7 +134,7 @@ def _decode_fp8_kernel(
     qk_scale, NUM_KV_HEADS, NUM_SPLITS, Q_ROWS,
     G: gl.constexpr, MQ: gl.constexpr, D: gl.constexpr, HEADS: gl.constexpr, WARPS: gl.constexpr,
     BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, PARTIAL: gl.constexpr,
-    STAGES: gl.constexpr, TMA: gl.constexpr,
+    STAGES: gl.constexpr,
 ):
     STRADDLE: gl.constexpr = PAGED and PAGE_SIZE < BLOCK_N  # a tile spans BLOCK_N / PAGE_SIZE pages
     # HEADS (1 or 2) adjacent KV heads per program: the tile is DT = HEADS * D bytes of each key; query row r
@@ -185,21 +174,8 @@ def _decode_fp8_kernel(
     q_ok = gl.expand_dims(qr % RB < Q_ROWS, 1) & (gl.expand_dims(qd // D, 0) == gl.expand_dims(qr // RB, 1))
     q = gl.load(q_ptr, mask=q_ok, other=0.0).to(gl.float16)
 
-    if TMA:  # KD / VD: host descriptors over the caches as (rows, Hkv * D); 128-byte swizzle = kv_smem's
-        tma_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
-        k_fill = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, DT], tma_smem)
-        v_fill = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, DT], tma_smem)
-        k_smem = k_fill._reinterpret(gl.float8e4nv, [STAGES, BLOCK_N, DT], kv_smem)
-        v_smem = v_fill._reinterpret(gl.float8e4nv, [STAGES, BLOCK_N, DT], kv_smem)
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(bars.index(i), count=1)
-    else:
-        k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, DT], kv_smem)
-        v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, DT], kv_smem)
-        k_fill = k_smem
-        v_fill = v_smem
-        bars = k_smem
+    k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, DT], kv_smem)
+    v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, DT], kv_smem)
     ks_smem = gl.allocate_shared_memory(gl.float32, [STAGES * HEADS, BLOCK_N], sc_smem)
     vs_smem = gl.allocate_shared_memory(gl.float32, [STAGES * HEADS, BLOCK_N], sc_smem)
     kv_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
@@ -212,10 +188,9 @@ def _decode_fp8_kernel(
     for i in gl.static_range(STAGES - 1):  # prologue; groups past the end are empty but keep the count
         kv_page, sc_page, slot0 = _tile_origin(bt_row, b, start + i * BLOCK_N, end, kv_rows, sc_layout, BLOCK_N,
                                                PAGE_SIZE, PAGED, STRADDLE)
-        _issue(k_fill, v_fill, ks_smem, vs_smem, i, K, V, KS, VS, kv_page, sc_page, slot0, start + i * BLOCK_N, end,
+        _issue(k_smem, v_smem, ks_smem, vs_smem, i, K, V, KS, VS, kv_page, sc_page, slot0, start + i * BLOCK_N, end,
                hkv0, off_k, off_v, kv_rows, stride_kp, stride_ks, stride_vp, stride_vs, stride_ksp, stride_kss,
-               stride_ksh, stride_vsp, stride_vss, stride_vsh, KD, VD, bars, D, HEADS, BLOCK_N, PAGE_SIZE, STRADDLE,
-               TMA, sc_layout)
+               stride_ksh, stride_vsp, stride_vss, stride_vsh, D, HEADS, BLOCK_N, PAGE_SIZE, STRADDLE, sc_layout)
         async_copy.commit_group()
 
     rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
@@ -236,25 +211,14 @@ def _decode_fp8_kernel(
         kv_page, sc_page, slot0 = kv_next, sc_next, slot_next
         kv_next, sc_next, slot_next = _tile_origin(bt_row, b, n_issue + BLOCK_N, end, kv_rows, sc_layout, BLOCK_N,
                                                    PAGE_SIZE, PAGED, STRADDLE)
-        _issue(k_fill, v_fill, ks_smem, vs_smem, (it + STAGES - 1) % STAGES, K, V, KS, VS, kv_page, sc_page, slot0,
+        _issue(k_smem, v_smem, ks_smem, vs_smem, (it + STAGES - 1) % STAGES, K, V, KS, VS, kv_page, sc_page, slot0,
                n_issue, end, hkv0, off_k, off_v, kv_rows, stride_kp, stride_ks, stride_vp, stride_vs, stride_ksp,
-               stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh, KD, VD, bars, D, HEADS, BLOCK_N,
-               PAGE_SIZE, STRADDLE, TMA, sc_layout)
+               stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh, D, HEADS, BLOCK_N, PAGE_SIZE, STRADDLE,
+               sc_layout)
         async_copy.commit_group()
         async_copy.wait_group(STAGES - 1)
-        st = it % STAGES
-        if TMA:
-            mbarrier.wait(bars.index(st), (it // STAGES) & 1)
-            n_end = start + it * BLOCK_N
-            if n_end + BLOCK_N > end:  # the partial last tile: zero the rows past the end (0 * NaN would poison PV)
-                words: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (DT // 16), DT // 16], [WARPS, 1], [1, 0])
-                keep = gl.expand_dims(n_end + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, words)) < end, 1)
-                for buf in gl.static_range(2):  # whole rows as int32 words (the swizzle permutes within a row)
-                    row_words = (k_fill if buf == 0 else v_fill).index(st)._reinterpret(
-                        gl.int32, [BLOCK_N, DT // 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-                    x = row_words.load(words)
-                    row_words.store(gl.where(keep, x, gl.zeros_like(x)))
         gl.thread_barrier()  # tile `it` visible to every thread
+        st = it % STAGES
 
         kt = (k_smem.index(st).reshape([BLOCK_N, 4, DT // 16, 2, 2]).permute([0, 2, 3, 1, 4])
               .reshape([BLOCK_N, DT]).permute([1, 0]).load(b_op))
@@ -334,16 +298,6 @@ def tile_config(page_size: int | None, tile_width: int) -> tuple[int, int] | Non
     return None
 
 
-_TMA_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
-
-
-def uses_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, tile_width: int, block_n: int, page_size: int | None) -> bool:
-    """Whether K and V tiles go by TMA: 128-byte rows (one swizzle span), tiles within one page (or a dense
-    cache), both caches contiguous (one (rows, Hkv * D) descriptor each)."""
-    return (tile_width == 128 and (page_size is None or page_size % block_n == 0)
-            and k_cache.is_contiguous() and v_cache.is_contiguous())
-
-
 def takes_shape(head_dim: int, q_rows_per_kv_head: int, page_size: int | None) -> bool:
     """Whether the kernel handles this shape: D 64/128/256, <= 16 query rows per KV head, pages its tiles cover."""
     return head_dim in HEAD_DIMS and q_rows_per_kv_head <= ROWS and tile_config(page_size, head_dim) is not None
@@ -370,17 +324,13 @@ def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse
     block_n, stages = tile_config(page_size, heads * D)
     paged = page_size is not None
     bt = block_table if paged else seqlens
-    kd = vd = None
-    if uses_tma(k_cache, v_cache, heads * D, block_n, page_size):
-        kd, vd = (TensorDescriptor(c, [c.shape[0] * c.shape[1], hkv * D], [hkv * D, 1], [block_n, heads * D], _TMA_SMEM)
-                  for c in (k_cache, v_cache))
     launch_cached(_decode_fp8_kernel)[(B * hkv // heads, num_splits)](
-        q, k_cache, v_cache, kd, vd, k_scale, v_scale, seqlens, bt, out, lse,
+        q, k_cache, v_cache, k_scale, v_scale, seqlens, bt, out, lse,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         *k_scale.stride(), *v_scale.stride(),
         block_table.stride(0) if paged else 0, *out_strides, *lse_strides,
         qk_scale_log2, hkv, num_splits, MQ * (HQ // hkv),
         G=HQ // hkv, MQ=MQ, D=D, HEADS=heads, WARPS=warps, BLOCK_N=block_n, PAGE_SIZE=page_size or 1,
-        PAGED=paged, PARTIAL=num_splits > 1, STAGES=stages, TMA=kd is not None, num_warps=warps,
+        PAGED=paged, PARTIAL=num_splits > 1, STAGES=stages, num_warps=warps,
     )

@@ -2,7 +2,7 @@
 
 ``JITFunction.run`` specializes every argument on every launch before it looks the compiled kernel up.
 ``CachedKernel`` keys each launch on the arguments themselves - ints by value, tensors by (dtype, 16-byte
-alignment), host TMA descriptors by (dtype, block shape, and Gluon's by their shared layout), constexprs and launch options by value, keywords
+alignment), host TMA descriptors by (dtype, block shape), constexprs and launch options by value, keywords
 alike, and the current device - which determines every specialization Triton makes, and after the first
 launch of a key calls the compiled kernel directly (``CompiledKernel[grid]``: the current stream, scratch
 allocation as in a normal launch; Triton's launch hooks, when a profiler has registered any, else none: an
@@ -17,11 +17,6 @@ from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-try:  # Gluon's host descriptor (carries its shared-memory layout)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
-except ImportError:  # pragma: no cover - Triton builds without Gluon
-    GluonTensorDescriptor = TensorDescriptor
-
 _MAX_ENTRIES = 4096  # distinct launch keys kept per kernel (ints are keyed by value: varying sizes add keys)
 
 
@@ -32,8 +27,6 @@ def _spec(a):
         return a  # ints by value: covers == 1 (constexpr), % 16 == 0 and the int32 / int64 choice
     if tp is TensorDescriptor:
         return tp, a.base.dtype, tuple(a.block_shape)
-    if tp is GluonTensorDescriptor:
-        return tp, a.base.dtype, tuple(a.block_shape), a.layout
     if isinstance(a, torch.Tensor):
         return a.dtype, a.data_ptr() & 15 == 0
     return tp, a  # floats, bools (kept apart from equal ints) and constexpr values
