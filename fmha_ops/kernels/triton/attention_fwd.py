@@ -329,7 +329,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
                       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                       out_dtype=None, return_lse=False, pv_fp8: bool = True,
                       v_transposed: bool | None = None, block_m=None, block_n=None, num_warps=None, num_stages=None,
-                      warp_specialize: bool = False, out=None):
+                      maxnreg=None, warp_specialize: bool = False, out=None):
     """Attention forward, BMHK layout.
 
     q: (B, Mq, Hq, D), k: (B, Mk, Hkv, D), v: (B, Mk, Hkv, Dv); last dim contiguous, other strides free; v may
@@ -454,5 +454,6 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
         Q_SCALE_BLOCK=Q_SCALE_BLOCK, K_SCALE_BLOCK=K_SCALE_BLOCK,
         WRITE_LSE=return_lse, REVERSE_M=causal, WARP_SPECIALIZE=warp_specialize, HOST_DESC=host_desc,
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
+        maxnreg=maxnreg or cfg.get("maxnreg"),
     )
     return out, lse
