@@ -260,18 +260,28 @@ def _decode_fp8_kernel(
     seen = l_i > 0.0
     o = acc * gl.expand_dims(gl.where(seen, unit / gl.where(seen, l_i, 1.0), 0.0), 1)
     lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    n = gl.arange(0, DT, layout=gl.SliceLayout(0, mma))
-    # PV's output column n is tile column `col` (head col // D, dim col % D)
-    col = (DT // 8) * (n % 8) + (DT // (8 * WARPS)) * (n // 8 % WARPS) + n // (8 * WARPS)
     row_ok = rows % RB < Q_ROWS
-    o_ptr = (OUT + split.to(gl.int64) * stride_os + b.to(gl.int64) * stride_ob
-             + gl.expand_dims(qi * stride_om + qh * stride_oh, 1) + gl.expand_dims(col % D, 0))
-    o_ok = gl.expand_dims(row_ok, 1) & (gl.expand_dims(col // D, 0) == row_head)
-    if PARTIAL:
-        gl.store(o_ptr, o, mask=o_ok)
-    else:
-        gl.store(o_ptr, o.to(OUT.dtype.element_ty), mask=o_ok)
     gl.store(LSE + split * stride_ls + b * stride_lb + qh * stride_lh + qi * stride_lm, lse, mask=row_ok)
+    # PV's output column n = 8 WARPS a + 8 w + c is tile column (DT / 8) c + (DT / (8 WARPS)) w + a (head col // D,
+    # dim col % D): undo that permutation by renaming, then store whole rows (16-byte chunks per thread) instead
+    # of the mma layout's scattered 4-byte pieces (one sector per element)
+    o = gl.reshape(gl.permute(gl.reshape(o, [ROWS, DT // (8 * WARPS), WARPS, 8]), [0, 3, 2, 1]), [ROWS, DT])
+    if not PARTIAL:
+        o = o.to(OUT.dtype.element_ty)
+    TC: gl.constexpr = DT // (4 * WARPS) if DT // (4 * WARPS) < 32 else 32
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // TC, TC], [1, WARPS], [1, 0])
+    o = gl.convert_layout(o, out_layout)
+    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, out_layout))
+    col = gl.arange(0, DT, layout=gl.SliceLayout(0, out_layout))
+    row_off = (r % RB // G) * stride_om + ((hkv0 + r // RB) * G + r % RB % G) * stride_oh
+    o_ok = gl.expand_dims(r % RB < Q_ROWS, 1)
+    if HEADS == 1:
+        o_ptr = gl.expand_dims(row_off, 1) + gl.expand_dims(col, 0)
+        o_ok = o_ok & gl.expand_dims(col < DT, 0)
+    else:  # row r holds head r // RB: its columns are the tile's of that head
+        o_ptr = gl.expand_dims(row_off, 1) + gl.expand_dims(col % D, 0)
+        o_ok = o_ok & (gl.expand_dims(col // D, 0) == gl.expand_dims(r // RB, 1))
+    gl.store(OUT + split.to(gl.int64) * stride_os + b.to(gl.int64) * stride_ob + o_ptr, o, mask=o_ok)
 
 
 def heads_per_program(head_dim: int, num_kv_heads: int, q_rows_per_kv_head: int) -> int:
