@@ -134,7 +134,7 @@ def _decode_fp8_kernel(
     qk_scale, NUM_KV_HEADS, NUM_SPLITS, Q_ROWS,
     G: gl.constexpr, MQ: gl.constexpr, D: gl.constexpr, HEADS: gl.constexpr, WARPS: gl.constexpr,
     BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, PARTIAL: gl.constexpr,
-    STAGES: gl.constexpr,
+    STAGES: gl.constexpr, PDL: gl.constexpr,
 ):
     STRADDLE: gl.constexpr = PAGED and PAGE_SIZE < BLOCK_N  # a tile spans BLOCK_N / PAGE_SIZE pages
     # HEADS (1 or 2) adjacent KV heads per program: the tile is DT = HEADS * D bytes of each key; query row r
@@ -153,6 +153,9 @@ def _decode_fp8_kernel(
     kv_smem: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, [1, 0])
     sc_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
+    if PDL:  # the split reduce may launch now and wait for this grid on the device (programmatic dependent launch)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
     pid_bh = gl.program_id(0)
     split = gl.program_id(1)
     b = pid_bh // (NUM_KV_HEADS // HEADS)
@@ -324,9 +327,10 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_s
 
 
 def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse, out_strides, lse_strides,
-           qk_scale_log2: float, num_splits: int, page_size: int | None) -> None:
+           qk_scale_log2: float, num_splits: int, page_size: int | None, pdl: bool = False) -> None:
     """Run the kernel into ``out`` / ``lse`` (the final tensors, or the split workspace with its leading split
-    strides in ``out_strides`` / ``lse_strides``); arguments as ``kernels.triton.decode.paged_decode``'s."""
+    strides in ``out_strides`` / ``lse_strides``); arguments as ``kernels.triton.decode.paged_decode``'s; ``pdl``:
+    a split reduce follows by programmatic dependent launch."""
     B, MQ, HQ, D = q.shape
     hkv = k_cache.shape[2]
     heads = heads_per_program(D, hkv, MQ * (HQ // hkv))
@@ -342,5 +346,5 @@ def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse
         block_table.stride(0) if paged else 0, *out_strides, *lse_strides,
         qk_scale_log2, hkv, num_splits, MQ * (HQ // hkv),
         G=HQ // hkv, MQ=MQ, D=D, HEADS=heads, WARPS=warps, BLOCK_N=block_n, PAGE_SIZE=page_size or 1,
-        PAGED=paged, PARTIAL=num_splits > 1, STAGES=stages, num_warps=warps,
+        PAGED=paged, PARTIAL=num_splits > 1, STAGES=stages, PDL=pdl, num_warps=warps,
     )

@@ -22,6 +22,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from fmha_ops.kernels.triton.launch import cdiv, launch, next_pow2
 
@@ -59,8 +60,10 @@ def _decode_kernel(
     G: tl.constexpr, MQ: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, FP8: tl.constexpr, PARTIAL: tl.constexpr,
-    ASM_CVT: tl.constexpr,
+    ASM_CVT: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # the split reduce may launch now and wait for this grid on the device (programmatic dependent launch)
+        gdc_launch_dependents()
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = pid_bh // NUM_KV_HEADS
@@ -161,7 +164,7 @@ def _reduce_kernel(
     stride_ob, stride_om, stride_oh,
     stride_lb, stride_lh, stride_lm,
     HQ, MQ, NUM_SPLITS,
-    S_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    S_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     row = tl.program_id(0)  # (b * MQ + i) * HQ + h, the row order of the contiguous partial output
     chunk = tl.program_id(1)  # head dims [chunk * BLOCK_D, (chunk + 1) * BLOCK_D)
@@ -171,6 +174,8 @@ def _reduce_kernel(
     offs_s = tl.arange(0, S_PAD)
     offs_d = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
     s_ok = offs_s < NUM_SPLITS
+    if PDL:  # launched early (programmatic dependent launch): wait until the decoder's partials are written
+        gdc_wait()
     pl = tl.load(PL + offs_s * stride_pls + (b * HQ + h) * MQ + i, mask=s_ok, other=float("-inf"))
     m = tl.max(pl, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
@@ -191,6 +196,14 @@ def _asm_cvt(device: torch.device) -> bool:
     """Whether ``_e4m3_to_f16`` may use inline asm: compiled (not interpreted) for an NVIDIA GPU of sm89+."""
     return (isinstance(_decode_kernel, triton.runtime.JITFunction) and device.type == "cuda"
             and torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
+@functools.cache
+def _pdl(device: torch.device) -> bool:
+    """Whether the split reduce goes by programmatic dependent launch (compiled, NVIDIA sm90+): it is launched
+    while the decoder runs and waits for it on the device, instead of after it."""
+    return (isinstance(_reduce_kernel, triton.runtime.JITFunction) and device.type == "cuda"
+            and torch.version.hip is None and torch.cuda.get_device_capability(device) >= (9, 0))
 
 
 @functools.cache
@@ -344,10 +357,11 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
         l_buf = torch.empty((num_splits, B, HQ, MQ), device=q.device, dtype=torch.float32)
         o_strides = o_buf.stride()[:4]
         l_strides = l_buf.stride()
+    pdl = num_splits > 1 and _pdl(q.device)
     gluon = _gluon_decoder(q.device) if fp8 and not (block_n or num_warps or num_stages) else None
     if gluon is not None and gluon.supported(q, k_cache, v_cache, k_scale, v_scale, page_size if paged else None):
         gluon.launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, o_buf, l_buf, o_strides, l_strides,
-                     scale * _LOG2E, num_splits, page_size if paged else None)
+                     scale * _LOG2E, num_splits, page_size if paged else None, pdl)
     else:
         rows = G * MQ
         bm = _block_m(rows)
@@ -362,7 +376,7 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
             block_table.stride(0) if paged else 0, *o_strides, *l_strides,
             scale * _LOG2E, HKV, num_splits,
             G=G, MQ=MQ, D=D, BLOCK_M=bm, BLOCK_N=block_n or bn, PAGE_SIZE=page_size, PAGED=paged, FP8=fp8,
-            PARTIAL=num_splits > 1, ASM_CVT=fp8 and _asm_cvt(q.device), num_warps=num_warps or nw,
+            PARTIAL=num_splits > 1, ASM_CVT=fp8 and _asm_cvt(q.device), PDL=pdl, num_warps=num_warps or nw,
             num_stages=num_stages or ns,
         )
     if num_splits > 1:
@@ -370,6 +384,6 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
         launch(_reduce_kernel)[(B * MQ * HQ, chunks)](
             o_buf, l_buf, out, lse, o_buf.stride(0), l_buf.stride(0),
             out.stride(0), out.stride(1), out.stride(2), *lse.stride(), HQ, MQ, num_splits,
-            S_PAD=next_pow2(num_splits), D=D, BLOCK_D=D // chunks, num_warps=4,
+            S_PAD=next_pow2(num_splits), D=D, BLOCK_D=D // chunks, PDL=pdl, num_warps=4, launch_pdl=pdl,
         )
     return out, lse
