@@ -248,8 +248,9 @@ def main():
     env = common.environment()
     common.print_table(rows, COLUMNS)
     common.write_json(out, "decode", rows)
-    common.bar_plot(out, "decode", rows, "shape", ["bf16_graph_TBps", "bf16_eager_TBps", "fp8_graph_TBps",
-                                                   "cudnn_TBps", "flash_TBps"], "TB/s (effective)",
+    common.bar_plot(out, "decode", rows, "shape", ["bf16_graph_TBps", "bf16_clean_TBps", "bf16_eager_TBps",
+                                                   "fp8_graph_TBps", "fp8_clean_TBps", "cudnn_TBps", "flash_TBps"],
+                    "TB/s (effective)",
                     "Paged decode, H200")
     md = markdown(rows, env)
     with open(os.path.join(out, "decode.md"), "w") as f:
