@@ -35,6 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..triton.attention_fwd import _descale_args, _ensure_allocator, transpose_v
+from ..triton.launch import cdiv, launch
 
 _LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128, 256)
@@ -276,7 +277,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=
     BM = block_m or cfg["block_m"]  # 64 rows per warpgroup
     _ensure_allocator()
     vt, _ = transpose_v(v)
-    _attn_fwd_kernel[(triton.cdiv(Mq, BM), B * Hq)](
+    launch(_attn_fwd_kernel)[(cdiv(Mq, BM), B * Hq)](
         q, k, vt, out, lse if lse is not None else qd, qd, kd, vd, scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
