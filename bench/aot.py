@@ -53,7 +53,8 @@ def compile_sm90(fn, args, consts: dict, *, warps: int, stages: int, maxnreg: in
     with open(cubin, "wb") as f:
         f.write(k.asm["cubin"])
     r = subprocess.run([os.path.join(bindir, "ptxas"), "-v", "--gpu-name", "sm_90a", os.path.join(d, "k.ptx"),
-                        "-o", os.path.join(d, "v.cubin")], capture_output=True, text=True, check=True)
+                        "-o", os.path.join(d, "v.cubin")] + (["--maxrregcount", str(maxnreg)] if maxnreg else []),
+                       capture_output=True, text=True, check=True)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
     res = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", cubin], capture_output=True, text=True,
                          check=True).stdout

@@ -47,9 +47,10 @@ def compile_one(dtype="fp8", D=128, causal=False, descale="block", bm=None, bn=N
                 dump=None) -> dict:
     from fmha_ops.kernels.triton.attention_fwd import _attn_fwd_kernel, default_config
 
-    cfg = default_config(D, causal)
+    cfg = default_config(D, causal, N, dtype if dtype != "bf16" else None)
     bm, bn = bm or cfg["block_m"], bn or cfg["block_n"]
     warps, stages = warps or cfg["num_warps"], stages or cfg["num_stages"]
+    maxnreg = cfg.get("maxnreg") if (bm, bn) == (cfg["block_m"], cfg["block_n"]) else None
     quantized = dtype != "bf16"
     block = quantized and descale == "block"
     consts = {"D": D, "DV": D, "BLOCK_D": D, "BLOCK_DV": D, "BLOCK_M": bm, "BLOCK_N": bn, "CAUSAL": causal,
@@ -57,9 +58,10 @@ def compile_one(dtype="fp8", D=128, causal=False, descale="block", bm=None, bn=N
               "V_T": quantized, "P_SHIFT": 8 if quantized else 0, "Q_BLOCKSCALE": block, "K_BLOCKSCALE": block,
               "V_PER_CHANNEL": block, "Q_SCALE_BLOCK": 128, "K_SCALE_BLOCK": 128, "WRITE_LSE": False,
               "REVERSE_M": causal, "WARP_SPECIALIZE": False, "HOST_DESC": True}
-    r = compile_sm90(_attn_fwd_kernel, _args(dtype, D, bm, bn), consts, warps=warps, stages=stages, dump=dump)
+    r = compile_sm90(_attn_fwd_kernel, _args(dtype, D, bm, bn), consts, warps=warps, stages=stages, maxnreg=maxnreg,
+                     dump=dump)
     row = {"dtype": dtype, "D": D, "causal": causal, "descale": descale if quantized else "-",
-           "tile": f"{bm}x{bn}", "warps": warps, "stages": stages, "regs": r["regs"], "spill_st": r["spill_st"],
+           "tile": f"{bm}x{bn}", "warps": warps, "stages": stages, "maxnreg": maxnreg or "-", "regs": r["regs"], "spill_st": r["spill_st"],
            "smem": r["smem"], "ctas_per_sm": r["ctas_per_sm"]}
     scores = bm * bn // (32 * warps)  # per thread and tile
     mma = [loop for loop in sass_loops(sass_instructions(r["sass"])) if any("GMMA" in t for t in loop)]

@@ -288,15 +288,23 @@ def _ensure_allocator() -> None:
         triton.set_allocator(_scratch)
 
 
-def default_config(head_dim: int, causal: bool, seqlen_k: int = 0) -> dict:
+def default_config(head_dim: int, causal: bool, seqlen_k: int = 0, quantized: str | None = None) -> dict:
     """Tile sizes and launch options per head dim, from the H200 sweeps in bench/results/attention_fwd.md.
 
     One warpgroup per program (4 warps, BLOCK_M 64) lets two programs share an SM, which overlaps one's
     softmax with the other's MMAs; 8-warp BLOCK_M 128 tiles measured 20% slower. Causal at head dim <= 128
     takes 64-key tiles below 4096 keys (``seqlen_k``), where the masked diagonal tiles weigh more (step 13).
+    ``quantized`` ("fp8", "i8fp8" or None): register caps that fit one more program per SM (step 15): i8fp8 with
+    128-key tiles at head dim 128, 168 registers and 2 stages (3 programs); fp8 and i8fp8 at head dim <= 64
+    without a causal mask, 128 registers (4 programs).
     """
     if head_dim <= 128:
-        return dict(block_m=64, block_n=64 if causal and seqlen_k < 4096 else 128, num_warps=4, num_stages=3)
+        cfg = dict(block_m=64, block_n=64 if causal and seqlen_k < 4096 else 128, num_warps=4, num_stages=3)
+        if quantized == "i8fp8" and head_dim > 64 and cfg["block_n"] == 128:
+            cfg.update(maxnreg=168, num_stages=2)
+        elif quantized and head_dim <= 64 and not causal:
+            cfg.update(maxnreg=128)
+        return cfg
     return dict(block_m=64, block_n=64, num_warps=4, num_stages=3)
 
 
@@ -375,7 +383,8 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
         nseq = B
         grid_m = Mq
     device = q.device
-    cfg = default_config(max(D, Dv), causal, (max_seqlen_k or 0) if varlen else Mk)
+    cfg = default_config(max(D, Dv), causal, (max_seqlen_k or 0) if varlen else Mk,
+                         "i8fp8" if qk_int8 else "fp8" if fp8_v else None)
     BM = block_m or cfg["block_m"]
     BN = block_n or cfg["block_n"]
     if v_transposed is None:
