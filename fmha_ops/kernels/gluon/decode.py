@@ -280,7 +280,6 @@ def _decode_fp8_kernel(
     o_ok = gl.expand_dims(r % RB < Q_ROWS, 1)
     if HEADS == 1:
         o_ptr = gl.expand_dims(row_off, 1) + gl.expand_dims(col, 0)
-        o_ok = o_ok & gl.expand_dims(col < DT, 0)
     else:  # row r holds head r // RB: its columns are the tile's of that head
         o_ptr = gl.expand_dims(row_off, 1) + gl.expand_dims(col % D, 0)
         o_ok = o_ok & (gl.expand_dims(col // D, 0) == gl.expand_dims(r // RB, 1))
