@@ -202,8 +202,7 @@ def _asm_cvt(device: torch.device) -> bool:
 def _pdl(device: torch.device) -> bool:
     """Whether the split reduce goes by programmatic dependent launch (compiled, NVIDIA sm90+): it is launched
     while the decoder runs and waits for it on the device, instead of after it."""
-    return (isinstance(_reduce_kernel, triton.runtime.JITFunction) and device.type == "cuda"
-            and torch.version.hip is None and torch.cuda.get_device_capability(device) >= (9, 0))
+    return _asm_cvt(device) and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 @functools.cache
