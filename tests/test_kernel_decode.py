@@ -288,6 +288,11 @@ def test_gluon_decoder_supported_inputs():
 GPU_REL = {torch.bfloat16: 8e-3, torch.float16: FP16_REL}
 
 
+def _head_major_scales(kw: dict) -> dict:
+    """``kw`` with the per-token scales stored head-major (a head's tokens contiguous), same values."""
+    return dict(kw, **{n: kw[n].transpose(-1, -2).contiguous().transpose(-1, -2) for n in ("k_scale", "v_scale")})
+
+
 GPU_CASES = [(torch.bfloat16, p, f) for p in (None, 1, 16, 64, 256) for f in (None, torch.float8_e4m3fn)]
 GPU_CASES += [(torch.float16, 64, None), (torch.float16, 16, torch.float8_e4m3fn)]
 
@@ -389,7 +394,7 @@ def test_gpu_gluon_decoder_head_pairs(page_size, G, MQ):
     assert gd.heads_per_program(64, 8, G * MQ) == 2
     q, kw, k, v = make_case(3, MQ, 8 * G, 8, 64, [2049, 1, 700], page_size=page_size, dtype=torch.bfloat16,
                             fp8=torch.float8_e4m3fn, dist="transformer", seed=G)
-    head_major = dict(kw, **{n: kw[n].transpose(-1, -2).contiguous().transpose(-1, -2) for n in ("k_scale", "v_scale")})
+    head_major = _head_major_scales(kw)
     for s in (1, 4):
         out_g, lse_g, rep = check(q, kw, k, v, rel=GPU_REL[torch.bfloat16], num_splits=s)
         out_t, lse_t = (t.cpu() for t in run(q, kw, num_splits=s, block_n=64, num_warps=2, num_stages=3))
@@ -433,7 +438,7 @@ def test_gpu_gluon_decoder_head_major_scales(page_size):
         pytest.skip("the Gluon decoder runs on sm90")
     q, kw, k, v = make_case(3, 1, 8, 2, 128, [4097, 1, 33], page_size=page_size, dtype=torch.bfloat16,
                             fp8=torch.float8_e4m3fn, dist="transformer", seed=5)
-    head_major = dict(kw, **{n: kw[n].transpose(-1, -2).contiguous().transpose(-1, -2) for n in ("k_scale", "v_scale")})
+    head_major = _head_major_scales(kw)
     assert head_major["k_scale"].stride(-1) != 1
     for s in (1, 3):
         out_c, lse_c = run(q, kw, num_splits=s)
