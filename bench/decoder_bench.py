@@ -7,7 +7,8 @@ to write a poisoned output); ``clean`` = the same replay timed after a read-only
 so host overhead that outruns the GPU shows. Baselines on contiguous (B, Hkv, L, D) KV in the
 same process: SDPA cuDNN and FLASH backends, each with ``enable_gqa=True`` and with the query
 heads of a KV head packed as query rows (``q (B, Hkv, Hq/Hkv, D)``, equivalent for Mq=1), best
-of the two reported.
+of the two reported. Roofline: each variant's bytes are also streamed by a read-only kernel with the same
+access pattern (``bench/stream_ceiling.py``), giving the share of the memory ceiling each decoder reaches.
 
     python bench/decoder_bench.py [--quick] [--sweep] [--out DIR]
 """
@@ -86,6 +87,7 @@ def sdpa_ms(q, k, v, backend, pack: bool):
 
 
 def run_shape(spec: dict) -> dict:
+    from bench.stream_ceiling import stream_ms
     from fmha_ops.kernels.triton.decode import default_num_splits, gluon_fp8_decoder, paged_decode
     from fmha_ops.kv_cache import quantize_fp8
     from torch.nn.attention import SDPBackend
@@ -150,6 +152,10 @@ def run_shape(spec: dict) -> dict:
         row[f"{kv}_eager_TBps"] = nbytes / ms_e / 1e9
         row[f"{kv}_graph_us"] = ms_g * 1e3
         row[f"{kv}_graph_ok"] = graph_ok
+        ceil_g, ceil_c = stream_ms(kc, vc, bt, seq, splits, ksc, vsc)
+        row[f"{kv}_ceiling_graph_us"] = ceil_g * 1e3
+        row[f"{kv}_ceiling_us"] = ceil_c * 1e3
+        row[f"{kv}_of_ceiling"] = ceil_c / ms_c
         call()
         if ref is not None:
             from tests.numerics import error_report
@@ -160,6 +166,8 @@ def run_shape(spec: dict) -> dict:
                 row[f"{variant}_sweep"] = sweep(call, nbytes, variant, name)
     row["fp8_speedup"] = row["bf16_graph_us"] / row["fp8_graph_us"]
     row["fp8_speedup_clean"] = row["bf16_clean_us"] / row["fp8_clean_us"]
+    row["fp8_speedup_bound"] = row["bf16_clean_us"] / row["fp8_ceiling_us"]
+    row["fp8_speedup_bound_graph"] = row["bf16_graph_us"] / row["fp8_ceiling_graph_us"]
     return row
 
 
@@ -203,7 +211,8 @@ def sweep(call, nbytes, kv, name):
 
 
 COLUMNS = ["shape", "bf16_splits", "fp8_splits", "bf16_graph_TBps", "bf16_eager_TBps", "fp8_graph_TBps", "fp8_eager_TBps",
-           "fp8_speedup", "bf16_clean_TBps", "fp8_clean_TBps", "fp8_speedup_clean", "cudnn_TBps", "flash_TBps", "target_TBps", "bf16_graph_ok", "fp8_graph_ok",
+           "fp8_speedup", "bf16_clean_TBps", "fp8_clean_TBps", "fp8_speedup_clean", "bf16_of_ceiling", "fp8_of_ceiling",
+           "fp8_speedup_bound_graph", "fp8_speedup_bound", "cudnn_TBps", "flash_TBps", "target_TBps", "bf16_graph_ok", "fp8_graph_ok",
            "bf16_rel_vs_cudnn", "fp8_rel_vs_cudnn"]
 
 
@@ -213,7 +222,10 @@ def markdown(rows, env) -> str:
              "Effective TB/s = K+V (+fp8 scales) bytes / time; graph = CUDA-graph replay (do_bench median), "
              "eager = back-to-back calls; clean = graph replay after a read-only L2 eviction "
              "(`common.time_clean_l2_ms`: no dirty lines written back during the call); "
-             "SDPA on contiguous KV (graph).", "",
+             "SDPA on contiguous KV (graph). `*_of_ceiling`: the time of a kernel that only reads the same bytes "
+             "(`bench/stream_ceiling.py`, clean) over ours; `fp8_speedup_bound(_graph)`: our bf16 time over that "
+             "read-only time for the fp8 cache, the largest fp8/bf16 any fp8 kernel could show (clean / do_bench).",
+             "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in rows:
         lines.append("| " + " | ".join(common._fmt(r.get(c)) for c in COLUMNS) + " |")
