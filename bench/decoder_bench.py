@@ -152,7 +152,7 @@ def run_shape(spec: dict) -> dict:
         row[f"{kv}_eager_TBps"] = nbytes / ms_e / 1e9
         row[f"{kv}_graph_us"] = ms_g * 1e3
         row[f"{kv}_graph_ok"] = graph_ok
-        ceil_g, ceil_c = stream_ms(kc, vc, bt, seq, splits, ksc, vsc)
+        ceil_g, ceil_c = stream_ms(kc, vc, bt, seq, splits, 0 if ksc is None else 2 * ksc.numel() * 4)
         row[f"{kv}_ceiling_graph_us"] = ceil_g * 1e3
         row[f"{kv}_ceiling_us"] = ceil_c * 1e3
         row[f"{kv}_of_ceiling"] = ceil_c / ms_c
