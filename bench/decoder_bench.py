@@ -89,7 +89,7 @@ def sdpa_ms(q, k, v, backend, pack: bool):
 def run_shape(spec: dict) -> dict:
     from bench.stream_ceiling import stream_ms
     from fmha_ops.kernels.triton.decode import default_num_splits, gluon_fp8_decoder, paged_decode
-    from fmha_ops.kv_cache import quantize_fp8
+    from fmha_ops.kv_cache import quantize_kv_fp8
     from torch.nn.attention import SDPBackend
 
     name, B, Hq, Hkv, L, D, ps = (spec[k] for k in ("name", "B", "Hq", "Hkv", "L", "D", "page"))
@@ -130,8 +130,7 @@ def run_shape(spec: dict) -> dict:
     del kd, vd
 
     variants = [("bf16", k_pages, v_pages, None, None, nbytes_bf16)]
-    k8, ks = quantize_fp8(k_pages)
-    v8, vs = quantize_fp8(v_pages)
+    k8, v8, ks, vs = quantize_kv_fp8(k_pages, v_pages)  # scales laid out as our cache builders do
     variants.append(("fp8", k8, v8, ks, vs, nbytes_bf16 // 2 + 2 * B * Hkv * L * 4))
     for kv, kc, vc, ksc, vsc, nbytes in variants:
         capability = torch.cuda.get_device_capability()
@@ -197,7 +196,7 @@ def sweep(call, nbytes, kv, name):
         if tile is not None:
             from fmha_ops.kernels.gluon import decode as gluon_decode
 
-            default_tiles, gluon_decode.tile_config = gluon_decode.tile_config, lambda page_size, tile_width: tile
+            default_tiles, gluon_decode.tile_config = gluon_decode.tile_config, lambda page_size, tile_width, *_: tile
         try:
             ms = common.time_graph_ms(lambda: call(**opts), warmup=5, rep=30)[0]
             res.append({**cfg, "TBps": round(nbytes / ms / 1e9, 3)})

@@ -1,7 +1,8 @@
 """KV-cache helpers in plain torch: fp8 per-token quantization, dense <-> paged conversion.
 
 Cost of fp8 KV: decode is bound by reading K and V, so an fp8 cache (1 byte per element plus
-one float32 scale per token and head, i.e. 1 + 4/D bytes) halves the bytes of a bf16 one.
+one float32 scale per token and head, i.e. 1 + 4/D bytes) halves the bytes of a bf16 one. Scales are
+laid out with the tokens of each head contiguous (any strides work; this layout is the fast one).
 That only pays when the cache is built once and reused across decode steps
 (``build_fp8_paged_cache`` here, or ``kv_append`` quantizing each new token as it is written).
 Quantizing a bf16 cache on every call reads 2 bytes and writes 1 + 4/D bytes per element before
@@ -28,11 +29,18 @@ def quantize_fp8(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn):
     return x8, scale
 
 
+def keys_contiguous(scale: torch.Tensor) -> torch.Tensor:
+    """The same (..., L, H) scales laid out with L contiguous per head (strides of a (..., H, L) tensor): the
+    layout in which the sm90 fp8 decoder reads a tile's scales in 16-byte copies (decode.md step 14)."""
+    return scale.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
 def quantize_kv_fp8(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn):
-    """Per-token, per-head fp8 quantization of K and V (..., D): (k8, v8, k_scale, v_scale)."""
+    """Per-token, per-head fp8 quantization of K and V (..., L, Hkv, D): (k8, v8, k_scale, v_scale), scales
+    (..., L, Hkv) float32 with L contiguous per head (``keys_contiguous``)."""
     k8, ks = quantize_fp8(k, dtype)
     v8, vs = quantize_fp8(v, dtype)
-    return k8, v8, ks, vs
+    return k8, v8, keys_contiguous(ks), keys_contiguous(vs)
 
 
 def dequantize_fp8(x8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -79,9 +87,10 @@ def build_fp8_paged_cache(k: torch.Tensor, v: torch.Tensor, page_size: int,
     """Quantize dense bf16/fp16 K/V (B, L, Hkv, D) once and page them.
 
     Returns (k_cache, v_cache, k_scale, v_scale, block_table): caches (num_pages, page_size,
-    Hkv, D) in ``dtype``, scales float32 (num_pages, page_size, Hkv), block_table int32.
+    Hkv, D) in ``dtype``, scales float32 (num_pages, page_size, Hkv) with the slots of each page contiguous per
+    head (``keys_contiguous``), block_table int32.
     """
     k8, v8, ks, vs = quantize_kv_fp8(k, v, dtype)
     (kc, vc, kss, vss), bt = paged_from_dense([k8.view(torch.uint8), v8.view(torch.uint8), ks, vs],
                                               page_size, num_pages=num_pages, generator=generator)
-    return kc.view(dtype), vc.view(dtype), kss, vss, bt
+    return kc.view(dtype), vc.view(dtype), keys_contiguous(kss), keys_contiguous(vss), bt

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fmha_ops.kv_cache import dequantize_fp8, paged_from_dense, quantize_kv_fp8
+from fmha_ops.kv_cache import dequantize_fp8, keys_contiguous, paged_from_dense, quantize_kv_fp8
 from tests.conftest import DEVICE
 from tests.numerics import error_report, transformer_like
 
@@ -260,6 +260,22 @@ def test_gluon_heads_per_program():
     assert gd.tile_config(16, 128) == (32, 2)
     assert gd.tile_config(48, 128) == (16, 4) and gd.tile_config(8, 128) == (32, 2)
     assert gd.tile_config(1, 64) == (32, 3) and gd.tile_config(24, 128) is None
+    # 128-byte rows: 3 stages only with 16-byte scale copies and programs of >= 1536 keys
+    assert gd.tile_config(64, 128, 4096, True) == (32, 3) and gd.tile_config(None, 128, 1536, True) == (32, 3)
+    assert gd.tile_config(64, 128, 1024, True) == (32, 2) and gd.tile_config(64, 128, 4096, False) == (32, 2)
+    assert gd.tile_config(64, 256, 4096, True) == (32, 2) and gd.tile_config(48, 128, 4096, True) == (16, 4)
+
+
+def test_gluon_vector_scales():
+    """Scales move 4 per copy when each head's slots are contiguous and their count is a multiple of 4."""
+    from fmha_ops.kernels.gluon import decode as gd
+
+    tok = torch.zeros(10, 64, 2)
+    assert not gd.vector_scales(tok, tok)
+    head = keys_contiguous(tok)
+    assert gd.vector_scales(head, head) and not gd.vector_scales(head, tok)
+    odd = keys_contiguous(torch.zeros(3, 1001, 2))  # dense, 1001 slots: the last copy would leave the tensor
+    assert not gd.vector_scales(odd, odd)
 
 
 def test_gluon_decoder_supported_inputs():
@@ -290,7 +306,7 @@ GPU_REL = {torch.bfloat16: 8e-3, torch.float16: FP16_REL}
 
 def _head_major_scales(kw: dict) -> dict:
     """``kw`` with the per-token scales stored head-major (a head's tokens contiguous), same values."""
-    return dict(kw, **{n: kw[n].transpose(-1, -2).contiguous().transpose(-1, -2) for n in ("k_scale", "v_scale")})
+    return dict(kw, k_scale=keys_contiguous(kw["k_scale"]), v_scale=keys_contiguous(kw["v_scale"]))
 
 
 GPU_CASES = [(torch.bfloat16, p, f) for p in (None, 1, 16, 64, 256) for f in (None, torch.float8_e4m3fn)]
@@ -408,13 +424,16 @@ def test_gpu_gluon_decoder_head_pairs(page_size, G, MQ):
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [None, 16, 32, 64, 256])
 @pytest.mark.parametrize("D", [64, 128])
-def test_gpu_decoder_ignores_cache_bytes_past_the_end(page_size, D):
+@pytest.mark.parametrize("head_major", [False, True])
+def test_gpu_decoder_ignores_cache_bytes_past_the_end(page_size, D, head_major):
     """fp8 cache bytes past each sequence's end set to NaN (e4m3 0x7F), their scales too: none of them may reach
     the output (0 * NaN is NaN: masked keys must be zero-filled, not just weighted 0). Partial last tiles, D64 head
-    pairs, splits 1/3."""
-    lens = [17, 1, 1000, 4097, 0, 33]
+    pairs, splits 1/3; head-major scales move 4 per copy (the Gluon decoder reads up to 3 past the end there)."""
+    lens = [17, 1, 1000, 4093, 0, 4096]
     q, kw, k, v = make_case(6, 1, 8, 2, D, lens, page_size=page_size, dtype=torch.bfloat16, fp8=torch.float8_e4m3fn,
                             dist="transformer", seed=21)
+    if head_major:
+        kw = _head_major_scales(kw)
     caches = [kw["k_cache"].view(torch.uint8), kw["v_cache"].view(torch.uint8), kw["k_scale"], kw["v_scale"]]
     for c, bad in zip(caches, (0x7F, 0x7F, float("nan"), float("nan"))):
         for b, n in enumerate(lens):
@@ -428,18 +447,23 @@ def test_gpu_decoder_ignores_cache_bytes_past_the_end(page_size, D):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page_size", [None, 16, 64])
-def test_gpu_gluon_decoder_head_major_scales(page_size):
-    """Per-token scales stored head-major (a head's tokens contiguous; the Gluon decoder takes any scale strides):
-    float32-reference accuracy, and bit-identical to the same call with contiguous scales, splits 1 and 3."""
+@pytest.mark.parametrize("page_size", [None, 16, 64, 256])
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_gpu_gluon_decoder_head_major_scales(page_size, D):
+    """Per-token scales stored head-major (a head's tokens contiguous: 16-byte scale copies, and 3 stages where a
+    program walks >= 1536 keys; pages of 16 span pages, one scale per copy) against token-major scales: float32-
+    reference accuracy and bit-identical outputs, splits 1 and 3, lengths ending inside a copy of 4 scales."""
+    from fmha_ops.kernels.gluon import decode as gd
     from fmha_ops.kernels.triton.decode import _gluon_decoder
 
     if _gluon_decoder(torch.device(DEVICE)) is None:
         pytest.skip("the Gluon decoder runs on sm90")
-    q, kw, k, v = make_case(3, 1, 8, 2, 128, [4097, 1, 33], page_size=page_size, dtype=torch.bfloat16,
+    q, kw, k, v = make_case(4, 1, 8, 2, D, [4093, 1, 33, 4096], page_size=page_size, dtype=torch.bfloat16,
                             fp8=torch.float8_e4m3fn, dist="transformer", seed=5)
+    kw = dict(kw, k_scale=kw["k_scale"].contiguous(), v_scale=kw["v_scale"].contiguous())
     head_major = _head_major_scales(kw)
-    assert head_major["k_scale"].stride(-1) != 1
+    assert head_major["k_scale"].stride(-1) != 1 and gd.vector_scales(head_major["k_scale"], head_major["v_scale"])
+    assert not gd.vector_scales(kw["k_scale"], kw["v_scale"])
     for s in (1, 3):
         out_c, lse_c = run(q, kw, num_splits=s)
         out_h, lse_h, _ = check(q, head_major, k, v, rel=GPU_REL[torch.bfloat16], num_splits=s)

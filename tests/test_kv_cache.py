@@ -42,6 +42,8 @@ def test_build_fp8_paged_cache():
     assert kc.dtype == torch.float8_e4m3fn and kc.shape == (8, 16, 2, 16)
     assert torch.equal(dense_from_paged(kc.view(torch.uint8), bt, 50), k8.view(torch.uint8))
     assert torch.equal(dense_from_paged(vs, bt, 50), vs0)
+    # scales with each head's slots contiguous (the layout the sm90 decoder reads 4 per copy), dense and paged
+    assert ks0.stride() == (100, 1, 50) and ks.shape == (8, 16, 2) and ks.stride() == (32, 1, 16)
 
 
 def _append_case(paged, dtype, seed):

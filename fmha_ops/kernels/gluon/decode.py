@@ -3,7 +3,8 @@
 The split-K decoder of ``kernels/triton/decode.py`` for its fp8-KV case on sm90, with the same arguments and
 outputs (that module's launcher calls ``launch`` when ``supported`` says so): q (B, Mq, Hq, D) bf16/fp16 with
 Mq * Hq / Hkv <= 16 rows per KV head and D in {64, 128, 256}; K/V caches fp8 e4m3 (num_pages, page_size, Hkv, D) with
-a block table, or dense (B, Lmax, Hkv, D), heads and D contiguous; float32 scales per token and KV head.
+a block table, or dense (B, Lmax, Hkv, D), heads and D contiguous; float32 scales per token and KV head, any strides
+(keys contiguous per head, as ``kv_cache.quantize_kv_fp8`` lays them out, lets a tile's scales move in 16-byte copies).
 
 Why Gluon: Triton converts the fp8 V tile either byte by byte into the mma operand (V's reduction dim, the keys,
 is not contiguous) or through a fp16 copy in shared memory (the decoder's main stall, decode.md step 9). Here the
@@ -81,10 +82,11 @@ def _v_operand(v8, b_op: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, W
 def _issue(k_smem, v_smem, ks_smem, vs_smem, st, K, V, KS, VS, kv_page, sc_page, slot0, n0, end, hkv0, off_k, off_v,
            rows, stride_kp, stride_ks, stride_vp, stride_vs, stride_ksp, stride_kss, stride_ksh, stride_vsp,
            stride_vss, stride_vsh, D: gl.constexpr, HEADS: gl.constexpr, BLOCK_N: gl.constexpr,
-           PAGE_SIZE: gl.constexpr, STRADDLE: gl.constexpr, sc_layout: gl.constexpr):
+           PAGE_SIZE: gl.constexpr, STRADDLE: gl.constexpr, sc_layout: gl.constexpr, SC_VEC: gl.constexpr):
     """cp.async of one tile (BLOCK_N keys from ``slot0`` of page ``kv_page`` / ``sc_page``, or with STRADDLE the
     page of each row; keys >= ``end`` zero-filled) of K and V (heads hkv0 .. hkv0 + HEADS - 1, adjacent in
-    memory) and the scales of each head into ring stage ``st``."""
+    memory) and the scales of each head into ring stage ``st``; scales SC_VEC per copy (keys contiguous), masked
+    per copy, so up to SC_VEC - 1 past ``end`` arrive too (the caller zeroes them)."""
     ok = gl.expand_dims(n0 + rows < end, 1)
     if STRADDLE:
         kv_page = gl.expand_dims(kv_page, 1)
@@ -93,7 +95,7 @@ def _issue(k_smem, v_smem, ks_smem, vs_smem, st, K, V, KS, VS, kv_page, sc_page,
     async_copy.async_copy_global_to_shared(
         v_smem.index(st), V + (kv_page * stride_vp + slot0 * stride_vs + hkv0 * D) + off_v, mask=ok)
     r = gl.arange(0, BLOCK_N, layout=sc_layout)
-    ok_r = n0 + r < end
+    ok_r = n0 + r // SC_VEC * SC_VEC < end
     if STRADDLE:
         r = r % PAGE_SIZE
     for h in gl.static_range(HEADS):
@@ -115,9 +117,9 @@ def _tile_origin(bt_row, b, n, end, kv_rows, sc_layout: gl.constexpr, BLOCK_N: g
         kv_page = gl.load(bt_row + (n + kv_rows) // PAGE_SIZE, mask=n + kv_rows < end, other=0).to(gl.int64)
         sc_page = gl.load(bt_row + (n + sc_rows) // PAGE_SIZE, mask=n + sc_rows < end, other=0).to(gl.int64)
         return kv_page, sc_page, 0
-    elif PAGED:
+    elif PAGED:  # the slot as n // BLOCK_N * BLOCK_N: the compiler keeps its alignment (n % PAGE_SIZE loses it)
         page = gl.load(bt_row + n // PAGE_SIZE, mask=n < end, other=0).to(gl.int64)
-        return page, page, n % PAGE_SIZE
+        return page, page, n // BLOCK_N % (PAGE_SIZE // BLOCK_N) * BLOCK_N
     else:
         return b.to(gl.int64), b.to(gl.int64), n
 
@@ -134,7 +136,7 @@ def _decode_fp8_kernel(
     qk_scale, NUM_KV_HEADS, NUM_SPLITS, Q_ROWS,
     G: gl.constexpr, MQ: gl.constexpr, D: gl.constexpr, HEADS: gl.constexpr, WARPS: gl.constexpr,
     BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, PARTIAL: gl.constexpr,
-    STAGES: gl.constexpr, PDL: gl.constexpr,
+    STAGES: gl.constexpr, PDL: gl.constexpr, SC_VEC: gl.constexpr,
 ):
     STRADDLE: gl.constexpr = PAGED and PAGE_SIZE < BLOCK_N  # a tile spans BLOCK_N / PAGE_SIZE pages
     # HEADS (1 or 2) adjacent KV heads per program: the tile is DT = HEADS * D bytes of each key; query row r
@@ -148,10 +150,10 @@ def _decode_fp8_kernel(
     b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     v_layout: gl.constexpr = _v_pairs_layout(BLOCK_N, DT, WARPS)
     kv_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (DT // 16), DT // 16], [WARPS, 1], [1, 0])
-    sc_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    sc_layout: gl.constexpr = gl.BlockedLayout([SC_VEC], [32], [WARPS], [0])
     # 16-byte chunks XOR-swizzled by row: the operand loads of rows 2t, 2t+1, ... hit different banks
     kv_smem: gl.constexpr = gl.SwizzledSharedLayout(16, 1, 8, [1, 0])
-    sc_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    sc_smem: gl.constexpr = gl.SwizzledSharedLayout(SC_VEC, 1, 1, [0])
 
     if PDL:  # the split reduce may launch now and wait for this grid on the device (programmatic dependent launch)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
@@ -193,7 +195,7 @@ def _decode_fp8_kernel(
                                                PAGE_SIZE, PAGED, STRADDLE)
         _issue(k_smem, v_smem, ks_smem, vs_smem, i, K, V, KS, VS, kv_page, sc_page, slot0, start + i * BLOCK_N, end,
                hkv0, off_k, off_v, kv_rows, stride_kp, stride_ks, stride_vp, stride_vs, stride_ksp, stride_kss,
-               stride_ksh, stride_vsp, stride_vss, stride_vsh, D, HEADS, BLOCK_N, PAGE_SIZE, STRADDLE, sc_layout)
+               stride_ksh, stride_vsp, stride_vss, stride_vsh, D, HEADS, BLOCK_N, PAGE_SIZE, STRADDLE, sc_layout, SC_VEC)
         async_copy.commit_group()
 
     rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
@@ -217,7 +219,7 @@ def _decode_fp8_kernel(
         _issue(k_smem, v_smem, ks_smem, vs_smem, (it + STAGES - 1) % STAGES, K, V, KS, VS, kv_page, sc_page, slot0,
                n_issue, end, hkv0, off_k, off_v, kv_rows, stride_kp, stride_ks, stride_vp, stride_vs, stride_ksp,
                stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh, D, HEADS, BLOCK_N, PAGE_SIZE, STRADDLE,
-               sc_layout)
+               sc_layout, SC_VEC)
         async_copy.commit_group()
         async_copy.wait_group(STAGES - 1)
         gl.thread_barrier()  # tile `it` visible to every thread
@@ -229,10 +231,17 @@ def _decode_fp8_kernel(
         # per-key scales of the first head, [1, BLOCK_N]; of each row's head ([ROWS, BLOCK_N]) with two heads
         ks = ks_smem.index(st * HEADS).load(gl.SliceLayout(0, mma))
         vs = vs_smem.index(st * HEADS).load(gl.SliceLayout(0, mma))
+        cols = start + it * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+        if SC_VEC > 1:  # scales past the end came with the last copy: whatever they hold must not count
+            ks = gl.where(cols < end, ks, 0.0)
+            vs = gl.where(cols < end, vs, 0.0)
         v_max = gl.max(vs, 0)
         if HEADS == 2:
             ks1 = ks_smem.index(st * 2 + 1).load(gl.SliceLayout(0, mma))
             vs1 = vs_smem.index(st * 2 + 1).load(gl.SliceLayout(0, mma))
+            if SC_VEC > 1:
+                ks1 = gl.where(cols < end, ks1, 0.0)
+                vs1 = gl.where(cols < end, vs1, 0.0)
             v_max = gl.maximum(v_max, gl.max(vs1, 0))
         v_max = gl.where(v_max > 0.0, v_max, 1.0)
         k_sc = gl.expand_dims(ks * qk_scale, 0)
@@ -240,7 +249,6 @@ def _decode_fp8_kernel(
         if HEADS == 2:
             k_sc = gl.where(row_head == 1, gl.expand_dims(ks1 * qk_scale, 0), k_sc)
             v_sc = gl.where(row_head == 1, gl.expand_dims(vs1 / v_max, 0), v_sc)
-        cols = start + it * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
         if MQ > 1:
             visible = (gl.expand_dims(cols, 0) <= gl.expand_dims(last_key, 1)) & gl.expand_dims(cols < end, 0)
             s = gl.where(visible, s * k_sc, float("-inf"))
@@ -297,14 +305,20 @@ def warps_per_program(head_dim: int) -> int:
     return 2 if head_dim == 256 else 1
 
 
-def tile_config(page_size: int | None, tile_width: int) -> tuple[int, int] | None:
-    """(BLOCK_N, STAGES) for a page size (None: dense cache) and tile width (head dim x heads per program), or
-    None for pages the tiles cannot cover. H200, 4 programs per SM (decode.md steps 11-12): 32-key tiles, 2
-    stages for 128-byte rows (B64/L4096 144 us vs 154 at 3 stages, B128/L1024 82 vs 87), 3 for 64-byte rows
-    (93-100 us vs 104-106); more stages ran slower. Pages of 1-16 keys: 32-key tiles spanning pages (p16:
-    1.70x bf16 against 1.68x with 16-key tiles); other multiples of 16: 16-key tiles, 4 stages, 8 per SM."""
+def tile_config(page_size: int | None, tile_width: int, keys_per_program: int = 0,
+                vector_scales: bool = False) -> tuple[int, int] | None:
+    """(BLOCK_N, STAGES) for a page size (None: dense cache), tile width (head dim x heads per program), keys
+    per program and whether scales move in 16-byte copies, or None for pages the tiles cannot cover. H200, 4
+    programs per SM (decode.md steps 11-14): 32-key tiles; 128-byte rows take 3 stages when the scales come in
+    16-byte copies and a program walks >= 1536 keys (B64/L4096 131.7 us vs 137.0 at 2 stages, B1/Hq64/L128K
+    73.8 vs 75.8; B128/L1024, 1024 keys: 72.6 vs 71.3), else 2 (with 4-byte scale copies 3 stages ran 5% slower:
+    the scales' L1 traffic); 64-byte rows 3 (93-100 us vs 104-106). Pages of 1-16 keys: 32-key tiles spanning
+    pages (p16: 1.70x bf16 against 1.68x with 16-key tiles); other multiples of 16: 16-key tiles, 4 stages, 8
+    per SM."""
     if page_size is None or page_size % 32 == 0 or 32 % page_size == 0:
-        return 32, 2 if tile_width > 64 else 3
+        if tile_width <= 64:
+            return 32, 3
+        return 32, 3 if tile_width == 128 and vector_scales and keys_per_program >= 1536 else 2
     if page_size % 16 == 0:
         return 16, 4
     return None
@@ -325,6 +339,12 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_s
             and q.stride(3) == 1)
 
 
+def vector_scales(k_scale: torch.Tensor, v_scale: torch.Tensor) -> bool:
+    """Whether a tile's scales can move 4 per copy: each head's keys contiguous (stride 1 along the slots) in
+    both tensors and slot counts a multiple of 4 (the copy past the end stays in bounds)."""
+    return all(t.stride(1) == 1 and t.shape[1] % 4 == 0 for t in (k_scale, v_scale))
+
+
 def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse, out_strides, lse_strides,
            qk_scale_log2: float, num_splits: int, page_size: int | None, pdl: bool = False) -> None:
     """Run the kernel into ``out`` / ``lse`` (the final tensors, or the split workspace with its leading split
@@ -334,8 +354,12 @@ def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse
     hkv = k_cache.shape[2]
     heads = heads_per_program(D, hkv, MQ * (HQ // hkv))
     warps = warps_per_program(D)
-    block_n, stages = tile_config(page_size, heads * D)
     paged = page_size is not None
+    capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
+    block_n = tile_config(page_size, heads * D)[0]
+    # pages shorter than a tile fetch each key's page: one scale per copy there
+    vec = (not paged or page_size >= block_n) and vector_scales(k_scale, v_scale)
+    stages = tile_config(page_size, heads * D, -(-capacity // num_splits), vec)[1]
     bt = block_table if paged else seqlens
     launch_cached(_decode_fp8_kernel)[(B * hkv // heads, num_splits)](
         q, k_cache, v_cache, k_scale, v_scale, seqlens, bt, out, lse,
@@ -345,5 +369,5 @@ def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse
         block_table.stride(0) if paged else 0, *out_strides, *lse_strides,
         qk_scale_log2, hkv, num_splits, MQ * (HQ // hkv),
         G=HQ // hkv, MQ=MQ, D=D, HEADS=heads, WARPS=warps, BLOCK_N=block_n, PAGE_SIZE=page_size or 1,
-        PAGED=paged, PARTIAL=num_splits > 1, STAGES=stages, PDL=pdl, num_warps=warps,
+        PAGED=paged, PARTIAL=num_splits > 1, STAGES=stages, PDL=pdl, SC_VEC=4 if vec else 1, num_warps=warps,
     )
