@@ -106,7 +106,8 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     q (B, Mq, Hq, D) bf16/fp16 with Mq new tokens per sequence. Cache: dense (B_cache, L, Hkv, D)
     (rows picked by ``cache_batch_idx`` int32 (B,) when given) or paged (num_pages, page_size, Hkv, D)
     with ``page_table`` int32 (B, max_pages). A bf16/fp16 cache, or fp8 e4m3 with ``k_descale`` /
-    ``v_descale`` float32 per token (the cache's shape without D). ``cache_seqlens`` int32 (B,) (or an
+    ``v_descale`` float32 per token (the cache's shape without D; any strides, fastest with each head's slots
+    contiguous: ``kv_cache.keys_contiguous``). ``cache_seqlens`` int32 (B,) (or an
     int): tokens already in the cache. If ``k``/``v`` (B, Mnew, Hkv, D) are given they are written at
     ``cache_seqlens`` (quantized per token into an fp8 cache) and attended too. ``causal`` aligns the
     queries to the end of each sequence. No host sync: capturable in a CUDA graph.
