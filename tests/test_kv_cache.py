@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fmha_ops.kv_cache import (build_fp8_paged_cache, dense_from_paged, dequantize_fp8, paged_from_dense,
-                               quantize_fp8, quantize_kv_fp8)
+from fmha_ops.kv_cache import (build_fp8_paged_cache, dense_from_paged, dequantize_fp8, keys_contiguous,
+                               paged_from_dense, quantize_fp8, quantize_kv_fp8)
 from tests.conftest import DEVICE, HAS_CUDA
 
 
@@ -71,14 +71,19 @@ def _dense(x, bt, L):
 
 
 @pytest.mark.parametrize("paged", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn])
-def test_kv_append(paged, dtype):
+@pytest.mark.parametrize("dtype,scales", [(torch.float16, None), (torch.float8_e4m3fn, "tokens"),
+                                          (torch.float8_e4m3fn, "keys")])
+def test_kv_append(paged, dtype, scales):
+    """New rows land at cache_seqlens; fp8 rows quantized per token, scales written through their strides
+    (token-major or each head's slots contiguous, the builders' layout)."""
     from fmha_ops.kernels.triton.kv_append import kv_append
 
     kn, vn, kc, vc, ks, vs, before, bt = _append_case(paged, dtype, seed=int(paged))
     fp8 = dtype.itemsize == 1
     exp = [t.clone() for t in (kc, vc, ks, vs)]
     dev = [t.to(DEVICE) for t in (kn, vn, kc, vc, ks, vs, before)]
+    if scales == "keys":
+        dev[4], dev[5] = keys_contiguous(dev[4]), keys_contiguous(dev[5])
     if fp8:
         dev[2], dev[3] = dev[2].view(dtype), dev[3].view(dtype)
     kv_append(*dev[:4], dev[6], block_table=None if bt is None else bt.to(DEVICE),
