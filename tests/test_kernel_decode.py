@@ -450,8 +450,8 @@ def test_gpu_decoder_ignores_cache_bytes_past_the_end(page_size, D, head_major):
 @pytest.mark.parametrize("page_size", [None, 16, 64, 256])
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_gpu_gluon_decoder_head_major_scales(page_size, D):
-    """Per-token scales stored head-major (a head's tokens contiguous: 16-byte scale copies, and 3 stages where a
-    program walks >= 1536 keys; pages of 16 span pages, one scale per copy) against token-major scales: float32-
+    """Per-token scales stored head-major (a head's tokens contiguous: 16-byte scale copies, also where 32-key tiles
+    span pages of 16, and 3 stages where a program walks >= 1536 keys) against token-major scales: float32-
     reference accuracy and bit-identical outputs, splits 1 and 3, lengths ending inside a copy of 4 scales."""
     from fmha_ops.kernels.gluon import decode as gd
     from fmha_ops.kernels.triton.decode import _gluon_decoder

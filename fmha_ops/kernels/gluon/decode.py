@@ -109,13 +109,15 @@ def _issue(k_smem, v_smem, ks_smem, vs_smem, st, K, V, KS, VS, kv_page, sc_page,
 
 @gluon.jit
 def _tile_origin(bt_row, b, n, end, kv_rows, sc_layout: gl.constexpr, BLOCK_N: gl.constexpr,
-                 PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, STRADDLE: gl.constexpr):
+                 PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, STRADDLE: gl.constexpr, SC_VEC: gl.constexpr):
     """(page in K/V's row layout, page in the scales' layout, first slot) of the tile starting at key ``n``; with
-    STRADDLE (pages shorter than the tile) the page of every row and slot 0; page 0 past ``end`` (masked)."""
+    STRADDLE (pages shorter than the tile) the page of every row and slot 0; page 0 past ``end`` (masked; for the
+    scales per copy of SC_VEC rows, which share a page)."""
     if STRADDLE:
         sc_rows = gl.arange(0, BLOCK_N, layout=sc_layout)
         kv_page = gl.load(bt_row + (n + kv_rows) // PAGE_SIZE, mask=n + kv_rows < end, other=0).to(gl.int64)
-        sc_page = gl.load(bt_row + (n + sc_rows) // PAGE_SIZE, mask=n + sc_rows < end, other=0).to(gl.int64)
+        sc_page = gl.load(bt_row + (n + sc_rows) // PAGE_SIZE, mask=n + sc_rows // SC_VEC * SC_VEC < end,
+                          other=0).to(gl.int64)
         return kv_page, sc_page, 0
     elif PAGED:  # the slot as n // BLOCK_N * BLOCK_N: the compiler keeps its alignment (n % PAGE_SIZE loses it)
         page = gl.load(bt_row + n // PAGE_SIZE, mask=n < end, other=0).to(gl.int64)
@@ -192,7 +194,7 @@ def _decode_fp8_kernel(
     bt_row = BT + b * stride_btb
     for i in gl.static_range(STAGES - 1):  # prologue; groups past the end are empty but keep the count
         kv_page, sc_page, slot0 = _tile_origin(bt_row, b, start + i * BLOCK_N, end, kv_rows, sc_layout, BLOCK_N,
-                                               PAGE_SIZE, PAGED, STRADDLE)
+                                               PAGE_SIZE, PAGED, STRADDLE, SC_VEC)
         _issue(k_smem, v_smem, ks_smem, vs_smem, i, K, V, KS, VS, kv_page, sc_page, slot0, start + i * BLOCK_N, end,
                hkv0, off_k, off_v, kv_rows, stride_kp, stride_ks, stride_vp, stride_vs, stride_ksp, stride_kss,
                stride_ksh, stride_vsp, stride_vss, stride_vsh, D, HEADS, BLOCK_N, PAGE_SIZE, STRADDLE, sc_layout, SC_VEC)
@@ -209,13 +211,13 @@ def _decode_fp8_kernel(
     unit = gl.to_tensor(1.0)
     # the page id of the tile issued next iteration is loaded one iteration ahead, off the issue's path
     kv_next, sc_next, slot_next = _tile_origin(bt_row, b, start + (STAGES - 1) * BLOCK_N, end, kv_rows, sc_layout,
-                                               BLOCK_N, PAGE_SIZE, PAGED, STRADDLE)
+                                               BLOCK_N, PAGE_SIZE, PAGED, STRADDLE, SC_VEC)
     for it in range(n_tiles):
         gl.thread_barrier()  # every thread is done with the stage refilled below
         n_issue = start + (it + STAGES - 1) * BLOCK_N
         kv_page, sc_page, slot0 = kv_next, sc_next, slot_next
         kv_next, sc_next, slot_next = _tile_origin(bt_row, b, n_issue + BLOCK_N, end, kv_rows, sc_layout, BLOCK_N,
-                                                   PAGE_SIZE, PAGED, STRADDLE)
+                                                   PAGE_SIZE, PAGED, STRADDLE, SC_VEC)
         _issue(k_smem, v_smem, ks_smem, vs_smem, (it + STAGES - 1) % STAGES, K, V, KS, VS, kv_page, sc_page, slot0,
                n_issue, end, hkv0, off_k, off_v, kv_rows, stride_kp, stride_ks, stride_vp, stride_vs, stride_ksp,
                stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh, D, HEADS, BLOCK_N, PAGE_SIZE, STRADDLE,
@@ -341,7 +343,7 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_s
 
 def vector_scales(k_scale: torch.Tensor, v_scale: torch.Tensor) -> bool:
     """Whether a tile's scales can move 4 per copy: each head's keys contiguous (stride 1 along the slots) in
-    both tensors and slot counts a multiple of 4 (the copy past the end stays in bounds)."""
+    both tensors and slot counts (page sizes) a multiple of 4 (a copy stays in one page and in bounds)."""
     return all(t.stride(1) == 1 and t.shape[1] % 4 == 0 for t in (k_scale, v_scale))
 
 
@@ -356,10 +358,8 @@ def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse
     warps = warps_per_program(D)
     paged = page_size is not None
     capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
-    block_n = tile_config(page_size, heads * D)[0]
-    # pages shorter than a tile fetch each key's page: one scale per copy there
-    vec = (not paged or page_size >= block_n) and vector_scales(k_scale, v_scale)
-    stages = tile_config(page_size, heads * D, -(-capacity // num_splits), vec)[1]
+    vec = vector_scales(k_scale, v_scale)
+    block_n, stages = tile_config(page_size, heads * D, -(-capacity // num_splits), vec)
     bt = block_table if paged else seqlens
     launch_cached(_decode_fp8_kernel)[(B * hkv // heads, num_splits)](
         q, k_cache, v_cache, k_scale, v_scale, seqlens, bt, out, lse,
