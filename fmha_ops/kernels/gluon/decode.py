@@ -108,6 +108,17 @@ def _issue(k_smem, v_smem, ks_smem, vs_smem, st, K, V, KS, VS, kv_page, sc_page,
 
 
 @gluon.jit
+def split_range(SEQ, b, split, NUM_SPLITS, BLOCK_N: gl.constexpr):
+    """(seqlen, start, end, tiles) of split ``split`` of sequence ``b``: splits of whole BLOCK_N-key tiles, the
+    last ones possibly empty."""
+    seqlen = gl.load(SEQ + b)
+    chunk = gl.cdiv(gl.cdiv(seqlen, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = gl.minimum(start + chunk, seqlen)
+    return seqlen, start, end, gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+
+
+@gluon.jit
 def _tile_origin(bt_row, b, n, end, kv_rows, sc_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                  PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, STRADDLE: gl.constexpr, SC_VEC: gl.constexpr):
     """(page in K/V's row layout, page in the scales' layout, first slot) of the tile starting at key ``n``; with
@@ -164,11 +175,7 @@ def _decode_fp8_kernel(
     split = gl.program_id(1)
     b = pid_bh // (NUM_KV_HEADS // HEADS)
     hkv0 = (pid_bh % (NUM_KV_HEADS // HEADS)) * HEADS
-    seqlen = gl.load(SEQ + b)
-    chunk = gl.cdiv(gl.cdiv(seqlen, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = gl.minimum(start + chunk, seqlen)
-    n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+    seqlen, start, end, n_tiles = split_range(SEQ, b, split, NUM_SPLITS, BLOCK_N)
 
     # q in the A-operand layout with the reduction dim permuted like K's view below
     qr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, a_op))
