@@ -47,7 +47,7 @@ def compile_one(dtype="fp8", D=128, causal=False, descale="block", bm=None, bn=N
                 dump=None) -> dict:
     from fmha_ops.kernels.triton.attention_fwd import _attn_fwd_kernel, default_config
 
-    cfg = default_config(D, causal, N, dtype if dtype != "bf16" else None)
+    cfg = default_config(D, causal, N, dtype != "bf16")
     bm, bn = bm or cfg["block_m"], bn or cfg["block_n"]
     warps, stages = warps or cfg["num_warps"], stages or cfg["num_stages"]
     maxnreg = cfg.get("maxnreg") if (bm, bn) == (cfg["block_m"], cfg["block_n"]) else None

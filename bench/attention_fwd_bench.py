@@ -173,7 +173,7 @@ def speed_table(out, best, quick):
         gqa = Hq != Hkv
         f = lambda ms: tflops(B, Hq, N, D, causal, ms) if ms else None  # noqa: E731
         row = dict(shape=f"{B}x{Hq}/{Hkv}x{N}x{D}{' causal' if causal else ''}",
-                   cfg=json.dumps(cfg or default_config(D, causal, N)))
+                   cfg=json.dumps(cfg or default_config(D, causal, N, quantized=True)))
         row["fp8"] = f(_safe(lambda: time_ms(lambda: attention_forward(
             q8, k8, v8, scale=D ** -0.5, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, **cfg))))
         if gluon is not None:

@@ -108,6 +108,16 @@ def _issue(k_smem, v_smem, ks_smem, vs_smem, st, K, V, KS, VS, kv_page, sc_page,
 
 
 @gluon.jit
+def _key_scales(smem, cols, end, SC_VEC: gl.constexpr):
+    """One head's per-key scales of a ring stage in the mma's column layout; with copies of SC_VEC > 1 the scales
+    past ``end`` came along with the last copy: whatever they hold is replaced by 0."""
+    sc = smem.load(cols.type.layout)
+    if SC_VEC > 1:
+        sc = gl.where(cols < end, sc, 0.0)
+    return sc
+
+
+@gluon.jit
 def split_range(SEQ, b, split, NUM_SPLITS, BLOCK_N: gl.constexpr):
     """(seqlen, start, end, tiles) of split ``split`` of sequence ``b``: splits of whole BLOCK_N-key tiles, the
     last ones possibly empty."""
@@ -238,19 +248,13 @@ def _decode_fp8_kernel(
               .reshape([BLOCK_N, DT]).permute([1, 0]).load(b_op))
         s = mma_v2(q, kt.to(gl.float16), gl.zeros([ROWS, BLOCK_N], gl.float32, mma))
         # per-key scales of the first head, [1, BLOCK_N]; of each row's head ([ROWS, BLOCK_N]) with two heads
-        ks = ks_smem.index(st * HEADS).load(gl.SliceLayout(0, mma))
-        vs = vs_smem.index(st * HEADS).load(gl.SliceLayout(0, mma))
         cols = start + it * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
-        if SC_VEC > 1:  # scales past the end came with the last copy: whatever they hold must not count
-            ks = gl.where(cols < end, ks, 0.0)
-            vs = gl.where(cols < end, vs, 0.0)
+        ks = _key_scales(ks_smem.index(st * HEADS), cols, end, SC_VEC)
+        vs = _key_scales(vs_smem.index(st * HEADS), cols, end, SC_VEC)
         v_max = gl.max(vs, 0)
         if HEADS == 2:
-            ks1 = ks_smem.index(st * 2 + 1).load(gl.SliceLayout(0, mma))
-            vs1 = vs_smem.index(st * 2 + 1).load(gl.SliceLayout(0, mma))
-            if SC_VEC > 1:
-                ks1 = gl.where(cols < end, ks1, 0.0)
-                vs1 = gl.where(cols < end, vs1, 0.0)
+            ks1 = _key_scales(ks_smem.index(st * 2 + 1), cols, end, SC_VEC)
+            vs1 = _key_scales(vs_smem.index(st * 2 + 1), cols, end, SC_VEC)
             v_max = gl.maximum(v_max, gl.max(vs1, 0))
         v_max = gl.where(v_max > 0.0, v_max, 1.0)
         k_sc = gl.expand_dims(ks * qk_scale, 0)

@@ -288,14 +288,14 @@ def _ensure_allocator() -> None:
         triton.set_allocator(_scratch)
 
 
-def default_config(head_dim: int, causal: bool, seqlen_k: int = 0, quantized: str | None = None) -> dict:
+def default_config(head_dim: int, causal: bool, seqlen_k: int = 0, quantized: bool = False) -> dict:
     """Tile sizes and launch options per head dim, from the H200 sweeps in bench/results/attention_fwd.md.
 
     One warpgroup per program (4 warps, BLOCK_M 64) lets two programs share an SM, which overlaps one's
     softmax with the other's MMAs; 8-warp BLOCK_M 128 tiles measured 20% slower. Causal at head dim <= 128
     takes 64-key tiles below 4096 keys (``seqlen_k``), where the masked diagonal tiles weigh more (step 13).
-    ``quantized`` ("fp8", "i8fp8" or None): fp8 and i8fp8 at head dim <= 64 without a causal mask cap registers at
-    128, which fits a fourth program per SM (step 15: +1-2% fp8, +4-5% i8fp8).
+    ``quantized`` (fp8 or i8fp8 inputs): at head dim <= 64 without a causal mask registers are capped at 128, which
+    fits a fourth program per SM (step 15: +1-2% fp8, +4-5% i8fp8).
     """
     if head_dim <= 128:
         cfg = dict(block_m=64, block_n=64 if causal and seqlen_k < 4096 else 128, num_warps=4, num_stages=3)
@@ -380,8 +380,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
         nseq = B
         grid_m = Mq
     device = q.device
-    cfg = default_config(max(D, Dv), causal, (max_seqlen_k or 0) if varlen else Mk,
-                         "i8fp8" if qk_int8 else "fp8" if fp8_v else None)
+    cfg = default_config(max(D, Dv), causal, (max_seqlen_k or 0) if varlen else Mk, fp8_v)
     BM = block_m or cfg["block_m"]
     BN = block_n or cfg["block_n"]
     if v_transposed is None:
