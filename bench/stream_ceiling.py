@@ -56,10 +56,6 @@ def _stream_kernel(K, V, BT, SEQ, OUT, stride_kp, stride_ks, stride_kh, stride_b
     gl.store(OUT + pid * NUM_SPLITS + split, gl.sum(gl.sum(acc, 1), 0))
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int32) if t.element_size() == 4 else t.view(torch.uint8).view(torch.int32)
-
-
 def stream_ms(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seqlens: torch.Tensor,
               num_splits: int, scale_bytes: int = 0, block_n: int = 32) -> tuple[float, float]:
     """(do_bench ms, clean-L2 ms): CUDA-graph replays of the read-only kernel over K and V, each time scaled by
