@@ -223,14 +223,30 @@ def probe_attention(attend, shape: tuple[int, int, int, int], device: torch.devi
         except RuntimeError as e:
             errors["graph_error"] = str(e).splitlines()[0][:120]
             torch.cuda.synchronize()
+            res["kernel_fwdbwd_ms"] = kernel_ms(lambda: torch.autograd.grad(attend(*qkv.unbind(2)), qkv, do))
     return {**{k: float(f"{x:.4g}") for k, x in res.items()}, **errors}
+
+
+def kernel_ms(fn, reps: int = 20) -> float:
+    """GPU time of one ``fn()`` in ms: the sum of its kernels' durations (torch.profiler, host time excluded),
+    for calls that cannot be captured alone."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    cuda = torch.autograd.DeviceType.CUDA
+    return sum(e.device_time_total for e in prof.key_averages() if e.device_type == cuda) / reps / 1e3
 
 
 def pick_sdpa_backend(requested: str, shape, device: torch.device, graph: bool) -> tuple[str, dict]:
     """``best``: on CUDA the faster (forward + backward) of cuDNN and flash at the training shape: timed eagerly,
-    or for graph steps (``graph``) as CUDA-graph replays (host overhead does not count), the eager time where the
-    call alone does not capture (cuDNN: it does capture inside the whole step; the eager time is an upper bound
-    on its GPU time)."""
+    or for graph steps (``graph``) as CUDA-graph replays (host overhead does not count), or where the call alone
+    does not capture, by the sum of its kernel times (cuDNN: it does capture inside the whole step)."""
     if requested != "best":
         return requested, {}
     if device.type != "cuda":
@@ -240,7 +256,8 @@ def pick_sdpa_backend(requested: str, shape, device: torch.device, graph: bool) 
         try:
             with sdpa_context(backend):
                 probe = probe_attention(attention_fn("sdpa"), shape, device)
-            times[backend] = probe.get("graph_fwdbwd_ms", probe["fwdbwd_ms"]) if graph else probe["fwdbwd_ms"]
+            times[backend] = probe.get("graph_fwdbwd_ms", probe.get("kernel_fwdbwd_ms")) if graph \
+                else probe["fwdbwd_ms"]
         except RuntimeError as e:  # backend unavailable for this shape/build
             times[backend] = f"failed: {str(e).splitlines()[0][:120]}"
     ok = {b: t for b, t in times.items() if isinstance(t, float)}
