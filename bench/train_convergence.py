@@ -216,7 +216,7 @@ def probe_attention(attend, shape: tuple[int, int, int, int], device: torch.devi
         res["fwdbwd_ms"] = common.time_ms(lambda: torch.autograd.grad(attend(*qkv.unbind(2)), qkv, do),
                                           warmup=5, rep=30)
         # SDPA cuDNN fails this capture on the H200 (torch 2.11: "operation failed due to a previous error during
-        # capture") and still captures inside a whole training step (bench/results/train_convergence.md, run 10)
+        # capture") and still captures inside a whole training step (bench/results/train_convergence.md, runs 12-13)
         try:
             res["graph_fwdbwd_ms"] = common.time_graph_ms(
                 lambda: torch.autograd.grad(attend(*qkv.unbind(2)), qkv, do), warmup=5, rep=30)[0]
