@@ -90,7 +90,7 @@ def build_fp8_paged_cache(k: torch.Tensor, v: torch.Tensor, page_size: int,
     Hkv, D) in ``dtype``, scales float32 (num_pages, page_size, Hkv) with the slots of each page contiguous per
     head (``keys_contiguous``), block_table int32.
     """
-    k8, v8, ks, vs = quantize_kv_fp8(k, v, dtype)
+    (k8, ks), (v8, vs) = quantize_fp8(k, dtype), quantize_fp8(v, dtype)  # paging copies: lay the scales out after
     (kc, vc, kss, vss), bt = paged_from_dense([k8.view(torch.uint8), v8.view(torch.uint8), ks, vs],
                                               page_size, num_pages=num_pages, generator=generator)
     return kc.view(dtype), vc.view(dtype), keys_contiguous(kss), keys_contiguous(vss), bt
