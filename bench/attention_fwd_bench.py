@@ -22,18 +22,21 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import (  # noqa: E402
+    attention_tflops,
     bar_plot,
     base_parser,
     capture_graph,
     environment,
+    or_none,
     out_dir,
     print_table,
+    sdpa,
     time_ms,
     write_json,
 )
 from fmha_ops.kernels.triton.attention_fwd import attention_forward, default_config, transpose_v  # noqa: E402
 from fmha_ops.quant import quantize_i8fp8, quantize_qkv_fp8  # noqa: E402
-from tests.numerics import error_report, transformer_like  # noqa: E402
+from fmha_ops.testing import error_report, normal_qkv, transformer_like  # noqa: E402
 
 SHAPES = [  # B, Hq, Hkv, N, D, causal
     (4, 32, 32, 4096, 128, False),
@@ -59,22 +62,6 @@ SWEEP = {  # (head dim, causal) -> list of (block_m, block_n, num_warps, num_sta
 }
 
 
-def tflops(B, H, N, D, causal, ms):
-    return 4 * B * H * N * N * D / (ms * 1e-3) / 1e12 / (2 if causal else 1)
-
-
-def _sdpa(backend):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    be = getattr(SDPBackend, backend)
-
-    def run(q, k, v, causal, gqa):
-        with sdpa_kernel(be):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
-
-    return run
-
-
 def _gluon():
     """The Gluon fp8 forward (fmha_ops/kernels/gluon), or None where it cannot run (not sm90, no gluon)."""
     try:
@@ -96,23 +83,10 @@ def _sage():
         return None
 
 
-def _safe(fn):
-    try:
-        return fn()
-    except Exception as e:  # noqa: BLE001 - a failing variant becomes a '-' cell, logged
-        print(f"  [skip] {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
-        return None
-
-
 def prepare(B, Hq, Hkv, N, D, causal, dist="normal", seed=0):
-    if dist == "normal":
-        g = torch.Generator(device="cuda").manual_seed(seed)
-        q = torch.randn(B, N, Hq, D, device="cuda", generator=g, dtype=torch.bfloat16)
-        k = torch.randn(B, N, Hkv, D, device="cuda", generator=g, dtype=torch.bfloat16)
-        v = torch.randn(B, N, Hkv, D, device="cuda", generator=g, dtype=torch.bfloat16)
-    else:
-        q, k, v = transformer_like((B, N, Hq, D), (B, N, Hkv, D), dtype=torch.bfloat16, device="cuda", seed=seed)
-    return q, k, v
+    """bf16 q, k, v on the GPU in BMHK layout from one of fmha_ops.testing's distributions."""
+    make = normal_qkv if dist == "normal" else transformer_like
+    return tuple(make((B, N, Hq, D), (B, N, Hkv, D), dtype=torch.bfloat16, device="cuda", seed=seed))
 
 
 def _graph_ms(fn):
@@ -135,14 +109,14 @@ def sweep(out, dims=(64, 128, 256), shape=None):
         for bm, bn, w, s, extra in variants:
             cfg = dict(block_m=bm, block_n=bn, num_warps=w, num_stages=s, **extra)
             row = dict(D=D, causal=causal, cfg=json.dumps(cfg))
-            ms = _safe(lambda: _graph_ms(lambda: attention_forward(
+            ms = or_none(lambda: _graph_ms(lambda: attention_forward(
                 q8, k8, v8, scale=D ** -0.5, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, **cfg)))
-            row["fp8"] = tflops(B, H, N, D, causal, ms) if ms else None
+            row["fp8"] = attention_tflops(B, H, N, D, causal, ms)
             if xi is not None and not extra:
-                ms = _safe(lambda: _graph_ms(lambda: attention_forward(
+                ms = or_none(lambda: _graph_ms(lambda: attention_forward(
                     xi.q, xi.k, xi.v, scale=1.0, causal=causal, q_descale=xi.q_descale, k_descale=xi.k_descale,
                     v_descale=xi.v_descale, **cfg)))
-                row["i8fp8"] = tflops(B, H, N, D, causal, ms) if ms else None
+                row["i8fp8"] = attention_tflops(B, H, N, D, causal, ms)
             print(row, flush=True)
             rows.append(row)
             key = (D, causal)
@@ -163,7 +137,7 @@ def cfg_for(best, D, causal):
 
 def speed_table(out, best, quick):
     rows = []
-    sdpa_cudnn, sdpa_flash, sage, gluon = _sdpa("CUDNN_ATTENTION"), _sdpa("FLASH_ATTENTION"), _sage(), _gluon()
+    sdpa_cudnn, sdpa_flash, sage, gluon = sdpa("CUDNN_ATTENTION"), sdpa("FLASH_ATTENTION"), _sage(), _gluon()
     for B, Hq, Hkv, N, D, causal in (SHAPES[:2] if quick else SHAPES):
         q, k, v = prepare(B, Hq, Hkv, N, D, causal)
         q8, k8, v8, qd, kd, vd = quantize_qkv_fp8(q, k, v)
@@ -171,24 +145,24 @@ def speed_table(out, best, quick):
         cfg = cfg_for(best, D, causal)
         qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
         gqa = Hq != Hkv
-        f = lambda ms: tflops(B, Hq, N, D, causal, ms) if ms else None  # noqa: E731
+        f = lambda ms: attention_tflops(B, Hq, N, D, causal, ms)  # noqa: E731
         row = dict(shape=f"{B}x{Hq}/{Hkv}x{N}x{D}{' causal' if causal else ''}",
                    cfg=json.dumps(cfg or default_config(D, causal, N, quantized=True)))
-        row["fp8"] = f(_safe(lambda: time_ms(lambda: attention_forward(
+        row["fp8"] = f(or_none(lambda: time_ms(lambda: attention_forward(
             q8, k8, v8, scale=D ** -0.5, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, **cfg))))
         if gluon is not None:
-            row["gluon"] = f(_safe(lambda: time_ms(lambda: gluon(q8, k8, v8, scale=D ** -0.5, causal=causal,
+            row["gluon"] = f(or_none(lambda: time_ms(lambda: gluon(q8, k8, v8, scale=D ** -0.5, causal=causal,
                                                                  q_descale=qd, k_descale=kd, v_descale=vd))))
-        row["i8fp8"] = f(_safe(lambda: time_ms(lambda: attention_forward(
+        row["i8fp8"] = f(or_none(lambda: time_ms(lambda: attention_forward(
             xi.q, xi.k, xi.v, scale=1.0, causal=causal, q_descale=xi.q_descale, k_descale=xi.k_descale,
             v_descale=xi.v_descale, **cfg))))
-        row["bf16"] = f(_safe(lambda: time_ms(lambda: attention_forward(q, k, v, scale=D ** -0.5, causal=causal))))
-        row["cudnn"] = f(_safe(lambda: time_ms(lambda: sdpa_cudnn(qt, kt, vt, causal, gqa))))
-        row["flash"] = f(_safe(lambda: time_ms(lambda: sdpa_flash(qt, kt, vt, causal, gqa))))
+        row["bf16"] = f(or_none(lambda: time_ms(lambda: attention_forward(q, k, v, scale=D ** -0.5, causal=causal))))
+        row["cudnn"] = f(or_none(lambda: time_ms(lambda: sdpa_cudnn(qt, kt, vt, causal, gqa))))
+        row["flash"] = f(or_none(lambda: time_ms(lambda: sdpa_flash(qt, kt, vt, causal, gqa))))
         if sage is not None and D in (64, 128):
             ks = k.clone()
-            row["sage1"] = f(_safe(lambda: time_ms(lambda: sage(q, ks, v, tensor_layout="NHD", is_causal=causal))))
-        row["vT_ms"] = _safe(lambda: time_ms(lambda: transpose_v(v8)))
+            row["sage1"] = f(or_none(lambda: time_ms(lambda: sage(q, ks, v, tensor_layout="NHD", is_causal=causal))))
+        row["vT_ms"] = or_none(lambda: time_ms(lambda: transpose_v(v8)))
         for num, den in (("fp8", "cudnn"), ("i8fp8", "cudnn"), ("i8fp8", "fp8"), ("bf16", "cudnn"), ("gluon", "fp8"),
                          ("gluon", "cudnn")):
             row[f"{num}/{den}"] = row[num] / row[den] if row.get(num) and row.get(den) else None
@@ -208,7 +182,7 @@ def speed_table(out, best, quick):
 def accuracy_table(out, best):
     B, H, N, D = 1, 16, 16384, 128
     rows = []
-    sdpa_cudnn, sage = _sdpa("CUDNN_ATTENTION"), _sage()
+    sdpa_cudnn, sage = sdpa("CUDNN_ATTENTION"), _sage()
     cfg = cfg_for(best, D, False)
     for dist in ("normal", "transformer_like"):
         q, k, v = prepare(B, H, H, N, D, False, dist, seed=7)
@@ -243,12 +217,12 @@ def accuracy_table(out, best):
             ks = k.clone()
             runs["SageAttention 1.0.6"] = lambda: sage(q, ks, v, tensor_layout="NHD")
         for name, fn in runs.items():
-            o = _safe(fn)
+            o = or_none(fn)
             if o is None:
                 continue
             e = error_report(o, ref)
-            ms = _safe(lambda: time_ms(fn))
-            rows.append(dict(inputs=dist, kernel=name, ms=ms, tflops=tflops(B, H, N, D, False, ms) if ms else None,
+            ms = or_none(lambda: time_ms(fn))
+            rows.append(dict(inputs=dist, kernel=name, ms=ms, tflops=attention_tflops(B, H, N, D, False, ms),
                              mae=e["mae"], max=e["max"], cos=e["cos"], rel=e["rel"]))
             print(rows[-1], flush=True)
         del q, k, v, ref, q8, k8, v8, xi, xh, qt, kt, vt
@@ -282,7 +256,7 @@ def main():
         return
     best = {}
     if args.sweep:
-        best = _safe(lambda: sweep(out)) or {}
+        best = or_none(lambda: sweep(out)) or {}
     rows, cols = speed_table(out, best, args.quick)
     head = (f"date {env['date']}, GPU {env.get('gpu')}, torch {env['torch']}, triton {env['triton']}, "
             f"CUDA {env['cuda']}\n\n")
@@ -290,7 +264,7 @@ def main():
         f.write("## Attention forward (Triton fp8 / i8fp8 / bf16)\n\n" + head + "TFLOP/s = 4*B*H*N^2*D/t "
                 "(halved if causal); shape B x Hq/Hkv x N x D.\n\n" + _md_table(rows, cols) + "\n")
     if not args.no_accuracy:
-        arows, acols = _safe(lambda: accuracy_table(out, best)) or ([], [])
+        arows, acols = or_none(lambda: accuracy_table(out, best)) or ([], [])
         with open(os.path.join(out, "i8fp8_accuracy.md"), "w") as f:
             f.write("## i8fp8 accuracy (B=1, H=16, N=16384, D=128, vs float32)\n\n" + head
                     + _md_table(arows, acols) + "\n")

@@ -1,8 +1,16 @@
-"""Shared benchmark plumbing: CUDA-event timing, CUDA-graph timing, environment record,
-table printing, JSON and PNG output.
+"""The harness every record-producing benchmark in ``bench/`` shares.
 
-Every benchmark in ``bench/`` times with ``triton.testing.do_bench`` (CUDA events, median)
-and writes ``<name>.json`` and ``<name>.png`` into ``--out`` (default ``$OUT`` or ``bench/out``).
+* timing: :func:`time_ms` (CUDA events, ``triton.testing.do_bench`` median), :func:`time_graph_ms` (the same over
+  replays of a captured CUDA graph), :func:`time_clean_l2_ms` (each call after a read-only L2 eviction) and
+  :func:`host_us` (host wall time per call of back-to-back calls);
+* the environment: :func:`environment` (GPU, driver, CUDA, torch, triton, cuDNN, date) and :func:`environment_line`;
+* output: :func:`print_table` (stdout), :func:`write_json` and :func:`bar_plot` (into ``--out``, default ``$OUT`` or
+  ``bench/out``) and :func:`write_record`, which writes the benchmark's table whole to ``bench/results/<name>.md``,
+  from which ``bench/assemble_benchmarks.py`` builds BENCHMARKS.md;
+* attention helpers: :func:`attention_tflops`, :func:`sdpa` (torch SDPA pinned to one backend) and
+  :func:`or_none` (a failing variant becomes an empty cell).
+
+Scripts under ``bench/diagnostics/`` (compile reports, probes) use the same harness but write no record.
 """
 from __future__ import annotations
 
@@ -11,9 +19,13 @@ import datetime
 import json
 import os
 import platform
+import subprocess
+import time
 from typing import Callable, Sequence
 
 import torch
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 def out_dir(arg: str | None = None) -> str:
     path = arg or os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "out")
@@ -26,13 +38,23 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="fewer shapes, for a smoke run")
     return p
 
+def _driver_version() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def environment() -> dict:
-    """Date, GPU and software versions to store next to every result."""
+    """Date, GPU, driver and software versions to store next to every result."""
     env = {
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
     }
     try:
         import triton
@@ -45,7 +67,16 @@ def environment() -> dict:
         env["gpu"] = props.name
         env["sm_count"] = props.multi_processor_count
         env["capability"] = f"{props.major}.{props.minor}"
+        env["driver"] = _driver_version()
     return env
+
+
+def environment_line(env: dict | None = None) -> str:
+    """One line: ``GPU, driver, CUDA, torch, triton, cuDNN, date`` of ``env`` (default: this machine's)."""
+    env = env or environment()
+    return (f"{env.get('gpu') or 'CPU only'}, driver {env.get('driver') or '-'}, CUDA {env.get('cuda') or '-'}, "
+            f"torch {env['torch']}, triton {env.get('triton') or '-'}, cuDNN {env.get('cudnn') or '-'}, "
+            f"{env['date']}")
 
 def time_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float:
     """Median time of ``fn()`` in milliseconds, CUDA events via ``triton.testing.do_bench``."""
@@ -59,8 +90,8 @@ _EVICT: list = []
 def time_clean_l2_ms(fn: Callable[[], object], warmup: int = 10, rep: int = 60) -> float:
     """Median time of ``fn()`` in milliseconds (CUDA events around each call), each call after a read-only L2
     eviction: a sum over a 256 MB buffer leaves only clean lines in the L2. do_bench evicts by zeroing a buffer
-    instead, and the dirty lines that leaves are written back to DRAM during the timed call (~9 us on the H200,
-    bench/results/decode.md step 12), a fixed cost that weighs more on shorter calls."""
+    instead, and the dirty lines that leaves are written back to DRAM during the timed call (~9 us on the H200), a
+    fixed cost that weighs more on shorter calls."""
     if not _EVICT:
         _EVICT.append(torch.ones(64 * 2 ** 20, device="cuda", dtype=torch.float32))
     buf = _EVICT[0]
@@ -75,6 +106,24 @@ def time_clean_l2_ms(fn: Callable[[], object], warmup: int = 10, rep: int = 60) 
     torch.cuda.synchronize()
     times = sorted(a.elapsed_time(b) for a, b in events[warmup:])
     return times[len(times) // 2]
+
+
+def host_us(fn: Callable[[], object], iters: int = 1000, warmup: int = 50) -> float:
+    """Host wall time per call of ``fn()`` in microseconds: ``iters`` back-to-back calls after ``warmup`` calls,
+    ``time.perf_counter`` around the calls only (on CUDA one synchronize before and one after, outside the timing).
+    Where the GPU work of a call is shorter than its host path this is the time a call costs its caller."""
+    cuda = torch.cuda.is_available()
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    t1 = time.perf_counter()
+    if cuda:
+        torch.cuda.synchronize()
+    return (t1 - t0) / iters * 1e6
 
 
 def capture_graph(fn: Callable[[], object], warmup_iters: int = 3) -> torch.cuda.CUDAGraph:
@@ -108,6 +157,37 @@ def time_graph_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) ->
     g = capture_graph(fn)
     return time_ms(g.replay, warmup=warmup, rep=rep), g
 
+def attention_tflops(B: int, H: int, N: int, D: int, causal: bool, ms: float | None) -> float | None:
+    """TFLOP/s of a forward attention over ``N`` queries and ``N`` keys: 4*B*H*N^2*D / t, halved when causal;
+    None when ``ms`` is None (the variant did not run)."""
+    if not ms:
+        return None
+    return 4 * B * H * N * N * D / (ms * 1e-3) / 1e12 / (2 if causal else 1)
+
+
+def sdpa(backend: str) -> Callable:
+    """``run(q, k, v, causal, gqa)``: torch SDPA on BHMK tensors pinned to ``backend``, a ``SDPBackend`` name
+    (``"CUDNN_ATTENTION"``, ``"FLASH_ATTENTION"``, ``"EFFICIENT_ATTENTION"``, ``"MATH"``)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    be = getattr(SDPBackend, backend)
+
+    def run(q, k, v, causal: bool, gqa: bool):
+        with sdpa_kernel(be):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+
+    return run
+
+
+def or_none(fn: Callable[[], object]):
+    """``fn()``, or None (and one logged line) if it raises: a variant that cannot run becomes an empty cell."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - any failure of an optional variant is reported, not fatal
+        print(f"  [skip] {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+        return None
+
+
 def print_table(rows: Sequence[dict], columns: Sequence[str]) -> None:
     widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
     print("  ".join(c.rjust(widths[c]) for c in columns))
@@ -118,6 +198,31 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return "-" if v is None else str(v)
+
+def markdown_table(rows: Sequence[dict], columns: Sequence[str], labels: Sequence[str] | None = None) -> str:
+    """A markdown table of ``rows`` (dicts) over ``columns`` (keys), headed by ``labels`` (default the keys);
+    floats to 4 significant digits, missing values as ``-``. Text columns are left-aligned, the rest right."""
+    labels = list(labels or columns)
+    numeric = [any(isinstance(r.get(c), (int, float)) and not isinstance(r.get(c), bool) for r in rows)
+               for c in columns]
+    lines = ["| " + " | ".join(labels) + " |", "|" + "|".join("---:" if n else "---" for n in numeric) + "|"]
+    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_record(name: str, title: str, command: str, body: str, env: dict | None = None,
+                 png: str | None = None, results_dir: str = RESULTS) -> str:
+    """Write ``bench/results/<name>.md``: a ``## title`` heading, the environment line, the command that
+    reproduces it, the ``body`` (tables and their one-line notes) and the PNG, if any. Returns the path."""
+    parts = [f"## {title}", "", f"{environment_line(env)}. Reproduce: `{command}`", "", body.strip()]
+    if png:
+        parts += ["", f"![{title}](bench/results/{png})"]
+    path = os.path.join(results_dir, f"{name}.md")
+    os.makedirs(results_dir, exist_ok=True)
+    with open(path, "w") as f:
+        f.write("\n".join(parts) + "\n")
+    return path
+
 
 def write_json(path_dir: str, name: str, rows: Sequence[dict], extra: dict | None = None) -> str:
     path = os.path.join(path_dir, f"{name}.json")

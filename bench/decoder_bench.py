@@ -8,7 +8,7 @@ so host overhead that outruns the GPU shows. Baselines on contiguous (B, Hkv, L,
 same process: SDPA cuDNN and FLASH backends, each with ``enable_gqa=True`` and with the query
 heads of a KV head packed as query rows (``q (B, Hkv, Hq/Hkv, D)``, equivalent for Mq=1), best
 of the two reported. Roofline: each variant's bytes are also streamed by a read-only kernel with the same
-access pattern (``bench/stream_ceiling.py``), giving the share of the memory ceiling each decoder reaches.
+access pattern (``bench/diagnostics/stream_ceiling.py``), giving the share of the memory ceiling each decoder reaches.
 
     python bench/decoder_bench.py [--quick] [--sweep] [--out DIR]
 """
@@ -87,7 +87,7 @@ def sdpa_ms(q, k, v, backend, pack: bool):
 
 
 def run_shape(spec: dict) -> dict:
-    from bench.stream_ceiling import stream_ms
+    from bench.diagnostics.stream_ceiling import stream_ms
     from fmha_ops.kernels.triton.decode import default_num_splits, gluon_fp8_decoder, paged_decode
     from fmha_ops.kv_cache import quantize_kv_fp8
     from torch.nn.attention import SDPBackend
@@ -157,7 +157,7 @@ def run_shape(spec: dict) -> dict:
         row[f"{kv}_of_ceiling"] = ceil_c / ms_c
         call()
         if ref is not None:
-            from tests.numerics import error_report
+            from fmha_ops.testing import error_report
 
             row[f"{kv}_rel_vs_cudnn"] = error_report(out.reshape(B, Hq, D).float(), ref.float())["rel"]
         if spec.get("sweep"):
@@ -177,9 +177,9 @@ def _grid(**axes):
     return cfgs
 
 
-SWEEPS = {  # tuning variants timed (graph mode) when --sweep is given; earlier sweeps: bench/results/decode.md
+SWEEPS = {  # tuning variants timed (graph mode) when --sweep is given
     # fp8: Triton tile options (they select the Triton kernel); fp8_gluon: the Gluon decoder's (BLOCK_N, STAGES)
-    # and split count, the tile set in place of `tile_config`'s for the timing (decode.md step 11)
+    # and split count, the tile set in place of `tile_config`'s for the timing
     "B64_L4096_p64": {"bf16": [], "fp8": _grid(block_n=(32, 64), num_warps=(1, 2), num_stages=(3, 4)),
                       "fp8_gluon": _grid(tile=((32, 2), (32, 3), (32, 4), (16, 4)), num_splits=(1, 2))},
     "B1_Hq64_L131072_p64": {"bf16": [], "fp8": [],
@@ -222,7 +222,7 @@ def markdown(rows, env) -> str:
              "eager = back-to-back calls; clean = graph replay after a read-only L2 eviction "
              "(`common.time_clean_l2_ms`: no dirty lines written back during the call); "
              "SDPA on contiguous KV (graph). `*_of_ceiling`: the time of a kernel that only reads the same bytes "
-             "(`bench/stream_ceiling.py`, clean) over ours; `fp8_speedup_bound(_graph)`: our bf16 time over that "
+             "(`bench/diagnostics/stream_ceiling.py`, clean) over ours; `fp8_speedup_bound(_graph)`: our bf16 time over that "
              "read-only time for the fp8 cache, the largest fp8/bf16 any fp8 kernel could show (clean / do_bench).",
              "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]

@@ -22,7 +22,7 @@ from fmha_ops.ops.aiter_asm import AiterAsmI8Fp8FwOp
 from fmha_ops.ops.flydsl_decode import FIXED_SPLIT_OPS, FlyDSLDecoderFwOp, FlyDSLSplitKFwOp
 from fmha_ops.ops.reference import ReferenceFwOp
 from registry import Arch
-from tests.numerics import error_report, transformer_like
+from fmha_ops.testing import error_report, transformer_like
 
 MI300 = Arch("rocm", gfx="gfx942", name="MI300X")
 MI355 = Arch("rocm", gfx="gfx950", name="MI355X")

@@ -14,7 +14,7 @@ from fmha_ops.inputs import K_SCALE_BLOCK as KB
 from fmha_ops.inputs import Q_SCALE_BLOCK as QB
 from fmha_ops.inputs import Inputs
 from fmha_ops.ops.reference import ReferenceBwOp, ReferenceFwOp, reference_attention
-from tests.numerics import error_report
+from fmha_ops.testing import error_report
 from tests.test_attn_bias import hand_mask, make_bias, naive_attention, naive_lse
 
 F8 = torch.float8_e4m3fn

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fmha_ops.kernels.flydsl import host
-from tests.numerics import error_report, transformer_like
+from fmha_ops.testing import error_report, transformer_like
 
 
 def _dense_attention(q, k, v, seqlens, scale):

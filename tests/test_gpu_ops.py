@@ -7,7 +7,7 @@ from fmha_ops import attn_bias as ab
 from fmha_ops.flash_attn_interface import flash_attn_varlen_func, flash_attn_with_kvcache
 from fmha_ops.kv_cache import build_fp8_paged_cache, paged_from_dense
 from fmha_ops.quant import quantize_i8fp8, quantize_qkv_fp8
-from tests.numerics import error_report, transformer_like
+from fmha_ops.testing import error_report, transformer_like
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"

@@ -45,7 +45,7 @@ def _patch_interpreter():
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_interpreter()
-from tests.numerics import error_report, transformer_like
+from fmha_ops.testing import error_report, transformer_like
 
 # Tolerances on relative L2 error of each gradient (bf16 operands in p, ds: ~2^-9 rounding per term).
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}

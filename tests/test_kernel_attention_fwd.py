@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import DEVICE
-from tests.numerics import error_report, transformer_like
+from fmha_ops.testing import error_report, transformer_like
 
 FP8 = torch.float8_e4m3fn
 

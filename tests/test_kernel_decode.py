@@ -11,7 +11,7 @@ import torch
 
 from fmha_ops.kv_cache import dequantize_fp8, keys_contiguous, paged_from_dense, quantize_kv_fp8
 from tests.conftest import DEVICE
-from tests.numerics import error_report, transformer_like
+from fmha_ops.testing import error_report, transformer_like
 
 CPU_DTYPE = torch.float16
 

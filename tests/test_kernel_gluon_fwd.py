@@ -11,7 +11,7 @@ import torch
 
 from registry.arch import CPU, Arch
 from tests.conftest import HAS_CUDA
-from tests.numerics import error_report
+from fmha_ops.testing import error_report
 from tests.test_kernel_attention_fwd import (
     _check_lse,
     _dq,

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from fmha_ops.quant import K_SCALE_BLOCK, Q_SCALE_BLOCK, quantize_fp8, quantize_i8fp8, quantize_qkv_fp8
-from tests.numerics import transformer_like
+from fmha_ops.testing import transformer_like
 
 
 def _attn(q, k, v, scale):

@@ -13,7 +13,7 @@ from fmha_ops.kernels.triton.quantize import quantize_qkv
 from fmha_ops.quant import dequantize_blocks, fp8_channel_descale, quantize_blocks, quantize_fp8_channels
 from fmha_ops.quantized import quantize_smooth
 from tests.conftest import DEVICE
-from tests.numerics import error_report, transformer_like
+from fmha_ops.testing import error_report, transformer_like
 
 FP8 = torch.float8_e4m3fn
 @pytest.mark.parametrize("dtype", [torch.int8, FP8])

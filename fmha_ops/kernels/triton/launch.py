@@ -7,7 +7,8 @@ alike, and the current device - which determines every specialization Triton mak
 launch of a key calls the compiled kernel directly (``CompiledKernel[grid]``: the current stream, scratch
 allocation as in a normal launch; Triton's launch hooks, when a profiler has registered any, else none: an
 empty hook chain still costs a launch-metadata dict and two Python calls from the C launcher). Interpreted
-kernels (``TRITON_INTERPRET=1``) always take Triton's own path. Host time per launch: bench/launch_overhead.py.
+kernels (``TRITON_INTERPRET=1``) always take Triton's own path. Host time per launch:
+bench/diagnostics/launch_overhead.py.
 """
 from __future__ import annotations
 

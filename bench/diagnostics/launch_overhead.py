@@ -1,40 +1,26 @@
-"""Host time per call on the GPU machine: Triton kernel launches (Triton's own path, ``CachedKernel``, the compiled
-kernel's runner alone), the layers of the fp8 training path, and whole calls at small sizes, where the host, not
-the GPU, sets the pace.
+"""Where the host time of a call goes on the GPU machine: Triton kernel launches (Triton's own path, ``CachedKernel``,
+the compiled kernel's runner alone), the layers of the fp8 training path, and autograd's share of a backward.
+Whole public calls against SDPA are the record of ``bench/host_time.py``.
 
 Host wall time of back-to-back calls (``time.perf_counter`` over ``--iters`` calls after a warm-up, then one sync;
-per-call microseconds); the GPU work of every case is far shorter than its host time. Compared in the same run
-with SDPA's eager call on the same tiny tensors. Prints a table, writes launch_overhead.json and .png.
+per-call microseconds); the GPU work of every case is far shorter than its host time.
+Prints tables, writes launch_overhead.json and .png.
 
-    PYTHONPATH=$PWD python bench/launch_overhead.py [--out DIR]
+    PYTHONPATH=$PWD python bench/diagnostics/launch_overhead.py [--out DIR]
 """
 from __future__ import annotations
 
 import os
 import sys
-import time
 
 import torch
-import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import fmha_ops  # noqa: E402
 from bench import common  # noqa: E402
 from fmha_ops.kernels.triton import attention_fwd as af  # noqa: E402
 from fmha_ops.kernels.triton.launch import launch  # noqa: E402
-
-
-def host_us(fn, iters: int) -> float:
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / iters * 1e6
 
 
 def captured_launch(fn, call):
@@ -87,9 +73,9 @@ def launch_rows(iters: int) -> list[dict]:
         grid3 = (*grid, 1, 1)[:3]
         rows.append({"case": f"launch: {name}", "args": len(args) + len(kwargs),
                      "tensors": sum(isinstance(a, torch.Tensor) for a in args),
-                     "triton_us": host_us(lambda: fn[grid](*args, **kwargs), iters),
-                     "cached_us": host_us(lambda: ck[grid](*args, **kwargs), iters),
-                     "runner_us": host_us(lambda: kernel[grid3](*full), iters)})
+                     "triton_us": common.host_us(lambda: fn[grid](*args, **kwargs), iters),
+                     "cached_us": common.host_us(lambda: ck[grid](*args, **kwargs), iters),
+                     "runner_us": common.host_us(lambda: kernel[grid3](*full), iters)})
     return rows
 
 
@@ -136,7 +122,7 @@ def layer_rows(iters: int) -> list[dict]:
         "fp8_attention fwd+bwd": lambda: torch.autograd.grad(fmha_ops.fp8_attention(*grads, causal=True), grads,
                                                              ones),
     }
-    return [{"case": f"layer: {name}", "host_us": host_us(fn, iters)} for name, fn in cases.items()]
+    return [{"case": f"layer: {name}", "host_us": common.host_us(fn, iters)} for name, fn in cases.items()]
 
 
 def autograd_rows(iters: int) -> list[dict]:
@@ -188,38 +174,11 @@ def autograd_rows(iters: int) -> list[dict]:
     rows = []
     for name, make in cases.items():
         y = make()
-        rows.append({"case": f"autograd: {name}", "node_apply_us": host_us(lambda: y.grad_fn.apply(ones), iters),
-                     "autograd_grad_us": host_us(lambda: torch.autograd.grad(y, qkv, ones, retain_graph=True),
+        rows.append({"case": f"autograd: {name}", "node_apply_us": common.host_us(lambda: y.grad_fn.apply(ones), iters),
+                     "autograd_grad_us": common.host_us(lambda: torch.autograd.grad(y, qkv, ones, retain_graph=True),
                                                  iters)})
         rows[-1]["engine_us"] = rows[-1]["autograd_grad_us"] - rows[-1]["node_apply_us"]
     return rows
-
-
-def call_rows(iters: int) -> list[dict]:
-    g = torch.Generator(device="cuda").manual_seed(0)
-    small = [torch.randn(1, 128, 1, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3)]
-    train = [torch.randn(16, 1024, 8, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3)]
-    grads = [t.clone().requires_grad_() for t in train]
-    do = torch.randn_like(train[0])
-
-    def fwd_bwd(attn):
-        return lambda: torch.autograd.grad(attn(*grads), grads, do)
-
-    def sdpa(q, k, v):
-        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                              is_causal=True).transpose(1, 2)
-
-    def fp8(q, k, v):
-        return fmha_ops.fp8_attention(q, k, v, causal=True)
-
-    cases = {
-        "memory_efficient_attention bf16 1x128x1x64": (lambda: fmha_ops.memory_efficient_attention(*small),
-                                                        lambda: sdpa(*small)),
-        "fp8_attention fwd 16x1024x8x64 causal": (lambda: fp8(*train), lambda: sdpa(*train)),
-        "fp8_attention fwd+bwd 16x1024x8x64 causal": (fwd_bwd(fp8), fwd_bwd(sdpa)),
-    }
-    return [{"case": name, "ours_us": host_us(ours, iters), "sdpa_us": host_us(ref, iters)}
-            for name, (ours, ref) in cases.items()]
 
 
 def main() -> None:
@@ -232,12 +191,8 @@ def main() -> None:
     common.print_table(layers, ["case", "host_us"])
     engine = autograd_rows(max(args.iters // 2, 50))
     common.print_table(engine, ["case", "node_apply_us", "autograd_grad_us", "engine_us"])
-    calls = call_rows(max(args.iters // 5, 50))
-    for r in calls:
-        r["ours_over_sdpa"] = r["ours_us"] / r["sdpa_us"]
-    common.print_table(calls, ["case", "ours_us", "sdpa_us", "ours_over_sdpa"])
     out = common.out_dir(args.out)
-    common.write_json(out, "launch_overhead", launches + layers + engine + calls)
+    common.write_json(out, "launch_overhead", launches + layers + engine)
     common.bar_plot(out, "launch_overhead", launches, "case", ["triton_us", "cached_us", "runner_us"], "host us",
                     "Triton launch host time (H200 host)")
 

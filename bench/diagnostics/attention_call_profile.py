@@ -5,7 +5,7 @@ Prints, per variant, the profiler table sorted by device time (kernels, their co
 wall time per call (host included) and the GPU time of CUDA-graph replays of the forward and forward+backward, and writes attention_call_profile.json. With ``--cprofile`` also the
 host side: cProfile over 50 calls per variant, the top functions by own time into attention_call_cprofile.txt.
 
-    PYTHONPATH=$PWD python bench/attention_call_profile.py --out DIR
+    PYTHONPATH=$PWD python bench/diagnostics/attention_call_profile.py --out DIR
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pstats
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import torch
 import torch.nn.functional as F

@@ -5,7 +5,7 @@ Tiny tensors, so the op's own work is small and the overhead shows. Host timing 
 ``time.perf_counter`` over ``--iters`` calls, median of ``--repeats`` repeats (per-call microseconds).
 On CUDA the wrapper comparison is also run on GPU tensors (host time per call, launches not synced).
 
-    python bench/dispatch_overhead.py [--out DIR] [--quick]
+    python bench/diagnostics/dispatch_overhead.py [--out DIR] [--quick]
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import fmha_ops  # noqa: E402
 from bench.common import base_parser, environment, out_dir, print_table, write_json  # noqa: E402
@@ -119,7 +119,7 @@ def write_markdown(path: str, env: dict, rows: list[dict], parts: list[dict]) ->
         "## Dispatch overhead (host)",
         "",
         f"Date {env['date']}, torch {env['torch']}, triton {env.get('triton')}, python {env['python']}, "
-        f"GPU: {env.get('gpu', 'none (CPU machine)')}. `python bench/dispatch_overhead.py`: "
+        f"GPU: {env.get('gpu', 'none (CPU machine)')}. `python bench/diagnostics/dispatch_overhead.py`: "
         "time.perf_counter, per-call mean of N calls, median of repeats.",
         "",
         "| device | case | op | memoized select (us) | signature() (us) | _inputs() (us) | wrapper, free op (us) "

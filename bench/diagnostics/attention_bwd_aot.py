@@ -3,9 +3,9 @@ without a GPU: registers, spills, shared memory, CTAs/SM, wgmma count. Launch-li
 non-varlen B x N x H x D problem (pointers and multiples of 16 marked divisible, GROUP 1 a constexpr).
 ``--dump DIR`` keeps the PTX/TTGIR/cubin (e.g. to diff the PTX before and after a kernel edit).
 
-    python bench/attention_bwd_aot.py [--kernel dkdv|dq|pre] [--D 128] [--bm 64] [--bn 128] [--warps 8]
+    python bench/diagnostics/attention_bwd_aot.py [--kernel dkdv|dq|pre] [--D 128] [--bm 64] [--bn 128] [--warps 8]
         [--stages 3] [--maxnreg N] [--causal] [--group 1] [--dump DIR]
-    python bench/attention_bwd_aot.py --table        (default tiles of both kernels, D 64/128/256)
+    python bench/diagnostics/attention_bwd_aot.py --table        (default tiles of both kernels, D 64/128/256)
 """
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import os
 import re
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from bench.aot import compile_sm90  # noqa: E402
+from bench.diagnostics.aot import compile_sm90  # noqa: E402
 
 N, H = 4096, 32
 

@@ -3,7 +3,7 @@
 ``stream_ms`` times a read-only Gluon kernel over a paged K/V cache with the fp8 decoder's access pattern: one
 single-warp program per (batch, KV head, split), keys of each split in tiles of ``block_n`` rows through a 2-stage
 cp.async ring of 16-byte copies, folded into registers by xor and nothing else; fp8 scales are added as bytes at
-that kernel's rate. Ring depth, warps and tile width moved this ceiling by < 1% on the H200 (decode.md step 14), so
+that kernel's rate. Ring depth, warps and tile width moved this ceiling by < 1% on the H200, so
 one configuration stands for all. The ceiling's time over a decoder's is the share of the memory roofline the
 decoder reaches; our bf16 decoder's time over the fp8 cache's ceiling is the largest fp8/bf16 speedup any fp8
 kernel could show against it.
@@ -61,7 +61,7 @@ def stream_ms(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.T
     """(do_bench ms, clean-L2 ms): CUDA-graph replays of the read-only kernel over K and V, each time scaled by
     (K/V bytes + ``scale_bytes``) / K/V bytes, i.e. fp8 scales counted as if read at the K/V stream's rate (the
     kernel itself reads no scales: its per-token 4-byte scale copies ran slower than the decoder's, which hides
-    them; decode.md step 14).
+    them).
 
     k_cache / v_cache: (num_pages, page_size, Hkv, D), any dtype, same strides, heads and D contiguous,
     D * itemsize a multiple of 16 bytes; rows shorter than 128 bytes are read as adjacent heads together (as the

@@ -1,6 +1,6 @@
 """Gluon fp8 attention forward on the H200: tile/stage variants vs our Triton fp8 kernel and SDPA cuDNN bf16.
 
-    python bench/gluon_fwd_probe.py [--out DIR] [--quick]
+    python bench/diagnostics/gluon_fwd_probe.py [--out DIR] [--quick]
 
 TFLOP/s = 4*B*H*N^2*D / t, halved when causal; both fp8 kernels are timed as whole calls on pre-quantized
 inputs (the V transpose included). Also checks each Gluon variant against the Triton fp8 output (same P
@@ -14,14 +14,14 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from bench.attention_fwd_bench import SHAPES, _safe, _sdpa, prepare, tflops
-from bench.common import base_parser, environment, out_dir, print_table, time_ms
+from bench.attention_fwd_bench import SHAPES, prepare
+from bench.common import attention_tflops, base_parser, environment, or_none, out_dir, print_table, sdpa, time_ms
 from fmha_ops.kernels.gluon import attention_fwd as G
 from fmha_ops.kernels.triton.attention_fwd import attention_forward as triton_fwd
 from fmha_ops.quant import quantize_qkv_fp8
-from tests.numerics import error_report
+from fmha_ops.testing import error_report
 
 VARIANTS = {  # head dim -> (block_m, block_n, stages) variants; block_m 128 = two warpgroups per CTA
     64: [(64, 128, 2), (64, 128, 3), (64, 64, 3), (128, 128, 2)],
@@ -37,12 +37,12 @@ def probe_shape(B, Hq, Hkv, N, D, causal, cudnn):
     kw = {"scale": D ** -0.5, "causal": causal, "q_descale": qd, "k_descale": kd, "v_descale": vd}
 
     def f(ms):
-        return tflops(B, Hq, N, D, causal, ms) if ms else None
+        return attention_tflops(B, Hq, N, D, causal, ms) if ms else None
 
     row = {"shape": f"{B}x{Hq}/{Hkv}x{N}x{D}{' causal' if causal else ''}"}
-    row["triton_fp8"] = f(_safe(lambda: time_ms(lambda: triton_fwd(q8, k8, v8, **kw))))
+    row["triton_fp8"] = f(or_none(lambda: time_ms(lambda: triton_fwd(q8, k8, v8, **kw))))
     qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-    row["cudnn"] = f(_safe(lambda: time_ms(lambda: cudnn(qt, kt, vt, causal, Hq != Hkv))))
+    row["cudnn"] = f(or_none(lambda: time_ms(lambda: cudnn(qt, kt, vt, causal, Hq != Hkv))))
     ref = triton_fwd(q8, k8, v8, **kw)[0]
     best = None
     for bm, bn, st in VARIANTS[D]:
@@ -51,7 +51,7 @@ def probe_shape(B, Hq, Hkv, N, D, causal, cudnn):
         def run(bm=bm, bn=bn, st=st):
             return G.attention_forward(q8, k8, v8, block_m=bm, block_n=bn, stages=st, **kw)[0]
 
-        o = _safe(run)
+        o = or_none(run)
         if o is None:
             row[name] = None
             continue
@@ -61,7 +61,7 @@ def probe_shape(B, Hq, Hkv, N, D, causal, cudnn):
             print(f"  {name} WRONG vs triton: {e}", flush=True)
             row[name] = None
             continue
-        row[name] = f(_safe(lambda run=run: time_ms(run)))
+        row[name] = f(or_none(lambda run=run: time_ms(run)))
         if row[name] and (best is None or row[name] > row[best]):
             best = name
     row["best"] = best
@@ -76,7 +76,7 @@ def main():
     args = p.parse_args()
     out = out_dir(args.out)
     print(environment(), flush=True)
-    cudnn = _sdpa("CUDNN_ATTENTION")
+    cudnn = sdpa("CUDNN_ATTENTION")
     rows = []
     for shape in (SHAPES[:2] if args.quick else SHAPES):
         row = probe_shape(*shape, cudnn)

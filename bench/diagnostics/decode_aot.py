@@ -1,10 +1,10 @@
 """AOT-compile ``_decode_kernel`` for sm90 without a GPU: registers, spills, shared memory, CTAs/SM and
-the SASS of the key loop (decode.md steps 5-6). Shape B64/Hkv8/L4096/page 64, Mq=1, launch-like
+the SASS of the key loop. Shape B64/Hkv8/L4096/page 64, Mq=1, launch-like
 specialisation (stride 1 constexpr, multiples of 16 marked divisible).
 
-    python bench/decode_aot.py REPO [CONSTEXPR=value ...] [--warps 4] [--stages 2] [--maxnreg N]
+    python bench/diagnostics/decode_aot.py REPO [CONSTEXPR=value ...] [--warps 4] [--stages 2] [--maxnreg N]
         [--bn 64] [--D 128] [--G 4] [--fp8 1] [--partial] [--dump DIR] [--hist]
-    e.g. python bench/decode_aot.py . BLOCK_N=64 --stages 3   (constexprs of a patched kernel work the same way)
+    e.g. python bench/diagnostics/decode_aot.py . BLOCK_N=64 --stages 3   (constexprs of a patched kernel work the same way)
 """
 import argparse
 import collections
@@ -30,10 +30,10 @@ p.add_argument("--partial", action="store_true")
 a = p.parse_args()
 
 sys.path.insert(0, a.repo)
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 import triton  # noqa: E402
 
-from bench.aot import compile_sm90, opcodes, sass_instructions, sass_loops  # noqa: E402
+from bench.diagnostics.aot import compile_sm90, opcodes, sass_instructions, sass_loops  # noqa: E402
 
 spec = importlib.util.spec_from_file_location("dec", os.path.join(a.repo, "fmha_ops/kernels/triton/decode.py"))
 mod = importlib.util.module_from_spec(spec)

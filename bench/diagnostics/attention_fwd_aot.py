@@ -3,9 +3,9 @@ shared memory, CTAs/SM and the SASS of each key loop (instructions per warp and 
 move counts). Launch-like specialisation of a non-varlen 4 x 4096 x 32 x D problem with host TMA descriptors,
 keys-contiguous fp8 V, as ``attention_forward`` launches it.
 
-    python bench/attention_fwd_aot.py [--dtype fp8|i8fp8|bf16] [--D 128] [--causal] [--descale head|block]
+    python bench/diagnostics/attention_fwd_aot.py [--dtype fp8|i8fp8|bf16] [--D 128] [--causal] [--descale head|block]
         [--bm 64] [--bn 128] [--warps 4] [--stages 3] [--dump DIR]
-    python bench/attention_fwd_aot.py --table        (default tiles, fp8 and i8fp8, D 64/128/256, causal or not)
+    python bench/diagnostics/attention_fwd_aot.py --table        (default tiles, fp8 and i8fp8, D 64/128/256, causal or not)
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import concurrent.futures as cf
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from bench.aot import compile_sm90, opcodes, sass_instructions, sass_loops  # noqa: E402
+from bench.diagnostics.aot import compile_sm90, opcodes, sass_instructions, sass_loops  # noqa: E402
 
 N, H = 4096, 32
 _TYPES = {"fp8": ("fp8e4nv", "fp8e4nv"), "i8fp8": ("i8", "fp8e4nv"), "bf16": ("bf16", "bf16")}

@@ -1,18 +1,18 @@
 """Diagnose fp8-KV decode speed: bf16 vs fp8 KV on layouts with the same bytes, and an ncu driver.
 
 ``--variants`` times the fp8 kernel variants in ``VARIANTS`` (fp8 path, tile, stages, registers) on
-the issue's three shapes against the bf16 default of the same run, with each variant's error against a
+three decode shapes against the bf16 default of the same run, with each variant's error against a
 float32 reference of the dequantized cache; prints a table and writes ``decode_variants.json``.
 ``--layouts`` times the Triton decoder (CUDA-graph replay, do_bench median) for bf16 and fp8 KV on
-(a) the issue's shape B=64, Hq=32, Hkv=8, L=4096, page 64 (one KV head's key row is a 128/256-byte
+(a) B=64, Hq=32, Hkv=8, L=4096, page 64 (one KV head's key row is a 128/256-byte
 chunk every Hkv*D elements), (b) the same bytes with Hkv=1 (B=512, Hq=4: each head's keys contiguous
 inside a page), (c) a dense cache, for the configs in ``CONFIGS``; prints a table and writes
 ``decode_probe.json``. ``--ncu`` runs bf16 then fp8 at shape (a) twice each (the first pair compiles),
 for ``ncu -k regex:_decode_kernel --launch-skip 2 --launch-count 2``.
 
-    python bench/decode_probe.py --variants --layouts --out DIR
+    python bench/diagnostics/decode_probe.py --variants --layouts --out DIR
     ncu --clock-control none --set full -k regex:_decode_kernel --launch-skip 2 --launch-count 2 \
-        python bench/decode_probe.py --ncu
+        python bench/diagnostics/decode_probe.py --ncu
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import torch
 
@@ -36,8 +36,7 @@ SHAPES = {  # name: (B, Hq, Hkv, L, D, page)
     "B1_Hq64_L131072_p64": (1, 64, 8, 131072, 128, 64),
     "B128_L1024_p64": (128, 32, 8, 1024, 128, 64),
 }
-VARIANTS = {  # name: paged_decode keyword arguments for fp8 KV ("default" = the launcher's choice);
-    # the wgmma-path variants of bench/results/decode_fp8_wgmma.patch add e.g. {"fp8_path": "wgmma"}
+VARIANTS = {  # name: paged_decode keyword arguments for fp8 KV ("default" = the launcher's choice)
     "default": {},
     "bn64_ns3": {"block_n": 64, "num_stages": 3},
 }

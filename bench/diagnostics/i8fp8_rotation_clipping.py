@@ -7,7 +7,7 @@ per-(block, head) quantile of |x|; attention of the dequantized q/k against an u
 QK^T error) and against fp8 v (the whole path, P unquantized), each vs float64 attention of the originals.
 Inputs: normal, and the transformer-like distribution with 8 outlier tokens (x6) in q and k.
 
-    PYTHONPATH=$PWD python bench/i8fp8_rotation_clipping.py [--n 2048]
+    PYTHONPATH=$PWD python bench/diagnostics/i8fp8_rotation_clipping.py [--n 2048]
 """
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ import math
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import torch
 
 from bench import common
 from fmha_ops.quant import K_SCALE_BLOCK, Q_SCALE_BLOCK, quantize_i8fp8
-from tests.numerics import error_report, transformer_like
+from fmha_ops.testing import error_report, transformer_like
 
 
 def hadamard(n: int) -> torch.Tensor:
