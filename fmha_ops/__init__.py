@@ -14,7 +14,9 @@ from .attn_bias import (BlockDiagonalCausalFromBottomRightMask, BlockDiagonalCau
                         PagedBlockDiagonalCausalWithOffsetPaddedKeysMask, PagedBlockDiagonalPaddedKeysMask)
 from .dispatch import REGISTRY, SELECTOR, use_ops
 from .flash_attn_interface import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
-from .inputs import Inputs, Problem, set_fp8_dequantized_backward
+from .fp8_backward import set_fp8_dequantized_backward
+from .inputs import Inputs, make_inputs
+from .problem import Problem
 from .quantized import fp8_attention, i8fp8_attention
 from registry import NoSupportedOpError
 
@@ -23,7 +25,7 @@ ALL_BW_OPS = REGISTRY.ops("bw")
 
 __all__ = [
     "memory_efficient_attention", "memory_efficient_attention_forward", "memory_efficient_attention_partial",
-    "merge_attentions", "explain", "get_op", "use_ops", "REGISTRY", "SELECTOR", "ALL_FW_OPS", "ALL_BW_OPS", "Inputs", "Problem",
+    "merge_attentions", "explain", "get_op", "use_ops", "REGISTRY", "SELECTOR", "ALL_FW_OPS", "ALL_BW_OPS", "Inputs", "make_inputs", "Problem",
     "NoSupportedOpError", "attn_bias", "LowerTriangularMask", "LowerTriangularFromBottomRightMask",
     "BlockDiagonalMask", "BlockDiagonalCausalMask", "BlockDiagonalCausalFromBottomRightMask",
     "BlockDiagonalPaddedKeysMask", "BlockDiagonalCausalWithOffsetPaddedKeysMask", "PagedBlockDiagonalPaddedKeysMask",

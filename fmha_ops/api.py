@@ -13,9 +13,10 @@ import torch
 
 from registry import Op, Report
 
-from . import attn_bias as ab
 from .dispatch import REGISTRY, SELECTOR
-from .inputs import FLOAT_DTYPES, SIG_NEEDS_GRAD, Inputs, Problem
+from .dtypes import FLOAT_DTYPES
+from .inputs import Inputs, make_inputs
+from .problem import Problem
 
 OpArg = Any  # an op class, name/alias, or (FwOp, BwOp) tuple
 
@@ -32,9 +33,10 @@ def memory_efficient_attention(
     ``scale`` defaults to 1/sqrt(K). ``op`` forces an op (raises if it cannot run the call).
     Returns (B, Mq, Hq, Kv) in ``output_dtype`` (default: query's dtype; bfloat16 for fp8/int8 inputs).
     """
-    inp, fold = _inputs(query, key, value, attn_bias, p, scale, output_dtype, False,
-                        q_descale, k_descale, v_descale, quantize_kv_to_fp8)
-    return fold(_forward(inp, op, False)[0])
+    inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, output_dtype=output_dtype,
+                      q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                      quantize_kv_to_fp8=quantize_kv_to_fp8)
+    return inp.layout(run_forward(inp, op, False)[0])
 
 
 def memory_efficient_attention_forward(
@@ -61,11 +63,12 @@ def memory_efficient_attention_partial(
     Returns out (B, Mq, Hq, Kv) (default dtype float32, as xformers) and lse float32 (B, Hq, Mq)
     (BMGHK inputs: (B, G, H, Mq)), natural log; rows that see no key have lse -inf and out 0.
     """
-    inp, fold = _inputs(query, key, value, attn_bias, p, scale, output_dtype or torch.float32, True,
-                        q_descale, k_descale, v_descale, quantize_kv_to_fp8)
+    inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, output_dtype=output_dtype or torch.float32,
+                      is_partial=True, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                      quantize_kv_to_fp8=quantize_kv_to_fp8)
     with torch.no_grad():
-        out, lse = _forward(inp, op, True)
-    return fold(out), fold.lse(lse)
+        out, lse = run_forward(inp, op, True)
+    return inp.layout(out), inp.layout.lse(lse)
 
 
 def merge_attentions(
@@ -105,8 +108,9 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_bi
             kind: str = "fw") -> Report:
     """For one call: every registered op of ``kind`` ("fw"/"bw") with availability, reasons, estimate
     and its source, ranked; ``.selected`` is the op the call would use (None if none can)."""
-    inp, _ = _inputs(query, key, value, attn_bias, p, scale, output_dtype, partial,
-                     q_descale, k_descale, v_descale, quantize_kv_to_fp8)
+    inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, output_dtype=output_dtype, is_partial=partial,
+                      q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                      quantize_kv_to_fp8=quantize_kv_to_fp8)
     inp.validate()
     return SELECTOR.explain(inp.problem(needs_lse=partial), kind, op)
 
@@ -116,74 +120,25 @@ def get_op(name: str) -> type[Op]:
     return REGISTRY.get(name)
 
 
-# ---- internals ------------------------------------------------------------------------------
+# ---- the call path (shared by the FA3 wrappers and the quantize-inside functions) -----------------
 
-class _Fold:
-    """Undo the layout folding of the inputs on the outputs (BMHK is the identity)."""
-
-    __slots__ = ("shape5", "bmk")
-
-    def __init__(self, shape5: tuple[int, ...] | None = None, bmk: bool = False) -> None:
-        self.shape5, self.bmk = shape5, bmk
-
-    def __call__(self, out: torch.Tensor) -> torch.Tensor:
-        if self.shape5 is not None:
-            b, m, g, h = self.shape5
-            return out.view(b, m, g, h, out.shape[-1])
-        return out[:, :, 0] if self.bmk else out
-
-    def lse(self, lse: torch.Tensor) -> torch.Tensor:
-        if self.shape5 is not None:
-            b, _, g, h = self.shape5
-            return lse.view(b, g, h, lse.shape[-1])
-        return lse[:, 0] if self.bmk else lse
-
-
-_IDENTITY = _Fold()
-
-
-def _inputs(query, key, value, attn_bias, p, scale, output_dtype, is_partial, q_descale, k_descale, v_descale,
-            quantize_kv) -> tuple[Inputs, _Fold]:
-    fold = _IDENTITY
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if query.ndim == 5:
-        if key.ndim != 5 or value.ndim != 5:
-            raise ValueError(f"query is 5-D (BMGHK) but key is {key.ndim}-D and value {value.ndim}-D")
-        b, m, g, h, _ = query.shape
-        fold = _Fold((b, m, g, h))
-        query = query.reshape(b, m, g * h, query.shape[-1])
-        if _expanded_over_heads(key) and _expanded_over_heads(value):  # MQA/GQA: one kv head per group
-            key, value = key[:, :, :, 0], value[:, :, :, 0]
-        else:
-            key, value = key.flatten(2, 3), value.flatten(2, 3)
-    elif query.ndim == 3:
-        fold = _Fold(bmk=True)
-        query, key, value = query[:, :, None], key[:, :, None], value[:, :, None]
-    if attn_bias is not None and not isinstance(attn_bias, ab.AttentionBias):
-        if isinstance(attn_bias, torch.Tensor):
-            raise ValueError("attn_bias as a dense tensor is not supported; use a mask from fmha_ops.attn_bias")
-        attn_bias = ab.from_xformers(attn_bias)
-    return Inputs(query, key, value, attn_bias, p, scale, output_dtype, is_partial, q_descale, k_descale, v_descale,
-                  quantize_kv), fold
-
-
-def _expanded_over_heads(t: torch.Tensor) -> bool:
-    return t.shape[3] == 1 or t.stride(3) == 0
-
-
-def _make_problem(inp: Inputs, needs_lse: bool) -> Problem:
+def make_problem(inp: Inputs, needs_lse: bool) -> Problem:
+    """Validate ``inp`` and build its ``Problem`` (what the selector runs on a memo miss)."""
     inp.validate()
     return inp.problem(needs_lse)
 
 
-def _forward(inp: Inputs, op: OpArg, needs_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def run_forward(inp: Inputs, op: OpArg, needs_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Select the forward op for ``inp`` (and the backward op when autograd needs one) and run it.
+
+    Returns out (B, Mq, Hq, Kv) in ``inp.out_dtype`` and lse float32 (B, Hq, Mq) (None unless ``needs_lse``
+    or a backward op is attached). Example: ``out, _ = run_forward(make_inputs(q, k, v), None, False)``.
+    """
     sig = inp.signature()
-    fw = SELECTOR.select(sig, lambda: _make_problem(inp, needs_lse), "fw", op)
-    if not sig[SIG_NEEDS_GRAD] or (fw.AUTOGRAD and inp.query.dtype in FLOAT_DTYPES):
+    fw = SELECTOR.select(sig, lambda: make_problem(inp, needs_lse), "fw", op)
+    if not sig.needs_grad or (fw.AUTOGRAD and inp.query.dtype in FLOAT_DTYPES):
         return fw.apply(inp, needs_lse)
-    bw = SELECTOR.select(sig, lambda: _make_problem(inp, needs_lse), "bw", op)
+    bw = SELECTOR.select(sig, lambda: make_problem(inp, needs_lse), "bw", op)
     return _Attention.apply(fw, bw, inp, inp.query, inp.key, inp.value)
 
 

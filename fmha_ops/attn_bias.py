@@ -14,13 +14,15 @@ Layout conventions (BMHK, as in xformers):
   (1, num_pages * page_size, Hkv, K) and ``block_tables[b, i]`` is the page holding keys
   [i * page_size, (i + 1) * page_size) of sequence b.
 
-Every mask can ``materialize`` itself (a float tensor of 0 / -inf) for testing.
+Every mask validates itself against the call's tensors (``validate``), names what selection depends on
+(``signature``), states the call's sizes as it sees them (``dims``) and can ``materialize`` itself (a
+float tensor of 0 / -inf) for testing.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar, Iterator, Sequence
+from typing import Any, ClassVar, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -44,10 +46,48 @@ DECODE_KINDS = frozenset({PADDED_KEYS, PADDED_KEYS_CAUSAL, PAGED, PAGED_CAUSAL})
 PAGED_KINDS = frozenset({PAGED, PAGED_CAUSAL})
 
 
+class MaskDims(NamedTuple):
+    """A call's sizes as its mask sees them (``AttentionBias.dims``)."""
+
+    batch: int  # sequences (packed masks: the number of sequences)
+    seqlen_q: int  # longest query sequence
+    seqlen_k: int  # longest key sequence (decode: cache capacity per sequence)
+    q_uniform: bool  # every sequence has seqlen_q queries
+    page_size: int  # 0 unless paged
+
+
+def dense_dims(query: torch.Tensor, key: torch.Tensor) -> MaskDims:
+    """The sizes of a BMHK call without a packing mask: query (B, Mq, ...), key (B, Mk, ...)."""
+    return MaskDims(query.shape[0], query.shape[1], key.shape[1], True, 0)
+
+
 class AttentionBias:
-    """Base of all masks. ``KIND`` names it in op declarations."""
+    """Base of all masks. ``KIND`` names it in op declarations.
+
+    Subclasses own three checks of a call (query and key BMHK, validated as tensors already):
+    ``validate`` raises ValueError on tensors that do not fit the mask, ``signature`` is a hashable
+    summary of everything validation and selection read from the mask (cached on the mask), and ``dims``
+    gives the call's sizes as the mask sees them.
+    """
 
     KIND: ClassVar[str]
+
+    def validate(self, query: torch.Tensor, key: torch.Tensor) -> None:
+        """Raise ValueError naming the mask, the value and what it needs, if query / key do not fit."""
+
+    def signature(self) -> Any:
+        """Hashable: the mask type and the sizes it holds (not its device tensors' values)."""
+        sig = self.__dict__.get("_signature")
+        if sig is None:
+            sig = self.__dict__["_signature"] = (type(self),) + self._signature_fields()
+        return sig
+
+    def _signature_fields(self) -> tuple:
+        return ()
+
+    def dims(self, query: torch.Tensor, key: torch.Tensor) -> MaskDims:
+        """(batch, seqlen_q, seqlen_k, q_uniform, page_size) of the call under this mask."""
+        return dense_dims(query, key)
 
     def materialize(self, shape: Sequence[int], dtype: torch.dtype = torch.float32,
                     device: torch.device | str = "cpu") -> torch.Tensor:
@@ -187,6 +227,23 @@ class BlockDiagonalMask(AttentionBias):
     def make_causal_from_bottomright(self) -> "BlockDiagonalCausalFromBottomRightMask":
         return BlockDiagonalCausalFromBottomRightMask(self.q_seqinfo, self.k_seqinfo)
 
+    def validate(self, query, key):
+        _validate_packed_queries(self, query)
+        nq, nk = len(self.q_seqinfo.seqstart_py), len(self.k_seqinfo.seqstart_py)
+        if nk != nq:
+            raise ValueError(f"attn_bias has {nq - 1} query sequences but {nk - 1} key sequences")
+        if key.shape[1] != self.k_seqinfo.seqstart_py[-1]:
+            raise ValueError(f"key has {key.shape[1]} tokens but attn_bias k_seqinfo covers "
+                             f"{self.k_seqinfo.seqstart_py[-1]}")
+
+    def _signature_fields(self):
+        return _packed_queries_signature(self) + (self.k_seqinfo.seqstart_py[-1], self.k_seqinfo.max_seqlen)
+
+    def dims(self, query, key):
+        qi = self.q_seqinfo
+        return MaskDims(len(qi.seqstart_py) - 1, qi.max_seqlen, self.k_seqinfo.max_seqlen,
+                        qi.min_seqlen == qi.max_seqlen, 0)
+
     def to(self, device):
         return type(self)(self.q_seqinfo.to(device), self.k_seqinfo.to(device))
 
@@ -236,6 +293,21 @@ class BlockDiagonalPaddedKeysMask(AttentionBias):
                              else PagedBlockDiagonalPaddedKeysMask)
         return cls(self.q_seqinfo, self.k_seqinfo, block_tables, page_size)
 
+    def validate(self, query, key):
+        _validate_padded_keys(self, query)
+        nseq = len(self.q_seqinfo.seqstart_py) - 1
+        if key.shape[1] != nseq * self.k_seqinfo.padding:
+            raise ValueError(f"key has {key.shape[1]} rows but attn_bias expects {nseq} sequences x "
+                             f"kv_padding {self.k_seqinfo.padding}")
+
+    def _signature_fields(self):
+        return _packed_queries_signature(self) + (self.k_seqinfo.padding, self.k_seqinfo.seqlen.device)
+
+    def dims(self, query, key):
+        qi = self.q_seqinfo
+        return MaskDims(len(qi.seqstart_py) - 1, qi.max_seqlen, self.k_seqinfo.padding,
+                        qi.min_seqlen == qi.max_seqlen, 0)
+
     def to(self, device):
         return type(self)(self.q_seqinfo.to(device), self.k_seqinfo.to(device))
 
@@ -276,6 +348,24 @@ class PagedBlockDiagonalPaddedKeysMask(AttentionBias):
         if self.k_seqinfo.seqlen_py is not None and any(n > cap for n in self.k_seqinfo.seqlen_py):
             raise ValueError(f"kv_seqlen {self.k_seqinfo.seqlen_py} exceeds block_tables capacity {cap}")
 
+    def validate(self, query, key):
+        _validate_padded_keys(self, query)
+        if key.shape[1] % self.page_size:
+            raise ValueError(f"paged key has {key.shape[1]} rows, not a multiple of page_size={self.page_size}")
+        if self.block_tables.dtype != torch.int32 or self.block_tables.device != query.device:
+            raise ValueError(f"block_tables must be int32 on {query.device}, got "
+                             f"{str(self.block_tables.dtype).replace('torch.', '')} on {self.block_tables.device}")
+
+    def _signature_fields(self):
+        bt = self.block_tables
+        return _packed_queries_signature(self) + (self.k_seqinfo.padding, self.k_seqinfo.seqlen.device,
+                                                  self.page_size, bt.shape, bt.dtype, bt.device)
+
+    def dims(self, query, key):
+        qi = self.q_seqinfo
+        return MaskDims(len(qi.seqstart_py) - 1, qi.max_seqlen, self.block_tables.shape[1] * self.page_size,
+                        qi.min_seqlen == qi.max_seqlen, self.page_size)
+
     def to(self, device):
         return type(self)(self.q_seqinfo.to(device), self.k_seqinfo.to(device), self.block_tables.to(device),
                           self.page_size)
@@ -295,6 +385,33 @@ class PagedBlockDiagonalCausalWithOffsetPaddedKeysMask(PagedBlockDiagonalPaddedK
 
     KIND: ClassVar[str] = PAGED_CAUSAL
     _CAUSAL: ClassVar[str] = "bottom_right"
+
+
+def _validate_packed_queries(mask: AttentionBias, query: torch.Tensor) -> None:
+    """Packed masks: batch 1, and the query tokens the mask's q_seqinfo covers."""
+    if query.shape[0] != 1:
+        raise ValueError(f"attn_bias {type(mask).__name__} needs batch 1 (sequences packed along dim 1), "
+                         f"got query batch {query.shape[0]}")
+    nq = mask.q_seqinfo.seqstart_py[-1]
+    if query.shape[1] != nq:
+        raise ValueError(f"query has {query.shape[1]} tokens but attn_bias q_seqinfo covers {nq}")
+
+
+def _validate_padded_keys(mask: AttentionBias, query: torch.Tensor) -> None:
+    """Padded-keys and paged masks: packed queries, one key length per sequence on the query's device."""
+    _validate_packed_queries(mask, query)
+    nseq = len(mask.q_seqinfo.seqstart_py) - 1
+    seqlen = mask.k_seqinfo.seqlen
+    if seqlen.shape != (nseq,):
+        raise ValueError(f"attn_bias has {nseq} query sequences but k_seqinfo.seqlen has shape {tuple(seqlen.shape)}")
+    if seqlen.device != query.device:
+        raise ValueError(f"attn_bias k_seqinfo.seqlen is on {seqlen.device}, query on {query.device}; "
+                         f"create the mask with device=")
+
+
+def _packed_queries_signature(mask: AttentionBias) -> tuple:
+    qi = mask.q_seqinfo
+    return (len(qi.seqstart_py), qi.seqstart_py[-1], qi.max_seqlen, qi.min_seqlen)
 
 
 _XFORMERS_NAMES = {

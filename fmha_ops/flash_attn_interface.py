@@ -19,7 +19,7 @@ import torch
 
 from . import attn_bias as ab
 from .api import memory_efficient_attention, memory_efficient_attention_partial
-from .inputs import set_fp8_dequantized_backward
+from .fp8_backward import set_fp8_dequantized_backward
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "set_fp8_dequantized_backward"]
 

@@ -25,8 +25,9 @@ import torch
 from registry import current_arch, fp8_dtype
 
 from . import attn_bias as ab
-from .api import _forward, _inputs
+from .api import make_problem, run_forward
 from .dispatch import SELECTOR
+from .inputs import make_inputs
 from .quant import (
     K_SCALE_BLOCK,
     Q_SCALE_BLOCK,
@@ -73,9 +74,8 @@ class _QuantizedAttention(torch.autograd.Function):
     def forward(ctx, qk_dtype, bias, scale, op, query, key, value):
         kernel_scale = query.shape[-1] ** -0.5 if scale is None else scale
         qkv, descales, dequantized = quantize_smooth(query, key, value, kernel_scale, qk_dtype)
-        inp, _ = _inputs(*qkv, bias, 0.0, 1.0, query.dtype, True, descales["q_descale"],
-                         descales["k_descale"], descales["v_descale"], False)
-        out, lse = _forward(inp, op, True)
+        inp = make_inputs(*qkv, bias, scale=1.0, output_dtype=query.dtype, is_partial=True, **descales)
+        out, lse = run_forward(inp, op, True)
         ctx.save_for_backward(*dequantized, out, lse)
         ctx.bias, ctx.scale = bias, scale
         return out
@@ -83,15 +83,10 @@ class _QuantizedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         qh, kh, vh, out, lse = ctx.saved_tensors
-        inp, _ = _inputs(qh, kh, vh, ctx.bias, 0.0, ctx.scale, None, True, None, None, None, False)
-        bw = SELECTOR.select(("qbw",) + inp.signature(), lambda: _problem(inp), "bw")
+        inp = make_inputs(qh, kh, vh, ctx.bias, scale=ctx.scale, is_partial=True)
+        bw = SELECTOR.select(("quantized backward", inp.signature()), lambda: make_problem(inp, True), "bw")
         dq, dk, dv = bw.apply_bw(inp, out, lse, grad_out.contiguous())
         return None, None, None, None, dq, dk, dv
-
-
-def _problem(inp):
-    inp.validate()
-    return inp.problem(needs_lse=True)
 
 
 def _causal(causal: bool):

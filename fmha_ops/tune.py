@@ -21,8 +21,9 @@ import torch
 from registry import TuningTable, current_arch, fp8_dtype
 
 from . import attn_bias as ab
-from .api import _inputs, memory_efficient_attention
+from .api import memory_efficient_attention
 from .dispatch import REGISTRY, SELECTOR
+from .inputs import make_inputs
 
 SKIP_FACTOR = 20.0
 
@@ -37,9 +38,7 @@ class Call:
 
     def problem(self):
         q, k, v, bias = self.args
-        inp, _ = _inputs(q, k, v, bias, 0.0, self.kwargs.get("scale"), None, False, self.kwargs.get("q_descale"),
-                         self.kwargs.get("k_descale"), self.kwargs.get("v_descale"),
-                         self.kwargs.get("quantize_kv_to_fp8", False))
+        inp = make_inputs(q, k, v, bias, **self.kwargs)
         inp.validate()
         return inp.problem()
 

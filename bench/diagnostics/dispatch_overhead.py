@@ -20,9 +20,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import fmha_ops  # noqa: E402
 from bench.common import base_parser, environment, out_dir, print_table, write_json  # noqa: E402
-from fmha_ops.api import _inputs  # noqa: E402
 from fmha_ops.dispatch import SELECTOR  # noqa: E402
-from fmha_ops.inputs import _bias_signature  # noqa: E402
+from fmha_ops.inputs import make_inputs  # noqa: E402
 
 TARGET_US = 5.0
 
@@ -65,17 +64,15 @@ def run(device: str, iters: int, repeats: int) -> list[dict]:
     for name, (q, k, v), kw in cases(device):
         bias = kw.get("attn_bias")
         desc = {r: kw.get(r) for r in ("q_descale", "k_descale", "v_descale")}
-        inp, _ = _inputs(q, k, v, bias, 0.0, None, None, False, desc["q_descale"], desc["k_descale"],
-                         desc["v_descale"], False)
+        inp = make_inputs(q, k, v, bias, **desc)
         inp.validate()
         sig = inp.signature()
         op = SELECTOR.select(sig, lambda: inp.problem(), "fw", None)
         row = {"device": device, "case": name, "op": op.NAME}
         row["select_us"] = per_call_us(lambda: SELECTOR.select(sig, None, "fw", None), iters, repeats)
         row["signature_us"] = per_call_us(inp.signature, iters, repeats)
-        row["bias_sig_us"] = per_call_us(lambda: _bias_signature(bias), iters, repeats)
-        row["inputs_us"] = per_call_us(lambda: _inputs(q, k, v, bias, 0.0, None, None, False, desc["q_descale"],
-                                                       desc["k_descale"], desc["v_descale"], False), iters, repeats)
+        row["bias_sig_us"] = per_call_us(lambda: bias is None or bias.signature(), iters, repeats)
+        row["inputs_us"] = per_call_us(lambda: make_inputs(q, k, v, bias, **desc), iters, repeats)
         n = max(iters // 10, 200)
         direct = per_call_us(lambda: op.apply(inp, False), n, repeats)
         wrapped = per_call_us(lambda: fmha_ops.memory_efficient_attention(q, k, v, **kw), n, repeats)
@@ -98,7 +95,7 @@ def run(device: str, iters: int, repeats: int) -> list[dict]:
 def signature_parts(iters: int, repeats: int) -> list[dict]:
     """Where the time of Inputs.signature() goes, on the tiny CPU no-mask case."""
     q = torch.randn(1, 4, 2, 16, dtype=torch.bfloat16)
-    inp, _ = _inputs(q, q, q, None, 0.0, None, None, False, None, None, None, False)
+    inp = make_inputs(q, q, q)
     parts = {
         "3x dtype": lambda: (q.dtype, q.dtype, q.dtype),
         "3x shape": lambda: (q.shape, q.shape, q.shape),
@@ -122,7 +119,7 @@ def write_markdown(path: str, env: dict, rows: list[dict], parts: list[dict]) ->
         f"GPU: {env.get('gpu', 'none (CPU machine)')}. `python bench/diagnostics/dispatch_overhead.py`: "
         "time.perf_counter, per-call mean of N calls, median of repeats.",
         "",
-        "| device | case | op | memoized select (us) | signature() (us) | _inputs() (us) | wrapper, free op (us) "
+        "| device | case | op | memoized select (us) | signature() (us) | make_inputs() (us) | wrapper, free op (us) "
         "| apply() direct (us) | memory_efficient_attention (us) | difference (us) | difference, no_grad (us) |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -143,9 +140,9 @@ def write_markdown(path: str, env: dict, rows: list[dict], parts: list[dict]) ->
         "Notes:",
         "- The memoized selection itself (`SELECTOR.select` on a repeated signature: one tuple hash and a dict "
         "lookup) is well under the target. The whole wrapper around an op with a free `apply` is the dispatch cost a "
-        "call pays: `_inputs` (layout folding, Inputs dataclass), `Inputs.signature()` (the largest part: about 25 "
+        "call pays: `make_inputs` (layout folding, Inputs dataclass), `Inputs.signature()` (the largest part: about 25 "
         "tensor attribute reads, see the parts table; descales add a (dtype, shape, device) triple each), the memo "
-        "lookup including hashing the signature, and the call frames of `_forward` and the fold.",
+        "lookup including hashing the signature, and the call frames of `run_forward` and the fold.",
         "- 'difference' columns subtract two separately timed runs of the real op; for the torch reference op "
         "(hundreds of us, noisy on a shared 2-core machine) they are within noise and can be negative; use the "
         "free-op column for the overhead.",

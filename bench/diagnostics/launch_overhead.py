@@ -82,7 +82,8 @@ def launch_rows(iters: int) -> list[dict]:
 def layer_rows(iters: int) -> list[dict]:
     """Host time of each layer of the fp8 training path at a tiny size, outermost last."""
     from fmha_ops import attn_bias
-    from fmha_ops.api import _forward, _inputs
+    from fmha_ops.api import run_forward
+    from fmha_ops.inputs import make_inputs
     from fmha_ops.kernels.triton import attention_bwd as ab, quantize as qz
 
     qkv = [torch.randn(1, 64, 1, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
@@ -90,8 +91,9 @@ def layer_rows(iters: int) -> list[dict]:
     fp8 = torch.float8_e4m3fn
     (q8, k8, v8), (qd, kd, vd), _ = qz.quantize_qkv(*qkv, fp8, fp8, scale=0.125, q_block=128, k_block=128)
     causal = attn_bias.LowerTriangularFromBottomRightMask()
-    inputs = lambda: _inputs(q8, k8, v8, causal, 0.0, 1.0, torch.bfloat16, True, qd, kd, vd, False)  # noqa: E731
-    inp, _ = inputs()
+    inputs = lambda: make_inputs(q8, k8, v8, causal, scale=1.0, output_dtype=torch.bfloat16,  # noqa: E731
+                                 is_partial=True, q_descale=qd, k_descale=kd, v_descale=vd)
+    inp = inputs()
     out, lse = af.attention_forward(q8, k8, v8, scale=1.0, causal=True, q_descale=qd, k_descale=kd, v_descale=vd,
                                     return_lse=True)
     ones = torch.ones_like(qkv[0])
@@ -113,9 +115,9 @@ def layer_rows(iters: int) -> list[dict]:
         "quantize_qkv": lambda: qz.quantize_qkv(*qkv, fp8, fp8, scale=0.125, q_block=128, k_block=128),
         "attention_forward": lambda: af.attention_forward(q8, k8, v8, scale=1.0, causal=True, q_descale=qd,
                                                           k_descale=kd, v_descale=vd, return_lse=True),
-        "_inputs": inputs,
+        "make_inputs": inputs,
         "Inputs.signature": inp.signature,
-        "_forward (dispatch + attention_forward)": lambda: _forward(inp, None, True),
+        "run_forward (dispatch + attention_forward)": lambda: run_forward(inp, None, True),
         "attention_backward": lambda: ab.attention_backward(ones, *qkv, out, lse, scale=0.125, causal=True),
         "autograd.Function identity fwd+bwd": lambda: torch.autograd.grad(Identity.apply(*grads), grads[0], ones),
         "fp8_attention fwd, no grad": lambda: fmha_ops.fp8_attention(*qkv, causal=True),
@@ -141,9 +143,9 @@ def autograd_rows(iters: int) -> list[dict]:
             def forward(ctx, *args):
                 q, k, v = args[-3:]
                 qkv8, descales, dequantized = qz.quantize_smooth(q, k, v, 0.125, torch.float8_e4m3fn)
-                inp, _ = qz._inputs(*qkv8, qz._causal(True), 0.0, 1.0, q.dtype, True, descales["q_descale"],
-                                    descales["k_descale"], descales["v_descale"], False)
-                out, lse = qz._forward(inp, None, True)
+                inp = qz.make_inputs(*qkv8, qz._causal(True), scale=1.0, output_dtype=q.dtype, is_partial=True,
+                                     **descales)
+                out, lse = qz.run_forward(inp, None, True)
                 ctx.save_for_backward(*dequantized, out if save_output else out.detach().clone(), lse)
                 ctx.bias = qz._causal(True)
                 return out
@@ -154,8 +156,9 @@ def autograd_rows(iters: int) -> list[dict]:
                 if not dispatch:
                     grads = attention_backward(grad_out, qh, kh, vh, out, lse, scale=0.125, causal=True)
                 else:
-                    inp, _ = qz._inputs(qh, kh, vh, ctx.bias, 0.0, 0.125, None, True, None, None, None, False)
-                    bw = qz.SELECTOR.select(("qbw",) + inp.signature(), lambda: qz._problem(inp), "bw")
+                    inp = qz.make_inputs(qh, kh, vh, ctx.bias, scale=0.125, is_partial=True)
+                    bw = qz.SELECTOR.select(("quantized backward", inp.signature()),
+                                            lambda: qz.make_problem(inp, True), "bw")
                     grads = bw.apply_bw(inp, out, lse, grad_out.contiguous())
                 return (None, None, None, None, *grads) if extra_inputs else grads
 

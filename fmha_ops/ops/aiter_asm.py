@@ -33,7 +33,9 @@ from __future__ import annotations
 import torch
 
 from ..dispatch import register
-from ..inputs import FP8_DTYPES, Inputs, Problem
+from ..dtypes import FP8_DTYPES
+from ..inputs import Inputs
+from ..problem import Problem
 from .base import AttentionFwOp
 from .cost import attention_flops
 

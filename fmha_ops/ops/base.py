@@ -29,7 +29,9 @@ import torch
 from registry import Op
 
 from .. import attn_bias as ab
-from ..inputs import Inputs, Problem, dtype_name
+from ..dtypes import dtype_name
+from ..inputs import Inputs
+from ..problem import Problem
 
 NO_DESCALES = {"q": frozenset({"none"}), "k": frozenset({"none"}), "v": frozenset({"none"})}
 

@@ -5,7 +5,7 @@ rates are scaled for other GPUs by their SM count relative to the H200's 132.
 """
 from __future__ import annotations
 
-from ..inputs import Problem
+from ..problem import Problem
 
 
 def attention_flops(p: Problem) -> float:

@@ -22,15 +22,15 @@ from typing import ClassVar
 
 import torch
 
-from .. import attn_bias as ab
 from ..dispatch import REGISTRY, register
-from ..inputs import FP8_DTYPES, Inputs, Problem
+from ..dtypes import FP8_DTYPES
+from ..inputs import Inputs
+from ..problem import Problem
 from .base import AttentionFwOp
+from .common import DECODE_MASKS, decode_outputs, decode_views
 from .cost import attention_bytes
-from .triton_decode import decode_outputs, decode_views
 
 _HALF = (torch.float16, torch.bfloat16)
-_MASKS = frozenset({ab.NONE, ab.CAUSAL_BR, ab.PADDED_KEYS, ab.PADDED_KEYS_CAUSAL, ab.PAGED, ab.PAGED_CAUSAL})
 _KV_DESCALES = frozenset({"none", "token"})
 _INT32_MAX = (1 << 31) - 1
 # Achieved HBM bandwidth (bytes/s) assumed by the cost model: ~75% of MI300X (5.3 TB/s) and
@@ -70,7 +70,7 @@ class _FlyDSLDecodeOp(AttentionFwOp):
     DTYPES = frozenset([(h, h, h) for h in _HALF] + [(h, f, f) for h in _HALF for f in FP8_DTYPES])
     OUT_DTYPES = frozenset(_HALF)
     HEAD_DIMS = (128, 256)  # fmha_ops.kernels.flydsl.host.HEAD_DIMS
-    BIAS_KINDS = _MASKS
+    BIAS_KINDS = DECODE_MASKS
     GQA = True
     PAGE_SIZES = range(1, 1 << 24)  # any; a dense cache runs as one page of its padded length
     DESCALES = {"q": frozenset({"none"}), "k": _KV_DESCALES, "v": _KV_DESCALES}

@@ -13,7 +13,7 @@ import torch
 
 from .. import attn_bias as ab
 from ..dispatch import register
-from ..inputs import Problem
+from ..problem import Problem
 from .base import AttentionFwOp
 from .cost import attention_time
 

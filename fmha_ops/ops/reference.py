@@ -10,12 +10,13 @@ import math
 
 import torch
 
-from registry import current_arch, fp8_dtype
-
 from .. import attn_bias as ab
-from ..inputs import FLOAT_DTYPES, FP8_DTYPES, K_SCALE_BLOCK, Q_SCALE_BLOCK, Inputs, Problem, descale_kinds
 from ..dispatch import register
+from ..dtypes import FLOAT_DTYPES, FP8_DTYPES
+from ..inputs import Inputs
+from ..problem import Problem
 from .base import AttentionBwOp, AttentionFwOp
+from .common import dequantized_qkv
 
 _DTYPES = frozenset(
     [(d, d, d) for d in FLOAT_DTYPES + FP8_DTYPES]
@@ -28,59 +29,6 @@ _ALL_DESCALES = {
     "v": frozenset({"none", "tensor", "head", "channel", "token"}),
 }
 _ROW_CHUNK_ELEMS = 1 << 27  # score elements per chunk of query rows
-
-
-def dequantize(x: torch.Tensor, descale: torch.Tensor | None, kind: str, block: int = 0) -> torch.Tensor:
-    """float32 ``x * descale`` for a BMHK tensor and a descale of ``kind`` (see fmha_ops.inputs).
-    ``block`` is the row block of a "block" descale (Q_SCALE_BLOCK for q, K_SCALE_BLOCK for k)."""
-    xf = x.float()
-    if kind == "none":
-        return xf
-    d = descale.float()
-    m, h = x.shape[1], x.shape[2]
-    if kind == "tensor":
-        return xf * d.reshape(())
-    if kind == "head":  # (B, Hkv); a query head uses its kv head's value
-        return xf * d.repeat_interleave(h // d.shape[1], dim=1)[:, None, :, None]
-    if kind == "block":
-        return xf * d.repeat_interleave(block, dim=2)[:, :, :m].permute(0, 2, 1)[..., None]
-    if kind == "channel":
-        return xf * d[:, None, :, :]
-    if kind == "token":
-        return xf * d[..., None]
-    raise ValueError(f"unknown descale kind {kind!r}")
-
-
-def quantize_per_token(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-(token, head) fp8 quantization of a (..., K) tensor: (x_fp8, scale float32 (...))."""
-    fmax = torch.finfo(dtype).max
-    amax = x.float().abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
-    return (x.float() / scale[..., None]).clamp(-fmax, fmax).to(dtype), scale
-
-
-def dequantized_qkv(inp: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float32 q, k, v as the kernels see them: times their descales (or quantized per token to the
-    arch's fp8 and back when ``quantize_kv_to_fp8``)."""
-    q, k, v = inp.query, inp.key, inp.value
-    kinds = descale_kinds(inp)
-    descales = [inp.q_descale, inp.k_descale, inp.v_descale]
-    if isinstance(inp.attn_bias, ab.BlockDiagonalMask):  # per-sequence descales -> per token
-        for i, (info, kind) in enumerate(zip((inp.attn_bias.q_seqinfo, inp.attn_bias.k_seqinfo, inp.attn_bias.k_seqinfo),
-                                             kinds)):
-            if kind == "head":
-                seq = torch.repeat_interleave(torch.arange(len(info.seqlens)), torch.tensor(info.seqlens))
-                d = descales[i][seq.to(q.device)]
-                descales[i] = d.repeat_interleave((q if i == 0 else k).shape[2] // d.shape[1], dim=1)[None]
-                kinds = kinds[:i] + ("token",) + kinds[i + 1:]
-    if inp.quantize_kv_to_fp8:
-        f8 = fp8_dtype(current_arch(q.device))
-        (k8, ks), (v8, vs) = quantize_per_token(k, f8), quantize_per_token(v, f8)
-        kf, vf = k8.float() * ks[..., None], v8.float() * vs[..., None]
-    else:
-        kf = dequantize(k, descales[1], kinds[1], K_SCALE_BLOCK)
-        vf = dequantize(v, descales[2], kinds[2])
-    return dequantize(q, descales[0], kinds[0], Q_SCALE_BLOCK), kf, vf
 
 
 def reference_attention(inp: Inputs, compute_dtype: torch.dtype = torch.float32

@@ -13,7 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import attn_bias as ab
 from ..dispatch import register
-from ..inputs import Problem
+from ..problem import Problem
 from .base import AttentionFwOp
 from .cost import attention_time
 

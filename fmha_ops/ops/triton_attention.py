@@ -9,35 +9,24 @@ keeps the selector away from them.
 """
 from __future__ import annotations
 
-import os
 from typing import ClassVar
 
 import torch
 
 from .. import attn_bias as ab
 from ..dispatch import register
-from ..inputs import FP8_DTYPES, Inputs, Problem
+from ..dtypes import FP8_DTYPES
+from ..inputs import Inputs
+from ..problem import Problem
 from .base import AttentionBwOp, AttentionFwOp
+from .common import TRITON_ARCHS, dequantized_qkv, interpreter_reasons
 from .cost import attention_time
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-_ARCHS = ("cuda>=8.9",) + (("cpu",) if _INTERPRET else ())
 _HEAD_DIMS = range(16, 257, 16)
 _BIAS = frozenset({ab.NONE, ab.CAUSAL, ab.CAUSAL_BR, ab.BLOCK_DIAGONAL, ab.BLOCK_DIAGONAL_CAUSAL,
                    ab.BLOCK_DIAGONAL_CAUSAL_BR})
 _TOP_LEFT = frozenset({ab.CAUSAL, ab.BLOCK_DIAGONAL_CAUSAL})
 _OUT = frozenset({torch.bfloat16, torch.float16, torch.float32})
-
-
-def interpreter_reasons(p: Problem) -> list[str]:
-    """Platform limits of the Triton ops: the interpreter (CPU) computes bfloat16 tl.dot wrongly, and
-    float8_e4m3fnuz is an AMD format (NVIDIA GPUs take float8_e4m3fn)."""
-    dts = (p.q_dtype, p.k_dtype, p.v_dtype)
-    if p.arch.kind == "cpu" and torch.bfloat16 in dts:
-        return ["bfloat16 is not computed correctly by the Triton interpreter (CPU); use float16 there"]
-    if p.arch.kind == "cuda" and torch.float8_e4m3fnuz in dts:
-        return ["float8_e4m3fnuz is not an NVIDIA format; use float8_e4m3fn"]
-    return []
 
 
 def mask_args(inp: Inputs) -> dict:
@@ -57,7 +46,7 @@ _QUANTIZED_DESCALES = {"q": frozenset({"tensor", "head", "block"}), "k": frozens
 
 
 class _TritonFwOp(AttentionFwOp):
-    ARCHS = _ARCHS
+    ARCHS = TRITON_ARCHS
     REQUIRES = ("triton",)
     OUT_DTYPES = _OUT
     HEAD_DIMS = _HEAD_DIMS
@@ -139,7 +128,7 @@ class TritonBwOp(AttentionBwOp):
     ``set_fp8_dequantized_backward(True)`` is on; gradients come back in the inputs' dtypes."""
 
     NAME = "triton_attnB"
-    ARCHS = _ARCHS
+    ARCHS = TRITON_ARCHS
     REQUIRES = ("triton",)
     DTYPES = TritonFwOp.DTYPES | TritonFp8FwOp.DTYPES | TritonI8Fp8FwOp.DTYPES
     OUT_DTYPES = _OUT
@@ -157,7 +146,6 @@ class TritonBwOp(AttentionBwOp):
     @classmethod
     def apply_bw(cls, inp, out, lse, grad_out):
         from ..kernels.triton.attention_bwd import attention_backward
-        from .reference import dequantized_qkv
 
         q, k, v = inp.query, inp.key, inp.value
         if q.dtype not in (torch.bfloat16, torch.float16):

@@ -18,78 +18,23 @@ from registry.arch import sm_count
 
 from .. import attn_bias as ab
 from ..dispatch import register
-from ..inputs import FP8_DTYPES, Inputs, Problem
+from ..dtypes import FP8_DTYPES
+from ..problem import Problem
 from .base import AttentionFwOp
+from .common import DECODE_MASKS, TRITON_ARCHS, decode_outputs, decode_views, interpreter_reasons
 from .cost import attention_bytes
-from .triton_attention import _ARCHS, interpreter_reasons
 
 _HALF = (torch.float16, torch.bfloat16)
 _FP8_KV_DESCALES = frozenset({"token", "tensor", "head"})
-_MASKS = frozenset({ab.NONE, ab.CAUSAL_BR, ab.PADDED_KEYS, ab.PADDED_KEYS_CAUSAL, ab.PAGED, ab.PAGED_CAUSAL})
-
-
-@functools.lru_cache(maxsize=64)
-def _full_lengths(device: torch.device, batch: int, length: int) -> torch.Tensor:
-    return torch.full((batch,), length, dtype=torch.int32, device=device)
-
-
-def decode_views(inp: Inputs):
-    """(q (B, Mq, Hq, D), k_cache, v_cache, seqlens, block_table, k_scale, v_scale) for the kernel."""
-    q, k, v, bias = inp.query, inp.key, inp.value, inp.attn_bias
-    ks, vs = inp.k_descale, inp.v_descale
-    per_token = ks is not None and ks.shape == k.shape[:3] and ks.numel() > 1
-    block_table = None
-    if bias is None or isinstance(bias, ab.LowerTriangularFromBottomRightMask):
-        seqlens = _full_lengths(q.device, q.shape[0], k.shape[1])
-    else:
-        nseq = len(bias.q_seqinfo.seqstart_py) - 1
-        q = q.view(nseq, q.shape[1] // max(nseq, 1), *q.shape[2:])
-        seqlens = bias.k_seqinfo.seqlen
-        if isinstance(bias, ab.PagedBlockDiagonalPaddedKeysMask):
-            block_table, rows = bias.block_tables, (-1, bias.page_size)
-        else:
-            rows = (nseq, bias.k_seqinfo.padding)
-        k, v = k.view(*rows, *k.shape[2:]), v.view(*rows, *v.shape[2:])
-        if per_token:
-            ks, vs = ks.view(k.shape[:3]), vs.view(v.shape[:3])
-    if inp.quantize_kv_to_fp8:
-        from registry import current_arch, fp8_dtype
-
-        from ..kv_cache import quantize_kv_fp8
-
-        k, v, ks, vs = quantize_kv_fp8(k, v, fp8_dtype(current_arch(q.device)))
-    elif ks is not None:
-        ks, vs = _token_scale(ks, k), _token_scale(vs, v)
-    return q, k, v, seqlens, block_table, ks, vs
-
-
-def decode_outputs(inp: Inputs, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, needs_lse: bool):
-    """A decode kernel's (B, Mq, Hq, D) out and (B, Hq, Mq) lse in the call's layout (packed when the mask
-    packs the queries into batch 1: out (1, B * Mq, Hq, D), lse (1, Hq, B * Mq))."""
-    out = out.view(inp.query.shape[:3] + out.shape[3:])
-    if not needs_lse:
-        return out, None
-    if inp.attn_bias is not None and inp.query.shape[0] == 1 and q.shape[0] != 1:
-        lse = lse.permute(1, 0, 2).reshape(1, lse.shape[1], -1)
-    return out, lse
-
-
-def _token_scale(d: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """A tensor / (B, Hkv) / per-token descale as a per-token view (stride 0 where it repeats)."""
-    if d.numel() == 1:
-        return d.reshape(1, 1, 1).expand(cache.shape[:3])
-    if d.dim() == 2:  # (B, Hkv) over a dense (B, L, Hkv, D) cache
-        return d[:, None, :].expand(cache.shape[:3])
-    return d
 
 
 class _DecodeOp(AttentionFwOp):
-    ARCHS = _ARCHS
+    ARCHS = TRITON_ARCHS
     REQUIRES = ("triton",)
     DTYPES = frozenset([(h, h, h) for h in _HALF] + [(h, f, f) for h in _HALF for f in FP8_DTYPES])
     OUT_DTYPES = frozenset(_HALF + (torch.float32,))
     HEAD_DIMS = (16, 32, 64, 128, 256)
-    BIAS_KINDS = _MASKS
+    BIAS_KINDS = DECODE_MASKS
     GQA = True
     PAGE_SIZES = range(1, 1 << 24)  # a dense cache runs as one page of its full length
     DESCALES = {"q": frozenset({"none"}), "k": frozenset({"none"}) | _FP8_KV_DESCALES,

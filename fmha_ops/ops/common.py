@@ -1,0 +1,156 @@
+"""Helpers more than one backend uses: platform limits of the Triton ops, the decode ops' views of a
+call, and dequantization of quantized inputs.
+
+Backends import from here (and from ``base`` / ``cost``), never from each other.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from registry import current_arch, fp8_dtype
+
+from .. import attn_bias as ab
+from ..inputs import Inputs
+from ..problem import Problem
+from ..quant import K_SCALE_BLOCK, Q_SCALE_BLOCK
+from ..validation import descale_kinds
+
+# ---- Triton platforms ----------------------------------------------------------------------------
+
+TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+#: where the Triton ops run: sm89+ GPUs, and the CPU under ``TRITON_INTERPRET=1`` (tests)
+TRITON_ARCHS = ("cuda>=8.9",) + (("cpu",) if TRITON_INTERPRET else ())
+
+
+def interpreter_reasons(p: Problem) -> list[str]:
+    """Platform limits of the Triton ops: the interpreter (CPU) computes bfloat16 tl.dot wrongly, and
+    float8_e4m3fnuz is an AMD format (NVIDIA GPUs take float8_e4m3fn)."""
+    dts = (p.q_dtype, p.k_dtype, p.v_dtype)
+    if p.arch.kind == "cpu" and torch.bfloat16 in dts:
+        return ["bfloat16 is not computed correctly by the Triton interpreter (CPU); use float16 there"]
+    if p.arch.kind == "cuda" and torch.float8_e4m3fnuz in dts:
+        return ["float8_e4m3fnuz is not an NVIDIA format; use float8_e4m3fn"]
+    return []
+
+
+# ---- decode ops' views of a call -----------------------------------------------------------------
+
+#: the masks the paged-decode ops take: dense BMHK calls (none / bottom-right causal) and the decode masks
+DECODE_MASKS = frozenset({ab.NONE, ab.CAUSAL_BR, ab.PADDED_KEYS, ab.PADDED_KEYS_CAUSAL, ab.PAGED, ab.PAGED_CAUSAL})
+
+
+@functools.lru_cache(maxsize=64)
+def _full_lengths(device: torch.device, batch: int, length: int) -> torch.Tensor:
+    return torch.full((batch,), length, dtype=torch.int32, device=device)
+
+
+def decode_views(inp: Inputs):
+    """(q (B, Mq, Hq, D), k_cache, v_cache, seqlens, block_table, k_scale, v_scale) for a decode kernel.
+
+    Caches are (B, L, Hkv, D) or, paged, (pages, page_size, Hkv, D) views of the call's key / value; seqlens
+    int32 (B,); block_table int32 (B, max_pages) or None; k/v scales float32 per token (shaped like the caches
+    without D; stride 0 where a per-tensor or per-head descale repeats) or None. With ``quantize_kv_to_fp8``
+    the caches are quantized to the arch's fp8 per token first.
+    """
+    q, k, v, bias = inp.query, inp.key, inp.value, inp.attn_bias
+    ks, vs = inp.k_descale, inp.v_descale
+    per_token = ks is not None and ks.shape == k.shape[:3] and ks.numel() > 1
+    block_table = None
+    if bias is None or isinstance(bias, ab.LowerTriangularFromBottomRightMask):
+        seqlens = _full_lengths(q.device, q.shape[0], k.shape[1])
+    else:
+        nseq = len(bias.q_seqinfo.seqstart_py) - 1
+        q = q.view(nseq, q.shape[1] // max(nseq, 1), *q.shape[2:])
+        seqlens = bias.k_seqinfo.seqlen
+        if isinstance(bias, ab.PagedBlockDiagonalPaddedKeysMask):
+            block_table, rows = bias.block_tables, (-1, bias.page_size)
+        else:
+            rows = (nseq, bias.k_seqinfo.padding)
+        k, v = k.view(*rows, *k.shape[2:]), v.view(*rows, *v.shape[2:])
+        if per_token:
+            ks, vs = ks.view(k.shape[:3]), vs.view(v.shape[:3])
+    if inp.quantize_kv_to_fp8:
+        from ..kv_cache import quantize_kv_fp8
+
+        k, v, ks, vs = quantize_kv_fp8(k, v, fp8_dtype(current_arch(q.device)))
+    elif ks is not None:
+        ks, vs = _token_scale(ks, k), _token_scale(vs, v)
+    return q, k, v, seqlens, block_table, ks, vs
+
+
+def decode_outputs(inp: Inputs, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, needs_lse: bool):
+    """A decode kernel's (B, Mq, Hq, D) out and (B, Hq, Mq) lse in the call's layout (packed when the mask
+    packs the queries into batch 1: out (1, B * Mq, Hq, D), lse (1, Hq, B * Mq))."""
+    out = out.view(inp.query.shape[:3] + out.shape[3:])
+    if not needs_lse:
+        return out, None
+    if inp.attn_bias is not None and inp.query.shape[0] == 1 and q.shape[0] != 1:
+        lse = lse.permute(1, 0, 2).reshape(1, lse.shape[1], -1)
+    return out, lse
+
+
+def _token_scale(d: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """A tensor / (B, Hkv) / per-token descale as a per-token view (stride 0 where it repeats)."""
+    if d.numel() == 1:
+        return d.reshape(1, 1, 1).expand(cache.shape[:3])
+    if d.dim() == 2:  # (B, Hkv) over a dense (B, L, Hkv, D) cache
+        return d[:, None, :].expand(cache.shape[:3])
+    return d
+
+
+# ---- dequantization ------------------------------------------------------------------------------
+
+def dequantize(x: torch.Tensor, descale: torch.Tensor | None, kind: str, block: int = 0) -> torch.Tensor:
+    """float32 ``x * descale`` for a BMHK tensor and a descale of ``kind`` (see fmha_ops.inputs).
+    ``block`` is the row block of a "block" descale (Q_SCALE_BLOCK for q, K_SCALE_BLOCK for k)."""
+    xf = x.float()
+    if kind == "none":
+        return xf
+    d = descale.float()
+    m, h = x.shape[1], x.shape[2]
+    if kind == "tensor":
+        return xf * d.reshape(())
+    if kind == "head":  # (B, Hkv); a query head uses its kv head's value
+        return xf * d.repeat_interleave(h // d.shape[1], dim=1)[:, None, :, None]
+    if kind == "block":
+        return xf * d.repeat_interleave(block, dim=2)[:, :, :m].permute(0, 2, 1)[..., None]
+    if kind == "channel":
+        return xf * d[:, None, :, :]
+    if kind == "token":
+        return xf * d[..., None]
+    raise ValueError(f"unknown descale kind {kind!r}")
+
+
+def quantize_per_token(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-(token, head) fp8 quantization of a (..., K) tensor: (x_fp8, scale float32 (...))."""
+    fmax = torch.finfo(dtype).max
+    amax = x.float().abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
+    return (x.float() / scale[..., None]).clamp(-fmax, fmax).to(dtype), scale
+
+
+def dequantized_qkv(inp: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 q, k, v as the kernels see them: times their descales (or quantized per token to the
+    arch's fp8 and back when ``quantize_kv_to_fp8``)."""
+    q, k, v = inp.query, inp.key, inp.value
+    kinds = descale_kinds(inp)
+    descales = [inp.q_descale, inp.k_descale, inp.v_descale]
+    if isinstance(inp.attn_bias, ab.BlockDiagonalMask):  # per-sequence descales -> per token
+        for i, (info, kind) in enumerate(zip((inp.attn_bias.q_seqinfo, inp.attn_bias.k_seqinfo, inp.attn_bias.k_seqinfo),
+                                             kinds)):
+            if kind == "head":
+                seq = torch.repeat_interleave(torch.arange(len(info.seqlens)), torch.tensor(info.seqlens))
+                d = descales[i][seq.to(q.device)]
+                descales[i] = d.repeat_interleave((q if i == 0 else k).shape[2] // d.shape[1], dim=1)[None]
+                kinds = kinds[:i] + ("token",) + kinds[i + 1:]
+    if inp.quantize_kv_to_fp8:
+        f8 = fp8_dtype(current_arch(q.device))
+        (k8, ks), (v8, vs) = quantize_per_token(k, f8), quantize_per_token(v, f8)
+        kf, vf = k8.float() * ks[..., None], v8.float() * vs[..., None]
+    else:
+        kf = dequantize(k, descales[1], kinds[1], K_SCALE_BLOCK)
+        vf = dequantize(v, descales[2], kinds[2])
+    return dequantize(q, descales[0], kinds[0], Q_SCALE_BLOCK), kf, vf

@@ -1,0 +1,94 @@
+"""``Problem``: everything that decides which op can run a call and how fast it runs.
+
+Built once per call signature from an ``Inputs`` (``Inputs.problem``); hashable; what op declarations
+(``ops/base.py``), cost models and tuning-table buckets read. Sizes follow the mask's view of the call
+(``attn_bias.MaskDims``): for varlen and decode masks ``batch`` is the number of sequences.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from registry import Arch
+
+from . import attn_bias as ab
+from .dtypes import FP8_DTYPES, dtype_name
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One call's op-relevant description; hashable.
+
+    Example
+    -------
+    >>> p = fmha_ops.make_inputs(q, k, v, fmha_ops.LowerTriangularMask()).problem()
+    >>> p.causal, p.gqa_ratio, p.bucket()
+    """
+
+    arch: Arch
+    q_dtype: torch.dtype
+    k_dtype: torch.dtype
+    v_dtype: torch.dtype
+    out_dtype: torch.dtype
+    batch: int  # sequences (varlen/decode: number of sequences)
+    seqlen_q: int  # longest query sequence
+    seqlen_k: int  # longest key sequence (decode: cache capacity per sequence)
+    total_q: int  # query tokens in the call
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    head_dim_v: int
+    bias: str  # attn_bias kind (attn_bias.*)
+    q_uniform: bool  # every sequence has seqlen_q queries
+    page_size: int  # 0 unless paged
+    descales: tuple[str, str, str]  # (q, k, v) descale kinds
+    quantize_kv: bool
+    dropout: bool
+    needs_lse: bool
+    needs_grad: bool
+    deterministic: bool
+    graph_capture: bool
+    fp8_backward: bool = False  # set_fp8_dequantized_backward is on
+    v_keys_contiguous: bool = False  # value is keys-contiguous (see fmha_ops.inputs)
+    tma_misaligned: tuple[str, ...] = ()  # inputs a TMA descriptor cannot address (validation.tma_misaligned)
+
+    @property
+    def causal(self) -> bool:
+        return self.bias in ab.CAUSAL_KINDS
+
+    @property
+    def gqa_ratio(self) -> int:
+        return self.heads_q // self.heads_kv
+
+    @property
+    def kv_fp8(self) -> bool:
+        """The KV is (or becomes, with quantize_kv) fp8 while the query is not."""
+        return self.quantize_kv or (self.k_dtype in FP8_DTYPES and self.q_dtype not in FP8_DTYPES + (torch.int8,))
+
+    def bucket(self) -> str:
+        """Tuning-table key: exact dtypes, head dims, mask, GQA, page size; sizes rounded to powers of 2."""
+        return "|".join([
+            "/".join(dtype_name(d) for d in (self.q_dtype, self.k_dtype, self.v_dtype)),
+            f"d{self.head_dim}/{self.head_dim_v}", self.bias, f"g{self.gqa_ratio}", f"p{self.page_size}",
+            f"qkv{int(self.quantize_kv)}", f"bh{_p2(self.batch * self.heads_kv)}", f"q{_p2(self.seqlen_q)}",
+            f"k{_p2(self.seqlen_k)}", f"grad{int(self.needs_grad)}",
+        ])
+
+    def __str__(self) -> str:
+        dts = "/".join(dtype_name(d) for d in (self.q_dtype, self.k_dtype, self.v_dtype))
+        extra = [f"page={self.page_size}"] if self.page_size else []
+        extra += [f"descale={'/'.join(self.descales)}"] if self.descales != ("none",) * 3 else []
+        extra += ["quantize_kv"] if self.quantize_kv else []
+        extra += ["lse"] if self.needs_lse else []
+        extra += ["grad"] if self.needs_grad else []
+        extra += ["dropout"] if self.dropout else []
+        extra += ["graph"] if self.graph_capture else []
+        return (f"{dts}->{dtype_name(self.out_dtype)} B={self.batch} Mq={self.seqlen_q} Mk={self.seqlen_k} "
+                f"Hq={self.heads_q} Hkv={self.heads_kv} K={self.head_dim} Kv={self.head_dim_v} "
+                f"bias={self.bias} " + " ".join(extra + [f"on {self.arch}"]))
+
+
+def _p2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))

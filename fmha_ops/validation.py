@@ -1,0 +1,156 @@
+"""Validation of one call's ``Inputs``: tensors, dtypes, descales, scalars; the mask checks itself.
+
+Every error is a ValueError naming the argument, the value and what is supported. ``validate`` runs once
+per call signature (the selector's memo), so none of this is on the repeated-call path.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import attn_bias as ab
+from .dtypes import FLOAT_DTYPES, FP8_DTYPES, dtype_name
+from .quant import K_SCALE_BLOCK, Q_SCALE_BLOCK
+
+if TYPE_CHECKING:
+    from .inputs import Inputs
+
+_DESCALE_ROLES = ("q_descale", "k_descale", "v_descale")
+
+
+def validate(inp: "Inputs") -> None:
+    """Raise ValueError naming the argument, the value and what is supported."""
+    q, k, v = inp.query, inp.key, inp.value
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.ndim != 4:
+            raise ValueError(f"{name} must be 4-D BMHK (batch, seqlen, heads, headdim), got shape {tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but query is on {q.device}; all inputs must share a device")
+        if t is not v and t.shape[-1] and t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim (stride 1), got stride {t.stride(-1)}")
+    if value_layout(v) not in ("last", "keys"):
+        raise ValueError(f"value must be contiguous in its last dim (stride 1), or keys-contiguous (stride 1 "
+                         f"along the sequence dim 1, other strides multiples of 16 bytes); got strides {v.stride()}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"key {tuple(k.shape)} and value {tuple(v.shape)} must agree in (batch, seqlen, heads)")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"query batch {q.shape[0]} != key batch {k.shape[0]}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"query head dim {q.shape[3]} != key head dim {k.shape[3]}")
+    hq, hkv = q.shape[2], k.shape[2]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv}) (GQA/MQA)")
+    if q.shape[3] == 0 or v.shape[3] == 0:
+        raise ValueError(f"head dims must be >= 1, got K={q.shape[3]}, Kv={v.shape[3]}")
+    _validate_dtypes(inp)
+    _validate_descales(inp)
+    if not (0.0 <= inp.p < 1.0):
+        raise ValueError(f"p (dropout) must be in [0, 1), got {inp.p}")
+    if inp.scale is not None and not math.isfinite(inp.scale):
+        raise ValueError(f"scale must be a finite float, got {inp.scale}")
+    if inp.output_dtype is not None and inp.output_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"output_dtype={inp.output_dtype} not supported; use one of "
+                         f"{', '.join(map(dtype_name, FLOAT_DTYPES))}")
+    if inp.attn_bias is not None:
+        inp.attn_bias.validate(q, k)
+
+
+def _validate_dtypes(inp: "Inputs") -> None:
+    q, k, v = inp.query.dtype, inp.key.dtype, inp.value.dtype
+    combo = f"query/key/value dtypes {dtype_name(q)}/{dtype_name(k)}/{dtype_name(v)}"
+    supported = ("supported: all float16, all bfloat16, all float32; all fp8 e4m3 (with descales); "
+                 "int8 query/key + fp8 value (i8fp8, with descales); float16/bfloat16 query with an "
+                 "fp8 KV cache (per-token or per-head descales)")
+    if q in FLOAT_DTYPES:
+        ok = (k == q and v == q) or (q != torch.float32 and k in FP8_DTYPES and v == k)
+    elif q in FP8_DTYPES:
+        ok = k == q and v == q
+    elif q == torch.int8:
+        ok = k == torch.int8 and v in FP8_DTYPES
+    else:
+        ok = False
+    if not ok:
+        raise ValueError(f"{combo} not supported; {supported}")
+    descales = (inp.q_descale, inp.k_descale, inp.v_descale)
+    if q not in FLOAT_DTYPES:
+        for role, d in zip(_DESCALE_ROLES, descales):
+            if d is None:
+                raise ValueError(f"{role} is required when query is {dtype_name(q)} (float32 descales; pass "
+                                 f"torch.ones(1) for unit scales)")
+    if q in FLOAT_DTYPES and k in FP8_DTYPES and (inp.k_descale is None or inp.v_descale is None):
+        raise ValueError(f"k_descale and v_descale are required for a {dtype_name(k)} KV cache")
+    if q in FLOAT_DTYPES and k == q and any(d is not None for d in descales):
+        raise ValueError(f"descales are only for quantized inputs; query/key/value are {dtype_name(q)}")
+    if inp.quantize_kv_to_fp8 and not (q in (torch.float16, torch.bfloat16) and k == q):
+        raise ValueError(f"quantize_kv_to_fp8=True needs float16/bfloat16 query, key and value; got {combo}")
+
+
+def _validate_descales(inp: "Inputs") -> None:
+    kinds = descale_kinds(inp)  # raises on bad shapes
+    for role, d in zip(_DESCALE_ROLES, (inp.q_descale, inp.k_descale, inp.v_descale)):
+        if d is None:
+            continue
+        if d.dtype != torch.float32:
+            raise ValueError(f"{role} must be float32, got {dtype_name(d.dtype)}")
+        if d.device != inp.query.device:
+            raise ValueError(f"{role} is on {d.device} but query is on {inp.query.device}")
+    if inp.bias_kind in ab.DECODE_KINDS and "head" in kinds:
+        raise ValueError(f"per-(batch, head) descales are not supported with {type(inp.attn_bias).__name__} "
+                         f"(queries packed in batch 1); pass per-token k/v descales of shape key.shape[:3]")
+    if kinds[1] == "token" and inp.query.dtype not in FLOAT_DTYPES:
+        raise ValueError("per-token k/v descales are only for a float16/bfloat16 query with an fp8 KV cache")
+
+
+def descale_kinds(inp: "Inputs") -> tuple[str, str, str]:
+    """The (q, k, v) descale kinds (see ``fmha_ops.inputs``); raises ValueError on a shape that is none of them."""
+    q, k, v = inp.query, inp.key, inp.value
+    b, mq, hq, _ = q.shape
+    mk, hkv = k.shape[1], k.shape[2]
+    sequences = inp.attn_bias.dims(q, k).batch if inp.bias_kind in ab.VARLEN_KINDS else b
+    head = (sequences, hkv)
+    shapes = {
+        "q_descale": (inp.q_descale, {"head": head, "block": (b, hq, -(-mq // Q_SCALE_BLOCK))}),
+        "k_descale": (inp.k_descale, {"head": head, "block": (b, hkv, -(-mk // K_SCALE_BLOCK)),
+                                      "token": tuple(k.shape[:3])}),
+        "v_descale": (inp.v_descale, {"head": head, "channel": (b, hkv, v.shape[3]), "token": tuple(v.shape[:3])}),
+    }
+    kinds = []
+    for role, (t, allowed) in shapes.items():
+        if t is None:
+            kinds.append("none")
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{role} must be a float32 tensor, got {type(t).__name__}")
+        shape = tuple(t.shape)
+        if t.numel() == 1:
+            kinds.append("tensor")
+            continue
+        for kind, want in allowed.items():
+            if shape == want:
+                kinds.append(kind)
+                break
+        else:
+            listed = ", ".join(f"{kind} {want}" for kind, want in allowed.items())
+            raise ValueError(f"{role} has shape {shape}; supported: a scalar (numel 1), {listed}")
+    return tuple(kinds)  # type: ignore[return-value]
+
+
+def value_layout(v: torch.Tensor) -> Any:
+    """"last" (contiguous in the head dim), "keys" (keys-contiguous, see ``fmha_ops.inputs``), or the
+    strides of a layout that is neither."""
+    if v.shape[-1] == 0 or v.stride(-1) == 1:
+        return "last"
+    if (v.stride(1) == 1 or v.shape[1] <= 1) and all(
+            v.stride(d) * v.element_size() % 16 == 0 for d in (0, 2, 3)):
+        return "keys"
+    return v.stride()
+
+
+def tma_misaligned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[str, ...]:
+    """Names of the non-empty inputs whose start address is not a multiple of 16 bytes (a TMA descriptor
+    needs it; the call signature holds the same test)."""
+    return tuple(name for name, t in (("query", q), ("key", k), ("value", v)) if t.numel() and t.data_ptr() % 16)
