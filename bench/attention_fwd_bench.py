@@ -7,9 +7,8 @@ TFLOP/s = 4*B*H*N^2*D / t, halved when causal. Our fp8/i8fp8 times include the V
 launcher makes (``transpose_v``, reported separately as ``vT_ms``) and exclude quantization (inputs arrive quantized,
 as with FA3); SageAttention 1.0.6 (if importable) quantizes inside its call.
 ``--sweep`` first times tile/launch variants of the fp8 path per head dim and uses the best ones.
-Writes attention_fwd.json/.png, attention_fwd_sweep.json, i8fp8_accuracy.json, and markdown sections
-attention_fwd.md and i8fp8_accuracy.md into --out; bench/results/ holds those sections with the
-optimisation notes added by hand.
+Writes attention_fwd.json/.png, attention_fwd_sweep.json and i8fp8_accuracy.json into --out, and the records
+bench/results/attention_fwd.md and bench/results/accuracy.md (not with --quick or --no-record).
 """
 from __future__ import annotations
 
@@ -24,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import (  # noqa: E402
     attention_tflops,
     bar_plot,
+    markdown_table,
     base_parser,
     capture_graph,
     environment,
@@ -33,6 +33,7 @@ from bench.common import (  # noqa: E402
     sdpa,
     time_ms,
     write_json,
+    write_record,
 )
 from fmha_ops.kernels.triton.attention_fwd import attention_forward, default_config, transpose_v  # noqa: E402
 from fmha_ops.quant import quantize_i8fp8, quantize_qkv_fp8  # noqa: E402
@@ -233,15 +234,34 @@ def accuracy_table(out, best):
     return rows, cols
 
 
-def _md_table(rows, cols):
-    fmt = lambda x: f"{x:.4g}" if isinstance(x, float) else ("-" if x is None else str(x))  # noqa: E731
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
+FWD_COLUMNS = ["shape", "fp8", "i8fp8", "bf16", "cudnn", "fa4", "cudnn_fp8", "fp8/cudnn", "i8fp8/cudnn"]
+FWD_LABELS = ["shape (B x Hq/Hkv x N x D)", "ours fp8", "ours i8fp8", "ours bf16", "cuDNN bf16", "FA4",
+              "cuDNN fp8", "fp8 / cuDNN", "i8fp8 / cuDNN"]
+FWD_NOTES = ("TFLOP/s = 4*B*H*N^2*D / t, halved when causal; CUDA-event medians of whole calls. Ours take inputs "
+             "already quantized (fp8: per (batch, kv head) descales; i8fp8: int8 q/k per 128-token block, fp8 v per "
+             "channel) and include the V transpose. cuDNN is torch SDPA's cuDNN backend in the same run; the FA4 and "
+             "cuDNN fp8 columns are empty where the package is not installed.")
+ACC_COLUMNS = ["inputs", "kernel", "cos", "mae", "max", "rel"]
+ACC_LABELS = ["inputs", "kernel", "cosine", "mean abs err", "max abs err", "rel L2 err"]
+ACC_NOTES = ("B=1, H=16, N=16384, D=128, non-causal, against float32 attention of the bf16 inputs; inputs from "
+             "`fmha_ops.testing` (`normal_qkv`, `transformer_like`).")
+COMMAND = "PYTHONPATH=$PWD python bench/attention_fwd_bench.py"
+
+
+def record_speed(rows: list[dict], env: dict, png: str | None = None) -> str:
+    """Write bench/results/attention_fwd.md from speed_table's rows."""
+    body = markdown_table(rows, FWD_COLUMNS, FWD_LABELS) + "\n\n" + FWD_NOTES
+    return write_record("attention_fwd", "Forward attention (prefill)", COMMAND, body, env, png)
+
+
+def record_accuracy(rows: list[dict], env: dict) -> str:
+    """Write bench/results/accuracy.md from accuracy_table's rows."""
+    body = markdown_table(rows, ACC_COLUMNS, ACC_LABELS) + "\n\n" + ACC_NOTES
+    return write_record("accuracy", "Accuracy of the quantized forward", COMMAND, body, env)
 
 
 def main():
-    p = base_parser(__doc__)
+    p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--sweep", action="store_true", help="time tile/launch variants first and use the best")
     p.add_argument("--sweep-only", default=None, help="comma list of head dims: run only their sweep, then stop")
     p.add_argument("--sweep-shape", default=None, help="B,H,N for --sweep-only (default 4,32,4096 at D128, 4,16,4096)")
@@ -257,17 +277,14 @@ def main():
     best = {}
     if args.sweep:
         best = or_none(lambda: sweep(out)) or {}
-    rows, cols = speed_table(out, best, args.quick)
-    head = (f"date {env['date']}, GPU {env.get('gpu')}, torch {env['torch']}, triton {env['triton']}, "
-            f"CUDA {env['cuda']}\n\n")
-    with open(os.path.join(out, "attention_fwd.md"), "w") as f:
-        f.write("## Attention forward (Triton fp8 / i8fp8 / bf16)\n\n" + head + "TFLOP/s = 4*B*H*N^2*D/t "
-                "(halved if causal); shape B x Hq/Hkv x N x D.\n\n" + _md_table(rows, cols) + "\n")
+    rows, _ = speed_table(out, best, args.quick)
+    record = not (args.no_record or args.quick)
+    if record:
+        print("record:", record_speed(rows, env, os.path.join(out, "attention_fwd.png")))
     if not args.no_accuracy:
-        arows, acols = or_none(lambda: accuracy_table(out, best)) or ([], [])
-        with open(os.path.join(out, "i8fp8_accuracy.md"), "w") as f:
-            f.write("## i8fp8 accuracy (B=1, H=16, N=16384, D=128, vs float32)\n\n" + head
-                    + _md_table(arows, acols) + "\n")
+        arows, _ = or_none(lambda: accuracy_table(out, best)) or ([], [])
+        if record and arows:
+            print("record:", record_accuracy(arows, env))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import subprocess
 import time
 from typing import Callable, Sequence
@@ -33,9 +34,11 @@ def out_dir(arg: str | None = None) -> str:
     return path
 
 def base_parser(description: str) -> argparse.ArgumentParser:
+    """``--out`` (JSON/PNG folder), ``--quick`` (fewer shapes) and ``--no-record`` (leave bench/results alone)."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--out", default=None, help="folder for JSON/PNG (default $OUT or bench/out)")
     p.add_argument("--quick", action="store_true", help="fewer shapes, for a smoke run")
+    p.add_argument("--no-record", action="store_true", help="do not write the record into bench/results/")
     return p
 
 def _driver_version() -> str | None:
@@ -212,13 +215,18 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[str], labels: Sequenc
 
 def write_record(name: str, title: str, command: str, body: str, env: dict | None = None,
                  png: str | None = None, results_dir: str = RESULTS) -> str:
-    """Write ``bench/results/<name>.md``: a ``## title`` heading, the environment line, the command that
-    reproduces it, the ``body`` (tables and their one-line notes) and the PNG, if any. Returns the path."""
-    parts = [f"## {title}", "", f"{environment_line(env)}. Reproduce: `{command}`", "", body.strip()]
-    if png:
-        parts += ["", f"![{title}](bench/results/{png})"]
-    path = os.path.join(results_dir, f"{name}.md")
+    """Write the record ``<results_dir>/<name>.md`` (default ``bench/results/``): a ``## title`` heading, the
+    environment line, the command that reproduces it, the ``body`` (its table and one-line notes) and, if ``png``
+    names a plot that exists, that plot copied to ``<results_dir>/<name>.png`` and linked. Returns the path."""
     os.makedirs(results_dir, exist_ok=True)
+    parts = [f"## {title}", "", f"Environment: {environment_line(env)}.", "", f"Reproduce: `{command}`", "",
+             body.strip()]
+    if png and os.path.exists(png):
+        target = os.path.join(results_dir, f"{name}.png")
+        if os.path.abspath(png) != os.path.abspath(target):
+            shutil.copyfile(png, target)
+        parts += ["", f"![{title}](bench/results/{name}.png)"]
+    path = os.path.join(results_dir, f"{name}.md")
     with open(path, "w") as f:
         f.write("\n".join(parts) + "\n")
     return path

@@ -10,7 +10,9 @@ heads of a KV head packed as query rows (``q (B, Hkv, Hq/Hkv, D)``, equivalent f
 of the two reported. Roofline: each variant's bytes are also streamed by a read-only kernel with the same
 access pattern (``bench/diagnostics/stream_ceiling.py``), giving the share of the memory ceiling each decoder reaches.
 
-    python bench/decoder_bench.py [--quick] [--sweep] [--out DIR]
+    python bench/decoder_bench.py [--quick] [--sweep] [--out DIR] [--no-record]
+
+Writes decode.json/.png to --out and the record bench/results/decode.md (not with --quick or --no-record).
 """
 from __future__ import annotations
 
@@ -215,24 +217,27 @@ COLUMNS = ["shape", "bf16_splits", "fp8_splits", "bf16_graph_TBps", "bf16_eager_
            "bf16_rel_vs_cudnn", "fp8_rel_vs_cudnn"]
 
 
-def markdown(rows, env) -> str:
-    lines = [f"## Decode (paged, Mq=1, D=128) - {env.get('date')}, {env.get('gpu')}, torch {env.get('torch')}, "
-             f"triton {env.get('triton')}", "",
-             "Effective TB/s = K+V (+fp8 scales) bytes / time; graph = CUDA-graph replay (do_bench median), "
-             "eager = back-to-back calls; clean = graph replay after a read-only L2 eviction "
-             "(`common.time_clean_l2_ms`: no dirty lines written back during the call); "
-             "SDPA on contiguous KV (graph). `*_of_ceiling`: the time of a kernel that only reads the same bytes "
-             "(`bench/diagnostics/stream_ceiling.py`, clean) over ours; `fp8_speedup_bound(_graph)`: our bf16 time over that "
-             "read-only time for the fp8 cache, the largest fp8/bf16 any fp8 kernel could show (clean / do_bench).",
-             "",
-             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for r in rows:
-        lines.append("| " + " | ".join(common._fmt(r.get(c)) for c in COLUMNS) + " |")
-    return "\n".join(lines) + "\n"
+RECORD_COLUMNS = ["shape", "bf16_graph_TBps", "bf16_eager_TBps", "fp8_graph_TBps", "fp8_eager_TBps", "fp8_speedup",
+                  "fp8_speedup_clean", "cudnn_TBps", "xformers_TBps"]
+RECORD_LABELS = ["shape", "bf16 graph (TB/s)", "bf16 eager", "fp8 graph", "fp8 eager", "fp8 speedup",
+                 "fp8 speedup, clean L2", "cuDNN bf16", "xformers bf16"]
+RECORD_NOTES = ("Paged KV (B batch, L keys, p page size), one query token, D=128 and Hq/Hkv = 32/8 unless named; "
+                "effective TB/s = K+V bytes (+ fp8 per-token scales) / time; fp8 speedup = bf16 time / fp8 time. "
+                "graph: CUDA-graph replay (do_bench median); eager: back-to-back calls; clean L2: graph replay after "
+                "a read-only L2 eviction (do_bench's zeroing eviction leaves dirty lines the timed call writes "
+                "back). cuDNN: torch SDPA on contiguous bf16 KV, graph; xformers empty where the package is not "
+                "installed.")
+COMMAND = "PYTHONPATH=$PWD python bench/decoder_bench.py"
+
+
+def record(rows: list[dict], env: dict, png: str | None = None) -> str:
+    """Write bench/results/decode.md from main's rows."""
+    body = common.markdown_table(rows, RECORD_COLUMNS, RECORD_LABELS) + "\n\n" + RECORD_NOTES
+    return common.write_record("decode", "Decode (paged KV cache)", COMMAND, body, env, png)
 
 
 def main():
-    p = common.base_parser(__doc__)
+    p = common.base_parser(__doc__.splitlines()[0])
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--sweep", action="store_true", help="time tuning variants on the first shapes too")
     args = p.parse_args()
@@ -259,14 +264,12 @@ def main():
     env = common.environment()
     common.print_table(rows, COLUMNS)
     common.write_json(out, "decode", rows)
-    common.bar_plot(out, "decode", rows, "shape", ["bf16_graph_TBps", "bf16_clean_TBps", "bf16_eager_TBps",
-                                                   "fp8_graph_TBps", "fp8_clean_TBps", "cudnn_TBps", "flash_TBps"],
-                    "TB/s (effective)",
-                    "Paged decode, H200")
-    md = markdown(rows, env)
-    with open(os.path.join(out, "decode.md"), "w") as f:
-        f.write(md)
-    print(md)
+    png = common.bar_plot(out, "decode", rows, "shape", ["bf16_graph_TBps", "bf16_clean_TBps", "bf16_eager_TBps",
+                                                         "fp8_graph_TBps", "fp8_clean_TBps", "cudnn_TBps",
+                                                         "flash_TBps"],
+                          "TB/s (effective)", "Paged decode, H200")
+    if not (args.no_record or args.quick):
+        print("record:", record(rows, env, png))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ on the same tensors.
 
 Host wall time of back-to-back calls (``bench.common.host_us``: ``time.perf_counter`` over ``--iters`` calls after a
 warm-up, one synchronize after), microseconds per call. Writes host_time.json and .png into --out and the table to
-bench/results/host_time.md (unless --no-record). Where the time of a call goes: ``bench/diagnostics/``
+bench/results/host_time.md (not with --quick or --no-record). Where the time of a call goes: ``bench/diagnostics/``
 (``launch_overhead.py``, ``dispatch_overhead.py``).
 
     PYTHONPATH=$PWD python bench/host_time.py [--iters 400] [--out DIR]
@@ -62,7 +62,6 @@ def cases() -> dict:
 def main() -> None:
     p = common.base_parser(__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=400)
-    p.add_argument("--no-record", action="store_true", help="do not write bench/results/host_time.md")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/host_time.py needs a CUDA GPU")
@@ -72,15 +71,23 @@ def main() -> None:
         row = {"call": name, "ours_us": common.host_us(ours, iters), "sdpa_us": common.host_us(ref, iters)}
         row["ours_over_sdpa"] = row["ours_us"] / row["sdpa_us"]
         rows.append(row)
-    cols = ["call", "ours_us", "sdpa_us", "ours_over_sdpa"]
-    common.print_table(rows, cols)
+    common.print_table(rows, ["call", "ours_us", "sdpa_us", "ours_over_sdpa"])
     out = common.out_dir(args.out)
     env = common.environment()
     common.write_json(out, "host_time", rows)
-    common.bar_plot(out, "host_time", rows, "call", ["ours_us", "sdpa_us"], "host us per call", "host time per call")
-    if not args.no_record:
-        table = common.markdown_table(rows, cols, ["call", "ours (us)", "SDPA (us)", "ours / SDPA"])
-        print("record:", common.write_record("host_time", "Host time per call", COMMAND, table, env, "host_time.png"))
+    png = common.bar_plot(out, "host_time", rows, "call", ["ours_us", "sdpa_us"], "host us per call",
+                          "host time per call")
+    if not (args.no_record or args.quick):
+        print("record:", record(rows, env, png))
+
+
+def record(rows: list[dict], env: dict, png: str | None = None) -> str:
+    """Write bench/results/host_time.md from ``rows`` (keys: call, ours_us, sdpa_us, ours_over_sdpa)."""
+    table = common.markdown_table(rows, ["call", "ours_us", "sdpa_us", "ours_over_sdpa"],
+                                  ["call", "ours (us)", "SDPA (us)", "ours / SDPA"])
+    notes = ("Host wall time per call of back-to-back calls, microseconds; SDPA is torch's eager call on the same "
+             "tensors.")
+    return common.write_record("host_time", "Host time per call", COMMAND, table + "\n\n" + notes, env, png)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 Per shape (B, N, H, D; q/k/v bf16 of that shape): CUDA-graph replay time of ``quantize_qkv`` for int8 and fp8
 q/k, of its stats launch (``kv_stats``: k and v read once) alone, and of ``torch.clone`` of q, k and v (the device's read+write copy speed on the
 same bytes). Bytes moved by the pass: q, k, v read, k and v read again (stats), the narrow copies and the
-dequantized bf16 copies written. Prints a table, writes quantize_bench.json and quantize_bench.png.
+dequantized bf16 copies written. Prints a table, writes quantize_bench.json and quantize_bench.png into --out and
+the record bench/results/quantize.md (not with --quick, --no-record or a --module other than the shipped one).
 
     PYTHONPATH=$PWD python bench/quantize_bench.py [--module bench.some_candidate]
 """
@@ -20,11 +21,25 @@ import torch
 from bench import common
 
 SHAPES = [(16, 1024, 8, 64), (4, 4096, 32, 128), (1, 16384, 16, 128), (2, 8192, 8, 256)]
+SHIPPED = "fmha_ops.kernels.triton.quantize"
+COMMAND = "PYTHONPATH=$PWD python bench/quantize_bench.py"
+RECORD_COLUMNS = ["shape", "MB_moved", "int8_us", "int8_TBps", "fp8_us", "fp8_TBps", "copy_TBps"]
+RECORD_LABELS = ["shape (B x N x H x D)", "MB moved", "int8 q/k (us)", "TB/s", "fp8 q/k (us)", "TB/s",
+                 "clone q,k,v TB/s"]
+RECORD_NOTES = ("`quantize_qkv` of bf16 q, k, v (the training path's pass: k/v stats, then one fused quantize that "
+                "also writes the dequantized bf16 copies the backward reads), CUDA-graph replay; clone: "
+                "`torch.clone` of q, k and v, the copy speed on the same device.")
+
+
+def record(rows: list[dict], env: dict, png: str | None = None) -> str:
+    """Write bench/results/quantize.md from main's rows."""
+    body = common.markdown_table(rows, RECORD_COLUMNS, RECORD_LABELS) + "\n\n" + RECORD_NOTES
+    return common.write_record("quantize", "Quantization pass of the training path", COMMAND, body, env, png)
 
 
 def main() -> None:
     p = common.base_parser(__doc__.splitlines()[0])
-    p.add_argument("--module", default="fmha_ops.kernels.triton.quantize",
+    p.add_argument("--module", default=SHIPPED,
                    help="module providing quantize_qkv (to compare a candidate)")
     args = p.parse_args()
     mod = importlib.import_module(args.module)
@@ -53,8 +68,10 @@ def main() -> None:
     common.print_table(rows, cols)
     out = common.out_dir(args.out)
     common.write_json(out, "quantize_bench", rows, {"module": args.module})
-    common.bar_plot(out, "quantize_bench", rows, "shape", ["int8_TBps", "fp8_TBps", "copy_TBps"], "TB/s",
-                    "quantize_qkv bandwidth vs torch clone (H200, graph replay)")
+    png = common.bar_plot(out, "quantize_bench", rows, "shape", ["int8_TBps", "fp8_TBps", "copy_TBps"], "TB/s",
+                          "quantize_qkv bandwidth vs torch clone (H200, graph replay)")
+    if not (args.no_record or args.quick or args.module != SHIPPED):
+        print("record:", record(rows, common.environment(), png))
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@ selector picks than the fastest op for that call? regret = t(selected) / t(best)
 
     python bench/selector.py [--out DIR] [--quick]
 
-Prints a table, writes selector.json and selector.png (regret per call), and the median / worst regret.
-Targets on the H200: median <= 3 %, worst <= 15 %.
+Prints a table, writes selector.json and selector.png (regret per call) into --out and the record
+bench/results/selector.md (regret per kind of call; not with --quick or --no-record).
 """
 from __future__ import annotations
 
@@ -12,12 +12,19 @@ import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo, for fmha_ops
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from common import base_parser, environment, out_dir, print_table, write_json  # noqa: E402
+from bench.common import (  # noqa: E402
+    base_parser,
+    environment,
+    markdown_table,
+    out_dir,
+    print_table,
+    write_json,
+    write_record,
+)
 
 import fmha_ops  # noqa: E402
 from fmha_ops.tune import decode_call, measure, prefill_call  # noqa: E402
@@ -42,8 +49,39 @@ def calls(device: str, quick: bool):
     return out
 
 
+COMMAND = "PYTHONPATH=$PWD python bench/selector.py"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def record(rows: list[dict], env: dict, png: str | None = None) -> str:
+    """Write bench/results/selector.md: regret per kind of call (the label's first two words) from main's rows."""
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(" ".join(r["call"].split()[:2]), []).append(r)
+    table = []
+    for name, members in groups.items():
+        regrets = [r["regret"] for r in members if r["regret"] is not None]
+        worst = max(members, key=lambda r: -1 if r["regret"] is None else r["regret"])
+        table.append({"kind": name, "calls": len(members),
+                      "median": _pct(statistics.median(regrets)) if regrets else "-",
+                      "worst": _pct(worst["regret"]),
+                      "worst_call": (f"{worst['call'].split(' ', 2)[-1]}: {worst['selected']} vs {worst['best']}"
+                                     if worst["regret"] else "-")})
+    regrets = [r["regret"] for r in rows if r["regret"] is not None]
+    body = markdown_table(table, ["kind", "calls", "median", "worst", "worst_call"],
+                          ["kind of call", "calls", "median regret", "worst regret",
+                           "worst call: selected vs fastest"])
+    body += (f"\n\nAll {len(rows)} calls: median regret {_pct(statistics.median(regrets))}, worst "
+             f"{_pct(max(regrets))}; regret = t(selected) / t(fastest supporting op) - 1, calls between and outside "
+             "the tuned buckets (other lengths, batch sizes, GQA ratios, head dims).")
+    return write_record("selector", "Selector regret", COMMAND, body, env, png)
+
+
 def main() -> None:
-    args = base_parser(__doc__).parse_args()
+    args = base_parser(__doc__.splitlines()[0]).parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
     for make in calls(device, args.quick):
@@ -80,6 +118,8 @@ def main() -> None:
         fig.savefig(os.path.join(d, "selector.png"), dpi=120)
     except ImportError:
         pass
+    if not (args.no_record or args.quick):
+        print("record:", record(rows, environment(), os.path.join(d, "selector.png")))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Does a Hadamard rotation of q/k, or clipping their int8 ranges, make i8fp8 attention more accurate?
 
-Issue #5 asks to measure both before keeping either. The question is about the quantization, not the kernel,
+Neither is kept: this script is the measurement behind that. The question is about the quantization, not the kernel,
 so this runs in float64 torch (any machine): q/k go through ``quantize_i8fp8`` (smooth-K, int8 per block of
 128 tokens), optionally rotated first by an orthonormal Hadamard matrix (q H (k H)^T = q k^T) or clipped to a
 per-(block, head) quantile of |x|; attention of the dequantized q/k against an unquantized v (isolating the

@@ -1,0 +1,46 @@
+"""The benchmark records: BENCHMARKS.md is what bench/assemble_benchmarks.py builds from bench/results, within its
+length budget, and bench/common.py's writers produce the record format the assembler reads."""
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import assemble_benchmarks, common  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAX_LINES = 250
+NARRATION = re.compile(r"session|\bstep \d+|prediction|issue #?\d", re.IGNORECASE)
+
+
+def test_benchmarks_md_is_assembled_from_the_records():
+    with open(os.path.join(ROOT, "BENCHMARKS.md")) as f:
+        page = f.read()
+    assert page == assemble_benchmarks.assemble(), "run: python bench/assemble_benchmarks.py"
+    assert page.count("\n") <= MAX_LINES
+    assert not NARRATION.search(page), NARRATION.search(page)
+    assert page.count("Environment: ") == 1  # one environment line while every record shares it
+
+
+def test_records_name_existing_scripts_and_plots():
+    for name in assemble_benchmarks.ORDER:
+        with open(os.path.join(common.RESULTS, f"{name}.md")) as f:
+            text = f.read()
+        script = re.search(r"Reproduce: `[^`]*python (bench/\S+\.py)", text).group(1)
+        assert os.path.exists(os.path.join(ROOT, script)), script
+        for png in re.findall(r"\]\((bench/results/\S+\.png)\)", text):
+            assert os.path.exists(os.path.join(ROOT, png)), png
+
+
+def test_write_record_format(tmp_path):
+    rows = [{"shape": "1x2", "ms": 1.23456, "note": None}]
+    plot = tmp_path / "plot.png"
+    plot.write_bytes(b"png")
+    env = {"gpu": "GPU", "driver": "1", "cuda": "13.0", "torch": "2.0", "triton": "3.0", "cudnn": 9, "date": "d"}
+    body = common.markdown_table(rows, ["shape", "ms", "note"], ["shape", "time (ms)", "note"])
+    path = common.write_record("x", "Title", "python bench/x.py", body, env, str(plot), str(tmp_path))
+    text = open(path).read()
+    assert text.startswith("## Title\n\nEnvironment: GPU, driver 1, CUDA 13.0, torch 2.0, triton 3.0, cuDNN 9, d.\n")
+    assert "Reproduce: `python bench/x.py`" in text
+    assert "| shape | time (ms) | note |\n|---|---:|---|\n| 1x2 | 1.235 | - |" in text
+    assert (tmp_path / "x.png").read_bytes() == b"png" and "(bench/results/x.png)" in text
