@@ -35,7 +35,7 @@ def calls(device: str, quick: bool):
         return [lambda: prefill_call(1, 100, 4, 2, 32, True, "float32", device),
                 lambda: decode_call(3, 200, 4, 1, 32, 0, "bf16", device)]
     out = []
-    for dtype in ("bfloat16", "fp8", "i8fp8"):
+    for dtype in ("bfloat16", "fp8", "fp8_tensor", "i8fp8"):
         for b, n, h, hkv, d, causal in ((8, 768, 16, 16, 128, False), (3, 3000, 32, 8, 128, True),
                                         (1, 6000, 32, 4, 64, False), (2, 12000, 16, 16, 128, True),
                                         (1, 20000, 8, 8, 256, False), (32, 256, 16, 16, 64, True),

@@ -66,6 +66,13 @@ def quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: t
     return q8, k8, v8, qd, kd, vd
 
 
+def quantize_fp8_tensor(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn):
+    """Per-tensor fp8 quantization of ``x`` (any shape): ``(x_fp8, descale)``, descale float32 of shape (1,)
+    with ``x ~ x_fp8.float() * descale`` (the "tensor" descale kind cuDNN's fp8 attention takes)."""
+    xq, descale = quantize_fp8(x.reshape(1, -1, 1, x.shape[-1]), dtype)
+    return xq.view(x.shape), descale.reshape(1)
+
+
 class I8FP8Inputs(NamedTuple):
     """Inputs for the i8fp8 kernel: out = softmax(softmax_scale * (q*q_descale)(k*k_descale)^T)(v*v_descale)."""
 

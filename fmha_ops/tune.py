@@ -55,6 +55,11 @@ def prefill_call(b: int, n: int, hq: int, hkv: int, d: int, causal: bool, dtype:
         t = getattr(torch, dtype)
         return Call(label, (q.to(t), k.to(t), v.to(t), bias))
     f8 = fp8_dtype(current_arch(device))
+    if dtype == "fp8_tensor":  # one descale per tensor (the kind cuDNN's fp8 attention takes)
+        from .quant import quantize_fp8_tensor
+
+        (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8_tensor(t, f8) for t in (q, k, v))
+        return Call(label, (q8, k8, v8, bias), dict(q_descale=qd, k_descale=kd, v_descale=vd))
     if dtype == "fp8":
         from .quant import quantize_qkv_fp8
 
@@ -93,15 +98,16 @@ def decode_call(b: int, length: int, hq: int, hkv: int, d: int, page: int, kv: s
 
 
 def grid(device: str, quick: bool = False) -> list[Callable[[], Call]]:
-    """The tuning grid: prefill (dtypes x head dims x causal x GQA x size) and decode (KV dtype x paging x
-    batch/length). ``quick``: a handful of tiny calls (CPU, tests)."""
+    """The tuning grid: prefill (dtypes x head dims x causal x GQA x size; fp8 with per-(batch, head) and
+    per-tensor descales) and decode (KV dtype x paging x batch/length). ``quick``: a handful of tiny calls
+    (CPU, tests)."""
     if quick:
         return [lambda: prefill_call(1, 64, 4, 2, 32, True, "float32", device),
                 lambda: prefill_call(2, 128, 4, 4, 64, False, "float32", device),
                 lambda: decode_call(2, 96, 4, 2, 32, 0, "bf16", device),
                 lambda: decode_call(2, 96, 4, 2, 32, 16, "bf16", device)]
     calls = []
-    for dtype in ("bfloat16", "fp8", "i8fp8"):
+    for dtype in ("bfloat16", "fp8", "fp8_tensor", "i8fp8"):
         for d in (64, 128, 256):
             for b, n, h in ((16, 512, 16), (4, 2048, 32), (2, 8192, 16)):
                 for causal in (False, True):
@@ -132,10 +138,11 @@ def time_call(call: Callable[[], object], device: str) -> float:
     return statistics.median(times)
 
 
-def measure(call: Call, device: str) -> dict[str, float]:
-    """Seconds per supporting op for one call (hopeless ops by their own estimate are skipped)."""
+def measure(call: Call, device: str, ops: frozenset[str] | None = None) -> dict[str, float]:
+    """Seconds per supporting op for one call (hopeless ops by their own estimate are skipped);
+    ``ops``: time only the ops of these names."""
     problem = call.problem()
-    verdicts = [SELECTOR.verdict(op, problem) for op in REGISTRY.ops("fw")]
+    verdicts = [SELECTOR.verdict(op, problem) for op in REGISTRY.ops("fw") if ops is None or op.NAME in ops]
     ok = [v for v in verdicts if v.ok]
     models = {v.op: v.op.estimate(problem) for v in ok}
     best = min((m for m in models.values() if m is not None), default=math.inf)
@@ -150,7 +157,10 @@ def measure(call: Call, device: str) -> dict[str, float]:
     return times
 
 
-def tune(out: str, quick: bool = False, device: str | None = None) -> TuningTable:
+def tune(out: str, quick: bool = False, device: str | None = None, ops: frozenset[str] | None = None,
+         merge: str | None = None) -> TuningTable:
+    """Time the grid and write the table to ``out``. ``ops``: measure only these op names; ``merge``: start
+    from the table at that path (its other ops' timings and calibration are kept, the measured ones replaced)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     arch = current_arch(device)
     versions = {"torch": torch.__version__}
@@ -161,12 +171,17 @@ def tune(out: str, quick: bool = False, device: str | None = None) -> TuningTabl
     except ImportError:
         pass
     table = TuningTable(arch.name, versions)
+    if merge:
+        table = TuningTable.load(merge)
+        for name in ops or ():
+            table.timings.pop(name, None)
+    base_calibration = dict(table.calibration)
     ratios: dict[str, list[float]] = {}
     points = grid(device, quick)
     for i, make in enumerate(points):
         call = make()
         problem = call.problem()
-        times = measure(call, device)
+        times = measure(call, device, ops)
         for name, seconds in times.items():
             table.record(name, problem.bucket(), seconds)
             model = REGISTRY.get(name).estimate(problem)
@@ -176,10 +191,10 @@ def tune(out: str, quick: bool = False, device: str | None = None) -> TuningTabl
         sys.stderr.write(f"\r[{i + 1}/{len(points)}] {call.label:<48} best {best}\033[K")
         del call
         if i % 10 == 9:  # keep what was measured if the run is cut short
-            table.calibration = {name: statistics.median(r) for name, r in ratios.items()}
+            table.calibration = base_calibration | {name: statistics.median(r) for name, r in ratios.items()}
             table.save(out)
     sys.stderr.write("\n")
-    table.calibration = {name: statistics.median(r) for name, r in ratios.items()}
+    table.calibration = base_calibration | {name: statistics.median(r) for name, r in ratios.items()}
     table.save(out)
     SELECTOR.tables.reload()
     SELECTOR.clear()

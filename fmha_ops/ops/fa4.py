@@ -1,0 +1,250 @@
+"""FlashAttention-4 (``flash-attn-4``, CuTe DSL) forward and backward ops, used when the package is installed
+(``pip install 'fmha-ops[fa4]'``).
+
+What FA4 4.0.0b36 takes, per architecture (its ``flash_attn.cute.interface`` checks the same):
+
+==============  ==========================================  ==========================================
+                sm90 (Hopper)                               sm100 / sm110 (Blackwell)
+==============  ==========================================  ==========================================
+dtypes          bf16, fp16 (q = k = v; out = q's dtype)     bf16, fp16; fp8 e4m3 forward with (B, Hkv)
+                                                            descales (per-tensor ones are broadcast),
+                                                            bf16 out, no gradients through fp8
+head dims       K = Kv, 8..256, multiple of 8               K = Kv, 8..128 multiple of 8, or 256
+masks           none; causal bottom-right (FA's causal); top-left causal where it equals bottom-right
+                (Mq == Mk); varlen BlockDiagonal, non-causal or bottom-right causal; local windows
+                (``window_size``, aligned bottom-right like FA's causal mask)
+GQA / MQA       yes                                         yes
+LSE (partial)   yes (natural log, (B, Hq, Mq); varlen (1, Hq, total))
+autograd        yes (FA4's own autograd function); the backward op below serves other forwards
+==============  ==========================================  ==========================================
+
+Not taken: dropout, padded-key and paged masks (the decode ops serve those), top-left causal with
+Mq != Mk (including ``BlockDiagonalCausalMask``, whose per-sequence lengths the selector does not see),
+keys-contiguous values, Kv != K. The first call of each configuration JIT-compiles (about 2 s).
+"""
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+from typing import ClassVar
+
+import torch
+
+from .. import attn_bias as ab
+from ..dispatch import register
+from ..inputs import Inputs, Problem
+from .base import AttentionBwOp, AttentionFwOp
+from .cost import attention_time
+
+#: the release whose interface this adapter calls (its backward entry point is module-level, not public)
+FA4_VERSION = "4.0.0b36"
+_HALF = frozenset({(torch.bfloat16,) * 3, (torch.float16,) * 3})
+_FP8 = frozenset({(torch.float8_e4m3fn,) * 3})
+_BIAS = frozenset({ab.NONE, ab.CAUSAL, ab.CAUSAL_BR, ab.BLOCK_DIAGONAL, ab.BLOCK_DIAGONAL_CAUSAL_BR})
+_TOP_LEFT = frozenset({ab.CAUSAL, ab.BLOCK_DIAGONAL_CAUSAL})
+#: head dims beyond the range sm100 takes with K = Kv
+_SM100_EXTRA_HEAD_DIMS = (256,)
+_ARCHS = ("cuda>=9.0,<10.0", "cuda>=10.0,<12.0")
+
+
+@functools.lru_cache(maxsize=None)
+def fa4_package_reason() -> str | None:
+    """None when the supported flash-attn-4 release is installed, else why not (no import, no GPU needed)."""
+    try:
+        installed = importlib.metadata.version("flash-attn-4")
+    except importlib.metadata.PackageNotFoundError:
+        return "package 'flash-attn-4' is not installed (pip install 'fmha-ops[fa4]')"
+    if installed != FA4_VERSION:
+        return f"flash-attn-4 {installed} is installed; this adapter is written against {FA4_VERSION}"
+    return None
+
+
+def fa4_unavailable_reason() -> str | None:
+    """None when ``flash_attn.cute`` of the supported release imports, else why not."""
+    if fa4_package_reason():
+        return fa4_package_reason()
+    try:
+        import flash_attn.cute.interface  # noqa: F401
+    except Exception as e:  # the CuTe DSL loads CUDA libraries at import; any failure means it cannot run
+        return f"flash_attn.cute failed to import: {type(e).__name__}: {e}"
+    return None
+
+
+def arch_reasons(p: Problem) -> list[str]:
+    """What FA4 does not take on ``p.arch`` (dtypes and head dims per architecture, see the module docstring)."""
+    if p.arch.kind != "cuda":
+        return []
+    major = p.arch.capability[0]
+    r = []
+    fp8 = (p.q_dtype, p.k_dtype, p.v_dtype) in _FP8
+    if major == 9:
+        if fp8:
+            r.append("fp8 inputs run on FA4's sm100 path only (this is sm90)")
+    elif major in (10, 11):
+        if not (p.head_dim <= 128 or p.head_dim in _SM100_EXTRA_HEAD_DIMS):
+            r.append(f"head dim K={p.head_dim} not supported on sm100; supported: 8..128 step 8, 256")
+        if fp8 and p.head_dim > 128:
+            r.append(f"fp8 with head dim K={p.head_dim} not supported on sm100; supported: 8..128 step 8")
+    return r
+
+
+def mask_reasons(p: Problem) -> list[str]:
+    """Masks FA4 cannot express: top-left causal differs from its bottom-right causal unless Mq == Mk."""
+    if p.bias == ab.CAUSAL and p.seqlen_q != p.seqlen_k:
+        return [f"top-left causal with Mq={p.seqlen_q} != Mk={p.seqlen_k} not supported "
+                f"(FA4's causal mask is bottom-right aligned)"]
+    return []
+
+
+def window_size(bias_kind: str, window_left: int, window_right: int) -> tuple[bool, tuple[int | None, int | None]]:
+    """FA4's ``(causal, window_size)`` for a mask kind and our window fields (-1 = unbounded).
+
+    FA4 aligns windows bottom-right: key j is visible from query i iff
+    i + Mk - Mq - left <= j <= i + Mk - Mq + right, and ``causal`` sets right = 0. Our bottom-right and
+    non-causal kinds align the same way; the top-left kinds reach here only with Mq == Mk (``mask_reasons``),
+    where the alignments agree. A causal kind's right bound is at most 0, so only its left bound passes.
+
+    >>> window_size("causal_bottom_right", 128, -1)
+    (True, (128, None))
+    >>> window_size("none", -1, -1)
+    (False, (None, None))
+    """
+    left = window_left if window_left >= 0 else None
+    if bias_kind in ab.CAUSAL_KINDS:
+        return True, (left, None)
+    return False, (left, window_right if window_right >= 0 else None)
+
+
+def _window_fields(inp: Inputs) -> tuple[int, int]:
+    bias = inp.attn_bias
+    return getattr(bias, "window_left", -1), getattr(bias, "window_right", -1)
+
+
+def _varlen_args(inp: Inputs) -> dict:
+    b = inp.attn_bias
+    return dict(cu_seqlens_q=b.q_seqinfo.seqstart, cu_seqlens_k=b.k_seqinfo.seqstart,
+                max_seqlen_q=b.q_seqinfo.max_seqlen, max_seqlen_k=b.k_seqinfo.max_seqlen)
+
+
+def _fp8_descales(inp: Inputs) -> dict:
+    """FA4's (B, Hkv) fp8 descales (per-tensor ones broadcast; varlen: one row per sequence)."""
+    if inp.q_descale is None:
+        return {}
+    varlen = inp.bias_kind in ab.VARLEN_KINDS
+    rows = len(inp.attn_bias.q_seqinfo.seqstart_py) - 1 if varlen else inp.query.shape[0]
+    shape = (rows, inp.key.shape[2])
+    return {f"{r}_descale": d.reshape(()).expand(shape) if d.numel() == 1 else d
+            for r, d in (("q", inp.q_descale), ("k", inp.k_descale), ("v", inp.v_descale))}
+
+
+class _FA4Op:
+    """Declarations shared by the forward and backward ops."""
+
+    ARCHS = _ARCHS
+    HEAD_DIMS = range(8, 257, 8)
+    BIAS_KINDS = _BIAS
+    GQA = True
+    PARTIAL = True
+    WINDOW = True
+    DETERMINISTIC = True  # passes deterministic=True to FA4 when torch.use_deterministic_algorithms is on
+    CUDA_GRAPH = True
+
+    @classmethod
+    def available(cls) -> str | None:
+        """The missing package first (on any machine), then the arch, then the import."""
+        return fa4_package_reason() or super().available()
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return fa4_unavailable_reason()
+
+
+@register
+class FA4FwOp(_FA4Op, AttentionFwOp):
+    """FlashAttention-4 forward (bf16/fp16; fp8 on sm100), differentiable through FA4's own backward."""
+
+    NAME = "fa4F"
+    DTYPES = _HALF | _FP8
+    OUT_DTYPES = frozenset({torch.bfloat16, torch.float16})
+    DESCALES = {r: frozenset({"none", "tensor", "head"}) for r in "qkv"}
+    AUTOGRAD = True
+    #: achieved (TFLOP/s, TB/s, host us) on the H200 for the cost model (D128, 4096 tokens)
+    RATES: ClassVar[tuple[float, float, float]] = (700.0, 3.5, 40.0)
+
+    @classmethod
+    def extra_reasons(cls, p: Problem) -> list[str]:
+        r = arch_reasons(p) + mask_reasons(p)
+        want = torch.bfloat16 if (p.q_dtype, p.k_dtype, p.v_dtype) in _FP8 else p.q_dtype
+        if p.out_dtype != want:
+            r.append(f"output dtype must be {want} for {p.q_dtype} inputs")
+        return r
+
+    @classmethod
+    def apply(cls, inp: Inputs, needs_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        causal, window = window_size(inp.bias_kind, *_window_fields(inp))
+        varlen = inp.bias_kind in ab.VARLEN_KINDS
+        q, k, v = (t[0] for t in (inp.query, inp.key, inp.value)) if varlen else (inp.query, inp.key, inp.value)
+        seqlens = _varlen_args(inp) if varlen else {}
+        if inp.q_descale is not None:  # fp8 (sm100): the module-level forward takes descales, no autograd
+            from flash_attn.cute.interface import _flash_attn_fwd
+
+            out, lse = _flash_attn_fwd(q, k, v, softmax_scale=inp.softmax_scale, causal=causal,
+                                       window_size_left=window[0], window_size_right=window[1],
+                                       return_lse=needs_lse, **seqlens, **_fp8_descales(inp))[:2]
+        else:
+            from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+
+            fn = flash_attn_varlen_func if varlen else flash_attn_func
+            out, lse = fn(q, k, v, softmax_scale=inp.softmax_scale, causal=causal, window_size=window,
+                          deterministic=torch.are_deterministic_algorithms_enabled(), return_lse=needs_lse,
+                          **seqlens)
+        if not needs_lse:
+            lse = None
+        if varlen:
+            return out[None], (None if lse is None else lse[None])
+        return out, lse
+
+    @classmethod
+    def estimate(cls, p: Problem) -> float:
+        return attention_time(p, *cls.RATES)
+
+
+@register
+class FA4BwOp(_FA4Op, AttentionBwOp):
+    """FlashAttention-4 backward on bf16/fp16 values, given any forward's output and natural-log LSE
+    (B, Hq, Mq). For fp8 forward inputs it differentiates w.r.t. the dequantized values (cast to bf16) when
+    ``set_fp8_dequantized_backward(True)`` is on."""
+
+    NAME = "fa4B"
+    DTYPES = _HALF | _FP8
+    OUT_DTYPES = frozenset({torch.bfloat16, torch.float16})
+    DESCALES = {r: frozenset({"none", "tensor", "head"}) for r in "qkv"}
+    #: achieved (TFLOP/s of the forward count, TB/s, host us): 2.5x the forward's work at ~600 TFLOP/s
+    RATES: ClassVar[tuple[float, float, float]] = (600.0, 2.5, 60.0)
+
+    @classmethod
+    def extra_reasons(cls, p: Problem) -> list[str]:
+        return [r for r in arch_reasons(p) if not r.startswith("fp8")] + mask_reasons(p)
+
+    @classmethod
+    def apply_bw(cls, inp: Inputs, out: torch.Tensor, lse: torch.Tensor,
+                 grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        from flash_attn.cute.interface import _flash_attn_bwd
+
+        from .reference import dequantized_qkv
+
+        q, k, v = inp.query, inp.key, inp.value
+        if q.dtype not in (torch.bfloat16, torch.float16):
+            q, k, v = (t.to(torch.bfloat16) for t in dequantized_qkv(inp))
+        out, grad_out = out.to(q.dtype), grad_out.to(q.dtype)
+        causal, (left, right) = window_size(inp.bias_kind, *_window_fields(inp))
+        kwargs = dict(softmax_scale=inp.softmax_scale, causal=causal, window_size_left=left,
+                      window_size_right=right, deterministic=torch.are_deterministic_algorithms_enabled())
+        if inp.bias_kind in ab.VARLEN_KINDS:
+            dq, dk, dv = _flash_attn_bwd(q[0], k[0], v[0], out[0], grad_out[0], lse[0], **_varlen_args(inp), **kwargs)
+            return dq[None], dk[None], dv[None]
+        return _flash_attn_bwd(q, k, v, out, grad_out, lse, **kwargs)[:3]
+
+    @classmethod
+    def estimate(cls, p: Problem) -> float:
+        return 2.5 * attention_time(p, *cls.RATES)

@@ -1,0 +1,180 @@
+"""FA4 and cuDNN fp8 ops on a CPU machine: availability messages, declarations and reasons per architecture,
+the window mapping, the graph cache key, the dequantization kernel (interpreter) and the tune options.
+
+Nothing here needs flash-attn-4 or nvidia-cudnn-frontend; the problems are built from real inputs and
+re-targeted to an sm90 / sm100 arch, so the same ``not_supported_reasons`` the selector reads are checked."""
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import fmha_ops
+from fmha_ops import attn_bias as ab
+from fmha_ops.api import _inputs
+from fmha_ops.ops.cudnn_fp8 import CudnnFp8FwOp, cudnn_package_reason, graph_key
+from fmha_ops.ops.fa4 import FA4BwOp, FA4FwOp, fa4_package_reason, window_size
+from fmha_ops.quant import quantize_fp8_tensor
+from fmha_ops.tune import prefill_call, tune
+from registry import Arch
+
+H200 = Arch("cuda", (9, 0), name="NVIDIA H200")
+B200 = Arch("cuda", (10, 0), name="NVIDIA B200")
+F8 = torch.float8_e4m3fn
+
+
+def problem(arch, b=2, mq=64, mk=64, hq=4, hkv=2, d=64, dv=None, dtype=torch.bfloat16, bias=None, descale="tensor",
+            p=0.0, partial=False):
+    q = torch.randn(b, mq, hq, d).to(dtype)
+    k = torch.randn(b, mk, hkv, d).to(dtype)
+    v = torch.randn(b, mk, hkv, dv or d).to(dtype)
+    kw = {}
+    if dtype == F8:
+        shape = {"tensor": (1,), "head": (b, hkv)}[descale]
+        kw = dict(q_descale=torch.ones(shape), k_descale=torch.ones(shape), v_descale=torch.ones(shape))
+    inp, _ = _inputs(q, k, v, bias, p, None, None, partial, kw.get("q_descale"), kw.get("k_descale"),
+                     kw.get("v_descale"), False)
+    inp.validate()
+    return dataclasses.replace(inp.problem(needs_lse=partial), arch=arch)
+
+
+def reasons(op, p):
+    return " | ".join(op.not_supported_reasons(p))
+
+
+@pytest.mark.skipif(fa4_package_reason() is None, reason="flash-attn-4 is installed here")
+def test_fa4_unavailable_names_the_package_and_the_extra():
+    for op in (FA4FwOp, FA4BwOp):
+        why = op.available()
+        assert "flash-attn-4" in why and "fmha-ops[fa4]" in why, why
+    q = torch.randn(1, 8, 2, 16)
+    verdict = next(v for v in fmha_ops.explain(q, q, q).verdicts if v.op is FA4FwOp)
+    assert not verdict.ok and "flash-attn-4" in verdict.why_not()
+
+
+@pytest.mark.skipif(cudnn_package_reason() is None, reason="nvidia-cudnn-frontend is installed here")
+def test_cudnn_fp8_unavailable_names_the_package_and_the_extra():
+    why = CudnnFp8FwOp.available()
+    assert "nvidia-cudnn-frontend" in why and "fmha-ops[cudnn]" in why, why
+
+
+def test_fa4_declares_sm90_bf16_gqa_varlen_bottom_right_and_lse():
+    assert reasons(FA4FwOp, problem(H200, d=128, hkv=1)) == ""
+    assert reasons(FA4FwOp, problem(H200, d=256, mq=17, mk=1000, bias=ab.LowerTriangularFromBottomRightMask())) == ""
+    assert reasons(FA4FwOp, problem(H200, d=96, dtype=torch.float16, partial=True)) == ""
+    mask = ab.BlockDiagonalMask.from_seqlens([3, 50, 1], [7, 50, 9])
+    assert reasons(FA4FwOp, problem(H200, b=1, mq=54, mk=66, bias=mask.make_causal_from_bottomright())) == ""
+    assert reasons(FA4BwOp, problem(H200, b=1, mq=54, mk=66, bias=mask)) == ""
+    assert FA4FwOp.AUTOGRAD and FA4FwOp.PARTIAL and FA4FwOp.GQA and FA4FwOp.WINDOW
+
+
+@pytest.mark.parametrize("kwargs,expect", [
+    (dict(dtype=F8), "fp8 inputs run on FA4's sm100 path only"),
+    (dict(d=264), "head dim K=264 not supported"),
+    (dict(d=60), "head dim K=60 not supported"),
+    (dict(dv=32), "value head dim Kv=32 must equal K=64"),
+    (dict(mq=17, mk=64, bias=ab.LowerTriangularMask()), "top-left causal with Mq=17 != Mk=64"),
+    (dict(p=0.1), "dropout"),
+    (dict(dtype=torch.float32), "dtypes (q, k, v) float32/float32/float32 not supported"),
+])
+def test_fa4_sm90_reasons(kwargs, expect):
+    assert expect in reasons(FA4FwOp, problem(H200, **kwargs))
+
+
+def test_fa4_top_left_varlen_causal_is_declined_with_the_alternative_named():
+    mask = ab.BlockDiagonalCausalMask.from_seqlens([3, 50], [3, 50])
+    assert "attn_bias block_diagonal_causal not supported" in reasons(FA4FwOp, problem(H200, b=1, mq=53, mk=53,
+                                                                                         bias=mask))
+
+
+def test_fa4_sm100_head_dims_and_fp8():
+    assert reasons(FA4FwOp, problem(B200, dtype=F8, d=128, descale="head")) == ""
+    assert reasons(FA4FwOp, problem(B200, dtype=F8, d=128, descale="tensor")) == ""
+    assert reasons(FA4FwOp, problem(B200, d=256)) == ""
+    assert "head dim K=192 not supported on sm100" in reasons(FA4FwOp, problem(B200, d=192))
+    assert "fp8 with head dim K=256" in reasons(FA4FwOp, problem(B200, dtype=F8, d=256))
+
+
+@pytest.mark.parametrize("kind,left,right,expect", [
+    (ab.NONE, -1, -1, (False, (None, None))),
+    (ab.NONE, 64, 0, (False, (64, 0))),
+    (ab.NONE, -1, 5, (False, (None, 5))),
+    (ab.CAUSAL_BR, -1, -1, (True, (None, None))),
+    (ab.CAUSAL_BR, 128, -1, (True, (128, None))),
+    (ab.CAUSAL, 128, 7, (True, (128, None))),  # a causal kind's right bound is 0 whatever the window says
+    (ab.BLOCK_DIAGONAL_CAUSAL_BR, 3, -1, (True, (3, None))),
+])
+def test_fa4_window_mapping(kind, left, right, expect):
+    assert window_size(kind, left, right) == expect
+
+
+def test_cudnn_fp8_declares_per_tensor_fp8_with_gqa_and_lse():
+    assert reasons(CudnnFp8FwOp, problem(H200, dtype=F8, d=128, hkv=1, partial=True)) == ""
+    assert reasons(CudnnFp8FwOp, problem(H200, dtype=F8, d=256, bias=ab.LowerTriangularMask(), mq=17, mk=100)) == ""
+    assert reasons(CudnnFp8FwOp, problem(H200, dtype=F8, bias=ab.LowerTriangularFromBottomRightMask())) == ""
+
+
+@pytest.mark.parametrize("arch,kwargs,expect", [
+    (H200, dict(dtype=F8, descale="head"), "q_descale kind 'head' not supported; supported: tensor"),
+    (H200, dict(dtype=F8, mq=17, bias=ab.LowerTriangularFromBottomRightMask()),
+     "bottom-right causal with Mq=17 != Mk=64 not supported on Hopper"),
+    (H200, dict(dtype=F8, d=24), "head dim K=24 not supported"),
+    (H200, dict(dtype=F8, dv=32), "value head dim Kv=32 must equal K=64"),
+    (H200, dict(dtype=torch.bfloat16), "dtypes (q, k, v) bfloat16/bfloat16/bfloat16 not supported"),
+    (B200, dict(dtype=F8, d=256), "head dim K=256 not supported on Blackwell"),
+])
+def test_cudnn_fp8_reasons(arch, kwargs, expect):
+    assert expect in reasons(CudnnFp8FwOp, problem(arch, **kwargs))
+
+
+def test_cudnn_fp8_declines_varlen_and_bottom_right_is_fine_on_blackwell():
+    mask = ab.BlockDiagonalMask.from_seqlens([30, 34])
+    assert "attn_bias block_diagonal not supported" in reasons(CudnnFp8FwOp, problem(H200, b=1, mq=64, dtype=F8,
+                                                                                       bias=mask))
+    assert reasons(CudnnFp8FwOp, problem(B200, dtype=F8, mq=17, bias=ab.LowerTriangularFromBottomRightMask())) == ""
+
+
+def test_cudnn_graph_key_separates_what_a_graph_depends_on():
+    q = torch.randn(1, 32, 2, 16).to(F8)
+    one = torch.ones(1)
+
+    def key(bias=None, scale=None, lse=False, k=q):
+        inp, _ = _inputs(q, k, k, bias, 0.0, scale, None, False, one, one, one, False)
+        return graph_key(inp, lse)
+
+    base = key()
+    assert base == key()
+    assert len({base, key(ab.LowerTriangularMask()), key(scale=0.5), key(lse=True), key(k=q[:, :17])}) == 5
+    assert key(ab.LowerTriangularMask()) == key(ab.LowerTriangularFromBottomRightMask())  # Mq == Mk: one mask
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32])
+def test_dequantize_kernel_matches_torch(out_dtype):
+    from fmha_ops.kernels.triton.dequantize import dequantize
+
+    x = (torch.randn(3, 17, 5, 24) * 40).to(F8)
+    scale = torch.tensor([0.37])
+    out = dequantize(x, scale, out_dtype)
+    assert out.dtype == out_dtype and out.shape == x.shape
+    torch.testing.assert_close(out, (x.float() * 0.37).to(out_dtype), rtol=1e-3, atol=0)
+    assert dequantize(x[:0], scale, out_dtype).shape == (0, 17, 5, 24)
+
+
+def test_quantize_fp8_tensor_round_trips_and_is_the_tensor_kind():
+    x = torch.randn(2, 33, 3, 16) * 5
+    xq, descale = quantize_fp8_tensor(x)
+    assert xq.dtype == F8 and xq.shape == x.shape and descale.shape == (1,)
+    assert (xq.float() * descale).sub(x).abs().max() <= x.abs().max() * 2 ** -4
+    call = prefill_call(1, 64, 4, 2, 32, False, "fp8_tensor", "cpu")
+    assert call.problem().descales == ("tensor",) * 3
+
+
+def test_tune_measures_only_named_ops_and_merges_into_a_table(tmp_path):
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps({"device": "cpu", "versions": {}, "timings": {"kept_op": {"b": 1.0}},
+                                "calibration": {"kept_op": 2.0}}))
+    out = tmp_path / "cpu.json"
+    tune(str(out), quick=True, device="cpu", ops=frozenset({"torch_referenceF"}), merge=str(base))
+    data = json.loads(out.read_text())
+    assert set(data["timings"]) == {"kept_op", "torch_referenceF"}
+    assert data["calibration"]["kept_op"] == 2.0 and "torch_referenceF" in data["calibration"]

@@ -1,0 +1,145 @@
+"""GPU checks of the FA4 and cuDNN fp8 ops against the float32 reference (H200: pytest -m gpu).
+
+Each test skips, with the op's own reason, where flash-attn-4 / nvidia-cudnn-frontend is not installed."""
+import pytest
+import torch
+
+import fmha_ops
+from fmha_ops import attn_bias as ab
+from fmha_ops.ops.cudnn_fp8 import GRAPHS, CudnnFp8FwOp
+from fmha_ops.ops.fa4 import FA4BwOp, FA4FwOp
+from fmha_ops.quant import quantize_fp8_tensor
+from fmha_ops.testing import error_report, transformer_like
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+def needs(op):
+    why = op.available()
+    return pytest.mark.skipif(why is not None, reason=f"{op.NAME}: {why}")
+
+
+def ref(q, k, v, bias=None, **kw):
+    return fmha_ops.memory_efficient_attention(q, k, v, bias, op="torch_referenceF", output_dtype=torch.float32, **kw)
+
+
+def qkv(b, mq, mk, hq, hkv, d, seed=0, dtype=torch.bfloat16):
+    q, k, v = transformer_like((b, mq, hq, d), (b, mk, hkv, d), device=DEV, seed=seed)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def per_tensor(q, k, v):
+    (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8_tensor(t) for t in (q, k, v))
+    return (q8, k8, v8), dict(q_descale=qd, k_descale=kd, v_descale=vd)
+
+
+# ---- FA4 ----------------------------------------------------------------------------------------------
+
+@needs(FA4FwOp)
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("mq,mk,hkv,bias", [
+    (1000, 1000, 8, None), (333, 333, 2, ab.LowerTriangularMask()), (17, 1000, 1, ab.LowerTriangularFromBottomRightMask()),
+    (1, 1000, 8, ab.LowerTriangularFromBottomRightMask()), (1000, 17, 2, None)])
+def test_fa4_forward_matches_reference(d, mq, mk, hkv, bias):
+    q, k, v = qkv(2, mq, mk, 8, hkv, d, seed=d + mq)
+    out = fmha_ops.memory_efficient_attention(q, k, v, bias, op="fa4F")
+    assert out.dtype == torch.bfloat16 and out.shape == (2, mq, 8, d)
+    rep = error_report(out, ref(q, k, v, bias))
+    assert rep["cos"] > 0.9999 and rep["rel"] < 1e-2, rep
+
+
+@needs(FA4FwOp)
+@pytest.mark.parametrize("causal", [False, True])
+def test_fa4_varlen_and_lse(causal):
+    mask = ab.BlockDiagonalMask.from_seqlens([17, 1000, 1, 333], [40, 1000, 7, 333], device=DEV)
+    if causal:
+        mask = mask.make_causal_from_bottomright()
+    q, k, v = qkv(1, 1351, 1380, 8, 2, 128, seed=3)
+    out, lse = fmha_ops.memory_efficient_attention_partial(q, k, v, mask, op="fa4F")
+    r_out, r_lse = fmha_ops.memory_efficient_attention_partial(q, k, v, mask, op="torch_referenceF")
+    rep = error_report(out, r_out)
+    assert rep["cos"] > 0.9999, rep
+    assert lse.shape == r_lse.shape and torch.allclose(lse, r_lse, atol=2e-2, rtol=1e-3)
+
+
+@needs(FA4FwOp)
+@pytest.mark.parametrize("bias", [None, ab.LowerTriangularFromBottomRightMask()])
+def test_fa4_autograd_matches_reference(bias):
+    q, k, v = (t.requires_grad_() for t in qkv(2, 500, 700, 8, 2, 128, seed=5))
+    g = torch.randn(2, 500, 8, 128, device=DEV, dtype=torch.bfloat16)
+    out = fmha_ops.memory_efficient_attention(q, k, v, bias, op=("fa4F", "fa4B"))
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    r = fmha_ops.memory_efficient_attention(qf, kf, vf, bias, op="torch_referenceF")
+    r_grads = torch.autograd.grad(r, (qf, kf, vf), g.float())
+    for name, a, b in zip("qkv", grads, r_grads):
+        rep = error_report(a, b)
+        assert rep["cos"] > 0.999, (name, rep)
+
+
+@needs(FA4BwOp)
+def test_fa4_backward_serves_other_forwards_and_is_selected():
+    q, k, v = (t.requires_grad_() for t in qkv(2, 1000, 1000, 8, 8, 128, seed=7))
+    assert fmha_ops.explain(q, k, v, kind="bw").selected.NAME == "fa4B"
+    out = fmha_ops.memory_efficient_attention(q, k, v, op=("triton_attnF", "fa4B"))
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    r_out = fmha_ops.memory_efficient_attention(q, k, v, op=("triton_attnF", "triton_attnB"))
+    r_grads = torch.autograd.grad(r_out, (q, k, v), g)
+    for name, a, b in zip("qkv", grads, r_grads):
+        rep = error_report(a, b)
+        assert rep["cos"] > 0.999, (name, rep)
+
+
+@needs(FA4BwOp)
+def test_fp8_training_backward_uses_the_selected_op():
+    q, k, v = (t.requires_grad_() for t in qkv(2, 1000, 1000, 8, 2, 128, seed=9))
+    out = fmha_ops.fp8_attention(q, k, v, causal=True)
+    out.float().square().mean().backward()
+    for t in (q, k, v):
+        assert t.grad is not None and torch.isfinite(t.grad).all()
+    picked = [op.NAME for key, op in fmha_ops.SELECTOR._memo.items() if key[0] == "bw"]
+    assert "fa4B" in picked, picked
+
+
+@needs(FA4FwOp)
+def test_fa4_forward_captures_in_a_cuda_graph():
+    q, k, v = qkv(2, 256, 256, 8, 8, 128, seed=11)
+    expect = fmha_ops.memory_efficient_attention(q, k, v, op="fa4F")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fmha_ops.memory_efficient_attention(q, k, v, op="fa4F")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, expect)
+
+
+# ---- cuDNN fp8 -----------------------------------------------------------------------------------------
+
+@needs(CudnnFp8FwOp)
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("mq,mk,hkv,bias", [
+    (1000, 1000, 4, None), (1000, 1000, 16, ab.LowerTriangularFromBottomRightMask()),
+    (17, 1000, 4, ab.LowerTriangularMask()), (1, 333, 1, None)])
+def test_cudnn_fp8_matches_reference(d, mq, mk, hkv, bias):
+    (q8, k8, v8), kw = per_tensor(*qkv(2, mq, mk, 16, hkv, d, seed=d + mq))
+    out = fmha_ops.memory_efficient_attention(q8, k8, v8, bias, op="cudnn_fp8F", **kw)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, mq, 16, d)
+    rep = error_report(out, ref(q8, k8, v8, bias, **kw))
+    assert rep["cos"] > 0.997 and rep["rel"] < 8e-2, rep
+
+
+@needs(CudnnFp8FwOp)
+def test_cudnn_fp8_lse_graph_cache_and_selection():
+    (q8, k8, v8), kw = per_tensor(*qkv(2, 1024, 1024, 16, 4, 128, seed=1))
+    out, lse = fmha_ops.memory_efficient_attention_partial(q8, k8, v8, op="cudnn_fp8F", **kw)
+    _, r_lse = fmha_ops.memory_efficient_attention_partial(q8, k8, v8, op="torch_referenceF", **kw)
+    assert torch.allclose(lse, r_lse, atol=5e-2, rtol=1e-2)
+    built = len(GRAPHS)
+    fmha_ops.memory_efficient_attention(q8, k8, v8, op="cudnn_fp8F", **kw)
+    fmha_ops.memory_efficient_attention(q8, k8, v8, op="cudnn_fp8F", **kw)
+    assert len(GRAPHS) == built + 1  # one graph for the non-LSE signature, reused by the second call
+    head = dict(kw, q_descale=kw["q_descale"].expand(2, 4).contiguous())
+    reasons = fmha_ops.explain(q8, k8, v8, op="cudnn_fp8F", **head).verdicts[0].reasons
+    assert any("q_descale kind 'head'" in r for r in reasons), reasons
