@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch
 
+from bench.backends import backward_columns  # noqa: E402
 from bench.common import (
     bar_plot,
     base_parser,
@@ -151,6 +152,7 @@ def main():
         flash_ms, ref = _sdpa_bwd_ms(q, k, v, do, causal, SDPBackend.FLASH_ATTENTION)
         row["cudnn"] = fl / cudnn_ms * 1e-9
         row["flash"] = fl / flash_ms * 1e-9
+        row.update(backward_columns(q, k, v, causal))  # public API, cuDNN and FA4 through memory_efficient_attention
         best = None
         for name, cfg in _variants(D, causal, args.variants).items():
             fn = functools.partial(attention_backward, do, q, k, v, o, lse, scale=D ** -0.5, causal=causal,
@@ -178,7 +180,7 @@ def main():
         del q, k, v, do, o, lse, ref
         torch.cuda.empty_cache()
 
-    cols = ["shape", "cudnn", "flash", "ours", "best", "ours/cudnn", "ours/flash"]
+    cols = ["shape", "cudnn", "flash", "ours", "best", "ours/cudnn", "ours/flash", "api_bw", "fa4_bw", "api_bw/best"]
     print_table(rows, cols)
     write_json(out, "attention_bwd", rows)
     bar_plot(out, "attention_bwd", rows, "shape", ["cudnn", "flash", "ours"], "TFLOP/s (2.5x fwd count)",

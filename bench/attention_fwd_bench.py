@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.backends import forward_columns, fp8_columns  # noqa: E402
 from bench.common import (  # noqa: E402
     attention_tflops,
     bar_plot,
@@ -160,6 +161,8 @@ def speed_table(out, best, quick):
         row["bf16"] = f(or_none(lambda: time_ms(lambda: attention_forward(q, k, v, scale=D ** -0.5, causal=causal))))
         row["cudnn"] = f(or_none(lambda: time_ms(lambda: sdpa_cudnn(qt, kt, vt, causal, gqa))))
         row["flash"] = f(or_none(lambda: time_ms(lambda: sdpa_flash(qt, kt, vt, causal, gqa))))
+        row.update(forward_columns(q, k, v, causal))  # public API next to cuDNN / FA4 (bf16) and cuDNN fp8
+        row.update(fp8_columns(q, k, v, causal))
         if sage is not None and D in (64, 128):
             ks = k.clone()
             row["sage1"] = f(or_none(lambda: time_ms(lambda: sage(q, ks, v, tensor_layout="NHD", is_causal=causal))))
@@ -172,7 +175,8 @@ def speed_table(out, best, quick):
         del q, k, v, q8, k8, v8, xi, qt, kt, vt
         torch.cuda.empty_cache()
     cols = ["shape", "fp8", "gluon", "i8fp8", "bf16", "cudnn", "flash", "sage1", "vT_ms", "fp8/cudnn", "gluon/fp8",
-            "gluon/cudnn", "i8fp8/cudnn", "i8fp8/fp8", "bf16/cudnn"]
+            "gluon/cudnn", "i8fp8/cudnn", "i8fp8/fp8", "bf16/cudnn", "api", "fa4", "api/best", "api_fp8", "cudnn_fp8",
+            "api_fp8/best"]
     print_table(rows, cols)
     write_json(out, "attention_fwd", rows)
     bar_plot(out, "attention_fwd", rows, "shape", ["fp8", "gluon", "i8fp8", "bf16", "cudnn", "flash", "sage1"], "TFLOP/s",

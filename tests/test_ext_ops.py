@@ -122,6 +122,7 @@ def test_cudnn_fp8_declares_per_tensor_fp8_with_gqa_and_lse():
     (H200, dict(dtype=F8, dv=32), "value head dim Kv=32 must equal K=64"),
     (H200, dict(dtype=torch.bfloat16), "dtypes (q, k, v) bfloat16/bfloat16/bfloat16 not supported"),
     (B200, dict(dtype=F8, d=256), "head dim K=256 not supported on Blackwell"),
+    (H200, dict(dtype=F8, mq=1), "query length 1 < 2 not supported"),
 ])
 def test_cudnn_fp8_reasons(arch, kwargs, expect):
     assert expect in reasons(CudnnFp8FwOp, problem(arch, **kwargs))

@@ -10,7 +10,7 @@ combination of value rows, |o| <= max|v_fp8| <= 448 and the fp8 output cannot sa
 v per call; one fused kernel (``kernels.triton.dequantize``) then writes o_fp8 * v_descale in the output dtype.
 
 Declined, with reasons: per-(batch, head), per-block or per-channel descales (cuDNN takes one scalar per
-tensor), varlen / padded / paged masks, bottom-right causal with Mq != Mk on Hopper (cuDNN has it for fp8 on
+tensor), varlen / padded / paged masks, one query token (no plan), bottom-right causal with Mq != Mk on Hopper (cuDNN has it for fp8 on
 Blackwell only), head dims other than 16..256 in steps of 16 (128 at most on Blackwell), K != Kv, dropout.
 The fp8 backward (``sdpa_fp8_backward``) is not offered: it takes fp8 dO and returns fp8 gradients with
 per-tensor scales, while the training path here differentiates the dequantized bf16 values with a bf16
@@ -36,6 +36,7 @@ MIN_FRONTEND = (1, 16)
 #: the oldest cuDNN backend with an fp8 forward on Hopper that is not known-broken (9.10.0 is)
 MIN_BACKEND = 90100
 FP8_MAX = 448.0  # largest e4m3 value
+MIN_SEQLEN_Q = 2  # cuDNN 9.19 finds no sdpa_fp8 engine for one query token (measured on the H200)
 _FP8 = torch.float8_e4m3fn
 _BIAS = frozenset({ab.NONE, ab.CAUSAL, ab.CAUSAL_BR})
 
@@ -221,6 +222,9 @@ class CudnnFp8FwOp(AttentionFwOp):
             r.append(f"head dim K={p.head_dim} not supported on Blackwell; supported: 16..128 step 16")
         if p.seqlen_k == 0 or p.seqlen_q == 0:
             r.append(f"empty sequences (Mq={p.seqlen_q}, Mk={p.seqlen_k}) not supported")
+        elif p.seqlen_q < MIN_SEQLEN_Q:
+            r.append(f"query length {p.seqlen_q} < {MIN_SEQLEN_Q} not supported (cuDNN builds no fp8 plan for it on "
+                     f"the H200; the decode ops serve single-token queries)")
         return r
 
     @classmethod
