@@ -11,7 +11,7 @@ import torch
 
 import fmha_ops
 from fmha_ops import attn_bias as ab
-from fmha_ops.api import _inputs
+from fmha_ops.inputs import make_inputs
 from fmha_ops.ops.cudnn_fp8 import CudnnFp8FwOp, cudnn_package_reason, graph_key
 from fmha_ops.ops.fa4 import FA4BwOp, FA4FwOp, fa4_package_reason, window_size
 from fmha_ops.quant import quantize_fp8_tensor
@@ -32,8 +32,7 @@ def problem(arch, b=2, mq=64, mk=64, hq=4, hkv=2, d=64, dv=None, dtype=torch.bfl
     if dtype == F8:
         shape = {"tensor": (1,), "head": (b, hkv)}[descale]
         kw = dict(q_descale=torch.ones(shape), k_descale=torch.ones(shape), v_descale=torch.ones(shape))
-    inp, _ = _inputs(q, k, v, bias, p, None, None, partial, kw.get("q_descale"), kw.get("k_descale"),
-                     kw.get("v_descale"), False)
+    inp = make_inputs(q, k, v, bias, p=p, is_partial=partial, **kw)
     inp.validate()
     return dataclasses.replace(inp.problem(needs_lse=partial), arch=arch)
 
@@ -140,7 +139,7 @@ def test_cudnn_graph_key_separates_what_a_graph_depends_on():
     one = torch.ones(1)
 
     def key(bias=None, scale=None, lse=False, k=q):
-        inp, _ = _inputs(q, k, k, bias, 0.0, scale, None, False, one, one, one, False)
+        inp = make_inputs(q, k, k, bias, scale=scale, q_descale=one, k_descale=one, v_descale=one)
         return graph_key(inp, lse)
 
     base = key()

@@ -27,7 +27,8 @@ import torch
 
 from .. import attn_bias as ab
 from ..dispatch import register
-from ..inputs import Inputs, Problem
+from ..inputs import Inputs
+from ..problem import Problem
 from .base import AttentionFwOp
 from .cost import attention_time
 

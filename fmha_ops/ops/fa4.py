@@ -32,8 +32,10 @@ import torch
 
 from .. import attn_bias as ab
 from ..dispatch import register
-from ..inputs import Inputs, Problem
+from ..inputs import Inputs
+from ..problem import Problem
 from .base import AttentionBwOp, AttentionFwOp
+from .common import dequantized_qkv
 from .cost import attention_time
 
 #: the release whose interface this adapter calls (its backward entry point is module-level, not public)
@@ -230,8 +232,6 @@ class FA4BwOp(_FA4Op, AttentionBwOp):
     def apply_bw(cls, inp: Inputs, out: torch.Tensor, lse: torch.Tensor,
                  grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         from flash_attn.cute.interface import _flash_attn_bwd
-
-        from .reference import dequantized_qkv
 
         q, k, v = inp.query, inp.key, inp.value
         if q.dtype not in (torch.bfloat16, torch.float16):
