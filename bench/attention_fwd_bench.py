@@ -12,6 +12,7 @@ bench/results/attention_fwd.md and bench/results/accuracy.md (not with --quick o
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -36,7 +37,8 @@ from bench.common import (  # noqa: E402
     write_json,
     write_record,
 )
-from fmha_ops.kernels.triton.attention_fwd import attention_forward, default_config, transpose_v  # noqa: E402
+from fmha_ops.kernels.triton.attention_fwd import FwdConfig, attention_forward, default_config  # noqa: E402
+from fmha_ops.kernels.triton.transpose_v import transpose_v  # noqa: E402
 from fmha_ops.quant import quantize_i8fp8, quantize_qkv_fp8  # noqa: E402
 from fmha_ops.testing import error_report, normal_qkv, transformer_like  # noqa: E402
 
@@ -53,7 +55,7 @@ SHAPES = [  # B, Hq, Hkv, N, D, causal
 
 SWEEP = {  # (head dim, causal) -> list of (block_m, block_n, num_warps, num_stages, extra options)
     (128, False): [(64, 128, 4, 3, {}), (64, 128, 4, 4, {}), (64, 128, 4, 2, {}), (64, 64, 4, 4, {}),
-                   (64, 256, 4, 2, {}), (128, 128, 8, 3, {}), (64, 128, 4, 3, {"warp_specialize": True})],
+                   (64, 256, 4, 2, {}), (128, 128, 8, 3, {})],
     (128, True): [(64, 128, 4, 3, {}), (128, 64, 4, 3, {}), (64, 64, 4, 3, {}), (64, 128, 4, 4, {})],
     (64, False): [(128, 128, 4, 3, {}), (128, 128, 4, 4, {}), (64, 128, 4, 3, {}), (64, 256, 4, 3, {}),
                   (128, 256, 8, 3, {}), (64, 64, 4, 3, {}), (64, 128, 4, 2, {}), (64, 128, 4, 4, {}),
@@ -112,12 +114,12 @@ def sweep(out, dims=(64, 128, 256), shape=None):
             cfg = dict(block_m=bm, block_n=bn, num_warps=w, num_stages=s, **extra)
             row = dict(D=D, causal=causal, cfg=json.dumps(cfg))
             ms = or_none(lambda: _graph_ms(lambda: attention_forward(
-                q8, k8, v8, scale=D ** -0.5, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, **cfg)))
+                q8, k8, v8, scale=D ** -0.5, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, **_kw(cfg))))
             row["fp8"] = attention_tflops(B, H, N, D, causal, ms)
             if xi is not None and not extra:
                 ms = or_none(lambda: _graph_ms(lambda: attention_forward(
                     xi.q, xi.k, xi.v, scale=1.0, causal=causal, q_descale=xi.q_descale, k_descale=xi.k_descale,
-                    v_descale=xi.v_descale, **cfg)))
+                    v_descale=xi.v_descale, **_kw(cfg))))
                 row["i8fp8"] = attention_tflops(B, H, N, D, causal, ms)
             print(row, flush=True)
             rows.append(row)
@@ -130,6 +132,11 @@ def sweep(out, dims=(64, 128, 256), shape=None):
                   indent=1)
     print_table(rows, ["D", "causal", "cfg", "fp8", "i8fp8"])
     return {k: v[1] for k, v in best.items()}
+
+
+def _kw(cfg: dict) -> dict:
+    """attention_forward's keyword for a sweep config dict ({}: the kernel's default)."""
+    return {"config": FwdConfig(**cfg)} if cfg else {}
 
 
 def cfg_for(best, D, causal):
@@ -149,15 +156,15 @@ def speed_table(out, best, quick):
         gqa = Hq != Hkv
         f = lambda ms: attention_tflops(B, Hq, N, D, causal, ms)  # noqa: E731
         row = dict(shape=f"{B}x{Hq}/{Hkv}x{N}x{D}{' causal' if causal else ''}",
-                   cfg=json.dumps(cfg or default_config(D, causal, N, quantized=True)))
+                   cfg=json.dumps(cfg or dataclasses.asdict(default_config(D, causal, N, quantized=True))))
         row["fp8"] = f(or_none(lambda: time_ms(lambda: attention_forward(
-            q8, k8, v8, scale=D ** -0.5, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, **cfg))))
+            q8, k8, v8, scale=D ** -0.5, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, **_kw(cfg)))))
         if gluon is not None:
             row["gluon"] = f(or_none(lambda: time_ms(lambda: gluon(q8, k8, v8, scale=D ** -0.5, causal=causal,
                                                                  q_descale=qd, k_descale=kd, v_descale=vd))))
         row["i8fp8"] = f(or_none(lambda: time_ms(lambda: attention_forward(
             xi.q, xi.k, xi.v, scale=1.0, causal=causal, q_descale=xi.q_descale, k_descale=xi.k_descale,
-            v_descale=xi.v_descale, **cfg))))
+            v_descale=xi.v_descale, **_kw(cfg)))))
         row["bf16"] = f(or_none(lambda: time_ms(lambda: attention_forward(q, k, v, scale=D ** -0.5, causal=causal))))
         row["cudnn"] = f(or_none(lambda: time_ms(lambda: sdpa_cudnn(qt, kt, vt, causal, gqa))))
         row["flash"] = f(or_none(lambda: time_ms(lambda: sdpa_flash(qt, kt, vt, causal, gqa))))
@@ -204,15 +211,15 @@ def accuracy_table(out, best):
         runs = {
             "ours i8fp8 (block q/k, channel v)": lambda: attention_forward(
                 xi.q, xi.k, xi.v, scale=1.0, q_descale=xi.q_descale, k_descale=xi.k_descale, v_descale=xi.v_descale,
-                **cfg)[0],
+                **_kw(cfg))[0],
             "ours i8fp8 (head q/k, channel v)": lambda: attention_forward(
                 xh.q, xh.k, xh.v, scale=1.0, q_descale=xh.q_descale, k_descale=xh.k_descale, v_descale=xh.v_descale,
-                **cfg)[0],
+                **_kw(cfg))[0],
             "ours i8fp8 (block q/k, channel v), fp16 PV": lambda: attention_forward(
                 xi.q, xi.k, xi.v, scale=1.0, q_descale=xi.q_descale, k_descale=xi.k_descale, v_descale=xi.v_descale,
-                pv_fp8=False, **cfg)[0],
+                pv_fp8=False, **_kw(cfg))[0],
             "ours fp8 (B,Hkv descales)": lambda: attention_forward(
-                q8, k8, v8, scale=D ** -0.5, q_descale=qd, k_descale=kd, v_descale=vd, **cfg)[0],
+                q8, k8, v8, scale=D ** -0.5, q_descale=qd, k_descale=kd, v_descale=vd, **_kw(cfg))[0],
             "ours bf16": lambda: attention_forward(q, k, v, scale=D ** -0.5)[0],
             "ours Gluon fp8 (B,Hkv descales)": lambda: _gluon()(
                 q8, k8, v8, scale=D ** -0.5, q_descale=qd, k_descale=kd, v_descale=vd)[0],

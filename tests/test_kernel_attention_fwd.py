@@ -13,6 +13,12 @@ from fmha_ops.testing import error_report, transformer_like
 FP8 = torch.float8_e4m3fn
 
 
+def _tiles(block_m, block_n):
+    from fmha_ops.kernels.triton.attention_fwd import FwdConfig
+
+    return FwdConfig(block_m, block_n)
+
+
 def _fwd():
     from fmha_ops.kernels.triton.attention_fwd import attention_forward
 
@@ -99,7 +105,7 @@ def test_fp16_matches_reference(case):
     q, k, v = _inputs("normal", B, Mq, Mk, Hq, Hkv, D, D, torch.float16, seed=Mq + Mk)
     out = _poisoned(B, Mq, Hq, D, torch.float16)
     o, lse = _fwd()(q, k, v, scale=D ** -0.5, causal=causal, causal_bottom_right=br, return_lse=True,
-                    block_m=bm, block_n=bn, out=out)
+                    config=_tiles(bm, bn), out=out)
     ref, ref_lse = reference(q, k, v, D ** -0.5, causal, br)
     err = error_report(o, ref)
     assert not torch.isnan(o).any(), "unwritten output"
@@ -112,13 +118,13 @@ def test_fp16_head_dims_differ_and_strided_inputs():
     qkv = torch.randn(B, M, 3, H, D, device=DEVICE).half()
     q, k = qkv[:, :, 0], qkv[:, :, 1]
     v = torch.randn(B, M, H, Dv, device=DEVICE).half()
-    o, _ = _fwd()(q, k, v, scale=0.1, causal=True, block_m=16, block_n=16)
+    o, _ = _fwd()(q, k, v, scale=0.1, causal=True, config=_tiles(16, 16))
     ref, _ = reference(q, k, v, 0.1, True)
     assert error_report(o, ref)["rel"] < 2e-3
 
 
 def test_transpose_v():
-    from fmha_ops.kernels.triton.attention_fwd import transpose_v
+    from fmha_ops.kernels.triton.transpose_v import transpose_v
 
     v = torch.randn(2, 37, 3, 80, device=DEVICE).to(FP8)[:, :, 1:]
     vt, cu = transpose_v(v)
@@ -143,7 +149,7 @@ def test_keys_contiguous_v_is_read_in_place(dtype):
     storage[..., :Mk] = v.permute(0, 2, 3, 1)
     v_keys = storage.permute(0, 3, 1, 2)[:, :Mk]
     assert v_keys.stride(1) == 1 and torch.equal(v_keys.float(), v.float())
-    kw = dict(scale=D ** -0.5, causal=True, return_lse=True, block_m=16, block_n=32)
+    kw = dict(scale=D ** -0.5, causal=True, return_lse=True, config=_tiles(16, 32))
     if dtype == FP8:
         kw.update(q_descale=torch.full((B, Hkv), 0.5, device=DEVICE), pv_fp8=False)
     o, lse = _fwd()(q, k, v_keys, **kw)
@@ -154,7 +160,7 @@ def test_keys_contiguous_v_is_read_in_place(dtype):
 def test_empty_keys_and_queries():
     q = torch.randn(1, 5, 2, 32, device=DEVICE).half()
     k = torch.randn(1, 0, 2, 32, device=DEVICE).half()
-    o, lse = _fwd()(q, k, k, scale=1.0, return_lse=True, block_m=16, block_n=16, out=_poisoned(1, 5, 2, 32, torch.float16))
+    o, lse = _fwd()(q, k, k, scale=1.0, return_lse=True, config=_tiles(16, 16), out=_poisoned(1, 5, 2, 32, torch.float16))
     assert torch.equal(o, torch.zeros_like(o)) and torch.isneginf(lse).all()
     o, lse = _fwd()(q[:, :0], q, q, scale=1.0, return_lse=True)
     assert o.shape == (1, 0, 2, 32) and lse.shape == (1, 2, 0)
@@ -175,19 +181,19 @@ def test_scratch_allocator_is_set_per_thread_and_keeps_a_callers():
 
     from triton.runtime import _allocation
 
-    from fmha_ops.kernels.triton.attention_fwd import _ensure_allocator, _scratch
+    from fmha_ops.kernels.attention_host import ensure_allocator, scratch
 
     def allocator_after_ensure():
-        _ensure_allocator()
+        ensure_allocator()
         return _allocation._allocator.get()
 
-    assert contextvars.copy_context().run(allocator_after_ensure) is _scratch
+    assert contextvars.copy_context().run(allocator_after_ensure) is scratch
     seen = []
     thread = threading.Thread(target=lambda: seen.append(contextvars.copy_context().run(allocator_after_ensure)))
     contextvars.copy_context().run(allocator_after_ensure)  # set in this context first, then a new thread
     thread.start()
     thread.join()
-    assert seen == [_scratch]
+    assert seen == [scratch]
 
     def callers_allocator_kept():
         mine = lambda size, align, stream: None  # noqa: E731
@@ -205,7 +211,7 @@ def test_fp8_descales(kind, vt, fp8):
     q8, k8, v8, qd, kd, vd = _fp8_inputs(kind, B, Mq, Mk, Hq, Hkv, D, fp8)
     out = _poisoned(B, Mq, Hq, D, torch.bfloat16)
     o, lse = _fwd()(q8, k8, v8, scale=D ** -0.5, causal=True, q_descale=qd, k_descale=kd, v_descale=vd,
-                    return_lse=True, pv_fp8=False, v_transposed=vt, block_m=16, block_n=32, out=out)
+                    return_lse=True, pv_fp8=False, v_transposed=vt, config=_tiles(16, 32), out=out)
     assert o.dtype == torch.bfloat16
     ref, ref_lse = reference(_dq(q8, qd, Hq // Hkv), _dq(k8, kd), _dq(v8, vd), D ** -0.5, True)
     err = error_report(o, ref)
@@ -220,11 +226,11 @@ def test_fp8_per_tensor_descale_and_fp8_p():
     q8, k8, v8 = (q / sq).to(FP8), (k / sk).to(FP8), (v / sv).to(FP8)
     ref, _ = reference(_dq(q8, sq), _dq(k8, sk), _dq(v8, sv), D ** -0.5)
     o, _ = _fwd()(q8, k8, v8, scale=D ** -0.5, q_descale=sq, k_descale=sk, v_descale=sv, pv_fp8=False,
-                  block_m=16, block_n=16)
+                  config=_tiles(16, 16))
     assert error_report(o, ref)["rel"] < 6e-3
     # P cast to fp8 in the kernel (an fp8 dot needs K = block_n >= 32 on the GPU): the interpreter rounds that
     # cast wrongly, so only a loose bound on the CPU
-    o, _ = _fwd()(q8, k8, v8, scale=D ** -0.5, q_descale=sq, k_descale=sk, v_descale=sv, block_m=16, block_n=32)
+    o, _ = _fwd()(q8, k8, v8, scale=D ** -0.5, q_descale=sq, k_descale=sk, v_descale=sv, config=_tiles(16, 32))
     assert error_report(o, ref)["rel"] < (0.25 if DEVICE == "cpu" else 0.05)
 
 
@@ -261,7 +267,7 @@ def test_i8fp8_matches_dequantized_reference(gran, vgran, causal):
     out = _poisoned(B, Mq, Hq, D, torch.bfloat16)
     o, lse = _fwd()(x.q, x.k, x.v, scale=x.softmax_scale, causal=causal, q_descale=x.q_descale,
                     k_descale=x.k_descale, v_descale=x.v_descale, return_lse=True, pv_fp8=False,
-                    v_transposed=causal, block_m=64, block_n=64, out=out)
+                    v_transposed=causal, config=_tiles(64, 64), out=out)
     dq, dk, dv = _i8_dequant(x, Hq, Hkv)
     ref, _ = reference(dq, dk, dv, 1.0, causal)
     err = error_report(o, ref)
@@ -296,7 +302,7 @@ def test_varlen_fp16(causal, br):
     q, k, v, cq, ck = _varlen_pack(seq_q, seq_k, Hq, Hkv, D, torch.float16)
     out = _poisoned(1, q.shape[1], Hq, D, torch.float16)
     o, lse = _fwd()(q, k, v, scale=0.2, causal=causal, causal_bottom_right=br, cu_seqlens_q=cq, cu_seqlens_k=ck,
-                    max_seqlen_q=max(seq_q), max_seqlen_k=max(seq_k), return_lse=True, block_m=16, block_n=16, out=out)
+                    max_seqlen_q=max(seq_q), max_seqlen_k=max(seq_k), return_lse=True, config=_tiles(16, 16), out=out)
     ref, ref_lse = _varlen_reference(q, k, v, cq, ck, 0.2, causal, br)
     assert error_report(o, ref)["rel"] < 2e-3
     _check_lse(lse, ref_lse, 1e-4)
@@ -316,7 +322,7 @@ def test_varlen_fp8_per_sequence_descales():
 
     o, _ = _fwd()(q8, k8, v8, scale=0.3, causal=True, q_descale=qd, k_descale=kd, v_descale=vd, cu_seqlens_q=cq,
                   cu_seqlens_k=cq, max_seqlen_q=20, max_seqlen_k=20, pv_fp8=False, v_transposed=True,
-                  block_m=16, block_n=16)
+                  config=_tiles(16, 16))
     ref, _ = _varlen_reference(per_token(q8, qd), per_token(k8, kd), per_token(v8, vd), cq, cq, 0.3, True, True)
     assert error_report(o, ref)["rel"] < 6e-3
 

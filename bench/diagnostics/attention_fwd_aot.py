@@ -37,10 +37,10 @@ def _args(dtype: str, D: int, bm: int, bn: int) -> list[tuple[str, str, int | No
     a += [(f"stride_k{x}", "i32", s) for x, s in zip("bmh", (N * row, row, D))]
     a += [(f"stride_v{x}", "i32", s) for x, s in zip("bmh", v_strides)]
     a += [(f"stride_o{x}", "i32", s) for x, s in zip("bmh", (N * row, row, D))]
-    a += [("stride_lb", "i32", H * N), ("stride_lh", "i32", N)]
     a += [("qd_sb", "i32", H * 32), ("qd_sh", "i32", 32), ("kd_sb", "i32", H * 32), ("kd_sh", "i32", 32),
           ("vd_sb", "i32", H * D), ("vd_sh", "i32", D)]
-    return a + [("Mq", "i32", N), ("Mk", "i32", N), ("Hq", "i32", H), ("GROUP", "i32", 1)]
+    return a + [("Mq", "i32", N), ("Mk", "i32", N), ("Hq", "i32", H), ("GROUP", "i32", 1),
+                ("window_left", "i32", None), ("window_right", "i32", None)]
 
 
 def compile_one(dtype="fp8", D=128, causal=False, descale="block", bm=None, bn=None, warps=None, stages=None,
@@ -48,16 +48,14 @@ def compile_one(dtype="fp8", D=128, causal=False, descale="block", bm=None, bn=N
     from fmha_ops.kernels.triton.attention_fwd import _attn_fwd_kernel, default_config
 
     cfg = default_config(D, causal, N, dtype != "bf16")
-    bm, bn = bm or cfg["block_m"], bn or cfg["block_n"]
-    warps, stages = warps or cfg["num_warps"], stages or cfg["num_stages"]
-    maxnreg = cfg.get("maxnreg") if (bm, bn) == (cfg["block_m"], cfg["block_n"]) else None
+    bm, bn = bm or cfg.block_m, bn or cfg.block_n
+    warps, stages = warps or cfg.num_warps, stages or cfg.num_stages
+    maxnreg = cfg.maxnreg if (bm, bn) == (cfg.block_m, cfg.block_n) else None
     quantized = dtype != "bf16"
     block = quantized and descale == "block"
-    consts = {"D": D, "DV": D, "BLOCK_D": D, "BLOCK_DV": D, "BLOCK_M": bm, "BLOCK_N": bn, "CAUSAL": causal,
-              "BOTTOM_RIGHT": True, "VARLEN": False, "QK_INT8": dtype == "i8fp8", "PV_FP8": quantized,
-              "V_T": quantized, "P_SHIFT": 8 if quantized else 0, "Q_BLOCKSCALE": block, "K_BLOCKSCALE": block,
-              "V_PER_CHANNEL": block, "Q_SCALE_BLOCK": 128, "K_SCALE_BLOCK": 128, "WRITE_LSE": False,
-              "REVERSE_M": causal, "WARP_SPECIALIZE": False, "HOST_DESC": True}
+    consts = {"D": D, "DV": D, "BLOCK_M": bm, "BLOCK_N": bn, "MASK_LEFT": False, "MASK_RIGHT": causal,
+              "BOTTOM_RIGHT": True, "VARLEN": False, "V_T": quantized, "P_SHIFT": 8 if quantized else 0,
+              "Q_BLOCKSCALE": block, "K_BLOCKSCALE": block, "V_PER_CHANNEL": block, "WRITE_LSE": False}
     r = compile_sm90(_attn_fwd_kernel, _args(dtype, D, bm, bn), consts, warps=warps, stages=stages, maxnreg=maxnreg,
                      dump=dump)
     row = {"dtype": dtype, "D": D, "causal": causal, "descale": descale if quantized else "-",

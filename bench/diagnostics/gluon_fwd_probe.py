@@ -49,7 +49,7 @@ def probe_shape(B, Hq, Hkv, N, D, causal, cudnn):
         name = f"g{bm}_{bn}s{st}"
 
         def run(bm=bm, bn=bn, st=st):
-            return G.attention_forward(q8, k8, v8, block_m=bm, block_n=bn, stages=st, **kw)[0]
+            return G.attention_forward(q8, k8, v8, config=G.GluonFwdConfig(bm, bn, st), **kw)[0]
 
         o = or_none(run)
         if o is None:

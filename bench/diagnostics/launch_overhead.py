@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import fmha_ops  # noqa: E402
 from bench import common  # noqa: E402
 from fmha_ops.kernels.triton import attention_fwd as af  # noqa: E402
+from fmha_ops.kernels.triton import transpose_v as tv  # noqa: E402
 from fmha_ops.kernels.triton.launch import launch  # noqa: E402
 
 
@@ -60,7 +61,7 @@ def launch_rows(iters: int) -> list[dict]:
         "kv stats": (qz._kv_stats_kernel, quantize),
         "fused quantize": (qz._quantize_qkv_kernel, quantize),
         "attention fwd (4 host TMA descriptors)": (af._attn_fwd_kernel, forward),
-        "V transpose": (af._transpose_v_kernel, lambda: af.transpose_v(vt_input)),
+        "V transpose": (tv._transpose_v_kernel, lambda: tv.transpose_v(vt_input)),
         "bwd preprocess": (ab._bwd_preprocess, backward),
         "bwd dK/dV": (ab._bwd_dkdv, backward),
         "bwd dQ": (ab._bwd_dq, backward),

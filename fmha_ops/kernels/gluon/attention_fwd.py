@@ -21,6 +21,8 @@ before the fp8 cast (small probabilities stay normal e4m3 numbers) and the shift
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -34,48 +36,26 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ..triton.attention_fwd import _descale_args, _ensure_allocator, transpose_v
+from ..attention_host import descale_args, ensure_allocator
+from ..softmax import LOG2E, natural_lse, p_shift, row_inverse, softmax_step, visible
 from ..triton.launch import cdiv, launch
+from ..triton.transpose_v import transpose_v
 
-_LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128, 256)
+_P_SHIFT = p_shift(torch.float8_e4m3fn)
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, qk_scale, start_n, seqlen_k, diag, offs_m,
-             MASKED: gl.constexpr, CAUSAL: gl.constexpr, P_SHIFT: gl.constexpr, BLOCK_N: gl.constexpr,
-             s_layout: gl.constexpr):
-    """Online-softmax step on one S tile (raw scores); returns (p fp32 scaled by 2**P_SHIFT, m, l, alpha)."""
-    if MASKED:
-        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        keep = gl.expand_dims(cols, 0) < seqlen_k
-        if CAUSAL:
-            keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(offs_m, 1) + diag)
-        s = gl.where(keep, s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-        # rows that have seen no key keep m = -inf: subtract 0 instead to avoid inf - inf
-        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - gl.expand_dims(m_sub - P_SHIFT, 1))
-        alpha = gl.exp2(m_i - m_sub)
-    else:
-        # qk_scale > 0 commutes with the row max: one FMA per score feeds exp2
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new - P_SHIFT, 1))
-        alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.sum(p, 1)
-    return p, m_new, l_i, alpha
-
-
-@gluon.jit
-def _tile_softmax(s, m_i, l_i, qk_scale, start_n, full_end, seqlen_k, diag, offs_m,
+def _tile_softmax(s, m_i, l_i, qk_scale, start_n, full_end, seqlen_k, hi, offs_m,
                   CAUSAL: gl.constexpr, P_SHIFT: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-    """``_softmax`` with the key/causal masks only on tiles at or past ``full_end`` (partial or diagonal)."""
+    """``softmax_step`` on one S tile (raw scores), with the key/causal masks only on tiles at or past
+    ``full_end`` (partial or diagonal); returns (p fp32 scaled by 2**P_SHIFT, m, l, alpha)."""
     if start_n >= full_end:
-        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, start_n, seqlen_k, diag, offs_m, True, CAUSAL, P_SHIFT,
-                                      BLOCK_N, s_layout)
+        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        keep = visible(offs_m, cols, seqlen_k, 0, hi, False, CAUSAL)
+        p, m_i, l_i, alpha = softmax_step(s, keep, m_i, l_i, qk_scale, 0.0, P_SHIFT, True)
     else:
-        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, start_n, seqlen_k, diag, offs_m, False, CAUSAL,
-                                      P_SHIFT, BLOCK_N, s_layout)
+        p, m_i, l_i, alpha = softmax_step(s, None, m_i, l_i, qk_scale, 0.0, P_SHIFT, False)
     return p, m_i, l_i, alpha
 
 
@@ -221,8 +201,7 @@ def _attn_fwd_kernel(
         mbarrier.invalidate(k_bars.index(i))
         mbarrier.invalidate(v_bars.index(i))
 
-    empty = l_i == 0.0
-    inv_l = 1.0 / gl.where(empty, 1.0, l_i)
+    inv_l = row_inverse(l_i)
     vd = gl.load(VD + b * vd_sb + hkv * vd_sh)
     out = acc * gl.expand_dims(gl.convert_layout(inv_l * vd, o_row), 1)
     o_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, HEAD_D], o_sl)
@@ -230,23 +209,40 @@ def _attn_fwd_kernel(
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [m0, 0], o_smem)
     if WRITE_LSE:
-        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i)) - P_SHIFT) * 0.6931471805599453)
+        lse = natural_lse(m_i, l_i, P_SHIFT)
         gl.store(Lse + b64 * stride_lb + hq.to(gl.int64) * stride_lh + offs_m, lse, mask=offs_m < Mq)
     tma.store_wait(pendings=0)
 
 
-def default_config(head_dim: int, causal: bool) -> dict:
-    """Tile sizes per head dim (one warpgroup, BLOCK_M 64, two CTAs per SM); see bench/results/attention_fwd.md."""
-    if head_dim <= 128:
-        return {"block_m": 64, "block_n": 128, "stages": 2}
-    return {"block_m": 64, "block_n": 64, "stages": 2}
+@dataclass(frozen=True)
+class GluonFwdConfig:
+    """Tiles of the Gluon kernel; the defaults' reasons are H200 sweeps (fp8 TFLOP/s at 4x32x4096 / 2x16x16384,
+    bench/results/attention_fwd.md)."""
+
+    #: query rows per CTA, 64 per warpgroup: 64 (two CTAs per SM) 728 / 779, 128 (two warpgroups) 618 / 690
+    block_m: int = 64
+    #: keys per tile: 128 at D <= 128 (64 keys 668 / 686), 64 at D256 (registers)
+    block_n: int = 128
+    #: K/V ring depth: 2 (3 stages 743 / 771 at D128, within noise; D64 504 vs 493, D256 822 / 871 vs 811 / 853)
+    stages: int = 2
+
+
+def default_config(head_dim: int, causal: bool) -> GluonFwdConfig:
+    """Tiles for head dim ``head_dim`` (the same for causal or not)."""
+    return GluonFwdConfig(block_n=128 if head_dim <= 128 else 64)
 
 
 def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=None, k_descale=None,
-                      v_descale=None, return_lse: bool = False, block_m=None, block_n=None, stages=None, out=None):
+                      v_descale=None, return_lse: bool = False, config: GluonFwdConfig | None = None, out=None):
     """fp8 attention forward on Hopper (see the module docstring for shapes, dtypes and layouts).
 
-    Returns (out bf16 (B, Mq, Hq, D), lse float32 (B, Hq, Mq) natural log, or None).
+    Returns (out bf16 (B, Mq, Hq, D), lse float32 (B, Hq, Mq) natural log, or None). ``config`` overrides
+    ``default_config``; ``out`` is an optional preallocated output.
+
+    Example::
+
+        q, k, v = (torch.randn(2, 4096, 16, 128, device="cuda").to(torch.float8_e4m3fn) for _ in range(3))
+        out, _ = attention_forward(q, k, v, scale=128 ** -0.5, causal=True)
     """
     B, Mq, Hq, D = q.shape
     _, Mk, Hkv, Dv = v.shape
@@ -257,13 +253,12 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1, "last dim must be contiguous"
     assert all(s % 16 == 0 for t in (q, k) for s in t.stride()[:3]), "q/k strides must be multiples of 16 (TMA)"
     device = q.device
-    cfg = default_config(D, causal)
-    BN = block_n or cfg["block_n"]
-    ST = stages or cfg["stages"]
+    cfg = config or default_config(D, causal)
+    BM, BN, ST = cfg.block_m, cfg.block_n, cfg.stages
     assert ST >= 2, "the K/V rings need at least 2 stages"
-    qd, qd_sb, qd_sh = _descale_args(q_descale, device, B, Hkv, "q_descale")
-    kd, kd_sb, kd_sh = _descale_args(k_descale, device, B, Hkv, "k_descale")
-    vd, vd_sb, vd_sh = _descale_args(v_descale, device, B, Hkv, "v_descale")
+    qd, qd_sb, qd_sh = descale_args(q_descale, device, B, Hkv, "q_descale")
+    kd, kd_sb, kd_sh = descale_args(k_descale, device, B, Hkv, "k_descale")
+    vd, vd_sb, vd_sh = descale_args(v_descale, device, B, Hkv, "v_descale")
     if out is None:
         out = torch.empty((B, Mq, Hq, D), dtype=torch.bfloat16, device=device)
     else:
@@ -274,11 +269,10 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=
         if lse is not None:
             lse.fill_(float("-inf"))
         return out, lse
-    BM = block_m or cfg["block_m"]  # 64 rows per warpgroup
-    _ensure_allocator()
+    ensure_allocator()
     vt, _ = transpose_v(v)
     launch(_attn_fwd_kernel)[(cdiv(Mq, BM), B * Hq)](
-        q, k, vt, out, lse if lse is not None else qd, qd, kd, vd, scale * _LOG2E,
+        q, k, vt, out, lse if lse is not None else qd, qd, kd, vd, scale * LOG2E.value,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         vt.stride(0), vt.stride(1), vt.stride(2),
@@ -286,7 +280,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=
         lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
         qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh,
         Mq, Mk, Hq, Hq // Hkv,
-        HEAD_D=D, BLOCK_M=BM, BLOCK_N=BN, STAGES=ST, CAUSAL=causal, WRITE_LSE=return_lse, P_SHIFT=8,
+        HEAD_D=D, BLOCK_M=BM, BLOCK_N=BN, STAGES=ST, CAUSAL=causal, WRITE_LSE=return_lse, P_SHIFT=_P_SHIFT,
         num_warps=BM // 16,
     )
     return out, lse
@@ -298,7 +292,7 @@ def compile_sm90(head_dim=128, block_n=128, stages=2, causal=False, write_lse=Fa
     from triton.experimental.gluon._runtime import GluonASTSource
 
     const = {"HEAD_D": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages, "CAUSAL": causal,
-             "WRITE_LSE": write_lse, "P_SHIFT": 8, "num_warps": block_m // 16}
+             "WRITE_LSE": write_lse, "P_SHIFT": _P_SHIFT, "num_warps": block_m // 16}
     i32 = ("stride_qb", "stride_qm", "stride_qh", "stride_kb", "stride_km", "stride_kh", "stride_vb", "stride_vh",
            "stride_vd", "stride_ob", "stride_om", "stride_oh", "stride_lb", "stride_lh",
            "qd_sb", "qd_sh", "kd_sb", "kd_sh", "vd_sb", "vd_sh", "Mq", "Mk", "Hq", "GROUP")

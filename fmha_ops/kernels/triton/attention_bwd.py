@@ -21,14 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
+from fmha_ops.kernels.softmax import LOG2E
 from fmha_ops.kernels.triton.launch import cdiv, launch
-
-LOG2E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
 class BwdConfig:
-    """Tile sizes, warps and pipeline stages of the dK/dV kernel (``*_kv``) and the dQ kernel (``*_q``)."""
+    """Tile sizes, warps and pipeline stages of the dK/dV kernel (``*_kv``: query rows x keys per tile) and the
+    dQ kernel (``*_q``). The defaults' reasons are H200 sweeps (TFLOP/s credited, bench/results/attention_bwd.md)."""
 
     block_m_kv: int
     block_n_kv: int
@@ -40,15 +40,21 @@ class BwdConfig:
     stages_q: int
 
 
-DEFAULT_CONFIGS = {  # by max(D, Dv); 64, 128 and 256 tuned on the H200 (bench/results/attention_bwd.md), < 64 not timed
+DEFAULT_CONFIGS = {  # by max(D, Dv)
+    # not timed: the D128 tiles
     16: BwdConfig(64, 128, 8, 3, 128, 64, 8, 3),
     32: BwdConfig(64, 128, 8, 3, 128, 64, 8, 3),
+    # dK/dV 32x128 / 4 warps: 193.6 vs 174.6 (64x128 / 8) at 16x8x1024 causal; dQ 64x64 / 4 within noise
     64: BwdConfig(32, 128, 4, 3, 128, 64, 8, 3),
+    # dK/dV 32x128 -12%, 64x64 -40%; dQ 128x32 -5%; 2 stages instead of 3 -5%
     128: BwdConfig(64, 128, 8, 3, 128, 64, 8, 3),
+    # 64x64 spills 516 bytes yet runs 236 vs 128-132 for spill-free 16x64; dQ 64x64 / 64x32 15-35% slower
     256: BwdConfig(64, 64, 8, 2, 128, 32, 8, 2),
 }
-NONCAUSAL_CONFIGS = {  # one-warpgroup dK/dV tiles: +5% (D64) / +8% (D128) without a mask, slower on causal diagonals
+NONCAUSAL_CONFIGS = {  # one-warpgroup dK/dV tiles, faster without a mask, slower on causal diagonals
+    # 340.9 vs 324.8 at 4x32x4096 (causal: 59, from the masked diagonal tiles)
     64: BwdConfig(64, 128, 4, 3, 128, 64, 8, 3),
+    # 397.1 vs 366-375 at 4x32x4096, 415.9 vs 372-381 at 2x16x16384
     128: BwdConfig(64, 64, 4, 2, 128, 64, 8, 3),
 }
 
@@ -73,7 +79,7 @@ def _seq_bounds(cu_ptr, b, M, IS_VARLEN: tl.constexpr):
 def _load_lse2(lse_row_ptr, ok):
     """log2-domain LSE; out-of-range rows and rows that see no key (lse = -inf) become +inf, so p = 0."""
     lse = tl.load(lse_row_ptr, mask=ok, other=float("inf"))
-    return tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+    return tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
 
 
 @triton.jit
@@ -335,7 +341,7 @@ def attention_backward(do, q, k, v, out, lse, *, scale: float, causal: bool = Fa
 
     meta = {"GROUP": Hq // Hkv, "CAUSAL": causal, "BOTTOM_RIGHT": causal_bottom_right, "IS_VARLEN": varlen,
             "HEAD_DIM": D, "HEAD_DIM_V": Dv}
-    qk_scale = scale * LOG2E
+    qk_scale = scale * LOG2E.value
     pre_block = 64
     delta = torch.empty(lse.shape, device=q.device, dtype=torch.float32)
     launch(_bwd_preprocess)[(cdiv(Mq, pre_block), Hq, B)](

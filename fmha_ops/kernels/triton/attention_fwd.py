@@ -7,7 +7,8 @@ One kernel, specialised by ``tl.constexpr`` switches:
 * i8fp8: q/k ``int8`` (QK^T accumulated in int32), v fp8, P as for fp8.
 * bf16/fp16: q/k/v of that dtype, P cast to it.
 
-Softmax runs in fp32 with exp2; q*k descales and the softmax scale are folded into one
+Softmax runs in fp32 with exp2 (the online-softmax step and the LSE epilogue of ``kernels/softmax.py``, shared
+with the Gluon kernel); q*k descales and the softmax scale are folded into one
 multiplier per tile, the v descale is applied once at the end. Tiles move with TMA tensor
 descriptors, whose zero padding and store clipping handle partial blocks, sequence ends and head
 dims below the power-of-two block width. Without varlen the launcher makes them on the host (one
@@ -16,16 +17,27 @@ its own on the device.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
-from triton.runtime import _allocation
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from fmha_ops.kernels.attention_host import descale_args, ensure_allocator
+from fmha_ops.kernels.softmax import LOG2E, natural_lse, p_shift, row_inverse, softmax_step, visible
 from fmha_ops.kernels.triton.launch import cdiv, launch, next_pow2
+from fmha_ops.kernels.triton.transpose_v import transpose_v
 from fmha_ops.quant import K_SCALE_BLOCK, Q_SCALE_BLOCK
 
-_LOG2E = 1.4426950408889634
+_Q_SCALE_BLOCK = tl.constexpr(Q_SCALE_BLOCK)
+_K_SCALE_BLOCK = tl.constexpr(K_SCALE_BLOCK)
+
+
+@triton.constexpr_function
+def _pow2(n):
+    """The tile width for a head dim: the smallest power of two >= n."""
+    return triton.next_power_of_2(n)
 
 
 @triton.jit
@@ -35,24 +47,25 @@ def _head_desc(base, rows, cols, stride, R: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _load(desc, b, h, r, c, R: tl.constexpr, C: tl.constexpr, HOST_DESC: tl.constexpr):
-    """An [R, C] tile at (r, c) of head (b, h): a host descriptor spans (B, H, rows, cols), a device one
-    was made for the head."""
-    if HOST_DESC:
-        return desc.load([b, h, r, c]).reshape(R, C)
-    else:
+def _load(desc, b, h, r, c, R: tl.constexpr, C: tl.constexpr, VARLEN: tl.constexpr):
+    """An [R, C] tile at (r, c) of head (b, h): a host descriptor (dense batches) spans (B, H, rows, cols), a
+    device one (varlen) was made for the head."""
+    if VARLEN:
         return desc.load([r, c])
+    else:
+        return desc.load([b, h, r, c]).reshape(R, C)
 
 
 @triton.jit
-def _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, k_row0, start_n, seqlen_k, diag, offs_m, offs_n,
-          MASKED: tl.constexpr, CAUSAL: tl.constexpr, QK_INT8: tl.constexpr, K_BLOCKSCALE: tl.constexpr,
-          PV_FP8: tl.constexpr, V_T: tl.constexpr, P_SHIFT: tl.constexpr,
-          K_SCALE_BLOCK: tl.constexpr, v_row0, b, hkv,
-          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HOST_DESC: tl.constexpr):
-    """One BLOCK_N step of the online softmax. Scores are in log2 units after ``qk_scale``."""
-    k = _load(k_desc, b, hkv, k_row0 + start_n, 0, BLOCK_N, BLOCK_D, HOST_DESC)
-    if QK_INT8:
+def _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, k_row0, v_row0, start_n, seqlen_k, lo, hi, offs_m,
+          b, hkv, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, K_BLOCKSCALE: tl.constexpr,
+          V_T: tl.constexpr, P_SHIFT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
+          VARLEN: tl.constexpr):
+    """One BLOCK_N step of the online softmax (``softmax_step``); scores are in log2 units after ``qk_scale``.
+    MASKED: the sequence end and the [i + lo, i + hi] key range of ``visible`` apply (boundary tiles)."""
+    BLOCK_D: tl.constexpr = q.shape[1]
+    k = _load(k_desc, b, hkv, k_row0 + start_n, 0, BLOCK_N, BLOCK_D, VARLEN)
+    if q.dtype == tl.int8:
         # int32 -> fp32 without I2F (16/clk/SM, as slow as exp2): |s| < 2**22 for D <= 256, so adding
         # 1.5 * 2**23 puts s in the mantissa of a float worth OFF + s; the scaling FMA removes OFF
         s = (tl.dot(q, k.T, out_dtype=tl.int32) + 0x4B400000).to(tl.float32, bitcast=True)
@@ -61,35 +74,22 @@ def _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, k_row0, start_n, s
         s = tl.dot(q, k.T)
         OFF: tl.constexpr = 0.0
     if K_BLOCKSCALE:  # one k descale per tile: K_SCALE_BLOCK is a multiple of BLOCK_N
-        qk_scale = qk_scale * tl.load(kd_ptr + start_n // K_SCALE_BLOCK)
+        qk_scale = qk_scale * tl.load(kd_ptr + start_n // _K_SCALE_BLOCK)
+    keep = None
     if MASKED:
-        cols = start_n + offs_n
-        keep = cols[None, :] < seqlen_k
-        if CAUSAL:
-            keep = keep & (cols[None, :] <= offs_m[:, None] + diag)
-        s = tl.where(keep, (s - OFF) * qk_scale, float("-inf"))
-        m_ij = tl.maximum(m_i, tl.max(s, 1))
-        # rows that have seen no key yet keep m = -inf; subtract 0 instead to avoid inf - inf
-        m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
-        p = tl.math.exp2(s - (m_sub - P_SHIFT)[:, None])
-        alpha = tl.math.exp2(m_i - m_sub)
-    else:
-        # scale > 0, so the row max commutes with the scaling; one FMA per score feeds exp2
-        m_ij = tl.maximum(m_i, (tl.max(s, 1) - OFF) * qk_scale)
-        p = tl.math.exp2(s * qk_scale - (m_ij + (OFF * qk_scale - P_SHIFT))[:, None])
-        alpha = tl.math.exp2(m_i - m_ij)
-    l_i = l_i * alpha + tl.sum(p, 1)
+        keep = visible(offs_m, start_n + tl.arange(0, BLOCK_N), seqlen_k, lo, hi, MASK_LEFT, MASK_RIGHT)
+    p, m_i, l_i, alpha = softmax_step(s, keep, m_i, l_i, qk_scale, OFF, P_SHIFT, MASKED)
     if V_T:
-        v = _load(v_desc, b, hkv, 0, v_row0 + start_n, BLOCK_DV, BLOCK_N, HOST_DESC).T
+        v = _load(v_desc, b, hkv, 0, v_row0 + start_n, BLOCK_DV, BLOCK_N, VARLEN).T
     else:
-        v = _load(v_desc, b, hkv, k_row0 + start_n, 0, BLOCK_N, BLOCK_DV, HOST_DESC)
-    if PV_FP8 or not v.dtype.is_fp8():
+        v = _load(v_desc, b, hkv, k_row0 + start_n, 0, BLOCK_N, BLOCK_DV, VARLEN)
+    if P_SHIFT != 0 or not v.dtype.is_fp8():  # fp8 P (shifted), or P in v's 16-bit dtype
         p = p.to(v.dtype)
-    else:
+    else:  # fp8 v with a 16-bit PV product
         p = p.to(tl.float16)
         v = v.to(tl.float16)
     acc = tl.dot(p, v, acc * alpha[:, None])
-    return acc, l_i, m_ij
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -99,76 +99,95 @@ def _attn_fwd_kernel(
     stride_kb, stride_km, stride_kh,
     stride_vb, stride_vm, stride_vh,
     stride_ob, stride_om, stride_oh,
-    stride_lb, stride_lh,
     qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh,
-    Mq, Mk, Hq, GROUP,
-    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, VARLEN: tl.constexpr,
-    QK_INT8: tl.constexpr, PV_FP8: tl.constexpr, V_T: tl.constexpr,
-    P_SHIFT: tl.constexpr, Q_BLOCKSCALE: tl.constexpr, K_BLOCKSCALE: tl.constexpr, V_PER_CHANNEL: tl.constexpr,
-    Q_SCALE_BLOCK: tl.constexpr, K_SCALE_BLOCK: tl.constexpr,
-    WRITE_LSE: tl.constexpr, REVERSE_M: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, HOST_DESC: tl.constexpr,
+    Mq, Mk, Hq, GROUP, window_left, window_right,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, VARLEN: tl.constexpr,
+    V_T: tl.constexpr, P_SHIFT: tl.constexpr,
+    Q_BLOCKSCALE: tl.constexpr, K_BLOCKSCALE: tl.constexpr, V_PER_CHANNEL: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
+    """One program: BLOCK_M query rows of one (sequence, q head).
+
+    Mask: key j is visible from query i iff j < seqlen_k and, with ``i_al = i + diag`` (``diag`` = seqlen_k -
+    seqlen_q when BOTTOM_RIGHT, else 0), ``j >= i_al - window_left`` (MASK_LEFT) and ``j <= i_al + window_right``
+    (MASK_RIGHT; causal: window_right = 0). Key tiles wholly outside that range are not visited; tiles that it
+    covers for every row run unmasked. Dtypes select the path: int8 q (i8fp8: int32 QK^T), ``P_SHIFT`` > 0 (fp8
+    P for the PV product, scaled by 2**P_SHIFT), else P in v's dtype. VARLEN: sequence b spans rows
+    [CuQ[b], CuQ[b+1]) of batch 0 (bounds clamped to the tensors' rows) and descriptors are made per head on the
+    device; else Q, K, V, Out are host descriptors over (B, H, rows, cols).
+    """
+    BLOCK_D: tl.constexpr = _pow2(D)
+    BLOCK_DV: tl.constexpr = _pow2(DV)
     pid_m = tl.program_id(0)
-    if REVERSE_M:
+    if MASK_RIGHT:  # the last query blocks see the most keys: start them first
         pid_m = tl.num_programs(0) - 1 - pid_m
     bh = tl.program_id(1)
     b = bh // Hq
     hq = bh % Hq
     hkv = hq // GROUP
-    if VARLEN:
-        q_start = tl.load(CuQ + b)
-        seqlen_q = tl.load(CuQ + b + 1) - q_start
-        k_start = tl.load(CuK + b)
-        seqlen_k = tl.load(CuK + b + 1) - k_start
+    if VARLEN:  # sequence bounds clamped to the tensors, whatever CuQ / CuK hold
+        q_start = tl.minimum(tl.maximum(tl.load(CuQ + b), 0), Mq)
+        seqlen_q = tl.minimum(tl.maximum(tl.load(CuQ + b + 1), q_start), Mq) - q_start
+        k_start = tl.minimum(tl.maximum(tl.load(CuK + b), 0), Mk)
+        seqlen_k = tl.minimum(tl.maximum(tl.load(CuK + b + 1), k_start), Mk) - k_start
         if V_T:
             v_start = tl.load(CuVT + b)
         else:
             v_start = k_start
-        b_off = bh * 0
+        tensor_b = 0  # the packed sequences all live in batch 0
     else:
         q_start = 0
         seqlen_q = Mq
         k_start = 0
         seqlen_k = Mk
         v_start = 0
-        b_off = b
+        tensor_b = b
     m0 = pid_m * BLOCK_M
     if m0 >= seqlen_q:
         return
-    b64 = b_off.to(tl.int64)
+    b64 = tl.cast(tensor_b, tl.int64)
     if BOTTOM_RIGHT:
         diag = seqlen_k - seqlen_q
     else:
         diag = 0
-    if CAUSAL:
-        kv_end = tl.maximum(tl.minimum(seqlen_k, m0 + BLOCK_M + diag), 0)
-        full_end = tl.maximum(tl.minimum(seqlen_k, m0 + diag + 1), 0) // BLOCK_N * BLOCK_N
+    lo = diag - window_left  # row i sees keys [i + lo, i + hi]
+    hi = diag + window_right
+    # key tiles: [kv_start, full_start) lower boundary, [full_start, full_end) seen whole by every row (unmasked),
+    # [full_end, kv_end) upper boundary and the sequence's partial last tile
+    if MASK_RIGHT:
+        kv_end = tl.maximum(tl.minimum(seqlen_k, m0 + BLOCK_M + hi), 0)
+        full_end = tl.maximum(tl.minimum(seqlen_k, m0 + hi + 1), 0) // BLOCK_N * BLOCK_N
     else:
         kv_end = seqlen_k
         full_end = seqlen_k // BLOCK_N * BLOCK_N
-
-    if HOST_DESC:  # Q, K, V, Out are descriptors over (B, H, rows, cols), made by the launcher
-        q_desc = Q
-        k_desc = K
-        v_desc = V
-        o_desc = Out
+    if MASK_LEFT:
+        kv_start = tl.minimum(tl.maximum(m0 + lo, 0), kv_end) // BLOCK_N * BLOCK_N
+        full_start = tl.minimum(tl.cdiv(tl.maximum(m0 + BLOCK_M - 1 + lo, 0), BLOCK_N) * BLOCK_N, kv_end)
+        full_end = tl.maximum(full_end, full_start)
     else:
+        kv_start = 0
+        full_start = 0
+
+    if VARLEN:
         q_desc = _head_desc(Q + b64 * stride_qb + hq.to(tl.int64) * stride_qh, q_start + seqlen_q, D, stride_qm,
                             BLOCK_M, BLOCK_D)
         k_desc = _head_desc(K + b64 * stride_kb + hkv.to(tl.int64) * stride_kh, k_start + seqlen_k, D, stride_km,
                             BLOCK_N, BLOCK_D)
         v_base = V + b64 * stride_vb + hkv.to(tl.int64) * stride_vh
-        if V_T:  # V is (B, Hkv, DV, Mk): keys contiguous, the K-major operand the fp8 wgmma needs
-            v_desc = _head_desc(v_base, DV, v_start + seqlen_k, stride_vm, BLOCK_DV, BLOCK_N)
+        if V_T:  # V is (B, Hkv, DV, L), keys contiguous (the K-major operand the fp8 wgmma needs), L = stride_vm
+            v_desc = _head_desc(v_base, DV, tl.minimum(v_start + seqlen_k, stride_vm), stride_vm, BLOCK_DV, BLOCK_N)
         else:
             v_desc = _head_desc(v_base, k_start + seqlen_k, DV, stride_vm, BLOCK_N, BLOCK_DV)
         o_desc = _head_desc(Out + b64 * stride_ob + hq.to(tl.int64) * stride_oh, q_start + seqlen_q, DV, stride_om,
                             BLOCK_M, BLOCK_DV)
+    else:  # Q, K, V, Out are descriptors over (B, H, rows, cols), made by the launcher
+        q_desc = Q
+        k_desc = K
+        v_desc = V
+        o_desc = Out
 
     if Q_BLOCKSCALE:
-        qd = tl.load(QD + b * qd_sb + hq * qd_sh + m0 // Q_SCALE_BLOCK)
+        qd = tl.load(QD + b * qd_sb + hq * qd_sh + m0 // _Q_SCALE_BLOCK)
     else:
         qd = tl.load(QD + b * qd_sb + hkv * qd_sh)
     kd_ptr = KD + b * kd_sb + hkv * kd_sh
@@ -178,23 +197,26 @@ def _attn_fwd_kernel(
         qk_scale = qd * tl.load(kd_ptr) * sm_scale_log2
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    q = _load(q_desc, b_off, hq, q_start + m0, 0, BLOCK_M, BLOCK_D, HOST_DESC)
+    q = _load(q_desc, tensor_b, hq, q_start + m0, 0, BLOCK_M, BLOCK_D, VARLEN)
 
-    for start_n in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-        acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, k_start, start_n, seqlen_k, diag,
-                              offs_m, offs_n, False, CAUSAL, QK_INT8, K_BLOCKSCALE, PV_FP8, V_T,
-                              P_SHIFT, K_SCALE_BLOCK, v_start, b_off, hkv, BLOCK_N, BLOCK_D, BLOCK_DV, HOST_DESC)
+    if MASK_LEFT:
+        for start_n in tl.range(kv_start, full_start, BLOCK_N):
+            acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, k_start, v_start, start_n,
+                                  seqlen_k, lo, hi, offs_m, tensor_b, hkv, True, MASK_LEFT, MASK_RIGHT, K_BLOCKSCALE, V_T,
+                                  P_SHIFT, BLOCK_N, BLOCK_DV, VARLEN)
+    for start_n in tl.range(full_start, full_end, BLOCK_N):
+        acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, k_start, v_start, start_n,
+                              seqlen_k, lo, hi, offs_m, tensor_b, hkv, False, MASK_LEFT, MASK_RIGHT, K_BLOCKSCALE, V_T,
+                              P_SHIFT, BLOCK_N, BLOCK_DV, VARLEN)
     for start_n in tl.range(full_end, kv_end, BLOCK_N):
-        acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, k_start, start_n, seqlen_k, diag,
-                              offs_m, offs_n, True, CAUSAL, QK_INT8, K_BLOCKSCALE, PV_FP8, V_T,
-                              P_SHIFT, K_SCALE_BLOCK, v_start, b_off, hkv, BLOCK_N, BLOCK_D, BLOCK_DV, HOST_DESC)
+        acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, k_start, v_start, start_n,
+                              seqlen_k, lo, hi, offs_m, tensor_b, hkv, True, MASK_LEFT, MASK_RIGHT, K_BLOCKSCALE, V_T,
+                              P_SHIFT, BLOCK_N, BLOCK_DV, VARLEN)
 
-    empty = l_i == 0.0
-    inv_l = 1.0 / tl.where(empty, 1.0, l_i)
+    inv_l = row_inverse(l_i)
     vd_ptr = VD + b * vd_sb + hkv * vd_sh
     if V_PER_CHANNEL:
         offs_dv = tl.arange(0, BLOCK_DV)
@@ -203,123 +225,53 @@ def _attn_fwd_kernel(
     else:
         out = acc * (inv_l * tl.load(vd_ptr))[:, None]
     out = out.to(o_desc.dtype)
-    if HOST_DESC:
-        o_desc.store([b_off, hq, m0, 0], out.reshape(1, 1, BLOCK_M, BLOCK_DV))
-    else:
-        o_desc.store([q_start + m0, 0], out)
-    if WRITE_LSE:
-        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i)) - P_SHIFT) * 0.6931471805599453)
-        tl.store(Lse + b64 * stride_lb + hq.to(tl.int64) * stride_lh + q_start + offs_m, lse, mask=offs_m < seqlen_q)
-
-
-@triton.jit
-def _transpose_v_kernel(V, VT, CuK, CuVT, Mk, Hkv, stride_vb, stride_vm, stride_vh, stride_tb, stride_th, stride_td,
-                        DV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_DV: tl.constexpr, VARLEN: tl.constexpr):
-    """VT[b, h, d, dst + t] = V[b, src + t, h, d] for one (BLOCK_T tokens, BLOCK_DV channels) tile of a sequence."""
-    bh = tl.program_id(1)
-    b = bh // Hkv
-    h = (bh % Hkv).to(tl.int64)
     if VARLEN:
-        src = tl.load(CuK + b)
-        n = tl.load(CuK + b + 1) - src
-        dst = tl.load(CuVT + b)
-        b = bh * 0
+        o_desc.store([q_start + m0, 0], out)
     else:
-        src = 0
-        n = Mk
-        dst = 0
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_d = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
-    mask = (offs_t[:, None] < n) & (offs_d[None, :] < DV)
-    b64 = b.to(tl.int64)
-    x = tl.load(V + b64 * stride_vb + h * stride_vh + (src + offs_t[:, None]) * stride_vm + offs_d[None, :], mask=mask)
-    tl.store(VT + b64 * stride_tb + h * stride_th + offs_d[:, None] * stride_td + dst + offs_t[None, :], tl.trans(x),
-             mask=tl.trans(mask))
-
-
-def transpose_v(v: torch.Tensor, cu_seqlens_k=None, max_seqlen_k=None):
-    """V (B, Mk, Hkv, Dv), last dim contiguous -> (VT (B, Hkv, Dv, L) contiguous, cu_vt or None).
-
-    Keys become the contiguous dim (the K-major operand of the fp8 PV wgmma). Without varlen L = Mk rounded up
-    to 16. With varlen (B == 1) each sequence starts at a multiple of 16 in VT (TMA box coordinates on the
-    contiguous dim must be 16-byte aligned); cu_vt (nseq + 1,) int32 holds those starts. Padding is unwritten.
-    """
-    B, Mk, Hkv, Dv = v.shape
-    varlen = cu_seqlens_k is not None
-    if varlen:
-        nseq = cu_seqlens_k.numel() - 1
-        lens = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
-        cu_vt = torch.zeros(nseq + 1, dtype=torch.int32, device=v.device)
-        cu_vt[1:] = torch.cumsum((lens + 15) // 16 * 16, 0)
-        L, rows, grid_t = cdiv(Mk, 16) * 16 + 16 * nseq, nseq, cdiv(max_seqlen_k, 128)
-    else:
-        cu_vt, L, rows, grid_t = None, cdiv(Mk, 16) * 16, B, cdiv(Mk, 128)
-    vt = torch.empty((B, Hkv, Dv, L), dtype=v.dtype, device=v.device)
-    if vt.numel() == 0 or grid_t == 0:
-        return vt, cu_vt
-    BD = min(64, next_pow2(Dv))
-    raw = torch.uint8 if v.element_size() == 1 else torch.int16
-    launch(_transpose_v_kernel)[(grid_t, rows * Hkv, cdiv(Dv, BD))](
-        v.view(raw), vt.view(raw), cu_seqlens_k, cu_vt, Mk, Hkv, v.stride(0), v.stride(1), v.stride(2),
-        vt.stride(0), vt.stride(1), vt.stride(2), DV=Dv, BLOCK_T=128, BLOCK_DV=BD, VARLEN=varlen, num_warps=4)
-    return vt, cu_vt
+        o_desc.store([tensor_b, hq, m0, 0], out.reshape(1, 1, BLOCK_M, BLOCK_DV))
+    if WRITE_LSE:  # lse (B, Hq, Mq) contiguous
+        lse = natural_lse(m_i, l_i, P_SHIFT)
+        tl.store(Lse + (b64 * Hq + hq) * Mq + q_start + offs_m, lse, mask=offs_m < seqlen_q)
 
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
-_ONES: dict = {}
 
 
-def _ones(device: torch.device) -> torch.Tensor:
-    t = _ONES.get(device)
-    if t is None:
-        t = _ONES[device] = torch.ones(1, dtype=torch.float32, device=device)
-    return t
+@dataclass(frozen=True)
+class FwdConfig:
+    """Tiles and launch options of ``_attn_fwd_kernel``; the defaults' reasons are H200 sweeps (fp8 D128
+    4x32x4096 TFLOP/s, bench/results/attention_fwd.md)."""
+
+    #: query rows per program: 64 = one warpgroup, two programs per SM overlap one's softmax with the other's
+    #: MMAs (64x128/4 warps 751 vs 128x128/8 warps 590)
+    block_m: int
+    #: keys per tile: 128 at D <= 128 (64 keys 711, 256 keys 476), 64 at D256 (register file)
+    block_n: int
+    num_warps: int = 4
+    #: K/V pipeline depth: 3 (2 stages 672, 4 stages 482; D256 2 stages 774 vs 908)
+    num_stages: int = 3
+    #: register cap per thread (None: the compiler's choice)
+    maxnreg: int | None = None
 
 
-def _scratch(size: int, align: int, stream) -> torch.Tensor:
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+def default_config(head_dim: int, causal: bool, seqlen_k: int = 0, quantized: bool = False) -> FwdConfig:
+    """Tiles for max(D, Dv) = ``head_dim`` (H200 sweeps, bench/results/attention_fwd.md).
 
-
-def _ensure_allocator() -> None:
-    """Device-side TMA descriptors need a global scratch allocator (128 B per descriptor). Triton keeps it in a
-    ContextVar, so each thread (the autograd engine's, a data loader's) starts without one: set ours where none
-    is set; an allocator the caller set is kept."""
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_scratch)
-
-
-def default_config(head_dim: int, causal: bool, seqlen_k: int = 0, quantized: bool = False) -> dict:
-    """Tile sizes and launch options per head dim, from the H200 sweeps in bench/results/attention_fwd.md.
-
-    One warpgroup per program (4 warps, BLOCK_M 64) lets two programs share an SM, which overlaps one's
-    softmax with the other's MMAs; 8-warp BLOCK_M 128 tiles measured 20% slower. Causal at head dim <= 128
-    takes 64-key tiles below 4096 keys (``seqlen_k``), where the masked diagonal tiles weigh more (step 13).
-    ``quantized`` (fp8 or i8fp8 inputs): at head dim <= 64 without a causal mask registers are capped at 128, which
-    fits a fourth program per SM (step 15: +1-2% fp8, +4-5% i8fp8).
+    Causal at head dim <= 128 takes 64-key tiles below 4096 keys (``seqlen_k``), where the masked diagonal
+    tiles weigh more (16x8x1024 D64 259 vs 248 TFLOP/s; from 4096 keys 128-key tiles win, 2x16x16384 750 vs
+    701). ``quantized`` (fp8 or i8fp8 inputs) at head dim <= 64 without a causal mask caps registers at 128,
+    which fits a fourth program per SM (fp8 544 vs 534, i8fp8 490 vs 471).
     """
-    if head_dim <= 128:
-        cfg = dict(block_m=64, block_n=64 if causal and seqlen_k < 4096 else 128, num_warps=4, num_stages=3)
-        if quantized and head_dim <= 64 and not causal:
-            cfg.update(maxnreg=128)
-        return cfg
-    return dict(block_m=64, block_n=64, num_warps=4, num_stages=3)
+    if head_dim > 128:
+        return FwdConfig(block_m=64, block_n=64)
+    block_n = 64 if causal and seqlen_k < 4096 else 128
+    return FwdConfig(block_m=64, block_n=block_n, maxnreg=128 if quantized and head_dim <= 64 and not causal else None)
 
 
 def _desc4(t, shape, strides, block):
     """Host TMA descriptor over ``t`` seen as (B, H, rows, cols) (``strides`` of the first three; cols are
     contiguous), loading [1, 1, *block] tiles; out-of-bounds rows and cols read as 0, stores are clipped."""
     return TensorDescriptor(t, list(shape), [*strides, 1], [1, 1, *block])
-
-
-def _descale_args(t, device, B, H, name):
-    """(tensor, stride_b, stride_h) for a per-tensor or per-(batch, head) float32 descale."""
-    if t is None:
-        return _ones(device), 0, 0
-    assert t.dtype == torch.float32, f"{name} must be float32"
-    if t.numel() == 1:
-        return t.reshape(1), 0, 0
-    assert t.shape == (B, H), f"{name} must have numel 1 or shape {(B, H)}, got {tuple(t.shape)}"
-    return t, t.stride(0), t.stride(1)
 
 
 def _block_descale_args(t, shape, scale_block, tile):
@@ -333,8 +285,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
                       q_descale=None, k_descale=None, v_descale=None,
                       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                       out_dtype=None, return_lse=False, pv_fp8: bool = True,
-                      v_transposed: bool | None = None, block_m=None, block_n=None, num_warps=None, num_stages=None,
-                      maxnreg=None, warp_specialize: bool = False, out=None):
+                      v_transposed: bool | None = None, config: FwdConfig | None = None, out=None):
     """Attention forward, BMHK layout.
 
     q: (B, Mq, Hq, D), k: (B, Mk, Hkv, D), v: (B, Mk, Hkv, Dv); last dim contiguous, other strides free; v may
@@ -342,17 +293,23 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
     Hq % Hkv == 0 (query head h reads kv head h // (Hq // Hkv)); D, Dv multiples of 16, <= 256.
     dtypes: fp8/fp8/fp8 (e4m3fn or e4m3fnuz), int8/int8/fp8 (i8fp8) -> bf16 by default; bf16 or fp16 for all
     three -> same dtype. Computes softmax(scale * (q*qd)(k*kd)^T) (v*vd) with float32 descales:
-    None, numel 1, (B, Hkv) (q indexed by its kv head; (nseq, Hkv) for varlen); for fp8 or int8 q/k also per block along the sequence,
-    q_descale (B, Hq, cdiv(Mq, Q_SCALE_BLOCK)), k_descale (B, Hkv, cdiv(Mk, K_SCALE_BLOCK)); v_descale may be
-    per channel (B, Hkv, Dv).
+    None, numel 1, (B, Hkv) (q indexed by its kv head; (nseq, Hkv) for varlen); for fp8 or int8 q/k also per block
+    along the sequence, q_descale (B, Hq, cdiv(Mq, Q_SCALE_BLOCK)), k_descale (B, Hkv, cdiv(Mk, K_SCALE_BLOCK));
+    v_descale may be per channel (B, Hkv, Dv).
     Varlen: B == 1, sequences packed along dim 1, cu_seqlens_q/k int32 (nseq + 1,) on the device,
-    max_seqlen_q/k host ints (per-block descales are not supported with varlen).
+    max_seqlen_q/k host ints (per-block descales are not supported with varlen). The kernel clamps each
+    sequence's bounds to the tensors' rows, so no cu_seqlens content makes it access memory outside them.
     Causal: key j visible to query i iff j <= i + Mk - Mq (bottom-right, FA2/FA3) or j <= i (top-left);
     rows that see no key give out = 0 and lse = -inf.
     Returns (out (B, Mq, Hq, Dv), lse float32 natural log (B, Hq, Mq) or None).
-    Options: pv_fp8=False runs PV in fp16 for fp8 v (more accurate, slower); v_transposed (default: True for fp8 v on CUDA) copies
-    a last-dim-contiguous V to (B, Hkv, Dv, Mk) first; block sizes and
-    launch options override ``default_config``; ``out`` is an optional preallocated (B, Mq, Hq, Dv) output.
+    Options: pv_fp8=False runs PV in fp16 for fp8 v (more accurate, slower); v_transposed (default: True for fp8
+    v on CUDA) copies a last-dim-contiguous V to (B, Hkv, Dv, Mk) first; ``config`` overrides ``default_config``;
+    ``out`` is an optional preallocated (B, Mq, Hq, Dv) output.
+
+    Example::
+
+        q, k, v = (torch.randn(2, 1000, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        out, lse = attention_forward(q, k, v, scale=128 ** -0.5, causal=True, return_lse=True)
     """
     B, Mq, Hq, D = q.shape
     _, Mk, Hkv, Dv = v.shape
@@ -380,9 +337,8 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
         nseq = B
         grid_m = Mq
     device = q.device
-    cfg = default_config(max(D, Dv), causal, (max_seqlen_k or 0) if varlen else Mk, fp8_v)
-    BM = block_m or cfg["block_m"]
-    BN = block_n or cfg["block_n"]
+    cfg = config or default_config(max(D, Dv), causal, (max_seqlen_k or 0) if varlen else Mk, fp8_v)
+    BM, BN = cfg.block_m, cfg.block_n
     if v_transposed is None:
         v_transposed = v_keys or (fp8_v and device.type == "cuda")
     assert v_transposed or not v_keys, "a keys-contiguous v is read transposed (v_transposed=False impossible)"
@@ -395,17 +351,17 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
     if q_block:
         qd, qd_sb, qd_sh = _block_descale_args(q_descale, (B, Hq, cdiv(Mq, Q_SCALE_BLOCK)), Q_SCALE_BLOCK, BM)
     else:
-        qd, qd_sb, qd_sh = _descale_args(q_descale, device, nseq, Hkv, "q_descale")
+        qd, qd_sb, qd_sh = descale_args(q_descale, device, nseq, Hkv, "q_descale")
     if k_block:
         kd, kd_sb, kd_sh = _block_descale_args(k_descale, (B, Hkv, cdiv(Mk, K_SCALE_BLOCK)), K_SCALE_BLOCK, BN)
     else:
-        kd, kd_sb, kd_sh = _descale_args(k_descale, device, nseq, Hkv, "k_descale")
+        kd, kd_sb, kd_sh = descale_args(k_descale, device, nseq, Hkv, "k_descale")
     v_chan = v_descale is not None and v_descale.dim() == 3
     if v_chan:
         assert v_descale.shape == (nseq, Hkv, Dv) and v_descale.stride(-1) == 1 and v_descale.dtype == torch.float32
         vd, vd_sb, vd_sh = v_descale, v_descale.stride(0), v_descale.stride(1)
     else:
-        vd, vd_sb, vd_sh = _descale_args(v_descale, device, nseq, Hkv, "v_descale")
+        vd, vd_sb, vd_sh = descale_args(v_descale, device, nseq, Hkv, "v_descale")
 
     if out is None:
         out = torch.empty((B, Mq, Hq, Dv), dtype=out_dtype, device=device)
@@ -417,7 +373,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
             lse.fill_(float("-inf"))
         return out, lse
     if varlen and device.type == "cuda":  # only varlen programs make their descriptors on the device
-        _ensure_allocator()
+        ensure_allocator()
     if v_keys:
         v_arg, v_strides, cu_vt = v, (v.stride(0), v.stride(3), v.stride(2)), None
     elif v_transposed:
@@ -426,10 +382,11 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
     else:
         v_arg, v_strides = v, (v.stride(0), v.stride(1), v.stride(2))
 
-    p_shift = 0 if not (fp8_v and pv_fp8) else (8 if v.dtype == torch.float8_e4m3fn else 7)
+    shift = p_shift(v.dtype) if pv_fp8 else 0  # 2**8 for e4m3fn (max 448), 2**7 for e4m3fnuz (max 240)
     BD, BDV = next_pow2(D), next_pow2(Dv)
-    host_desc = not varlen
-    if host_desc:  # one descriptor per tensor, spanning (B, H, rows, cols); varlen needs per-sequence bounds
+    if varlen:  # per-sequence bounds: each program makes its descriptors on the device
+        qkvo = (q, k, v_arg, out)
+    else:  # one descriptor per tensor, spanning (B, H, rows, cols)
         Mk1 = max(Mk, 1)  # never read when Mk == 0; a descriptor needs positive sizes
         sb, srow, sh = v_strides
         qkvo = (_desc4(q, (B, Hq, Mq, D), (q.stride(0), q.stride(2), q.stride(1)), (BM, BD)),
@@ -437,28 +394,20 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
                 _desc4(v_arg, (B, Hkv, Dv, Mk1) if v_transposed else (B, Hkv, Mk1, Dv), (sb, sh, srow),
                        (BDV, BN) if v_transposed else (BN, BDV)),
                 _desc4(out, (B, Hq, Mq, Dv), (out.stride(0), out.stride(2), out.stride(1)), (BM, BDV)))
-    else:
-        qkvo = (q, k, v_arg, out)
     grid = (cdiv(grid_m, BM), nseq * Hq)
     launch(_attn_fwd_kernel)[grid](
         *qkvo, lse if lse is not None else qd, qd, kd, vd,
         cu_seqlens_q if varlen else qd, cu_seqlens_k if varlen else qd, cu_vt if varlen and v_transposed else qd,
-        scale * _LOG2E,
+        scale * LOG2E.value,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         *v_strides,
         out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
         qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh,
-        Mq, Mk, Hq, Hq // Hkv,
-        D=D, DV=Dv, BLOCK_D=BD, BLOCK_DV=BDV,
-        BLOCK_M=BM, BLOCK_N=BN,
-        CAUSAL=causal, BOTTOM_RIGHT=causal_bottom_right, VARLEN=varlen,
-        QK_INT8=qk_int8, PV_FP8=pv_fp8 and fp8_v, V_T=v_transposed,
-        P_SHIFT=p_shift, Q_BLOCKSCALE=q_block, K_BLOCKSCALE=k_block, V_PER_CHANNEL=v_chan,
-        Q_SCALE_BLOCK=Q_SCALE_BLOCK, K_SCALE_BLOCK=K_SCALE_BLOCK,
-        WRITE_LSE=return_lse, REVERSE_M=causal, WARP_SPECIALIZE=warp_specialize, HOST_DESC=host_desc,
-        num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
-        maxnreg=maxnreg or cfg.get("maxnreg"),
+        Mq, Mk, Hq, Hq // Hkv, 0, 0,
+        D=D, DV=Dv, BLOCK_M=BM, BLOCK_N=BN,
+        MASK_LEFT=False, MASK_RIGHT=causal, BOTTOM_RIGHT=causal_bottom_right, VARLEN=varlen,
+        V_T=v_transposed, P_SHIFT=shift, Q_BLOCKSCALE=q_block, K_BLOCKSCALE=k_block, V_PER_CHANNEL=v_chan,
+        WRITE_LSE=return_lse, num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
     )
     return out, lse

@@ -1,0 +1,90 @@
+"""Constants and online-softmax pieces shared by the attention kernels (Triton and Gluon).
+
+The kernels keep scores in log2 units (``exp2`` is the hardware exponential: one MUFU.EX2 per score), so the
+softmax scale is multiplied by ``LOG2E`` once on the host and the natural-log LSE is recovered with ``LN2``
+at the end. The ``@triton.jit`` helpers use only operations that Triton and Gluon share (no ``arange``,
+no layouts), so a ``@gluon.jit`` kernel calls them too; their tiles are [rows, keys].
+
+Online softmax over key tiles (per row: running max ``m``, running sum ``l``, accumulator ``acc``)::
+
+    p, m, l, alpha = softmax_step(s, keep, m, l, qk_scale, ...)   # s: raw scores of one tile
+    acc = acc * alpha[:, None] + p @ v
+    ...
+    out = acc * row_inverse(l)[:, None];  lse = natural_lse(m, l, P_SHIFT)
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+#: log2(e): exp(x) = exp2(x * LOG2E); the host folds it into the softmax scale (scores in log2 units).
+LOG2E = tl.constexpr(1.4426950408889634)
+#: ln(2): a log2-domain log-sum-exp times LN2 is the natural-log LSE the API returns.
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+def p_shift(v_dtype) -> int:
+    """Exponent shift of P before its cast to the fp8 PV operand (0 when P is not fp8).
+
+    P in [0, 1] times 2**P_SHIFT keeps small probabilities normal fp8 numbers: e4m3fn's largest value is 448,
+    so 2**8 = 256 is the largest power of two that P = 1 may take; e4m3fnuz (max 240) takes 2**7 = 128.
+    The kernels subtract the shift from the row max (no multiply) and from the LSE.
+    """
+    import torch
+
+    return {torch.float8_e4m3fn: 8, torch.float8_e4m3fnuz: 7}.get(v_dtype, 0)
+
+
+@triton.jit
+def visible(rows, cols, seqlen_k, lo, hi, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
+    """[rows, keys] bool: key ``cols[j]`` is inside the sequence (< ``seqlen_k``) and, for query ``rows[i]``,
+    at least ``rows[i] + lo`` (``MASK_LEFT``) and at most ``rows[i] + hi`` (``MASK_RIGHT``). A causal mask is
+    ``hi`` = the alignment offset; a window adds ``-window_left`` / ``+window_right`` to it."""
+    keep = cols[None, :] < seqlen_k
+    if MASK_RIGHT:
+        keep = keep & (cols[None, :] <= rows[:, None] + hi)
+    if MASK_LEFT:
+        keep = keep & (cols[None, :] >= rows[:, None] + lo)
+    return keep
+
+
+@triton.jit
+def softmax_step(s, keep, m_i, l_i, qk_scale, OFF: tl.constexpr, P_SHIFT: tl.constexpr, MASKED: tl.constexpr):
+    """One key tile of the online softmax.
+
+    ``s`` [rows, keys] fp32 raw scores (``OFF`` added: the int8 path's conversion offset, else 0), scaled by
+    ``qk_scale`` (> 0, log2 units); ``keep``: visible keys (read only when ``MASKED``). ``m_i``, ``l_i``: the
+    running row max and sum. Returns (p fp32 scaled by 2**P_SHIFT, new max, new sum, alpha: the factor that
+    rescales the accumulator).
+    """
+    if MASKED:
+        s = tl.where(keep, (s - OFF) * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # rows that have seen no key yet keep m = -inf; subtract 0 instead to avoid inf - inf
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - (m_sub - P_SHIFT)[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
+    else:
+        # qk_scale > 0 commutes with the row max: one FMA per score feeds exp2
+        m_new = tl.maximum(m_i, (tl.max(s, 1) - OFF) * qk_scale)
+        if OFF == 0.0:
+            p = tl.math.exp2(s * qk_scale - (m_new - P_SHIFT)[:, None])
+        else:
+            p = tl.math.exp2(s * qk_scale - (m_new + (OFF * qk_scale - P_SHIFT))[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, m_new, l_i, alpha
+
+
+@triton.jit
+def row_inverse(l_i):
+    """1 / l per row; rows that saw no key (l = 0) get 1, so their zero accumulator gives out = 0."""
+    return 1.0 / tl.where(l_i == 0.0, 1.0, l_i)
+
+
+@triton.jit
+def natural_lse(m_i, l_i, P_SHIFT: tl.constexpr):
+    """Natural-log LSE of rows from the log2-domain running max and sum (P scaled by 2**P_SHIFT);
+    -inf for rows that saw no key."""
+    empty = l_i == 0.0
+    return tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i)) - P_SHIFT) * LN2)
