@@ -217,7 +217,7 @@ def _attn_fwd_kernel(
 @dataclass(frozen=True)
 class GluonFwdConfig:
     """Tiles of the Gluon kernel; the defaults' reasons are H200 sweeps (fp8 TFLOP/s at 4x32x4096 / 2x16x16384,
-    bench/results/attention_fwd.md)."""
+    ``bench/diagnostics/gluon_fwd_probe.py``)."""
 
     #: query rows per CTA, 64 per warpgroup: 64 (two CTAs per SM) 728 / 779, 128 (two warpgroups) 618 / 690
     block_m: int = 64

@@ -11,7 +11,7 @@ Three launches, deterministic (no atomics):
 Causal masks are applied only on the diagonal blocks (and bounds masks only on tail blocks).
 
 A fused 5-matmul variant (dQ by TMA reduce-add / pointer atomics from the dK/dV program) was measured on the
-H200 and removed: 0.55-0.9x this pair (bench/results/attention_bwd.md).
+H200 and removed: 0.55-0.9x this pair.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from fmha_ops.kernels.triton.launch import cdiv, launch
 @dataclass(frozen=True)
 class BwdConfig:
     """Tile sizes, warps and pipeline stages of the dK/dV kernel (``*_kv``: query rows x keys per tile) and the
-    dQ kernel (``*_q``). The defaults' reasons are H200 sweeps (TFLOP/s credited, bench/results/attention_bwd.md)."""
+    dQ kernel (``*_q``). The defaults' reasons are H200 sweeps (TFLOP/s credited, ``bench/attention_bwd_bench.py``)."""
 
     block_m_kv: int
     block_n_kv: int
@@ -60,7 +60,7 @@ NONCAUSAL_CONFIGS = {  # one-warpgroup dK/dV tiles, faster without a mask, slowe
 
 
 def default_config(head_dim: int, causal: bool) -> BwdConfig:
-    """Tiles for max(D, Dv) = ``head_dim``, from the H200 sweeps in bench/results/attention_bwd.md."""
+    """Tiles for max(D, Dv) = ``head_dim``, from the H200 sweeps of ``bench/attention_bwd_bench.py``."""
     return (None if causal else NONCAUSAL_CONFIGS.get(head_dim)) or DEFAULT_CONFIGS[head_dim]
 
 

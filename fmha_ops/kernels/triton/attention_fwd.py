@@ -240,7 +240,7 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 @dataclass(frozen=True)
 class FwdConfig:
     """Tiles and launch options of ``_attn_fwd_kernel``; the defaults' reasons are H200 sweeps (fp8 D128
-    4x32x4096 TFLOP/s, bench/results/attention_fwd.md)."""
+    4x32x4096 TFLOP/s, ``bench/attention_fwd_bench.py --sweep``)."""
 
     #: query rows per program: 64 = one warpgroup, two programs per SM overlap one's softmax with the other's
     #: MMAs (64x128/4 warps 751 vs 128x128/8 warps 590)
@@ -255,7 +255,7 @@ class FwdConfig:
 
 
 def default_config(head_dim: int, causal: bool, seqlen_k: int = 0, quantized: bool = False) -> FwdConfig:
-    """Tiles for max(D, Dv) = ``head_dim`` (H200 sweeps, bench/results/attention_fwd.md).
+    """Tiles for max(D, Dv) = ``head_dim`` (H200 sweeps, ``bench/attention_fwd_bench.py --sweep``).
 
     Causal at head dim <= 128 takes 64-key tiles below 4096 keys (``seqlen_k``), where the masked diagonal
     tiles weigh more (16x8x1024 D64 259 vs 248 TFLOP/s; from 4096 keys 128-key tiles win, 2x16x16384 750 vs
