@@ -8,6 +8,7 @@
 from . import attn_bias, ops  # noqa: F401  (importing ops registers every backend)
 from .api import (explain, get_op, memory_efficient_attention, memory_efficient_attention_forward,
                   memory_efficient_attention_partial, merge_attentions)
+from .checks import check_inputs
 from .attn_bias import (BlockDiagonalCausalFromBottomRightMask, BlockDiagonalCausalMask,
                         BlockDiagonalCausalWithOffsetPaddedKeysMask, BlockDiagonalMask, BlockDiagonalPaddedKeysMask,
                         LowerTriangularFromBottomRightMask, LowerTriangularMask,
@@ -30,7 +31,7 @@ __all__ = [
     "BlockDiagonalMask", "BlockDiagonalCausalMask", "BlockDiagonalCausalFromBottomRightMask",
     "BlockDiagonalPaddedKeysMask", "BlockDiagonalCausalWithOffsetPaddedKeysMask", "PagedBlockDiagonalPaddedKeysMask",
     "PagedBlockDiagonalCausalWithOffsetPaddedKeysMask", "flash_attn_func", "flash_attn_varlen_func",
-    "flash_attn_with_kvcache", "set_fp8_dequantized_backward", "fp8_attention", "i8fp8_attention",
+    "flash_attn_with_kvcache", "set_fp8_dequantized_backward", "check_inputs", "fp8_attention", "i8fp8_attention",
 ]
 
 

@@ -14,12 +14,16 @@ quantizes inside, runs the fp8 forward and returns bf16 gradients to the bf16 te
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
 from . import attn_bias as ab
+from . import checks, kv_cache
 from .api import memory_efficient_attention, memory_efficient_attention_partial
 from .fp8_backward import set_fp8_dequantized_backward
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # the append kernel runs on CPU tensors
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "set_fp8_dequantized_backward"]
 
@@ -104,14 +108,26 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """Decode against a KV cache, appending new tokens first (FA3 semantics).
 
     q (B, Mq, Hq, D) bf16/fp16 with Mq new tokens per sequence. Cache: dense (B_cache, L, Hkv, D)
-    (rows picked by ``cache_batch_idx`` int32 (B,) when given) or paged (num_pages, page_size, Hkv, D)
+    (rows picked by ``cache_batch_idx`` int (B,) when given) or paged (num_pages, page_size, Hkv, D)
     with ``page_table`` int32 (B, max_pages). A bf16/fp16 cache, or fp8 e4m3 with ``k_descale`` /
     ``v_descale`` float32 per token (the cache's shape without D; any strides, fastest with each head's slots
-    contiguous: ``kv_cache.keys_contiguous``). ``cache_seqlens`` int32 (B,) (or an
-    int): tokens already in the cache. If ``k``/``v`` (B, Mnew, Hkv, D) are given they are written at
+    contiguous: ``kv_cache.keys_contiguous``) or per tensor (numel 1, no append). ``cache_seqlens`` int32 (B,)
+    (or an int): tokens already in the cache. If ``k``/``v`` (B, Mnew, Hkv, D) are given they are written at
     ``cache_seqlens`` (quantized per token into an fp8 cache) and attended too. ``causal`` aligns the
     queries to the end of each sequence. No host sync: capturable in a CUDA graph.
     Returns out (B, Mq, Hq, D) [, softmax_lse float32 (B, Hq, Mq)].
+
+    Index tensors on the GPU are not read back: an out-of-range ``cache_seqlens`` is clamped to the cache, a
+    ``page_table`` / ``cache_batch_idx`` entry that is not a page (row) of the cache ends that sequence's keys
+    there, and appended tokens that fall outside the cache are dropped. ``fmha_ops.check_inputs()`` (or
+    ``FMHA_OPS_CHECK=1``) validates them instead (one host sync) and raises ValueError naming the entry; index
+    tensors on the CPU are always validated.
+
+    Example
+    -------
+    >>> k_cache, v_cache, k_scale, v_scale, table = kv_cache.build_fp8_paged_cache(k, v, 64)  # doctest: +SKIP
+    >>> out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, page_table=table,
+    ...                               k_descale=k_scale, v_descale=v_scale, causal=True)  # doctest: +SKIP
     """
     _unsupported(qv=(qv, None), rotary_cos=(rotary_cos, None), rotary_sin=(rotary_sin, None),
                  cache_leftpad=(cache_leftpad, None), cu_seqlens_q=(cu_seqlens_q, None),
@@ -120,45 +136,167 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                  softcap=(softcap, 0.0))
     if q_descale is not None:
         raise NotImplementedError("q_descale is not implemented for flash_attn_with_kvcache (pass a bf16/fp16 q)")
-    if q.ndim != 4 or k_cache.ndim != 4 or v_cache.ndim != 4:
-        raise ValueError(f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)} "
-                         f"must be 4-D (batch/pages, seqlen/page_size, heads, headdim)")
+    _check_cache_tensors(q, k_cache, v_cache, k, v)
     batch, mq = q.shape[:2]
-    if cache_seqlens is None:
-        raise ValueError("cache_seqlens is required (int32 (batch,) or an int)")
-    if isinstance(cache_seqlens, int):
-        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
-    if cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (batch,):
-        raise ValueError(f"cache_seqlens must be int32 of shape ({batch},), got {cache_seqlens.dtype} "
-                         f"{tuple(cache_seqlens.shape)}")
-    if page_table is None:
-        if cache_batch_idx is None and k_cache.shape[0] != batch:
-            raise ValueError(f"k_cache has {k_cache.shape[0]} sequences but q has {batch}; pass cache_batch_idx")
-        page_table = (_identity_table(q.device, batch) if cache_batch_idx is None
-                      else cache_batch_idx.to(torch.int32)[:, None])
-    elif cache_batch_idx is not None:
-        raise ValueError("cache_batch_idx is for dense caches; with page_table, reorder the page table instead")
     page = k_cache.shape[1]
-    per_token = k_descale is not None and k_descale.numel() > 1
+    mnew = 0 if k is None else k.shape[1]
+    paged = page_table is not None
+    if paged:
+        _check_index_tensor("page_table", page_table, (batch, None), (torch.int32,), q.device)
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx is for dense caches; with page_table, reorder the page table instead")
+        capacity = page_table.shape[1] * page
+    else:
+        if cache_batch_idx is None:
+            if k_cache.shape[0] != batch:
+                raise ValueError(f"k_cache has {k_cache.shape[0]} sequences but q has {batch}; pass cache_batch_idx")
+            page_table = _identity_table(q.device, batch)
+        else:
+            _check_index_tensor("cache_batch_idx", cache_batch_idx, (batch,), (torch.int32, torch.int64), q.device)
+            page_table = cache_batch_idx.to(torch.int32)[:, None]
+        capacity = page
+    cache_seqlens = _cache_seqlens(cache_seqlens, q, capacity - mnew)
+    _validate_indices(cache_seqlens, cache_batch_idx, page_table if paged else None, capacity, mnew, k_cache)
+    kd, vd = _cache_descales(k_cache, k_descale, v_descale, q.device)
     if k is not None:
-        if v is None or k.shape[0] != batch:
-            raise ValueError(f"k and v must both be given with batch {batch}")
-        from .kernels.triton.kv_append import kv_append
-
-        kv_append(k, v, k_cache, v_cache, cache_seqlens, block_table=page_table,
-                  k_scale=k_descale if per_token else None, v_scale=v_descale if per_token else None)
-        seqlens = cache_seqlens + k.shape[1]
+        if kd is not None and kd.shape != k_cache.shape[:3]:
+            raise NotImplementedError("appending k/v to an fp8 cache needs per-token k_descale/v_descale (shaped "
+                                      f"like the cache without D, {tuple(k_cache.shape[:3])}) to hold the new "
+                                      f"tokens' scales; got shape {tuple(kd.shape)}")
+        if k_cache.is_cuda or _INTERPRET:
+            from .kernels.triton.kv_append import kv_append as append
+        else:
+            append = kv_cache.append_to_cache
+        append(k, v, k_cache, v_cache, cache_seqlens, block_table=page_table, k_scale=kd, v_scale=vd)
+        seqlens = cache_seqlens + mnew
     else:
         seqlens = cache_seqlens
     kind = ab.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask if causal else ab.PagedBlockDiagonalPaddedKeysMask
     bias = kind(_uniform_q(batch, mq), ab._PaddedSeqLenInfo(None, seqlens, page_table.shape[1] * page),
                 page_table, page)
     pool = (1, k_cache.shape[0] * page)
-    kd = k_descale.reshape(pool + k_descale.shape[2:]) if per_token else k_descale
-    vd = v_descale.reshape(pool + v_descale.shape[2:]) if per_token else v_descale
+    per_token = kd is not None and kd.shape == k_cache.shape[:3]
+    kd = kd.reshape(pool + kd.shape[2:]) if per_token else kd
+    vd = vd.reshape(pool + vd.shape[2:]) if per_token else vd
     res = _run(q.reshape(1, batch * mq, *q.shape[2:]), k_cache.reshape(pool + k_cache.shape[2:]),
                v_cache.reshape(pool + v_cache.shape[2:]), bias, softmax_scale, None, kd, vd, return_softmax_lse)
     if return_softmax_lse:
         out, lse = res
         return out.view(q.shape[:3] + out.shape[3:]), lse.view(lse.shape[1], batch, mq).permute(1, 0, 2)
     return res.view(q.shape[:3] + res.shape[3:])
+
+
+def _check_cache_tensors(q, k_cache, v_cache, k, v) -> None:
+    """Shapes and dtypes of q, the caches and the appended k/v (host metadata only)."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.ndim != 4:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; it must be 4-D (batch/pages, seqlen/page_size, "
+                             f"heads, headdim)")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must agree in "
+                         f"(pages, slots, heads)")
+    if k_cache.shape[1] == 0:
+        raise ValueError(f"k_cache has shape {tuple(k_cache.shape)}: a page (or dense sequence) needs >= 1 slot")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
+    if (k is None) != (v is None):
+        raise ValueError(f"k and v are appended together; got k={'None' if k is None else 'a tensor'}, "
+                         f"v={'None' if v is None else 'a tensor'}")
+    if k is None:
+        return
+    want_k = (q.shape[0], k.shape[1], k_cache.shape[2], k_cache.shape[3])
+    want_v = (q.shape[0], k.shape[1], v_cache.shape[2], v_cache.shape[3])
+    if tuple(k.shape) != want_k:
+        raise ValueError(f"k has shape {tuple(k.shape)}; appended keys must be (batch={q.shape[0]}, Mnew, "
+                         f"k_cache heads={k_cache.shape[2]}, k_cache head dim={k_cache.shape[3]}), i.e. {want_k}")
+    if tuple(v.shape) != want_v:
+        raise ValueError(f"v has shape {tuple(v.shape)}; appended values must be (batch={q.shape[0]}, Mnew, "
+                         f"v_cache heads={v_cache.shape[2]}, v_cache head dim={v_cache.shape[3]}), i.e. {want_v}")
+    floats = (torch.float16, torch.bfloat16, torch.float32)
+    if k.dtype not in floats or v.dtype != k.dtype:
+        raise ValueError(f"k and v must share a float16/bfloat16/float32 dtype (quantized into an fp8 cache); "
+                         f"got {k.dtype} and {v.dtype}")
+
+
+def _cache_seqlens(cache_seqlens, q: torch.Tensor, most: int) -> torch.Tensor:
+    """``cache_seqlens`` as an int32 (batch,) tensor; an int must lie in [0, ``most``]."""
+    batch = q.shape[0]
+    if cache_seqlens is None:
+        raise ValueError("cache_seqlens is required (int32 (batch,) or an int)")
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        if not 0 <= cache_seqlens <= most:
+            raise ValueError(f"cache_seqlens={cache_seqlens} is outside [0, {most}]: the cache's capacity less the "
+                             f"appended tokens")
+        return _full_lengths(q.device, batch, cache_seqlens)
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"cache_seqlens must be an int or an int32 tensor of shape ({batch},), got "
+                        f"{type(cache_seqlens).__name__}")
+    _check_index_tensor("cache_seqlens", cache_seqlens, (batch,), (torch.int32,), q.device)
+    return cache_seqlens
+
+
+@functools.lru_cache(maxsize=64)
+def _full_lengths(device: torch.device, batch: int, length: int) -> torch.Tensor:
+    return torch.full((batch,), length, dtype=torch.int32, device=device)
+
+
+def _check_index_tensor(name: str, t, shape: tuple, dtypes: tuple, device: torch.device) -> None:
+    """``t`` is a tensor of ``shape`` (None: any size there), one of ``dtypes``, on ``device``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    want = "(" + ", ".join("any" if n is None else str(n) for n in shape) + ")"
+    if t.ndim != len(shape) or any(n is not None and n != m for n, m in zip(shape, t.shape)):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {want}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} has dtype {t.dtype}; expected {' or '.join(map(str, dtypes))}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but q is on {device}")
+
+
+def _validate_indices(cache_seqlens, cache_batch_idx, page_table, capacity: int, mnew: int, k_cache) -> None:
+    """Host checks of the index tensors (always on the CPU, with ``fmha_ops.checks`` enabled on a GPU)."""
+    tensors = [t for t in (cache_seqlens, cache_batch_idx, page_table) if t is not None]
+    if not checks.wanted(*tensors):
+        return
+    lens = [checks.IndexCheck("cache_seqlens", cache_seqlens, 0, capacity - mnew,
+                              f"the cache holds {capacity} keys per sequence"
+                              + (f" and {mnew} new tokens are appended" if mnew else ""))]
+    if cache_batch_idx is not None:
+        lens.append(checks.IndexCheck("cache_batch_idx", cache_batch_idx, 0, k_cache.shape[0] - 1,
+                                      f"k_cache holds {k_cache.shape[0]} sequences"))
+    if page_table is not None:
+        lens.append(checks.page_table_check("page_table", page_table, cache_seqlens + mnew, k_cache.shape[1],
+                                            k_cache.shape[0], "k_cache"))
+    checks.validate_indices(*lens)
+
+
+def _cache_descales(k_cache, k_descale, v_descale, device):
+    """(k_descale, v_descale) for an fp8 cache: per token (shaped like the cache without D) or per tensor;
+    None for a bf16/fp16 cache. Raises naming the argument otherwise."""
+    if k_cache.element_size() != 1:
+        if k_descale is not None or v_descale is not None:
+            raise ValueError(f"k_descale/v_descale are for an fp8 cache; k_cache is {k_cache.dtype}")
+        return None, None
+    token = tuple(k_cache.shape[:3])
+    for name, d in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if d is None:
+            raise ValueError(f"{name} is required with a {k_cache.dtype} cache: float32 per token {token} "
+                             f"(kv_cache.build_fp8_paged_cache) or per tensor (numel 1)")
+        if not isinstance(d, torch.Tensor):
+            raise TypeError(f"{name} must be a float32 tensor, got {type(d).__name__}")
+        if d.dtype != torch.float32 or d.device != device:
+            raise ValueError(f"{name} must be float32 on {device}, got {d.dtype} on {d.device}")
+        if tuple(d.shape) != token and d.numel() != 1:
+            raise ValueError(f"{name} has shape {tuple(d.shape)}; an fp8 k_cache {tuple(k_cache.shape)} takes "
+                             f"per-token descales {token} (the cache's shape without D) or one per-tensor value; "
+                             f"per-(sequence, head) descales (batch, Hkv) are not supported here")
+    if (tuple(k_descale.shape) == token) != (tuple(v_descale.shape) == token):
+        raise ValueError(f"k_descale {tuple(k_descale.shape)} and v_descale {tuple(v_descale.shape)} must both be "
+                         f"per token {token} or both per tensor")
+    return k_descale, v_descale

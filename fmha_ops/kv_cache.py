@@ -55,12 +55,26 @@ def paged_from_dense(tensors, page_size: int, *, num_pages: int | None = None,
     All tensors share one int32 block table (B, ceil(L / page_size)) of distinct pages drawn
     at random from ``num_pages`` (default: exactly as many as needed). Slots past L stay zero.
     Returns (list of paged tensors, block_table).
+
+    Example
+    -------
+    >>> (k_pages,), table = paged_from_dense([torch.randn(2, 50, 4, 64)], 16)
+    >>> tuple(k_pages.shape), tuple(table.shape)
+    ((8, 16, 4, 64), (2, 4))
     """
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+    if not tensors or any(not isinstance(t, torch.Tensor) or t.ndim < 2 for t in tensors):
+        raise ValueError("tensors must be a non-empty list of (B, L, ...) tensors")
     B, L = tensors[0].shape[:2]
+    if any(t.shape[:2] != (B, L) for t in tensors):
+        raise ValueError(f"tensors must share (B, L); got {[tuple(t.shape[:2]) for t in tensors]}")
     per_seq = -(-L // page_size)
     total = B * per_seq
     num_pages = total if num_pages is None else num_pages
-    assert num_pages >= total
+    if num_pages < total:
+        raise ValueError(f"num_pages={num_pages} cannot hold {B} sequences of {L} keys in pages of {page_size} "
+                         f"(needs >= {total})")
     device = tensors[0].device
     perm = torch.randperm(num_pages, generator=generator)[:total].to(device)
     block_table = perm.view(B, per_seq).to(torch.int32)
@@ -94,3 +108,47 @@ def build_fp8_paged_cache(k: torch.Tensor, v: torch.Tensor, page_size: int,
     (kc, vc, kss, vss), bt = paged_from_dense([k8.view(torch.uint8), v8.view(torch.uint8), ks, vs],
                                               page_size, num_pages=num_pages, generator=generator)
     return kc.view(dtype), vc.view(dtype), keys_contiguous(kss), keys_contiguous(vss), bt
+
+
+def append_to_cache(k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    cache_seqlens: torch.Tensor, *, block_table: torch.Tensor | None = None,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """Write k_new/v_new (B, Mnew, Hkv, D) into the cache at positions cache_seqlens[b] + 0..Mnew-1, in torch.
+
+    The same contract as the ``kv_append`` kernel (``fmha_ops.kernels.triton.kv_append``), for any device:
+    caches paged (num_pages, page_size, Hkv, D) through ``block_table`` int32 (B, max_pages) or dense
+    (B, Lmax, Hkv, D); an fp8 cache gets each row quantized per token (``quantize_fp8``) with its scale in
+    ``k_scale`` / ``v_scale`` (the cache's shape without D, any strides). Positions outside the cache and
+    block-table entries outside [0, num_pages) are skipped.
+
+    Example
+    -------
+    >>> k_cache, v_cache = torch.zeros(2, 8, 1, 16), torch.zeros(2, 8, 1, 16)
+    >>> append_to_cache(torch.ones(2, 1, 1, 16), torch.ones(2, 1, 1, 16), k_cache, v_cache,
+    ...                 torch.tensor([3, 0], dtype=torch.int32))
+    >>> k_cache[0, 3, 0, 0].item(), k_cache[1, 0, 0, 0].item()
+    (1.0, 1.0)
+    """
+    B, mnew = k_new.shape[:2]
+    device = k_cache.device
+    pos = cache_seqlens.to(device, torch.int64)[:, None] + torch.arange(mnew, device=device)
+    seq = torch.arange(B, device=device)[:, None].expand(B, mnew)
+    if block_table is None:
+        ok = (pos >= 0) & (pos < k_cache.shape[1])
+        page, slot = seq, pos
+    else:
+        page_size = k_cache.shape[1]
+        ok = (pos >= 0) & (pos < block_table.shape[1] * page_size)
+        page = torch.zeros_like(pos)
+        page[ok] = block_table.to(device, torch.int64)[seq[ok], pos[ok] // page_size]
+        ok &= (page >= 0) & (page < k_cache.shape[0])
+        slot = pos % page_size
+    page, slot = page[ok], slot[ok]
+    for new, cache, scale in ((k_new, k_cache, k_scale), (v_new, v_cache, v_scale)):
+        rows = new.to(device)[ok]
+        if cache.element_size() == 1:  # index_put on the bytes: fp8 dtypes lack it
+            rows, row_scale = quantize_fp8(rows, cache.dtype)
+            scale[page, slot] = row_scale
+            cache.view(torch.uint8)[page, slot] = rows.view(torch.uint8)
+        else:
+            cache[page, slot] = rows.to(cache.dtype)

@@ -31,6 +31,7 @@ from ..triton.launch import launch as launch_cached
 
 HEAD_DIMS = (64, 128, 256)
 ROWS = gl.constexpr(16)  # the mma M: query rows per KV head a program can hold
+SCAN = gl.constexpr(512)  # block-table entries checked per step of a program's prologue (``valid_end``)
 
 
 @gluon.constexpr_function
@@ -118,10 +119,27 @@ def _key_scales(smem, cols, end, SC_VEC: gl.constexpr):
 
 
 @gluon.jit
-def split_range(SEQ, b, split, NUM_SPLITS, BLOCK_N: gl.constexpr):
+def valid_end(bt_row, start, end, NUM_PAGES, PAGE_SIZE: gl.constexpr, WARPS: gl.constexpr):
+    """``end``, or the first key of [start, end) whose block-table entry is not a page of the pool (entries are
+    int32 in [0, NUM_PAGES)): a program's keys stop there, so no copy leaves the pool. Checked once per
+    program, SCAN entries per step, so the key loop carries no guard."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    last = gl.cdiv(end, PAGE_SIZE)
+    cut = last
+    for p0 in range(start // PAGE_SIZE, last, SCAN):
+        idx = p0 + gl.arange(0, SCAN, layout=layout)
+        inside = idx < last
+        page = gl.load(bt_row + idx, mask=inside, other=0)
+        bad = inside & (page.to(gl.uint32, bitcast=True) >= NUM_PAGES.to(gl.uint32, bitcast=True))
+        cut = gl.minimum(cut, gl.min(gl.where(bad, idx, last), 0))
+    return gl.minimum(end, gl.maximum(cut * PAGE_SIZE, start))
+
+
+@gluon.jit
+def split_range(SEQ, b, split, NUM_SPLITS, CAPACITY, BLOCK_N: gl.constexpr):
     """(seqlen, start, end, tiles) of split ``split`` of sequence ``b``: splits of whole BLOCK_N-key tiles, the
-    last ones possibly empty."""
-    seqlen = gl.load(SEQ + b)
+    last ones possibly empty; the length clamped to [0, CAPACITY] (block-table reads stay inside its row)."""
+    seqlen = gl.minimum(gl.maximum(gl.load(SEQ + b), 0), CAPACITY)
     chunk = gl.cdiv(gl.cdiv(seqlen, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = gl.minimum(start + chunk, seqlen)
@@ -147,7 +165,7 @@ def _tile_origin(bt_row, b, n, end, kv_rows, sc_layout: gl.constexpr, BLOCK_N: g
         return b.to(gl.int64), b.to(gl.int64), n
 
 
-@gluon.jit(do_not_specialize=["Q_ROWS"])
+@gluon.jit(do_not_specialize=["Q_ROWS", "NUM_PAGES", "CAPACITY"])
 def _decode_fp8_kernel(
     Q, K, V, KS, VS, SEQ, BT, OUT, LSE,
     stride_qb, stride_qm, stride_qh,
@@ -156,7 +174,7 @@ def _decode_fp8_kernel(
     stride_btb,
     stride_os, stride_ob, stride_om, stride_oh,
     stride_ls, stride_lb, stride_lh, stride_lm,
-    qk_scale, NUM_KV_HEADS, NUM_SPLITS, Q_ROWS,
+    qk_scale, NUM_KV_HEADS, NUM_SPLITS, NUM_PAGES, CAPACITY, Q_ROWS,
     G: gl.constexpr, MQ: gl.constexpr, D: gl.constexpr, HEADS: gl.constexpr, WARPS: gl.constexpr,
     BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, PARTIAL: gl.constexpr,
     STAGES: gl.constexpr, PDL: gl.constexpr, SC_VEC: gl.constexpr,
@@ -185,7 +203,11 @@ def _decode_fp8_kernel(
     split = gl.program_id(1)
     b = pid_bh // (NUM_KV_HEADS // HEADS)
     hkv0 = (pid_bh % (NUM_KV_HEADS // HEADS)) * HEADS
-    seqlen, start, end, n_tiles = split_range(SEQ, b, split, NUM_SPLITS, BLOCK_N)
+    seqlen, start, end, n_tiles = split_range(SEQ, b, split, NUM_SPLITS, CAPACITY, BLOCK_N)
+    bt_row = BT + b * stride_btb
+    if PAGED:
+        end = valid_end(bt_row, start, end, NUM_PAGES, PAGE_SIZE, WARPS)
+        n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
 
     # q in the A-operand layout with the reduction dim permuted like K's view below
     qr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, a_op))
@@ -208,7 +230,6 @@ def _decode_fp8_kernel(
     off_k = gl.expand_dims(kv_slots * stride_ks, 1) + gl.expand_dims(kv_cols, 0)
     off_v = gl.expand_dims(kv_slots * stride_vs, 1) + gl.expand_dims(kv_cols, 0)
 
-    bt_row = BT + b * stride_btb
     for i in gl.static_range(STAGES - 1):  # prologue; groups past the end are empty but keep the count
         kv_page, sc_page, slot0 = _tile_origin(bt_row, b, start + i * BLOCK_N, end, kv_rows, sc_layout, BLOCK_N,
                                                PAGE_SIZE, PAGED, STRADDLE, SC_VEC)
@@ -378,7 +399,7 @@ def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         *k_scale.stride(), *v_scale.stride(),
         block_table.stride(0) if paged else 0, *out_strides, *lse_strides,
-        qk_scale_log2, hkv, num_splits, MQ * (HQ // hkv),
+        qk_scale_log2, hkv, num_splits, k_cache.shape[0], capacity, MQ * (HQ // hkv),
         G=HQ // hkv, MQ=MQ, D=D, HEADS=heads, WARPS=warps, BLOCK_N=block_n, PAGE_SIZE=page_size or 1,
         PAGED=paged, PARTIAL=num_splits > 1, STAGES=stages, PDL=pdl, SC_VEC=4 if vec else 1, num_warps=warps,
     )

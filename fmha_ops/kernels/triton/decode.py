@@ -27,6 +27,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from fmha_ops.kernels.triton.launch import cdiv, launch, next_pow2
 
 _LOG2E = 1.4426950408889634
+SCAN = tl.constexpr(512)  # block-table entries checked per step of a program's prologue (``valid_end``)
 
 
 @triton.jit
@@ -45,6 +46,22 @@ def _e4m3_to_f16(x, ASM: tl.constexpr):
 
 
 @triton.jit
+def valid_end(bt_row, start, end, num_pages, PAGE_SIZE: tl.constexpr):
+    """``end``, or the first key of [start, end) whose block-table entry is not a page of the pool (entries are
+    int32 in [0, num_pages)): a program's keys stop there, so no load leaves the pool. Checked once per program,
+    SCAN entries per step, so the key loop carries no guard."""
+    last = tl.cdiv(end, PAGE_SIZE)
+    cut = last
+    for p0 in range(start // PAGE_SIZE, last, SCAN):
+        idx = p0 + tl.arange(0, SCAN)
+        inside = idx < last
+        page = tl.load(bt_row + idx, mask=inside, other=0)
+        bad = inside & (page.to(tl.uint32, bitcast=True) >= num_pages.to(tl.uint32, bitcast=True))
+        cut = tl.minimum(cut, tl.min(tl.where(bad, idx, last), 0))
+    return tl.minimum(end, tl.maximum(cut * PAGE_SIZE, start))
+
+
+@triton.jit(do_not_specialize=["NUM_PAGES", "CAPACITY"])
 def _decode_kernel(
     Q, K, V, KS, VS, SEQ, BT, OUT, LSE,
     stride_qb, stride_qm, stride_qh,
@@ -56,7 +73,7 @@ def _decode_kernel(
     stride_os, stride_ob, stride_om, stride_oh,
     stride_ls, stride_lb, stride_lh, stride_lm,
     qk_scale,
-    NUM_KV_HEADS, NUM_SPLITS,
+    NUM_KV_HEADS, NUM_SPLITS, NUM_PAGES, CAPACITY,
     G: tl.constexpr, MQ: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, FP8: tl.constexpr, PARTIAL: tl.constexpr,
@@ -75,10 +92,14 @@ def _decode_kernel(
     qh = hkv * G + rows % G
     offs_d = tl.arange(0, D)
 
-    seqlen = tl.load(SEQ + b)
+    # lengths outside [0, CAPACITY] are clamped: the block-table reads below stay inside its rows
+    seqlen = tl.minimum(tl.maximum(tl.load(SEQ + b), 0), CAPACITY)
     chunk = tl.cdiv(tl.cdiv(seqlen, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, seqlen)
+    bt_row = BT + b * stride_btb
+    if PAGED:
+        end = valid_end(bt_row, start, end, NUM_PAGES, PAGE_SIZE)
     # query row i sits at position seqlen - MQ + i and sees keys j <= that position
     last_key = seqlen - MQ + qi
 
@@ -94,7 +115,6 @@ def _decode_kernel(
 
     k_head = K + hkv * stride_kh
     v_head = V + hkv * stride_vh
-    bt_row = BT + b * stride_btb
     # page ids of the next tile are loaded one iteration ahead, off the K/V loads' critical path (a page id
     # loaded in the same iteration keeps Triton's pipeliner from prefetching that tile's K/V)
     if PAGED and PAGE_SIZE % BLOCK_N == 0:
@@ -331,6 +351,9 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
     sits at position seqlens[b] - Mq + i and sees keys j <= that position; a row seeing no key
     gets out 0 and lse -inf. Hq must be a multiple of Hkv. With fp8 K/V both dots run in fp16
     (q cast to fp16: |q| must stay below 65504).
+    Index guards: lengths are clamped to [0, capacity] (max_pages_per_seq * page_size, or Lmax), and keys
+    whose block-table entry is not in [0, num_pages) are masked; no entry can make a kernel read outside
+    the caches (``fmha_ops.checks`` validates them on the host instead, on request).
     Returns (out (B, Mq, Hq, D) in q's dtype, lse float32 (B, Hq, Mq) natural log), written into
     ``out``/``lse`` when given. ``num_splits > 1`` runs the split kernel into a float32 workspace
     and the reduce kernel; no host sync, so it can be captured in a CUDA graph.
@@ -339,14 +362,20 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
     HKV = k_cache.shape[2]
     G = HQ // HKV
     fp8 = k_cache.dtype != q.dtype
-    assert G * HKV == HQ and q.stride(3) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
-    assert not fp8 or (k_scale is not None and v_scale is not None)
+    if G * HKV != HQ or k_cache.shape != v_cache.shape[:3] + k_cache.shape[3:]:
+        raise ValueError(f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}: the "
+                         f"caches must agree in (pages, slots, heads) and q's heads be a multiple of theirs")
+    if q.stride(3) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("q, k_cache and v_cache must be contiguous in their last dim")
+    if fp8 and (k_scale is None or v_scale is None):
+        raise ValueError(f"an {k_cache.dtype} cache needs k_scale and v_scale")
     if out is None:
         out = torch.empty_like(q)
     if lse is None:
         lse = torch.empty((B, HQ, MQ), device=q.device, dtype=torch.float32)
     paged = block_table is not None
     page_size = k_cache.shape[1] if paged else 1
+    capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
     if num_splits == 1:
         o_buf, l_buf = out, lse
         o_strides = (0, *out.stride()[:3])
@@ -373,7 +402,7 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             *(k_scale.stride() if fp8 else (0, 0, 0)), *(v_scale.stride() if fp8 else (0, 0, 0)),
             block_table.stride(0) if paged else 0, *o_strides, *l_strides,
-            scale * _LOG2E, HKV, num_splits,
+            scale * _LOG2E, HKV, num_splits, k_cache.shape[0], capacity,
             G=G, MQ=MQ, D=D, BLOCK_M=bm, BLOCK_N=block_n or bn, PAGE_SIZE=page_size, PAGED=paged, FP8=fp8,
             PARTIAL=num_splits > 1, ASM_CVT=fp8 and _asm_cvt(q.device), PDL=pdl, num_warps=num_warps or nw,
             num_stages=num_stages or ns,

@@ -5,20 +5,22 @@ import torch
 import triton
 import triton.language as tl
 
-from fmha_ops.kernels.triton.launch import launch
+from fmha_ops.kernels.triton.launch import launch, next_pow2
 
 
 @triton.jit
-def _store_row(x, dst, scale_dst, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+def _store_row(x, dst, scale_dst, ok, d_ok, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+    """Store one (token, head) row ``x`` (masked lanes ``~d_ok`` hold 0) where ``ok``; fp8: quantized with the
+    symmetric scale amax / FP8_MAX (1 for an all-zero row), written to ``scale_dst``."""
     if FP8:
         xf = x.to(tl.float32)
         amax = tl.max(tl.abs(xf), 0)
         scale = tl.where(amax > 0.0, tl.math.div_rn(amax, FP8_MAX), 1.0)
         y = tl.clamp(tl.math.div_rn(xf, scale), -FP8_MAX, FP8_MAX)
-        tl.store(dst, y.to(dst.dtype.element_ty))
-        tl.store(scale_dst, scale)
+        tl.store(dst, y.to(dst.dtype.element_ty), mask=ok & d_ok)
+        tl.store(scale_dst, scale, mask=ok)
     else:
-        tl.store(dst, x.to(dst.dtype.element_ty))
+        tl.store(dst, x.to(dst.dtype.element_ty), mask=ok & d_ok)
 
 
 @triton.jit
@@ -31,28 +33,33 @@ def _kv_append_kernel(
     stride_ksp, stride_kss, stride_ksh,
     stride_vsp, stride_vss, stride_vsh,
     stride_btb,
-    MNEW,
-    D: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, FP8: tl.constexpr,
+    MNEW, NUM_PAGES, CAPACITY,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, FP8: tl.constexpr,
     FP8_MAX: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     b = pid // MNEW
     t = pid % MNEW
-    offs_d = tl.arange(0, D)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
     pos = tl.load(CSEQ + b) + t
+    # a position outside [0, CAPACITY) or on a block-table entry outside [0, NUM_PAGES) is not written
+    ok = (pos >= 0) & (pos < CAPACITY)
     if PAGED:
-        page = tl.load(BT + b * stride_btb + pos // PAGE_SIZE).to(tl.int64)
+        page = tl.load(BT + b * stride_btb + pos // PAGE_SIZE, mask=ok, other=0)
+        ok = ok & (page >= 0) & (page < NUM_PAGES)
+        page = page.to(tl.int64)
         slot = pos % PAGE_SIZE
     else:
         page = b.to(tl.int64)
         slot = pos
-    k = tl.load(KN + b.to(tl.int64) * stride_knb + t * stride_knm + h * stride_knh + offs_d)
-    v = tl.load(VN + b.to(tl.int64) * stride_vnb + t * stride_vnm + h * stride_vnh + offs_d)
+    k = tl.load(KN + b.to(tl.int64) * stride_knb + t * stride_knm + h * stride_knh + offs_d, mask=d_ok, other=0.0)
+    v = tl.load(VN + b.to(tl.int64) * stride_vnb + t * stride_vnm + h * stride_vnh + offs_d, mask=d_ok, other=0.0)
     _store_row(k, KC + page * stride_kcp + slot * stride_kcs + h * stride_kch + offs_d,
-               KS + page * stride_ksp + slot * stride_kss + h * stride_ksh, FP8, FP8_MAX)
+               KS + page * stride_ksp + slot * stride_kss + h * stride_ksh, ok, d_ok, FP8, FP8_MAX)
     _store_row(v, VC + page * stride_vcp + slot * stride_vcs + h * stride_vch + offs_d,
-               VS + page * stride_vsp + slot * stride_vss + h * stride_vsh, FP8, FP8_MAX)
+               VS + page * stride_vsp + slot * stride_vss + h * stride_vsh, ok, d_ok, FP8, FP8_MAX)
 
 
 def kv_append(k_new, v_new, k_cache, v_cache, cache_seqlens, *, block_table=None, k_scale=None,
@@ -64,21 +71,35 @@ def kv_append(k_new, v_new, k_cache, v_cache, cache_seqlens, *, block_table=None
     (token, head) row quantized with a symmetric scale amax / fp8_max (1 for an all-zero row),
     written to ``k_scale``/``v_scale`` float32 (cache shape without D), as
     ``fmha_ops.kv_cache.quantize_kv_fp8`` does. cache_seqlens: int32 (B,) lengths before the
-    append; the caller makes sure the pages exist. Last dims contiguous; D a power of two.
+    append. Any head dim D (the row is padded to a power of two in registers); last dims contiguous.
+    Index guards: a position outside [0, capacity) (max_pages_per_seq * page_size, or Lmax), or one
+    whose block-table entry is not in [0, num_pages), is skipped, so nothing is written outside the
+    cache (``fmha_ops.checks`` validates the indices on the host instead, on request).
+
+    Example
+    -------
+    >>> kv_append(k_new, v_new, k_cache, v_cache, lengths, block_table=table)  # doctest: +SKIP
     """
     B, MNEW, HKV, D = k_new.shape
     fp8 = k_cache.element_size() == 1
-    assert k_new.stride(3) == 1 and v_new.stride(3) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
-    assert not fp8 or (k_scale is not None and v_scale is not None)
+    if any(t.stride(3) != 1 for t in (k_new, v_new, k_cache, v_cache)):
+        raise ValueError("k_new, v_new, k_cache and v_cache must be contiguous in their last dim")
+    if v_new.shape != k_new.shape or k_cache.shape[2:] != (HKV, D) or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_new {tuple(k_new.shape)}, v_new {tuple(v_new.shape)}: each new token needs the "
+                         f"cache's {k_cache.shape[2]} heads of dim {k_cache.shape[3]} (k_cache "
+                         f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)})")
+    if fp8 and (k_scale is None or v_scale is None):
+        raise ValueError(f"appending to an {k_cache.dtype} cache needs per-token k_scale and v_scale")
     if B * MNEW == 0:
         return
     paged = block_table is not None
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)
     launch(_kv_append_kernel)[(B * MNEW, HKV)](
         k_new, v_new, k_cache, v_cache, ks, vs, cache_seqlens, block_table if paged else cache_seqlens,
         *k_new.stride()[:3], *v_new.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
         *(k_scale.stride() if fp8 else (0, 0, 0)), *(v_scale.stride() if fp8 else (0, 0, 0)),
-        block_table.stride(0) if paged else 0, MNEW,
-        D=D, PAGE_SIZE=k_cache.shape[1] if paged else 1, PAGED=paged, FP8=fp8,
+        block_table.stride(0) if paged else 0, MNEW, k_cache.shape[0], capacity,
+        D=D, BLOCK_D=next_pow2(D), PAGE_SIZE=k_cache.shape[1] if paged else 1, PAGED=paged, FP8=fp8,
         FP8_MAX=float(torch.finfo(k_cache.dtype).max) if fp8 else 0.0, num_warps=1,
     )
