@@ -21,7 +21,7 @@ import fmha_ops
 from fmha_ops import checks
 from fmha_ops.kv_cache import append_to_cache, build_fp8_paged_cache, keys_contiguous, paged_from_dense
 from tests.conftest import DEVICE, HAS_CUDA
-from tests.numerics import error_report
+from fmha_ops.testing import error_report
 from tests.test_kernel_decode import FP16_REL, make_case
 
 F8 = torch.float8_e4m3fn
