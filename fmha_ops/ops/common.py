@@ -154,3 +154,45 @@ def dequantized_qkv(inp: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
         kf = dequantize(k, descales[1], kinds[1], K_SCALE_BLOCK)
         vf = dequantize(v, descales[2], kinds[2])
     return dequantize(q, descales[0], kinds[0], Q_SCALE_BLOCK), kf, vf
+
+
+# ---- ops backed by an optional pip package ------------------------------------------------------------
+
+class OptionalPackage:
+    """Mixin for an op whose kernels come from an optional pip package: ``available()`` reports a missing or
+    unsupported package first (on any machine, before the arch check), then the registry's checks, then
+    whatever ``import_reason()`` finds (the import itself, the runtime behind it). Each op sets both."""
+
+    package_reason: staticmethod
+    import_reason: staticmethod
+
+    @classmethod
+    def available(cls) -> str | None:
+        return cls.package_reason() or super().available()
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return cls.import_reason()
+
+
+def installed_version(distribution: str, extra: str) -> tuple[str | None, str | None]:
+    """``(version, None)`` when the pip ``distribution`` is installed, else ``(None, why)`` naming the
+    ``fmha-ops[extra]`` that installs it."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(distribution), None
+    except importlib.metadata.PackageNotFoundError:
+        return None, f"package {distribution!r} is not installed (pip install 'fmha-ops[{extra}]')"
+
+
+def import_failure(module: str) -> str | None:
+    """None when ``module`` imports, else why not (packages that load CUDA libraries at import can fail
+    in any way, so every exception is reported)."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001
+        return f"{module} failed to import: {type(e).__name__}: {e}"
+    return None

@@ -19,7 +19,6 @@ backward op (FA4's where installed).
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import threading
 from typing import Any, ClassVar
 
@@ -30,6 +29,7 @@ from ..dispatch import register
 from ..inputs import Inputs
 from ..problem import Problem
 from .base import AttentionFwOp
+from .common import OptionalPackage, import_failure, installed_version
 from .cost import attention_time
 
 #: the oldest frontend release whose ``sdpa_fp8`` graph this op builds
@@ -45,26 +45,22 @@ _BIAS = frozenset({ab.NONE, ab.CAUSAL, ab.CAUSAL_BR})
 @functools.lru_cache(maxsize=None)
 def cudnn_package_reason() -> str | None:
     """None when a recent enough nvidia-cudnn-frontend is installed, else why not (no import, no GPU needed)."""
-    try:
-        version = importlib.metadata.version("nvidia-cudnn-frontend")
-    except importlib.metadata.PackageNotFoundError:
-        return "package 'nvidia-cudnn-frontend' is not installed (pip install 'fmha-ops[cudnn]')"
-    release = tuple(int(x) for x in version.split(".")[:2] if x.isdigit())
-    if release < MIN_FRONTEND:
+    version, missing = installed_version("nvidia-cudnn-frontend", "cudnn")
+    if missing:
+        return missing
+    if tuple(int(x) for x in version.split(".")[:2] if x.isdigit()) < MIN_FRONTEND:
         return f"nvidia-cudnn-frontend {version} is older than {'.'.join(map(str, MIN_FRONTEND))}"
     return None
 
 
 def cudnn_unavailable_reason() -> str | None:
     """None when the frontend imports and its cuDNN backend has the fp8 forward, else why not."""
-    if cudnn_package_reason():
-        return cudnn_package_reason()
-    try:
-        import cudnn
+    failed = import_failure("cudnn")
+    if failed:
+        return failed
+    import cudnn
 
-        backend = cudnn.backend_version()
-    except Exception as e:  # the frontend loads libcudnn at import; any failure means it cannot run
-        return f"cudnn (nvidia-cudnn-frontend) failed to load: {type(e).__name__}: {e}"
+    backend = cudnn.backend_version()
     if backend < MIN_BACKEND or backend == 91000:
         return f"cuDNN backend {backend} has no usable fp8 attention forward (needs >= 9.1, not 9.10.0)"
     return None
@@ -187,7 +183,7 @@ GRAPHS = GraphCache()
 
 
 @register
-class CudnnFp8FwOp(AttentionFwOp):
+class CudnnFp8FwOp(OptionalPackage, AttentionFwOp):
     """cuDNN fp8 attention forward (``sdpa_fp8``): fp8 e4m3 q/k/v, per-tensor descales, bf16/fp16/fp32 out."""
 
     NAME = "cudnn_fp8F"
@@ -202,15 +198,8 @@ class CudnnFp8FwOp(AttentionFwOp):
     PARTIAL = True
     #: achieved (TFLOP/s, TB/s, host us) on the H200 for the cost model (D128, 4096 tokens)
     RATES: ClassVar[tuple[float, float, float]] = (880.0, 3.0, 40.0)
-
-    @classmethod
-    def available(cls) -> str | None:
-        """The missing package first (on any machine), then the arch, then the cuDNN backend."""
-        return cudnn_package_reason() or super().available()
-
-    @classmethod
-    def unavailable_reason(cls) -> str | None:
-        return cudnn_unavailable_reason()
+    package_reason = staticmethod(cudnn_package_reason)
+    import_reason = staticmethod(cudnn_unavailable_reason)
 
     @classmethod
     def extra_reasons(cls, p: Problem) -> list[str]:

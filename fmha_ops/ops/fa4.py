@@ -25,7 +25,6 @@ keys-contiguous values, Kv != K. The first call of each configuration JIT-compil
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 from typing import ClassVar
 
 import torch
@@ -35,7 +34,7 @@ from ..dispatch import register
 from ..inputs import Inputs
 from ..problem import Problem
 from .base import AttentionBwOp, AttentionFwOp
-from .common import dequantized_qkv
+from .common import OptionalPackage, dequantized_qkv, import_failure, installed_version
 from .cost import attention_time
 
 #: the release whose interface this adapter calls (its backward entry point is module-level, not public)
@@ -52,24 +51,15 @@ _ARCHS = ("cuda>=9.0,<10.0", "cuda>=10.0,<12.0")
 @functools.lru_cache(maxsize=None)
 def fa4_package_reason() -> str | None:
     """None when the supported flash-attn-4 release is installed, else why not (no import, no GPU needed)."""
-    try:
-        installed = importlib.metadata.version("flash-attn-4")
-    except importlib.metadata.PackageNotFoundError:
-        return "package 'flash-attn-4' is not installed (pip install 'fmha-ops[fa4]')"
-    if installed != FA4_VERSION:
-        return f"flash-attn-4 {installed} is installed; this adapter is written against {FA4_VERSION}"
-    return None
+    installed, missing = installed_version("flash-attn-4", "fa4")
+    if missing or installed == FA4_VERSION:
+        return missing
+    return f"flash-attn-4 {installed} is installed; this adapter is written against {FA4_VERSION}"
 
 
 def fa4_unavailable_reason() -> str | None:
-    """None when ``flash_attn.cute`` of the supported release imports, else why not."""
-    if fa4_package_reason():
-        return fa4_package_reason()
-    try:
-        import flash_attn.cute.interface  # noqa: F401
-    except Exception as e:  # the CuTe DSL loads CUDA libraries at import; any failure means it cannot run
-        return f"flash_attn.cute failed to import: {type(e).__name__}: {e}"
-    return None
+    """None when ``flash_attn.cute`` imports (the CuTe DSL loads its CUDA libraries then), else why not."""
+    return import_failure("flash_attn.cute.interface")
 
 
 def arch_reasons(p: Problem) -> list[str]:
@@ -139,7 +129,7 @@ def _fp8_descales(inp: Inputs) -> dict:
             for r, d in (("q", inp.q_descale), ("k", inp.k_descale), ("v", inp.v_descale))}
 
 
-class _FA4Op:
+class _FA4Op(OptionalPackage):
     """Declarations shared by the forward and backward ops."""
 
     ARCHS = _ARCHS
@@ -150,15 +140,8 @@ class _FA4Op:
     WINDOW = True
     DETERMINISTIC = True  # passes deterministic=True to FA4 when torch.use_deterministic_algorithms is on
     CUDA_GRAPH = True
-
-    @classmethod
-    def available(cls) -> str | None:
-        """The missing package first (on any machine), then the arch, then the import."""
-        return fa4_package_reason() or super().available()
-
-    @classmethod
-    def unavailable_reason(cls) -> str | None:
-        return fa4_unavailable_reason()
+    package_reason = staticmethod(fa4_package_reason)
+    import_reason = staticmethod(fa4_unavailable_reason)
 
 
 @register
