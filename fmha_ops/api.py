@@ -13,6 +13,7 @@ import torch
 
 from registry import Op, Report
 
+from . import compiled
 from .dispatch import REGISTRY, SELECTOR
 from .dtypes import FLOAT_DTYPES
 from .inputs import Inputs, make_inputs
@@ -134,6 +135,8 @@ def run_forward(inp: Inputs, op: OpArg, needs_lse: bool) -> tuple[torch.Tensor, 
     Returns out (B, Mq, Hq, Kv) in ``inp.out_dtype`` and lse float32 (B, Hq, Mq) (None unless ``needs_lse``
     or a backward op is attached). Example: ``out, _ = run_forward(make_inputs(q, k, v), None, False)``.
     """
+    if torch.compiler.is_compiling():
+        return compiled.run_forward(inp, op, needs_lse)
     sig = inp.signature()
     fw = SELECTOR.select(sig, lambda: make_problem(inp, needs_lse), "fw", op)
     if not sig.needs_grad or (fw.AUTOGRAD and inp.query.dtype in FLOAT_DTYPES):

@@ -425,10 +425,10 @@ def from_xformers(bias: object) -> AttentionBias:
     name = type(bias).__name__
     if name in _XFORMERS_NAMES:
         return _XFORMERS_NAMES[name](bias)
-    ours = globals().get(name)
-    if not (isinstance(ours, type) and issubclass(ours, AttentionBias)):
+    ours = MASK_CLASSES.get(name)
+    if ours is None:
         raise ValueError(f"attn_bias of type xformers {name} is not supported; supported: "
-                         f"{', '.join(sorted(n for n, c in globals().items() if isinstance(c, type) and issubclass(c, AttentionBias) and c is not AttentionBias))}")
+                         f"{', '.join(sorted(MASK_CLASSES))}")
     q = _SeqLenInfo.from_seqlens(_seqlens(bias.q_seqinfo.seqstart_py), bias.q_seqinfo.seqstart.device)
     if issubclass(ours, BlockDiagonalMask):
         k = _SeqLenInfo.from_seqlens(_seqlens(bias.k_seqinfo.seqstart_py), bias.k_seqinfo.seqstart.device)
@@ -442,3 +442,10 @@ def from_xformers(bias: object) -> AttentionBias:
 
 def _seqlens(starts: Sequence[int]) -> list[int]:
     return [b - a for a, b in zip(starts, starts[1:])]
+
+
+#: our mask classes by name (every AttentionBias subclass of this module), for ``from_xformers``: a plain dict
+#: torch.compile reads at trace time
+MASK_CLASSES: dict[str, type[AttentionBias]] = {
+    c.__name__: c for c in list(globals().values())
+    if isinstance(c, type) and issubclass(c, AttentionBias) and c is not AttentionBias}

@@ -51,7 +51,7 @@ class Signature(NamedTuple):
     value_layout: Any  # validation.value_layout
     bias: Any  # AttentionBias.signature() or None
     misaligned: int  # nonzero when a data pointer is not 16-byte aligned
-    descales: tuple  # (dtype, shape, device) or None, per role
+    descales: tuple | None  # (dtype, shape, device) or None per role; None when no descale is given
     p: float
     scale: float | None
     output_dtype: torch.dtype | None
@@ -86,6 +86,7 @@ class OutputLayout:
 
 
 BMHK = OutputLayout()
+_new_tuple = tuple.__new__  # a NamedTuple built without its Python-level __new__ (the hot path)
 
 
 @dataclass
@@ -128,15 +129,18 @@ class Inputs:
     def signature(self) -> Signature:
         """The memo key of this call (``Signature``)."""
         q, k, v = self.query, self.key, self.value
-        return Signature(
-            self.needs_grad(), (q.dtype, k.dtype, v.dtype), (q.shape, k.shape, v.shape), (q.device, k.device, v.device),
-            (q.stride(-1), k.stride(-1)), value_layout(v),
-            None if self.attn_bias is None else self.attn_bias.signature(),
-            (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15,
-            (_tensor_signature(self.q_descale), _tensor_signature(self.k_descale), _tensor_signature(self.v_descale)),
+        bias = self.attn_bias
+        qd, kd, vd = self.q_descale, self.k_descale, self.v_descale
+        return _new_tuple(Signature, (
+            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
+            (q.dtype, k.dtype, v.dtype), (q.shape, k.shape, v.shape), (q.device, k.device, v.device),
+            (q.stride(-1), k.stride(-1)), "last" if v.stride(-1) == 1 else value_layout(v),
+            None if bias is None else bias.signature(), (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15,
+            None if qd is None and kd is None and vd is None else
+            (_tensor_signature(qd), _tensor_signature(kd), _tensor_signature(vd)),
             self.p, self.scale, self.output_dtype, self.is_partial, self.quantize_kv_to_fp8,
             torch.are_deterministic_algorithms_enabled(), q.is_cuda and torch.cuda.is_current_stream_capturing(),
-            fp8_dequantized_backward_enabled())
+            fp8_dequantized_backward_enabled()))
 
     def validate(self) -> None:
         """Raise ValueError naming the argument, the value and what is supported (``fmha_ops.validation``)."""
@@ -145,18 +149,25 @@ class Inputs:
     def problem(self, needs_lse: bool = False) -> Problem:
         """The ``Problem`` of this call (validate first)."""
         q, k, v = self.query, self.key, self.value
-        dims = ab.dense_dims(q, k) if self.attn_bias is None else self.attn_bias.dims(q, k)
         return Problem(
-            arch=current_arch(q.device), q_dtype=q.dtype, k_dtype=k.dtype, v_dtype=v.dtype, out_dtype=self.out_dtype,
+            arch=current_arch(q.device), deterministic=torch.are_deterministic_algorithms_enabled(),
+            graph_capture=q.is_cuda and torch.cuda.is_current_stream_capturing(),
+            fp8_backward=fp8_dequantized_backward_enabled(), tma_misaligned=tma_misaligned(q, k, v),
+            **self.problem_fields(needs_lse))
+
+    def problem_fields(self, needs_lse: bool = False) -> dict:
+        """The ``Problem`` fields read from the call's tensors and mask alone (all but ``arch``,
+        ``deterministic``, ``graph_capture``, ``fp8_backward`` and ``tma_misaligned``, which come from the
+        process and the data pointers): what ``torch.compile`` traces."""
+        q, k, v = self.query, self.key, self.value
+        dims = ab.dense_dims(q, k) if self.attn_bias is None else self.attn_bias.dims(q, k)
+        return dict(
+            q_dtype=q.dtype, k_dtype=k.dtype, v_dtype=v.dtype, out_dtype=self.out_dtype,
             batch=dims.batch, seqlen_q=dims.seqlen_q, seqlen_k=dims.seqlen_k, total_q=q.shape[0] * q.shape[1],
             heads_q=q.shape[2], heads_kv=k.shape[2], head_dim=q.shape[3], head_dim_v=v.shape[3], bias=self.bias_kind,
             q_uniform=dims.q_uniform, page_size=dims.page_size, descales=descale_kinds(self),
             quantize_kv=self.quantize_kv_to_fp8, dropout=self.p > 0.0, needs_lse=needs_lse or self.is_partial,
-            needs_grad=self.needs_grad(), deterministic=torch.are_deterministic_algorithms_enabled(),
-            graph_capture=q.is_cuda and torch.cuda.is_current_stream_capturing(),
-            fp8_backward=fp8_dequantized_backward_enabled(), v_keys_contiguous=value_layout(v) == "keys",
-            tma_misaligned=tma_misaligned(q, k, v),
-        )
+            needs_grad=self.needs_grad(), v_keys_contiguous=value_layout(v) == "keys")
 
 
 def make_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_bias: Any = None, *,

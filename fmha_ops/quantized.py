@@ -25,6 +25,7 @@ import torch
 from registry import current_arch, fp8_dtype
 
 from . import attn_bias as ab
+from . import compiled
 from .api import make_problem, run_forward
 from .dispatch import SELECTOR
 from .inputs import make_inputs
@@ -69,23 +70,34 @@ def quantize_smooth(q, k, v, scale: float, qk_dtype: torch.dtype):
     return (q8, k8, v8), {"q_descale": qd, "k_descale": kd, "v_descale": vd}, (qh, kh, vh)
 
 
+def quantized_forward(qk_dtype: torch.dtype, bias, scale: float | None, op, query, key, value):
+    """``quantize_smooth`` then the selected quantized forward op: (out in query's dtype, lse float32
+    (B, Hq, Mq), (qh, kh, vh) the dequantized inputs the backward differentiates at)."""
+    kernel_scale = query.shape[-1] ** -0.5 if scale is None else scale
+    qkv, descales, dequantized = quantize_smooth(query, key, value, kernel_scale, qk_dtype)
+    inp = make_inputs(*qkv, bias, scale=1.0, output_dtype=query.dtype, is_partial=True, **descales)
+    out, lse = run_forward(inp, op, True)
+    return out, lse, dequantized
+
+
+def quantized_backward(bias, scale: float | None, qh, kh, vh, out, lse, grad_out):
+    """(dq, dk, dv) by the selected bf16/fp16 backward op at the dequantized inputs (straight-through)."""
+    inp = make_inputs(qh, kh, vh, bias, scale=scale, is_partial=True)
+    bw = SELECTOR.select(("quantized backward", inp.signature()), lambda: make_problem(inp, True), "bw")
+    return bw.apply_bw(inp, out, lse, grad_out.contiguous())
+
+
 class _QuantizedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qk_dtype, bias, scale, op, query, key, value):
-        kernel_scale = query.shape[-1] ** -0.5 if scale is None else scale
-        qkv, descales, dequantized = quantize_smooth(query, key, value, kernel_scale, qk_dtype)
-        inp = make_inputs(*qkv, bias, scale=1.0, output_dtype=query.dtype, is_partial=True, **descales)
-        out, lse = run_forward(inp, op, True)
+        out, lse, dequantized = quantized_forward(qk_dtype, bias, scale, op, query, key, value)
         ctx.save_for_backward(*dequantized, out, lse)
         ctx.bias, ctx.scale = bias, scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        qh, kh, vh, out, lse = ctx.saved_tensors
-        inp = make_inputs(qh, kh, vh, ctx.bias, scale=ctx.scale, is_partial=True)
-        bw = SELECTOR.select(("quantized backward", inp.signature()), lambda: make_problem(inp, True), "bw")
-        dq, dk, dv = bw.apply_bw(inp, out, lse, grad_out.contiguous())
+        dq, dk, dv = quantized_backward(ctx.bias, ctx.scale, *ctx.saved_tensors, grad_out)
         return None, None, None, None, dq, dk, dv
 
 
@@ -93,14 +105,35 @@ def _causal(causal: bool):
     return ab.LowerTriangularFromBottomRightMask() if causal else None
 
 
+def _quantized_attention(qk_kind: str, causal: bool, scale: float | None, op, q, k, v) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return compiled.quantized_attention(qk_kind, causal, scale, op, q, k, v)
+    qk_dtype = torch.int8 if qk_kind == "int8" else fp8_dtype(current_arch(q.device))
+    return _QuantizedAttention.apply(qk_dtype, _causal(causal), scale, op, q, k, v)
+
+
 def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                   softmax_scale: float | None = None, *, op=None) -> torch.Tensor:
-    """q (B, Mq, Hq, D), k/v (B, Mk, Hkv, D) bf16/fp16 -> out (B, Mq, Hq, D) in q's dtype, via fp8
-    (``quantize_smooth``). ``causal`` is bottom-right aligned; ``op`` forces the forward op."""
-    return _QuantizedAttention.apply(fp8_dtype(current_arch(q.device)), _causal(causal), softmax_scale, op, q, k, v)
+    """Attention through fp8: q/k per block of 128 tokens and head, v per channel (``quantize_smooth``).
+
+    q (B, Mq, Hq, D), k / v (B, Mk, Hkv, D) bfloat16 / float16 -> out (B, Mq, Hq, D) in q's dtype;
+    differentiable (straight-through: a bf16 backward at the dequantized values). ``causal`` is
+    bottom-right aligned; ``op`` forces the forward op.
+
+    Example
+    -------
+    >>> out = fp8_attention(q, k, v, causal=True)
+    >>> out.float().sum().backward()
+    """
+    return _quantized_attention("fp8", causal, softmax_scale, op, q, k, v)
 
 
 def i8fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                     softmax_scale: float | None = None, *, op=None) -> torch.Tensor:
-    """Like ``fp8_attention`` with int8 q/k (per-block scales, smooth-K) and fp8 v (per channel)."""
-    return _QuantizedAttention.apply(torch.int8, _causal(causal), softmax_scale, op, q, k, v)
+    """Like ``fp8_attention`` with int8 q/k (per-block scales, smooth-K) and fp8 v (per channel).
+
+    Example
+    -------
+    >>> out = i8fp8_attention(q, k, v, causal=True)
+    """
+    return _quantized_attention("int8", causal, softmax_scale, op, q, k, v)

@@ -18,6 +18,8 @@ Declarations (class attributes; every check below reads only these):
   CUDA_GRAPH     capturable in a CUDA graph
   V_KEYS_CONTIGUOUS  accepts a keys-contiguous value (stride 1 along the sequence; fmha_ops.inputs)
   TMA            moves tiles with TMA descriptors: q/k/v must start at 16-byte aligned addresses
+  TRACEABLE      ``apply`` is plain torch that torch.compile traces into the graph (else it runs behind the
+                 custom op ``fmha_ops::attention_forward``, see fmha_ops.compiled); implies AUTOGRAD
 Ops add op-specific reasons in ``extra_reasons``.
 """
 from __future__ import annotations
@@ -55,6 +57,7 @@ class AttentionOp(Op):
     CUDA_GRAPH: ClassVar[bool] = True
     V_KEYS_CONTIGUOUS: ClassVar[bool] = False
     TMA: ClassVar[bool] = False
+    TRACEABLE: ClassVar[bool] = False
 
     @classmethod
     def not_supported_reasons(cls, p: Problem) -> list[str]:

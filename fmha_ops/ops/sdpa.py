@@ -1,15 +1,18 @@
 """torch ``scaled_dot_product_attention``, one op per backend (cuDNN, flash, efficient, math).
 
-Layout bridge: BMHK views are transposed to SDPA's (B, H, M, K) without copies. GQA uses
-``enable_gqa``. Masks: none, top-left causal (``is_causal``), and bottom-right causal where it
-coincides with those (Mq == Mk, or Mq == 1 which sees every key). No LSE (not partial).
+Each op calls its backend's own aten function (``torch._scaled_dot_product_cudnn_attention``, ...), the
+functions ``scaled_dot_product_attention`` dispatches to, with the same arguments; entering
+``sdpa_kernel(backend)`` per call instead costs more host time than the tiny-shape call itself. Autograd comes
+with the aten functions. Layout bridge: BMHK views are transposed to SDPA's (B, H, M, K) without copies; GQA
+is native in the flash and cuDNN kernels and ``enable_gqa`` in the math path. Masks: none, top-left causal
+(``is_causal``), and bottom-right causal where it coincides with those (Mq == Mk, or Mq == 1 which sees every
+key). No LSE (not partial).
 """
 from __future__ import annotations
 
 from typing import ClassVar
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import attn_bias as ab
 from ..dispatch import register
@@ -22,11 +25,11 @@ _ALL_FLOAT = _HALF | {(torch.float32,) * 3}
 
 
 class _SdpaOp(AttentionFwOp):
-    BACKEND: ClassVar[SDPBackend]
     BIAS_KINDS = frozenset({ab.NONE, ab.CAUSAL, ab.CAUSAL_BR})
     GQA = True
     AUTOGRAD = True
     DROPOUT = True
+    TRACEABLE = True
     #: achieved (TFLOP/s, TB/s, overhead us) on the H200 for the cost model; CPU rates below
     RATES: ClassVar[tuple[float, float, float]]
     CPU_RATES: ClassVar[tuple[float, float, float]] = (0.001, 0.005, 100.0)
@@ -39,13 +42,22 @@ class _SdpaOp(AttentionFwOp):
 
     @classmethod
     def apply(cls, inp, needs_lse):
-        q, k, v = (t.transpose(1, 2) for t in (inp.query, inp.key, inp.value))
-        causal = inp.bias_kind == ab.CAUSAL or (inp.bias_kind == ab.CAUSAL_BR and q.shape[2] > 1)
-        with sdpa_kernel(cls.BACKEND):
+        q, k, v = inp.query.transpose(1, 2), inp.key.transpose(1, 2), inp.value.transpose(1, 2)
+        kind = inp.bias_kind
+        causal = kind == ab.CAUSAL or (kind == ab.CAUSAL_BR and q.shape[2] > 1)
+        if q.numel() and k.numel():
+            out = cls.attention(q, k, v, inp.p, causal, inp.softmax_scale).transpose(1, 2)
+        else:  # the fused functions fault on empty inputs; SDPA's front end returns the empty / zero output
             out = torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, dropout_p=inp.p, is_causal=causal, scale=inp.softmax_scale,
-                enable_gqa=q.shape[1] != k.shape[1])
-        return out.transpose(1, 2).to(inp.out_dtype), None
+                enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2)
+        return (out if out.dtype == inp.out_dtype else out.to(inp.out_dtype)), None
+
+    @staticmethod
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, causal: bool,
+                  scale: float) -> torch.Tensor:
+        """The backend's (B, Hq, Mq, Kv) output for q (B, Hq, Mq, K), k / v (B, Hkv, Mk, K / Kv)."""
+        raise NotImplementedError
 
     @classmethod
     def estimate(cls, p: Problem) -> float:
@@ -59,12 +71,16 @@ class SdpaCudnnFwOp(_SdpaOp):
 
     NAME = "sdpa_cudnnF"
     ARCHS = ("cuda>=9.0",)
-    BACKEND = SDPBackend.CUDNN_ATTENTION
     DTYPES = _HALF
     OUT_DTYPES = frozenset({torch.float16, torch.bfloat16})
     HEAD_DIMS = range(8, 257, 8)
     DETERMINISTIC = False
     RATES = (600.0, 3.9, 8.0)
+
+    @staticmethod
+    def attention(q, k, v, p, causal, scale):
+        return torch._scaled_dot_product_cudnn_attention(q, k, v, None, _needs_grad(q, k, v), p, causal, False,
+                                                         scale=scale)[0]
 
 
 @register
@@ -73,7 +89,6 @@ class SdpaFlashFwOp(_SdpaOp):
 
     NAME = "sdpa_flashF"
     ARCHS = ("cpu", "cuda>=8.0")
-    BACKEND = SDPBackend.FLASH_ATTENTION
     DTYPES = _ALL_FLOAT
     OUT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
     HEAD_DIMS = range(8, 257, 8)
@@ -85,7 +100,15 @@ class SdpaFlashFwOp(_SdpaOp):
         r = super().extra_reasons(p)
         if p.arch.kind != "cpu" and p.q_dtype == torch.float32:
             r.append("float32 runs only on the CPU flash kernel")
+        if p.arch.kind == "cpu" and p.dropout:
+            r.append("dropout (p > 0) not supported by the CPU flash kernel")
         return r
+
+    @staticmethod
+    def attention(q, k, v, p, causal, scale):
+        if q.is_cuda:
+            return torch._scaled_dot_product_flash_attention(q, k, v, p, causal, False, scale=scale)[0]
+        return torch._scaled_dot_product_flash_attention_for_cpu(q, k, v, p, causal, scale=scale)[0]
 
 
 @register
@@ -94,7 +117,6 @@ class SdpaEfficientFwOp(_SdpaOp):
 
     NAME = "sdpa_efficientF"
     ARCHS = ("cuda>=5.0",)
-    BACKEND = SDPBackend.EFFICIENT_ATTENTION
     DTYPES = _ALL_FLOAT
     OUT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
     HEAD_DIMS = range(1, 513)
@@ -103,6 +125,11 @@ class SdpaEfficientFwOp(_SdpaOp):
     DETERMINISTIC = False
     RATES = (250.0, 2.0, 8.0)
 
+    @staticmethod
+    def attention(q, k, v, p, causal, scale):
+        return torch._scaled_dot_product_efficient_attention(q, k, v, None, _needs_grad(q, k, v), p, causal,
+                                                             scale=scale)[0]
+
 
 @register
 class SdpaMathFwOp(_SdpaOp):
@@ -110,10 +137,19 @@ class SdpaMathFwOp(_SdpaOp):
 
     NAME = "sdpa_mathF"
     ARCHS = ("cpu", "cuda>=0.0")
-    BACKEND = SDPBackend.MATH
     DTYPES = _ALL_FLOAT
     OUT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
     HEAD_DIMS = range(1, 1025)
     HEAD_DIMS_V = range(1, 1025)
     RATES = (60.0, 0.6, 15.0)
     PRIORITY = -10
+
+    @staticmethod
+    def attention(q, k, v, p, causal, scale):
+        return torch._scaled_dot_product_attention_math(q, k, v, None, p, causal, None, scale=scale,
+                                                        enable_gqa=q.shape[1] != k.shape[1])[0]
+
+
+def _needs_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """The cuDNN and efficient kernels write the LSE their backward needs only when asked (SDPA's own rule)."""
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)

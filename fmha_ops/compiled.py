@@ -1,0 +1,284 @@
+"""``torch.compile`` support: the selector runs at trace time and the graph calls the chosen op.
+
+Under ``torch.compile`` (``torch.compiler.is_compiling()``) the call path of the public functions comes
+here instead of the eager memo. The call is validated and its ``Problem`` fields computed in traced code
+(shapes, dtypes, strides and the mask's host values are constants of the trace); ``_plan``, which Dynamo
+runs once at trace time on those constants (``torch.compiler.assume_constant_result``), selects the forward
+op, and the backward op when gradients are needed, and returns them as a ``CallSpec`` string. Ops whose
+``apply`` is plain torch (``AttentionOp.TRACEABLE``: the SDPA ops) are traced into the graph; every other op
+runs behind the custom op ``fmha_ops::attention_forward`` (a fake implementation gives the output shapes;
+autograd goes through ``fmha_ops::attention_backward``). ``fp8_attention`` / ``i8fp8_attention`` run as
+``fmha_ops::quantized_attention``, whose backward is the same backward op.
+
+What a trace fixes: the selected ops, and with them ``use_ops``, ``set_fp8_dequantized_backward``, the
+``FMHA_OPS_*`` environment and ``torch.use_deterministic_algorithms`` as they were when the function was
+compiled. A custom-op call costs host time, so eager calls never come here.
+
+Example
+-------
+>>> block = torch.compile(lambda q, k, v: fmha_ops.memory_efficient_attention(q, k, v, LowerTriangularMask()),
+...                       fullgraph=True)
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+from registry import current_arch, fp8_dtype
+
+from . import attn_bias as ab
+from .dispatch import REGISTRY, SELECTOR
+from .fp8_backward import fp8_dequantized_backward_enabled
+from .inputs import Inputs
+from .problem import Problem
+from .validation import tma_misaligned
+
+_F32 = torch.float32
+
+
+class CallSpec(NamedTuple):
+    """Everything but the tensors that an op needs to run a call, chosen at trace time.
+
+    ``mask`` is the mask's structure from ``flatten_mask``; the tensors it references by index are items of the
+    custom op's ``tensors`` argument, which starts with the three descales."""
+
+    fw: str  # forward op NAME
+    bw: str  # backward op NAME ("" when no gradient is needed or the forward differentiates itself)
+    mask: Any
+    p: float
+    scale: float | None
+    output_dtype: str | None  # torch dtype name
+    is_partial: bool
+    quantize_kv: bool
+    needs_lse: bool
+
+    def encode(self) -> str:
+        return repr(tuple(self))
+
+    def inputs(self, query, key, value, tensors) -> Inputs:
+        """The eager ``Inputs`` of the call, rebuilt around the real tensors."""
+        qd, kd, vd = tensors[:3]
+        mask = None if self.mask is None else unflatten_mask(self.mask, tensors)
+        out = None if self.output_dtype is None else getattr(torch, self.output_dtype)
+        return Inputs(query, key, value, mask, self.p, self.scale, out, self.is_partial, qd, kd, vd, self.quantize_kv)
+
+
+_SPECS: dict[str, CallSpec] = {}
+
+
+def decode_spec(text: str) -> CallSpec:
+    """The ``CallSpec`` a spec string encodes (parsed once per string)."""
+    spec = _SPECS.get(text)
+    if spec is None:
+        spec = _SPECS[text] = CallSpec(*ast.literal_eval(text))
+    return spec
+
+
+# ---- masks as constants + tensors --------------------------------------------------------------
+
+def flatten_mask(obj: Any, tensors: list) -> Any:
+    """A mask as nested tuples of constants, its tensors appended to ``tensors`` and named by index.
+
+    Masks are the ``attn_bias`` classes: dataclasses of ints, lists of ints, tensors and the seqinfo
+    dataclasses (``LowerTriangularMask`` and the like have no fields)."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return ("tensor", len(tensors) - 1)
+    if dataclasses.is_dataclass(obj):
+        return ("object", type(obj).__name__,
+                tuple(flatten_mask(getattr(obj, f.name), tensors) for f in dataclasses.fields(obj)))
+    if isinstance(obj, ab.AttentionBias):
+        return ("object", type(obj).__name__, ())
+    if isinstance(obj, (list, tuple)):
+        return ("list" if isinstance(obj, list) else "tuple", tuple(flatten_mask(x, tensors) for x in obj))
+    return ("value", obj)
+
+
+def unflatten_mask(structure: Any, tensors: list) -> Any:
+    """The inverse of ``flatten_mask``."""
+    tag = structure[0]
+    if tag == "tensor":
+        return tensors[structure[1]]
+    if tag == "object":
+        return getattr(ab, structure[1])(*(unflatten_mask(s, tensors) for s in structure[2]))
+    if tag == "list":
+        return [unflatten_mask(s, tensors) for s in structure[1]]
+    if tag == "tuple":
+        return tuple(unflatten_mask(s, tensors) for s in structure[1])
+    return structure[1]
+
+
+# ---- trace time ----------------------------------------------------------------------------------
+
+@torch.compiler.assume_constant_result
+def _plan(device: torch.device, fields: tuple, op: Any, spec: tuple) -> tuple[str, str, bool]:
+    """Select the ops for a traced call (real Python, at trace time): the ``CallSpec`` string, the forward op's
+    NAME, and whether that op is traced into the graph."""
+    problem = Problem(arch=current_arch(device), deterministic=torch.are_deterministic_algorithms_enabled(),
+                      graph_capture=False, fp8_backward=fp8_dequantized_backward_enabled(), **dict(fields))
+    key = ("compiled", device, fields, spec)
+    fw = SELECTOR.select(key, lambda: problem, "fw", op)
+    bw = ""
+    if problem.needs_grad and not fw.TRACEABLE:  # autograd of a traced op is torch's own
+        bw = SELECTOR.select(key, lambda: problem, "bw", op if isinstance(op, tuple) else None).NAME
+    return CallSpec(fw.NAME, bw, *spec).encode(), fw.NAME, fw.TRACEABLE
+
+
+def run_forward(inp: Inputs, op: Any, needs_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The traced twin of ``api.run_forward``: same arguments, same results."""
+    inp.validate()
+    fields = inp.problem_fields(needs_lse)
+    tensors: list = [inp.q_descale, inp.k_descale, inp.v_descale]
+    mask = None if inp.attn_bias is None else flatten_mask(inp.attn_bias, tensors)
+    out_dtype = None if inp.output_dtype is None else str(inp.output_dtype).replace("torch.", "")
+    text, fw_name, traceable = _plan(inp.query.device, tuple(fields.items()), op,
+                                     (mask, inp.p, inp.scale, out_dtype, inp.is_partial, inp.quantize_kv_to_fp8,
+                                      needs_lse or inp.is_partial))
+    if traceable:
+        return REGISTRY.get(fw_name).apply(inp, needs_lse)
+    out, lse = torch.ops.fmha_ops.attention_forward(inp.query, inp.key, inp.value, tensors, text)
+    return out, (lse if needs_lse else None)
+
+
+# ---- the custom ops ------------------------------------------------------------------------------
+
+@torch.library.custom_op("fmha_ops::attention_forward", mutates_args=())
+def attention_forward_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         tensors: list[Optional[torch.Tensor]], spec: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward op ``spec`` names on BMHK query / key / value; returns out (B, Mq, Hq, Kv) contiguous and
+    lse float32 (B, Hq, Mq) (empty when neither the LSE nor a gradient is needed)."""
+    call = decode_spec(spec)
+    fw = REGISTRY.get(call.fw)
+    if fw.TMA and tma_misaligned(query, key, value):  # the trace could not see the data pointers
+        query, key, value = (t.clone() if t.data_ptr() % 16 else t for t in (query, key, value))
+    needs_lse = call.needs_lse or bool(call.bw)
+    out, lse = fw.apply(call.inputs(query, key, value, tensors), needs_lse)
+    lse = lse.contiguous() if needs_lse else query.new_empty((0,), dtype=_F32)
+    return out.contiguous(), lse
+
+
+@attention_forward_op.register_fake
+def _attention_forward_fake(query, key, value, tensors, spec):
+    call = decode_spec(spec)
+    b, mq, hq, _ = query.shape
+    out_dtype = call.inputs(query, key, value, tensors).out_dtype
+    out = query.new_empty((b, mq, hq, value.shape[-1]), dtype=out_dtype)
+    lse = query.new_empty((b, hq, mq) if call.needs_lse or call.bw else (0,), dtype=_F32)
+    return out, lse
+
+
+@torch.library.custom_op("fmha_ops::attention_backward", mutates_args=())
+def attention_backward_op(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          out: torch.Tensor, lse: torch.Tensor, tensors: list[Optional[torch.Tensor]],
+                          spec: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv), contiguous, in query / key / value's dtypes, from the backward op ``spec`` names."""
+    call = decode_spec(spec)
+    with _autograd_dispatch():  # the reference backward differentiates with torch.autograd
+        grads = REGISTRY.get(call.bw).apply_bw(call.inputs(query, key, value, tensors), out, lse,
+                                               grad_out.contiguous())
+    return tuple(g.to(t.dtype).contiguous() for g, t in zip(grads, (query, key, value)))
+
+
+def _autograd_dispatch():
+    """Autograd dispatch back on: a custom op's implementation runs below torch's autograd keys."""
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    for key in (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.ADInplaceOrView):
+        excluded = excluded.remove(key)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded)
+
+
+@attention_backward_op.register_fake
+def _attention_backward_fake(grad_out, query, key, value, out, lse, tensors, spec):
+    return tuple(t.new_empty(t.shape) for t in (query, key, value))
+
+
+def _forward_setup(ctx, inputs, output):
+    query, key, value, tensors, spec = inputs
+    ctx.spec, ctx.n_tensors = spec, len(tensors)
+    ctx.save_for_backward(query, key, value, *output, *tensors)
+
+
+def _forward_backward(ctx, grad_out, _grad_lse):
+    query, key, value, out, lse, *tensors = ctx.saved_tensors
+    dq, dk, dv = torch.ops.fmha_ops.attention_backward(grad_out, query, key, value, out, lse, tensors, ctx.spec)
+    return dq, dk, dv, None, None
+
+
+attention_forward_op.register_autograd(_forward_backward, setup_context=_forward_setup)
+
+
+# ---- quantize-inside attention (fp8_attention, i8fp8_attention) ------------------------------------
+
+def quantized_attention(qk_kind: str, causal: bool, scale: float | None, op: Any, q, k, v) -> torch.Tensor:
+    """The traced twin of ``fp8_attention`` / ``i8fp8_attention`` (``qk_kind`` "fp8" / "int8"). The quantized
+    problem exists only after the quantization, so its ops are selected inside the custom op (memoized)."""
+    text = repr((qk_kind, causal, scale, _op_names(op)))
+    return torch.ops.fmha_ops.quantized_attention(q, k, v, text)[0]
+
+
+def _op_names(op: Any) -> Any:
+    """An ``op=`` value as constants: names for op classes (tuples element-wise)."""
+    if isinstance(op, tuple):
+        return tuple(_op_names(o) for o in op)
+    return op.NAME if isinstance(op, type) else op
+
+
+def _quantized_args(spec: str):
+    qk_kind, causal, scale, op = ast.literal_eval(spec)
+    bias = ab.LowerTriangularFromBottomRightMask() if causal else None
+    return qk_kind, bias, scale, op
+
+
+@torch.library.custom_op("fmha_ops::quantized_attention", mutates_args=())
+def quantized_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           spec: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantized.quantized_forward``: (out, lse, qh, kh, vh), contiguous."""
+    from .quantized import quantized_forward
+
+    qk_kind, bias, scale, op = _quantized_args(spec)
+    qk_dtype = torch.int8 if qk_kind == "int8" else fp8_dtype(current_arch(query.device))
+    out, lse, dequantized = quantized_forward(qk_dtype, bias, scale, op, query, key, value)
+    return tuple(t.contiguous() for t in (out, lse, *dequantized))
+
+
+@quantized_attention_op.register_fake
+def _quantized_attention_fake(query, key, value, spec):
+    b, mq, hq, _ = query.shape
+    return (query.new_empty((b, mq, hq, value.shape[-1])), query.new_empty((b, hq, mq), dtype=_F32),
+            query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape))
+
+
+@torch.library.custom_op("fmha_ops::quantized_attention_backward", mutates_args=())
+def quantized_attention_backward_op(grad_out: torch.Tensor, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor,
+                                    out: torch.Tensor, lse: torch.Tensor,
+                                    spec: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantized.quantized_backward``: (dq, dk, dv), contiguous."""
+    from .quantized import quantized_backward
+
+    _, bias, scale, _ = _quantized_args(spec)
+    with _autograd_dispatch():
+        grads = quantized_backward(bias, scale, qh, kh, vh, out, lse, grad_out)
+    return tuple(g.to(t.dtype).contiguous() for g, t in zip(grads, (qh, kh, vh)))
+
+
+@quantized_attention_backward_op.register_fake
+def _quantized_attention_backward_fake(grad_out, qh, kh, vh, out, lse, spec):
+    return tuple(t.new_empty(t.shape) for t in (qh, kh, vh))
+
+
+def _quantized_setup(ctx, inputs, output):
+    ctx.spec = inputs[3]
+    out, lse, qh, kh, vh = output
+    ctx.save_for_backward(qh, kh, vh, out, lse)
+
+
+def _quantized_backward(ctx, grad_out, *_unused):
+    qh, kh, vh, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.fmha_ops.quantized_attention_backward(grad_out, qh, kh, vh, out, lse, ctx.spec)
+    return dq, dk, dv, None
+
+
+quantized_attention_op.register_autograd(_quantized_backward, setup_context=_quantized_setup)

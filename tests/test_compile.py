@@ -1,0 +1,179 @@
+"""torch.compile(fullgraph=True) of the public functions: no graph break, same values as eager, gradients too.
+
+The selector runs at trace time (``fmha_ops.compiled``): ops whose apply is plain torch are traced, the others run
+behind the ``fmha_ops::`` custom ops. aot_eager covers the autograd graphs quickly; inductor runs once on a small
+transformer block, forward and backward.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fmha_ops
+from fmha_ops import attn_bias as ab
+from fmha_ops.testing import normal_qkv
+
+B, M, HQ, HKV, D = 2, 33, 4, 2, 16
+
+
+def _qkv(dtype=torch.float32, b=B, m=M, seed=0):
+    q, k, v = normal_qkv((b, m, HQ, D), (b, m, HKV, D), dtype=dtype, seed=seed)
+    return q, k, v
+
+
+def _compiled(fn, backend="aot_eager"):
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True, backend=backend)
+
+
+def _check(fn, *args, grad=False, backend="aot_eager", atol=1e-5):
+    """fn(*args) compiled fullgraph equals eager (outputs and, with ``grad``, gradients w.r.t. the float args)."""
+    def leaves():
+        return [a.detach().clone().requires_grad_(grad) if isinstance(a, torch.Tensor) and a.is_floating_point()
+                else a for a in args]
+
+    def run(f):
+        xs = leaves()
+        out = f(*xs)
+        outs = list(out) if isinstance(out, tuple) else [out]
+        if not grad:
+            return outs
+        diff = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
+        return outs + list(torch.autograd.grad(outs[0].float().square().sum(), diff))
+
+    want, got = run(fn), run(_compiled(fn, backend))
+    assert len(want) == len(got)
+    for w, g in zip(want, got):
+        if w is None:
+            assert g is None
+            continue
+        assert g.shape == w.shape and g.dtype == w.dtype
+        torch.testing.assert_close(g.float(), w.float(), atol=atol, rtol=1e-4)
+
+
+def _graph_breaks(fn, *args) -> int:
+    torch._dynamo.reset()
+    return torch._dynamo.explain(fn)(*args).graph_break_count
+
+
+CAUSAL = ab.LowerTriangularMask()
+
+
+@pytest.mark.parametrize("name, fn", [
+    ("memory_efficient_attention", lambda q, k, v: fmha_ops.memory_efficient_attention(q, k, v, CAUSAL)),
+    ("reference op (custom op)", lambda q, k, v: fmha_ops.memory_efficient_attention(
+        q, k, v, CAUSAL, op="torch_referenceF")),
+    ("bottom-right causal", lambda q, k, v: fmha_ops.memory_efficient_attention(
+        q, k[:, :20], v[:, :20], ab.LowerTriangularFromBottomRightMask())),
+    ("flash_attn_func", lambda q, k, v: fmha_ops.flash_attn_func(q, k, v, causal=True)),
+    ("fp8_attention", lambda q, k, v: fmha_ops.fp8_attention(q, k, v, causal=True)),
+    ("i8fp8_attention", lambda q, k, v: fmha_ops.i8fp8_attention(q, k, v)),
+])
+def test_differentiable_entry_points_compile_fullgraph(name, fn):
+    _check(fn, *_qkv(), grad=True)
+
+
+def test_forward_and_partial_and_merge_compile_fullgraph():
+    q, k, v = _qkv(seed=1)
+    _check(lambda q, k, v: fmha_ops.memory_efficient_attention_forward(q, k, v, CAUSAL), q, k, v)
+
+    def split_and_merge(q, k, v):
+        parts = [fmha_ops.memory_efficient_attention_partial(q, k[:, s], v[:, s]) for s in (slice(0, 9), slice(9, M))]
+        return fmha_ops.merge_attentions([o for o, _ in parts], [lse for _, lse in parts])
+
+    _check(split_and_merge, q, k, v)
+    whole = fmha_ops.memory_efficient_attention(q, k, v)
+    torch.testing.assert_close(_compiled(split_and_merge)(q, k, v)[0], whole, atol=1e-5, rtol=1e-4)
+
+
+def test_varlen_mask_compiles_fullgraph_with_gradients():
+    mask = ab.BlockDiagonalCausalMask.from_seqlens([5, 17, 11], [9, 13, 11])
+    q, k, v = normal_qkv((1, 33, HQ, D), (1, 33, HKV, D), dtype=torch.float32, seed=2)
+    _check(lambda q, k, v: fmha_ops.memory_efficient_attention(q, k, v, mask), q, k, v, grad=True)
+
+
+class LowerTriangularMask:
+    """Stands for xformers' mask of the same name (``from_xformers`` converts by type name and fields)."""
+
+
+class BlockDiagonalCausalMask:
+    def __init__(self, q_seqlens, k_seqlens):
+        self.q_seqinfo, self.k_seqinfo = _XformersSeqInfo(q_seqlens), _XformersSeqInfo(k_seqlens)
+
+
+class _XformersSeqInfo:
+    def __init__(self, seqlens):
+        self.seqstart_py = [sum(seqlens[:i]) for i in range(len(seqlens) + 1)]
+        self.seqstart = torch.tensor(self.seqstart_py, dtype=torch.int32)
+
+
+def test_xformers_style_masks_compile_fullgraph():
+    q, k, v = _qkv(seed=3)
+    _check(lambda q, k, v: fmha_ops.memory_efficient_attention(q, k, v, LowerTriangularMask()), q, k, v)
+    mask = BlockDiagonalCausalMask([5, 28], [5, 28])
+    _check(lambda q, k, v: fmha_ops.memory_efficient_attention(q, k, v, mask), q[:1], k[:1], v[:1])
+
+
+def test_xformers_masks_compile_fullgraph():
+    xf = pytest.importorskip("xformers.ops.fmha.attn_bias")
+    q, k, v = _qkv(seed=4)
+    causal = xf.LowerTriangularMask()  # a tensor subclass in xformers: made outside the compiled function
+    _check(lambda q, k, v: fmha_ops.memory_efficient_attention(q, k, v, causal), q, k, v)
+    mask = xf.BlockDiagonalCausalMask.from_seqlens([5, 28])
+    _check(lambda q, k, v: fmha_ops.memory_efficient_attention(q, k, v, mask), q[:1], k[:1], v[:1])
+
+
+def test_trace_time_choice_follows_use_ops():
+    q, k, v = _qkv(seed=5)
+    with fmha_ops.use_ops("torch_referenceF"):
+        _check(lambda q, k, v: fmha_ops.memory_efficient_attention(q, k, v, CAUSAL), q, k, v)
+    with pytest.raises(Exception, match="cannot run this call"):  # a forced op that cannot run raises when traced
+        _compiled(lambda q, k, v: fmha_ops.memory_efficient_attention(q, k, v, CAUSAL, op="sdpa_flashF", p=0.5))(
+            q, k, v)
+
+
+class Block(torch.nn.Module):
+    """A pre-norm transformer block: causal GQA attention through fmha_ops, then an MLP."""
+
+    def __init__(self, dim=32, heads=4, kv_heads=2):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.qkv = torch.nn.Linear(dim, (heads + 2 * kv_heads) * self.head_dim)
+        self.proj = torch.nn.Linear(dim, dim)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim))
+
+    def forward(self, x):
+        b, m, _ = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(
+            [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
+        q = q.view(b, m, self.heads, self.head_dim)
+        k, v = (t.view(b, m, self.kv_heads, self.head_dim) for t in (k, v))
+        attn = fmha_ops.memory_efficient_attention(q, k, v, CAUSAL)
+        x = x + self.proj(attn.reshape(b, m, -1))
+        return x + self.mlp(self.norm2(x))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_transformer_block_compiles_fullgraph_and_matches_eager(backend):
+    torch.manual_seed(0)
+    block = Block()
+    x = torch.randn(2, 17, 32)
+    assert _graph_breaks(block, x) == 0
+    compiled = _compiled(block, backend)
+    want = block(x)
+    torch.testing.assert_close(compiled(x), want, atol=1e-5, rtol=1e-4)
+    want.square().sum().backward()
+    grads = {n: p.grad.clone() for n, p in block.named_parameters()}
+    block.zero_grad()
+    compiled(x).square().sum().backward()
+    for n, p in block.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_explain_reports_no_graph_break_for_the_entry_points():
+    q, k, v = _qkv(seed=6)
+    for fn in (lambda q, k, v: fmha_ops.memory_efficient_attention(q, k, v, CAUSAL, op="torch_referenceF"),
+               lambda q, k, v: fmha_ops.flash_attn_func(q, k, v, causal=True),
+               lambda q, k, v: fmha_ops.fp8_attention(q, k, v)):
+        assert _graph_breaks(fn, q, k, v) == 0
