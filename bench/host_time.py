@@ -1,17 +1,23 @@
-"""Host time per call: public calls at sizes where the host, not the GPU, sets the pace, against SDPA's eager call
-on the same tensors.
+"""Host time per call of every public entry point against calling the chosen backend directly, CPU or GPU.
 
-Host wall time of back-to-back calls (``bench.common.host_us``: ``time.perf_counter`` over ``--iters`` calls after a
-warm-up, one synchronize after), microseconds per call. Writes host_time.json and .png into --out and the table to
-bench/results/host_time.md (not with --quick or --no-record). Where the time of a call goes: ``bench/diagnostics/``
-(``launch_overhead.py``, ``dispatch_overhead.py``).
+Tiny shapes, so the host path sets the pace. Per entry point three columns, microseconds per call:
+``ours`` (the public function), ``direct`` (the op the selector chose, called without our call path: SDPA's own aten
+function on BHMK tensors for the SDPA ops, the op's kernel launcher with a prebuilt ``Inputs`` for ours) and
+``SDPA`` (``torch.nn.functional.scaled_dot_product_attention`` on BHMK tensors, where a float call has one).
+``overhead`` is ours - direct; the target is max(25% of direct, 5 us). Each cell is the fastest of ``--rounds``
+interleaved rounds of ``--iters`` back-to-back calls (``bench.common.host_us``). On a GPU it also times the fp8
+short-sequence shapes through ``flash_attn_func`` against cuDNN bf16 SDPA (TFLOP/s, same run).
 
-    PYTHONPATH=$PWD python bench/host_time.py [--iters 400] [--out DIR]
+Writes host_time_<cpu|gpu>.json and .png into --out and the table to bench/results/host_time[_cpu].md (not with
+--quick or --no-record).
+
+    PYTHONPATH=$PWD python bench/host_time.py [--iters 300] [--rounds 5] [--out DIR]
 """
 from __future__ import annotations
 
 import os
 import sys
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -20,74 +26,223 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fmha_ops  # noqa: E402
 from bench import common  # noqa: E402
+from fmha_ops import attn_bias as ab  # noqa: E402
+from fmha_ops.api import make_problem  # noqa: E402
+from fmha_ops.dispatch import SELECTOR  # noqa: E402
+from fmha_ops.inputs import make_inputs  # noqa: E402
+from fmha_ops.ops.sdpa import SdpaCudnnFwOp  # noqa: E402
 from fmha_ops.testing import normal_qkv  # noqa: E402
 
 COMMAND = "PYTHONPATH=$PWD python bench/host_time.py"
-SMALL = (1, 128, 1, 64)  # B, M, H, D: GPU work of a few microseconds
-TRAIN = (16, 1024, 8, 64)  # the training benchmark's attention shape
+CPU_SHAPE = (1, 16, 2, 16)  # B, M, H, D: the tiny float32 causal call
+GPU_SHAPE = (1, 128, 1, 64)
+SHORT_SEQUENCES = ((8, 1000, 16, 16, 128, False), (16, 512, 32, 8, 64, True))  # B, M, Hq, Hkv, D, causal
+TARGET_FRACTION, TARGET_US = 0.25, 5.0
+
+Call = Callable[[], object]
 
 
-def _sdpa(q, k, v, causal: bool = False):
-    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                          is_causal=causal).transpose(1, 2)
+def _bhmk(*ts):
+    return [t.transpose(1, 2) for t in ts]
 
 
-def _sdpa_causal(q, k, v):
-    return _sdpa(q, k, v, causal=True)
+def _selected(inp, kind="fw", needs_lse=False):
+    """The op the selector picks for ``inp`` (as the public call would)."""
+    return SELECTOR.select(("host_time", kind, inp.signature()), lambda: make_problem(inp, needs_lse), kind)
 
 
-def _fp8_causal(q, k, v):
-    return fmha_ops.fp8_attention(q, k, v, causal=True)
+def _direct(inp, needs_lse=False) -> tuple[str, Call]:
+    """(op name, a call of that op without our call path)."""
+    op = _selected(inp, needs_lse=needs_lse)
+    if hasattr(op, "attention"):  # an SDPA op: its aten function on BHMK tensors
+        q, k, v = _bhmk(inp.query, inp.key, inp.value)
+        causal = inp.bias_kind == ab.CAUSAL or (inp.bias_kind == ab.CAUSAL_BR and q.shape[2] > 1)
+        scale = inp.softmax_scale
+        return op.NAME, lambda: op.attention(q, k, v, 0.0, causal, scale)
+    return op.NAME, lambda: op.apply(inp, needs_lse)
 
 
-def cases() -> dict:
-    """name -> (our call, SDPA's call on the same tensors)."""
-    small = tuple(normal_qkv(SMALL, SMALL, device="cuda"))
-    train = tuple(normal_qkv(TRAIN, TRAIN, device="cuda"))
-    grads = [t.clone().requires_grad_() for t in train]
-    do = torch.randn_like(train[0])
+def _sdpa(q, k, v, causal) -> Call:
+    qt, kt, vt = _bhmk(q, k, v)
+    gqa = qt.shape[1] != kt.shape[1]
+    return lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=gqa)
 
-    def fwd_bwd(attn):
-        return lambda: torch.autograd.grad(attn(*grads), grads, do)
 
-    shape = "x".join(map(str, TRAIN))
-    return {
-        f"memory_efficient_attention bf16 {'x'.join(map(str, SMALL))}": (
-            lambda: fmha_ops.memory_efficient_attention(*small), lambda: _sdpa(*small)),
-        f"fp8_attention forward {shape} causal": (lambda: _fp8_causal(*train), lambda: _sdpa_causal(*train)),
-        f"fp8_attention forward + backward {shape} causal": (fwd_bwd(_fp8_causal), fwd_bwd(_sdpa_causal)),
-    }
+def _merge_direct(parts, lses) -> Call:
+    """merge_attentions' arithmetic in plain torch on stacked parts."""
+    attn, lse = torch.stack(parts), torch.stack(lses)
+
+    def run():
+        lse_t = lse.movedim(-1, 2)
+        top = lse_t.amax(0)
+        w = torch.exp(lse_t - top)
+        total = w.sum(0)
+        return (w[..., None] * attn).sum(0) / total[..., None], (top + torch.log(total)).movedim(1, -1)
+    return run
+
+
+def cases(device: str) -> list[tuple[str, str, Call, Call | None, Call | None]]:
+    """(entry point, op, ours, direct, SDPA) per row."""
+    cpu = device == "cpu"
+    dtype = torch.float32 if cpu else torch.bfloat16
+    shape = CPU_SHAPE if cpu else GPU_SHAPE
+    q, k, v = normal_qkv(shape, shape, dtype=dtype, device=device)
+    causal = ab.LowerTriangularMask()
+    rows = []
+
+    def row(label, ours, inp, needs_lse=False, sdpa=None):
+        name, direct = _direct(inp, needs_lse)
+        rows.append((label, name, ours, direct, sdpa))
+
+    row(f"memory_efficient_attention {dtype_name(dtype)} causal", lambda: fmha_ops.memory_efficient_attention(
+        q, k, v, causal), make_inputs(q, k, v, causal), sdpa=_sdpa(q, k, v, True))
+    with torch.no_grad():
+        row("memory_efficient_attention_forward", lambda: fmha_ops.memory_efficient_attention_forward(q, k, v, causal),
+            make_inputs(q, k, v, causal), sdpa=_sdpa(q, k, v, True))
+    row("memory_efficient_attention_partial", lambda: fmha_ops.memory_efficient_attention_partial(q, k, v),
+        make_inputs(q, k, v, output_dtype=torch.float32, is_partial=True), needs_lse=True)
+    parts = [fmha_ops.memory_efficient_attention_partial(q, k[:, s], v[:, s]) for s in (slice(0, 7), slice(7, None))]
+    outs, lses = [o for o, _ in parts], [lse for _, lse in parts]
+    rows.append(("merge_attentions (2 parts)", "torch", lambda: fmha_ops.merge_attentions(outs, lses),
+                 _merge_direct(outs, lses), None))
+    br = ab.LowerTriangularFromBottomRightMask()
+    row("flash_attn_func causal", lambda: fmha_ops.flash_attn_func(q, k, v, causal=True), make_inputs(q, k, v, br),
+        sdpa=_sdpa(q, k, v, True))
+    m = shape[1]
+    cu = torch.tensor([0, m // 2, m], dtype=torch.int32, device=device)
+    packed = [t[0] for t in (q, k, v)]
+    varlen = ab.BlockDiagonalCausalFromBottomRightMask.from_seqlens([m // 2, m - m // 2], device=device)
+    row("flash_attn_varlen_func causal", lambda: fmha_ops.flash_attn_varlen_func(*packed, cu, cu, m, m, causal=True),
+        make_inputs(q, k, v, varlen))
+    if not cpu:
+        with fmha_ops.use_ops("sdpa_cudnnF"):
+            row("memory_efficient_attention op=sdpa_cudnnF", lambda: fmha_ops.memory_efficient_attention(
+                q, k, v, causal, op="sdpa_cudnnF"), make_inputs(q, k, v, causal), sdpa=_sdpa(q, k, v, True))
+        f8 = torch.float8_e4m3fn
+        q8, k8, v8 = (t.to(f8) for t in (q, k, v))
+        one = torch.ones(1, device=device)
+        row("flash_attn_func fp8 + descales", lambda: fmha_ops.flash_attn_func(
+            q8, k8, v8, causal=True, q_descale=one, k_descale=one, v_descale=one),
+            make_inputs(q8, k8, v8, br, q_descale=one, k_descale=one, v_descale=one))
+        rows += _quantized_rows(q, k, v)
+    return rows
+
+
+def _quantized_rows(q, k, v) -> list:
+    """fp8_attention / i8fp8_attention forward and forward + backward against quantize_smooth plus the selected
+    forward (and backward) op called directly."""
+    from fmha_ops.quantized import quantize_smooth
+
+    rows = []
+    grads = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    do = torch.randn_like(q)
+    br = ab.LowerTriangularFromBottomRightMask()
+    scale = q.shape[-1] ** -0.5
+    for fn, qk_dtype in ((fmha_ops.fp8_attention, torch.float8_e4m3fn), (fmha_ops.i8fp8_attention, torch.int8)):
+        qkv8, descales, deq = quantize_smooth(q, k, v, scale, qk_dtype)
+        inp = make_inputs(*qkv8, br, scale=1.0, output_dtype=q.dtype, is_partial=True, **descales)
+        fw = _selected(inp, needs_lse=True)
+        bw_inp = make_inputs(*deq, br, scale=scale, is_partial=True)
+        bw = _selected(bw_inp, "bw", needs_lse=True)
+        out, lse = fw.apply(inp, True)
+
+        def direct_fw(fw=fw, qk_dtype=qk_dtype):
+            qkv8, descales, _ = quantize_smooth(q, k, v, scale, qk_dtype)
+            return fw.apply(make_inputs(*qkv8, br, scale=1.0, output_dtype=q.dtype, is_partial=True, **descales), True)
+
+        def direct_fwbw(bw=bw, direct_fw=direct_fw):
+            o, l = direct_fw()
+            return bw.apply_bw(bw_inp, o, l, do)
+
+        rows.append((f"{fn.__name__} forward", fw.NAME, lambda fn=fn: fn(q, k, v, causal=True), direct_fw, None))
+        rows.append((f"{fn.__name__} forward + backward", f"{fw.NAME} + {bw.NAME}",
+                     lambda fn=fn: torch.autograd.grad(fn(*grads, causal=True), grads, do), direct_fwbw, None))
+    return rows
+
+
+def dtype_name(dt: torch.dtype) -> str:
+    return str(dt).replace("torch.", "")
+
+
+def measure(rows, iters: int, rounds: int, device: str) -> list[dict]:
+    results = []
+    for label, op, ours, direct, sdpa in rows:
+        best = {"ours_us": float("inf"), "direct_us": float("inf"), "sdpa_us": float("inf") if sdpa else None}
+        for _ in range(rounds):  # interleaved: a noisy host slows all three alike
+            best["ours_us"] = min(best["ours_us"], common.host_us(ours, iters, warmup=20))
+            best["direct_us"] = min(best["direct_us"], common.host_us(direct, iters, warmup=20))
+            if sdpa:
+                best["sdpa_us"] = min(best["sdpa_us"], common.host_us(sdpa, iters, warmup=20))
+        r = {"device": device, "call": label, "op": op, **best}
+        r["overhead_us"] = r["ours_us"] - r["direct_us"]
+        r["within_target"] = r["overhead_us"] <= max(TARGET_FRACTION * r["direct_us"], TARGET_US)
+        r["ours_over_sdpa"] = r["ours_us"] / r["sdpa_us"] if r["sdpa_us"] else None
+        results.append(r)
+    return results
+
+
+def short_sequence_rows() -> list[dict]:
+    """fp8 through flash_attn_func against cuDNN bf16 SDPA at short sequences, TFLOP/s (CUDA events)."""
+    rows = []
+    cudnn = common.sdpa("CUDNN_ATTENTION")
+    for b, m, hq, hkv, d, causal in SHORT_SEQUENCES:
+        q, k, v = normal_qkv((b, m, hq, d), (b, m, hkv, d), dtype=torch.bfloat16, device="cuda")
+        f8 = torch.float8_e4m3fn
+        q8, k8, v8 = (t.to(f8) for t in (q, k, v))
+        one = torch.ones(1, device="cuda")
+        fp8_ms = common.time_ms(lambda: fmha_ops.flash_attn_func(q8, k8, v8, causal=causal, q_descale=one,
+                                                                  k_descale=one, v_descale=one))
+        bf16_ms = common.time_ms(lambda: fmha_ops.flash_attn_func(q, k, v, causal=causal))
+        qt, kt, vt = _bhmk(q, k, v)
+        cudnn_ms = common.time_ms(lambda: cudnn(qt, kt, vt, causal, hq != hkv))
+        tf = lambda ms: common.attention_tflops(b, hq, m, d, causal, ms)  # noqa: E731
+        rows.append({"shape": f"{b}x{m}x{hq}/{hkv}x{d}{' causal' if causal else ''}",
+                     "fp8_flash_attn_func_tflops": tf(fp8_ms), "bf16_flash_attn_func_tflops": tf(bf16_ms),
+                     "cudnn_bf16_tflops": tf(cudnn_ms), "fp8_over_cudnn": cudnn_ms / fp8_ms})
+    return rows
+
+
+COLUMNS = ["call", "op", "ours_us", "direct_us", "overhead_us", "within_target", "sdpa_us", "ours_over_sdpa"]
+LABELS = ["entry point", "op", "ours (us)", "direct (us)", "ours - direct (us)", "<= max(25%, 5 us)", "SDPA (us)",
+          "ours / SDPA"]
 
 
 def main() -> None:
     p = common.base_parser(__doc__.splitlines()[0])
-    p.add_argument("--iters", type=int, default=400)
+    p.add_argument("--iters", type=int, default=300)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench/host_time.py needs a CUDA GPU")
-    iters = 50 if args.quick else args.iters
-    rows = []
-    for name, (ours, ref) in cases().items():
-        row = {"call": name, "ours_us": common.host_us(ours, iters), "sdpa_us": common.host_us(ref, iters)}
-        row["ours_over_sdpa"] = row["ours_us"] / row["sdpa_us"]
-        rows.append(row)
-    common.print_table(rows, ["call", "ours_us", "sdpa_us", "ours_over_sdpa"])
+    device = args.device
+    if device == "cpu":
+        torch.set_num_threads(1)  # the tiny call runs on one thread; more only add scheduling noise
+    iters, rounds = (50, 2) if args.quick else (args.iters, args.rounds)
+    rows = measure(cases(device), iters, rounds, device)
+    common.print_table(rows, COLUMNS)
+    short = short_sequence_rows() if device == "cuda" else []
+    if short:
+        common.print_table(short, list(short[0]))
     out = common.out_dir(args.out)
-    env = common.environment()
-    common.write_json(out, "host_time", rows)
-    png = common.bar_plot(out, "host_time", rows, "call", ["ours_us", "sdpa_us"], "host us per call",
-                          "host time per call")
+    tag = "gpu" if device == "cuda" else "cpu"
+    common.write_json(out, f"host_time_{tag}", rows, {"short_sequences": short, "environment": common.environment()})
+    png = common.bar_plot(out, f"host_time_{tag}", rows, "call", ["ours_us", "direct_us", "sdpa_us"],
+                          "host us per call", f"host time per call ({tag})")
     if not (args.no_record or args.quick):
-        print("record:", record(rows, env, png))
+        print("record:", record(rows, short, common.environment(), png, tag))
 
 
-def record(rows: list[dict], env: dict, png: str | None = None) -> str:
-    """Write bench/results/host_time.md from ``rows`` (keys: call, ours_us, sdpa_us, ours_over_sdpa)."""
-    table = common.markdown_table(rows, ["call", "ours_us", "sdpa_us", "ours_over_sdpa"],
-                                  ["call", "ours (us)", "SDPA (us)", "ours / SDPA"])
-    notes = ("Host wall time per call of back-to-back calls, microseconds; SDPA is torch's eager call on the same "
-             "tensors.")
-    return common.write_record("host_time", "Host time per call", COMMAND, table + "\n\n" + notes, env, png)
+def record(rows: list[dict], short: list[dict], env: dict, png: str | None, tag: str) -> str:
+    """Write bench/results/host_time.md (GPU) or host_time_cpu.md from the rows."""
+    body = common.markdown_table(rows, COLUMNS, LABELS)
+    body += ("\n\nHost wall time per call of back-to-back calls, microseconds, fastest of interleaved rounds. direct: "
+             "the selected op without the call path (SDPA ops: their aten function on BHMK tensors; ours: the op's "
+             "launcher on a prebuilt Inputs). SDPA: torch's eager call on BHMK tensors.")
+    if short:
+        body += "\n\nfp8 at short sequences through flash_attn_func (TFLOP/s, same run):\n\n" + common.markdown_table(
+            short, list(short[0]))
+    name = "host_time" if tag == "gpu" else "host_time_cpu"
+    title = "Host time per call" + ("" if tag == "gpu" else " (CPU)")
+    return common.write_record(name, title, COMMAND + ("" if tag == "gpu" else " --device cpu"), body, env, png)
 
 
 if __name__ == "__main__":
