@@ -9,8 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from registry.arch import Arch
+
 from fmha_ops.kv_cache import dequantize_fp8, keys_contiguous, paged_from_dense, quantize_kv_fp8
-from tests.conftest import DEVICE
+from tests.conftest import DEVICE, HAS_CUDA
 from fmha_ops.testing import error_report, transformer_like
 
 CPU_DTYPE = torch.float16
@@ -83,8 +85,32 @@ def run(q, kw, **extra):
     return out, lse
 
 
-def check(q, kw, k, v, *, rel, lse_tol=2e-4, **extra):
-    out, lse = run(q, kw, **extra)
+def _gluon_runs() -> bool:
+    """Whether the Gluon fp8 decoder can run here (compiled, sm90)."""
+    return HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
+
+
+def run_gluon(q, kw, num_splits=1):
+    """The Gluon fp8 decoder (+ the split reduce) on ``make_case``'s inputs, into NaN-poisoned outputs."""
+    from fmha_ops.kernels.gluon import decode as gd
+    from fmha_ops.kernels.softmax import LOG2E
+    from fmha_ops.kernels.triton.decode import reduce_splits, split_buffers
+
+    B, MQ, HQ, D = q.shape
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((B, HQ, MQ), float("nan"), device=q.device)
+    o_buf, l_buf, o_strides, l_strides = split_buffers(q, num_splits, out, lse)
+    table = kw["block_table"]
+    gd.launch(q, kw["k_cache"], kw["v_cache"], kw["k_scale"], kw["v_scale"], kw["seqlens"], table, o_buf, l_buf,
+              o_strides, l_strides, kw["scale"] * LOG2E.value, num_splits,
+              None if table is None else kw["k_cache"].shape[1])
+    if num_splits > 1:
+        reduce_splits(o_buf, l_buf, out, lse)
+    return out, lse
+
+
+def check(q, kw, k, v, *, rel, lse_tol=2e-4, runner=run, **extra):
+    out, lse = runner(q, kw, **extra)
     ref, ref_lse = reference(q, k, v, kw["seqlens"].cpu(), kw["scale"])
     out, lse = out.cpu(), lse.cpu()
     assert not out.isnan().any() and not lse.isnan().any(), "unwritten output"
@@ -185,66 +211,124 @@ def test_splits_equal_single_pass():
 
 
 def test_choose_num_splits():
-    from fmha_ops.kernels.triton.decode import choose_num_splits
+    from fmha_ops.kernels.decode_splits import choose_num_splits
 
-    assert choose_num_splits(64, 8, 4096, 4, 132) == 1
-    assert choose_num_splits(128, 8, 1024, 4, 132) == 1
-    long = choose_num_splits(1, 8, 131072, 8, 132)
+    assert choose_num_splits(64 * 8, 4096, 132) == 1
+    assert choose_num_splits(128 * 8, 1024, 132) == 1
+    long = choose_num_splits(8, 131072, 132)
     assert 16 <= long <= 64
-    assert choose_num_splits(1, 8, 600, 8, 132) == 1  # too short to split
-    assert choose_num_splits(8, 8, 32768, 4, 132) > 1
+    assert choose_num_splits(8, 600, 132) == 1  # too short to split
+    assert choose_num_splits(8 * 8, 32768, 132) > 1
 
 
 def test_choose_num_splits_latency_bound_waves():
     """fp8 KV (resident programs per SM given): splits fill whole waves of resident programs."""
-    from fmha_ops.kernels.triton.decode import choose_num_splits, resident_programs
+    from fmha_ops.kernels.decode_splits import choose_num_splits
+    from fmha_ops.kernels.triton.decode import programs_per_split, resident_programs
 
     assert resident_programs(128, False, 4) is None
     assert resident_programs(128, True, 4) == 4 and resident_programs(256, True, 4) == 3
     assert resident_programs(128, True, 64) == 2  # 64-row blocks: four-warp programs
+    assert programs_per_split(64, 8, 4) == 512 and programs_per_split(2, 1, 256) == 8  # 64-row blocks
     # 512 programs on 132 x 4 slots: one wave, no split helps
-    assert choose_num_splits(64, 8, 4096, 4, 132, resident_programs(128, True, 4)) == 1
+    assert choose_num_splits(512, 4096, 132, resident_programs(128, True, 4)) == 1
     # 512 programs on 132 x 3 slots are 1.3 waves (2 launched); 3 splits make 3.9 waves of thirds
-    assert choose_num_splits(64, 8, 4096, 4, 132, resident_programs(256, True, 4)) == 3
+    assert choose_num_splits(512, 4096, 132, resident_programs(256, True, 4)) == 3
     # 64 programs: 4 splits fill one wave of 264; 9 (the bandwidth rule) would need 3 waves of ninths
-    assert choose_num_splits(8, 8, 32768, 4, 132) == 9
-    assert choose_num_splits(8, 8, 32768, 4, 132, 2) == 4
-    assert choose_num_splits(1, 8, 600, 8, 132, 2) == 1  # too short to split
+    assert choose_num_splits(64, 32768, 132) == 9
+    assert choose_num_splits(64, 32768, 132, 2) == 4
+    assert choose_num_splits(8, 600, 132, 2) == 1  # too short to split
     # 8 programs in one wave of 528 slots: as many splits as the wave holds, past the usual cap of 64
-    assert choose_num_splits(1, 8, 131072, 8, 132, 4) == 66
-    assert choose_num_splits(1, 8, 20000, 8, 132, 4) == 20000 // 512  # but each split keeps >= 512 keys
+    assert choose_num_splits(8, 131072, 132, 4) == 66
+    assert choose_num_splits(8, 20000, 132, 4) == 20000 // 512  # but each split keeps >= 512 keys
     for B, L, D, rows in ((1, 131072, 128, 8), (3, 5000, 256, 4), (200, 70000, 64, 64)):
         r = resident_programs(D, True, rows)
-        s = choose_num_splits(B, 8, L, rows, 132, r)
+        s = choose_num_splits(programs_per_split(B, 8, rows), L, 132, r)
         assert 1 <= s <= max(1, L // 512) and (s <= 64 or B * 8 * s <= 132 * r)
 
 
-def test_default_num_splits_counts_gluon_programs():
-    """The split count follows the programs of the kernel that runs: the Gluon decoder's D64 programs take two
-    KV heads each (B64 x 8 heads: 256 programs, so 2 splits fill the wave the D128 kernel fills with 1)."""
-    from fmha_ops.kernels.triton.decode import default_num_splits
-
-    assert default_num_splits(64, 8, 4096, 4, 128, True, 64, (9, 0), 132) == 1
-    assert default_num_splits(64, 8, 4096, 4, 64, True, 64, (9, 0), 132) == 2
-    assert default_num_splits(64, 8, 4096, 4, 64, True, 64, (8, 9), 132) == 1  # Triton kernel: one head each
-    assert default_num_splits(1, 8, 131072, 8, 128, False, 64, (9, 0), 132) == 64  # bf16: bandwidth rule
+H200 = Arch("cuda", (9, 0), name="NVIDIA H200")
 
 
-def test_gluon_fp8_decoder_routing():
-    """The Gluon decoder runs compiled on sm90 only: under the interpreter (and on a CPU) the Triton kernel
-    runs, so the CPU tests above cover it; the shape rule matches the Gluon module's tile rule."""
-    from fmha_ops.kernels.triton.decode import _gluon_decoder, gluon_fp8_decoder, resident_programs
+def test_op_split_counts_follow_their_kernels_programs():
+    """Each decode op counts its own kernel's programs: the Gluon decoder's D64 programs take two KV heads each
+    (B64 x 8 heads: 256 programs, so 2 splits fill the wave that 1 split of the D128 programs fills); the Triton
+    fp8 kernel takes one head per program."""
+    from fmha_ops.ops.gluon_decode import GluonFp8DecodeFwOp as Gluon
+    from fmha_ops.ops.triton_decode import TritonDecoderFwOp, TritonSplitKFwOp
 
-    assert _gluon_decoder(torch.device("cpu")) is None
-    assert gluon_fp8_decoder((9, 0), 128, 4, 64) and gluon_fp8_decoder((9, 0), 64, 16, None)
-    assert not gluon_fp8_decoder((8, 9), 128, 4, 64)  # measured on sm90 only
-    assert gluon_fp8_decoder((9, 0), 256, 4, 64)  # two-warp programs
-    assert not gluon_fp8_decoder((9, 0), 96, 4, 64) and not gluon_fp8_decoder((9, 0), 128, 32, 64)
-    assert gluon_fp8_decoder((9, 0), 128, 4, 8) and gluon_fp8_decoder((9, 0), 64, 4, 1)  # tiles span pages
-    assert not gluon_fp8_decoder((9, 0), 128, 4, 24)  # 32-key tiles neither span whole pages nor fit in one
-    assert resident_programs(128, True, 4, gluon=True, page_size=64) == 4
-    assert resident_programs(128, True, 4, gluon=True, page_size=16) == 4  # 32-key tiles over two pages
-    assert resident_programs(128, True, 4, gluon=True, page_size=48) == 8  # 16-key tiles
+    assert Gluon.num_splits(64, 8, 4096, 4, 128, 64, H200) == 1
+    assert Gluon.num_splits(64, 8, 4096, 4, 64, 64, H200) == 2
+    assert Gluon.num_splits(64, 8, 4096, 4, 64, 64, H200, heads_adjacent=False) == 1  # heads apart: one each
+    assert TritonSplitKFwOp.num_splits(64, 8, 4096, 4, 64, True, H200) == 1
+    assert TritonSplitKFwOp.num_splits(1, 8, 131072, 8, 128, False, H200) == 64  # bf16: bandwidth rule
+    assert TritonDecoderFwOp.num_splits(1, 8, 131072, 8, 128, False, H200) == 1
+
+
+def _decode_problem(B=64, L=4096, hq=32, hkv=8, D=128, page=64, mq=1, kv=torch.float8_e4m3fn, quantize=False,
+                    arch=H200):
+    from fmha_ops.problem import Problem
+
+    fp8 = kv.itemsize == 1
+    return Problem(arch=arch, q_dtype=torch.bfloat16, k_dtype=kv, v_dtype=kv, out_dtype=torch.bfloat16, batch=B,
+                   seqlen_q=mq, seqlen_k=L, total_q=B * mq, heads_q=hq, heads_kv=hkv, head_dim=D, head_dim_v=D,
+                   bias="paged_causal" if page else "causal_bottom_right", q_uniform=True, page_size=page,
+                   descales=("none", "token" if fp8 else "none", "token" if fp8 else "none"), quantize_kv=quantize,
+                   dropout=False, needs_lse=False, needs_grad=False, deterministic=False, graph_capture=False)
+
+
+def test_gluon_decode_op_declaration():
+    """The Gluon fp8-KV decoder is an op of its own: sm90, e4m3fn KV (or quantize_kv_to_fp8), D 64/128/256,
+    <= 16 query rows per KV head, pages its tiles cover; never available on a CPU."""
+    from fmha_ops.dispatch import REGISTRY
+    from fmha_ops.ops.gluon_decode import GluonFp8DecodeFwOp as Gluon
+
+    assert REGISTRY.get("gluon_fp8_decodeF") is Gluon and Gluon.ARCHS == ("cuda>=9.0,<10.0",)
+    if not torch.cuda.is_available():
+        assert Gluon.available() is not None
+    assert Gluon.not_supported_reasons(_decode_problem()) == []
+    for kw, why in [(dict(D=96), "head dim K=96"), (dict(hq=64, mq=4), "32 query rows per KV head"),
+                    (dict(page=24), "page_size=24 not supported; pages must divide 32 keys"),
+                    (dict(kv=torch.bfloat16), "needs an fp8 KV cache"),
+                    (dict(arch=Arch("cuda", (10, 0), name="B200")), "runs on"),
+                    (dict(kv=torch.float8_e5m2), "dtypes")]:
+        p = _decode_problem(**kw)
+        reasons = " ".join(Gluon.not_supported_reasons(p))
+        assert why in reasons or not Gluon.supports_arch(p.arch), (kw, reasons)
+    for page in (None, 1, 8, 16, 32, 48, 64, 256):
+        assert Gluon.not_supported_reasons(_decode_problem(page=page or 0, D=64, hq=16 * 8)) == []
+    assert Gluon.not_supported_reasons(_decode_problem(kv=torch.bfloat16, quantize=True)) == []
+    from fmha_ops.kernels.gluon import decode as gd
+
+    assert gd.resident_programs(64, 128) == 4 and gd.resident_programs(16, 128) == 4  # 32-key tiles
+    assert gd.resident_programs(48, 128) == 8  # 16-key tiles
+
+
+def test_gluon_decode_op_ranks_first_for_fp8_kv_on_h200():
+    """With the H200 tuning table, the Gluon op's estimate beats both Triton decode ops wherever it supports an
+    fp8-KV call (an fp8 cache or quantize_kv_to_fp8), so the selector picks it there; bf16 KV is not its."""
+    from fmha_ops.dispatch import REGISTRY, SELECTOR
+
+    def ranked(p):
+        est = {}
+        for name in ("gluon_fp8_decodeF", "triton_decoderF", "triton_splitKF"):
+            op = REGISTRY.get(name)
+            if op.not_supported_reasons(p):
+                continue
+            e = SELECTOR.tables.lookup(H200.name, name, p.bucket())
+            if e is None:
+                e = op.estimate(p) * (SELECTOR.tables.calibration(H200.name, name) or 1.0)
+            est[name] = e
+        return min(est, key=est.get)
+
+    for B, L, hq in ((1, 131072, 64), (8, 32768, 32), (64, 4096, 32), (128, 1024, 32), (3, 5000, 8)):
+        for D in (64, 128, 256):
+            for page in (0, 1, 16, 48, 64, 256):
+                assert ranked(_decode_problem(B, L, hq, 8, D, page)) == "gluon_fp8_decodeF", (B, L, D, page)
+                assert ranked(_decode_problem(B, L, hq, 8, D, page, kv=torch.bfloat16, quantize=True)) \
+                    == "gluon_fp8_decodeF"
+            assert ranked(_decode_problem(B, L, hq, 8, D, 64, kv=torch.bfloat16)) != "gluon_fp8_decodeF"
+        assert ranked(_decode_problem(B, L, 32, 8, 128, 64, mq=8)).startswith("triton_")  # 32 rows per KV head
 
 
 def test_gluon_heads_per_program():
@@ -278,25 +362,18 @@ def test_gluon_vector_scales():
     assert not gd.vector_scales(odd, odd)
 
 
-def test_gluon_decoder_supported_inputs():
-    """The Gluon decoder takes contiguous heads of e4m3fn K/V with per-token scales (any strides), D 64/128/256,
-    <= 16 rows per KV head and pages its tiles cover; anything else stays on the Triton kernel."""
+def test_gluon_decoder_shapes_and_layouts():
+    """The Gluon decoder takes D 64/128/256, <= 16 rows per KV head and pages its tiles cover; heads need not be
+    contiguous (a D64 program then takes one head instead of a pair); scales any strides."""
     from fmha_ops.kernels.gluon import decode as gd
 
-    f8 = torch.float8_e4m3fn
-    q = torch.zeros(2, 1, 8, 128)
-    k = torch.zeros(10, 64, 2, 128).to(f8)
-    s = torch.zeros(10, 64, 2)
-    assert gd.supported(q, k, k, s, s, 64) and gd.supported(q, k, k, s, s, None)
-    assert gd.supported(q, k, k, s, s, 8)  # 32-key tiles spanning four pages
-    assert not gd.supported(q, k, k, s, s, 24)  # no tile size covers whole pages of 24
-    assert not gd.supported(torch.zeros(2, 1, 8, 96), k, k, s, s, 64)  # head dim
-    assert not gd.supported(torch.zeros(2, 3, 16, 128), k, k, s, s, 64)  # 24 rows per KV head
-    assert not gd.supported(q, k.to(torch.float8_e5m2), k.to(torch.float8_e5m2), s, s, 64)
-    both = torch.zeros(10, 64, 2, 2, 128).to(f8)  # K and V interleaved: heads not contiguous
-    assert not gd.supported(q, both[:, :, :, 0], both[:, :, :, 1], s, s, 64)
-    head_major = torch.zeros(10, 2, 64).transpose(1, 2)  # scales of a head's tokens contiguous: any strides work
-    assert gd.supported(q, k, k, head_major, head_major, 64)
+    assert gd.takes_shape(128, 4, 64) and gd.takes_shape(128, 4, None) and gd.takes_shape(128, 4, 8)
+    assert not gd.takes_shape(128, 4, 24)  # no tile size covers whole pages of 24
+    assert not gd.takes_shape(96, 4, 64) and not gd.takes_shape(128, 24, 64)
+    k = torch.zeros(10, 64, 2, 64)
+    both = torch.zeros(10, 64, 2, 2, 64)  # K and V interleaved: heads not contiguous
+    assert gd.heads_adjacent(k, k) and not gd.heads_adjacent(both[:, :, :, 0], both[:, :, :, 1])
+    assert gd.heads_per_program(64, 8, 4, heads_adjacent=False) == 1
 
 
 # ---------------------------------------------------------------- GPU, real sizes
@@ -316,12 +393,12 @@ GPU_CASES += [(torch.float16, 64, None), (torch.float16, 16, torch.float8_e4m3fn
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,page_size,fp8", GPU_CASES)
 def test_gpu_real_sizes(dtype, page_size, fp8):
-    from fmha_ops.kernels.triton.decode import choose_num_splits
+    from fmha_ops.kernels.decode_splits import choose_num_splits
 
     lens = [4097, 0, 1, 1000, 3000, 17]
     q, kw, k, v = make_case(6, 1, 32, 8, 128, lens, page_size=page_size, dtype=dtype, fp8=fp8,
                             dist="transformer", seed=11)
-    for s in (1, 4, choose_num_splits(6, 8, 4097, 4, 132)):
+    for s in (1, 4, choose_num_splits(6 * 8, 4097, 132)):
         _, _, rep = check(q, kw, k, v, rel=GPU_REL[dtype], num_splits=s)
     print(dtype, page_size, fp8, rep)
 
@@ -378,18 +455,16 @@ def test_gpu_graph_replay_equals_eager(num_splits):
 @pytest.mark.parametrize("G,MQ,D", [(4, 1, 128), (8, 2, 64), (16, 1, 128), (1, 5, 128), (4, 1, 64), (2, 4, 64),
                                     (1, 5, 64), (4, 1, 256), (2, 3, 256)])
 def test_gpu_gluon_decoder_matches_triton(page_size, G, MQ, D):
-    """fp8 KV on sm90: the Gluon decoder (default) against the Triton kernel (chosen by passing its tile
-    options) and the float32 reference: ragged lengths incl. 0, 1 and partial tiles, splits 1 / 3 / 8."""
-    from fmha_ops.kernels.triton.decode import _gluon_decoder
-
-    if _gluon_decoder(torch.device(DEVICE)) is None:
+    """fp8 KV on sm90: the Gluon decoder against the Triton kernel and the float32 reference: ragged lengths incl.
+    0, 1 and partial tiles, splits 1 / 3 / 8."""
+    if not _gluon_runs():
         pytest.skip("the Gluon decoder runs on sm90")
     lens = [0, 1, 17, 1000, 4097, 33]
     q, kw, k, v = make_case(6, MQ, 2 * G, 2, D, lens, page_size=page_size, dtype=torch.bfloat16, fp8=torch.float8_e4m3fn,
                             dist="transformer", seed=G + MQ)
     for s in (1, 3, 8):
-        out_g, lse_g, rep = check(q, kw, k, v, rel=GPU_REL[torch.bfloat16], num_splits=s)
-        out_t, lse_t = (t.cpu() for t in run(q, kw, num_splits=s, block_n=64, num_warps=2, num_stages=3))
+        out_g, lse_g, rep = check(q, kw, k, v, rel=GPU_REL[torch.bfloat16], runner=run_gluon, num_splits=s)
+        out_t, lse_t = (t.cpu() for t in run(q, kw, num_splits=s))
         assert error_report(out_g, out_t)["rel"] < GPU_REL[torch.bfloat16]
         seen = torch.isfinite(lse_t)
         assert torch.equal(seen, torch.isfinite(lse_g)) and (lse_g - lse_t)[seen].abs().max() < 1e-3
@@ -403,20 +478,18 @@ def test_gpu_gluon_decoder_head_pairs(page_size, G, MQ):
     """D64 with 8 KV heads: each program takes a pair of adjacent heads (pairs 0-1 .. 6-7); every head's rows
     against the float32 reference and the Triton kernel (one head per program), head-major scales included."""
     from fmha_ops.kernels.gluon import decode as gd
-    from fmha_ops.kernels.triton.decode import _gluon_decoder
-
-    if _gluon_decoder(torch.device(DEVICE)) is None:
+    if not _gluon_runs():
         pytest.skip("the Gluon decoder runs on sm90")
     assert gd.heads_per_program(64, 8, G * MQ) == 2
     q, kw, k, v = make_case(3, MQ, 8 * G, 8, 64, [2049, 1, 700], page_size=page_size, dtype=torch.bfloat16,
                             fp8=torch.float8_e4m3fn, dist="transformer", seed=G)
     head_major = _head_major_scales(kw)
     for s in (1, 4):
-        out_g, lse_g, rep = check(q, kw, k, v, rel=GPU_REL[torch.bfloat16], num_splits=s)
-        out_t, lse_t = (t.cpu() for t in run(q, kw, num_splits=s, block_n=64, num_warps=2, num_stages=3))
+        out_g, lse_g, rep = check(q, kw, k, v, rel=GPU_REL[torch.bfloat16], runner=run_gluon, num_splits=s)
+        out_t, lse_t = (t.cpu() for t in run(q, kw, num_splits=s))
         assert error_report(out_g, out_t)["rel"] < GPU_REL[torch.bfloat16]
         assert (lse_g - lse_t)[torch.isfinite(lse_t)].abs().max() < 1e-3
-        out_h, lse_h = run(q, head_major, num_splits=s)
+        out_h, lse_h = run_gluon(q, head_major, num_splits=s)
         assert torch.equal(out_h.cpu(), out_g) and torch.equal(lse_h.cpu(), lse_g)
         print(page_size, G, MQ, s, rep)
 
@@ -425,10 +498,13 @@ def test_gpu_gluon_decoder_head_pairs(page_size, G, MQ):
 @pytest.mark.parametrize("page_size", [None, 16, 32, 64, 256])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("head_major", [False, True])
-def test_gpu_decoder_ignores_cache_bytes_past_the_end(page_size, D, head_major):
+@pytest.mark.parametrize("kernel", ["triton", "gluon"])
+def test_gpu_decoder_ignores_cache_bytes_past_the_end(page_size, D, head_major, kernel):
     """fp8 cache bytes past each sequence's end set to NaN (e4m3 0x7F), their scales too: none of them may reach
     the output (0 * NaN is NaN: masked keys must be zero-filled, not just weighted 0). Partial last tiles, D64 head
     pairs, splits 1/3; head-major scales move 4 per copy (the Gluon decoder reads up to 3 past the end there)."""
+    if kernel == "gluon" and not _gluon_runs():
+        pytest.skip("the Gluon decoder runs on sm90")
     lens = [17, 1, 1000, 4093, 0, 4096]
     q, kw, k, v = make_case(6, 1, 8, 2, D, lens, page_size=page_size, dtype=torch.bfloat16, fp8=torch.float8_e4m3fn,
                             dist="transformer", seed=21)
@@ -443,7 +519,7 @@ def test_gpu_decoder_ignores_cache_bytes_past_the_end(page_size, D, head_major):
                 for j, page in enumerate(kw["block_table"][b].tolist()):
                     c[page, max(n - j * page_size, 0):] = bad
     for s in (1, 3):
-        check(q, kw, k, v, rel=GPU_REL[torch.bfloat16], num_splits=s)
+        check(q, kw, k, v, rel=GPU_REL[torch.bfloat16], runner=run_gluon if kernel == "gluon" else run, num_splits=s)
 
 
 @pytest.mark.gpu
@@ -454,9 +530,7 @@ def test_gpu_gluon_decoder_head_major_scales(page_size, D):
     span pages of 16, and 3 stages where a program walks >= 1536 keys) against token-major scales: float32-
     reference accuracy and bit-identical outputs, splits 1 and 3, lengths ending inside a copy of 4 scales."""
     from fmha_ops.kernels.gluon import decode as gd
-    from fmha_ops.kernels.triton.decode import _gluon_decoder
-
-    if _gluon_decoder(torch.device(DEVICE)) is None:
+    if not _gluon_runs():
         pytest.skip("the Gluon decoder runs on sm90")
     q, kw, k, v = make_case(4, 1, 8, 2, D, [4093, 1, 33, 4096], page_size=page_size, dtype=torch.bfloat16,
                             fp8=torch.float8_e4m3fn, dist="transformer", seed=5)
@@ -465,6 +539,55 @@ def test_gpu_gluon_decoder_head_major_scales(page_size, D):
     assert head_major["k_scale"].stride(-1) != 1 and gd.vector_scales(head_major["k_scale"], head_major["v_scale"])
     assert not gd.vector_scales(kw["k_scale"], kw["v_scale"])
     for s in (1, 3):
-        out_c, lse_c = run(q, kw, num_splits=s)
-        out_h, lse_h, _ = check(q, head_major, k, v, rel=GPU_REL[torch.bfloat16], num_splits=s)
+        out_c, lse_c = run_gluon(q, kw, num_splits=s)
+        out_h, lse_h, _ = check(q, head_major, k, v, rel=GPU_REL[torch.bfloat16], runner=run_gluon, num_splits=s)
         assert torch.equal(out_h, out_c.cpu()) and torch.equal(lse_h, lse_c.cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [None, 16, 64])
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_gluon_decoder_heads_apart(page_size, D):
+    """K and V interleaved in one buffer (heads not contiguous): the Gluon decoder reads each head through its
+    stride (D64: one head per program instead of a pair)."""
+    if not _gluon_runs():
+        pytest.skip("the Gluon decoder runs on sm90")
+    q, kw, k, v = make_case(3, 1, 16, 4, D, [1500, 1, 333], page_size=page_size, dtype=torch.bfloat16,
+                            fp8=torch.float8_e4m3fn, dist="transformer", seed=8, split_kv=True)
+    assert kw["k_cache"].stride(2) != D
+    for s in (1, 3):
+        check(q, kw, k, v, rel=GPU_REL[torch.bfloat16], runner=run_gluon, num_splits=s)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_gpu_fp8_cache_through_the_api_runs_the_gluon_op(page_size):
+    """flash_attn_with_kvcache on an fp8 cache from build_fp8_paged_cache: explain names gluon_fp8_decodeF on
+    sm90 (the op that runs), the result matches the float32 reference of the dequantized cache."""
+    import fmha_ops
+    from fmha_ops.kv_cache import build_fp8_paged_cache, dense_from_paged
+
+    g = torch.Generator().manual_seed(page_size)
+    B, L, H, G, D = 4, 1000, 2, 4, 128
+    k = torch.randn(B, L, H, D, generator=g).to(DEVICE, torch.bfloat16)
+    v = torch.randn(B, L, H, D, generator=g).to(DEVICE, torch.bfloat16)
+    q = torch.randn(B, 1, H * G, D, generator=g).to(DEVICE, torch.bfloat16)
+    kc, vc, ks, vs, table = build_fp8_paged_cache(k, v, page_size)
+    lens = torch.tensor([1000, 1, 517, 64], dtype=torch.int32, device=DEVICE)
+    out = fmha_ops.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table, k_descale=ks,
+                                           v_descale=vs, causal=True)
+    kd = dequantize_fp8(dense_from_paged(kc.view(torch.uint8), table, L).view(kc.dtype), dense_from_paged(ks, table, L))
+    vd = dequantize_fp8(dense_from_paged(vc.view(torch.uint8), table, L).view(vc.dtype), dense_from_paged(vs, table, L))
+    ref, _ = reference(q, kd, vd, lens.cpu(), D ** -0.5)
+    assert error_report(out.cpu(), ref)["rel"] < GPU_REL[torch.bfloat16]
+    if _gluon_runs():
+        from fmha_ops import attn_bias as ab
+
+        bias = ab.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask(
+            ab._SeqLenInfo.from_seqlens([1] * B), ab._PaddedSeqLenInfo(None, lens, table.shape[1] * page_size),
+            table, page_size)
+        pool = (1, kc.shape[0] * page_size)
+        rep = fmha_ops.explain(q.reshape(1, B, H * G, D), kc.reshape(pool + kc.shape[2:]),
+                               vc.reshape(pool + vc.shape[2:]), bias, k_descale=ks.reshape(pool + ks.shape[2:]),
+                               v_descale=vs.reshape(pool + vs.shape[2:]))
+        assert rep.selected.NAME == "gluon_fp8_decodeF", str(rep)

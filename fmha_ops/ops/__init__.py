@@ -1,4 +1,4 @@
 """Backends: importing this package registers every op (one module per backend)."""
-from . import gluon_attention, reference, sdpa, triton_attention, triton_decode  # noqa: F401
+from . import gluon_attention, gluon_decode, reference, sdpa, triton_attention, triton_decode  # noqa: F401
 from . import aiter_asm, flydsl_decode  # noqa: F401
 from . import cudnn_fp8, fa4  # noqa: F401

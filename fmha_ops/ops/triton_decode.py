@@ -5,7 +5,8 @@ Reached through the decode masks (``BlockDiagonal[CausalWithOffset]PaddedKeysMas
 and through ``flash_attn_with_kvcache``. Queries of the Hq // Hkv heads sharing a KV head are
 packed into one program, so each KV byte is read once. fp8 KV carries per-token scales
 (``k_descale``/``v_descale`` shaped like the cache without its last dim); with
-``quantize_kv_to_fp8=True`` a bf16/fp16 KV is quantized per token for this call first.
+``quantize_kv_to_fp8=True`` a bf16/fp16 KV is quantized per token for this call first. On sm90 the fp8-KV
+shapes the Gluon decoder takes go to ``gluon_fp8_decodeF`` (``ops/gluon_decode.py``), which ranks first there.
 """
 from __future__ import annotations
 
@@ -57,14 +58,12 @@ class _DecodeOp(AttentionFwOp):
         return r
 
     @classmethod
-    def num_splits(cls, p_batch: int, hkv: int, max_len: int, rows: int, head_dim: int, kv_fp8: bool,
-                   page_size: int | None, arch) -> int:
+    def num_splits(cls, batch: int, hkv: int, max_len: int, rows: int, head_dim: int, kv_fp8: bool, arch) -> int:
+        """Key splits for ``batch`` sequences of up to ``max_len`` keys, ``hkv`` KV heads with ``rows`` query rows
+        each (1 for the single-pass op)."""
         if not cls.SPLIT_K:
             return 1
-        from ..kernels.triton.decode import default_num_splits
-
-        return default_num_splits(p_batch, hkv, max_len, rows, head_dim, kv_fp8, page_size, arch.capability,
-                                  sm_count(arch) if arch.kind != "cpu" else 132)
+        return _split_count(batch, hkv, max_len, rows, head_dim, kv_fp8, sm_count(arch) if arch.kind != "cpu" else 132)
 
     @classmethod
     def apply(cls, inp, needs_lse):
@@ -73,7 +72,7 @@ class _DecodeOp(AttentionFwOp):
         q, k, v, seqlens, table, ks, vs = decode_views(inp)
         max_len = k.shape[1] * (table.shape[1] if table is not None else 1)
         splits = cls.num_splits(q.shape[0], k.shape[2], max_len, q.shape[2] // k.shape[2] * q.shape[1], q.shape[3],
-                                k.dtype != q.dtype, k.shape[1] if table is not None else None, _arch(q.device))
+                                k.dtype != q.dtype, _arch(q.device))
         out = torch.empty(q.shape, dtype=inp.out_dtype, device=q.device)
         out, lse = paged_decode(q, k, v, seqlens, block_table=table, scale=inp.softmax_scale, k_scale=ks,
                                 v_scale=vs, num_splits=splits, out=out)
@@ -85,14 +84,28 @@ class _DecodeOp(AttentionFwOp):
             return 1e3
         rows = p.gqa_ratio * p.seqlen_q
         programs = p.batch * p.heads_kv * max(1, -(-rows // 64))
-        splits = 1
-        if cls.SPLIT_K:
-            splits = cls.num_splits(p.batch, p.heads_kv, p.seqlen_k, rows, p.head_dim, p.kv_fp8, p.page_size or None,
-                                    p.arch)
+        splits = cls.num_splits(p.batch, p.heads_kv, p.seqlen_k, rows, p.head_dim, p.kv_fp8, p.arch)
         fill = min(1.0, programs * splits / (1.5 * sm_count(p.arch)))
-        kv_bytes = attention_bytes(p) * (0.55 if p.kv_fp8 and not p.quantize_kv else 1.0)
+        kv_bytes = attention_bytes(p)
+        if p.kv_fp8:
+            kv_bytes *= (1.0 if p.quantize_kv else FP8_KV_BYTES) * FP8_KERNEL_SLOWDOWN
         extra = 3.0 * attention_bytes(p) if p.quantize_kv else 0.0
         return (kv_bytes / (3.9e12 * max(fill, 0.02)) + extra / 3.0e12 + (7e-6 if splits > 1 else 4e-6))
+
+
+#: cost-model weight of an fp8 cache's bytes (the one the Gluon decoder's model uses, ``ops/gluon_decode.py``)
+FP8_KV_BYTES = 0.55
+#: the Triton fp8-KV kernel measured 1.33-1.45x its bf16 decode at D128 on the H200, the Gluon one 1.7-1.9x
+FP8_KERNEL_SLOWDOWN = 1.3
+
+
+@functools.lru_cache(maxsize=1024)  # on every decode call; the wave model costs ~10 us at 64 candidates
+def _split_count(batch: int, hkv: int, max_len: int, rows: int, head_dim: int, kv_fp8: bool, sms: int) -> int:
+    from ..kernels.decode_splits import choose_num_splits
+    from ..kernels.triton.decode import programs_per_split, resident_programs
+
+    return choose_num_splits(programs_per_split(batch, hkv, rows), max_len, sms,
+                             resident_programs(head_dim, kv_fp8, rows))
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,13 +1,15 @@
 """fp8-KV paged decode in Gluon (sm90): one-warp programs (two at D256), fp8 K and V into mma.sync operands.
 
-The split-K decoder of ``kernels/triton/decode.py`` for its fp8-KV case on sm90, with the same arguments and
-outputs (that module's launcher calls ``launch`` when ``supported`` says so): q (B, Mq, Hq, D) bf16/fp16 with
-Mq * Hq / Hkv <= 16 rows per KV head and D in {64, 128, 256}; K/V caches fp8 e4m3 (num_pages, page_size, Hkv, D) with
-a block table, or dense (B, Lmax, Hkv, D), heads and D contiguous; float32 scales per token and KV head, any strides
-(keys contiguous per head, as ``kv_cache.quantize_kv_fp8`` lays them out, lets a tile's scales move in 16-byte copies).
+A split-K decoder with the arguments and outputs of ``kernels/triton/decode.py``'s: q (B, Mq, Hq, D) bf16/fp16 with
+Mq * Hq / Hkv <= 16 rows per KV head and D in {64, 128, 256}; K/V caches fp8 e4m3fn (num_pages, page_size, Hkv, D)
+with a block table, or dense (B, Lmax, Hkv, D), D contiguous; float32 scales per token and KV head, any strides
+(keys contiguous per head, as ``kv_cache.quantize_kv_fp8`` lays them out, lets a tile's scales move in 16-byte
+copies). With several splits it writes the float32 workspace that ``kernels.triton.decode.reduce_splits`` combines.
+Index guards as the Triton decoder's: lengths clamped to [0, capacity], a program's keys stop at its split's first
+block-table entry outside [0, num_pages) (``valid_end``, once per program).
 
 Why Gluon: Triton converts the fp8 V tile either byte by byte into the mma operand (V's reduction dim, the keys,
-is not contiguous) or through a fp16 copy in shared memory (the decoder's main stall, decode.md step 9). Here the
+is not contiguous) or through a fp16 copy in shared memory (the decoder's main stall). Here the
 shared-memory views are permuted so that each thread's operand bytes are contiguous: the QK^T reduction dim is
 permuted for q and K alike (logical k = 16s + 8h + 2t + e reads d = t * W/4 + 4s + 2h + e, W the tile width),
 and PV's output columns are permuted (n = 8j + g holds tile column (W/8) g + j, un-permuted at the store). K and
@@ -27,6 +29,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+from ..softmax import LN2
 from ..triton.launch import launch as launch_cached
 
 HEAD_DIMS = (64, 128, 256)
@@ -85,16 +88,16 @@ def _issue(k_smem, v_smem, ks_smem, vs_smem, st, K, V, KS, VS, kv_page, sc_page,
            stride_vss, stride_vsh, D: gl.constexpr, HEADS: gl.constexpr, BLOCK_N: gl.constexpr,
            PAGE_SIZE: gl.constexpr, STRADDLE: gl.constexpr, sc_layout: gl.constexpr, SC_VEC: gl.constexpr):
     """cp.async of one tile (BLOCK_N keys from ``slot0`` of page ``kv_page`` / ``sc_page``, or with STRADDLE the
-    page of each row; keys >= ``end`` zero-filled) of K and V (heads hkv0 .. hkv0 + HEADS - 1, adjacent in
-    memory) and the scales of each head into ring stage ``st``; scales SC_VEC per copy (keys contiguous), masked
+    page of each row; keys >= ``end`` zero-filled) of K and V (``K`` / ``V`` at head hkv0; with HEADS = 2 the
+    next head adjacent in memory) and the scales of each head into ring stage ``st``; scales SC_VEC per copy (keys contiguous), masked
     per copy, so up to SC_VEC - 1 past ``end`` arrive too (the caller zeroes them)."""
     ok = gl.expand_dims(n0 + rows < end, 1)
     if STRADDLE:
         kv_page = gl.expand_dims(kv_page, 1)
     async_copy.async_copy_global_to_shared(
-        k_smem.index(st), K + (kv_page * stride_kp + slot0 * stride_ks + hkv0 * D) + off_k, mask=ok)
+        k_smem.index(st), K + (kv_page * stride_kp + slot0 * stride_ks) + off_k, mask=ok)
     async_copy.async_copy_global_to_shared(
-        v_smem.index(st), V + (kv_page * stride_vp + slot0 * stride_vs + hkv0 * D) + off_v, mask=ok)
+        v_smem.index(st), V + (kv_page * stride_vp + slot0 * stride_vs) + off_v, mask=ok)
     r = gl.arange(0, BLOCK_N, layout=sc_layout)
     ok_r = n0 + r // SC_VEC * SC_VEC < end
     if STRADDLE:
@@ -169,7 +172,7 @@ def _tile_origin(bt_row, b, n, end, kv_rows, sc_layout: gl.constexpr, BLOCK_N: g
 def _decode_fp8_kernel(
     Q, K, V, KS, VS, SEQ, BT, OUT, LSE,
     stride_qb, stride_qm, stride_qh,
-    stride_kp, stride_ks, stride_vp, stride_vs,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
     stride_btb,
     stride_os, stride_ob, stride_om, stride_oh,
@@ -204,6 +207,8 @@ def _decode_fp8_kernel(
     b = pid_bh // (NUM_KV_HEADS // HEADS)
     hkv0 = (pid_bh % (NUM_KV_HEADS // HEADS)) * HEADS
     seqlen, start, end, n_tiles = split_range(SEQ, b, split, NUM_SPLITS, CAPACITY, BLOCK_N)
+    K = K + hkv0 * stride_kh  # the program's (first) KV head
+    V = V + hkv0 * stride_vh
     bt_row = BT + b * stride_btb
     if PAGED:
         end = valid_end(bt_row, start, end, NUM_PAGES, PAGE_SIZE, WARPS)
@@ -304,7 +309,7 @@ def _decode_fp8_kernel(
 
     seen = l_i > 0.0
     o = acc * gl.expand_dims(gl.where(seen, unit / gl.where(seen, l_i, 1.0), 0.0), 1)
-    lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
     row_ok = rows % RB < Q_ROWS
     gl.store(LSE + split * stride_ls + b * stride_lb + qh * stride_lh + qi * stride_lm, lse, mask=row_ok)
     # PV's output column n = 8 WARPS a + 8 w + c is tile column (DT / 8) c + (DT / (8 WARPS)) w + a (head col // D,
@@ -328,10 +333,12 @@ def _decode_fp8_kernel(
     gl.store(OUT + split.to(gl.int64) * stride_os + b.to(gl.int64) * stride_ob + o_ptr, o, mask=o_ok)
 
 
-def heads_per_program(head_dim: int, num_kv_heads: int, q_rows_per_kv_head: int) -> int:
+def heads_per_program(head_dim: int, num_kv_heads: int, q_rows_per_kv_head: int, heads_adjacent: bool = True) -> int:
     """KV heads one program takes: two adjacent heads at D64 when their query rows fit the 16-row mma together
-    (a 128-byte tile per key: the D128 program's work serves both heads), else one."""
-    return 2 if head_dim == 64 and num_kv_heads % 2 == 0 and q_rows_per_kv_head <= ROWS.value // 2 else 1
+    and each key's heads are contiguous in both caches (``heads_adjacent``: a 128-byte tile per key, the D128
+    program's work serves both heads), else one."""
+    pair = head_dim == 64 and num_kv_heads % 2 == 0 and q_rows_per_kv_head <= ROWS.value // 2
+    return 2 if pair and heads_adjacent else 1
 
 
 def warps_per_program(head_dim: int) -> int:
@@ -343,7 +350,7 @@ def tile_config(page_size: int | None, tile_width: int, keys_per_program: int = 
                 vector_scales: bool = False) -> tuple[int, int] | None:
     """(BLOCK_N, STAGES) for a page size (None: dense cache), tile width (head dim x heads per program), keys
     per program and whether scales move in 16-byte copies, or None for pages the tiles cannot cover. H200, 4
-    programs per SM (decode.md steps 11-14): 32-key tiles; 128-byte rows take 3 stages when the scales come in
+    programs per SM (``bench/decoder_bench.py --sweep``): 32-key tiles; 128-byte rows take 3 stages when the scales come in
     16-byte copies and a program walks >= 1536 keys (B64/L4096 131.7 us vs 137.0 at 2 stages, B1/Hq64/L128K
     73.8 vs 75.8; B128/L1024, 1024 keys: 72.6 vs 71.3), else 2 (with 4-byte scale copies 3 stages ran 5% slower:
     the scales' L1 traffic); 64-byte rows 3 (93-100 us vs 104-106). Pages of 1-16 keys: 32-key tiles spanning
@@ -359,18 +366,26 @@ def tile_config(page_size: int | None, tile_width: int, keys_per_program: int = 
 
 
 def takes_shape(head_dim: int, q_rows_per_kv_head: int, page_size: int | None) -> bool:
-    """Whether the kernel handles this shape: D 64/128/256, <= 16 query rows per KV head, pages its tiles cover."""
+    """Whether the kernel handles this shape: D 64/128/256, <= 16 query rows per KV head, pages its tiles cover
+    (``page_size`` None: a dense cache)."""
     return head_dim in HEAD_DIMS and q_rows_per_kv_head <= ROWS and tile_config(page_size, head_dim) is not None
 
 
-def supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor,
-              v_scale: torch.Tensor, page_size: int | None) -> bool:
-    """Whether ``launch`` handles this call (the Triton decoder handles the rest)."""
-    B, MQ, HQ, D = q.shape
-    return (takes_shape(D, MQ * (HQ // k_cache.shape[2]), page_size)
-            and k_cache.dtype == v_cache.dtype == torch.float8_e4m3fn
-            and all(t.stride(3) == 1 and t.stride(2) == D for t in (k_cache, v_cache))
-            and q.stride(3) == 1)
+def resident_programs(page_size: int | None, tile_width: int) -> int:
+    """Programs per SM of the one-warp programs: 4 with 32-key tiles (8 fit, but B64/L4096 and B128/L1024 ran
+    5-10% faster as one wave of 4 per SM than with the splits that fill 8), 8 with 16-key tiles (B64/L4096:
+    1.64x bf16 with 8, 1.40x with 4). The kernel is latency bound: its time follows waves of these programs."""
+    return 4 if tile_config(page_size, tile_width)[0] == 32 else 8
+
+
+def programs_per_split(batch: int, num_kv_heads: int, heads: int) -> int:
+    """Programs launched per key split: one per (sequence, group of ``heads`` KV heads)."""
+    return batch * num_kv_heads // heads
+
+
+def heads_adjacent(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether each key's heads are contiguous in both caches (stride of the head dim = D)."""
+    return all(t.stride(2) == t.shape[3] for t in (k_cache, v_cache))
 
 
 def vector_scales(k_scale: torch.Tensor, v_scale: torch.Tensor) -> bool:
@@ -382,22 +397,29 @@ def vector_scales(k_scale: torch.Tensor, v_scale: torch.Tensor) -> bool:
 def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse, out_strides, lse_strides,
            qk_scale_log2: float, num_splits: int, page_size: int | None, pdl: bool = False) -> None:
     """Run the kernel into ``out`` / ``lse`` (the final tensors, or the split workspace with its leading split
-    strides in ``out_strides`` / ``lse_strides``); arguments as ``kernels.triton.decode.paged_decode``'s; ``pdl``:
-    a split reduce follows by programmatic dependent launch."""
+    strides in ``out_strides`` / ``lse_strides``, see ``kernels.triton.decode.split_buffers``); arguments as
+    ``kernels.triton.decode.paged_decode``'s, ``page_size`` None for a dense cache, the shape one that
+    ``takes_shape`` accepts; ``pdl``: a split reduce follows by programmatic dependent launch.
+
+    Example
+    -------
+    >>> launch(q, k8, v8, k_scale, v_scale, lengths, table, out, lse, (0, *out.stride()[:3]), (0, *lse.stride()),
+    ...        128 ** -0.5 * 1.4426950408889634, 1, 64)  # doctest: +SKIP
+    """
     B, MQ, HQ, D = q.shape
     hkv = k_cache.shape[2]
-    heads = heads_per_program(D, hkv, MQ * (HQ // hkv))
+    heads = heads_per_program(D, hkv, MQ * (HQ // hkv), heads_adjacent(k_cache, v_cache))
     warps = warps_per_program(D)
     paged = page_size is not None
     capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
     vec = vector_scales(k_scale, v_scale)
     block_n, stages = tile_config(page_size, heads * D, -(-capacity // num_splits), vec)
     bt = block_table if paged else seqlens
-    launch_cached(_decode_fp8_kernel)[(B * hkv // heads, num_splits)](
+    launch_cached(_decode_fp8_kernel)[(programs_per_split(B, hkv, heads), num_splits)](
         q, k_cache, v_cache, k_scale, v_scale, seqlens, bt, out, lse,
         q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        *k_scale.stride(), *v_scale.stride(),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), *k_scale.stride(), *v_scale.stride(),
         block_table.stride(0) if paged else 0, *out_strides, *lse_strides,
         qk_scale_log2, hkv, num_splits, k_cache.shape[0], capacity, MQ * (HQ // hkv),
         G=HQ // hkv, MQ=MQ, D=D, HEADS=heads, WARPS=warps, BLOCK_N=block_n, PAGE_SIZE=page_size or 1,

@@ -6,27 +6,26 @@ byte of a split is read once per row block. K/V are bf16/fp16 like ``q``, or fp8
 a float32 scale per token and KV head: the K scale multiplies the columns of ``q @ k^T``
 and the V scale the columns of ``P`` before ``P @ v``, so dequantization costs no extra pass.
 On NVIDIA sm89+ the fp8 V tile is converted to fp16 in its load layout (see ``_e4m3_to_f16``).
-On sm90, fp8 KV with at most 16 query rows per KV head, D 64/128/256 and pages that divide 32 keys or are a
-multiple of 16 runs the Gluon kernel of ``kernels/gluon/decode.py`` instead (``gluon_fp8_decoder``), unless tile
-options are given.
 
 With ``num_splits == 1`` the decoder writes the final output and LSE. Otherwise each
 split writes a float32 partial output (normalized) and its LSE into a workspace whose size
 depends on static shapes only, and the reduce kernel combines them with log-sum-exp
-weights. Each sequence's keys are cut into ``num_splits`` equal chunks of its own length.
+weights (``reduce_splits``, also the reduce of the Gluon fp8 decoder). Each sequence's keys are cut into
+``num_splits`` equal chunks of its own length; ``kernels/decode_splits.py`` chooses the count.
 """
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from fmha_ops.kernels.softmax import LN2, LOG2E
 from fmha_ops.kernels.triton.launch import cdiv, launch, next_pow2
 
-_LOG2E = 1.4426950408889634
 SCAN = tl.constexpr(512)  # block-table entries checked per step of a program's prologue (``valid_end``)
 
 
@@ -167,7 +166,7 @@ def _decode_kernel(
 
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
     o_ptrs = (OUT + split.to(tl.int64) * stride_os + b.to(tl.int64) * stride_ob + qi[:, None] * stride_om
               + qh[:, None] * stride_oh + offs_d[None, :])
     if PARTIAL:
@@ -219,54 +218,30 @@ def _asm_cvt(device: torch.device) -> bool:
 
 
 @functools.cache
-def _pdl(device: torch.device) -> bool:
+def programmatic_launch(device: torch.device) -> bool:
     """Whether the split reduce goes by programmatic dependent launch (compiled, NVIDIA sm90+): it is launched
     while the decoder runs and waits for it on the device, instead of after it."""
     return _asm_cvt(device) and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-@functools.cache
-def _gluon_decoder(device: torch.device):
-    """``kernels/gluon/decode.py`` where its kernel can run (compiled, NVIDIA sm90), else None."""
-    if not (_asm_cvt(device) and torch.cuda.get_device_capability(device) == (9, 0)):
-        return None
-    from fmha_ops.kernels.gluon import decode
-
-    return decode
-
-
-def _block_m(rows: int) -> int:
+def block_m(rows: int) -> int:
+    """Query rows per program for ``rows`` rows per KV head (Hq / Hkv x Mq): 16 to 64, a power of two."""
     return min(64, max(16, next_pow2(rows)))
 
 
-def gluon_fp8_decoder(capability: tuple[int, int], head_dim: int, q_rows_per_kv_head: int,
-                      page_size: int | None) -> bool:
-    """Whether fp8 KV of this shape runs the Gluon decoder on a GPU of ``capability`` (measured on sm90 only;
-    ``page_size`` None: dense cache). ``kernels/gluon/decode.py`` checks strides and dtypes as well."""
-    if capability != (9, 0):
-        return False
-    from fmha_ops.kernels.gluon.decode import takes_shape
-
-    return takes_shape(head_dim, q_rows_per_kv_head, page_size)
+def programs_per_split(batch: int, num_kv_heads: int, q_rows_per_kv_head: int) -> int:
+    """Programs the decoder launches per key split: one per (sequence, KV head, row block)."""
+    return batch * num_kv_heads * cdiv(q_rows_per_kv_head, block_m(q_rows_per_kv_head))
 
 
-def resident_programs(head_dim: int, kv_fp8: bool, q_rows_per_kv_head: int, gluon: bool = False,
-                      page_size: int | None = None) -> int | None:
+def resident_programs(head_dim: int, kv_fp8: bool, q_rows_per_kv_head: int) -> int | None:
     """Programs per SM that keep the SM busy with the default fp8-KV config on sm90: its residency (registers
-    and shared memory from ``bench/decode_aot.py``), capped at 4 where more resident programs measured no
-    faster (D64: 7 resident); ``gluon``: the one-warp Gluon programs, 4 per SM with 32-key tiles (8 fit, but
-    B64/L4096 and B128/L1024 ran 5-10% faster as one wave of 4 per SM than with the splits that fill 8), 8 with
-    16-key tiles (``gluon.decode.tile_config``; B64/L4096 with them: 1.64x bf16 with 8, 1.40x with 4; decode.md
-    step 11).
-    The fp8 kernels are latency bound, so their time follows waves of these programs. None for bf16/fp16 KV,
-    which is bandwidth bound."""
+    and shared memory from ``bench/diagnostics/decode_aot.py``), capped at 4 where more resident programs
+    measured no faster (D64: 7 resident). The fp8 kernel is latency bound, so its time follows waves of these
+    programs. None for bf16/fp16 KV, which is bandwidth bound."""
     if not kv_fp8:
         return None
-    if gluon:
-        from fmha_ops.kernels.gluon.decode import tile_config
-
-        return 4 if tile_config(page_size, head_dim)[0] == 32 else 8
-    bm = _block_m(q_rows_per_kv_head)
+    bm = block_m(q_rows_per_kv_head)
     if bm > 32:
         return 2
     if head_dim <= 64:
@@ -276,64 +251,61 @@ def resident_programs(head_dim: int, kv_fp8: bool, q_rows_per_kv_head: int, gluo
     return 3 if bm <= 16 else 2
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_len: int, q_rows_per_kv_head: int,
-                      sm_count: int, resident: int | None = None) -> int:
-    """Number of key splits (each at least 512 keys).
-
-    ``resident=None`` (bandwidth-bound kernel): 1 when the programs fill every SM once, else about four
-    programs per SM, at most 64 splits. ``resident`` programs per SM (latency-bound kernel,
-    ``resident_programs``): the time is modelled as waves of ``sm_count * resident`` programs, each as long as
-    its split, and the fewest splits within 5% of the best are taken, or, when they run in one wave, as many as
-    that wave holds (at most 64 or one wave). B=64 x 8 KV heads, fp8 at D=256: 512 programs fill 1.3 waves of
-    132 x 3 slots, so 3 splits run 4 full waves of thirds; B=1 x 8 KV heads on 528 slots: 66 splits, 1.8% faster
-    than 64 on the H200 (decode.md step 12)."""
-    programs = batch * num_kv_heads * cdiv(q_rows_per_kv_head, _block_m(q_rows_per_kv_head))
-    if resident is None:
-        return 1 if programs >= sm_count else min(cdiv(4 * sm_count, programs), max(1, min(max_len // 512, 64)))
-    slots = sm_count * resident
-    most = max(1, min(max_len // 512, max(64, slots // programs)))
-    cost = [cdiv(programs * s, slots) / s for s in range(1, most + 1)]
-    best = min(cost)
-    splits = next(s for s, c in enumerate(cost, 1) if c <= 1.05 * best)
-    if programs * splits <= slots:  # one wave: the shortest programs that still fit in it
-        splits = max(splits, min(most, slots // programs))
-    return splits
-
-
-@functools.lru_cache(maxsize=1024)  # on every decode call; the wave model costs ~10 us at 64 candidates
-def default_num_splits(batch: int, num_kv_heads: int, max_len: int, q_rows_per_kv_head: int, head_dim: int,
-                       kv_fp8: bool, page_size: int | None, capability: tuple[int, int], sm_count: int) -> int:
-    """``choose_num_splits`` for the kernel ``paged_decode`` runs on this shape (``page_size`` None: dense
-    cache): its residency, and its programs (the Gluon decoder's take two KV heads each at D64)."""
-    gluon = kv_fp8 and gluon_fp8_decoder(capability, head_dim, q_rows_per_kv_head, page_size)
-    groups = num_kv_heads
-    if gluon:
-        from fmha_ops.kernels.gluon.decode import heads_per_program
-
-        groups //= heads_per_program(head_dim, num_kv_heads, q_rows_per_kv_head)
-    return choose_num_splits(batch, groups, max_len, q_rows_per_kv_head, sm_count,
-                             resident_programs(head_dim, kv_fp8, q_rows_per_kv_head, gluon, page_size))
-
-
 def _reduce_chunks(rows: int, head_dim: int) -> int:
     """Programs per output row of the reduce (each combines the splits for head_dim / chunks dims): enough for
     ~512 programs when there are few rows (B1 x 64 heads: 4 chunks of 32 dims), at least 32 dims each."""
     return max(1, min(head_dim // 32, next_pow2(cdiv(512, rows))))
 
 
-def _default_config(D: int, fp8: bool, page_aligned: bool, block_m: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages); measured on the H200 at B=64/Hkv=8/L=4096, 4 query rows per KV head
-    (bench/results/decode.md). ``page_aligned``: dense, or pages a multiple of 64 keys (one page id per tile).
-    fp8: two-warp programs with 64-key tiles (4-7 resident per SM) up to 32 rows, four warps beyond."""
-    if fp8:
-        if D <= 128:
-            return (64, 2, 3) if block_m <= 32 else (64, 4, 3)
-        return 64, 4, 2
-    if D <= 64:
-        return 128, 4, 2
-    if D <= 128:
-        return (64, 4, 2) if page_aligned else (32, 4, 3)
-    return 32, 4, 2
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tile config of ``_decode_kernel``: keys per tile, warps and pipeline stages per program."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def default_config(head_dim: int, kv_fp8: bool, page_aligned: bool, rows_per_program: int) -> DecodeConfig:
+    """Measured on the H200 at B=64/Hkv=8/L=4096, 4 query rows per KV head (``bench/decoder_bench.py --sweep``).
+    ``page_aligned``: dense, or pages a multiple of 64 keys (one page id per tile). fp8: two-warp programs with
+    64-key tiles (4-7 resident per SM) up to 32 rows, four warps beyond. bf16: 128-key tiles at D64, 64-key
+    tiles on aligned pages at D128 (32-key, 3 stages, when a tile spans pages), 32-key tiles at D256."""
+    if kv_fp8:
+        if head_dim <= 128:
+            return DecodeConfig(64, 2, 3) if rows_per_program <= 32 else DecodeConfig(64, 4, 3)
+        return DecodeConfig(64, 4, 2)
+    if head_dim <= 64:
+        return DecodeConfig(128, 4, 2)
+    if head_dim <= 128:
+        return DecodeConfig(64, 4, 2) if page_aligned else DecodeConfig(32, 4, 3)
+    return DecodeConfig(32, 4, 2)
+
+
+def split_buffers(q: torch.Tensor, num_splits: int, out: torch.Tensor, lse: torch.Tensor):
+    """(out buffer, lse buffer, out strides, lse strides) a decoder writes: ``out`` / ``lse`` themselves (a
+    leading split stride of 0) for one split, else float32 workspaces (num_splits, B, Mq, Hq, D) and
+    (num_splits, B, Hq, Mq) whose size depends on static shapes only."""
+    if num_splits == 1:
+        return out, lse, (0, *out.stride()[:3]), (0, *lse.stride())
+    B, MQ, HQ, D = q.shape
+    o_buf = torch.empty((num_splits, B, MQ, HQ, D), device=q.device, dtype=torch.float32)
+    l_buf = torch.empty((num_splits, B, HQ, MQ), device=q.device, dtype=torch.float32)
+    return o_buf, l_buf, o_buf.stride()[:4], l_buf.stride()
+
+
+def reduce_splits(o_buf: torch.Tensor, l_buf: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                  pdl: bool = False) -> None:
+    """Combine the partial outputs ``o_buf`` (S, B, Mq, Hq, D) float32 and their LSEs ``l_buf`` (S, B, Hq, Mq)
+    into ``out`` (B, Mq, Hq, D) and ``lse`` (B, Hq, Mq) with log-sum-exp weights; ``pdl``: the decoder was
+    launched with programmatic dependent launch (``programmatic_launch``)."""
+    num_splits, B, MQ, HQ, D = o_buf.shape
+    chunks = _reduce_chunks(B * MQ * HQ, D)
+    launch(_reduce_kernel)[(B * MQ * HQ, chunks)](
+        o_buf, l_buf, out, lse, o_buf.stride(0), l_buf.stride(0),
+        out.stride(0), out.stride(1), out.stride(2), *lse.stride(), HQ, MQ, num_splits,
+        S_PAD=next_pow2(num_splits), D=D, BLOCK_D=D // chunks, PDL=pdl, num_warps=4, launch_pdl=pdl,
+    )
 
 
 def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float,
@@ -351,12 +323,18 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
     sits at position seqlens[b] - Mq + i and sees keys j <= that position; a row seeing no key
     gets out 0 and lse -inf. Hq must be a multiple of Hkv. With fp8 K/V both dots run in fp16
     (q cast to fp16: |q| must stay below 65504).
-    Index guards: lengths are clamped to [0, capacity] (max_pages_per_seq * page_size, or Lmax), and keys
-    whose block-table entry is not in [0, num_pages) are masked; no entry can make a kernel read outside
-    the caches (``fmha_ops.checks`` validates them on the host instead, on request).
+    Index guards: lengths are clamped to [0, capacity] (max_pages_per_seq * page_size, or Lmax), and a
+    program's keys stop at the first block-table entry of its split that is not in [0, num_pages); no entry
+    can make the kernel read outside the caches (``fmha_ops.checks`` validates them on the host instead).
     Returns (out (B, Mq, Hq, D) in q's dtype, lse float32 (B, Hq, Mq) natural log), written into
     ``out``/``lse`` when given. ``num_splits > 1`` runs the split kernel into a float32 workspace
-    and the reduce kernel; no host sync, so it can be captured in a CUDA graph.
+    and the reduce kernel; no host sync, so it can be captured in a CUDA graph. ``block_n`` / ``num_warps`` /
+    ``num_stages`` override fields of ``default_config``.
+
+    Example
+    -------
+    >>> out, lse = paged_decode(q, k_pages, v_pages, lengths, block_table=table, scale=128 ** -0.5,
+    ...                         num_splits=4)  # doctest: +SKIP
     """
     B, MQ, HQ, D = q.shape
     HKV = k_cache.shape[2]
@@ -376,42 +354,24 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
     paged = block_table is not None
     page_size = k_cache.shape[1] if paged else 1
     capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
-    if num_splits == 1:
-        o_buf, l_buf = out, lse
-        o_strides = (0, *out.stride()[:3])
-        l_strides = (0, *lse.stride())
-    else:
-        o_buf = torch.empty((num_splits, B, MQ, HQ, D), device=q.device, dtype=torch.float32)
-        l_buf = torch.empty((num_splits, B, HQ, MQ), device=q.device, dtype=torch.float32)
-        o_strides = o_buf.stride()[:4]
-        l_strides = l_buf.stride()
-    pdl = num_splits > 1 and _pdl(q.device)
-    gluon = _gluon_decoder(q.device) if fp8 and not (block_n or num_warps or num_stages) else None
-    if gluon is not None and gluon.supported(q, k_cache, v_cache, k_scale, v_scale, page_size if paged else None):
-        gluon.launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, o_buf, l_buf, o_strides, l_strides,
-                     scale * _LOG2E, num_splits, page_size if paged else None, pdl)
-    else:
-        rows = G * MQ
-        bm = _block_m(rows)
-        bn, nw, ns = _default_config(D, fp8, not paged or page_size % 64 == 0, bm)
-        launch(_decode_kernel)[(B * HKV, num_splits, cdiv(rows, bm))](
-            q, k_cache, v_cache, k_scale if fp8 else k_cache, v_scale if fp8 else v_cache, seqlens,
-            block_table if paged else seqlens, o_buf, l_buf,
-            q.stride(0), q.stride(1), q.stride(2),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            *(k_scale.stride() if fp8 else (0, 0, 0)), *(v_scale.stride() if fp8 else (0, 0, 0)),
-            block_table.stride(0) if paged else 0, *o_strides, *l_strides,
-            scale * _LOG2E, HKV, num_splits, k_cache.shape[0], capacity,
-            G=G, MQ=MQ, D=D, BLOCK_M=bm, BLOCK_N=block_n or bn, PAGE_SIZE=page_size, PAGED=paged, FP8=fp8,
-            PARTIAL=num_splits > 1, ASM_CVT=fp8 and _asm_cvt(q.device), PDL=pdl, num_warps=num_warps or nw,
-            num_stages=num_stages or ns,
-        )
+    o_buf, l_buf, o_strides, l_strides = split_buffers(q, num_splits, out, lse)
+    pdl = num_splits > 1 and programmatic_launch(q.device)
+    rows = G * MQ
+    bm = block_m(rows)
+    cfg = default_config(D, fp8, not paged or page_size % 64 == 0, bm)
+    launch(_decode_kernel)[(B * HKV, num_splits, cdiv(rows, bm))](
+        q, k_cache, v_cache, k_scale if fp8 else k_cache, v_scale if fp8 else v_cache, seqlens,
+        block_table if paged else seqlens, o_buf, l_buf,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *(k_scale.stride() if fp8 else (0, 0, 0)), *(v_scale.stride() if fp8 else (0, 0, 0)),
+        block_table.stride(0) if paged else 0, *o_strides, *l_strides,
+        scale * LOG2E.value, HKV, num_splits, k_cache.shape[0], capacity,
+        G=G, MQ=MQ, D=D, BLOCK_M=bm, BLOCK_N=block_n or cfg.block_n, PAGE_SIZE=page_size, PAGED=paged, FP8=fp8,
+        PARTIAL=num_splits > 1, ASM_CVT=fp8 and _asm_cvt(q.device), PDL=pdl, num_warps=num_warps or cfg.num_warps,
+        num_stages=num_stages or cfg.num_stages,
+    )
     if num_splits > 1:
-        chunks = _reduce_chunks(B * MQ * HQ, D)
-        launch(_reduce_kernel)[(B * MQ * HQ, chunks)](
-            o_buf, l_buf, out, lse, o_buf.stride(0), l_buf.stride(0),
-            out.stride(0), out.stride(1), out.stride(2), *lse.stride(), HQ, MQ, num_splits,
-            S_PAD=next_pow2(num_splits), D=D, BLOCK_D=D // chunks, PDL=pdl, num_warps=4, launch_pdl=pdl,
-        )
+        reduce_splits(o_buf, l_buf, out, lse, pdl)
     return out, lse
