@@ -135,13 +135,14 @@ def _variant_rows(name: str, shape, splits: int, fp8: bool, bf16_ms: float | Non
 
 
 def variants(out_dir: str) -> None:
-    from fmha_ops.kernels.triton.decode import choose_num_splits
+    from fmha_ops.kernels.decode_splits import choose_num_splits
+    from fmha_ops.kernels.triton.decode import programs_per_split
 
     sm = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for name, shape in SHAPES.items():
         B, Hq, Hkv, L = shape[:4]
-        splits = choose_num_splits(B, Hkv, L, Hq // Hkv, sm)
+        splits = choose_num_splits(programs_per_split(B, Hkv, Hq // Hkv), L, sm)
         bf16 = _variant_rows(name, shape, splits, False, None)
         torch.cuda.empty_cache()
         rows += bf16 + _variant_rows(name, shape, splits, True, bf16[0].get("us", 0) / 1e3 or None)
