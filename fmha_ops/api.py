@@ -20,6 +20,7 @@ from .inputs import Inputs, make_inputs
 from .problem import Problem
 
 OpArg = Any  # an op class, name/alias, or (FwOp, BwOp) tuple
+_is_compiling = torch.compiler.is_compiling
 
 
 def memory_efficient_attention(
@@ -135,7 +136,7 @@ def run_forward(inp: Inputs, op: OpArg, needs_lse: bool) -> tuple[torch.Tensor, 
     Returns out (B, Mq, Hq, Kv) in ``inp.out_dtype`` and lse float32 (B, Hq, Mq) (None unless ``needs_lse``
     or a backward op is attached). Example: ``out, _ = run_forward(make_inputs(q, k, v), None, False)``.
     """
-    if torch.compiler.is_compiling():
+    if _is_compiling():
         return compiled.run_forward(inp, op, needs_lse)
     sig = inp.signature()
     fw = SELECTOR.select(sig, lambda: make_problem(inp, needs_lse), "fw", op)

@@ -87,6 +87,7 @@ class OutputLayout:
 
 BMHK = OutputLayout()
 _new_tuple = tuple.__new__  # a NamedTuple built without its Python-level __new__ (the hot path)
+_deterministic = torch._C._get_deterministic_algorithms  # torch.are_deterministic_algorithms_enabled, one frame less
 
 
 @dataclass
@@ -139,7 +140,7 @@ class Inputs:
             None if qd is None and kd is None and vd is None else
             (_tensor_signature(qd), _tensor_signature(kd), _tensor_signature(vd)),
             self.p, self.scale, self.output_dtype, self.is_partial, self.quantize_kv_to_fp8,
-            torch.are_deterministic_algorithms_enabled(), q.is_cuda and torch.cuda.is_current_stream_capturing(),
+            _deterministic(), q.is_cuda and torch.cuda.is_current_stream_capturing(),
             fp8_dequantized_backward_enabled()))
 
     def validate(self) -> None:

@@ -43,8 +43,8 @@ class _SdpaOp(AttentionFwOp):
     @classmethod
     def apply(cls, inp, needs_lse):
         q, k, v = inp.query.transpose(1, 2), inp.key.transpose(1, 2), inp.value.transpose(1, 2)
-        kind = inp.bias_kind
-        causal = kind == ab.CAUSAL or (kind == ab.CAUSAL_BR and q.shape[2] > 1)
+        bias = inp.attn_bias
+        causal = bias is not None and (bias.KIND == ab.CAUSAL or (bias.KIND == ab.CAUSAL_BR and q.shape[2] > 1))
         if q.numel() and k.numel():
             out = cls.attention(q, k, v, inp.p, causal, inp.softmax_scale).transpose(1, 2)
         else:  # the fused functions fault on empty inputs; SDPA's front end returns the empty / zero output
