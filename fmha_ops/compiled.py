@@ -282,3 +282,78 @@ def _quantized_backward(ctx, grad_out, *_unused):
 
 
 quantized_attention_op.register_autograd(_quantized_backward, setup_context=_quantized_setup)
+
+
+# ---- flash_attn_varlen_func ----------------------------------------------------------------------
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                     softmax_scale: float | None, causal: bool, descales: tuple, return_lse: bool):
+    """The traced twin of ``flash_attn_varlen_func``: its mask needs the sequence starts on the host, which a
+    trace does not have, so the whole call (selection included, memoized) runs inside the custom op."""
+    text = repr((int(max_seqlen_q), int(max_seqlen_k), softmax_scale, bool(causal), bool(return_lse)))
+    out, lse = torch.ops.fmha_ops.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, list(descales), text)
+    return (out, lse) if return_lse else out
+
+
+def _varlen_eager(q, k, v, cu_q, cu_k, descales, spec, return_lse: bool | None = None):
+    from .flash_attn_interface import flash_attn_varlen_func
+
+    max_q, max_k, scale, causal, lse_wanted = ast.literal_eval(spec)
+    qd, kd, vd = descales
+    return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=causal,
+                                  q_descale=qd, k_descale=kd, v_descale=vd,
+                                  return_attn_probs=lse_wanted if return_lse is None else return_lse)
+
+
+@torch.library.custom_op("fmha_ops::varlen_attention", mutates_args=())
+def varlen_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                        cu_seqlens_k: torch.Tensor, descales: list[Optional[torch.Tensor]],
+                        spec: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``flash_attn_varlen_func``: out (total_q, Hq, Dv) contiguous and lse float32 (Hq, total_q) (empty unless
+    the spec asks for it)."""
+    res = _varlen_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, descales, spec)
+    if isinstance(res, tuple):
+        return res[0].contiguous(), res[1].contiguous()
+    return res.contiguous(), q.new_empty((0,), dtype=_F32)
+
+
+@varlen_attention_op.register_fake
+def _varlen_attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, descales, spec):
+    lse_wanted = ast.literal_eval(spec)[4]
+    out_dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16, _F32) else torch.bfloat16
+    out = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]), dtype=out_dtype)
+    return out, q.new_empty((q.shape[1], q.shape[0]) if lse_wanted else (0,), dtype=_F32)
+
+
+def _varlen_setup(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, descales, spec = inputs
+    ctx.spec, ctx.n_descales = spec, len(descales)
+    ctx.save_for_backward(q, k, v, cu_q, cu_k, *descales)
+
+
+def _varlen_backward(ctx, grad_out, _grad_lse):
+    """Recompute the forward with torch autograd on and differentiate it (the eager call's own gradients)."""
+    q, k, v, cu_q, cu_k, *descales = ctx.saved_tensors
+    return (*torch.ops.fmha_ops.varlen_attention_backward(grad_out, q, k, v, cu_q, cu_k, descales, ctx.spec),
+            None, None, None, None)
+
+
+@torch.library.custom_op("fmha_ops::varlen_attention_backward", mutates_args=())
+def varlen_attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                                 descales: list[Optional[torch.Tensor]],
+                                 spec: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of ``flash_attn_varlen_func``'s output, by recomputation under autograd."""
+    with _autograd_dispatch(), torch.enable_grad():
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        out = _varlen_eager(*leaves, cu_seqlens_q, cu_seqlens_k, descales, spec, return_lse=False)
+        grads = torch.autograd.grad(out, leaves, grad_out)
+    return tuple(g.to(t.dtype).contiguous() for g, t in zip(grads, (q, k, v)))
+
+
+@varlen_attention_backward_op.register_fake
+def _varlen_attention_backward_fake(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, descales, spec):
+    return tuple(t.new_empty(t.shape) for t in (q, k, v))
+
+
+varlen_attention_op.register_autograd(_varlen_backward, setup_context=_varlen_setup)

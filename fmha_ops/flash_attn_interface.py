@@ -19,6 +19,7 @@ import os
 import torch
 
 from . import attn_bias as ab
+from . import compiled
 from . import checks, kv_cache
 from .api import memory_efficient_attention, memory_efficient_attention_partial
 from .fp8_backward import set_fp8_dequantized_backward
@@ -65,10 +66,14 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            deterministic: bool = False, sm_margin: int = 0, return_attn_probs: bool = False):
     """Packed sequences: q (total_q, Hq, D), k/v (total_k, Hkv, D); cu_seqlens_* int32 (nseq + 1,).
     Descales are (nseq, Hkv) or per-tensor. Returns out (total_q, Hq, Dv) [, lse (Hq, total_q)].
-    Reads cu_seqlens on the host once per call (one device sync)."""
+    Reads cu_seqlens on the host once per call (one device sync); under torch.compile the call is one custom op
+    (``fmha_ops::varlen_attention``) that does so when it runs."""
     _unsupported(seqused_q=(seqused_q, None), seqused_k=(seqused_k, None), qv=(qv, None),
                  window_size=(tuple(window_size), (-1, -1)), attention_chunk=(attention_chunk, 0),
                  softcap=(softcap, 0.0))
+    if torch.compiler.is_compiling():  # cu_seqlens are data to a trace: the call runs behind a custom op
+        return compiled.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                         softmax_scale, causal, (q_descale, k_descale, v_descale), return_attn_probs)
     cls = ab.BlockDiagonalCausalFromBottomRightMask if causal else ab.BlockDiagonalMask
     bias = cls(_seqinfo(cu_seqlens_q, max_seqlen_q), _seqinfo(cu_seqlens_k, max_seqlen_k))
     res = _run(q[None], k[None], v[None], bias, softmax_scale, q_descale, k_descale, v_descale, return_attn_probs)

@@ -92,6 +92,14 @@ def test_varlen_mask_compiles_fullgraph_with_gradients():
     _check(lambda q, k, v: fmha_ops.memory_efficient_attention(q, k, v, mask), q, k, v, grad=True)
 
 
+def test_flash_attn_varlen_func_compiles_fullgraph_with_gradients():
+    q, k, v = (t[0] for t in normal_qkv((1, 33, HQ, D), (1, 33, HKV, D), dtype=torch.float32, seed=7))
+    cu = torch.tensor([0, 5, 22, 33], dtype=torch.int32)
+    _check(lambda q, k, v: fmha_ops.flash_attn_varlen_func(q, k, v, cu, cu, 17, 17, causal=True), q, k, v, grad=True)
+    _check(lambda q, k, v: fmha_ops.flash_attn_varlen_func(q, k, v, cu, cu, 17, 17, return_attn_probs=True), q, k, v)
+    assert _graph_breaks(lambda q, k, v: fmha_ops.flash_attn_varlen_func(q, k, v, cu, cu, 17, 17), q, k, v) == 0
+
+
 class LowerTriangularMask:
     """Stands for xformers' mask of the same name (``from_xformers`` converts by type name and fields)."""
 
