@@ -37,6 +37,7 @@ def _args(kernel, D, group, dtype="*bf16"):
     a += [("s_lb", "i32", Hq * N), ("s_lh", "i32", N), ("s_lm", "i32", 1), ("s_eb", "i32", Hq * N), ("s_eh", "i32", N)]
     a += strides("dk", Hkv) + strides("dv", Hkv) if kernel == "dkdv" else strides("dq", Hq)
     a += [("Mq", "i32", N), ("Mk", "i32", N), ("qk_scale", "fp32", None), ("sm_scale", "fp32", None),
+          ("softcap_log2", "fp32", None), ("window_left", "i32", None), ("window_right", "i32", None),
           ("GROUP", "i32", group)]
     return a
 
@@ -49,8 +50,8 @@ def compile_one(kernel="dkdv", D=128, bm=64, bn=128, warps=8, stages=3, maxnreg=
     if kernel == "pre":  # as launched by attention_backward: 64 rows, 4 warps
         const = {"BLOCK_M": 64, "HEAD_DIM_V": D}
     else:
-        const = {"CAUSAL": causal, "BOTTOM_RIGHT": True, "IS_VARLEN": False, "BLOCK_M": bm, "BLOCK_N": bn,
-                 "HEAD_DIM": D, "HEAD_DIM_V": D, "NUM_STAGES": stages}
+        const = {"MASK_LEFT": False, "MASK_RIGHT": causal, "BOTTOM_RIGHT": True, "SOFTCAP": False, "IS_VARLEN": False,
+                 "BLOCK_M": bm, "BLOCK_N": bn, "HEAD_DIM": D, "HEAD_DIM_V": D, "NUM_STAGES": stages}
     r = compile_sm90(fn, _args(kernel, D, group), const, warps=warps, stages=stages, maxnreg=maxnreg, dump=dump)
     return {
         "kernel": kernel, "D": D, "tile": "-" if kernel == "pre" else f"{bm}x{bn}", "warps": warps,

@@ -14,6 +14,8 @@ Online softmax over key tiles (per row: running max ``m``, running sum ``l``, ac
 """
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -21,6 +23,8 @@ import triton.language as tl
 LOG2E = tl.constexpr(1.4426950408889634)
 #: ln(2): a log2-domain log-sum-exp times LN2 is the natural-log LSE the API returns.
 LN2 = tl.constexpr(0.6931471805599453)
+#: the Triton interpreter (CPU) runs no inline PTX: ``tanh`` takes exp2 there
+_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 
 
 def p_shift(v_dtype) -> int:
@@ -88,3 +92,14 @@ def natural_lse(m_i, l_i, P_SHIFT: tl.constexpr):
     -inf for rows that saw no key."""
     empty = l_i == 0.0
     return tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i)) - P_SHIFT) * LN2)
+
+
+@triton.jit
+def tanh(x):
+    """fp32 tanh: one MUFU.TANH (``tanh.approx.f32``, max relative error 2**-10.7, as FlashAttention's softcap)
+    on the GPU; 1 - 2 / (exp2(2 x log2 e) + 1) in the interpreter."""
+    if _INTERPRETED:
+        return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
+    else:
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)

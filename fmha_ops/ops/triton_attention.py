@@ -30,11 +30,14 @@ _OUT = frozenset({torch.bfloat16, torch.float16, torch.float32})
 
 
 def mask_args(inp: Inputs) -> dict:
-    """The kernel's causal / varlen keyword arguments for the call's attn_bias."""
+    """The kernels' causal / window / softcap / varlen keyword arguments for the call's attn_bias and softcap
+    (a mask's ``window_left`` / ``window_right``, -1 = unbounded; ``Inputs.softcap``, 0 = off)."""
     kind = inp.bias_kind
-    args = {"causal": kind in ab.CAUSAL_KINDS, "causal_bottom_right": kind not in _TOP_LEFT}
+    b = inp.attn_bias
+    args = {"causal": kind in ab.CAUSAL_KINDS, "causal_bottom_right": kind not in _TOP_LEFT,
+            "window_left": getattr(b, "window_left", -1), "window_right": getattr(b, "window_right", -1),
+            "softcap": getattr(inp, "softcap", 0.0)}
     if kind in ab.VARLEN_KINDS:
-        b = inp.attn_bias
         args.update(cu_seqlens_q=b.q_seqinfo.seqstart, cu_seqlens_k=b.k_seqinfo.seqstart,
                     max_seqlen_q=b.q_seqinfo.max_seqlen, max_seqlen_k=b.k_seqinfo.max_seqlen)
     return args
@@ -56,6 +59,8 @@ class _TritonFwOp(AttentionFwOp):
     PARTIAL = True
     V_KEYS_CONTIGUOUS = True
     TMA = True
+    WINDOW = True
+    SOFTCAP = True
     #: achieved TFLOP/s on the H200 (non-causal, d128), for the cost model
     TFLOPS: ClassVar[float]
 
@@ -137,6 +142,8 @@ class TritonBwOp(AttentionBwOp):
     BIAS_KINDS = _BIAS
     GQA = True
     PARTIAL = True
+    WINDOW = True
+    SOFTCAP = True
     DESCALES = {r: kinds | {"none"} for r, kinds in TritonI8Fp8FwOp.DESCALES.items()}
 
     @classmethod

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fmha_ops.kernels.softmax import LOG2E
+from fmha_ops.kernels.softmax import LOG2E, tanh, visible
 from fmha_ops.kernels.triton.launch import cdiv, launch
 
 
@@ -66,13 +66,26 @@ def default_config(head_dim: int, causal: bool) -> BwdConfig:
 
 @triton.jit
 def _seq_bounds(cu_ptr, b, M, IS_VARLEN: tl.constexpr):
-    """(row offset of sequence b in the packed tensor, its length)."""
+    """(row offset of sequence b in the packed tensor, its length); varlen bounds are clamped to the tensor's M
+    rows (an empty or reversed range has length 0), whatever the device-resident ``cu_ptr`` holds."""
     if IS_VARLEN:
-        start = tl.load(cu_ptr + b)
-        length = tl.load(cu_ptr + b + 1) - start
+        start = tl.minimum(tl.maximum(tl.load(cu_ptr + b), 0), M)
+        length = tl.minimum(tl.maximum(tl.load(cu_ptr + b + 1), start), M) - start
         return start.to(tl.int64), length
     else:
         return 0, M
+
+
+@triton.jit
+def _probs(s, lse2, qk_scale, softcap_log2, SOFTCAP: tl.constexpr):
+    """(p, t) of raw scores ``s`` against log2-domain LSEs ``lse2`` broadcast to ``s``: p = exp2(s * qk_scale -
+    lse2); SOFTCAP: t = tanh(s * qk_scale), p = exp2(c log2e * t - lse2), and d(capped score)/d(scaled score) is
+    1 - t^2 (without SOFTCAP t is ``s``, not read)."""
+    if SOFTCAP:
+        t = tanh(s * qk_scale)
+        return tl.math.exp2(t * softcap_log2 - lse2), t
+    else:
+        return tl.math.exp2(s * qk_scale - lse2), s
 
 
 @triton.jit
@@ -112,11 +125,13 @@ def _load_rows(base, rows, stride, cols, n_rows, MASKED: tl.constexpr):
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, s_qm, s_dom, s_lm,
-                start_n, lo, hi, q_len, qk_scale, offset,
+                start_n, lo, hi, q_len, qk_scale, softcap_log2, d_lo, d_hi,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                NUM_STAGES: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+                NUM_STAGES: tl.constexpr, MASKED: tl.constexpr, DIAG: tl.constexpr, MASK_LEFT: tl.constexpr,
+                MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr):
     """Accumulate dK, dV of one key block over query blocks [lo, hi).
-    MASKED: bounds masks on the loads; with CAUSAL also the causal mask."""
+    MASKED: bounds masks on the loads; with DIAG also the key range [i + d_lo, i + d_hi] of query i (its
+    MASK_LEFT / MASK_RIGHT sides)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, HEAD_DIM_V)
@@ -131,25 +146,40 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, s_qm, s_dom
             ok = offs_m >= 0
             delta = tl.load(delta_base + offs_m)
         lse2 = _load_lse2(lse_base + offs_m * s_lm, ok)
-        p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])
-        if MASKED and CAUSAL:
-            p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + offset, p_t, 0.0)
+        p_t, t_t = _probs(tl.dot(k, tl.trans(q)), lse2[None, :], qk_scale, softcap_log2, SOFTCAP)
+        if MASKED and DIAG:  # p_t is [keys, queries]
+            if MASK_RIGHT:
+                p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + d_hi, p_t, 0.0)
+            if MASK_LEFT:
+                p_t = tl.where(offs_n[:, None] >= offs_m[None, :] + d_lo, p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv)
         dp_t = tl.dot(v, tl.trans(do))
         ds_t = p_t * (dp_t - delta[None, :])
+        if SOFTCAP:
+            ds_t = ds_t * (1.0 - t_t * t_t)
         dk = tl.dot(ds_t.to(q.dtype), q, dk)
     return dk, dv
 
 
 @triton.jit
-def _causal_diagonal(start_n, k_len, q_len, BOTTOM_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr):
-    """(offset, lo, mid) for key block ``start_n`` under a causal mask: query blocks [lo, mid) hold its
-    diagonal (need the mask), [mid, q_len) see all of it; ``offset`` aligns queries to keys."""
-    offset = k_len - q_len if BOTTOM_RIGHT else 0
-    lo = tl.maximum(start_n - offset, 0) // BLOCK_M * BLOCK_M
-    mid = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - offset, 0), BLOCK_M) * BLOCK_M
-    return offset, lo, tl.minimum(mid, q_len)
+def _query_blocks(start_n, q_len, d_lo, d_hi, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(q_lo, q_mid, q_full, q_end) for key block ``start_n`` when query i sees keys [i + d_lo, i + d_hi]:
+    query blocks [q_lo, q_mid) cross the right bound (masked), [q_mid, q_full) see the whole key block,
+    [q_full, q_end) cross the left bound (masked); queries outside [q_lo, q_end) see none of its keys."""
+    if MASK_RIGHT:
+        q_lo = tl.maximum(start_n - d_hi, 0) // BLOCK_M * BLOCK_M
+        q_mid = tl.minimum(tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - d_hi, 0), BLOCK_M) * BLOCK_M, q_len)
+    else:
+        q_lo = 0
+        q_mid = 0
+    if MASK_LEFT:
+        q_end = tl.minimum(tl.maximum(start_n + BLOCK_N - d_lo, q_mid), q_len)
+        q_full = tl.minimum(tl.maximum(tl.maximum(start_n - d_lo + 1, 0) // BLOCK_M * BLOCK_M, q_mid), q_end)
+    else:
+        q_end = q_len
+        q_full = q_len
+    return q_lo, q_mid, q_full, q_end
 
 
 @triton.jit
@@ -170,8 +200,9 @@ def _bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, c
               s_qb, s_qm, s_qh, s_kb, s_km, s_kh, s_vb, s_vm, s_vh, s_dob, s_dom, s_doh,
               s_lb, s_lh, s_lm, s_eb, s_eh,
               s_dkb, s_dkm, s_dkh, s_dvb, s_dvm, s_dvh,
-              Mq, Mk, qk_scale, sm_scale,
-              GROUP, CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, IS_VARLEN: tl.constexpr,
+              Mq, Mk, qk_scale, sm_scale, softcap_log2, window_left, window_right,
+              GROUP, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+              SOFTCAP: tl.constexpr, IS_VARLEN: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
               NUM_STAGES: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
@@ -192,11 +223,14 @@ def _bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, c
                 mask=n_ok[:, None], other=0.0)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_V], dtype=tl.float32)
-    # Query blocks: causal: [lo, mid) diagonal, [mid, q_len) visible; else [0, q_full) full, [q_full, q_len) tail.
-    if CAUSAL:
-        offset, lo, mid = _causal_diagonal(start_n, k_len, q_len, BOTTOM_RIGHT, BLOCK_M, BLOCK_N)
-    else:
-        offset = 0
+    diag = k_len - q_len if BOTTOM_RIGHT else 0
+    d_lo = diag - window_left  # query i sees keys [i + d_lo, i + d_hi]
+    d_hi = diag + window_right
+    WINDOWED: tl.constexpr = MASK_LEFT or MASK_RIGHT
+    if WINDOWED:
+        q_lo, q_mid, q_full, q_end = _query_blocks(start_n, q_len, d_lo, d_hi, MASK_LEFT, MASK_RIGHT,
+                                                   BLOCK_M, BLOCK_N)
+    else:  # full query blocks unmasked, then the tail block
         q_full = q_len // BLOCK_M * BLOCK_M
     for g in range(GROUP):
         h = hk * GROUP + g
@@ -204,30 +238,42 @@ def _bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, c
         do_base = do_ptr + b * s_dob + h * s_doh + q_start * s_dom
         lse_base = lse_ptr + b * s_lb + h * s_lh + q_start * s_lm
         delta_base = delta_ptr + b * s_eb + h * s_eh + q_start
-        if CAUSAL:  # diagonal blocks, then the rest with bounds masks only (a third loop costs spills)
+        if WINDOWED:  # boundary blocks masked; between them bounds masks only (a loop without them costs spills)
+            if MASK_RIGHT:
+                dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, s_qm, s_dom, s_lm,
+                                     start_n, q_lo, q_mid, q_len, qk_scale, softcap_log2, d_lo, d_hi,
+                                     BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_STAGES, True, True, MASK_LEFT,
+                                     MASK_RIGHT, SOFTCAP)
             dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, s_qm, s_dom, s_lm,
-                                 start_n, lo, mid, q_len, qk_scale, offset,
-                                 BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_STAGES, True, True)
+                                 start_n, q_mid, q_full, q_len, qk_scale, softcap_log2, d_lo, d_hi,
+                                 BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_STAGES, True, False, MASK_LEFT,
+                                 MASK_RIGHT, SOFTCAP)
+            if MASK_LEFT:
+                dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, s_qm, s_dom, s_lm,
+                                     start_n, q_full, q_end, q_len, qk_scale, softcap_log2, d_lo, d_hi,
+                                     BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_STAGES, True, True, MASK_LEFT,
+                                     MASK_RIGHT, SOFTCAP)
+        else:
             dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, s_qm, s_dom, s_lm,
-                                 start_n, mid, q_len, q_len, qk_scale, offset,
-                                 BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_STAGES, True, False)
-        else:  # full blocks unmasked, then the tail block
+                                 start_n, 0, q_full, q_len, qk_scale, softcap_log2, d_lo, d_hi,
+                                 BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_STAGES, False, False, MASK_LEFT,
+                                 MASK_RIGHT, SOFTCAP)
             dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, s_qm, s_dom, s_lm,
-                                 start_n, 0, q_full, q_len, qk_scale, offset,
-                                 BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_STAGES, False, False)
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, s_qm, s_dom, s_lm,
-                                 start_n, q_full, q_len, q_len, qk_scale, offset,
-                                 BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_STAGES, True, False)
+                                 start_n, q_full, q_len, q_len, qk_scale, softcap_log2, d_lo, d_hi,
+                                 BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_STAGES, True, False, MASK_LEFT,
+                                 MASK_RIGHT, SOFTCAP)
     _store_kv_grads(dk * sm_scale, dv, dk_ptr, dv_ptr, b, hk, k_start, start_n, k_len,
                     s_dkb, s_dkm, s_dkh, s_dvb, s_dvm, s_dvh, BLOCK_N, HEAD_DIM, HEAD_DIM_V)
 
 
 @triton.jit
 def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, s_km, s_vm,
-              start_m, lo, hi, k_len, qk_scale, offset,
+              start_m, lo, hi, k_len, qk_scale, softcap_log2, d_lo, d_hi,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-              NUM_STAGES: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
-    """Accumulate dQ of one query block over key blocks [lo, hi). MASKED: causal and bounds masks."""
+              NUM_STAGES: tl.constexpr, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+              SOFTCAP: tl.constexpr):
+    """Accumulate dQ of one query block over key blocks [lo, hi). MASKED: bounds masks and the key range
+    [i + d_lo, i + d_hi] of query i (its MASK_LEFT / MASK_RIGHT sides)."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, HEAD_DIM_V)
@@ -235,14 +281,13 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, s_km, s_vm,
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_rows(k_base, offs_n, s_km, offs_d, k_len, MASKED)
         v = _load_rows(v_base, offs_n, s_vm, offs_dv, k_len, MASKED)
-        p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None])
+        p, t = _probs(tl.dot(q, tl.trans(k)), lse2[:, None], qk_scale, softcap_log2, SOFTCAP)
         if MASKED:
-            vis = (offs_n < k_len)[None, :]
-            if CAUSAL:
-                vis = vis & (offs_n[None, :] <= offs_m[:, None] + offset)
-            p = tl.where(vis, p, 0.0)
+            p = tl.where(visible(offs_m, offs_n, k_len, d_lo, d_hi, MASK_LEFT, MASK_RIGHT), p, 0.0)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
         dq = tl.dot(ds.to(k.dtype), k, dq)
     return dq
 
@@ -251,12 +296,13 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, s_km, s_vm,
 def _bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_q_ptr, cu_k_ptr,
             s_qb, s_qm, s_qh, s_kb, s_km, s_kh, s_vb, s_vm, s_vh, s_dob, s_dom, s_doh,
             s_lb, s_lh, s_lm, s_eb, s_eh, s_dqb, s_dqm, s_dqh,
-            Mq, Mk, qk_scale, sm_scale,
-            GROUP, CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, IS_VARLEN: tl.constexpr,
+            Mq, Mk, qk_scale, sm_scale, softcap_log2, window_left, window_right,
+            GROUP, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+            SOFTCAP: tl.constexpr, IS_VARLEN: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
             NUM_STAGES: tl.constexpr):
     pid_m = tl.program_id(0)
-    if CAUSAL:  # the last query blocks see the most keys: start them first
+    if MASK_RIGHT:  # the last query blocks see the most keys: start them first
         pid_m = tl.num_programs(0) - 1 - pid_m
     start_m = pid_m * BLOCK_M
     h = tl.program_id(1)
@@ -279,29 +325,43 @@ def _bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_q_ptr, c
     delta = tl.load(delta_ptr + b * s_eb + h * s_eh + q_start + offs_m, mask=ok, other=0.0)
     k_base = k_ptr + b * s_kb + hk * s_kh + k_start * s_km
     v_base = v_ptr + b * s_vb + hk * s_vh + k_start * s_vm
-    # Key blocks: [0, mid) interior (every key visible to every row), [mid, hi) diagonal / tail (masked).
-    if CAUSAL:
-        offset = k_len - q_len if BOTTOM_RIGHT else 0
-        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + offset, 0), k_len)
-        mid = tl.minimum(tl.maximum(start_m + 1 + offset, 0), k_len) // BLOCK_N * BLOCK_N
+    diag = k_len - q_len if BOTTOM_RIGHT else 0
+    d_lo = diag - window_left  # query i sees keys [i + d_lo, i + d_hi]
+    d_hi = diag + window_right
+    # key blocks: [kv_start, full_start) lower boundary (masked), [full_start, full_end) seen whole by every row,
+    # [full_end, kv_end) upper boundary / sequence tail (masked)
+    if MASK_RIGHT:
+        kv_end = tl.minimum(tl.maximum(start_m + BLOCK_M + d_hi, 0), k_len)
+        full_end = tl.minimum(tl.maximum(start_m + 1 + d_hi, 0), k_len) // BLOCK_N * BLOCK_N
     else:
-        offset = 0
-        hi = k_len
-        mid = k_len // BLOCK_N * BLOCK_N
+        kv_end = k_len
+        full_end = k_len // BLOCK_N * BLOCK_N
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, s_km, s_vm, start_m, 0, mid, k_len, qk_scale, offset,
-                   BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_STAGES, False, CAUSAL)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, s_km, s_vm, start_m, mid, hi, k_len, qk_scale, offset,
-                   BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_STAGES, True, CAUSAL)
+    if MASK_LEFT:
+        kv_start = tl.minimum(tl.maximum(start_m + d_lo, 0), kv_end) // BLOCK_N * BLOCK_N
+        full_start = tl.minimum(tl.cdiv(tl.maximum(start_m + BLOCK_M - 1 + d_lo, 0), BLOCK_N) * BLOCK_N, kv_end)
+        full_end = tl.maximum(full_end, full_start)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, s_km, s_vm, start_m, kv_start, full_start, k_len,
+                       qk_scale, softcap_log2, d_lo, d_hi, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_STAGES,
+                       True, MASK_LEFT, MASK_RIGHT, SOFTCAP)
+    else:
+        full_start = 0
+    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, s_km, s_vm, start_m, full_start, full_end, k_len,
+                   qk_scale, softcap_log2, d_lo, d_hi, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_STAGES,
+                   False, MASK_LEFT, MASK_RIGHT, SOFTCAP)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, s_km, s_vm, start_m, full_end, kv_end, k_len,
+                   qk_scale, softcap_log2, d_lo, d_hi, BLOCK_M, BLOCK_N, HEAD_DIM, HEAD_DIM_V, NUM_STAGES,
+                   True, MASK_LEFT, MASK_RIGHT, SOFTCAP)
     dq = dq * sm_scale
     tl.store(dq_ptr + b * s_dqb + h * s_dqh + (q_start + offs_m[:, None]) * s_dqm + offs_d[None, :],
              dq.to(dq_ptr.dtype.element_ty), mask=ok[:, None])
 
 
 def attention_backward(do, q, k, v, out, lse, *, scale: float, causal: bool = False, causal_bottom_right: bool = True,
+                       window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                        dq=None, dk=None, dv=None, config: BwdConfig | None = None):
-    """Gradients (dq, dk, dv) of ``out = softmax(scale * q @ k^T [+ causal mask]) @ v``.
+    """Gradients (dq, dk, dv) of ``out = softmax(scale * q @ k^T [+ mask]) @ v``.
 
     Layout BMHK: ``q``, ``do``, ``out`` (B, Mq, Hq, D) / (B, Mq, Hq, Dv); ``k`` (B, Mk, Hkv, D);
     ``v`` (B, Mk, Hkv, Dv); bf16 or fp16, last dim contiguous, other strides arbitrary.
@@ -310,9 +370,16 @@ def attention_backward(do, q, k, v, out, lse, *, scale: float, causal: bool = Fa
     ``lse = -inf`` (no visible key) get zero gradient.
     Varlen: B == 1, int32 ``cu_seqlens_q``/``cu_seqlens_k`` of length nseq + 1, lse (1, Hq, total_q).
     Causal: query i sees key j iff ``j <= i + Mk - Mq`` (bottom-right, FlashAttention) or ``j <= i``
-    (top-left, xformers), per sequence.
+    (top-left, xformers), per sequence. Local window and ``softcap`` as in ``attention_forward`` (the same
+    arguments the forward got): blocks outside the window are skipped; softcap c differentiates
+    c * tanh(scale * q.k / c). Varlen sequence bounds are clamped to the tensors' rows in the kernels.
     ``dq``/``dk``/``dv``: optional outputs (shapes of q/k/v, last dim contiguous), else allocated
     like q/k/v. Returns (dq, dk, dv). ``config``: tiles of the two kernels (default ``default_config``).
+
+    Example::
+
+        out, lse = attention_forward(q, k, v, scale=s, causal=True, return_lse=True)
+        dq, dk, dv = attention_backward(torch.randn_like(out), q, k, v, out, lse, scale=s, causal=True)
     """
     B, Mq, Hq, D = q.shape
     _, Mk, Hkv, Dv = v.shape
@@ -339,9 +406,13 @@ def attention_backward(do, q, k, v, out, lse, *, scale: float, causal: bool = Fa
     def bstride(t):  # varlen sequences all live in batch 0
         return 0 if varlen else t.stride(0)
 
-    meta = {"GROUP": Hq // Hkv, "CAUSAL": causal, "BOTTOM_RIGHT": causal_bottom_right, "IS_VARLEN": varlen,
+    # a window bounds the keys right of the diagonal (causal: right = 0) and left of it
+    right = 0 if causal else min(max(window_right, 0), Mq + Mk)
+    window = (min(max(window_left, 0), Mq + Mk), right)
+    meta = {"GROUP": Hq // Hkv, "MASK_LEFT": window_left >= 0, "MASK_RIGHT": causal or window_right >= 0,
+            "BOTTOM_RIGHT": causal_bottom_right, "SOFTCAP": softcap > 0, "IS_VARLEN": varlen,
             "HEAD_DIM": D, "HEAD_DIM_V": Dv}
-    qk_scale = scale * LOG2E.value
+    qk_scale, softcap_log2 = (scale / softcap, softcap * LOG2E.value) if softcap else (scale * LOG2E.value, 0.0)
     pre_block = 64
     delta = torch.empty(lse.shape, device=q.device, dtype=torch.float32)
     launch(_bwd_preprocess)[(cdiv(Mq, pre_block), Hq, B)](
@@ -355,12 +426,12 @@ def attention_backward(do, q, k, v, out, lse, *, scale: float, causal: bool = Fa
     launch(_bwd_dkdv)[(cdiv(max_k, cfg.block_n_kv), Hkv, nseq)](
         q, k, v, do, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *common,
         bstride(dk), dk.stride(1), dk.stride(2), bstride(dv), dv.stride(1), dv.stride(2),
-        Mq, Mk, qk_scale, scale, BLOCK_M=cfg.block_m_kv, BLOCK_N=cfg.block_n_kv, NUM_STAGES=cfg.stages_kv,
+        Mq, Mk, qk_scale, scale, softcap_log2, *window, BLOCK_M=cfg.block_m_kv, BLOCK_N=cfg.block_n_kv, NUM_STAGES=cfg.stages_kv,
         num_warps=cfg.warps_kv, **meta)
     launch(_bwd_dq)[(cdiv(max_q, cfg.block_m_q), Hq, nseq)](
         q, k, v, do, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *common,
         bstride(dq), dq.stride(1), dq.stride(2),
-        Mq, Mk, qk_scale, scale, BLOCK_M=cfg.block_m_q, BLOCK_N=cfg.block_n_q, NUM_STAGES=cfg.stages_q,
+        Mq, Mk, qk_scale, scale, softcap_log2, *window, BLOCK_M=cfg.block_m_q, BLOCK_N=cfg.block_n_q, NUM_STAGES=cfg.stages_q,
         num_warps=cfg.warps_q, **meta)
     return dq, dk, dv
 

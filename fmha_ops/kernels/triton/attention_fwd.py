@@ -25,7 +25,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fmha_ops.kernels.attention_host import descale_args, ensure_allocator
-from fmha_ops.kernels.softmax import LOG2E, natural_lse, p_shift, row_inverse, softmax_step, visible
+from fmha_ops.kernels.softmax import LOG2E, natural_lse, p_shift, row_inverse, softmax_step, tanh, visible
 from fmha_ops.kernels.triton.launch import cdiv, launch, next_pow2
 from fmha_ops.kernels.triton.transpose_v import transpose_v
 from fmha_ops.quant import K_SCALE_BLOCK, Q_SCALE_BLOCK
@@ -57,12 +57,13 @@ def _load(desc, b, h, r, c, R: tl.constexpr, C: tl.constexpr, VARLEN: tl.constex
 
 
 @triton.jit
-def _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, k_row0, v_row0, start_n, seqlen_k, lo, hi, offs_m,
-          b, hkv, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, K_BLOCKSCALE: tl.constexpr,
-          V_T: tl.constexpr, P_SHIFT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
-          VARLEN: tl.constexpr):
-    """One BLOCK_N step of the online softmax (``softmax_step``); scores are in log2 units after ``qk_scale``.
-    MASKED: the sequence end and the [i + lo, i + hi] key range of ``visible`` apply (boundary tiles)."""
+def _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, softcap_log2, k_row0, v_row0, start_n, seqlen_k,
+          lo, hi, offs_m, b, hkv, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
+          SOFTCAP: tl.constexpr, K_BLOCKSCALE: tl.constexpr, V_T: tl.constexpr, P_SHIFT: tl.constexpr,
+          BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, VARLEN: tl.constexpr):
+    """One BLOCK_N step of the online softmax (``softmax_step``); scores are in log2 units after ``qk_scale``
+    (SOFTCAP: ``softcap_log2 * tanh(qk_scale * s)``). MASKED: the sequence end and the [i + lo, i + hi] key range
+    of ``visible`` apply (boundary tiles)."""
     BLOCK_D: tl.constexpr = q.shape[1]
     k = _load(k_desc, b, hkv, k_row0 + start_n, 0, BLOCK_N, BLOCK_D, VARLEN)
     if q.dtype == tl.int8:
@@ -78,7 +79,11 @@ def _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, k_row0, v_row0, st
     keep = None
     if MASKED:
         keep = visible(offs_m, start_n + tl.arange(0, BLOCK_N), seqlen_k, lo, hi, MASK_LEFT, MASK_RIGHT)
-    p, m_i, l_i, alpha = softmax_step(s, keep, m_i, l_i, qk_scale, OFF, P_SHIFT, MASKED)
+    if SOFTCAP:  # capped scores, already in log2 units
+        s = tanh((s - OFF) * qk_scale) * softcap_log2
+        p, m_i, l_i, alpha = softmax_step(s, keep, m_i, l_i, 1.0, 0.0, P_SHIFT, MASKED)
+    else:
+        p, m_i, l_i, alpha = softmax_step(s, keep, m_i, l_i, qk_scale, OFF, P_SHIFT, MASKED)
     if V_T:
         v = _load(v_desc, b, hkv, 0, v_row0 + start_n, BLOCK_DV, BLOCK_N, VARLEN).T
     else:
@@ -94,7 +99,7 @@ def _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, k_row0, v_row0, st
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, Out, Lse, QD, KD, VD, CuQ, CuK, CuVT, sm_scale_log2,
+    Q, K, V, Out, Lse, QD, KD, VD, CuQ, CuK, CuVT, sm_scale_log2, softcap_log2,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_km, stride_kh,
     stride_vb, stride_vm, stride_vh,
@@ -102,8 +107,8 @@ def _attn_fwd_kernel(
     qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh,
     Mq, Mk, Hq, GROUP, window_left, window_right,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, VARLEN: tl.constexpr,
-    V_T: tl.constexpr, P_SHIFT: tl.constexpr,
+    MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+    VARLEN: tl.constexpr, V_T: tl.constexpr, P_SHIFT: tl.constexpr,
     Q_BLOCKSCALE: tl.constexpr, K_BLOCKSCALE: tl.constexpr, V_PER_CHANNEL: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (sequence, q head).
@@ -111,7 +116,8 @@ def _attn_fwd_kernel(
     Mask: key j is visible from query i iff j < seqlen_k and, with ``i_al = i + diag`` (``diag`` = seqlen_k -
     seqlen_q when BOTTOM_RIGHT, else 0), ``j >= i_al - window_left`` (MASK_LEFT) and ``j <= i_al + window_right``
     (MASK_RIGHT; causal: window_right = 0). Key tiles wholly outside that range are not visited; tiles that it
-    covers for every row run unmasked. Dtypes select the path: int8 q (i8fp8: int32 QK^T), ``P_SHIFT`` > 0 (fp8
+    covers for every row run unmasked. SOFTCAP: scores s become c * tanh(s / c) (``sm_scale_log2`` is then the
+    natural scale / c and ``softcap_log2`` = c * log2 e). Dtypes select the path: int8 q (i8fp8: int32 QK^T), ``P_SHIFT`` > 0 (fp8
     P for the PV product, scaled by 2**P_SHIFT), else P in v's dtype. VARLEN: sequence b spans rows
     [CuQ[b], CuQ[b+1]) of batch 0 (bounds clamped to the tensors' rows) and descriptors are made per head on the
     device; else Q, K, V, Out are host descriptors over (B, H, rows, cols).
@@ -204,17 +210,17 @@ def _attn_fwd_kernel(
 
     if MASK_LEFT:
         for start_n in tl.range(kv_start, full_start, BLOCK_N):
-            acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, k_start, v_start, start_n,
-                                  seqlen_k, lo, hi, offs_m, tensor_b, hkv, True, MASK_LEFT, MASK_RIGHT, K_BLOCKSCALE, V_T,
-                                  P_SHIFT, BLOCK_N, BLOCK_DV, VARLEN)
+            acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, softcap_log2, k_start,
+                                  v_start, start_n, seqlen_k, lo, hi, offs_m, tensor_b, hkv, True, MASK_LEFT,
+                                  MASK_RIGHT, SOFTCAP, K_BLOCKSCALE, V_T, P_SHIFT, BLOCK_N, BLOCK_DV, VARLEN)
     for start_n in tl.range(full_start, full_end, BLOCK_N):
-        acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, k_start, v_start, start_n,
-                              seqlen_k, lo, hi, offs_m, tensor_b, hkv, False, MASK_LEFT, MASK_RIGHT, K_BLOCKSCALE, V_T,
-                              P_SHIFT, BLOCK_N, BLOCK_DV, VARLEN)
+        acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, softcap_log2, k_start, v_start,
+                              start_n, seqlen_k, lo, hi, offs_m, tensor_b, hkv, False, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                              K_BLOCKSCALE, V_T, P_SHIFT, BLOCK_N, BLOCK_DV, VARLEN)
     for start_n in tl.range(full_end, kv_end, BLOCK_N):
-        acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, k_start, v_start, start_n,
-                              seqlen_k, lo, hi, offs_m, tensor_b, hkv, True, MASK_LEFT, MASK_RIGHT, K_BLOCKSCALE, V_T,
-                              P_SHIFT, BLOCK_N, BLOCK_DV, VARLEN)
+        acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, softcap_log2, k_start, v_start,
+                              start_n, seqlen_k, lo, hi, offs_m, tensor_b, hkv, True, MASK_LEFT, MASK_RIGHT, SOFTCAP,
+                              K_BLOCKSCALE, V_T, P_SHIFT, BLOCK_N, BLOCK_DV, VARLEN)
 
     inv_l = row_inverse(l_i)
     vd_ptr = VD + b * vd_sb + hkv * vd_sh
@@ -283,6 +289,7 @@ def _block_descale_args(t, shape, scale_block, tile):
 
 def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bottom_right: bool = True,
                       q_descale=None, k_descale=None, v_descale=None,
+                      window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
                       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                       out_dtype=None, return_lse=False, pv_fp8: bool = True,
                       v_transposed: bool | None = None, config: FwdConfig | None = None, out=None):
@@ -301,6 +308,9 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
     sequence's bounds to the tensors' rows, so no cu_seqlens content makes it access memory outside them.
     Causal: key j visible to query i iff j <= i + Mk - Mq (bottom-right, FA2/FA3) or j <= i (top-left);
     rows that see no key give out = 0 and lse = -inf.
+    Local window (-1 = unbounded): key j is also visible only if i_al - window_left <= j <= i_al + window_right,
+    i_al = i + Mk - Mq (per sequence) unless the mask is causal top-left (i_al = i); key tiles outside the window
+    are skipped. ``softcap`` > 0: scores s become softcap * tanh(s / softcap) before the softmax (Gemma 2).
     Returns (out (B, Mq, Hq, Dv), lse float32 natural log (B, Hq, Mq) or None).
     Options: pv_fp8=False runs PV in fp16 for fp8 v (more accurate, slower); v_transposed (default: True for fp8
     v on CUDA) copies a last-dim-contiguous V to (B, Hkv, Dv, Mk) first; ``config`` overrides ``default_config``;
@@ -310,6 +320,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
 
         q, k, v = (torch.randn(2, 1000, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         out, lse = attention_forward(q, k, v, scale=128 ** -0.5, causal=True, return_lse=True)
+        out, _ = attention_forward(q, k, v, scale=128 ** -0.5, causal=True, window_left=255, softcap=50.0)
     """
     B, Mq, Hq, D = q.shape
     _, Mk, Hkv, Dv = v.shape
@@ -319,6 +330,8 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
     assert q.stride(-1) == 1 and k.stride(-1) == 1, "q/k last dim must be contiguous"
     assert not v_keys or v.stride(1) == 1 or Mk <= 1, "v must be contiguous in its last dim or keys-contiguous"
     assert D % 16 == 0 and Dv % 16 == 0 and D <= 256 and Dv <= 256, "head dims must be multiples of 16, <= 256"
+    assert window_left >= -1 and window_right >= -1, "window sizes are >= 0, or -1 for unbounded"
+    assert softcap >= 0.0 and softcap != float("inf"), "softcap must be finite and >= 0 (0 = off)"
     qk_int8 = q.dtype == torch.int8
     fp8_v = v.dtype in _FP8
     if qk_int8:
@@ -382,6 +395,11 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
     else:
         v_arg, v_strides = v, (v.stride(0), v.stride(1), v.stride(2))
 
+    # a window bounds the keys right of the diagonal (causal: right = 0) and left of it
+    mask_right = causal or window_right >= 0
+    right = 0 if causal else max(window_right, 0)
+    mask_left = window_left >= 0
+    scale_log2, softcap_log2 = (scale / softcap, softcap * LOG2E.value) if softcap else (scale * LOG2E.value, 0.0)
     shift = p_shift(v.dtype) if pv_fp8 else 0  # 2**8 for e4m3fn (max 448), 2**7 for e4m3fnuz (max 240)
     BD, BDV = next_pow2(D), next_pow2(Dv)
     if varlen:  # per-sequence bounds: each program makes its descriptors on the device
@@ -398,15 +416,16 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
     launch(_attn_fwd_kernel)[grid](
         *qkvo, lse if lse is not None else qd, qd, kd, vd,
         cu_seqlens_q if varlen else qd, cu_seqlens_k if varlen else qd, cu_vt if varlen and v_transposed else qd,
-        scale * LOG2E.value,
+        scale_log2, softcap_log2,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         *v_strides,
         out.stride(0), out.stride(1), out.stride(2),
         qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh,
-        Mq, Mk, Hq, Hq // Hkv, 0, 0,
+        Mq, Mk, Hq, Hq // Hkv, min(max(window_left, 0), Mq + Mk), min(right, Mq + Mk),
         D=D, DV=Dv, BLOCK_M=BM, BLOCK_N=BN,
-        MASK_LEFT=False, MASK_RIGHT=causal, BOTTOM_RIGHT=causal_bottom_right, VARLEN=varlen,
+        MASK_LEFT=mask_left, MASK_RIGHT=mask_right, BOTTOM_RIGHT=causal_bottom_right, SOFTCAP=softcap > 0,
+        VARLEN=varlen,
         V_T=v_transposed, P_SHIFT=shift, Q_BLOCKSCALE=q_block, K_BLOCKSCALE=k_block, V_PER_CHANNEL=v_chan,
         WRITE_LSE=return_lse, num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
     )
