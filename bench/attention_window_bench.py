@@ -1,0 +1,101 @@
+"""Local (sliding-window) attention forward on the H200: a causal 4096-key window at N = 32k against full causal
+attention, ours (Triton, bf16 and fp8) next to SDPA cuDNN (the window as a boolean mask) and FlashAttention-4.
+
+TFLOP/s = 4*B*H*D*P / t over the P visible (query, key) pairs (a window's own, or N(N+1)/2 for full causal), so a
+kernel that skips the keys outside the window scores like full attention; ``win/full`` is that ratio for ours
+(same dtype, same run). fp8 inputs are quantized per tensor beforehand (the call excludes quantization).
+CUDA-event medians of whole calls.
+
+    python bench/attention_window_bench.py [--quick] [--window 4096] [--out DIR]
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import base_parser, environment_line, or_none, out_dir, print_table, time_ms, write_json  # noqa: E402
+from fmha_ops.kernels.triton.attention_fwd import attention_forward  # noqa: E402
+from fmha_ops.quant import quantize_fp8_tensor  # noqa: E402
+
+
+def visible_pairs(N: int, window: int) -> int:
+    """(query, key) pairs of causal attention over N tokens where each query sees at most ``window`` keys (its own
+    included); window >= N: full causal."""
+    w = min(window, N)
+    return w * (w + 1) // 2 + (N - w) * w
+
+
+def _tflops(B, H, D, pairs, ms):
+    return 4 * B * H * D * pairs / (ms * 1e-3) / 1e12 if ms else None
+
+
+def _fa4(q, k, v, window_left):
+    from flash_attn.cute import flash_attn_func
+
+    return flash_attn_func(q, k, v, causal=True, window_size=(window_left, 0))[0]
+
+
+def _cudnn_masked(qt, kt, vt, mask):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask)
+
+
+def _cudnn_causal(qt, kt, vt):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+
+
+def run(B: int, H: int, N: int, D: int, window: int) -> list[dict]:
+    left = window - 1  # a window of `window` keys ending at the query's own
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, N, H, D, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
+    scale = D ** -0.5
+    p_win, p_full = visible_pairs(N, window), visible_pairs(N, N)
+    rows = []
+    for name in ("bf16", "fp8"):
+        if name == "fp8":
+            (qx, qd), (kx, kd), (vx, vd) = (quantize_fp8_tensor(t) for t in (q, k, v))
+            desc = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+        else:
+            qx, kx, vx, desc = q, k, v, {}
+        win = or_none(lambda: time_ms(lambda: attention_forward(qx, kx, vx, scale=scale, causal=True,
+                                                                window_left=left, **desc)))
+        full = or_none(lambda: time_ms(lambda: attention_forward(qx, kx, vx, scale=scale, causal=True, **desc)))
+        row = dict(shape=f"{B}x{H}x{N}x{D} w{window}", dtype=name, ours_ms=win, ours_full_ms=full,
+                   ours=_tflops(B, H, D, p_win, win), ours_full=_tflops(B, H, D, p_full, full))
+        row["win/full"] = row["ours"] / row["ours_full"] if row["ours"] and row["ours_full"] else None
+        rows.append(row)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    i = torch.arange(N, device="cuda")
+    mask = (i[None, :] <= i[:, None]) & (i[None, :] >= i[:, None] - left)  # [N, N] bool, True = visible
+    rows[0]["cudnn_mask"] = _tflops(B, H, D, p_win, or_none(lambda: time_ms(lambda: _cudnn_masked(qt, kt, vt, mask))))
+    del mask
+    rows[0]["cudnn_full"] = _tflops(B, H, D, p_full, or_none(lambda: time_ms(lambda: _cudnn_causal(qt, kt, vt))))
+    rows[0]["fa4"] = _tflops(B, H, D, p_win, or_none(lambda: time_ms(lambda: _fa4(q, k, v, left))))
+    rows[0]["fa4_full"] = _tflops(B, H, D, p_full, or_none(lambda: time_ms(lambda: _fa4(q, k, v, N))))
+    return rows
+
+
+def main() -> None:
+    p = base_parser(__doc__.splitlines()[0])
+    p.add_argument("--window", type=int, default=4096)
+    a = p.parse_args()
+    out = out_dir(a.out)
+    B, H, N, D = (1, 16, 8192, 128) if a.quick else (1, 16, 32768, 128)
+    rows = run(B, H, N, D, a.window)
+    cols = ["shape", "dtype", "ours", "ours_full", "win/full", "cudnn_mask", "cudnn_full", "fa4", "fa4_full"]
+    print(environment_line())
+    print_table(rows, cols)
+    write_json(out, "attention_window", rows)
+
+
+if __name__ == "__main__":
+    main()
