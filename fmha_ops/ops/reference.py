@@ -70,7 +70,11 @@ def _attend(q, k, v, causal: str, scale: float, p: float) -> tuple[torch.Tensor,
             j = torch.arange(n, device=q.device)[None, :]
             shift = 0 if causal == "top_left" else n - m
             s = s.masked_fill(j > i + shift, -math.inf)
-        lse = torch.logsumexp(s, dim=-1) if n else s.new_full((h, r1 - r0), -math.inf)
+        if n:  # rows that see no key get lse -inf; masking them first keeps their gradient 0, not nan
+            dead = torch.isneginf(s.amax(dim=-1))
+            lse = torch.logsumexp(s.masked_fill(dead[..., None], 0.0), dim=-1).masked_fill(dead, -math.inf)
+        else:
+            lse = s.new_full((h, r1 - r0), -math.inf)
         probs = torch.exp(s - lse.masked_fill(lse == -math.inf, 0.0)[..., None])
         if p > 0.0:
             probs = torch.nn.functional.dropout(probs, p)
@@ -137,11 +141,19 @@ class ReferenceBwOp(AttentionBwOp):
 
     @classmethod
     def apply_bw(cls, inp, out, lse, grad_out):
+        """Honours the given ``out`` / ``lse``: when they are the merge of this call's attention with others
+        (over more keys), the gradients are this call's share, as a flash backward kernel computes them.
+        With this call's own o, l: share = exp(l - lse); d o = share * grad_out and
+        d l = share * rowsum(grad_out * (o - out)); given this call's own out and lse, share is 1 and d l 0."""
         leaves = [t.detach().requires_grad_(True) for t in dequantized_qkv(inp)]
         plain = Inputs(*leaves, attn_bias=inp.attn_bias, scale=inp.softmax_scale)
         with torch.enable_grad():
-            o, _ = reference_attention(plain)
-            return torch.autograd.grad(o, leaves, grad_out.float())
+            o, l = reference_attention(plain)
+            seen = torch.isfinite(l) & torch.isfinite(lse)
+            share = torch.where(seen, torch.exp(l.detach() - lse.float()), torch.zeros_like(l)).transpose(1, 2)
+            g = grad_out.float()
+            grad_l = share * (g * (o.detach() - out.float())).sum(-1)
+            return torch.autograd.grad((o, l), leaves, (share[..., None] * g, grad_l.transpose(1, 2)))
 
     @classmethod
     def estimate(cls, p: Problem) -> float:
