@@ -15,7 +15,7 @@ import fmha_ops
 from fmha_ops import context_parallel as cp
 from fmha_ops.context_parallel.schedule import geometry, step_blocks
 from fmha_ops.context_parallel.steps import KVShard, backward_step, forward_step
-from tests.numerics import error_report, transformer_like
+from fmha_ops.testing import error_report, transformer_like
 
 FP8 = torch.float8_e4m3fn
 
