@@ -6,7 +6,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from ..inputs import FLOAT_DTYPES, dtype_name
+from ..dtypes import FLOAT_DTYPES, dtype_name
 from .layout import check_layout, chunk_len, chunks_per_rank, seqlens_of, shard_cu_seqlens
 from .ring import Packet, Ring, resolve_group
 from .schedule import ShardGeometry, geometry, step_blocks

@@ -11,9 +11,9 @@ from typing import Any, Sequence
 
 import torch
 
-from ..api import memory_efficient_attention_partial, merge_attentions
+from ..api import make_problem, memory_efficient_attention_partial, merge_attentions
 from ..dispatch import SELECTOR
-from ..inputs import Inputs
+from ..inputs import make_inputs
 from .schedule import Block, ShardGeometry
 
 _SEQ, _LSE_SEQ = 1, 2  # sequence dim of BMHK tensors and of (B, H, M) LSEs
@@ -128,13 +128,9 @@ def partial_attention_backward(
     >>> go = torch.randn_like(out)
     >>> dq0, dk0, dv0 = partial_attention_backward(go, out, lse, q, k[:, :4], v[:, :4])
     """
-    inp = Inputs(query, key, value, attn_bias, 0.0, scale, None, True, q_descale, k_descale, v_descale)
-    bw = SELECTOR.select(inp.signature(), lambda: _problem(inp), "bw", op)
+    inp = make_inputs(query, key, value, attn_bias, scale=scale, is_partial=True, q_descale=q_descale,
+                      k_descale=k_descale, v_descale=v_descale)
+    bw = SELECTOR.select(inp.signature(), lambda: make_problem(inp, False), "bw", op)
     if query.dtype in (torch.float16, torch.bfloat16):
         out, grad_out = out.to(query.dtype), grad_out.to(query.dtype)
     return bw.apply_bw(inp, out.contiguous(), lse.contiguous(), grad_out.contiguous())
-
-
-def _problem(inp: Inputs):
-    inp.validate()
-    return inp.problem()
