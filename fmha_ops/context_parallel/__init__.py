@@ -35,20 +35,27 @@ Steps and communication (per rank, per step; W steps forward, W steps backward)
   hand (the sum of the ranks that saw it before) follows it one step behind: 2 * (N / W) * Hkv * D * 4 more
   bytes per step, W transfers. dQ stays local.
 
-  Compute per step (causal zigzag: one chunk x two chunks, half of a W x W grid's full block):
-  flops = 4 * B * Hq * (N / W)^2 * D / 2 forward (x 2.5 backward). Overlap hides the transfer when
-  kv_bytes / link_bandwidth < step time, i.e. when N / W is large enough::
+  Compute per step: causal zigzag, one chunk x two chunks on every rank at every step (step 0: the causal
+  two x two); not causal, two x two. Causal forward flops per step and rank::
 
-      t_comm = 2 * (N/W) * Hkv * D * elt / BW        t_step = 2 * B * Hq * (N/W)^2 * D / F
-      t_comm < t_step  <=>  N / W > Hkv * elt * F / (B * Hq * BW)
+      flops = 2 * B * Hq * (N/W)^2 * D            (backward: 2.5x)
 
-  Example, H200 NVLink (BW ~ 350 GB/s per direction achieved of 450), bf16 forward F ~ 450 TFLOP/s,
-  Hq = Hkv (worst case: no GQA): N / W > 2 * 450e12 / 350e9 ~ 2600 tokens per rank; fp8 (elt 1, F ~ 800)
-  about the same. At 128k tokens on 2 GPUs a step is 64k x 32k... per head: transfers are ~20x smaller
-  than compute, so W up to ~16 (8k tokens per rank) keeps the links idle half the time. Past the break-even
-  the ring is link-bound: then lower W, use GQA (Hkv < Hq divides the bytes) or fp8 K/V.
-  On N GPUs the ring needs no collective: each step is one send and one receive per rank, so every link
-  carries one K/V shard per step regardless of W; total bytes per rank per pass = (W - 1) * kv_bytes.
+  Overlap hides the transfer when it is shorter than the step, at link bandwidth BW and attention rate F::
+
+      t_comm = 2 * (N/W) * Hkv * D * elt / BW     t_step = 2 * B * Hq * (N/W)^2 * D / F
+      t_comm < t_step  <=>  N/W > Hkv * elt * F / (B * Hq * BW)
+
+  Backward: the bytes are (elt + 4) / elt times the forward's (float32 dK/dV) against 2.5x the compute.
+
+  Example: B=1, Hq=32, Hkv=8, D=128, bf16 (elt 2), F ~ 450 TFLOP/s (an H200's bf16 forward), BW ~ 350 GB/s
+  per direction (NVLink, 450 GB/s peak). N = 128k on W=2: 268 MB per step, 0.77 ms on the link, against
+  78 ms of attention: the transfer is 1% of a step. The break-even N/W is 8 * 2 * 450e12 / (32 * 350e9)
+  ~ 640 tokens per rank (backward, at F ~ 400: ~ 690; without GQA 4x more), so at N = 128k the links stay
+  hidden up to W ~ 190. Long before that the host binds: each step is one or two partial-attention calls (~0.1 ms of
+  host time each) and a merge, while the step's attention at N/W = 4k tokens is ~0.3 ms; keep N/W >= 8k
+  tokens per rank (W <= 16 at 128k) or capture the step loop in a CUDA graph.
+  On N GPUs nothing else changes: no collective, one send and one receive per rank per step, every link
+  carries one K/V shard per step; (W - 1) * kv_bytes per rank per forward, W-1 K/V + W dK/dV backward.
 
 Public functions
   attention                       the ring attention (autograd)

@@ -12,6 +12,7 @@ from .ring import Packet, Ring, resolve_group
 from .schedule import ShardGeometry, geometry, step_blocks
 from .steps import Accumulator, KVShard, backward_step, forward_step
 
+_GRAD_TAG = 1  # the dK/dV transfers' tag (K/V transfers use 0)
 _DESCALE_KINDS = "a scalar (numel 1, per tensor) or (batch, Hkv) (per kv head; varlen: (num_sequences, Hkv))"
 
 
@@ -134,7 +135,7 @@ def _ring_backward(ctx: _Context, q: torch.Tensor, kv: KVShard, out: torch.Tenso
                       ctx.geom, ctx.scale, ctx.q_descale, _bw(ctx.op))
         if grad_transfer is not None:  # the gradients the previous ranks computed for this key/value
             dkv.view(torch.float32).add_(grad_transfer.finish().view(torch.float32))
-        grad_transfer = ring.start(dkv) if world > 1 else None
+        grad_transfer = ring.start(dkv, _GRAD_TAG) if world > 1 else None
         if transfer is not None:
             buf = transfer.finish()
             kv = KVShard(*packet.unpack(buf))

@@ -101,14 +101,19 @@ class Ring:
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        if self.rank < 0:
+            raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the group passed as group=")
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.world)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.world)
         self.stream = _side_stream(device) if device.type == "cuda" else None
 
-    def start(self, buf: torch.Tensor) -> Transfer:
-        """Send ``buf`` (uint8, 1-D) to the next rank and receive a buffer like it from the previous one."""
+    def start(self, buf: torch.Tensor, tag: int = 0) -> Transfer:
+        """Send ``buf`` (uint8, 1-D) to the next rank and receive a buffer like it from the previous one.
+        Transfers in flight together (the backward's K/V and dK/dV) are started in the same order on every
+        rank and carry distinct ``tag``s."""
         received = torch.empty_like(buf)
-        ops = [dist.P2POp(dist.isend, buf, self.next, self.group), dist.P2POp(dist.irecv, received, self.prev, self.group)]
+        ops = [dist.P2POp(dist.isend, buf, self.next, self.group, tag),
+               dist.P2POp(dist.irecv, received, self.prev, self.group, tag)]
         if self.stream is None:
             return Transfer(self, dist.batch_isend_irecv(ops), received, buf)
         self.stream.wait_stream(torch.cuda.current_stream())
