@@ -119,8 +119,10 @@ def run_case(dtype_name: str, passes: str, args, device, rank, world) -> dict:
     kv_fields = [ring_in[1], ring_in[2]]
     packet = Packet([t.detach() for t in kv_fields])
     buf = packet.pack([t.detach() for t in kv_fields], device)
-    r = Ring(dist.group.WORLD, device)
-    xfer = _slowest(_timed(lambda: r.start(buf).finish(), device, args.iters, args.warmup), device)
+    xfer = None
+    if world > 1:
+        r = Ring(dist.group.WORLD, device)
+        xfer = _slowest(_timed(lambda: r.start(buf).finish(), device, args.iters, args.warmup), device)
     flops = 4 * hq * n * n * d / 2 * (3.5 if backward else 1.0)  # causal; backward = 2.5x forward
     speedup = one / ring_ms if one and ring_ms else None
     return {

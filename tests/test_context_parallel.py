@@ -238,6 +238,32 @@ def test_ring_steps_gpu_fp8():
     assert rep["cos"] > 0.998, rep
 
 
+@pytest.mark.gpu
+def test_ring_transfer_nccl_one_rank(tmp_path):
+    """The CUDA transfer path (side stream, NCCL batch_isend_irecv, stream waits) on a ring of one rank, which
+    sends to itself: the buffer arrives, later work on the compute stream sees it, and no host sync."""
+    from fmha_ops.context_parallel.ring import Packet, Ring
+
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        k, v = torch.randn(1, 64, 2, 128, device="cuda").bfloat16(), torch.randn(1, 64, 2, 128, device="cuda").bfloat16()
+        packet = Packet([k, v, torch.ones(1, device="cuda")])
+        ring = Ring(dist.group.WORLD, k.device)
+        buf = packet.pack([k, v, torch.full((1,), 3.0, device="cuda")], k.device)
+        ring.start(buf).finish()  # warm: communicator creation syncs
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = ring.start(buf).finish()
+            k2, v2, d2 = packet.unpack(got)
+            total = k2.float().sum() + v2.float().sum() + d2.sum()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(k2, k) and torch.equal(v2, v) and d2.item() == 3.0
+        assert torch.allclose(total, k.float().sum() + v.float().sum() + 3.0)
+    finally:
+        dist.destroy_process_group()
+
+
 # ---- the ring over gloo processes -----------------------------------------------------------
 
 def _cases(world):
