@@ -95,8 +95,8 @@ def simulate(q, k, v, grad_out, world, layout, causal, cu_seqlens=None, q_descal
     """Run each rank's forward (and backward) steps in turn on its shards, passing shards by hand.
     Returns the unsharded (out, dq, dk, dv) (grads None without ``backward``)."""
     sh = lambda t, r: cp.shard(t, r, world, layout, cu_seqlens=cu_seqlens)  # noqa: E731
-    local = None if cu_seqlens is None else tuple(
-        b - a for a, b in zip(cp.shard_cu_seqlens(cu_seqlens, world, layout), cp.shard_cu_seqlens(cu_seqlens, world, layout)[1:]))
+    starts = None if cu_seqlens is None else cp.shard_cu_seqlens(cu_seqlens, world, layout)
+    local = None if starts is None else tuple(b - a for a, b in zip(starts, starts[1:]))
     geom = geometry(q.shape[1] // world, local, layout, q.device)
     kvs = [KVShard(sh(k, r), sh(v, r), *(kv_descales[r] if kv_descales else (None, None))) for r in range(world)]
     qs = [sh(q, r) for r in range(world)]

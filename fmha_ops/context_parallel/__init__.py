@@ -35,7 +35,7 @@ Steps and communication (per rank, per step; W steps forward, W steps backward)
   hand (the sum of the ranks that saw it before) follows it one step behind: 2 * (N / W) * Hkv * D * 4 more
   bytes per step, W transfers. dQ stays local.
 
-  Compute per step: causal zigzag, one chunk x two chunks on every rank at every step (step 0: the causal
+  Compute per step: causal zigzag, one chunk x two chunks on every rank at every step (the first: the causal
   two x two); not causal, two x two. Causal forward flops per step and rank::
 
       flops = 2 * B * Hq * (N/W)^2 * D            (backward: 2.5x)

@@ -48,7 +48,7 @@ def forward_step(acc: Accumulator | None, query: torch.Tensor, kv: KVShard, bloc
                  op: Any = None) -> Accumulator | None:
     """Merge the attention of ``query`` (this rank's shard, BMHK) over ``kv`` for ``blocks`` into ``acc``.
 
-    ``acc`` None starts the accumulation (the first block must cover every query row, as step 0's does).
+    ``acc`` None starts the accumulation (the first block must cover every query row, as the first step's does).
     Returns the updated accumulator (None if still empty).
     """
     for block in blocks:
