@@ -7,13 +7,14 @@ Validation runs once per call signature; a repeated call costs a signature tuple
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import torch
 
 from registry import Op, Report
 
-from . import compiled
+from . import arguments, compiled
 from .dispatch import REGISTRY, SELECTOR
 from .dtypes import FLOAT_DTYPES
 from .inputs import Inputs, make_inputs
@@ -68,6 +69,11 @@ def memory_efficient_attention_partial(
     inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, output_dtype=output_dtype or torch.float32,
                       is_partial=True, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                       quantize_kv_to_fp8=quantize_kv_to_fp8)
+    if inp.needs_grad():
+        grads = [n for n, t in (("query", query), ("key", key), ("value", value)) if t.requires_grad]
+        raise NotImplementedError(f"memory_efficient_attention_partial returns no gradients, but {'/'.join(grads)} "
+                                  f"requires_grad=True; call it under torch.no_grad() or pass detached tensors "
+                                  f"(memory_efficient_attention is differentiable)")
     with torch.no_grad():
         out, lse = run_forward(inp, op, True)
     return inp.layout(out), inp.layout.lse(lse)
@@ -83,14 +89,21 @@ def merge_attentions(
     Returns attn (B, M, [G,] H, K) in ``output_dtype`` (default: the parts' dtype) and, if ``write_lse``,
     lse (B, [G,] H, M) float32. Parts with lse -inf contribute nothing; all -inf gives 0 and -inf.
     """
-    attn = torch.stack(list(attn_split)) if not isinstance(attn_split, torch.Tensor) else attn_split
-    lse = torch.stack(list(lse_split)) if not isinstance(lse_split, torch.Tensor) else lse_split
+    attn, lse = _stack_parts("attn_split", attn_split), _stack_parts("lse_split", lse_split)
     if attn.ndim not in (5, 6) or lse.ndim != attn.ndim - 1 or attn.shape[0] != lse.shape[0]:
         raise ValueError(f"attn_split {tuple(attn.shape)} / lse_split {tuple(lse.shape)}: expected "
                          f"(S, B, M, [G,] H, K) and (S, B, [G,] H, M)")
+    arguments.tensor("attn_split", attn, dtypes=FLOAT_DTYPES)
+    arguments.tensor("lse_split", lse, dtypes=FLOAT_DTYPES)
+    arguments.same_device("lse_split", lse, "attn_split", attn)
+    write_lse = arguments.flag("write_lse", write_lse)
+    if output_dtype is not None:
+        arguments.dtype("output_dtype", output_dtype, FLOAT_DTYPES)
     lse_t = lse.float().movedim(-1, 2)  # (S, B, M, [G,] H)
     if lse_t.shape != attn.shape[:-1]:
         raise ValueError(f"lse_split {tuple(lse.shape)} does not match attn_split {tuple(attn.shape)}")
+    if lse.device.type == "cpu" and bool((torch.isnan(lse_t) | (lse_t == math.inf)).any()):
+        raise ValueError("lse_split must be finite or -inf (a part that saw no key); it holds NaN or +inf")
     top = lse_t.amax(dim=0)
     top_safe = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     w = torch.exp(lse_t - top_safe)  # exp(-inf) = 0
@@ -103,6 +116,19 @@ def merge_attentions(
     return out, merged
 
 
+def _stack_parts(name: str, parts: Any) -> torch.Tensor:
+    """A tensor, or a non-empty list of same-shape tensors stacked along a new dim 0."""
+    if isinstance(parts, torch.Tensor):
+        return parts
+    if not isinstance(parts, (list, tuple)) or not parts or not all(isinstance(p, torch.Tensor) for p in parts):
+        raise TypeError(f"{name} must be a tensor or a non-empty list of tensors, got {type(parts).__name__}"
+                        f"{' of ' + ', '.join(sorted({type(p).__name__ for p in parts})) if isinstance(parts, (list, tuple)) else ''}")
+    shapes = {tuple(p.shape) for p in parts}
+    if len(shapes) > 1 or len({(p.dtype, p.device) for p in parts}) > 1:
+        raise ValueError(f"{name}: every part must have one shape, dtype and device; got shapes {sorted(shapes)}")
+    return torch.stack(list(parts))
+
+
 def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_bias: Any = None, p: float = 0.0,
             scale: float | None = None, *, op: OpArg = None, output_dtype: torch.dtype | None = None,
             q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
@@ -110,6 +136,8 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_bi
             kind: str = "fw") -> Report:
     """For one call: every registered op of ``kind`` ("fw"/"bw") with availability, reasons, estimate
     and its source, ranked; ``.selected`` is the op the call would use (None if none can)."""
+    arguments.choice("kind", kind, ("fw", "bw"))
+    partial = arguments.flag("partial", partial)
     inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, output_dtype=output_dtype, is_partial=partial,
                       q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                       quantize_kv_to_fp8=quantize_kv_to_fp8)

@@ -26,6 +26,8 @@ from typing import Any, ClassVar, Iterator, NamedTuple, Sequence
 
 import torch
 
+from . import arguments
+
 #: Mask kind names used in op declarations (``BIAS_KINDS``).
 NONE = "none"
 CAUSAL = "causal"  # top-left
@@ -74,6 +76,10 @@ class AttentionBias:
 
     def validate(self, query: torch.Tensor, key: torch.Tensor) -> None:
         """Raise ValueError naming the mask, the value and what it needs, if query / key do not fit."""
+
+    def check_host_values(self, key: torch.Tensor) -> None:
+        """Raise ValueError on index values that do not fit ``key`` (BMHK), for host-resident index tensors
+        only; runs on every call (``validate`` runs once per signature)."""
 
     def signature(self) -> Any:
         """Hashable: the mask type and the sizes it holds (not its device tensors' values)."""
@@ -150,6 +156,15 @@ class LowerTriangularFromBottomRightMask(AttentionBias):
         yield Segment(0, mq, (0, mk), "bottom_right")
 
 
+def _lengths(name: str, seqlens: Any) -> list[int]:
+    """``seqlens`` as a list of non-negative ints (ValueError / TypeError naming ``name``)."""
+    if isinstance(seqlens, torch.Tensor) and seqlens.ndim == 1 and not seqlens.is_floating_point():
+        seqlens = seqlens.tolist()
+    if isinstance(seqlens, (str, bytes)) or not isinstance(seqlens, Sequence):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(seqlens).__name__}")
+    return [arguments.integer(f"{name}[{i}]", n, minimum=0) for i, n in enumerate(seqlens)]
+
+
 @dataclass
 class _SeqLenInfo:
     """Starts of packed sequences: ``seqstart_py`` (host list, len B+1) and ``seqstart`` (int32 tensor)."""
@@ -160,13 +175,12 @@ class _SeqLenInfo:
     min_seqlen: int = 0
 
     @classmethod
-    def from_seqlens(cls, seqlens: Sequence[int], device: torch.device | str | None = None) -> "_SeqLenInfo":
+    def from_seqlens(cls, seqlens: Sequence[int], device: torch.device | str | None = None, *,
+                     name: str = "seqlens") -> "_SeqLenInfo":
+        lens = _lengths(name, seqlens)
         starts = [0]
-        for n in seqlens:
-            if n < 0:
-                raise ValueError(f"sequence lengths must be >= 0, got {list(seqlens)}")
-            starts.append(starts[-1] + int(n))
-        lens = list(map(int, seqlens))
+        for n in lens:
+            starts.append(starts[-1] + n)
         return cls(starts, torch.tensor(starts, dtype=torch.int32, device=device),
                    max(lens, default=0), min(lens, default=0))
 
@@ -191,8 +205,9 @@ class _PaddedSeqLenInfo:
     @classmethod
     def from_seqlens_padded(cls, seqlens: Sequence[int], padding: int,
                             device: torch.device | str | None = None) -> "_PaddedSeqLenInfo":
-        lens = list(map(int, seqlens))
-        if any(n < 0 or n > padding for n in lens):
+        padding = arguments.integer("kv_padding", padding, minimum=0)
+        lens = _lengths("kv_seqlen", seqlens)
+        if any(n > padding for n in lens):
             raise ValueError(f"kv_seqlen must be in [0, kv_padding={padding}], got {lens}")
         return cls(lens, torch.tensor(lens, dtype=torch.int32, device=device), padding)
 
@@ -215,10 +230,10 @@ class BlockDiagonalMask(AttentionBias):
     @classmethod
     def from_seqlens(cls, q_seqlen: Sequence[int], kv_seqlen: Sequence[int] | None = None,
                      device: torch.device | str | None = None):
-        if kv_seqlen is not None and len(kv_seqlen) != len(q_seqlen):
+        q = _SeqLenInfo.from_seqlens(q_seqlen, device, name="q_seqlen")
+        k = q if kv_seqlen is None else _SeqLenInfo.from_seqlens(kv_seqlen, device, name="kv_seqlen")
+        if len(k.seqstart_py) != len(q.seqstart_py):
             raise ValueError(f"q_seqlen has {len(q_seqlen)} sequences but kv_seqlen has {len(kv_seqlen)}")
-        q = _SeqLenInfo.from_seqlens(q_seqlen, device)
-        k = q if kv_seqlen is None else _SeqLenInfo.from_seqlens(kv_seqlen, device)
         return cls(q, k)
 
     def make_causal(self) -> "BlockDiagonalCausalMask":
@@ -282,10 +297,11 @@ class BlockDiagonalPaddedKeysMask(AttentionBias):
     @classmethod
     def from_seqlens(cls, q_seqlen: Sequence[int], kv_padding: int, kv_seqlen: Sequence[int],
                      device: torch.device | str | None = None):
-        if len(kv_seqlen) != len(q_seqlen):
+        q = _SeqLenInfo.from_seqlens(q_seqlen, device, name="q_seqlen")
+        k = _PaddedSeqLenInfo.from_seqlens_padded(kv_seqlen, kv_padding, device)
+        if len(k.seqlen_py) != len(q.seqstart_py) - 1:
             raise ValueError(f"q_seqlen has {len(q_seqlen)} sequences but kv_seqlen has {len(kv_seqlen)}")
-        return cls(_SeqLenInfo.from_seqlens(q_seqlen, device),
-                   _PaddedSeqLenInfo.from_seqlens_padded(kv_seqlen, kv_padding, device))
+        return cls(q, k)
 
     def make_paged(self, block_tables: torch.Tensor, page_size: int, paged_type=None):
         """The paged twin of this mask (xformers' ``make_paged``)."""
@@ -340,10 +356,10 @@ class PagedBlockDiagonalPaddedKeysMask(AttentionBias):
 
     def __post_init__(self) -> None:
         b = len(self.q_seqinfo.seqstart_py) - 1
+        arguments.tensor("block_tables", self.block_tables, layout="int32 (batch, max_pages)")
         if self.block_tables.ndim != 2 or self.block_tables.shape[0] != b:
             raise ValueError(f"block_tables must be (batch={b}, max_pages), got {tuple(self.block_tables.shape)}")
-        if self.page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        arguments.integer("page_size", self.page_size, minimum=1)
         cap = self.block_tables.shape[1] * self.page_size
         if self.k_seqinfo.seqlen_py is not None and any(n > cap for n in self.k_seqinfo.seqlen_py):
             raise ValueError(f"kv_seqlen {self.k_seqinfo.seqlen_py} exceeds block_tables capacity {cap}")
@@ -355,6 +371,14 @@ class PagedBlockDiagonalPaddedKeysMask(AttentionBias):
         if self.block_tables.dtype != torch.int32 or self.block_tables.device != query.device:
             raise ValueError(f"block_tables must be int32 on {query.device}, got "
                              f"{str(self.block_tables.dtype).replace('torch.', '')} on {self.block_tables.device}")
+
+    def check_host_values(self, key):
+        pages = key.shape[1] // self.page_size
+        arguments.host_range("block_tables", self.block_tables, 0, pages,
+                          f"the key holds {pages} pages of page_size={self.page_size}")
+        if self.k_seqinfo.seqlen_py is None:
+            arguments.host_range("attn_bias k_seqinfo.seqlen", self.k_seqinfo.seqlen, 0, self.k_seqinfo.padding + 1,
+                              f"block_tables hold {self.k_seqinfo.padding} keys per sequence")
 
     def _signature_fields(self):
         bt = self.block_tables

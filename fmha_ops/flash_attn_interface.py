@@ -19,9 +19,9 @@ import os
 import torch
 
 from . import attn_bias as ab
-from . import compiled
-from . import checks, kv_cache
-from .api import memory_efficient_attention, memory_efficient_attention_partial
+from . import arguments, checks, compiled, kv_cache
+from .api import memory_efficient_attention, run_forward
+from .inputs import make_inputs
 from .fp8_backward import set_fp8_dequantized_backward
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # the append kernel runs on CPU tensors
@@ -36,11 +36,14 @@ def _unsupported(**args) -> None:
 
 
 def _run(q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_lse):
+    """out in q's dtype (bfloat16 for fp8 inputs), differentiable; with ``return_lse`` also the lse (float32,
+    not differentiable, as FA3 returns it)."""
     kw = dict(scale=softmax_scale, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
-    if return_lse:
-        out_dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
-        return memory_efficient_attention_partial(q, k, v, bias, output_dtype=out_dtype, **kw)
-    return memory_efficient_attention(q, k, v, bias, **kw)
+    if not return_lse:
+        return memory_efficient_attention(q, k, v, bias, **kw)
+    inp = make_inputs(q, k, v, bias, is_partial=True, **kw)
+    out, lse = run_forward(inp, None, True)
+    return out, lse.detach()
 
 
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
@@ -53,8 +56,17 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     [, softmax_lse float32 (B, Hq, Mq) when ``return_attn_probs``]."""
     _unsupported(qv=(qv, None), window_size=(tuple(window_size), (-1, -1)), attention_chunk=(attention_chunk, 0),
                  softcap=(softcap, 0.0))
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        arguments.tensor(name, t, ndim=4, layout="(batch, seqlen, heads, headdim)")
+    _check_scalars(softmax_scale, causal)
     bias = ab.LowerTriangularFromBottomRightMask() if causal else None
     return _run(q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_attn_probs)
+
+
+def _check_scalars(softmax_scale, causal) -> None:
+    if softmax_scale is not None:
+        arguments.finite_float("softmax_scale", softmax_scale)
+    arguments.flag("causal", causal)
 
 
 def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -71,22 +83,44 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     _unsupported(seqused_q=(seqused_q, None), seqused_k=(seqused_k, None), qv=(qv, None),
                  window_size=(tuple(window_size), (-1, -1)), attention_chunk=(attention_chunk, 0),
                  softcap=(softcap, 0.0))
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        arguments.tensor(name, t, ndim=3, layout="(total_tokens, heads, headdim)")
+    _check_scalars(softmax_scale, causal)
     if torch.compiler.is_compiling():  # cu_seqlens are data to a trace: the call runs behind a custom op
         return compiled.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                          softmax_scale, causal, (q_descale, k_descale, v_descale), return_attn_probs)
     cls = ab.BlockDiagonalCausalFromBottomRightMask if causal else ab.BlockDiagonalMask
-    bias = cls(_seqinfo(cu_seqlens_q, max_seqlen_q), _seqinfo(cu_seqlens_k, max_seqlen_k))
+    q_info, k_info = _seqinfo("q", cu_seqlens_q, max_seqlen_q, q), _seqinfo("k", cu_seqlens_k, max_seqlen_k, k)
+    if len(q_info.seqstart_py) != len(k_info.seqstart_py):
+        raise ValueError(f"cu_seqlens_q has {len(q_info.seqstart_py) - 1} sequences but cu_seqlens_k has "
+                         f"{len(k_info.seqstart_py) - 1}")
+    bias = cls(q_info, k_info)
     res = _run(q[None], k[None], v[None], bias, softmax_scale, q_descale, k_descale, v_descale, return_attn_probs)
     if return_attn_probs:
         return res[0][0], res[1][0]
     return res[0]
 
 
-def _seqinfo(cu: torch.Tensor, max_seqlen: int) -> ab._SeqLenInfo:
+def _seqinfo(role: str, cu: torch.Tensor, max_seqlen: int | None, packed: torch.Tensor) -> ab._SeqLenInfo:
+    """``cu_seqlens_{role}`` (int32 (nseq + 1,), read on the host) as sequence starts into ``packed``
+    (total, H, D): 0 first, never decreasing, ``total`` last; ``max_seqlen_{role}`` (None: computed) at
+    least the longest sequence."""
+    name, max_name = f"cu_seqlens_{role}", f"max_seqlen_{role}"
+    arguments.tensor(name, cu, ndim=1, dtypes=(torch.int32,), layout="int32 (num_sequences + 1,)")
+    if cu.device != packed.device and cu.device.type != "cpu":
+        raise ValueError(f"{name} is on {cu.device} but {role} is on {packed.device}")
     starts = [int(x) for x in cu.tolist()]
+    total = packed.shape[0]
+    if not starts or starts[0] != 0 or starts[-1] != total or any(b < a for a, b in zip(starts, starts[1:])):
+        shown = starts if len(starts) <= 12 else starts[:6] + ["..."] + starts[-3:]
+        raise ValueError(f"{name} must start at 0, never decrease and end at {role}'s {total} tokens; got {shown}")
     lens = [b - a for a, b in zip(starts, starts[1:])]
-    return ab._SeqLenInfo(starts, cu.to(torch.int32), max(lens, default=0) if max_seqlen is None else max_seqlen,
-                          min(lens, default=0))
+    longest = max(lens, default=0)
+    if max_seqlen is None:
+        max_seqlen = longest
+    elif arguments.integer(max_name, max_seqlen, minimum=0) < longest:
+        raise ValueError(f"{max_name}={max_seqlen} is smaller than the longest sequence in {name} ({longest})")
+    return ab._SeqLenInfo(starts, cu.to(packed.device), max_seqlen, min(lens, default=0))
 
 
 @functools.lru_cache(maxsize=256)

@@ -37,7 +37,7 @@ from .dtypes import FLOAT_DTYPES, FP8_DTYPES, dtype_name  # noqa: F401  (re-expo
 from .fp8_backward import fp8_dequantized_backward_enabled, set_fp8_dequantized_backward  # noqa: F401
 from .problem import Problem
 from .quant import K_SCALE_BLOCK, Q_SCALE_BLOCK  # noqa: F401  (re-exported for the descale shapes)
-from .validation import descale_kinds, tma_misaligned, validate, value_layout
+from .validation import check_host_values, descale_kinds, tma_misaligned, validate, value_layout
 
 
 class Signature(NamedTuple):
@@ -191,8 +191,9 @@ def make_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, att
     Returns
     -------
     Inputs
-        BMHK tensors; ``.layout`` maps outputs back to the caller's layout. Not validated yet
-        (``Inputs.validate``, once per signature).
+        BMHK tensors; ``.layout`` maps outputs back to the caller's layout. Host-resident values (descales,
+        mask index tables) are checked here, on every call; the rest is validated by ``Inputs.validate``,
+        once per signature.
 
     Example
     -------
@@ -204,10 +205,18 @@ def make_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, att
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, d in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+        if d is not None and not isinstance(d, torch.Tensor):
+            raise TypeError(f"{name} must be a float32 tensor (numel 1 for one scale; see fmha_ops.inputs for "
+                            f"the per-head / block / token shapes), got {type(d).__name__} {d!r}"[:300])
     if query.ndim == 5:
         if key.ndim != 5 or value.ndim != 5:
             raise ValueError(f"query is 5-D (BMGHK) but key is {key.ndim}-D and value {value.ndim}-D")
         b, m, g, h, _ = query.shape
+        for name, t in (("key", key), ("value", value)):
+            if t.shape[2] != g or t.shape[3] != h:
+                raise ValueError(f"{name} {tuple(t.shape)} must have query's groups G={g} and heads H={h} "
+                                 f"(BMGHK; expand key/value over H for MQA/GQA), query is {tuple(query.shape)}")
         layout = OutputLayout((b, m, g, h))
         query = query.reshape(b, m, g * h, query.shape[-1])
         if _expanded_over_heads(key) and _expanded_over_heads(value):  # MQA/GQA: one kv head per group
@@ -221,8 +230,10 @@ def make_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, att
         if isinstance(attn_bias, torch.Tensor):
             raise ValueError("attn_bias as a dense tensor is not supported; use a mask from fmha_ops.attn_bias")
         attn_bias = ab.from_xformers(attn_bias)
-    return Inputs(query, key, value, attn_bias, p, scale, output_dtype, is_partial, q_descale, k_descale, v_descale,
-                  quantize_kv_to_fp8, layout)
+    inp = Inputs(query, key, value, attn_bias, p, scale, output_dtype, is_partial, q_descale, k_descale, v_descale,
+                 quantize_kv_to_fp8, layout)
+    check_host_values(inp)
+    return inp
 
 
 def _expanded_over_heads(t: torch.Tensor) -> bool:

@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import torch
 
+from . import arguments
+
+_FLOAT_INPUTS = arguments.FLOATS + (torch.float64,)
+
 
 def quantize_fp8(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn):
     """Symmetric per-row fp8 quantization over the last dim: ``x ~= x8 * scale[..., None]``.
@@ -21,6 +25,8 @@ def quantize_fp8(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn):
     scale = amax / fp8_max in float32 (1 for an all-zero row); returns (x8, scale) with scale
     shaped like x without its last dim. Matches ``kv_append``'s in-kernel quantization.
     """
+    arguments.tensor("x", x, dtypes=_FLOAT_INPUTS)
+    arguments.dtype("dtype", dtype, arguments.FP8)
     fmax = torch.finfo(dtype).max
     xf = x.float()
     amax = xf.abs().amax(-1)
@@ -32,12 +38,17 @@ def quantize_fp8(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn):
 def keys_contiguous(scale: torch.Tensor) -> torch.Tensor:
     """The same (..., L, H) scales laid out with L contiguous per head (strides of a (..., H, L) tensor): the
     layout in which the sm90 fp8 decoder reads a tile's scales in 16-byte copies (decode.md step 14)."""
+    arguments.tensor("scale", scale)
+    if scale.ndim < 2:
+        raise ValueError(f"scale must have >= 2 dims (..., L, H), got shape {tuple(scale.shape)}")
     return scale.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
 def quantize_kv_fp8(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn):
     """Per-token, per-head fp8 quantization of K and V (..., L, Hkv, D): (k8, v8, k_scale, v_scale), scales
     (..., L, Hkv) float32 with L contiguous per head (``keys_contiguous``)."""
+    arguments.tensor("k", k, dtypes=_FLOAT_INPUTS)
+    arguments.tensor("v", v, dtypes=_FLOAT_INPUTS)
     k8, ks = quantize_fp8(k, dtype)
     v8, vs = quantize_fp8(v, dtype)
     return k8, v8, keys_contiguous(ks), keys_contiguous(vs)
@@ -45,6 +56,9 @@ def quantize_kv_fp8(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype = torch
 
 def dequantize_fp8(x8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """float32 ``x8 * scale[..., None]``."""
+    arguments.tensor("x8", x8)
+    arguments.tensor("scale", scale)
+    arguments.shape("scale", scale, tuple(x8.shape[:-1]), f"(x8's shape {tuple(x8.shape)} without its last dim)")
     return x8.float() * scale[..., None]
 
 
@@ -64,17 +78,21 @@ def paged_from_dense(tensors, page_size: int, *, num_pages: int | None = None,
     """
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
-    if not tensors or any(not isinstance(t, torch.Tensor) or t.ndim < 2 for t in tensors):
-        raise ValueError("tensors must be a non-empty list of (B, L, ...) tensors")
+    if (not isinstance(tensors, (list, tuple)) or not tensors
+            or any(not isinstance(t, torch.Tensor) or t.ndim < 2 for t in tensors)):
+        raise ValueError(f"tensors must be a non-empty list of (B, L, ...) tensors, got {type(tensors).__name__}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     B, L = tensors[0].shape[:2]
-    if any(t.shape[:2] != (B, L) for t in tensors):
-        raise ValueError(f"tensors must share (B, L); got {[tuple(t.shape[:2]) for t in tensors]}")
+    if any(t.shape[:2] != (B, L) or t.device != tensors[0].device for t in tensors):
+        raise ValueError(f"tensors must share (B, L) and a device; got "
+                         f"{[(tuple(t.shape[:2]), str(t.device)) for t in tensors]}")
     per_seq = -(-L // page_size)
     total = B * per_seq
     num_pages = total if num_pages is None else num_pages
-    if num_pages < total:
-        raise ValueError(f"num_pages={num_pages} cannot hold {B} sequences of {L} keys in pages of {page_size} "
-                         f"(needs >= {total})")
+    if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < total:
+        raise ValueError(f"num_pages={num_pages!r} cannot hold {B} sequences of {L} keys in pages of {page_size} "
+                         f"(needs an int >= {total})")
     device = tensors[0].device
     perm = torch.randperm(num_pages, generator=generator)[:total].to(device)
     block_table = perm.view(B, per_seq).to(torch.int32)
@@ -90,7 +108,13 @@ def paged_from_dense(tensors, page_size: int, *, num_pages: int | None = None,
 
 def dense_from_paged(pages: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """Gather (num_pages, page_size, ...) through block_table (B, P) into (B, length, ...)."""
+    arguments.tensor("pages", pages)
+    if pages.ndim < 2:
+        raise ValueError(f"pages must be (num_pages, page_size, ...), got shape {tuple(pages.shape)}")
+    arguments.tensor("block_table", block_table, ndim=2, dtypes=(torch.int32, torch.int64), layout="(B, max_pages)")
+    arguments.host_range("block_table", block_table, 0, pages.shape[0], f"pages has {pages.shape[0]} pages")
     B, P = block_table.shape
+    arguments.integer("length", length, minimum=0, maximum=P * pages.shape[1])
     g = pages[block_table.long()]
     return g.reshape(B, P * pages.shape[1], *pages.shape[2:])[:, :length]
 
@@ -104,6 +128,10 @@ def build_fp8_paged_cache(k: torch.Tensor, v: torch.Tensor, page_size: int,
     Hkv, D) in ``dtype``, scales float32 (num_pages, page_size, Hkv) with the slots of each page contiguous per
     head (``keys_contiguous``), block_table int32.
     """
+    arguments.tensor("k", k, ndim=4, dtypes=_FLOAT_INPUTS, layout="(B, L, Hkv, D)")
+    arguments.tensor("v", v, ndim=4, dtypes=_FLOAT_INPUTS, layout="(B, L, Hkv, D)")
+    arguments.shape("v", v, tuple(k.shape), "(k's shape)")
+    arguments.dtype("dtype", dtype, arguments.FP8)
     (k8, ks), (v8, vs) = quantize_fp8(k, dtype), quantize_fp8(v, dtype)  # paging copies: lay the scales out after
     (kc, vc, kss, vss), bt = paged_from_dense([k8.view(torch.uint8), v8.view(torch.uint8), ks, vs],
                                               page_size, num_pages=num_pages, generator=generator)

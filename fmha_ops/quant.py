@@ -16,6 +16,8 @@ from typing import NamedTuple
 
 import torch
 
+from . import arguments
+
 # Tokens per int8 descale along the sequence for per-block i8fp8 quantization. SageAttention uses 128 / 64;
 # K blocks of 128 (a multiple of the kernel's BLOCK_N) give one k descale per tile: a scalar FMA per score
 # instead of a per-column scale vector (measured 672 -> see bench/results/attention_fwd.md).
@@ -34,6 +36,9 @@ __all__ = [
     "quantize_qkv_fp8",
 ]
 
+_FLOAT_INPUTS = arguments.FLOATS + (torch.float64,)
+_BMHK = "(batch, seqlen, heads, headdim)"
+
 
 def _safe_descale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
     """amax / qmax, with 1 where the group is all zeros (so dequantization never divides by 0)."""
@@ -47,9 +52,12 @@ def quantize_fp8(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, num_
     for q under GQA/MQA); the amax is taken over the sequence, the group and the head dim.
     Returns ``(x_fp8, descale)`` with ``x ≈ x_fp8.float() * descale[:, None, :, None]`` per group.
     """
+    arguments.tensor("x", x, ndim=4, dtypes=_FLOAT_INPUTS, layout=_BMHK)
+    arguments.dtype("dtype", dtype, arguments.FP8)
     B, M, H, D = x.shape
-    hkv = num_kv_heads or H
-    assert H % hkv == 0, "H must be a multiple of num_kv_heads"
+    hkv = H if num_kv_heads is None else arguments.integer("num_kv_heads", num_kv_heads, minimum=1)
+    if H % hkv:
+        raise ValueError(f"num_kv_heads={hkv} must divide the {H} heads of x {tuple(x.shape)}")
     fmax = torch.finfo(dtype).max
     xf = x.float().reshape(B, M, hkv, H // hkv, D)
     descale = _safe_descale(xf.abs().amax(dim=(1, 3, 4)), fmax)
@@ -58,7 +66,16 @@ def quantize_fp8(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, num_
 
 
 def quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn):
-    """FA3-convention fp8 q, k, v with (B, Hkv) descales: ``(q8, k8, v8, q_descale, k_descale, v_descale)``."""
+    """FA3-convention fp8 q, k, v with (B, Hkv) descales: ``(q8, k8, v8, q_descale, k_descale, v_descale)``.
+
+    q (B, Mq, Hq, D), k (B, Mk, Hkv, D), v (B, Mk, Hkv, Dv) float, Hq % Hkv == 0; q's descale is per kv head.
+
+    >>> q8, k8, v8, qd, kd, vd = quantize_qkv_fp8(torch.randn(1, 4, 2, 16), torch.randn(1, 6, 1, 16),
+    ...                                           torch.randn(1, 6, 1, 16))
+    >>> qd.shape
+    torch.Size([1, 1])
+    """
+    arguments.bmhk_qkv(q, k, v)
     hkv = k.shape[2]
     q8, qd = quantize_fp8(q, dtype, num_kv_heads=hkv)
     k8, kd = quantize_fp8(k, dtype)
@@ -91,6 +108,9 @@ def quantize_blocks(x: torch.Tensor, block: int, dtype: torch.dtype = torch.int8
     Returns (xq (B, M, H, D), descale float32 (B, H, cdiv(M, block))); descale = amax / qmax (1 for an
     all-zero block); int8 rounds half away from zero, as the fused kernel (kernels/triton/quantize.py) does.
     """
+    arguments.tensor("x", x, ndim=4, dtypes=_FLOAT_INPUTS, layout=_BMHK)
+    block = arguments.integer("block", block, minimum=1)
+    arguments.dtype("dtype", dtype, (torch.int8,) + arguments.FP8)
     B, M, H, D = x.shape
     nb = -(-M // block)
     qmax = 127.0 if dtype == torch.int8 else torch.finfo(dtype).max
@@ -104,7 +124,12 @@ def quantize_blocks(x: torch.Tensor, block: int, dtype: torch.dtype = torch.int8
 
 def dequantize_blocks(xq: torch.Tensor, descale: torch.Tensor, block: int) -> torch.Tensor:
     """float32 values of ``quantize_blocks``' output: xq (B, M, H, D) * descale (B, H, cdiv(M, block))."""
-    M = xq.shape[1]
+    arguments.tensor("xq", xq, ndim=4, dtypes=(torch.int8,) + arguments.FP8, layout=_BMHK)
+    arguments.tensor("descale", descale, ndim=3, dtypes=(torch.float32,), layout="(batch, heads, blocks)")
+    block = arguments.integer("block", block, minimum=1)
+    B, M, H, _ = xq.shape
+    arguments.shape("descale", descale, (B, H, -(-M // block)), f"for xq {tuple(xq.shape)} and block={block}")
+    arguments.same_device("descale", descale, "xq", xq)
     return xq.float() * descale.repeat_interleave(block, 2)[:, :, :M].transpose(1, 2)[..., None]
 
 
@@ -123,6 +148,8 @@ def _int8_grouped(x: torch.Tensor, groups: int | None):
 def fp8_channel_descale(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """float32 (B, H, D) descale of v (B, M, H, D) per channel over the sequence: amax / fp8 max (1 where all
     zero, and for an empty sequence)."""
+    arguments.tensor("v", v, ndim=4, dtypes=_FLOAT_INPUTS, layout=_BMHK)
+    arguments.dtype("dtype", dtype, arguments.FP8)
     B, M, H, D = v.shape
     if not M:
         return torch.ones((B, H, D), dtype=torch.float32, device=v.device)
@@ -132,6 +159,12 @@ def fp8_channel_descale(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def quantize_fp8_channels(v: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """v (B, M, H, D) / descale (B, H, D), saturated, as ``dtype`` (fp8)."""
+    arguments.tensor("v", v, ndim=4, dtypes=_FLOAT_INPUTS, layout=_BMHK)
+    arguments.tensor("descale", descale, ndim=3, dtypes=(torch.float32,), layout="(batch, heads, headdim)")
+    arguments.dtype("dtype", dtype, arguments.FP8)
+    arguments.shape("descale", descale, (v.shape[0], v.shape[2], v.shape[3]), f"for v {tuple(v.shape)}")
+    arguments.same_device("descale", descale, "v", v)
+    arguments.host_finite("descale", descale)
     fmax = torch.finfo(dtype).max
     return (v.float() / descale[:, None]).clamp(-fmax, fmax).to(dtype)
 
@@ -146,6 +179,13 @@ def quantize_i8fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: 
     "head" ((B, Hkv) for both; q's amax over the q heads sharing a kv head) or "tensor" (numel 1).
     v_granularity: "channel" ((B, Hkv, Dv)) or "tensor" (numel 1).
     """
+    arguments.bmhk_qkv(q, k, v)
+    if scale is not None:
+        scale = arguments.finite_float("scale", scale)
+    smooth_k = arguments.flag("smooth_k", smooth_k)
+    arguments.choice("qk_granularity", qk_granularity, ("block", "head", "tensor"))
+    arguments.choice("v_granularity", v_granularity, ("channel", "tensor"))
+    arguments.dtype("fp8_dtype", fp8_dtype, arguments.FP8)
     D = q.shape[-1]
     hkv = k.shape[2]
     qf = q.float() * (D ** -0.5 if scale is None else scale)
@@ -155,20 +195,16 @@ def quantize_i8fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: 
     if qk_granularity == "block":
         q8, qd = quantize_blocks(qf, Q_SCALE_BLOCK)
         k8, kd = quantize_blocks(kf, K_SCALE_BLOCK)
-    elif qk_granularity in ("head", "tensor"):
+    else:
         groups = hkv if qk_granularity == "head" else None
         q8, qd = _int8_grouped(qf, groups)
         k8, kd = _int8_grouped(kf, groups)
-    else:
-        raise ValueError(f"qk_granularity must be 'block', 'head' or 'tensor', got {qk_granularity!r}")
     if v_granularity == "channel":
         vd = fp8_channel_descale(v, fp8_dtype)  # (B, Hkv, Dv)
         v8 = quantize_fp8_channels(v, vd, fp8_dtype)
-    elif v_granularity == "tensor":
+    else:
         fmax = torch.finfo(fp8_dtype).max
         vf = v.float()
         vd = _safe_descale(vf.abs().amax().reshape(1), fmax)
         v8 = (vf / vd).clamp(-fmax, fmax).to(fp8_dtype)
-    else:
-        raise ValueError(f"v_granularity must be 'channel' or 'tensor', got {v_granularity!r}")
     return I8FP8Inputs(q8, k8, v8, qd, kd, vd, 1.0)

@@ -25,9 +25,10 @@ import torch
 from registry import current_arch, fp8_dtype
 
 from . import attn_bias as ab
-from . import compiled
+from . import arguments, compiled
 from .api import make_problem, run_forward
 from .dispatch import SELECTOR
+from .dtypes import FLOAT_DTYPES
 from .inputs import make_inputs
 from .quant import (
     K_SCALE_BLOCK,
@@ -101,11 +102,19 @@ class _QuantizedAttention(torch.autograd.Function):
         return None, None, None, None, dq, dk, dv
 
 
+def _check_call(q, k, v, causal, softmax_scale) -> None:
+    arguments.bmhk_qkv(q, k, v, dtypes=FLOAT_DTYPES)
+    arguments.flag("causal", causal)
+    if softmax_scale is not None:
+        arguments.finite_float("softmax_scale", softmax_scale)
+
+
 def _causal(causal: bool):
     return ab.LowerTriangularFromBottomRightMask() if causal else None
 
 
 def _quantized_attention(qk_kind: str, causal: bool, scale: float | None, op, q, k, v) -> torch.Tensor:
+    _check_call(q, k, v, causal, scale)
     if torch.compiler.is_compiling():
         return compiled.quantized_attention(qk_kind, causal, scale, op, q, k, v)
     qk_dtype = torch.int8 if qk_kind == "int8" else fp8_dtype(current_arch(q.device))

@@ -1,16 +1,17 @@
 """Validation of one call's ``Inputs``: tensors, dtypes, descales, scalars; the mask checks itself.
 
-Every error is a ValueError naming the argument, the value and what is supported. ``validate`` runs once
-per call signature (the selector's memo), so none of this is on the repeated-call path.
+Every error is a ValueError / TypeError naming the argument, the value and what is supported. ``validate``
+runs once per call signature (the selector's memo), so none of this is on the repeated-call path;
+``check_host_values`` runs on every call and reads host-resident values only.
 """
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import attn_bias as ab
+from . import arguments
 from .dtypes import FLOAT_DTYPES, FP8_DTYPES, dtype_name
 from .quant import K_SCALE_BLOCK, Q_SCALE_BLOCK
 
@@ -45,16 +46,16 @@ def validate(inp: "Inputs") -> None:
     if hkv == 0 or hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv}) (GQA/MQA)")
     if q.shape[3] == 0 or v.shape[3] == 0:
-        raise ValueError(f"head dims must be >= 1, got K={q.shape[3]}, Kv={v.shape[3]}")
+        raise ValueError(f"query/key head dim K={q.shape[3]} and value head dim Kv={v.shape[3]} must be >= 1")
     _validate_dtypes(inp)
     _validate_descales(inp)
-    if not (0.0 <= inp.p < 1.0):
+    if not (0.0 <= arguments.real("p", inp.p) < 1.0):
         raise ValueError(f"p (dropout) must be in [0, 1), got {inp.p}")
-    if inp.scale is not None and not math.isfinite(inp.scale):
-        raise ValueError(f"scale must be a finite float, got {inp.scale}")
-    if inp.output_dtype is not None and inp.output_dtype not in FLOAT_DTYPES:
-        raise ValueError(f"output_dtype={inp.output_dtype} not supported; use one of "
-                         f"{', '.join(map(dtype_name, FLOAT_DTYPES))}")
+    if inp.scale is not None:
+        arguments.finite_float("scale", inp.scale)
+    if inp.output_dtype is not None:
+        arguments.dtype("output_dtype", inp.output_dtype, FLOAT_DTYPES)
+    arguments.flag("quantize_kv_to_fp8", inp.quantize_kv_to_fp8)
     if inp.attn_bias is not None:
         inp.attn_bias.validate(q, k)
 
@@ -84,7 +85,11 @@ def _validate_dtypes(inp: "Inputs") -> None:
     if q in FLOAT_DTYPES and k in FP8_DTYPES and (inp.k_descale is None or inp.v_descale is None):
         raise ValueError(f"k_descale and v_descale are required for a {dtype_name(k)} KV cache")
     if q in FLOAT_DTYPES and k == q and any(d is not None for d in descales):
-        raise ValueError(f"descales are only for quantized inputs; query/key/value are {dtype_name(q)}")
+        given = "/".join(r for r, d in zip(_DESCALE_ROLES, descales) if d is not None)
+        raise ValueError(f"{given}: descales are only for quantized inputs; query/key/value are {dtype_name(q)}")
+    if q in FLOAT_DTYPES and k in FP8_DTYPES and inp.q_descale is not None:
+        raise ValueError(f"q_descale is not taken with a {dtype_name(q)} query (an fp8 KV cache takes k_descale "
+                         f"and v_descale only)")
     if inp.quantize_kv_to_fp8 and not (q in (torch.float16, torch.bfloat16) and k == q):
         raise ValueError(f"quantize_kv_to_fp8=True needs float16/bfloat16 query, key and value; got {combo}")
 
@@ -103,6 +108,16 @@ def _validate_descales(inp: "Inputs") -> None:
                          f"(queries packed in batch 1); pass per-token k/v descales of shape key.shape[:3]")
     if kinds[1] == "token" and inp.query.dtype not in FLOAT_DTYPES:
         raise ValueError("per-token k/v descales are only for a float16/bfloat16 query with an fp8 KV cache")
+
+
+def check_host_values(inp: "Inputs") -> None:
+    """Per-call checks of values the signature does not hold, for host-resident tensors only (reading a
+    device tensor would sync): descales must be finite; masks check their own index tables."""
+    for role, d in zip(_DESCALE_ROLES, (inp.q_descale, inp.k_descale, inp.v_descale)):
+        if d is not None:
+            arguments.host_finite(role, d)
+    if inp.attn_bias is not None:
+        inp.attn_bias.check_host_values(inp.key)
 
 
 def descale_kinds(inp: "Inputs") -> tuple[str, str, str]:

@@ -67,13 +67,7 @@ def _parse_archs(archs: tuple[str, ...]) -> tuple[ArchSpec, ...]:
 
 @functools.lru_cache(maxsize=None)
 def _available(op: type[Op]) -> str | None:
-    for mod in op.REQUIRES:
-        try:
-            found = importlib.util.find_spec(mod) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
-            return f"package {mod!r} is not installed"
+    # The hardware first: installing a package does not help an op this machine cannot run.
     archs = op.arch_specs()
     if not any(spec.kind == "cpu" for spec in archs):
         here = current_arch()
@@ -81,4 +75,11 @@ def _available(op: type[Op]) -> str | None:
             return f"needs a GPU ({', '.join(map(str, archs))}); none here"
         if not op.supports_arch(here):
             return f"needs {', '.join(map(str, archs))}; this is {here}"
+    for mod in op.REQUIRES:
+        try:
+            found = importlib.util.find_spec(mod) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            return f"package {mod!r} is not installed"
     return op.unavailable_reason()

@@ -204,6 +204,10 @@ class Selector:
             return self._memo[memo_key]
         except KeyError:
             pass
+        except TypeError:  # an unhashable argument: the problem's validation or resolve() names it
+            make_problem()
+            self.resolve(op, kind)
+            raise
         problem = make_problem()
         report = self.explain(problem, kind, op)
         if report.selected is None:

@@ -245,10 +245,10 @@ def test_seqinfo_fields():
 
 
 @pytest.mark.parametrize("make,msg", [
-    (lambda: ab.BlockDiagonalMask.from_seqlens([1, -1]), r"sequence lengths must be >= 0, got \[1, -1\]"),
+    (lambda: ab.BlockDiagonalMask.from_seqlens([1, -1]), r"q_seqlen\[1\] must be >= 0, got -1"),
     (lambda: ab.BlockDiagonalMask.from_seqlens([1, 2], [1]), "q_seqlen has 2 sequences but kv_seqlen has 1"),
     (lambda: ab.BlockDiagonalPaddedKeysMask.from_seqlens([1], 4, [5]), r"kv_seqlen must be in \[0, kv_padding=4\]"),
-    (lambda: ab.BlockDiagonalPaddedKeysMask.from_seqlens([1], 4, [-1]), r"kv_seqlen must be in \[0, kv_padding=4\]"),
+    (lambda: ab.BlockDiagonalPaddedKeysMask.from_seqlens([1], 4, [-1]), r"kv_seqlen\[0\] must be >= 0, got -1"),
     (lambda: ab.BlockDiagonalPaddedKeysMask.from_seqlens([1, 1], 4, [1]), "q_seqlen has 2 sequences but kv_seqlen"),
     (lambda: ab.BlockDiagonalPaddedKeysMask.from_seqlens([1, 1], 4, [1, 2]).make_paged(
         torch.zeros(3, 2, dtype=torch.int32), 2), r"block_tables must be \(batch=2, max_pages\), got \(3, 2\)"),

@@ -122,8 +122,8 @@ def test_non_contiguous_other_dims_is_fine():
     (dict(k=t(B, MK, 0, D, dtype=torch.float16), v=t(B, MK, 0, D, dtype=torch.float16)),
      r"query heads \(4\) must be a multiple of key/value heads \(0\)"),
     (dict(q=t(B, MQ, HQ, 0, dtype=torch.float16), k=t(B, MK, HKV, 0, dtype=torch.float16)),
-     r"head dims must be >= 1, got K=0, Kv=16"),
-    (dict(v=t(B, MK, HKV, 0, dtype=torch.float16)), r"head dims must be >= 1, got K=16, Kv=0"),
+     r"query/key head dim K=0 and value head dim Kv=16 must be >= 1"),
+    (dict(v=t(B, MK, HKV, 0, dtype=torch.float16)), r"query/key head dim K=16 and value head dim Kv=0 must be >= 1"),
 ])
 def test_shapes(kw, msg):
     if msg is None:  # Hq == Hkv is valid
@@ -274,7 +274,8 @@ def test_scale_not_finite(scale):
 
 @pytest.mark.parametrize("dt", [torch.float64, torch.int8, F8, torch.int32])
 def test_output_dtype(dt):
-    check(rf"output_dtype={dt} not supported; use one of float16, bfloat16, float32", output_dtype=dt)
+    check(rf"output_dtype={str(dt).replace('torch.', '')} not supported; supported: float16, bfloat16, float32",
+          output_dtype=dt)
 
 
 # ---- masks -------------------------------------------------------------------------------------------------

@@ -54,6 +54,9 @@ def reference_attention(inp: Inputs, compute_dtype: torch.dtype = torch.float32
             l_b.append(l)
         outs.append(torch.cat(o_b, 0))
         lses.append(torch.cat(l_b, 1))
+    if not outs:  # batch 0
+        return (qf.new_zeros(q.shape[:3] + vf.shape[3:]) + qf.sum() * 0,
+                torch.zeros((0, hq, mq), dtype=torch.float32, device=q.device))
     return torch.stack(outs), torch.stack(lses).float()
 
 
@@ -62,7 +65,7 @@ def _attend(q, k, v, causal: str, scale: float, p: float) -> tuple[torch.Tensor,
     m, h, n = q.shape[0], q.shape[1], k.shape[0]
     step = max(1, _ROW_CHUNK_ELEMS // max(1, h * n))
     outs, lses = [], []
-    for r0 in range(0, m, step):
+    for r0 in range(0, max(m, 1), step):  # one empty chunk when m == 0 keeps the output in the graph
         r1 = min(m, r0 + step)
         s = torch.einsum("mhd,nhd->hmn", q[r0:r1], k) * scale
         if causal:
@@ -80,8 +83,6 @@ def _attend(q, k, v, causal: str, scale: float, p: float) -> tuple[torch.Tensor,
             probs = torch.nn.functional.dropout(probs, p)
         outs.append(torch.einsum("hmn,nhd->mhd", probs, v))
         lses.append(lse)
-    if not outs:
-        return q.new_zeros((0, h, v.shape[-1])), q.new_zeros((h, 0))
     return torch.cat(outs, 0), torch.cat(lses, 1)
 
 

@@ -20,6 +20,22 @@ from ..problem import Problem
 from .base import AttentionFwOp
 from .cost import attention_time
 
+#: cuDNN SDPA's largest batch / head count (torch's check_cudnn_tensor_shapes)
+_CUDNN_MAX_DIM = 65535
+#: cuDNN versions (torch.backends.cudnn.version()) from which torch lets cuDNN SDPA take head dim 256 on
+#: sm90/sm100 (above 9.22), and head dims 192 (q/k) with 128 (v) (9.11 and later)
+_CUDNN_D256_AFTER, _CUDNN_D192_FROM = 92200, 91100
+
+
+def _cudnn_head_dim_limit(k: int, kv: int) -> int:
+    version = torch.backends.cudnn.version() or 0
+    if version > _CUDNN_D256_AFTER:
+        return 256
+    if version >= _CUDNN_D192_FROM and (k, kv) == (192, 128):
+        return 192
+    return 128
+
+
 _HALF = frozenset({(torch.float16,) * 3, (torch.bfloat16,) * 3})
 _ALL_FLOAT = _HALF | {(torch.float32,) * 3}
 
@@ -45,11 +61,14 @@ class _SdpaOp(AttentionFwOp):
         q, k, v = inp.query.transpose(1, 2), inp.key.transpose(1, 2), inp.value.transpose(1, 2)
         bias = inp.attn_bias
         causal = bias is not None and (bias.KIND == ab.CAUSAL or (bias.KIND == ab.CAUSAL_BR and q.shape[2] > 1))
+        scale = inp.softmax_scale
+        if causal and scale <= 0.0:  # the fused kernels mask with -inf before scaling: -inf * 0 is NaN
+            q, scale = q * scale, 1.0
         if q.numel() and k.numel():
-            out = cls.attention(q, k, v, inp.p, causal, inp.softmax_scale).transpose(1, 2)
+            out = cls.attention(q, k, v, inp.p, causal, scale).transpose(1, 2)
         else:  # the fused functions fault on empty inputs; SDPA's front end returns the empty / zero output
             out = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, dropout_p=inp.p, is_causal=causal, scale=inp.softmax_scale,
+                q, k, v, dropout_p=inp.p, is_causal=causal, scale=scale,
                 enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2)
         return (out if out.dtype == inp.out_dtype else out.to(inp.out_dtype)), None
 
@@ -74,6 +93,7 @@ class SdpaCudnnFwOp(_SdpaOp):
     DTYPES = _HALF
     OUT_DTYPES = frozenset({torch.float16, torch.bfloat16})
     HEAD_DIMS = range(8, 257, 8)
+    DROPOUT = False  # torch takes cuDNN dropout only in steps of 1/16 (and not with one query)
     DETERMINISTIC = False
     RATES = (600.0, 3.9, 8.0)
 
@@ -81,6 +101,21 @@ class SdpaCudnnFwOp(_SdpaOp):
     def attention(q, k, v, p, causal, scale):
         return torch._scaled_dot_product_cudnn_attention(q, k, v, None, _needs_grad(q, k, v), p, causal, False,
                                                          scale=scale)[0]
+
+    @classmethod
+    def extra_reasons(cls, p: Problem) -> list[str]:
+        # what torch's can_use_cudnn_attention (sdp_utils.cpp, check_cudnn_tensor_shapes) refuses: SDPA fails
+        # such calls with "No available kernel" (cuDNN builds no graph for them)
+        r = super().extra_reasons(p)
+        if p.seqlen_k <= 1 or p.seqlen_q == 0:
+            r.append(f"cuDNN SDPA needs key length >= 2 and query length >= 1 (got Mq={p.seqlen_q}, "
+                     f"Mk={p.seqlen_k})")
+        if max(p.batch, p.heads_q) > _CUDNN_MAX_DIM:
+            r.append(f"cuDNN SDPA takes batch and heads <= {_CUDNN_MAX_DIM} (got B={p.batch}, Hq={p.heads_q})")
+        limit = _cudnn_head_dim_limit(p.head_dim, p.head_dim_v)
+        if max(p.head_dim, p.head_dim_v) > limit:
+            r.append(f"cuDNN SDPA with this cuDNN ({torch.backends.cudnn.version()}) takes head dims <= {limit}")
+        return r
 
 
 @register
