@@ -18,8 +18,6 @@ import torch
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
-#: largest entry count whose finiteness is checked on the host (descales, scales, index tables)
-HOST_CHECK_MAX_NUMEL = 1 << 24
 
 
 def _dtype_name(dt: Any) -> str:
@@ -107,26 +105,18 @@ def dtype(name: str, v: Any, allowed: Collection[torch.dtype]) -> torch.dtype:
     return v
 
 
-def host_finite(name: str, x: torch.Tensor) -> None:
-    """Raise if a host-resident float tensor holds NaN or Inf (device tensors are not read: no sync)."""
-    if x.device.type == "cpu" and x.is_floating_point() and 0 < x.numel() <= HOST_CHECK_MAX_NUMEL:
-        bad = ~torch.isfinite(x)
-        if bool(bad.any()):
-            idx = tuple(int(i) for i in bad.nonzero()[0])
-            raise ValueError(f"{name} must be finite; entry {idx if len(idx) > 1 else idx[0]} is "
-                             f"{x[idx].item()}")
-
-
-def host_range(name: str, x: torch.Tensor, low: int, high: int, what: str) -> None:
-    """Raise if a host-resident integer tensor has an entry outside [low, high) (``what`` names the bound)."""
-    if x.device.type != "cpu" or x.numel() == 0 or x.is_floating_point():
-        return
-    lo, hi = int(x.min()), int(x.max())
-    if lo < low or hi >= high:
-        bad = (x < low) | (x >= high)
+def require_finite(name: str, x: torch.Tensor) -> None:
+    """Raise ValueError naming the first NaN / Inf entry of ``x`` (reads ``x``: a sync for device tensors)."""
+    bad = ~torch.isfinite(x)
+    if bool(bad.any()):
         idx = tuple(int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"{name}{list(idx)} = {int(x[idx])} is out of range: entries must be in "
-                         f"[{low}, {high}) ({what})")
+        raise ValueError(f"{name} must be finite; entry {idx if len(idx) > 1 else idx[0]} is {x[idx].item()}")
+
+
+def host_finite(name: str, x: torch.Tensor) -> None:
+    """``require_finite`` for a host-resident float tensor (device tensors are not read: no sync)."""
+    if x.device.type == "cpu" and x.is_floating_point() and x.numel():
+        require_finite(name, x)
 
 
 def bmhk_qkv(q: Any, k: Any, v: Any, names: tuple[str, str, str] = ("q", "k", "v"),

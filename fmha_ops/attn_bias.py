@@ -26,7 +26,7 @@ from typing import Any, ClassVar, Iterator, NamedTuple, Sequence
 
 import torch
 
-from . import arguments
+from . import arguments, checks
 
 #: Mask kind names used in op declarations (``BIAS_KINDS``).
 NONE = "none"
@@ -77,9 +77,10 @@ class AttentionBias:
     def validate(self, query: torch.Tensor, key: torch.Tensor) -> None:
         """Raise ValueError naming the mask, the value and what it needs, if query / key do not fit."""
 
-    def check_host_values(self, key: torch.Tensor) -> None:
-        """Raise ValueError on index values that do not fit ``key`` (BMHK), for host-resident index tensors
-        only; runs on every call (``validate`` runs once per signature)."""
+    def check_values(self, key: torch.Tensor) -> None:
+        """Raise ValueError on index values that do not fit ``key`` (BMHK): host-resident index tensors always,
+        device-resident ones in check mode (``fmha_ops.checks``); runs on every call (``validate`` runs once
+        per signature)."""
 
     def signature(self) -> Any:
         """Hashable: the mask type and the sizes it holds (not its device tensors' values)."""
@@ -372,13 +373,18 @@ class PagedBlockDiagonalPaddedKeysMask(AttentionBias):
             raise ValueError(f"block_tables must be int32 on {query.device}, got "
                              f"{str(self.block_tables.dtype).replace('torch.', '')} on {self.block_tables.device}")
 
-    def check_host_values(self, key):
+    def check_values(self, key):
+        lengths = self.k_seqinfo.seqlen
+        if self.block_tables.device != key.device or lengths.device != key.device:
+            return  # validate() names the device mismatch
+        if not checks.wanted(self.block_tables, lengths):
+            return
         pages = key.shape[1] // self.page_size
-        arguments.host_range("block_tables", self.block_tables, 0, pages,
-                          f"the key holds {pages} pages of page_size={self.page_size}")
-        if self.k_seqinfo.seqlen_py is None:
-            arguments.host_range("attn_bias k_seqinfo.seqlen", self.k_seqinfo.seqlen, 0, self.k_seqinfo.padding + 1,
-                              f"block_tables hold {self.k_seqinfo.padding} keys per sequence")
+        checks.validate_indices(
+            checks.IndexCheck("attn_bias k_seqinfo.seqlen", lengths, 0, self.k_seqinfo.padding,
+                              f"block_tables hold {self.k_seqinfo.padding} keys per sequence"),
+            checks.page_table_check("attn_bias block_tables", self.block_tables, lengths, self.page_size, pages,
+                                    f"the key ({key.shape[1]} rows of page_size={self.page_size})"))
 
     def _signature_fields(self):
         bt = self.block_tables

@@ -176,6 +176,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if q_descale is not None:
         raise NotImplementedError("q_descale is not implemented for flash_attn_with_kvcache (pass a bf16/fp16 q)")
     _check_cache_tensors(q, k_cache, v_cache, k, v)
+    _check_scalars(softmax_scale, causal)
     batch, mq = q.shape[:2]
     page = k_cache.shape[1]
     mnew = 0 if k is None else k.shape[1]
@@ -228,7 +229,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 def _check_cache_tensors(q, k_cache, v_cache, k, v) -> None:
     """Shapes and dtypes of q, the caches and the appended k/v (host metadata only)."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
-        if t is None:
+        if t is None and name in ("k", "v"):
             continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -244,6 +245,11 @@ def _check_cache_tensors(q, k_cache, v_cache, k, v) -> None:
         raise ValueError(f"k_cache has shape {tuple(k_cache.shape)}: a page (or dense sequence) needs >= 1 slot")
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
+    if q.shape[3] != k_cache.shape[3]:
+        raise ValueError(f"q head dim {q.shape[3]} != k_cache head dim {k_cache.shape[3]} (q {tuple(q.shape)}, "
+                         f"k_cache {tuple(k_cache.shape)})")
+    if k_cache.shape[2] == 0 or q.shape[2] % k_cache.shape[2]:
+        raise ValueError(f"q heads ({q.shape[2]}) must be a multiple of k_cache heads ({k_cache.shape[2]}) (GQA/MQA)")
     if (k is None) != (v is None):
         raise ValueError(f"k and v are appended together; got k={'None' if k is None else 'a tensor'}, "
                          f"v={'None' if v is None else 'a tensor'}")

@@ -37,7 +37,7 @@ from .dtypes import FLOAT_DTYPES, FP8_DTYPES, dtype_name  # noqa: F401  (re-expo
 from .fp8_backward import fp8_dequantized_backward_enabled, set_fp8_dequantized_backward  # noqa: F401
 from .problem import Problem
 from .quant import K_SCALE_BLOCK, Q_SCALE_BLOCK  # noqa: F401  (re-exported for the descale shapes)
-from .validation import check_host_values, descale_kinds, tma_misaligned, validate, value_layout
+from .validation import check_values, descale_kinds, tma_misaligned, validate, value_layout
 
 
 class Signature(NamedTuple):
@@ -191,8 +191,8 @@ def make_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, att
     Returns
     -------
     Inputs
-        BMHK tensors; ``.layout`` maps outputs back to the caller's layout. Host-resident values (descales,
-        mask index tables) are checked here, on every call; the rest is validated by ``Inputs.validate``,
+        BMHK tensors; ``.layout`` maps outputs back to the caller's layout. Descale and mask index values are
+        checked here on every call (host tensors always, device tensors in check mode); the rest is validated by ``Inputs.validate``,
         once per signature.
 
     Example
@@ -232,7 +232,7 @@ def make_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, att
         attn_bias = ab.from_xformers(attn_bias)
     inp = Inputs(query, key, value, attn_bias, p, scale, output_dtype, is_partial, q_descale, k_descale, v_descale,
                  quantize_kv_to_fp8, layout)
-    check_host_values(inp)
+    check_values(inp)
     return inp
 
 

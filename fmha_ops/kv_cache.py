@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from . import arguments
+from . import arguments, checks
 
 _FLOAT_INPUTS = arguments.FLOATS + (torch.float64,)
 
@@ -112,7 +112,8 @@ def dense_from_paged(pages: torch.Tensor, block_table: torch.Tensor, length: int
     if pages.ndim < 2:
         raise ValueError(f"pages must be (num_pages, page_size, ...), got shape {tuple(pages.shape)}")
     arguments.tensor("block_table", block_table, ndim=2, dtypes=(torch.int32, torch.int64), layout="(B, max_pages)")
-    arguments.host_range("block_table", block_table, 0, pages.shape[0], f"pages has {pages.shape[0]} pages")
+    checks.validate_indices(checks.IndexCheck("block_table", block_table, 0, pages.shape[0] - 1,
+                                              f"pages has {pages.shape[0]} pages"))
     B, P = block_table.shape
     arguments.integer("length", length, minimum=0, maximum=P * pages.shape[1])
     g = pages[block_table.long()]

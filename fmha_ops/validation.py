@@ -2,7 +2,7 @@
 
 Every error is a ValueError / TypeError naming the argument, the value and what is supported. ``validate``
 runs once per call signature (the selector's memo), so none of this is on the repeated-call path;
-``check_host_values`` runs on every call and reads host-resident values only.
+``check_values`` runs on every call and reads host-resident values (device-resident ones in check mode).
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import attn_bias as ab
-from . import arguments
+from . import arguments, checks
 from .dtypes import FLOAT_DTYPES, FP8_DTYPES, dtype_name
 from .quant import K_SCALE_BLOCK, Q_SCALE_BLOCK
 
@@ -110,14 +110,19 @@ def _validate_descales(inp: "Inputs") -> None:
         raise ValueError("per-token k/v descales are only for a float16/bfloat16 query with an fp8 KV cache")
 
 
-def check_host_values(inp: "Inputs") -> None:
-    """Per-call checks of values the signature does not hold, for host-resident tensors only (reading a
-    device tensor would sync): descales must be finite; masks check their own index tables."""
-    for role, d in zip(_DESCALE_ROLES, (inp.q_descale, inp.k_descale, inp.v_descale)):
-        if d is not None:
-            arguments.host_finite(role, d)
+def check_values(inp: "Inputs") -> None:
+    """Per-call checks of values the signature does not hold: descales must be finite, and masks check their
+    index tables. Host-resident tensors always; device-resident ones only in check mode
+    (``fmha_ops.checks``: one host sync), never during a CUDA graph capture."""
+    descales = [(role, d) for role, d in zip(_DESCALE_ROLES, (inp.q_descale, inp.k_descale, inp.v_descale))
+                if d is not None and checks.wanted(d)]
+    if descales:
+        finite = [bool(f) for f in torch.stack([torch.isfinite(d).all() for _, d in descales]).tolist()]
+        for (role, d), ok in zip(descales, finite):
+            if not ok:
+                arguments.require_finite(role, d)
     if inp.attn_bias is not None:
-        inp.attn_bias.check_host_values(inp.key)
+        inp.attn_bias.check_values(inp.key)
 
 
 def descale_kinds(inp: "Inputs") -> tuple[str, str, str]:

@@ -121,7 +121,7 @@ def test_kv_cache_helpers_name_their_arguments():
     with pytest.raises(ValueError, match="tensors must be a non-empty list"):
         kv_cache.paged_from_dense(x, 4)
     (pages,), table = kv_cache.paged_from_dense([x], 4, num_pages=5)
-    with pytest.raises(ValueError, match=r"block_table\[0, 1\] = 5 is out of range: entries must be in \[0, 5\)"):
+    with pytest.raises(ValueError, match=r"block_table\[0, 1\] = 5 is outside \[0, 4\]: pages has 5 pages"):
         kv_cache.dense_from_paged(pages, torch.tensor([[0, 5]], dtype=torch.int32), 6)
     with pytest.raises(ValueError, match="length must be <= 8, got 9"):
         kv_cache.dense_from_paged(pages, table, 9)
@@ -230,7 +230,7 @@ def test_paged_mask_block_table_checked_on_the_host():
     bias = fmha_ops.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([1, 1], 8, [6, 3]).make_paged(
         torch.tensor([[3, 5], [0, 4]], dtype=torch.int32), 4)
     q, k = torch.randn(1, 2, 4, 16, dtype=torch.float16), torch.randn(1, 20, 2, 16, dtype=torch.float16)
-    with pytest.raises(ValueError, match=r"block_tables\[0, 1\] = 5 is out of range: entries must be in \[0, 5\)"):
+    with pytest.raises(ValueError, match=r"attn_bias block_tables\[0, 1\] = 5 is outside \[0, 4\]"):
         fmha_ops.memory_efficient_attention(q, k, k, bias)
 
 
