@@ -12,8 +12,8 @@ import fmha_ops
 from fmha_ops import attn_bias as ab
 
 from . import expected as ex
-from .common import (BAD_DTYPES, BAD_FLOATS, BAD_OPS, F8, TOLERANCE, first, fp8_head, grow, mismatch, names, rnd,
-                     strided_last, tensor_kind_errors)
+from .common import (BAD_DTYPES, BAD_FLOATS, BAD_OPS, F8, TOLERANCE, Change, edit_arg, first, fp8_head, grow,
+                     mismatch, names, rnd, set_args, strided_last, tensor_kind_errors)
 from .runner import Case
 
 FUNCTIONS = {
@@ -170,7 +170,7 @@ def call(fn: str, kw: dict, op):
     return FUNCTIONS[fn](**kw, **extra)
 
 
-def valid_body(base: Base, fn: str, op, change: Callable[[dict], dict] | None = None):
+def valid_body(base: Base, fn: str, op, change: Change | None = None):
     def body():
         kw = base.make()
         if change is not None:
@@ -179,7 +179,7 @@ def valid_body(base: Base, fn: str, op, change: Callable[[dict], dict] | None = 
     return body
 
 
-def invalid_body(base: Base, fn: str, op, change: Callable[[dict], dict], lenient: bool = False):
+def invalid_body(base: Base, fn: str, op, change: Change, lenient: bool = False):
     def body():
         kw = change(base.make())
         res = call(fn, kw, op)
@@ -187,12 +187,6 @@ def invalid_body(base: Base, fn: str, op, change: Callable[[dict], dict], lenien
     return body
 
 
-def _set(**values) -> Callable[[dict], dict]:
-    return lambda kw: {**kw, **values}
-
-
-def _edit(role: str, f: Callable[[Any], Any]) -> Callable[[dict], dict]:
-    return lambda kw: {**kw, role: f(kw[role])}
 
 
 # ---- valid calls -------------------------------------------------------------------------------------
@@ -231,7 +225,7 @@ def _dropout_body(base: Base):
     return body
 
 
-def _empty(dim: int, roles=QKV) -> Callable[[dict], dict]:
+def _empty(dim: int, roles=QKV) -> Change:
     return lambda kw: {**kw, **{r: kw[r].narrow(dim, 0, 0) for r in roles}}
 
 
@@ -242,12 +236,12 @@ def valid_cases() -> list[Case]:
             for op in base.ops:
                 if fn == "memory_efficient_attention_partial" and op in (MATH, FLASH):
                     continue  # SDPA returns no LSE
-                same = _set(output_dtype=base.make()["query"].dtype) if op == "triton_attnF" else None
+                same = set_args(output_dtype=base.make()["query"].dtype) if op == "triton_attnF" else None
                 cases.append(Case(f"{fn}/{base.name}/op={op}", valid_body(base, fn, op, same), valid=True))
         if not base.quantized:
             for fn in ("memory_efficient_attention", "memory_efficient_attention_partial"):
                 for s in (0.0, -0.7, 3.0):  # any finite scale is an attention
-                    cases.append(Case(f"{fn}/{base.name}/scale={s}", valid_body(base, fn, None, _set(scale=s)),
+                    cases.append(Case(f"{fn}/{base.name}/scale={s}", valid_body(base, fn, None, set_args(scale=s)),
                                       valid=True))
     plain = [b for b in BASES if not b.quantized and not b.packed]
     for base in plain:
@@ -260,7 +254,7 @@ def valid_cases() -> list[Case]:
                               valid=True))
         for od in (torch.float32, torch.float16, torch.bfloat16):
             cases.append(Case(f"memory_efficient_attention/{base.name}/output_dtype={od}",
-                              valid_body(base, "memory_efficient_attention", None, _set(output_dtype=od)), valid=True))
+                              valid_body(base, "memory_efficient_attention", None, set_args(output_dtype=od)), valid=True))
         cases.append(Case(f"memory_efficient_attention/{base.name}/dropout", _dropout_body(base), valid=True))
         cases.append(Case(f"memory_efficient_attention/{base.name}/grad", _grad_body(base, None), valid=True))
         cases.append(Case(f"memory_efficient_attention/{base.name}/grad/mq0",
@@ -277,17 +271,17 @@ def valid_cases() -> list[Case]:
         if base.name in ("f16_gqa", "decode_bmhk"):
             for fn in ("memory_efficient_attention", "memory_efficient_attention_partial"):
                 cases.append(Case(f"{fn}/{base.name}/quantize_kv_to_fp8",
-                                  valid_body(base, fn, None, _set(quantize_kv_to_fp8=True)), valid=True))
+                                  valid_body(base, fn, None, set_args(quantize_kv_to_fp8=True)), valid=True))
     return cases
 
 
-def _with(base: Base, change: Callable[[dict], dict]) -> Base:
+def _with(base: Base, change: Change) -> Base:
     return Base(base.name, lambda: change(base.make()), base.compute, base.ops, base.quantized, base.packed)
 
 
 # ---- invalid calls -----------------------------------------------------------------------------------
 
-def tensor_variants(base: Base, role: str) -> list[tuple[str, tuple[str, ...], Callable[[dict], dict]]]:
+def tensor_variants(base: Base, role: str) -> list[tuple[str, tuple[str, ...], Change]]:
     """(label, names a clear message may use, change) for one of query/key/value."""
     partners = names(*QKV)
     out = []
@@ -295,61 +289,61 @@ def tensor_variants(base: Base, role: str) -> list[tuple[str, tuple[str, ...], C
         nm = partners if label.startswith("ndim") or label in ("float64", "int32", "bool", "complex64") else names(role)
         if label == "meta":
             nm = names(role, "query")
-        out.append((label, nm, _edit(role, f)))
+        out.append((label, nm, edit_arg(role, f)))
     five = base.name == "bmghk"
     bdim, hdim = 0, (3 if five else 2)
     out += [
-        ("batch+1", partners, _edit(role, lambda t: grow(t, bdim))),
-        ("headdim-8", partners, _edit(role, lambda t: grow(t, -1, -8))),
-        ("strided_last", names(role), _edit(role, strided_last)),
-        ("headdim0", partners, _edit(role, lambda t: t[..., :0])),
+        ("batch+1", partners, edit_arg(role, lambda t: grow(t, bdim))),
+        ("headdim-8", partners, edit_arg(role, lambda t: grow(t, -1, -8))),
+        ("strided_last", names(role), edit_arg(role, strided_last)),
+        ("headdim0", partners, edit_arg(role, lambda t: t[..., :0])),
     ]
     if base.name != "bmk" and not (role == "query" and base.make()["key"].shape[hdim] == 1):  # MQA takes any Hq
-        out.append(("heads+1", partners, _edit(role, lambda t: grow(t, hdim))))
+        out.append(("heads+1", partners, edit_arg(role, lambda t: grow(t, hdim))))
     if role == "value":
         out = [o for o in out if o[0] != "headdim-8"]  # Kv != K is allowed
     if role != "query" or base.packed:
-        out.append(("seqlen+1", partners + ("attn_bias",), _edit(role, lambda t: grow(t, 1))))
+        out.append(("seqlen+1", partners + ("attn_bias",), edit_arg(role, lambda t: grow(t, 1))))
     if five and role == "key":
-        out.append(("groups-1", partners, _edit(role, lambda t: t[:, :, :1])))
+        out.append(("groups-1", partners, edit_arg(role, lambda t: t[:, :, :1])))
         out.append(("groups-1_kv", partners, lambda kw: {**kw, "key": kw["key"][:, :, :1],
                                                         "value": kw["value"][:, :, :1]}))
     return out
 
 
-def descale_variants(base: Base, role: str) -> list[tuple[str, tuple[str, ...], Callable[[dict], dict], bool]]:
+def descale_variants(base: Base, role: str) -> list[tuple[str, tuple[str, ...], Change, bool]]:
     """(label, names, change, lenient) for one of q/k/v_descale."""
     arg = f"{role}_descale"
     nm = (arg,)
     if arg not in base.make():  # a float query (or float KV) takes no descale of this role
-        return [("given", nm, _set(**{arg: torch.ones(1)}), False),
-                ("float", nm, _set(**{arg: 0.5}), False)]
+        return [("given", nm, set_args(**{arg: torch.ones(1)}), False),
+                ("float", nm, set_args(**{arg: 0.5}), False)]
     out = [
-        ("float", nm, _set(**{arg: 0.5}), False),
-        ("list", nm, _edit(arg, lambda d: d.tolist()), False),
-        ("None", nm, _set(**{arg: None}), False),
-        ("float16", nm, _edit(arg, lambda d: d.half()), False),
-        ("float64", nm, _edit(arg, lambda d: d.double()), False),
-        ("int32", nm, _edit(arg, lambda d: d.int()), False),
-        ("shape3", nm, _set(**{arg: torch.ones(3)}), False),
-        ("ndim+1", nm, _edit(arg, lambda d: d[None].expand(2, *d.shape).contiguous()), False),
-        ("dim0+1", nm, _edit(arg, lambda d: grow(d.float(), 0).abs()), False),
-        ("nan", nm, _edit(arg, lambda d: d.flatten().index_fill(0, torch.tensor([0]), math.nan).view(d.shape)), False),
-        ("inf", nm, _edit(arg, lambda d: d.flatten().index_fill(0, torch.tensor([0]), math.inf).view(d.shape)), False),
-        ("meta", nm, _edit(arg, lambda d: d.to("meta")), False),
-        ("negative", nm, _edit(arg, lambda d: -d), True),
+        ("float", nm, set_args(**{arg: 0.5}), False),
+        ("list", nm, edit_arg(arg, lambda d: d.tolist()), False),
+        ("None", nm, set_args(**{arg: None}), False),
+        ("float16", nm, edit_arg(arg, lambda d: d.half()), False),
+        ("float64", nm, edit_arg(arg, lambda d: d.double()), False),
+        ("int32", nm, edit_arg(arg, lambda d: d.int()), False),
+        ("shape3", nm, set_args(**{arg: torch.ones(3)}), False),
+        ("ndim+1", nm, edit_arg(arg, lambda d: d[None].expand(2, *d.shape).contiguous()), False),
+        ("dim0+1", nm, edit_arg(arg, lambda d: grow(d.float(), 0).abs()), False),
+        ("nan", nm, edit_arg(arg, lambda d: d.flatten().index_fill(0, torch.tensor([0]), math.nan).view(d.shape)), False),
+        ("inf", nm, edit_arg(arg, lambda d: d.flatten().index_fill(0, torch.tensor([0]), math.inf).view(d.shape)), False),
+        ("meta", nm, edit_arg(arg, lambda d: d.to("meta")), False),
+        ("negative", nm, edit_arg(arg, lambda d: -d), True),
     ]
     return out
 
 
-def mask_variants(base: Base) -> list[tuple[str, tuple[str, ...], Callable[[dict], dict]]]:
+def mask_variants(base: Base) -> list[tuple[str, tuple[str, ...], Change]]:
     bias_names = ("attn_bias",)
     out = [
-        ("dense", bias_names, _set(attn_bias=torch.zeros(5, 7))),
-        ("str", bias_names, _set(attn_bias="causal")),
-        ("int", bias_names, _set(attn_bias=5)),
-        ("class", bias_names, _set(attn_bias=fmha_ops.LowerTriangularMask)),
-        ("list", bias_names, _set(attn_bias=[fmha_ops.LowerTriangularMask()])),
+        ("dense", bias_names, set_args(attn_bias=torch.zeros(5, 7))),
+        ("str", bias_names, set_args(attn_bias="causal")),
+        ("int", bias_names, set_args(attn_bias=5)),
+        ("class", bias_names, set_args(attn_bias=fmha_ops.LowerTriangularMask)),
+        ("list", bias_names, set_args(attn_bias=[fmha_ops.LowerTriangularMask()])),
     ]
     if base.name.startswith("varlen"):
         out += [
@@ -394,20 +388,20 @@ def _paged_bias(bias, table=None, page_size=None):
                       bias.page_size if page_size is None else page_size)
 
 
-def scalar_variants(base: Base) -> list[tuple[str, tuple[str, ...], Callable[[dict], dict], bool]]:
+def scalar_variants(base: Base) -> list[tuple[str, tuple[str, ...], Change, bool]]:
     out = []
     for label, val in [("neg", -0.1), ("one", 1.0), ("1.5", 1.5)] + BAD_FLOATS[:5]:
-        out.append((f"p={label}", ("p",), _set(p=val), False))
+        out.append((f"p={label}", ("p",), set_args(p=val), False))
     for label, val in BAD_FLOATS:
-        out.append((f"scale={label}", ("scale",), _set(scale=val), False))
-    out.append(("scale=int", ("scale",), _set(scale=1), True))
+        out.append((f"scale={label}", ("scale",), set_args(scale=val), False))
+    out.append(("scale=int", ("scale",), set_args(scale=1), True))
     for label, val in BAD_OPS + [("bw_op", "torch_referenceB")]:
-        out.append((f"op={label}", ("op",), _set(op=val), False))
+        out.append((f"op={label}", ("op",), set_args(op=val), False))
     for label, val in BAD_DTYPES:
-        out.append((f"output_dtype={label}", ("output_dtype",), _set(output_dtype=val), False))
-    out.append(("quantize_kv_to_fp8=str", ("quantize_kv_to_fp8",), _set(quantize_kv_to_fp8="yes"), False))
+        out.append((f"output_dtype={label}", ("output_dtype",), set_args(output_dtype=val), False))
+    out.append(("quantize_kv_to_fp8=str", ("quantize_kv_to_fp8",), set_args(quantize_kv_to_fp8="yes"), False))
     if base.quantized or base.compute == torch.float32:
-        out.append(("quantize_kv_to_fp8=True", ("quantize_kv_to_fp8",), _set(quantize_kv_to_fp8=True), False))
+        out.append(("quantize_kv_to_fp8=True", ("quantize_kv_to_fp8",), set_args(quantize_kv_to_fp8=True), False))
     return out
 
 
@@ -448,8 +442,8 @@ def _explain_cases() -> list[Case]:
     out = []
     for kind in ("zz", "", "FW", 3, None):
         out.append(Case(f"explain/{base.name}/kind={kind!r}",
-                        invalid_body(base, "explain", None, _set(kind=kind)), ("kind",)))
+                        invalid_body(base, "explain", None, set_args(kind=kind)), ("kind",)))
     for partial in ("yes", 2.0):
         out.append(Case(f"explain/{base.name}/partial={partial!r}",
-                        invalid_body(base, "explain", None, _set(partial=partial)), ("partial",)))
+                        invalid_body(base, "explain", None, set_args(partial=partial)), ("partial",)))
     return out

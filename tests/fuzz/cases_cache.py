@@ -11,19 +11,13 @@ import fmha_ops
 from fmha_ops import kv_cache
 
 from . import reference as ref
-from .common import BAD_FLOATS, F8, TOLERANCE, first, grow, mismatch, names, rnd, tensor_kind_errors
+from .common import (BAD_FLOATS, F8, TOLERANCE, Change, call_body, edit_arg, first, grow, mismatch, names, rnd, set_args,
+                     tensor_kind_errors)
 from .runner import Case
 
-Change = Callable[[dict], dict]
 PAGES, PAGE, HKV, D = 5, 4, 2, 16
 
 
-def _set(**values) -> Change:
-    return lambda kw: {**kw, **values}
-
-
-def _edit(arg: str, f: Callable[[Any], Any]) -> Change:
-    return lambda kw: {**kw, arg: f(kw[arg])}
 
 
 def _i32(*v) -> torch.Tensor:
@@ -157,71 +151,71 @@ def _variants(b: str) -> list[tuple[str, tuple[str, ...], Change]]:
             if fp8 and role in ("k_cache", "v_cache") and label in ("list",):
                 continue
             nm = (role, "k_cache", "v_cache", "q", "k", "v") if label.startswith("ndim") else names(role)
-            v.append((f"{role}/{label}", nm, _edit(role, f)))
+            v.append((f"{role}/{label}", nm, edit_arg(role, f)))
         hd = 1 if role == "q" else 2
-        v += [(f"{role}/heads+1", (role, "q", "k_cache", "v_cache", "k", "v"), _edit(role, lambda t: grow(t.float(), hd).to(t.dtype))),
-              (f"{role}/headdim-8", (role, "q", "k_cache", "v_cache", "k", "v"), _edit(role, lambda t: t[..., :8].contiguous()))]
-    v += [("v_cache/rows+1", ("v_cache", "k_cache"), _edit("v_cache", lambda t: grow(t.float(), 0).to(t.dtype))),
-          ("q/batch+1", ("q", "cache_seqlens", "page_table", "k_cache", "cache_batch_idx"), _edit("q", lambda t: grow(t, 0)))]
+        v += [(f"{role}/heads+1", (role, "q", "k_cache", "v_cache", "k", "v"), edit_arg(role, lambda t: grow(t.float(), hd).to(t.dtype))),
+              (f"{role}/headdim-8", (role, "q", "k_cache", "v_cache", "k", "v"), edit_arg(role, lambda t: t[..., :8].contiguous()))]
+    v += [("v_cache/rows+1", ("v_cache", "k_cache"), edit_arg("v_cache", lambda t: grow(t.float(), 0).to(t.dtype))),
+          ("q/batch+1", ("q", "cache_seqlens", "page_table", "k_cache", "cache_batch_idx"), edit_arg("q", lambda t: grow(t, 0)))]
     cap = 8
-    v += [("cache_seqlens/beyond", ("cache_seqlens",), _set(cache_seqlens=_i32(4, 4000))),
-          ("cache_seqlens/capacity+1", ("cache_seqlens",), _set(cache_seqlens=_i32(cap + 1, 3))),
-          ("cache_seqlens/negative", ("cache_seqlens",), _set(cache_seqlens=_i32(-1, 3))),
-          ("cache_seqlens/int_beyond", ("cache_seqlens",), _set(cache_seqlens=100)),
-          ("cache_seqlens/int_negative", ("cache_seqlens",), _set(cache_seqlens=-1)),
-          ("cache_seqlens/int64", ("cache_seqlens",), _edit("cache_seqlens", lambda t: t.long())),
-          ("cache_seqlens/float", ("cache_seqlens",), _edit("cache_seqlens", lambda t: t.float())),
-          ("cache_seqlens/shape3", ("cache_seqlens",), _set(cache_seqlens=_i32(1, 2, 3))),
-          ("cache_seqlens/2d", ("cache_seqlens",), _edit("cache_seqlens", lambda t: t[None])),
-          ("cache_seqlens/None", ("cache_seqlens",), _set(cache_seqlens=None)),
-          ("cache_seqlens/str", ("cache_seqlens",), _set(cache_seqlens="5")),
-          ("cache_seqlens/meta", ("cache_seqlens",), _edit("cache_seqlens", lambda t: t.to("meta")))]
+    v += [("cache_seqlens/beyond", ("cache_seqlens",), set_args(cache_seqlens=_i32(4, 4000))),
+          ("cache_seqlens/capacity+1", ("cache_seqlens",), set_args(cache_seqlens=_i32(cap + 1, 3))),
+          ("cache_seqlens/negative", ("cache_seqlens",), set_args(cache_seqlens=_i32(-1, 3))),
+          ("cache_seqlens/int_beyond", ("cache_seqlens",), set_args(cache_seqlens=100)),
+          ("cache_seqlens/int_negative", ("cache_seqlens",), set_args(cache_seqlens=-1)),
+          ("cache_seqlens/int64", ("cache_seqlens",), edit_arg("cache_seqlens", lambda t: t.long())),
+          ("cache_seqlens/float", ("cache_seqlens",), edit_arg("cache_seqlens", lambda t: t.float())),
+          ("cache_seqlens/shape3", ("cache_seqlens",), set_args(cache_seqlens=_i32(1, 2, 3))),
+          ("cache_seqlens/2d", ("cache_seqlens",), edit_arg("cache_seqlens", lambda t: t[None])),
+          ("cache_seqlens/None", ("cache_seqlens",), set_args(cache_seqlens=None)),
+          ("cache_seqlens/str", ("cache_seqlens",), set_args(cache_seqlens="5")),
+          ("cache_seqlens/meta", ("cache_seqlens",), edit_arg("cache_seqlens", lambda t: t.to("meta")))]
     if paged:
-        v += [("page_table/entry=num_pages", ("page_table",), _set(page_table=_i32([3, PAGES], [0, 4]))),
-              ("page_table/entry=-1", ("page_table",), _set(page_table=_i32([3, -1], [0, 4]))),
-              ("page_table/1d", ("page_table",), _edit("page_table", lambda t: t[0])),
-              ("page_table/int64", ("page_table",), _edit("page_table", lambda t: t.long())),
-              ("page_table/rows3", ("page_table",), _edit("page_table", lambda t: torch.cat([t, t[:1]]))),
-              ("page_table/float", ("page_table",), _edit("page_table", lambda t: t.float())),
-              ("page_table/meta", ("page_table",), _edit("page_table", lambda t: t.to("meta"))),
-              ("page_table/list", ("page_table",), _edit("page_table", lambda t: t.tolist())),
-              ("page_table+cache_batch_idx", ("cache_batch_idx", "page_table"), _set(cache_batch_idx=_i32(0, 1)))]
+        v += [("page_table/entry=num_pages", ("page_table",), set_args(page_table=_i32([3, PAGES], [0, 4]))),
+              ("page_table/entry=-1", ("page_table",), set_args(page_table=_i32([3, -1], [0, 4]))),
+              ("page_table/1d", ("page_table",), edit_arg("page_table", lambda t: t[0])),
+              ("page_table/int64", ("page_table",), edit_arg("page_table", lambda t: t.long())),
+              ("page_table/rows3", ("page_table",), edit_arg("page_table", lambda t: torch.cat([t, t[:1]]))),
+              ("page_table/float", ("page_table",), edit_arg("page_table", lambda t: t.float())),
+              ("page_table/meta", ("page_table",), edit_arg("page_table", lambda t: t.to("meta"))),
+              ("page_table/list", ("page_table",), edit_arg("page_table", lambda t: t.tolist())),
+              ("page_table+cache_batch_idx", ("cache_batch_idx", "page_table"), set_args(cache_batch_idx=_i32(0, 1)))]
     else:
-        v += [("cache_batch_idx/beyond", ("cache_batch_idx",), _set(cache_batch_idx=_i32(0, 7))),
-              ("cache_batch_idx/negative", ("cache_batch_idx",), _set(cache_batch_idx=_i32(0, -1))),
-              ("cache_batch_idx/2d", ("cache_batch_idx",), _set(cache_batch_idx=_i32([0, 1]))),
-              ("cache_batch_idx/shape3", ("cache_batch_idx",), _set(cache_batch_idx=_i32(0, 1, 1))),
-              ("cache_batch_idx/float", ("cache_batch_idx",), _set(cache_batch_idx=torch.tensor([0.0, 1.0]))),
+        v += [("cache_batch_idx/beyond", ("cache_batch_idx",), set_args(cache_batch_idx=_i32(0, 7))),
+              ("cache_batch_idx/negative", ("cache_batch_idx",), set_args(cache_batch_idx=_i32(0, -1))),
+              ("cache_batch_idx/2d", ("cache_batch_idx",), set_args(cache_batch_idx=_i32([0, 1]))),
+              ("cache_batch_idx/shape3", ("cache_batch_idx",), set_args(cache_batch_idx=_i32(0, 1, 1))),
+              ("cache_batch_idx/float", ("cache_batch_idx",), set_args(cache_batch_idx=torch.tensor([0.0, 1.0]))),
               ("k_cache/batch_mismatch", ("k_cache", "v_cache", "cache_batch_idx", "q"),
                lambda kw: {**kw, **{r: kw[r][:1] for r in ("k_cache", "v_cache")}, "cache_batch_idx": None})]
     if append:
-        v += [("k_without_v", ("k", "v"), _set(v=None)), ("v_without_k", ("k", "v"), _set(k=None)),
-              ("k/1head", ("k",), _edit("k", lambda t: t[:, :, :1])),
+        v += [("k_without_v", ("k", "v"), set_args(v=None)), ("v_without_k", ("k", "v"), set_args(k=None)),
+              ("k/1head", ("k",), edit_arg("k", lambda t: t[:, :, :1])),
               ("kv/1head", ("k", "v", "k_cache"), lambda kw: {**kw, "k": kw["k"][:, :, :1], "v": kw["v"][:, :, :1]}),
               ("kv/headdim8", ("k", "v", "k_cache"), lambda kw: {**kw, "k": kw["k"][..., :8].contiguous(),
                                                                  "v": kw["v"][..., :8].contiguous()}),
               ("kv/batch1", ("k", "v", "q"), lambda kw: {**kw, "k": kw["k"][:1], "v": kw["v"][:1]}),
-              ("k/float32", ("k",), _edit("k", lambda t: t.float())),
+              ("k/float32", ("k",), edit_arg("k", lambda t: t.float())),
               ("kv/past_the_end", ("k", "cache_seqlens", "k_cache", "page_table"),
-               _set(cache_seqlens=_i32(7, 3))),
-              ("kv/mnew_differs", ("k", "v"), _edit("v", lambda t: t[:, :1]))]
+               set_args(cache_seqlens=_i32(7, 3))),
+              ("kv/mnew_differs", ("k", "v"), edit_arg("v", lambda t: t[:, :1]))]
     if fp8:
-        v += [("k_descale_only", ("v_descale", "k_descale"), _set(v_descale=None)),
-              ("no_descales", ("k_descale", "v_descale"), _set(k_descale=None, v_descale=None)),
-              ("k_descale/float", ("k_descale",), _set(k_descale=0.5)),
-              ("k_descale/batch_heads", ("k_descale",), _set(k_descale=torch.ones(2, HKV))),
-              ("k_descale/nan", ("k_descale",), _edit("k_descale", lambda d: _poke(d, math.nan))),
-              ("v_descale/inf", ("v_descale",), _edit("v_descale", lambda d: _poke(d, math.inf))),
-              ("k_descale/float16", ("k_descale",), _edit("k_descale", lambda d: d.half())),
-              ("k_descale/shape", ("k_descale",), _edit("k_descale", lambda d: d[:, :1].contiguous()))]
+        v += [("k_descale_only", ("v_descale", "k_descale"), set_args(v_descale=None)),
+              ("no_descales", ("k_descale", "v_descale"), set_args(k_descale=None, v_descale=None)),
+              ("k_descale/float", ("k_descale",), set_args(k_descale=0.5)),
+              ("k_descale/batch_heads", ("k_descale",), set_args(k_descale=torch.ones(2, HKV))),
+              ("k_descale/nan", ("k_descale",), edit_arg("k_descale", lambda d: _poke(d, math.nan))),
+              ("v_descale/inf", ("v_descale",), edit_arg("v_descale", lambda d: _poke(d, math.inf))),
+              ("k_descale/float16", ("k_descale",), edit_arg("k_descale", lambda d: d.half())),
+              ("k_descale/shape", ("k_descale",), edit_arg("k_descale", lambda d: d[:, :1].contiguous()))]
     else:
         v += [("k_descale/given", ("k_descale",), lambda kw: {**kw, "k_descale": torch.ones(kw["k_cache"].shape[:3]),
                                                               "v_descale": torch.ones(kw["v_cache"].shape[:3])})]
-    v += [(f"softmax_scale={l}", ("softmax_scale",), _set(softmax_scale=x)) for l, x in BAD_FLOATS]
-    v += [("q_descale", ("q_descale",), _set(q_descale=torch.ones(1))),
-          ("rotary_cos", ("rotary_cos",), _set(rotary_cos=torch.ones(8, 8))),
-          ("cache_leftpad", ("cache_leftpad",), _set(cache_leftpad=_i32(0, 0))),
-          ("causal=str", ("causal",), _set(causal="yes"))]
+    v += [(f"softmax_scale={l}", ("softmax_scale",), set_args(softmax_scale=x)) for l, x in BAD_FLOATS]
+    v += [("q_descale", ("q_descale",), set_args(q_descale=torch.ones(1))),
+          ("rotary_cos", ("rotary_cos",), set_args(rotary_cos=torch.ones(8, 8))),
+          ("cache_leftpad", ("cache_leftpad",), set_args(cache_leftpad=_i32(0, 0))),
+          ("causal=str", ("causal",), set_args(causal="yes"))]
     return v
 
 
@@ -229,12 +223,12 @@ def kvcache_cases() -> tuple[list[Case], list[Case]]:
     valid = [Case(f"flash_attn_with_kvcache/{b}", _body(m, lenient=True), valid=True) for b, m in BASES.items()]
     for b in ("dense", "paged_causal", "dense_append"):
         valid.append(Case(f"flash_attn_with_kvcache/{b}/cache_seqlens=int",
-                          _body(BASES[b], _set(cache_seqlens=3), lenient=True), valid=True))
+                          _body(BASES[b], set_args(cache_seqlens=3), lenient=True), valid=True))
         valid.append(Case(f"flash_attn_with_kvcache/{b}/cache_seqlens=0",
-                          _body(BASES[b], _set(cache_seqlens=_i32(0, 0)), lenient=True), valid=True))
+                          _body(BASES[b], set_args(cache_seqlens=_i32(0, 0)), lenient=True), valid=True))
         for s in (0.0, -0.5):
             valid.append(Case(f"flash_attn_with_kvcache/{b}/softmax_scale={s}",
-                              _body(BASES[b], _set(softmax_scale=s), lenient=True), valid=True))
+                              _body(BASES[b], set_args(softmax_scale=s), lenient=True), valid=True))
     invalid = []
     for b, make in BASES.items():
         invalid += [Case(f"flash_attn_with_kvcache/{b}/{l}", _body(make, ch, lenient=l in LENIENT), nm)
@@ -243,13 +237,6 @@ def kvcache_cases() -> tuple[list[Case], list[Case]]:
 
 
 # ---- fmha_ops.kv_cache builders ----------------------------------------------------------------------------
-
-def _fn_body(fn, make, change=None, check=None):
-    def body():
-        kw = make() if change is None else change(make())
-        res = fn(**kw)
-        return res, (None if check is None else (lambda r: check(kw, r)))
-    return body
 
 
 def _roundtrip_fp8(kw, res):
@@ -296,55 +283,55 @@ def builder_cases() -> tuple[list[Case], list[Case]]:
     def bmake():
         return dict(k=rnd(2, 6, 2, 16), v=rnd(2, 6, 2, 16), page_size=4)
 
-    valid = [Case("kv_cache.quantize_fp8/f32", _fn_body(kv_cache.quantize_fp8, qmake, check=_roundtrip_fp8), valid=True),
-             Case("kv_cache.paged_from_dense/f16", _fn_body(kv_cache.paged_from_dense, pmake, check=_paged_roundtrip),
+    valid = [Case("kv_cache.quantize_fp8/f32", call_body(kv_cache.quantize_fp8, qmake, check=_roundtrip_fp8), valid=True),
+             Case("kv_cache.paged_from_dense/f16", call_body(kv_cache.paged_from_dense, pmake, check=_paged_roundtrip),
                   valid=True),
-             Case("kv_cache.dense_from_paged/f16", _fn_body(kv_cache.dense_from_paged, dmake, check=_dense_check),
+             Case("kv_cache.dense_from_paged/f16", call_body(kv_cache.dense_from_paged, dmake, check=_dense_check),
                   valid=True),
-             Case("kv_cache.build_fp8_paged_cache/f16", _fn_body(kv_cache.build_fp8_paged_cache, bmake,
+             Case("kv_cache.build_fp8_paged_cache/f16", call_body(kv_cache.build_fp8_paged_cache, bmake,
                                                                  check=_build_check), valid=True)]
     invalid = []
 
     def add(fn, name, make, variants):
-        invalid.extend(Case(f"kv_cache.{name}/{l}", _fn_body(fn, make, ch), nm) for l, nm, ch in variants)
+        invalid.extend(Case(f"kv_cache.{name}/{l}", call_body(fn, make, ch), nm) for l, nm, ch in variants)
 
     tk = [(l, f) for l, f in tensor_kind_errors() if l not in ("float64", "ndim+1", "ndim-1", "meta")]  # any (..., D)
     add(kv_cache.quantize_fp8, "quantize_fp8", qmake,
-        [(f"x/{l}", ("x",), _edit("x", f)) for l, f in tk]
-        + [("dtype=float16", ("dtype",), _set(dtype=torch.float16)), ("dtype=str", ("dtype",), _set(dtype="fp8")),
-           ("dtype=int8", ("dtype",), _set(dtype=torch.int8))])
+        [(f"x/{l}", ("x",), edit_arg("x", f)) for l, f in tk]
+        + [("dtype=float16", ("dtype",), set_args(dtype=torch.float16)), ("dtype=str", ("dtype",), set_args(dtype="fp8")),
+           ("dtype=int8", ("dtype",), set_args(dtype=torch.int8))])
     add(kv_cache.paged_from_dense, "paged_from_dense", pmake,
-        [("page_size=0", ("page_size",), _set(page_size=0)), ("page_size=-1", ("page_size",), _set(page_size=-1)),
-         ("page_size=2.5", ("page_size",), _set(page_size=2.5)), ("page_size=str", ("page_size",), _set(page_size="4")),
-         ("num_pages=too_few", ("num_pages",), _set(num_pages=3)), ("num_pages=-1", ("num_pages",), _set(num_pages=-1)),
-         ("tensors=empty", ("tensors",), _set(tensors=[])),
-         ("tensors=one_tensor", ("tensors",), _edit("tensors", lambda t: t[0])),
-         ("tensors=batch_mismatch", ("tensors",), _edit("tensors", lambda t: [t[0], t[1][:1]])),
-         ("tensors=length_mismatch", ("tensors",), _edit("tensors", lambda t: [t[0], t[1][:, :3]])),
-         ("tensors=1d", ("tensors",), _edit("tensors", lambda t: [t[0].flatten()])),
-         ("tensors=list", ("tensors",), _edit("tensors", lambda t: [t[0].tolist()])),
-         ("generator=str", ("generator",), _set(generator="x"))])
+        [("page_size=0", ("page_size",), set_args(page_size=0)), ("page_size=-1", ("page_size",), set_args(page_size=-1)),
+         ("page_size=2.5", ("page_size",), set_args(page_size=2.5)), ("page_size=str", ("page_size",), set_args(page_size="4")),
+         ("num_pages=too_few", ("num_pages",), set_args(num_pages=3)), ("num_pages=-1", ("num_pages",), set_args(num_pages=-1)),
+         ("tensors=empty", ("tensors",), set_args(tensors=[])),
+         ("tensors=one_tensor", ("tensors",), edit_arg("tensors", lambda t: t[0])),
+         ("tensors=batch_mismatch", ("tensors",), edit_arg("tensors", lambda t: [t[0], t[1][:1]])),
+         ("tensors=length_mismatch", ("tensors",), edit_arg("tensors", lambda t: [t[0], t[1][:, :3]])),
+         ("tensors=1d", ("tensors",), edit_arg("tensors", lambda t: [t[0].flatten()])),
+         ("tensors=list", ("tensors",), edit_arg("tensors", lambda t: [t[0].tolist()])),
+         ("generator=str", ("generator",), set_args(generator="x"))])
     add(kv_cache.dense_from_paged, "dense_from_paged", dmake,
-        [("block_table/entry=num_pages", ("block_table",), _set(block_table=_i32([3, 1, 5]))),
-         ("block_table/entry=-1", ("block_table",), _set(block_table=_i32([3, 1, -1]))),
-         ("block_table/1d", ("block_table",), _edit("block_table", lambda t: t[0])),
-         ("block_table/float", ("block_table",), _edit("block_table", lambda t: t.float())),
-         ("block_table/list", ("block_table",), _edit("block_table", lambda t: t.tolist())),
-         ("length=capacity+1", ("length",), _set(length=13)), ("length=-1", ("length",), _set(length=-1)),
-         ("length=str", ("length",), _set(length="4")),
-         ("pages/1d", ("pages",), _edit("pages", lambda t: t.flatten())),
-         ("pages/list", ("pages",), _edit("pages", lambda t: t.tolist()))])
+        [("block_table/entry=num_pages", ("block_table",), set_args(block_table=_i32([3, 1, 5]))),
+         ("block_table/entry=-1", ("block_table",), set_args(block_table=_i32([3, 1, -1]))),
+         ("block_table/1d", ("block_table",), edit_arg("block_table", lambda t: t[0])),
+         ("block_table/float", ("block_table",), edit_arg("block_table", lambda t: t.float())),
+         ("block_table/list", ("block_table",), edit_arg("block_table", lambda t: t.tolist())),
+         ("length=capacity+1", ("length",), set_args(length=13)), ("length=-1", ("length",), set_args(length=-1)),
+         ("length=str", ("length",), set_args(length="4")),
+         ("pages/1d", ("pages",), edit_arg("pages", lambda t: t.flatten())),
+         ("pages/list", ("pages",), edit_arg("pages", lambda t: t.tolist()))])
     add(kv_cache.build_fp8_paged_cache, "build_fp8_paged_cache", bmake,
-        [("page_size=0", ("page_size",), _set(page_size=0)), ("dtype=float16", ("dtype",), _set(dtype=torch.float16)),
-         ("k/v_shape_mismatch", ("k", "v"), _edit("v", lambda t: t[:, :3])),
-         ("k/3d", ("k",), _edit("k", lambda t: t[0])), ("k/list", ("k",), _edit("k", lambda t: t.tolist())),
-         ("num_pages=too_few", ("num_pages",), _set(num_pages=2))])
+        [("page_size=0", ("page_size",), set_args(page_size=0)), ("dtype=float16", ("dtype",), set_args(dtype=torch.float16)),
+         ("k/v_shape_mismatch", ("k", "v"), edit_arg("v", lambda t: t[:, :3])),
+         ("k/3d", ("k",), edit_arg("k", lambda t: t[0])), ("k/list", ("k",), edit_arg("k", lambda t: t.tolist())),
+         ("num_pages=too_few", ("num_pages",), set_args(num_pages=2))])
     add(kv_cache.dequantize_fp8, "dequantize_fp8", lambda: dict(x8=rnd(2, 3, 16).to(F8), scale=torch.rand(2, 3)),
-        [("scale/shape", ("scale", "x8"), _edit("scale", lambda s: s[:, :2])), ("scale/list", ("scale",), _set(scale=[1.0])),
-         ("x8/list", ("x8",), _set(x8=[1.0]))])
+        [("scale/shape", ("scale", "x8"), edit_arg("scale", lambda s: s[:, :2])), ("scale/list", ("scale",), set_args(scale=[1.0])),
+         ("x8/list", ("x8",), set_args(x8=[1.0]))])
     add(kv_cache.keys_contiguous, "keys_contiguous", lambda: dict(scale=torch.rand(4, 2)),
-        [("scale/1d", ("scale",), _edit("scale", lambda s: s[0])), ("scale/list", ("scale",), _set(scale=[1.0]))])
+        [("scale/1d", ("scale",), edit_arg("scale", lambda s: s[0])), ("scale/list", ("scale",), set_args(scale=[1.0]))])
     add(kv_cache.quantize_kv_fp8, "quantize_kv_fp8", lambda: dict(k=rnd(4, 2, 16), v=rnd(4, 2, 16)),
-        [("k/list", ("k",), _set(k=[1.0])), ("dtype=float16", ("dtype",), _set(dtype=torch.float16)),
-         ("v/int32", ("v",), _edit("v", lambda t: t.int()))])
+        [("k/list", ("k",), set_args(k=[1.0])), ("dtype=float16", ("dtype",), set_args(dtype=torch.float16)),
+         ("v/int32", ("v",), edit_arg("v", lambda t: t.int()))])
     return valid, invalid

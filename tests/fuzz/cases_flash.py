@@ -9,21 +9,14 @@ import torch
 import fmha_ops
 
 from . import reference as ref
-from .common import (BAD_DTYPES, BAD_FLOATS, BAD_OPS, F8, TOLERANCE, first, fp8_head, grow, mismatch, names, rnd,
-                     strided_last, tensor_kind_errors)
+from .common import (BAD_DTYPES, BAD_FLOATS, BAD_OPS, F8, TOLERANCE, Change, edit_arg, first, fp8_head, grow,
+                     mismatch, names, rnd, set_args, strided_last, tensor_kind_errors)
 from .expected import dequantize
 from .runner import Case
 
 QKV = ("q", "k", "v")
-Change = Callable[[dict], dict]
 
 
-def _set(**values) -> Change:
-    return lambda kw: {**kw, **values}
-
-
-def _edit(arg: str, f: Callable[[Any], Any]) -> Change:
-    return lambda kw: {**kw, arg: f(kw[arg])}
 
 
 def _tensor_variants(role: str, seq_dim: int, head_dim_ok: bool) -> list[tuple[str, tuple[str, ...], Change]]:
@@ -31,12 +24,12 @@ def _tensor_variants(role: str, seq_dim: int, head_dim_ok: bool) -> list[tuple[s
     out = []
     for label, f in tensor_kind_errors():
         nm = partners if label.startswith("ndim") or label in ("float64", "int32", "bool", "complex64") else names(role)
-        out.append((label, names(role, "q") if label == "meta" else nm, _edit(role, f)))
-    out += [("heads+1", partners, _edit(role, lambda t: grow(t, seq_dim + 1))),
-            ("strided_last", names(role), _edit(role, strided_last)),
-            ("headdim0", partners, _edit(role, lambda t: t[..., :0]))]
+        out.append((label, names(role, "q") if label == "meta" else nm, edit_arg(role, f)))
+    out += [("heads+1", partners, edit_arg(role, lambda t: grow(t, seq_dim + 1))),
+            ("strided_last", names(role), edit_arg(role, strided_last)),
+            ("headdim0", partners, edit_arg(role, lambda t: t[..., :0]))]
     if not head_dim_ok:
-        out.append(("headdim-8", partners, _edit(role, lambda t: grow(t, -1, -8))))
+        out.append(("headdim-8", partners, edit_arg(role, lambda t: grow(t, -1, -8))))
     return out
 
 
@@ -58,6 +51,17 @@ def _dense_fp8(causal=False, lse=False):
     return make
 
 
+def _out_and_lse(kw: dict, res: Any, out: torch.Tensor, lse: torch.Tensor) -> str | None:
+    """A flash_attn_* result (out, or (out, lse) with return_attn_probs) against the reference's."""
+    dt = kw["q"].dtype if kw["q"].dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.bfloat16
+    tol = TOLERANCE[kw["q"].dtype if kw["q"].dtype != torch.float8_e4m3fn else F8]
+    if kw.get("return_attn_probs"):
+        if not isinstance(res, tuple) or len(res) != 2:
+            return f"return_attn_probs=True returned {type(res).__name__}, not (out, lse)"
+        return first(mismatch(res[0], out, dt, tol), mismatch(res[1], lse, torch.float32, 4 * tol, "lse"))
+    return mismatch(res, out, dt, tol)
+
+
 def _flash_check(kw: dict) -> Callable[[Any], str | None]:
     def check(res):
         q = dequantize(kw["q"], kw.get("q_descale"), "q", None)
@@ -66,13 +70,7 @@ def _flash_check(kw: dict) -> Callable[[Any], str | None]:
         scale = kw.get("softmax_scale")
         out, lse = ref.dense(q, k, v, 1 / math.sqrt(q.shape[-1]) if scale is None else float(scale),
                              "bottom_right" if kw.get("causal") else None)
-        dt = kw["q"].dtype if kw["q"].dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.bfloat16
-        tol = TOLERANCE[kw["q"].dtype if kw["q"].dtype != torch.float8_e4m3fn else F8]
-        if kw.get("return_attn_probs"):
-            if not isinstance(res, tuple) or len(res) != 2:
-                return f"return_attn_probs=True returned {type(res).__name__}, not (out, lse)"
-            return first(mismatch(res[0], out, dt, tol), mismatch(res[1], lse, torch.float32, 4 * tol, "lse"))
-        return mismatch(res, out, dt, tol)
+        return _out_and_lse(kw, res, out, lse)
     return check
 
 
@@ -97,29 +95,29 @@ def flash_cases() -> tuple[list[Case], list[Case]]:
     for b in ("f16", "f32_lse"):
         for s in (0.0, -0.5, 2.0):
             valid.append(Case(f"flash_attn_func/{b}/softmax_scale={s}",
-                              _body(fn, FLASH_BASES[b], _set(softmax_scale=s, causal=True)), valid=True))
+                              _body(fn, FLASH_BASES[b], set_args(softmax_scale=s, causal=True)), valid=True))
     invalid = []
     for b, make in FLASH_BASES.items():
         variants = []
         for role in QKV:
             variants += [(f"{role}/{l}", nm, ch) for l, nm, ch in _tensor_variants(role, 1, role == "v")]
-        variants += [(f"softmax_scale={l}", ("softmax_scale",), _set(softmax_scale=x)) for l, x in BAD_FLOATS]
+        variants += [(f"softmax_scale={l}", ("softmax_scale",), set_args(softmax_scale=x)) for l, x in BAD_FLOATS]
         variants += [("qv", ("qv",), lambda kw: {**kw, "qv": kw["q"]}),
-                     ("window_size=3tuple", ("window_size",), _set(window_size=(1, 2, 3))),
-                     ("window_size=str", ("window_size",), _set(window_size="ab")),
-                     ("softcap=str", ("softcap",), _set(softcap="x")),
-                     ("attention_chunk=-1", ("attention_chunk",), _set(attention_chunk=-1))]
+                     ("window_size=3tuple", ("window_size",), set_args(window_size=(1, 2, 3))),
+                     ("window_size=str", ("window_size",), set_args(window_size="ab")),
+                     ("softcap=str", ("softcap",), set_args(softcap="x")),
+                     ("attention_chunk=-1", ("attention_chunk",), set_args(attention_chunk=-1))]
         for role in QKV:
             arg = f"{role}_descale"
             if b.startswith("fp8"):
-                variants += [(f"{arg}/float", (arg,), _set(**{arg: 0.5})),
-                             (f"{arg}/None", (arg,), _set(**{arg: None})),
-                             (f"{arg}/nan", (arg,), _edit(arg, lambda d: torch.full_like(d, math.nan))),
-                             (f"{arg}/inf", (arg,), _edit(arg, lambda d: torch.full_like(d, math.inf))),
-                             (f"{arg}/shape3", (arg,), _set(**{arg: torch.ones(3)})),
-                             (f"{arg}/float16", (arg,), _edit(arg, lambda d: d.half()))]
+                variants += [(f"{arg}/float", (arg,), set_args(**{arg: 0.5})),
+                             (f"{arg}/None", (arg,), set_args(**{arg: None})),
+                             (f"{arg}/nan", (arg,), edit_arg(arg, lambda d: torch.full_like(d, math.nan))),
+                             (f"{arg}/inf", (arg,), edit_arg(arg, lambda d: torch.full_like(d, math.inf))),
+                             (f"{arg}/shape3", (arg,), set_args(**{arg: torch.ones(3)})),
+                             (f"{arg}/float16", (arg,), edit_arg(arg, lambda d: d.half()))]
             else:
-                variants += [(f"{arg}/given", (arg,), _set(**{arg: torch.ones(1)}))]
+                variants += [(f"{arg}/given", (arg,), set_args(**{arg: torch.ones(1)}))]
         invalid += [Case(f"flash_attn_func/{b}/{l}", _body(fn, make, ch, lenient=False), nm) for l, nm, ch in variants]
     return valid, invalid
 
@@ -154,13 +152,7 @@ def _varlen_check(kw: dict) -> Callable[[Any], str | None]:
         scale = kw.get("softmax_scale")
         out, lse = ref.varlen(q, k, v, cu_q, cu_k, 1 / math.sqrt(q.shape[-1]) if scale is None else float(scale),
                               "bottom_right" if kw.get("causal") else None)
-        dt = kw["q"].dtype if kw["q"].dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.bfloat16
-        tol = TOLERANCE[kw["q"].dtype if kw["q"].dtype != torch.float8_e4m3fn else F8]
-        if kw.get("return_attn_probs"):
-            if not isinstance(res, tuple) or len(res) != 2:
-                return f"return_attn_probs=True returned {type(res).__name__}, not (out, lse)"
-            return first(mismatch(res[0], out, dt, tol), mismatch(res[1], lse, torch.float32, 4 * tol, "lse"))
-        return mismatch(res, out, dt, tol)
+        return _out_and_lse(kw, res, out, lse)
     return check
 
 
@@ -171,7 +163,7 @@ VARLEN_BASES = {
 
 
 def _cu(arg: str, values) -> Change:
-    return _set(**{arg: torch.tensor(values, dtype=torch.int32)})
+    return set_args(**{arg: torch.tensor(values, dtype=torch.int32)})
 
 
 def varlen_cases() -> tuple[list[Case], list[Case]]:
@@ -180,11 +172,11 @@ def varlen_cases() -> tuple[list[Case], list[Case]]:
              for b, m in VARLEN_BASES.items()]
     for b in ("f16", "f32_lse"):
         valid.append(Case(f"flash_attn_varlen_func/{b}/max_seqlen_larger",
-                          _body(fn, VARLEN_BASES[b], _set(max_seqlen_q=9, max_seqlen_k=20), checker=_varlen_check),
+                          _body(fn, VARLEN_BASES[b], set_args(max_seqlen_q=9, max_seqlen_k=20), checker=_varlen_check),
                           valid=True))
         for s in (0.0, -0.5):
             valid.append(Case(f"flash_attn_varlen_func/{b}/softmax_scale={s}",
-                              _body(fn, VARLEN_BASES[b], _set(softmax_scale=s, causal=True), checker=_varlen_check),
+                              _body(fn, VARLEN_BASES[b], set_args(softmax_scale=s, causal=True), checker=_varlen_check),
                               valid=True))
     invalid = []
     for b, make in VARLEN_BASES.items():
@@ -192,7 +184,7 @@ def varlen_cases() -> tuple[list[Case], list[Case]]:
         for role in QKV:
             variants += [(f"{role}/{l}", nm, ch) for l, nm, ch in _tensor_variants(role, 0, role == "v")]
             variants.append((f"{role}/tokens+1", names(role, "cu_seqlens_q" if role == "q" else "cu_seqlens_k"),
-                             _edit(role, lambda t: grow(t, 0))))
+                             edit_arg(role, lambda t: grow(t, 0))))
         for arg, cu, total in (("cu_seqlens_q", CU_Q, 7), ("cu_seqlens_k", CU_K, 13)):
             nm = (arg,)
             variants += [
@@ -203,26 +195,26 @@ def varlen_cases() -> tuple[list[Case], list[Case]]:
                 (f"{arg}/far_beyond", nm, _cu(arg, cu[:3] + [total + 4000])),
                 (f"{arg}/negative", nm, _cu(arg, [0, -2] + cu[2:])),
                 (f"{arg}/fewer_sequences", nm + ("cu_seqlens_q", "cu_seqlens_k"), _cu(arg, [0, cu[2], total])),
-                (f"{arg}/float32", nm, _edit(arg, lambda t: t.float())),
-                (f"{arg}/2d", nm, _edit(arg, lambda t: t[None])),
-                (f"{arg}/empty", nm, _edit(arg, lambda t: t[:0])),
-                (f"{arg}/str", nm, _set(**{arg: "0,3"})),
-                (f"{arg}/meta", nm, _edit(arg, lambda t: t.to("meta"))),
+                (f"{arg}/float32", nm, edit_arg(arg, lambda t: t.float())),
+                (f"{arg}/2d", nm, edit_arg(arg, lambda t: t[None])),
+                (f"{arg}/empty", nm, edit_arg(arg, lambda t: t[:0])),
+                (f"{arg}/str", nm, set_args(**{arg: "0,3"})),
+                (f"{arg}/meta", nm, edit_arg(arg, lambda t: t.to("meta"))),
             ]
         for arg, true_max in (("max_seqlen_q", 4), ("max_seqlen_k", 6)):
             nm = (arg,)
-            variants += [(f"{arg}=smaller", nm, _set(**{arg: true_max - 1})), (f"{arg}=0", nm, _set(**{arg: 0})),
-                         (f"{arg}=-1", nm, _set(**{arg: -1})), (f"{arg}=str", nm, _set(**{arg: "4"})),
-                         (f"{arg}=2.5", nm, _set(**{arg: 2.5}))]
-        variants += [(f"softmax_scale={l}", ("softmax_scale",), _set(softmax_scale=x)) for l, x in BAD_FLOATS]
+            variants += [(f"{arg}=smaller", nm, set_args(**{arg: true_max - 1})), (f"{arg}=0", nm, set_args(**{arg: 0})),
+                         (f"{arg}=-1", nm, set_args(**{arg: -1})), (f"{arg}=str", nm, set_args(**{arg: "4"})),
+                         (f"{arg}=2.5", nm, set_args(**{arg: 2.5}))]
+        variants += [(f"softmax_scale={l}", ("softmax_scale",), set_args(softmax_scale=x)) for l, x in BAD_FLOATS]
         variants += [("seqused_q", ("seqused_q",), _cu("seqused_q", [3, 0, 4])),
                      ("seqused_k", ("seqused_k",), _cu("seqused_k", [5, 2, 6]))]
         if b.startswith("fp8"):
             for role in QKV:
                 arg = f"{role}_descale"
-                variants += [(f"{arg}/float", (arg,), _set(**{arg: 0.5})),
-                             (f"{arg}/batch_shape", (arg,), _edit(arg, lambda d: d[:1])),
-                             (f"{arg}/nan", (arg,), _edit(arg, lambda d: torch.full_like(d, math.nan)))]
+                variants += [(f"{arg}/float", (arg,), set_args(**{arg: 0.5})),
+                             (f"{arg}/batch_shape", (arg,), edit_arg(arg, lambda d: d[:1])),
+                             (f"{arg}/nan", (arg,), edit_arg(arg, lambda d: torch.full_like(d, math.nan)))]
         invalid += [Case(f"flash_attn_varlen_func/{b}/{l}", _body(fn, make, ch, lenient=False), nm)
                     for l, nm, ch in variants]
     return valid, invalid
@@ -255,16 +247,16 @@ def quantized_cases() -> tuple[list[Case], list[Case]]:
                 for op in (None, "torch_referenceF"):
                     b = f"{str(dt)[6:]}{'_causal' if causal else ''}"
                     extra = {} if op is None else {"op": op}
-                    valid.append(Case(f"{name}/{b}/op={op}", _body(fn, _quantized_make(dt, causal), _set(**extra),
+                    valid.append(Case(f"{name}/{b}/op={op}", _body(fn, _quantized_make(dt, causal), set_args(**extra),
                                                                     checker=_quantized_check), valid=True))
         make = _quantized_make(torch.bfloat16, True)
         variants = []
         for role in QKV:
             variants += [(f"{role}/{l}", nm, ch) for l, nm, ch in _tensor_variants(role, 1, role == "v")]
-            variants.append((f"{role}/fp8", names(role), _edit(role, lambda t: t.to(F8))))
-        variants += [(f"softmax_scale={l}", ("softmax_scale",), _set(softmax_scale=x)) for l, x in BAD_FLOATS]
-        variants += [(f"op={l}", ("op",), _set(op=x)) for l, x in BAD_OPS]
-        variants.append(("causal=str", ("causal",), _set(causal="yes")))
+            variants.append((f"{role}/fp8", names(role), edit_arg(role, lambda t: t.to(F8))))
+        variants += [(f"softmax_scale={l}", ("softmax_scale",), set_args(softmax_scale=x)) for l, x in BAD_FLOATS]
+        variants += [(f"op={l}", ("op",), set_args(op=x)) for l, x in BAD_OPS]
+        variants.append(("causal=str", ("causal",), set_args(causal="yes")))
         invalid += [Case(f"{name}/bf16/{l}", _body(fn, make, ch, lenient=l.endswith("strided_last"),
                                                    checker=_quantized_check), nm)
                     for l, nm, ch in variants]  # the quantization reads any strides: strided inputs are fine
@@ -313,33 +305,33 @@ def merge_cases() -> tuple[list[Case], list[Case]]:
     for b, make in bases.items():
         valid.append(Case(f"merge_attentions/{b}", _body(fn, make, checker=_merge_check), valid=True))
         valid.append(Case(f"merge_attentions/{b}/write_lse=False",
-                          _body(fn, make, _set(write_lse=False), checker=_merge_check), valid=True))
+                          _body(fn, make, set_args(write_lse=False), checker=_merge_check), valid=True))
         valid.append(Case(f"merge_attentions/{b}/output_dtype=float16",
-                          _body(fn, make, _set(output_dtype=torch.float16), checker=_merge_check), valid=True))
+                          _body(fn, make, set_args(output_dtype=torch.float16), checker=_merge_check), valid=True))
     invalid = []
     tensor_args = ("attn_split", "lse_split")
     for b, make in bases.items():
         variants = []
         if b != "list":
             for arg in tensor_args:
-                variants += [(f"{arg}/{l}", tensor_args, _edit(arg, f)) for l, f in tensor_kind_errors()
+                variants += [(f"{arg}/{l}", tensor_args, edit_arg(arg, f)) for l, f in tensor_kind_errors()
                              if l not in ("float64",)]
-                variants += [(f"{arg}/splits+1", tensor_args, _edit(arg, lambda t: grow(t.float(), 0).to(t.dtype))),
-                             (f"{arg}/batch+1", tensor_args, _edit(arg, lambda t: grow(t.float(), 1).to(t.dtype)))]
-            variants.append(("lse_split/last+1", tensor_args, _edit("lse_split", lambda t: grow(t, -1))))
+                variants += [(f"{arg}/splits+1", tensor_args, edit_arg(arg, lambda t: grow(t.float(), 0).to(t.dtype))),
+                             (f"{arg}/batch+1", tensor_args, edit_arg(arg, lambda t: grow(t.float(), 1).to(t.dtype)))]
+            variants.append(("lse_split/last+1", tensor_args, edit_arg("lse_split", lambda t: grow(t, -1))))
             variants += [
-                ("lse_split/+inf", ("lse_split",), _edit("lse_split", lambda t: t.index_fill(0, torch.tensor([0]), math.inf))),
-                ("lse_split/nan", ("lse_split",), _edit("lse_split", lambda t: t.index_fill(0, torch.tensor([0]), math.nan))),
-                ("attn_split/int32_parts", ("attn_split",), _edit("attn_split", lambda t: (t * 10).int())),
-                ("attn_split/fp8", ("attn_split",), _edit("attn_split", lambda t: t.to(F8))),
+                ("lse_split/+inf", ("lse_split",), edit_arg("lse_split", lambda t: t.index_fill(0, torch.tensor([0]), math.inf))),
+                ("lse_split/nan", ("lse_split",), edit_arg("lse_split", lambda t: t.index_fill(0, torch.tensor([0]), math.nan))),
+                ("attn_split/int32_parts", ("attn_split",), edit_arg("attn_split", lambda t: (t * 10).int())),
+                ("attn_split/fp8", ("attn_split",), edit_arg("attn_split", lambda t: t.to(F8))),
             ]
         else:
-            variants += [("attn_split/empty", tensor_args, _set(attn_split=[], lse_split=[])),
-                         ("attn_split/ragged", tensor_args, _edit("attn_split", lambda p: p[:1] + [grow(p[1], 1)] + p[2:])),
-                         ("attn_split/not_tensors", tensor_args, _edit("attn_split", lambda p: [x.tolist() for x in p])),
-                         ("lse_split/fewer", tensor_args, _edit("lse_split", lambda p: p[:2]))]
-        variants += [(f"output_dtype={l}", ("output_dtype",), _set(output_dtype=x)) for l, x in BAD_DTYPES
+            variants += [("attn_split/empty", tensor_args, set_args(attn_split=[], lse_split=[])),
+                         ("attn_split/ragged", tensor_args, edit_arg("attn_split", lambda p: p[:1] + [grow(p[1], 1)] + p[2:])),
+                         ("attn_split/not_tensors", tensor_args, edit_arg("attn_split", lambda p: [x.tolist() for x in p])),
+                         ("lse_split/fewer", tensor_args, edit_arg("lse_split", lambda p: p[:2]))]
+        variants += [(f"output_dtype={l}", ("output_dtype",), set_args(output_dtype=x)) for l, x in BAD_DTYPES
                      if l != "float64"]
-        variants.append(("write_lse=str", ("write_lse",), _set(write_lse="no")))
+        variants.append(("write_lse=str", ("write_lse",), set_args(write_lse="no")))
         invalid += [Case(f"merge_attentions/{b}/{l}", _body(fn, make, ch, lenient=False), nm) for l, nm, ch in variants]
     return valid, invalid

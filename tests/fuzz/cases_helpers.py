@@ -2,33 +2,18 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
 
 import torch
 
 from fmha_ops import attn_bias as ab
 from fmha_ops import quant
 
-from .common import F8, mismatch, rnd, tensor_kind_errors
+from .common import F8, call_body, edit_arg, mismatch, rnd, set_args, tensor_kind_errors
 from .runner import Case
 
-Change = Callable[[dict], dict]
 
 
-def _set(**values) -> Change:
-    return lambda kw: {**kw, **values}
 
-
-def _edit(arg: str, f: Callable[[Any], Any]) -> Change:
-    return lambda kw: {**kw, arg: f(kw[arg])}
-
-
-def _body(fn, make, change=None, check=None):
-    def body():
-        kw = make() if change is None else change(make())
-        res = fn(**kw)
-        return res, (None if check is None else (lambda r: check(kw, r)))
-    return body
 
 
 def _bmhk(*shape):
@@ -89,63 +74,63 @@ def quant_cases() -> tuple[list[Case], list[Case]]:
         v = _bmhk(2, 7, 2, 16)()
         return dict(v=v, descale=quant.fp8_channel_descale(v, F8), dtype=F8)
 
-    valid = [Case("quant.quantize_fp8/gqa", _body(quant.quantize_fp8, fp8_make, check=_fp8_round), valid=True),
-             Case("quant.quantize_fp8/default_heads", _body(quant.quantize_fp8, fp8_make, _set(num_kv_heads=None),
+    valid = [Case("quant.quantize_fp8/gqa", call_body(quant.quantize_fp8, fp8_make, check=_fp8_round), valid=True),
+             Case("quant.quantize_fp8/default_heads", call_body(quant.quantize_fp8, fp8_make, set_args(num_kv_heads=None),
                                                             check=_fp8_round), valid=True),
-             Case("quant.quantize_qkv_fp8/gqa", _body(quant.quantize_qkv_fp8, qkv_make, check=_qkv_round), valid=True),
-             Case("quant.quantize_blocks/int8", _body(quant.quantize_blocks, blocks_make, check=_blocks_round), valid=True),
-             Case("quant.quantize_blocks/fp8", _body(quant.quantize_blocks, blocks_make, _set(dtype=F8),
+             Case("quant.quantize_qkv_fp8/gqa", call_body(quant.quantize_qkv_fp8, qkv_make, check=_qkv_round), valid=True),
+             Case("quant.quantize_blocks/int8", call_body(quant.quantize_blocks, blocks_make, check=_blocks_round), valid=True),
+             Case("quant.quantize_blocks/fp8", call_body(quant.quantize_blocks, blocks_make, set_args(dtype=F8),
                                                      check=_blocks_round), valid=True)]
     for g in ("block", "head", "tensor"):
         for vg in ("channel", "tensor"):
             valid.append(Case(f"quant.quantize_i8fp8/{g}/{vg}",
-                              _body(quant.quantize_i8fp8, qkv_make, _set(qk_granularity=g, v_granularity=vg),
+                              call_body(quant.quantize_i8fp8, qkv_make, set_args(qk_granularity=g, v_granularity=vg),
                                     check=_i8fp8_check), valid=True))
     invalid = []
 
     def add(name, fn, make, variants):
-        invalid.extend(Case(f"quant.{name}/{l}", _body(fn, make, ch), nm) for l, nm, ch in variants)
+        invalid.extend(Case(f"quant.{name}/{l}", call_body(fn, make, ch), nm) for l, nm, ch in variants)
 
     tk = [(l, f) for l, f in tensor_kind_errors() if l not in ("float64",)]
 
     def tensor_args(*args):
         out = []
         for a in args:  # meta is a device like any other for a one-tensor helper
-            out += [(f"{a}/{l}", (a,), _edit(a, f)) for l, f in tk if len(args) > 1 or l != "meta"]
+            out += [(f"{a}/{l}", (a,), edit_arg(a, f)) for l, f in tk if len(args) > 1 or l != "meta"]
         return out
 
-    bad_dtype = [("dtype=float16", ("dtype",), _set(dtype=torch.float16)), ("dtype=str", ("dtype",), _set(dtype="fp8"))]
+    bad_dtype = [("dtype=float16", ("dtype",), set_args(dtype=torch.float16)), ("dtype=str", ("dtype",), set_args(dtype="fp8"))]
     add("quantize_fp8", quant.quantize_fp8, fp8_make, tensor_args("x") + bad_dtype + [
-        ("num_kv_heads=3", ("num_kv_heads",), _set(num_kv_heads=3)), ("num_kv_heads=0", ("num_kv_heads",), _set(num_kv_heads=0)),
-        ("num_kv_heads=-2", ("num_kv_heads",), _set(num_kv_heads=-2)), ("num_kv_heads=2.0", ("num_kv_heads",), _set(num_kv_heads=2.0))])
+        ("num_kv_heads=3", ("num_kv_heads",), set_args(num_kv_heads=3)), ("num_kv_heads=0", ("num_kv_heads",), set_args(num_kv_heads=0)),
+        ("num_kv_heads=-2", ("num_kv_heads",), set_args(num_kv_heads=-2)), ("num_kv_heads=2.0", ("num_kv_heads",), set_args(num_kv_heads=2.0))])
     add("quantize_qkv_fp8", quant.quantize_qkv_fp8, qkv_make, tensor_args("q", "k", "v") + bad_dtype + [
-        ("k/heads3", ("k", "q"), _edit("k", lambda t: torch.cat([t, t[:, :, :1]], 2))),
-        ("k/headdim8", ("k", "q"), _edit("k", lambda t: t[..., :8])),
-        ("v/seqlen-1", ("v", "k"), _edit("v", lambda t: t[:, :-1]))])
+        ("k/heads3", ("k", "q"), edit_arg("k", lambda t: torch.cat([t, t[:, :, :1]], 2))),
+        ("k/headdim8", ("k", "q"), edit_arg("k", lambda t: t[..., :8])),
+        ("v/seqlen-1", ("v", "k"), edit_arg("v", lambda t: t[:, :-1]))])
     add("quantize_blocks", quant.quantize_blocks, blocks_make, tensor_args("x") + [
-        ("block=0", ("block",), _set(block=0)), ("block=-1", ("block",), _set(block=-1)),
-        ("block=2.5", ("block",), _set(block=2.5)), ("dtype=float16", ("dtype",), _set(dtype=torch.float16)),
-        ("dtype=int32", ("dtype",), _set(dtype=torch.int32))])
+        ("block=0", ("block",), set_args(block=0)), ("block=-1", ("block",), set_args(block=-1)),
+        ("block=2.5", ("block",), set_args(block=2.5)), ("dtype=float16", ("dtype",), set_args(dtype=torch.float16)),
+        ("dtype=int32", ("dtype",), set_args(dtype=torch.int32))])
     add("dequantize_blocks", quant.dequantize_blocks, deq_make, tensor_args("xq", "descale") + [
-        ("descale/blocks-1", ("descale", "xq", "block"), _edit("descale", lambda d: d[..., :1])),
-        ("descale/heads-1", ("descale", "xq"), _edit("descale", lambda d: d[:, :1])),
-        ("block=0", ("block",), _set(block=0)), ("block=64", ("block", "descale"), _set(block=64))])
+        ("descale/blocks-1", ("descale", "xq", "block"), edit_arg("descale", lambda d: d[..., :1])),
+        ("descale/heads-1", ("descale", "xq"), edit_arg("descale", lambda d: d[:, :1])),
+        ("block=0", ("block",), set_args(block=0)), ("block=64", ("block", "descale"), set_args(block=64))])
     add("fp8_channel_descale", quant.fp8_channel_descale, chan_make, tensor_args("v") + [
-        ("dtype=int8", ("dtype",), _set(dtype=torch.int8)), ("dtype=float16", ("dtype",), _set(dtype=torch.float16))])
+        ("dtype=int8", ("dtype",), set_args(dtype=torch.int8)), ("dtype=float16", ("dtype",), set_args(dtype=torch.float16))])
     add("quantize_fp8_channels", quant.quantize_fp8_channels, chan_q_make, tensor_args("v", "descale") + [
-        ("descale/shape", ("descale", "v"), _edit("descale", lambda d: d[:, :, :8])),
-        ("descale/nan", ("descale",), _edit("descale", lambda d: torch.full_like(d, math.nan))),
-        ("dtype=int8", ("dtype",), _set(dtype=torch.int8))])
+        ("descale/shape", ("descale", "v"), edit_arg("descale", lambda d: d[:, :, :8])),
+        ("descale/nan", ("descale",), edit_arg("descale", lambda d: torch.full_like(d, math.nan))),
+        ("dtype=int8", ("dtype",), set_args(dtype=torch.int8))])
     add("quantize_i8fp8", quant.quantize_i8fp8, qkv_make, tensor_args("q", "k", "v") + [
-        ("scale=nan", ("scale",), _set(scale=math.nan)), ("scale=str", ("scale",), _set(scale="1")),
-        ("scale=inf", ("scale",), _set(scale=math.inf)),
-        ("qk_granularity=zz", ("qk_granularity",), _set(qk_granularity="zz")),
-        ("v_granularity=zz", ("v_granularity",), _set(v_granularity="zz")),
-        ("fp8_dtype=int8", ("fp8_dtype",), _set(fp8_dtype=torch.int8)),
-        ("k/headdim8", ("k", "q"), _edit("k", lambda t: t[..., :8])),
-        ("k/heads3", ("k", "q"), _edit("k", lambda t: torch.cat([t, t[:, :, :1]], 2))),
-        ("v/seqlen-1", ("v", "k"), _edit("v", lambda t: t[:, :-1])),
-        ("smooth_k=str", ("smooth_k",), _set(smooth_k="no"))])
+        ("scale=nan", ("scale",), set_args(scale=math.nan)), ("scale=str", ("scale",), set_args(scale="1")),
+        ("scale=inf", ("scale",), set_args(scale=math.inf)),
+        ("qk_granularity=zz", ("qk_granularity",), set_args(qk_granularity="zz")),
+        ("v_granularity=zz", ("v_granularity",), set_args(v_granularity="zz")),
+        ("fp8_dtype=int8", ("fp8_dtype",), set_args(fp8_dtype=torch.int8)),
+        ("k/headdim8", ("k", "q"), edit_arg("k", lambda t: t[..., :8])),
+        ("k/heads3", ("k", "q"), edit_arg("k", lambda t: torch.cat([t, t[:, :, :1]], 2))),
+        ("v/seqlen-1", ("v", "k"), edit_arg("v", lambda t: t[:, :-1])),
+        ("smooth_k=str", ("smooth_k",), set_args(smooth_k="no"))])
     return valid, invalid
 
 
@@ -166,24 +151,24 @@ def mask_cases() -> tuple[list[Case], list[Case]]:
     def pk_make():
         return dict(q_seqlen=[1, 1], kv_padding=8, kv_seqlen=[5, 8])
 
-    valid = [Case("attn_bias.BlockDiagonalMask.from_seqlens/valid", _body(bd, bd_make, check=_starts), valid=True),
-             Case("attn_bias.BlockDiagonalPaddedKeysMask.from_seqlens/valid", _body(pk, pk_make, check=_starts),
+    valid = [Case("attn_bias.BlockDiagonalMask.from_seqlens/valid", call_body(bd, bd_make, check=_starts), valid=True),
+             Case("attn_bias.BlockDiagonalPaddedKeysMask.from_seqlens/valid", call_body(pk, pk_make, check=_starts),
                   valid=True)]
-    invalid = [Case(f"attn_bias.BlockDiagonalMask.from_seqlens/{l}", _body(bd, bd_make, ch), nm) for l, nm, ch in [
-        ("q_seqlen=negative", ("q_seqlen",), _set(q_seqlen=[2, -1, 3])),
-        ("q_seqlen=float", ("q_seqlen",), _set(q_seqlen=[2, 0.5, 3])),
-        ("q_seqlen=str", ("q_seqlen",), _set(q_seqlen="23")),
-        ("q_seqlen=int", ("q_seqlen",), _set(q_seqlen=3)),
-        ("kv_seqlen=fewer", ("kv_seqlen", "q_seqlen"), _set(kv_seqlen=[4, 1])),
-        ("kv_seqlen=negative", ("kv_seqlen",), _set(kv_seqlen=[4, -1, 2]))]]
-    invalid += [Case(f"attn_bias.BlockDiagonalPaddedKeysMask.from_seqlens/{l}", _body(pk, pk_make, ch), nm)
+    invalid = [Case(f"attn_bias.BlockDiagonalMask.from_seqlens/{l}", call_body(bd, bd_make, ch), nm) for l, nm, ch in [
+        ("q_seqlen=negative", ("q_seqlen",), set_args(q_seqlen=[2, -1, 3])),
+        ("q_seqlen=float", ("q_seqlen",), set_args(q_seqlen=[2, 0.5, 3])),
+        ("q_seqlen=str", ("q_seqlen",), set_args(q_seqlen="23")),
+        ("q_seqlen=int", ("q_seqlen",), set_args(q_seqlen=3)),
+        ("kv_seqlen=fewer", ("kv_seqlen", "q_seqlen"), set_args(kv_seqlen=[4, 1])),
+        ("kv_seqlen=negative", ("kv_seqlen",), set_args(kv_seqlen=[4, -1, 2]))]]
+    invalid += [Case(f"attn_bias.BlockDiagonalPaddedKeysMask.from_seqlens/{l}", call_body(pk, pk_make, ch), nm)
                 for l, nm, ch in [
-        ("kv_seqlen>padding", ("kv_seqlen", "kv_padding"), _set(kv_seqlen=[5, 9])),
-        ("kv_seqlen=negative", ("kv_seqlen",), _set(kv_seqlen=[5, -1])),
-        ("kv_padding=0", ("kv_padding", "kv_seqlen"), _set(kv_padding=0)),
-        ("kv_padding=-1", ("kv_padding", "kv_seqlen"), _set(kv_padding=-1)),
-        ("kv_seqlen=fewer", ("kv_seqlen", "q_seqlen"), _set(kv_seqlen=[5])),
-        ("kv_padding=str", ("kv_padding",), _set(kv_padding="8"))]]
+        ("kv_seqlen>padding", ("kv_seqlen", "kv_padding"), set_args(kv_seqlen=[5, 9])),
+        ("kv_seqlen=negative", ("kv_seqlen",), set_args(kv_seqlen=[5, -1])),
+        ("kv_padding=0", ("kv_padding", "kv_seqlen"), set_args(kv_padding=0)),
+        ("kv_padding=-1", ("kv_padding", "kv_seqlen"), set_args(kv_padding=-1)),
+        ("kv_seqlen=fewer", ("kv_seqlen", "q_seqlen"), set_args(kv_seqlen=[5])),
+        ("kv_padding=str", ("kv_padding",), set_args(kv_padding="8"))]]
 
     def paged(table, page_size):
         def fn():

@@ -6,7 +6,6 @@ from typing import Any, Callable
 
 import torch
 
-from .runner import Case
 
 F8 = torch.float8_e4m3fn
 #: normalized max error allowed against the float64 reference, by the dtype the call computes in
@@ -120,7 +119,25 @@ BAD_OPS = [("list", ["torch_referenceF"]), ("int", 3), ("unknown", "no_such_op")
            ("tuple3", ("torch_referenceF", None, None)), ("object", object()), ("dict", {"fw": "torch_referenceF"})]
 
 
-def cases_from(prefix: str, body_of: Callable[..., Callable], variants: list[tuple[str, tuple[str, ...], Any]],
-               **fixed: Any) -> list[Case]:
-    """One invalid Case per (label, names, perturbation) of ``variants``: ``body_of(perturbation, **fixed)``."""
-    return [Case(f"{prefix}/{label}", body_of(pert, **fixed), nm) for label, nm, pert in variants]
+Change = Callable[[dict], dict]  # keyword arguments of a valid call -> the perturbed ones
+
+
+def set_args(**values: Any) -> Change:
+    """A change that sets arguments."""
+    return lambda kw: {**kw, **values}
+
+
+def edit_arg(name: str, f: Callable[[Any], Any]) -> Change:
+    """A change that replaces argument ``name`` by ``f`` of it."""
+    return lambda kw: {**kw, name: f(kw[name])}
+
+
+def call_body(fn: Callable, make: Callable[[], dict], change: Change | None = None,
+              check: Callable[[dict, Any], str | None] | None = None):
+    """A Case body calling ``fn(**change(make()))``; ``check(kw, result)`` judges an accepted call (None: any
+    acceptance is wrong)."""
+    def body():
+        kw = make() if change is None else change(make())
+        res = fn(**kw)
+        return res, (None if check is None else (lambda r: check(kw, r)))
+    return body
