@@ -102,7 +102,8 @@ def merge_attentions(
     lse_t = lse.float().movedim(-1, 2)  # (S, B, M, [G,] H)
     if lse_t.shape != attn.shape[:-1]:
         raise ValueError(f"lse_split {tuple(lse.shape)} does not match attn_split {tuple(attn.shape)}")
-    if lse.device.type == "cpu" and bool((torch.isnan(lse_t) | (lse_t == math.inf)).any()):
+    if (lse.device.type == "cpu" and not torch.compiler.is_compiling()
+            and bool((torch.isnan(lse_t) | (lse_t == math.inf)).any())):
         raise ValueError("lse_split must be finite or -inf (a part that saw no key); it holds NaN or +inf")
     top = lse_t.amax(dim=0)
     top_safe = torch.where(torch.isfinite(top), top, torch.zeros_like(top))

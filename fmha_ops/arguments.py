@@ -115,7 +115,7 @@ def require_finite(name: str, x: torch.Tensor) -> None:
 
 def host_finite(name: str, x: torch.Tensor) -> None:
     """``require_finite`` for a host-resident float tensor (device tensors are not read: no sync)."""
-    if x.device.type == "cpu" and x.is_floating_point() and x.numel():
+    if x.device.type == "cpu" and x.is_floating_point() and x.numel() and not torch.compiler.is_compiling():
         require_finite(name, x)
 
 

@@ -113,7 +113,9 @@ def _validate_descales(inp: "Inputs") -> None:
 def check_values(inp: "Inputs") -> None:
     """Per-call checks of values the signature does not hold: descales must be finite, and masks check their
     index tables. Host-resident tensors always; device-resident ones only in check mode
-    (``fmha_ops.checks``: one host sync), never during a CUDA graph capture."""
+    (``fmha_ops.checks``: one host sync), never during a CUDA graph capture or a torch.compile trace."""
+    if torch.compiler.is_compiling():
+        return
     descales = [(role, d) for role, d in zip(_DESCALE_ROLES, (inp.q_descale, inp.k_descale, inp.v_descale))
                 if d is not None and checks.wanted(d)]
     if descales:
