@@ -426,12 +426,12 @@ def attention_backward(do, q, k, v, out, lse, *, scale: float, causal: bool = Fa
     launch(_bwd_dkdv)[(cdiv(max_k, cfg.block_n_kv), Hkv, nseq)](
         q, k, v, do, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *common,
         bstride(dk), dk.stride(1), dk.stride(2), bstride(dv), dv.stride(1), dv.stride(2),
-        Mq, Mk, qk_scale, scale, softcap_log2, *window, BLOCK_M=cfg.block_m_kv, BLOCK_N=cfg.block_n_kv, NUM_STAGES=cfg.stages_kv,
-        num_warps=cfg.warps_kv, **meta)
+        Mq, Mk, qk_scale, scale, softcap_log2, *window,
+        BLOCK_M=cfg.block_m_kv, BLOCK_N=cfg.block_n_kv, NUM_STAGES=cfg.stages_kv, num_warps=cfg.warps_kv, **meta)
     launch(_bwd_dq)[(cdiv(max_q, cfg.block_m_q), Hq, nseq)](
         q, k, v, do, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *common,
         bstride(dq), dq.stride(1), dq.stride(2),
-        Mq, Mk, qk_scale, scale, softcap_log2, *window, BLOCK_M=cfg.block_m_q, BLOCK_N=cfg.block_n_q, NUM_STAGES=cfg.stages_q,
-        num_warps=cfg.warps_q, **meta)
+        Mq, Mk, qk_scale, scale, softcap_log2, *window,
+        BLOCK_M=cfg.block_m_q, BLOCK_N=cfg.block_n_q, NUM_STAGES=cfg.stages_q, num_warps=cfg.warps_q, **meta)
     return dq, dk, dv
 

@@ -117,8 +117,8 @@ def _attn_fwd_kernel(
     seqlen_q when BOTTOM_RIGHT, else 0), ``j >= i_al - window_left`` (MASK_LEFT) and ``j <= i_al + window_right``
     (MASK_RIGHT; causal: window_right = 0). Key tiles wholly outside that range are not visited; tiles that it
     covers for every row run unmasked. SOFTCAP: scores s become c * tanh(s / c) (``sm_scale_log2`` is then the
-    natural scale / c and ``softcap_log2`` = c * log2 e). Dtypes select the path: int8 q (i8fp8: int32 QK^T), ``P_SHIFT`` > 0 (fp8
-    P for the PV product, scaled by 2**P_SHIFT), else P in v's dtype. VARLEN: sequence b spans rows
+    natural scale / c and ``softcap_log2`` = c * log2 e). Dtypes select the path: int8 q (i8fp8: int32 QK^T),
+    ``P_SHIFT`` > 0 (fp8 P for the PV product, scaled by 2**P_SHIFT), else P in v's dtype. VARLEN: sequence b spans rows
     [CuQ[b], CuQ[b+1]) of batch 0 (bounds clamped to the tensors' rows) and descriptors are made per head on the
     device; else Q, K, V, Out are host descriptors over (B, H, rows, cols).
     """
@@ -343,7 +343,8 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
         out_dtype = torch.bfloat16 if fp8_v else q.dtype
     varlen = cu_seqlens_q is not None
     if varlen:
-        assert B == 1 and cu_seqlens_k is not None and max_seqlen_q is not None, "varlen needs B == 1, cu_seqlens_k, max_seqlen_q"
+        assert B == 1 and cu_seqlens_k is not None and max_seqlen_q is not None, \
+            "varlen needs B == 1, cu_seqlens_k, max_seqlen_q"
         nseq = cu_seqlens_q.numel() - 1
         grid_m = max_seqlen_q
     else:
