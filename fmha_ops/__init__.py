@@ -36,7 +36,7 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """Legacy xformers op tuples (``MemoryEfficientAttentionCkDecoderOp``, ...): warn once, return (FwOp, None)."""
-    from .ops.flydsl_decode import xformers_tuple
+    """xformers' op tuples (``MemoryEfficientAttentionFlashAttentionOp``, ...): our (FwOp, BwOp), warn once."""
+    from .ops.aliases import xformers_tuple
 
     return xformers_tuple(name)

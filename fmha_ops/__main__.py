@@ -35,7 +35,7 @@ def info() -> int:
     for op in REGISTRY.ops():
         why = op.available()
         archs = ",".join(op.ARCHS)
-        aliases = ",".join(op.ALIASES + op.LEGACY_ALIASES)
+        aliases = ",".join(REGISTRY.aliases(op))
         rows.append((op.NAME, op.KIND, archs, "yes" if why is None else f"no: {why}", aliases))
     widths = [max(len(r[i]) for r in rows + [("op", "kind", "archs", "available", "aliases")]) for i in range(5)]
     for r in [("op", "kind", "archs", "available", "aliases")] + rows:

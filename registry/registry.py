@@ -28,6 +28,16 @@ class Registry:
         self._ops[op.NAME] = op
         return op
 
+    def add_alias(self, name: str, op: type[Op], legacy: bool = False) -> None:
+        """Resolve ``name`` to the registered ``op`` too (``legacy``: warn once when it is used)."""
+        if self._ops.get(op.NAME) is not op:
+            raise ValueError(f"{op.__qualname__} is not registered")
+        if name in self._names and self._names[name] is not op:
+            raise ValueError(f"op name {name!r} already registered by {self._names[name].__qualname__}")
+        self._names[name] = op
+        if legacy:
+            self._legacy.add(name)
+
     def get(self, name: str) -> type[Op]:
         """The op class registered under ``name`` (its NAME or an alias)."""
         try:
@@ -49,6 +59,11 @@ class Registry:
 
     def names(self) -> dict[str, type[Op]]:
         return dict(self._names)
+
+    def aliases(self, op: type[Op]) -> tuple[str, ...]:
+        """Every name other than NAME that resolves to ``op`` (aliases, then legacy aliases)."""
+        others = [n for n, o in self._names.items() if o is op and n != op.NAME]
+        return tuple(sorted(others, key=lambda n: n in self._legacy))
 
     def is_legacy(self, name: str) -> bool:
         return name in self._legacy

@@ -11,7 +11,8 @@ caller's hashable signature plus the active overrides, so a repeated call is one
 dict lookup.
 
 Overrides, strongest first:
-- ``op=`` argument: an op class, a name or alias, or an xformers-style ``(FwOp, BwOp)`` tuple;
+- ``op=`` argument: an op class, a name or alias, or an xformers-style ``(FwOp, BwOp)`` tuple (other
+  libraries' op values too, through the translation given to ``set_foreign_ops``);
 - ``use_ops(...)`` context manager: restrict (one op: force) / exclude ops for a block;
 - environment, read at import and by ``refresh_env()``:
   ``FMHA_OPS_FORCE=name[,name]`` (force per kind), ``FMHA_OPS_DISABLE=name[,name]``,
@@ -89,6 +90,9 @@ class Report:
 class Selector:
     def __init__(self, registry: Registry, tables: TuningTables, env_prefix: str = "FMHA_OPS") -> None:
         self.registry = registry
+        #: maps ``op=`` values the registry does not know (other libraries' op names / classes) to a
+        #: registered op of the kind asked for, or None (see ``set_foreign_ops``)
+        self._foreign: Callable[[Any, str], type[Op] | None] | None = None
         self.tables = tables
         self._env_prefix = env_prefix
         self._memo: dict[Hashable, type[Op]] = {}
@@ -117,6 +121,11 @@ class Selector:
             if len(op) != 2:
                 raise ValueError(f"op={op!r}: a tuple must be (FwOp, BwOp)")
             return self.resolve(op[0] if kind == "fw" else op[1], kind)
+        if self._foreign is not None and not (isinstance(op, type) and issubclass(op, Op)) and not (
+                isinstance(op, str) and op in self.registry.names()):
+            op = self._foreign(op, kind)
+            if op is None:
+                return None
         if isinstance(op, str):
             op = self.registry.get(op)
         if not (isinstance(op, type) and issubclass(op, Op)):
@@ -124,6 +133,12 @@ class Selector:
         if op.KIND != kind:
             raise ValueError(f"op={op.NAME!r} is a {op.KIND} op; a {kind} op is needed here")
         return op
+
+    def set_foreign_ops(self, translate: Callable[[Any, str], type[Op] | None]) -> None:
+        """Accept other libraries' ops as ``op=``: ``translate(op, kind)`` returns our op class of
+        ``kind`` for a value the registry does not know, None for the selector's choice, or raises."""
+        self._foreign = translate
+        self.clear()
 
     @contextlib.contextmanager
     def use_ops(self, *ops: type[Op] | str, exclude: Iterable[type[Op] | str] = ()) -> Iterator[None]:
@@ -182,7 +197,7 @@ class Selector:
             note.append(f"restricted by use_ops to {sorted(include)}")
         blocked = exclude | self._env_disable
         if blocked:
-            ops = [o for o in ops if not ({o.NAME, *o.ALIASES, *o.LEGACY_ALIASES} & blocked)]
+            ops = [o for o in ops if not ({o.NAME, *self.registry.aliases(o)} & blocked)]
             note.append(f"excluded: {sorted(blocked)}")
         return ops, "; ".join(note)
 

@@ -17,7 +17,7 @@ from fmha_ops.dispatch import REGISTRY, SELECTOR
 from fmha_ops.inputs import Inputs, Problem
 from fmha_ops.kv_cache import paged_from_dense
 from fmha_ops.kernels.flydsl import host
-from fmha_ops.ops import aiter_asm, flydsl_decode
+from fmha_ops.ops import aiter_asm, aliases
 from fmha_ops.ops.aiter_asm import AiterAsmI8Fp8FwOp
 from fmha_ops.ops.flydsl_decode import FIXED_SPLIT_OPS, FlyDSLDecoderFwOp, FlyDSLSplitKFwOp
 from fmha_ops.ops.reference import ReferenceFwOp
@@ -43,7 +43,7 @@ def problem(**kw) -> Problem:
 @pytest.fixture
 def fresh_warnings(monkeypatch):
     monkeypatch.setattr(REGISTRY, "_warned", set())
-    monkeypatch.setattr(flydsl_decode, "_WARNED", set())
+    monkeypatch.setattr(aliases, "_WARNED", set())
 
 
 # ---- registration and declarations ---------------------------------------------------------------------

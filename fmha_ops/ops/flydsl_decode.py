@@ -2,8 +2,8 @@
 (+ reduce), and fixed-split variants; the replacements of xformers' CK decoder ops.
 
 Reached like the Triton decode ops (decode masks, plain BMHK calls with few queries, quantize_kv_to_fp8)
-and through the legacy names ``ck_decoderF``, ``ck_splitKF``, ``ck_splitK{N}`` and the xformers tuples
-``MemoryEfficientAttentionCkDecoderOp`` / ``MemoryEfficientAttentionSplitKCkOp`` (warn once).
+and through xformers' and MSLK's CK / FlyDSL decoder names (``ck_decoderF``, ``ck_splitK{N}``,
+``flydsl_splitK{N}``, ``MemoryEfficientAttentionCkDecoderOp``; see :mod:`fmha_ops.ops.aliases`).
 
 What the kernels (:mod:`fmha_ops.kernels.flydsl`) do, and so what is declared here: f16/bf16 queries;
 KV in the query's dtype or in the arch's native fp8 (e4m3fnuz on gfx942, e4m3fn on gfx950) with
@@ -17,12 +17,11 @@ FlyDSL is imported on the first launch only (its LLVM conflicts with Triton's in
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import ClassVar
 
 import torch
 
-from ..dispatch import REGISTRY, register
+from ..dispatch import register
 from ..dtypes import FP8_DTYPES
 from ..inputs import Inputs
 from ..problem import Problem
@@ -159,7 +158,6 @@ class FlyDSLDecoderFwOp(_FlyDSLDecodeOp):
     """Single-pass FlyDSL paged decoder: one wave per (sequence, KV head, 16 query rows)."""
 
     NAME = "flydsl_decoderF"
-    LEGACY_ALIASES = ("ck_decoderF",)
     NUM_SPLITS = 1
 
 
@@ -169,34 +167,17 @@ class FlyDSLSplitKFwOp(_FlyDSLDecodeOp):
     each), float32 partials merged by a reduce kernel."""
 
     NAME = "flydsl_splitKF"
-    LEGACY_ALIASES = ("ck_splitKF",)
     NUM_SPLITS = None
 
 
 def _fixed_split_op(n: int) -> type[FlyDSLSplitKFwOp]:
-    """``flydsl_splitK{n}F``: the split-K decoder with exactly ``n`` splits (legacy ``ck_splitK{n}``).
+    """``flydsl_splitK{n}F``: the split-K decoder with exactly ``n`` splits.
     For benchmarks and forced use: no estimate, so the selector ranks it after every op with one."""
     return register(type(f"FlyDSLSplitK{n}FwOp", (FlyDSLSplitKFwOp,), {
-        "NAME": f"flydsl_splitK{n}F", "LEGACY_ALIASES": (f"ck_splitK{n}",), "NUM_SPLITS": n, "PRIORITY": -1,
+        "NAME": f"flydsl_splitK{n}F", "NUM_SPLITS": n, "PRIORITY": -1,
         "estimate": classmethod(lambda cls, p: None), "__module__": __name__,
         "__doc__": f"FlyDSL split-K paged decoder with a fixed {n} splits.",
     }))
 
 
 FIXED_SPLIT_OPS = {n: _fixed_split_op(n) for n in FIXED_SPLITS}
-
-#: xformers' op tuples -> the NAME of the op replacing their forward op
-XFORMERS_TUPLES = {"MemoryEfficientAttentionCkDecoderOp": "flydsl_decoderF",
-                   "MemoryEfficientAttentionSplitKCkOp": "flydsl_splitKF"}
-_WARNED: set[str] = set()
-
-
-def xformers_tuple(name: str):
-    """``(FwOp, None)`` for a legacy xformers tuple name (DeprecationWarning once per name), usable as op=."""
-    target = XFORMERS_TUPLES.get(name)
-    if target is None:
-        raise AttributeError(f"module 'fmha_ops' has no attribute {name!r}")
-    if name not in _WARNED:
-        _WARNED.add(name)
-        warnings.warn(f"fmha_ops.{name} is deprecated; use op={target!r}", DeprecationWarning, stacklevel=3)
-    return REGISTRY.get(target), None
