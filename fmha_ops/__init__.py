@@ -6,7 +6,8 @@
     with fmha_ops.use_ops("sdpa_cudnnF"): ... # restrict / force ops for a block
 """
 from . import attn_bias, ops  # noqa: F401  (importing ops registers every backend)
-from .api import (explain, get_op, memory_efficient_attention, memory_efficient_attention_forward,
+from .api import (explain, get_op, memory_efficient_attention, memory_efficient_attention_backward,
+                  memory_efficient_attention_forward, memory_efficient_attention_forward_requires_grad,
                   memory_efficient_attention_partial, merge_attentions)
 from .checks import check_inputs
 from .attn_bias import (BlockDiagonalCausalFromBottomRightMask, BlockDiagonalCausalMask,
@@ -26,6 +27,7 @@ ALL_BW_OPS = REGISTRY.ops("bw")
 
 __all__ = [
     "memory_efficient_attention", "memory_efficient_attention_forward", "memory_efficient_attention_partial",
+    "memory_efficient_attention_forward_requires_grad", "memory_efficient_attention_backward",
     "merge_attentions", "explain", "get_op", "use_ops", "REGISTRY", "SELECTOR", "ALL_FW_OPS", "ALL_BW_OPS", "Inputs", "make_inputs", "Problem",
     "NoSupportedOpError", "attn_bias", "LowerTriangularMask", "LowerTriangularFromBottomRightMask",
     "BlockDiagonalMask", "BlockDiagonalCausalMask", "BlockDiagonalCausalFromBottomRightMask",

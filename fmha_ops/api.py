@@ -28,17 +28,24 @@ def memory_efficient_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_bias: Any = None, p: float = 0.0,
     scale: float | None = None, *, op: OpArg = None, output_dtype: torch.dtype | None = None,
     q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
-    v_descale: torch.Tensor | None = None, quantize_kv_to_fp8: bool = False,
+    v_descale: torch.Tensor | None = None, quantize_kv_to_fp8: bool = False, softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention ``softmax(q @ k^T * scale + bias) @ v``; differentiable when the chosen ops allow.
 
     query (B, Mq, Hq, K), key (B, Mk, Hkv, K), value (B, Mk, Hkv, Kv), Hq % Hkv == 0.
-    ``scale`` defaults to 1/sqrt(K). ``op`` forces an op (raises if it cannot run the call).
+    ``scale`` defaults to 1/sqrt(K). ``op`` forces an op (raises if it cannot run the call): one of ours,
+    or an xformers / MSLK op class, name or (FwOp, BwOp) tuple (``fmha_ops.ops.aliases``). ``attn_bias``:
+    a mask from ``fmha_ops.attn_bias``, an xformers mask, or an additive tensor (B, Hq, Mq, Mk).
+    ``softcap`` > 0 caps the scores: softcap * tanh(score / softcap) (Gemma 2; not in xformers).
     Returns (B, Mq, Hq, Kv) in ``output_dtype`` (default: query's dtype; bfloat16 for fp8/int8 inputs).
+
+    Example
+    -------
+    >>> out = memory_efficient_attention(q, k, v, LowerTriangularMask())
     """
     inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, output_dtype=output_dtype,
                       q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                      quantize_kv_to_fp8=quantize_kv_to_fp8)
+                      quantize_kv_to_fp8=quantize_kv_to_fp8, softcap=softcap)
     return inp.layout(run_forward(inp, op, False)[0])
 
 
@@ -46,29 +53,31 @@ def memory_efficient_attention_forward(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_bias: Any = None, p: float = 0.0,
     scale: float | None = None, *, op: OpArg = None, output_dtype: torch.dtype | None = None,
     q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
-    v_descale: torch.Tensor | None = None, quantize_kv_to_fp8: bool = False,
+    v_descale: torch.Tensor | None = None, quantize_kv_to_fp8: bool = False, softcap: float = 0.0,
 ) -> torch.Tensor:
     """Like ``memory_efficient_attention`` without autograd (inference)."""
     with torch.no_grad():
         return memory_efficient_attention(query, key, value, attn_bias, p, scale, op=op, output_dtype=output_dtype,
                                           q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                                          quantize_kv_to_fp8=quantize_kv_to_fp8)
+                                          quantize_kv_to_fp8=quantize_kv_to_fp8, softcap=softcap)
 
 
 def memory_efficient_attention_partial(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_bias: Any = None, p: float = 0.0,
     scale: float | None = None, *, op: OpArg = None, output_dtype: torch.dtype | None = None,
     q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
-    v_descale: torch.Tensor | None = None, quantize_kv_to_fp8: bool = False,
+    v_descale: torch.Tensor | None = None, quantize_kv_to_fp8: bool = False, softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over a slice of the keys, with its log-sum-exp for ``merge_attentions``.
 
     Returns out (B, Mq, Hq, Kv) (default dtype float32, as xformers) and lse float32 (B, Hq, Mq)
     (BMGHK inputs: (B, G, H, Mq)), natural log; rows that see no key have lse -inf and out 0.
+    Dropout is refused (``p`` must be 0), as in xformers: the parts could not be merged exactly.
     """
+    _no_dropout(p, "memory_efficient_attention_partial")
     inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, output_dtype=output_dtype or torch.float32,
                       is_partial=True, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                      quantize_kv_to_fp8=quantize_kv_to_fp8)
+                      quantize_kv_to_fp8=quantize_kv_to_fp8, softcap=softcap)
     if inp.needs_grad():
         grads = [n for n, t in (("query", query), ("key", key), ("value", value)) if t.requires_grad]
         raise NotImplementedError(f"memory_efficient_attention_partial returns no gradients, but {'/'.join(grads)} "
@@ -77,6 +86,69 @@ def memory_efficient_attention_partial(
     with torch.no_grad():
         out, lse = run_forward(inp, op, True)
     return inp.layout(out), inp.layout.lse(lse)
+
+
+def memory_efficient_attention_forward_requires_grad(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_bias: Any = None, p: float = 0.0,
+    scale: float | None = None, *, op: OpArg = None, output_dtype: torch.dtype | None = None, softcap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """xformers' low-level forward: (out, lse) for a later ``memory_efficient_attention_backward``.
+
+    out (B, Mq, Hq, Kv) in ``output_dtype`` (default: query's dtype); lse float32 (B, Hq, Mq) (BMGHK:
+    (B, G, H, Mq); BMK: (B, 1, Mq)). No autograd graph is recorded. Dropout is refused (``p`` must be 0).
+
+    Example
+    -------
+    >>> out, lse = memory_efficient_attention_forward_requires_grad(q, k, v, LowerTriangularMask())
+    >>> dq, dk, dv = memory_efficient_attention_backward(torch.ones_like(out), out, lse, q, k, v,
+    ...                                                  LowerTriangularMask())
+    """
+    _no_dropout(p, "memory_efficient_attention_forward_requires_grad")
+    inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, output_dtype=output_dtype, softcap=softcap)
+    with torch.no_grad():
+        out, lse = run_forward(inp, op, True)
+    return inp.layout(out), _lse_layout(inp, lse)
+
+
+def memory_efficient_attention_backward(
+    grad: torch.Tensor, output: torch.Tensor, lse: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+    value: torch.Tensor, attn_bias: Any = None, p: float = 0.0, scale: float | None = None, *, op: OpArg = None,
+    softcap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """xformers' low-level backward: (dq, dk, dv) shaped like query, key, value.
+
+    ``output`` and ``lse`` come from ``memory_efficient_attention_forward_requires_grad`` on the same
+    inputs; ``grad`` is d(loss)/d(output). BMHK or BMK tensors (for GQA pass key / value with Hkv heads
+    in BMHK). ``op``: a backward op, or an (FwOp, BwOp) tuple. Dropout is refused (``p`` must be 0).
+    """
+    _no_dropout(p, "memory_efficient_attention_backward")
+    if query.ndim == 5:
+        raise ValueError("memory_efficient_attention_backward takes BMHK (B, M, H, K) or BMK tensors, got a 5-D "
+                         "query; for GQA pass key / value with their Hkv heads in BMHK")
+    inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, softcap=softcap)
+    out, grad = (t[:, :, None] if inp.layout.bmk and t.ndim == 3 else t for t in (output, grad))
+    lse = lse[:, None] if inp.layout.bmk and lse.ndim == 2 else lse
+    b, mq, hq, _ = inp.query.shape
+    want = {"output": (b, mq, hq, inp.value.shape[3]), "grad": (b, mq, hq, inp.value.shape[3]), "lse": (b, hq, mq)}
+    for name, t in (("output", out), ("grad", grad), ("lse", lse)):
+        if tuple(t.shape) != want[name]:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {want[name]} (BMHK) for query "
+                             f"{tuple(query.shape)} and value {tuple(value.shape)}")
+    sig = inp.signature()
+    bw = SELECTOR.select(sig, lambda: make_problem(inp, True), "bw", op)
+    dq, dk, dv = bw.apply_bw(inp, out, lse.float(), grad.contiguous())
+    return inp.layout(dq), inp.layout(dk), inp.layout(dv)
+
+
+def _no_dropout(p: float, name: str) -> None:
+    if p != 0.0:
+        raise NotImplementedError(f"p={p}: {name} does not support dropout (as in xformers); call "
+                                  f"memory_efficient_attention, whose autograd replays the dropout mask")
+
+
+def _lse_layout(inp: Inputs, lse: torch.Tensor) -> torch.Tensor:
+    """lse (B, Hq, Mq) in the caller's layout; BMK keeps its head dim, (B, 1, Mq), as xformers does."""
+    return lse if inp.layout.bmk else inp.layout.lse(lse)
 
 
 def merge_attentions(

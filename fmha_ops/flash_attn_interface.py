@@ -3,9 +3,11 @@
 Layout (batch, seqlen, heads, headdim), GQA/MQA by Hq % Hkv == 0, causal aligned bottom-right.
 fp8 inputs take float32 descales ``(batch, num_kv_heads)`` or per-tensor and return bfloat16.
 Performance hints FA3 takes (``num_splits``, ``pack_gqa``, ``sm_margin``, ``scheduler_metadata``,
-``deterministic``) are accepted; features this package does not implement (sliding windows, softcap,
-rotary embedding, ``qv``, chunked attention, ``seqused_*``, ``cache_leftpad``) raise
-``NotImplementedError`` naming the argument.
+``deterministic``) are accepted. ``window_size=(left, right)`` (-1 = unbounded; ``causal`` sets right = 0)
+becomes the matching local attention mask (``fmha_ops.attn_bias``), aligned bottom-right as in FA3, and
+``softcap`` caps the scores; the selector then picks an op that declares windows / softcap. Features this
+package does not implement (rotary embedding, ``qv``, chunked attention, ``seqused_*``, ``cache_leftpad``,
+non-causal windows on a KV cache) raise ``NotImplementedError`` naming the argument.
 
 Differentiating fp8 inputs needs ``set_fp8_dequantized_backward(True)``: the backward then runs on
 the dequantized values with a bf16 kernel. For training, ``fmha_ops.fp8_attention`` takes bf16 q/k/v,
@@ -35,10 +37,10 @@ def _unsupported(**args) -> None:
             raise NotImplementedError(f"{name}={value!r} is not implemented by fmha_ops (only {name}={default!r})")
 
 
-def _run(q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_lse):
+def _run(q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_lse, softcap=0.0):
     """out in q's dtype (bfloat16 for fp8 inputs), differentiable; with ``return_lse`` also the lse (float32,
     not differentiable, as FA3 returns it)."""
-    kw = dict(scale=softmax_scale, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+    kw = dict(scale=softmax_scale, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, softcap=softcap)
     if not return_lse:
         return memory_efficient_attention(q, k, v, bias, **kw)
     inp = make_inputs(q, k, v, bias, is_partial=True, **kw)
@@ -54,13 +56,27 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
                     return_attn_probs: bool = False):
     """q (B, Mq, Hq, D), k (B, Mk, Hkv, D), v (B, Mk, Hkv, Dv) -> out (B, Mq, Hq, Dv)
     [, softmax_lse float32 (B, Hq, Mq) when ``return_attn_probs``]."""
-    _unsupported(qv=(qv, None), window_size=(tuple(window_size), (-1, -1)), attention_chunk=(attention_chunk, 0),
-                 softcap=(softcap, 0.0))
+    _unsupported(qv=(qv, None), attention_chunk=(attention_chunk, 0))
     for name, t in (("q", q), ("k", k), ("v", v)):
         arguments.tensor(name, t, ndim=4, layout="(batch, seqlen, heads, headdim)")
     _check_scalars(softmax_scale, causal)
-    bias = ab.LowerTriangularFromBottomRightMask() if causal else None
-    return _run(q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_attn_probs)
+    left, right = _window(window_size, causal)
+    if causal:
+        bias = ab.LowerTriangularFromBottomRightMask() if left < 0 else \
+            ab.LowerTriangularFromBottomRightLocalAttentionMask(left + 1)
+    else:
+        bias = None if (left, right) == (-1, -1) else ab.LocalAttentionFromBottomRightMask(left, right)
+    return _run(q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_attn_probs, softcap)
+
+
+def _window(window_size, causal: bool) -> tuple[int, int]:
+    """FA3's ``window_size`` as (left, right), -1 = unbounded (any negative value is); ``causal`` sets right = 0."""
+    try:
+        left, right = (int(w) for w in window_size)
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be a pair of ints (left, right), got {window_size!r}") from None
+    left, right = max(left, -1), max(right, -1)
+    return left, (-1 if causal else right)
 
 
 def _check_scalars(softmax_scale, causal) -> None:
@@ -81,21 +97,30 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     Reads cu_seqlens on the host once per call (one device sync); under torch.compile the call is one custom op
     (``fmha_ops::varlen_attention``) that does so when it runs."""
     _unsupported(seqused_q=(seqused_q, None), seqused_k=(seqused_k, None), qv=(qv, None),
-                 window_size=(tuple(window_size), (-1, -1)), attention_chunk=(attention_chunk, 0),
-                 softcap=(softcap, 0.0))
+                 attention_chunk=(attention_chunk, 0))
     for name, t in (("q", q), ("k", k), ("v", v)):
         arguments.tensor(name, t, ndim=3, layout="(total_tokens, heads, headdim)")
     _check_scalars(softmax_scale, causal)
+    left, right = _window(window_size, causal)
     if torch.compiler.is_compiling():  # cu_seqlens are data to a trace: the call runs behind a custom op
+        if (left, right) != (-1, -1) or softcap:
+            raise NotImplementedError(f"window_size={tuple(window_size)} / softcap={softcap} are not implemented for "
+                                      f"flash_attn_varlen_func under torch.compile (eager calls take them)")
         return compiled.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                          softmax_scale, causal, (q_descale, k_descale, v_descale), return_attn_probs)
-    cls = ab.BlockDiagonalCausalFromBottomRightMask if causal else ab.BlockDiagonalMask
     q_info, k_info = _seqinfo("q", cu_seqlens_q, max_seqlen_q, q), _seqinfo("k", cu_seqlens_k, max_seqlen_k, k)
     if len(q_info.seqstart_py) != len(k_info.seqstart_py):
         raise ValueError(f"cu_seqlens_q has {len(q_info.seqstart_py) - 1} sequences but cu_seqlens_k has "
                          f"{len(k_info.seqstart_py) - 1}")
-    bias = cls(q_info, k_info)
-    res = _run(q[None], k[None], v[None], bias, softmax_scale, q_descale, k_descale, v_descale, return_attn_probs)
+    if causal:
+        bias = ab.BlockDiagonalCausalFromBottomRightMask(q_info, k_info) if left < 0 else \
+            ab.BlockDiagonalCausalLocalAttentionFromBottomRightMask(q_info, k_info, None, left + 1)
+    elif (left, right) == (-1, -1):
+        bias = ab.BlockDiagonalMask(q_info, k_info)
+    else:
+        bias = ab.BlockDiagonalLocalAttentionFromBottomRightMask(q_info, k_info, None, left, right)
+    res = _run(q[None], k[None], v[None], bias, softmax_scale, q_descale, k_descale, v_descale, return_attn_probs,
+               softcap)
     if return_attn_probs:
         return res[0][0], res[1][0]
     return res[0]
@@ -120,7 +145,8 @@ def _seqinfo(role: str, cu: torch.Tensor, max_seqlen: int | None, packed: torch.
         max_seqlen = longest
     elif arguments.integer(max_name, max_seqlen, minimum=0) < longest:
         raise ValueError(f"{max_name}={max_seqlen} is smaller than the longest sequence in {name} ({longest})")
-    return ab._SeqLenInfo(starts, cu.to(packed.device), max_seqlen, min(lens, default=0))
+    return ab._SeqLenInfo(seqstart=cu.to(packed.device), max_seqlen=max_seqlen, min_seqlen=min(lens, default=0),
+                          seqstart_py=starts)
 
 
 @functools.lru_cache(maxsize=256)
@@ -171,8 +197,11 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     _unsupported(qv=(qv, None), rotary_cos=(rotary_cos, None), rotary_sin=(rotary_sin, None),
                  cache_leftpad=(cache_leftpad, None), cu_seqlens_q=(cu_seqlens_q, None),
                  cu_seqlens_k_new=(cu_seqlens_k_new, None), rotary_seqlens=(rotary_seqlens, None),
-                 window_size=(tuple(window_size), (-1, -1)), attention_chunk=(attention_chunk, 0),
-                 softcap=(softcap, 0.0))
+                 attention_chunk=(attention_chunk, 0))
+    left, right = _window(window_size, causal)
+    if not causal and (left, right) != (-1, -1):
+        raise NotImplementedError(f"window_size={tuple(window_size)} with causal=False is not implemented by "
+                                  f"flash_attn_with_kvcache (causal=True windows are)")
     if q_descale is not None:
         raise NotImplementedError("q_descale is not implemented for flash_attn_with_kvcache (pass a bf16/fp16 q)")
     _check_cache_tensors(q, k_cache, v_cache, k, v)
@@ -212,14 +241,17 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     else:
         seqlens = cache_seqlens
     kind = ab.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask if causal else ab.PagedBlockDiagonalPaddedKeysMask
-    bias = kind(_uniform_q(batch, mq), ab._PaddedSeqLenInfo(None, seqlens, page_table.shape[1] * page),
-                page_table, page)
+    keys = ab._PaddedSeqLenInfo.from_device_seqlens(seqlens, page_table.shape[1] * page)
+    if left >= 0:
+        bias = ab.PagedBlockDiagonalCausalLocalPaddedKeysMask(_uniform_q(batch, mq), keys, page_table, page, left + 1)
+    else:
+        bias = kind(_uniform_q(batch, mq), keys, page_table, page)
     pool = (1, k_cache.shape[0] * page)
     per_token = kd is not None and kd.shape == k_cache.shape[:3]
     kd = kd.reshape(pool + kd.shape[2:]) if per_token else kd
     vd = vd.reshape(pool + vd.shape[2:]) if per_token else vd
     res = _run(q.reshape(1, batch * mq, *q.shape[2:]), k_cache.reshape(pool + k_cache.shape[2:]),
-               v_cache.reshape(pool + v_cache.shape[2:]), bias, softmax_scale, None, kd, vd, return_softmax_lse)
+               v_cache.reshape(pool + v_cache.shape[2:]), bias, softmax_scale, None, kd, vd, return_softmax_lse, softcap)
     if return_softmax_lse:
         out, lse = res
         return out.view(q.shape[:3] + out.shape[3:]), lse.view(lse.shape[1], batch, mq).permute(1, 0, 2)

@@ -60,6 +60,7 @@ class Signature(NamedTuple):
     deterministic: bool
     capturing: bool  # a CUDA graph capture is in progress
     fp8_backward: bool
+    softcap: float
 
 
 class OutputLayout:
@@ -108,6 +109,7 @@ class Inputs:
     v_descale: torch.Tensor | None = None
     quantize_kv_to_fp8: bool = False
     layout: OutputLayout = field(default=BMHK, repr=False, compare=False)
+    softcap: float = 0.0  # > 0: scores become softcap * tanh(scale * q.k / softcap) (Gemma 2 / FA3); 0 = off
 
     @property
     def softmax_scale(self) -> float:
@@ -124,8 +126,14 @@ class Inputs:
         return self.query.dtype if self.query.dtype in FLOAT_DTYPES else torch.bfloat16
 
     def needs_grad(self) -> bool:
+        """Autograd needs this call's gradients (w.r.t. query, key, value or a tensor attn_bias)."""
         return torch.is_grad_enabled() and (
-            self.query.requires_grad or self.key.requires_grad or self.value.requires_grad)
+            self.query.requires_grad or self.key.requires_grad or self.value.requires_grad or self.bias_needs_grad())
+
+    def bias_needs_grad(self) -> bool:
+        """The mask carries a tensor bias that autograd differentiates."""
+        bias = None if self.attn_bias is None else self.attn_bias.tensor_bias
+        return bias is not None and bias.requires_grad and torch.is_grad_enabled()
 
     def signature(self) -> Signature:
         """The memo key of this call (``Signature``)."""
@@ -133,7 +141,8 @@ class Inputs:
         bias = self.attn_bias
         qd, kd, vd = self.q_descale, self.k_descale, self.v_descale
         return _new_tuple(Signature, (
-            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
+            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
+                bias is not None and bias.tensor_bias is not None and bias.tensor_bias.requires_grad)),
             (q.dtype, k.dtype, v.dtype), (q.shape, k.shape, v.shape), (q.device, k.device, v.device),
             (q.stride(-1), k.stride(-1)), "last" if v.stride(-1) == 1 else value_layout(v),
             None if bias is None else bias.signature(), (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15,
@@ -141,7 +150,7 @@ class Inputs:
             (_tensor_signature(qd), _tensor_signature(kd), _tensor_signature(vd)),
             self.p, self.scale, self.output_dtype, self.is_partial, self.quantize_kv_to_fp8,
             _deterministic(), q.is_cuda and torch.cuda.is_current_stream_capturing(),
-            fp8_dequantized_backward_enabled()))
+            fp8_dequantized_backward_enabled(), self.softcap))
 
     def validate(self) -> None:
         """Raise ValueError naming the argument, the value and what is supported (``fmha_ops.validation``)."""
@@ -168,14 +177,17 @@ class Inputs:
             heads_q=q.shape[2], heads_kv=k.shape[2], head_dim=q.shape[3], head_dim_v=v.shape[3], bias=self.bias_kind,
             q_uniform=dims.q_uniform, page_size=dims.page_size, descales=descale_kinds(self),
             quantize_kv=self.quantize_kv_to_fp8, dropout=self.p > 0.0, needs_lse=needs_lse or self.is_partial,
-            needs_grad=self.needs_grad(), v_keys_contiguous=value_layout(v) == "keys")
+            needs_grad=self.needs_grad(), v_keys_contiguous=value_layout(v) == "keys",
+            window_left=self.attn_bias.window_left if self.attn_bias is not None else -1,
+            window_right=self.attn_bias.window_right if self.attn_bias is not None else -1,
+            softcap=self.softcap > 0.0, bias_grad=self.bias_needs_grad())
 
 
 def make_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_bias: Any = None, *,
                 p: float = 0.0, scale: float | None = None, output_dtype: torch.dtype | None = None,
                 is_partial: bool = False, q_descale: torch.Tensor | None = None,
                 k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None,
-                quantize_kv_to_fp8: bool = False) -> Inputs:
+                quantize_kv_to_fp8: bool = False, softcap: float = 0.0) -> Inputs:
     """The ``Inputs`` of one call, as the public functions take it.
 
     Parameters
@@ -183,9 +195,10 @@ def make_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, att
     query, key, value : torch.Tensor
         BMHK (B, M, H, K); or BMGHK (B, M, G, H, K) with key / value expanded over H for MQA/GQA (stride 0
         or one head: a single kv head per group is kept); or BMK (B, M, K), one head.
-    attn_bias : AttentionBias, an xformers mask object, or None
-        xformers masks are converted to ours (``attn_bias.from_xformers``); dense tensors are refused.
-    p, scale, output_dtype, q_descale, k_descale, v_descale, quantize_kv_to_fp8
+    attn_bias : AttentionBias, an xformers mask object, a tensor, or None
+        xformers masks are converted to ours (``attn_bias.from_xformers``); a tensor is an additive bias
+        (``attn_bias.TensorBias``) broadcastable to (B, Hq, Mq, Mk) (BMGHK: (B, G, H, Mq, Mk); BMK: (B, Mq, Mk)).
+    p, scale, output_dtype, q_descale, k_descale, v_descale, quantize_kv_to_fp8, softcap
         As ``memory_efficient_attention`` takes them. ``is_partial``: the call returns its LSE.
 
     Returns
@@ -226,14 +239,26 @@ def make_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, att
     elif query.ndim == 3:
         layout = OutputLayout(bmk=True)
         query, key, value = query[:, :, None], key[:, :, None], value[:, :, None]
-    if attn_bias is not None and not isinstance(attn_bias, ab.AttentionBias):
-        if isinstance(attn_bias, torch.Tensor):
-            raise ValueError("attn_bias as a dense tensor is not supported; use a mask from fmha_ops.attn_bias")
+    if isinstance(attn_bias, torch.Tensor):
+        attn_bias = ab.TensorBias(attn_bias)
+    elif attn_bias is not None and not isinstance(attn_bias, ab.AttentionBias):
         attn_bias = ab.from_xformers(attn_bias)
+    if attn_bias is not None and attn_bias.tensor_bias is not None and layout is not BMHK:
+        attn_bias = _fold_tensor_bias(attn_bias, layout)
     inp = Inputs(query, key, value, attn_bias, p, scale, output_dtype, is_partial, q_descale, k_descale, v_descale,
-                 quantize_kv_to_fp8, layout)
+                 quantize_kv_to_fp8, layout, softcap)
     check_values(inp)
     return inp
+
+
+def _fold_tensor_bias(bias: ab.AttentionBias, layout: OutputLayout) -> ab.AttentionBias:
+    """A BMGHK (B, G, H, Mq, Mk) or BMK (B, Mq, Mk) tensor bias in BMHK's (B, Hq, Mq, Mk)."""
+    t = bias.tensor_bias
+    if layout.bmk and t.ndim == 3:
+        t = t[:, None]
+    elif layout.shape5 is not None and t.ndim == 5:
+        t = t.flatten(1, 2)
+    return type(bias)(t)
 
 
 def _expanded_over_heads(t: torch.Tensor) -> bool:

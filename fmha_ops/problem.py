@@ -53,10 +53,22 @@ class Problem:
     fp8_backward: bool = False  # set_fp8_dequantized_backward is on
     v_keys_contiguous: bool = False  # value is keys-contiguous (see fmha_ops.inputs)
     tma_misaligned: tuple[str, ...] = ()  # inputs a TMA descriptor cannot address (validation.tma_misaligned)
+    #: local attention window (the mask's ``window_left`` / ``window_right``; -1 = unbounded): key j is
+    #: visible from query i iff the mask kind allows it and i_al - window_left <= j <= i_al + window_right,
+    #: i_al = i for top-left kinds, i + Mk - Mq (per sequence) for bottom-right and non-causal kinds
+    window_left: int = -1
+    window_right: int = -1
+    softcap: bool = False  # scores are capped: s * tanh(score / s) before the softmax (``Inputs.softcap``)
+    bias_grad: bool = False  # autograd differentiates a tensor attn_bias
 
     @property
     def causal(self) -> bool:
         return self.bias in ab.CAUSAL_KINDS
+
+    @property
+    def windowed(self) -> bool:
+        """A local attention window bounds the visible keys on at least one side."""
+        return self.window_left >= 0 or self.window_right >= 0
 
     @property
     def gqa_ratio(self) -> int:
@@ -68,13 +80,15 @@ class Problem:
         return self.quantize_kv or (self.k_dtype in FP8_DTYPES and self.q_dtype not in FP8_DTYPES + (torch.int8,))
 
     def bucket(self) -> str:
-        """Tuning-table key: exact dtypes, head dims, mask, GQA, page size; sizes rounded to powers of 2."""
+        """Tuning-table key: exact dtypes, head dims, mask, GQA, page size; sizes rounded to powers of 2;
+        window sizes (rounded likewise) and softcap appended only when present."""
         return "|".join([
             "/".join(dtype_name(d) for d in (self.q_dtype, self.k_dtype, self.v_dtype)),
             f"d{self.head_dim}/{self.head_dim_v}", self.bias, f"g{self.gqa_ratio}", f"p{self.page_size}",
             f"qkv{int(self.quantize_kv)}", f"bh{_p2(self.batch * self.heads_kv)}", f"q{_p2(self.seqlen_q)}",
             f"k{_p2(self.seqlen_k)}", f"grad{int(self.needs_grad)}",
-        ])
+        ] + ([f"w{_p2(self.window_left + 1)}/{_p2(self.window_right + 1)}"] if self.windowed else [])
+          + (["softcap"] if self.softcap else []))
 
     def __str__(self) -> str:
         dts = "/".join(dtype_name(d) for d in (self.q_dtype, self.k_dtype, self.v_dtype))
@@ -85,6 +99,9 @@ class Problem:
         extra += ["grad"] if self.needs_grad else []
         extra += ["dropout"] if self.dropout else []
         extra += ["graph"] if self.graph_capture else []
+        extra += [f"window=({self.window_left}, {self.window_right})"] if self.windowed else []
+        extra += ["softcap"] if self.softcap else []
+        extra += ["bias_grad"] if self.bias_grad else []
         return (f"{dts}->{dtype_name(self.out_dtype)} B={self.batch} Mq={self.seqlen_q} Mk={self.seqlen_k} "
                 f"Hq={self.heads_q} Hkv={self.heads_kv} K={self.head_dim} Kv={self.head_dim_v} "
                 f"bias={self.bias} " + " ".join(extra + [f"on {self.arch}"]))

@@ -53,6 +53,9 @@ def validate(inp: "Inputs") -> None:
         raise ValueError(f"p (dropout) must be in [0, 1), got {inp.p}")
     if inp.scale is not None:
         arguments.finite_float("scale", inp.scale)
+    arguments.finite_float("softcap", inp.softcap)
+    if inp.softcap < 0.0:
+        raise ValueError(f"softcap must be a finite float >= 0 (0 = off), got {inp.softcap}")
     if inp.output_dtype is not None:
         arguments.dtype("output_dtype", inp.output_dtype, FLOAT_DTYPES)
     arguments.flag("quantize_kv_to_fp8", inp.quantize_kv_to_fp8)

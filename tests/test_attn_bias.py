@@ -217,8 +217,10 @@ def test_materialize_random_matches_hand_mask(seed):
     ]
     mq = sum(ql)
     for spec in specs:
-        mk = {"varlen": sum(kl), "padded": nseq * (max(kl) + 1), "paged": pool * page}[spec["kind"]]
+        mk = {"varlen": sum(kl), "padded": nseq * (max(kl) + 1), "paged": nseq * maxpages * page}[spec["kind"]]
         got = make_bias(spec).materialize((2, 3, mq, mk), dtype=torch.float64)
+        if spec["kind"] == "paged":  # xformers' convention: unpaged key count in, page-pool columns out
+            mk = (max(max(r) for r in perm) + 1) * page
         assert got.shape == (2, 3, mq, mk) and got.dtype == torch.float64
         assert torch.equal(as_bool(got[1, 2]), hand_mask(spec, mq, mk)), spec
     for kind in ("causal", "causal_br"):
@@ -269,11 +271,15 @@ def test_kinds_consistent():
     classes = [ab.LowerTriangularMask, ab.LowerTriangularFromBottomRightMask, ab.BlockDiagonalMask,
                ab.BlockDiagonalCausalMask, ab.BlockDiagonalCausalFromBottomRightMask, ab.BlockDiagonalPaddedKeysMask,
                ab.BlockDiagonalCausalWithOffsetPaddedKeysMask, ab.PagedBlockDiagonalPaddedKeysMask,
-               ab.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask]
+               ab.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask, ab.TensorBias, ab.LowerTriangularMaskWithTensorBias,
+               ab.BlockDiagonalGappyKeysMask, ab.BlockDiagonalCausalWithOffsetGappyKeysMask,
+               ab.PagedBlockDiagonalGappyKeysMask, ab.PagedBlockDiagonalCausalWithOffsetGappyKeysMask]
     kinds = [c.KIND for c in classes]
     assert len(set(kinds)) == len(kinds) and set(kinds) | {ab.NONE} == ab.ALL_KINDS
+    assert ab.GAPPY_KINDS <= ab.DECODE_KINDS and ab.TENSOR_KINDS <= ab.ALL_KINDS
     for c in classes:
-        causal = c in (ab.LowerTriangularMask, ab.LowerTriangularFromBottomRightMask) or bool(getattr(c, "_CAUSAL", ""))
+        causal = issubclass(c, (ab.LowerTriangularMask, ab.LowerTriangularFromBottomRightMask)) or bool(
+            getattr(c, "_CAUSAL", ""))
         assert (c.KIND in ab.CAUSAL_KINDS) == causal, c
 
 
@@ -294,12 +300,15 @@ def _xf_seqinfo(lens):
     starts = [0]
     for n in lens:
         starts.append(starts[-1] + n)
-    return SimpleNamespace(seqstart_py=starts, seqstart=torch.tensor(starts, dtype=torch.int32),
-                           max_seqlen=max(lens), min_seqlen=min(lens))
+    return _xf("_SeqLenInfo", seqstart_py=starts, seqstart=torch.tensor(starts, dtype=torch.int32),
+               max_seqlen=max(lens), min_seqlen=min(lens))
 
 
 def _xf_padded(lens, padding):
-    return SimpleNamespace(seqlen_py=list(lens), seqlen=torch.tensor(lens, dtype=torch.int32), padding=padding)
+    starts = list(range(0, len(lens) * padding + 1, padding))
+    return _xf("_PaddedSeqLenInfo", seqlen_py=list(lens), seqlen=torch.tensor(lens, dtype=torch.int32), padding=padding,
+               seqstart_py=starts, seqstart=torch.tensor(starts, dtype=torch.int32), max_seqlen=max(lens),
+               min_seqlen=min(lens))
 
 
 @pytest.mark.parametrize("name", ["LowerTriangularMask", "LowerTriangularFromBottomRightMask"])
@@ -337,10 +346,10 @@ def test_from_xformers_paged(name, causal):
     ours = ab.from_xformers(obj)
     assert type(ours) is getattr(ab, name) and ours.page_size == 2
     spec = {"kind": "paged", "q": [2, 1], "k": [3, 4], "table": table, "page": 2, "causal": causal}
-    assert torch.equal(as_bool(ours.materialize((3, 8))), hand_mask(spec, 3, 8))
+    assert torch.equal(as_bool(ours.materialize((3, 8))), hand_mask(spec, 3, 8))  # 2 sequences x 4 rows -> 4 pages
 
 
 def test_from_xformers_unsupported_lists_supported():
-    with pytest.raises(ValueError, match=r"xformers BlockDiagonalCausalLocalAttentionMask is not supported; "
+    with pytest.raises(ValueError, match=r"xformers BlockDiagonalSparseMask is not supported; "
                                          r"supported: .*BlockDiagonalMask.*LowerTriangularMask"):
-        ab.from_xformers(_xf("BlockDiagonalCausalLocalAttentionMask"))
+        ab.from_xformers(_xf("BlockDiagonalSparseMask"))

@@ -59,8 +59,8 @@ def test_make_inputs_folds_bmghk_and_bmk_and_unfolds_outputs():
     assert inp.query.shape == (2, 5, 1, 16) and inp.layout(torch.zeros(2, 5, 1, 8)).shape == (2, 5, 8)
     with pytest.raises(ValueError, match="key must be a torch.Tensor, got list"):
         make_inputs(q3, [1], q3)
-    with pytest.raises(ValueError, match="dense tensor is not supported"):
-        make_inputs(q3, q3, q3, torch.zeros(5, 5))
+    bmk_bias = make_inputs(q3, q3, q3, torch.zeros(2, 5, 5)).attn_bias  # BMK (B, Mq, Mk) gains its heads dim
+    assert isinstance(bmk_bias, ab.TensorBias) and bmk_bias.tensor_bias.shape == (2, 1, 5, 5)
 
 
 def test_signature_is_read_by_name():
@@ -105,7 +105,7 @@ def test_masks_state_their_dims_and_signature(name):
     ("varlen", (2, 5, 2), (2, 7, 2), "needs batch 1"),
     ("varlen", (1, 6, 2), (1, 7, 2), "query has 6 tokens but attn_bias q_seqinfo covers 5"),
     ("varlen", (1, 5, 2), (1, 8, 2), "key has 8 tokens but attn_bias k_seqinfo covers 7"),
-    ("padded", (1, 3, 2), (1, 17, 2), "key has 17 rows but attn_bias expects 2 sequences x kv_padding 8"),
+    ("padded", (1, 3, 2), (1, 15, 2), "key has 15 rows but attn_bias needs at least 2 sequences x kv_padding 8"),
     ("paged", (1, 3, 2), (1, 18, 2), "not a multiple of page_size=4"),
 ])
 def test_masks_validate_the_call(name, qs, ks, msg):

@@ -307,8 +307,9 @@ def test_varlen_bias_sequence_count_mismatch():
 def test_padded_bias_consistency():
     m = ab.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([1, 2], kv_padding=8, kv_seqlen=[3, 8])
     q, k, v = qkv(b=1, mq=3, mk=15)
-    with pytest.raises(ValueError, match=r"key has 15 rows but attn_bias expects 2 sequences x kv_padding 8"):
+    with pytest.raises(ValueError, match=r"key has 15 rows but attn_bias needs at least 2 sequences x kv_padding 8"):
         Inputs(q, k, v, m).validate()
+    Inputs(*qkv(b=1, mq=3, mk=20), m).validate()  # rows past nseq * padding are allowed, as in xformers
     q, k, v = qkv(b=1, mq=4, mk=16)
     with pytest.raises(ValueError, match=r"query has 4 tokens but attn_bias q_seqinfo covers 3"):
         Inputs(q, k, v, m).validate()
@@ -341,10 +342,11 @@ def test_paged_bias_consistency():
         Inputs(*qkv(b=2, mq=1, mk=16), m).validate()
 
 
-def test_dense_tensor_bias_rejected_by_api():
+def test_dense_tensor_bias_shape_checked():
     q, k, v = qkv(torch.float32)
-    with pytest.raises(ValueError, match="attn_bias as a dense tensor is not supported"):
-        fmha_ops.memory_efficient_attention(q, k, v, torch.zeros(MQ, MK))
+    fmha_ops.memory_efficient_attention(q, k, v, torch.zeros(MQ, MK))  # broadcastable: accepted
+    with pytest.raises(ValueError, match=r"attn_bias TensorBias has shape \(2, 3\); it must be broadcastable to"):
+        fmha_ops.memory_efficient_attention(q, k, v, torch.zeros(2, 3))
 
 
 def test_api_layout_errors():

@@ -151,7 +151,7 @@ MUTATIONS = {
     "stride": (lambda g, n: ((torch.randn(2, 5, 4, 32).half()[..., ::2],) + _base(g)[1:], {}), "query must be contiguous"),
     "varlen_tokens": (lambda g, n: (_base(g, b=1, mq=6 + n, mk=6),
                                     {"attn_bias": fmha_ops.BlockDiagonalMask.from_seqlens([2, 3], [3, 3])}), "query has"),
-    "padded_rows": (lambda g, n: (_base(g, b=1, mq=2, mk=9 + n), {
+    "padded_rows": (lambda g, n: (_base(g, b=1, mq=2, mk=1 + n % 7), {
         "attn_bias": fmha_ops.BlockDiagonalPaddedKeysMask.from_seqlens([1, 1], 4, [2, 3])}), "kv_padding"),
     "quantize_kv_f32": (lambda g, n: (_base(g, torch.float32), {"quantize_kv_to_fp8": True}), "quantize_kv_to_fp8"),
 }

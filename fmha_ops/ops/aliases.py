@@ -147,7 +147,7 @@ def mapping(name: str) -> Mapping:
                 target, why = _FLYDSL_SPLIT, (f"no fixed {n}-split FlyDSL decoder is built (fixed: "
                                               f"{', '.join(map(str, FIXED_SPLITS))}); {_FLYDSL_SPLIT} chooses the split count")
         return Mapping(name, rule.kind, target, why)
-    raise ValueError(f"op={name!r} is neither one of our ops ({', '.join(sorted(o.NAME for o in REGISTRY.ops()))}) "
+    raise ValueError(f"op={name!r} is not a registered op ({', '.join(sorted(o.NAME for o in REGISTRY.ops()))}) "
                      f"nor a known xformers / MSLK op name (patterns: {'; '.join(r.pattern for r in RULES)})")
 
 

@@ -20,6 +20,8 @@ Declarations (class attributes; every check below reads only these):
   TMA            moves tiles with TMA descriptors: q/k/v must start at 16-byte aligned addresses
   TRACEABLE      ``apply`` is plain torch that torch.compile traces into the graph (else it runs behind the
                  custom op ``fmha_ops::attention_forward``, see fmha_ops.compiled); implies AUTOGRAD
+  WINDOW         local attention windows (Problem.window_left / window_right, with each allowed mask kind)
+  SOFTCAP        score capping (Problem.softcap: s * tanh(score / s) before the softmax)
 Ops add op-specific reasons in ``extra_reasons``.
 """
 from __future__ import annotations
@@ -58,6 +60,8 @@ class AttentionOp(Op):
     V_KEYS_CONTIGUOUS: ClassVar[bool] = False
     TMA: ClassVar[bool] = False
     TRACEABLE: ClassVar[bool] = False
+    WINDOW: ClassVar[bool] = False
+    SOFTCAP: ClassVar[bool] = False
 
     @classmethod
     def not_supported_reasons(cls, p: Problem) -> list[str]:
@@ -104,6 +108,11 @@ class AttentionOp(Op):
         if p.tma_misaligned and cls.TMA:
             r.append(f"{'/'.join(p.tma_misaligned)} does not start at a 16-byte aligned address (TMA needs it); "
                      f"pass a .contiguous() copy")
+        if p.windowed and not cls.WINDOW:
+            r.append(f"local attention window (window_left={p.window_left}, window_right={p.window_right}) not "
+                     f"supported; only unbounded windows (-1)")
+        if p.softcap and not cls.SOFTCAP:
+            r.append("softcap > 0 not supported; only softcap=0")
         r.extend(cls.extra_reasons(p))
         return r
 
@@ -120,6 +129,9 @@ class AttentionFwOp(AttentionOp):
         r = super().not_supported_reasons(p)
         if p.needs_grad and p.q_dtype not in (torch.float16, torch.bfloat16, torch.float32) and not p.fp8_backward:
             r.append(f"gradients through {dtype_name(p.q_dtype)} inputs need set_fp8_dequantized_backward(True)")
+        if p.bias_grad and not cls.AUTOGRAD:
+            r.append("the tensor attn_bias requires grad, and only ops differentiated by torch autograd give its "
+                     "gradient")
         if p.needs_grad and not (cls.AUTOGRAD or cls.PARTIAL):
             r.append("gradients are needed, and this forward neither supports autograd nor returns the "
                      "LSE a backward op needs")

@@ -69,6 +69,10 @@ def decode_views(inp: Inputs):
             block_table, rows = bias.block_tables, (-1, bias.page_size)
         else:
             rows = (nseq, bias.k_seqinfo.padding)
+            used = nseq * bias.k_seqinfo.padding  # key rows past the last sequence's padding are unused
+            k, v = k[:, :used], v[:, :used]
+            if per_token:
+                ks, vs = ks[:, :used], vs[:, :used]
         k, v = k.view(*rows, *k.shape[2:]), v.view(*rows, *v.shape[2:])
         if per_token:
             ks, vs = ks.view(k.shape[:3]), vs.view(v.shape[:3])

@@ -34,24 +34,35 @@ _ROW_CHUNK_ELEMS = 1 << 27  # score elements per chunk of query rows
 def reference_attention(inp: Inputs, compute_dtype: torch.dtype = torch.float32
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, Mq, Hq, Kv) in ``compute_dtype``, lse (B, Hq, Mq) float32, natural log).
-    Rows that see no key: out 0, lse -inf."""
-    q, k = inp.query, inp.key
+
+    Every mask kind, its window, a tensor bias and softcap (scores s -> c * tanh(s / c), then the bias).
+    Rows that see no key: out 0, lse -inf.
+
+    Example
+    -------
+    >>> out, lse = reference_attention(make_inputs(q, k, v, LowerTriangularMask()), torch.float64)
+    """
+    q, k, v = inp.query, inp.key, inp.value
     hq, hkv = q.shape[2], k.shape[2]
     qf, kf, vf = (t.to(compute_dtype) for t in dequantized_qkv(inp))
     if hq != hkv:
         kf = kf.repeat_interleave(hq // hkv, dim=2)
         vf = vf.repeat_interleave(hq // hkv, dim=2)
-    mq, mk = q.shape[1], k.shape[1]
-    segments = list(inp.attn_bias.segments(mq, mk)) if inp.attn_bias else [ab.Segment(0, mq, (0, mk))]
+    b, mq, mk = q.shape[0], q.shape[1], k.shape[1]
+    if b == 0:
+        return q.new_zeros((0, mq, hq, v.shape[-1]), dtype=compute_dtype), q.new_zeros((0, hq, mq), dtype=torch.float32)
+    bias = inp.attn_bias
+    segments = list(bias.segments(mq, mk)) if bias else [ab.Segment(0, mq, (0, mk))]
+    tensor_bias = None if bias is None or bias.tensor_bias is None else bias.tensor_bias.expand(b, hq, mq, mk)
     outs, lses = [], []
-    for bi in range(q.shape[0]):
+    for bi in range(b):
         o_b, l_b = [], []
         for seg in segments:
             keys = seg.key_rows().to(q.device)
-            o, l = _attend(qf[bi, seg.q_start:seg.q_end], kf[bi, keys], vf[bi, keys], seg.causal,
-                           inp.softmax_scale, inp.p)
+            extra = None if tensor_bias is None else tensor_bias[bi, :, seg.q_start:seg.q_end][:, :, keys]
+            o, lse = _attend(qf[bi, seg.q_start:seg.q_end], kf[bi, keys], vf[bi, keys], seg, extra, inp)
             o_b.append(o)
-            l_b.append(l)
+            l_b.append(lse)
         outs.append(torch.cat(o_b, 0))
         lses.append(torch.cat(l_b, 1))
     if not outs:  # batch 0
@@ -60,27 +71,28 @@ def reference_attention(inp: Inputs, compute_dtype: torch.dtype = torch.float32
     return torch.stack(outs), torch.stack(lses).float()
 
 
-def _attend(q, k, v, causal: str, scale: float, p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence: q (m, H, K), k (n, H, K), v (n, H, Kv) -> out (m, H, Kv), lse (H, m)."""
+def _attend(q, k, v, seg: ab.Segment, bias: torch.Tensor | None, inp: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence: q (m, H, K), k (n, H, K), v (n, H, Kv), bias (H, m, n) or None -> out (m, H, Kv), lse (H, m)."""
     m, h, n = q.shape[0], q.shape[1], k.shape[0]
+    visible = seg.visible(m, n, q.device)
     step = max(1, _ROW_CHUNK_ELEMS // max(1, h * n))
     outs, lses = [], []
     for r0 in range(0, max(m, 1), step):  # one empty chunk when m == 0 keeps the output in the graph
         r1 = min(m, r0 + step)
-        s = torch.einsum("mhd,nhd->hmn", q[r0:r1], k) * scale
-        if causal:
-            i = torch.arange(r0, r1, device=q.device)[:, None]
-            j = torch.arange(n, device=q.device)[None, :]
-            shift = 0 if causal == "top_left" else n - m
-            s = s.masked_fill(j > i + shift, -math.inf)
+        s = torch.einsum("mhd,nhd->hmn", q[r0:r1], k) * inp.softmax_scale
+        if inp.softcap > 0.0:
+            s = inp.softcap * torch.tanh(s / inp.softcap)
+        if bias is not None:
+            s = s + bias[:, r0:r1].to(s.dtype)
+        s = s.masked_fill(~visible[r0:r1], -math.inf)
         if n:  # rows that see no key get lse -inf; masking them first keeps their gradient 0, not nan
             dead = torch.isneginf(s.amax(dim=-1))
             lse = torch.logsumexp(s.masked_fill(dead[..., None], 0.0), dim=-1).masked_fill(dead, -math.inf)
         else:
             lse = s.new_full((h, r1 - r0), -math.inf)
         probs = torch.exp(s - lse.masked_fill(lse == -math.inf, 0.0)[..., None])
-        if p > 0.0:
-            probs = torch.nn.functional.dropout(probs, p)
+        if inp.p > 0.0:
+            probs = torch.nn.functional.dropout(probs, inp.p)
         outs.append(torch.einsum("hmn,nhd->mhd", probs, v))
         lses.append(lse)
     return torch.cat(outs, 0), torch.cat(lses, 1)
@@ -88,7 +100,8 @@ def _attend(q, k, v, causal: str, scale: float, p: float) -> tuple[torch.Tensor,
 
 @register
 class ReferenceFwOp(AttentionFwOp):
-    """Explicit-softmax float32 attention in torch: every mask, dtype and descale; slow."""
+    """Explicit-softmax float32 attention in torch: every mask (windows, tensor biases), dtype, descale and
+    softcap; slow."""
 
     NAME = "torch_referenceF"
     ARCHS = ("cpu", "cuda>=0.0", "rocm")
@@ -106,6 +119,8 @@ class ReferenceFwOp(AttentionFwOp):
     DROPOUT = True
     V_KEYS_CONTIGUOUS = True
     CUDA_GRAPH = False  # loops over sequences on the host
+    WINDOW = True
+    SOFTCAP = True
     PRIORITY = -100
 
     @classmethod
@@ -138,6 +153,8 @@ class ReferenceBwOp(AttentionBwOp):
     PARTIAL = True
     V_KEYS_CONTIGUOUS = True
     CUDA_GRAPH = False
+    WINDOW = True
+    SOFTCAP = True
     PRIORITY = -100
 
     @classmethod
@@ -147,7 +164,7 @@ class ReferenceBwOp(AttentionBwOp):
         With this call's own o, l: share = exp(l - lse); d o = share * grad_out and
         d l = share * rowsum(grad_out * (o - out)); given this call's own out and lse, share is 1 and d l 0."""
         leaves = [t.detach().requires_grad_(True) for t in dequantized_qkv(inp)]
-        plain = Inputs(*leaves, attn_bias=inp.attn_bias, scale=inp.softmax_scale)
+        plain = Inputs(*leaves, attn_bias=inp.attn_bias, scale=inp.softmax_scale, softcap=inp.softcap)
         with torch.enable_grad():
             o, l = reference_attention(plain)
             seen = torch.isfinite(l) & torch.isfinite(lse)

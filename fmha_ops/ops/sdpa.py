@@ -6,13 +6,18 @@ functions ``scaled_dot_product_attention`` dispatches to, with the same argument
 with the aten functions. Layout bridge: BMHK views are transposed to SDPA's (B, H, M, K) without copies; GQA
 is native in the flash and cuDNN kernels and ``enable_gqa`` in the math path. Masks: none, top-left causal
 (``is_causal``), and bottom-right causal where it coincides with those (Mq == Mk, or Mq == 1 which sees every
-key). No LSE (not partial).
+key). The backends that take an ``attn_mask`` (efficient, math; ``ATTN_MASK``) also run local windows, any
+bottom-right causal and tensor biases: through SDPA's front end (``sdpa_kernel``) with a mask materialized per
+call (an (Mq, Mk) boolean, or the bias with -inf where the window hides a key; the bias gradient flows through
+it). Query rows that see no key give 0 (SDPA would give NaN): they attend to every key inside SDPA and are
+zeroed after. No LSE (not partial).
 """
 from __future__ import annotations
 
 from typing import ClassVar
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import attn_bias as ab
 from ..dispatch import register
@@ -50,9 +55,14 @@ class _SdpaOp(AttentionFwOp):
     RATES: ClassVar[tuple[float, float, float]]
     CPU_RATES: ClassVar[tuple[float, float, float]] = (0.001, 0.005, 100.0)
 
+    #: takes ``attn_mask``: windows, any bottom-right causal and tensor biases run through a dense mask, on
+    #: this SDPA backend
+    ATTN_MASK: ClassVar[bool] = False
+    MASK_BACKEND: ClassVar[SDPBackend]
+
     @classmethod
     def extra_reasons(cls, p: Problem) -> list[str]:
-        if p.bias == ab.CAUSAL_BR and p.seqlen_q not in (1, p.seqlen_k):
+        if p.bias == ab.CAUSAL_BR and p.seqlen_q not in (1, p.seqlen_k) and not cls.ATTN_MASK:
             return [f"bottom-right causal with Mq={p.seqlen_q} != Mk={p.seqlen_k} not supported"]
         return []
 
@@ -64,7 +74,14 @@ class _SdpaOp(AttentionFwOp):
         scale = inp.softmax_scale
         if causal and scale <= 0.0:  # the fused kernels mask with -inf before scaling: -inf * 0 is NaN
             q, scale = q * scale, 1.0
-        if q.numel() and k.numel():
+        if cls.ATTN_MASK and _needs_dense_mask(inp):
+            mask, empty_rows = _dense_mask(inp)
+            with sdpa_kernel(cls.MASK_BACKEND):
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, dropout_p=inp.p, scale=scale,
+                    enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2)
+            out = out.masked_fill(empty_rows[None, :, None, None], 0.0)
+        elif q.numel() and k.numel():
             out = cls.attention(q, k, v, inp.p, causal, scale).transpose(1, 2)
         else:  # the fused functions fault on empty inputs; SDPA's front end returns the empty / zero output
             out = torch.nn.functional.scaled_dot_product_attention(
@@ -82,6 +99,31 @@ class _SdpaOp(AttentionFwOp):
     def estimate(cls, p: Problem) -> float:
         rates = cls.CPU_RATES if p.arch.kind == "cpu" else cls.RATES
         return attention_time(p, *rates)
+
+
+def _needs_dense_mask(inp) -> bool:
+    bias = inp.attn_bias
+    return bias is not None and (bias.window_left >= 0 or bias.window_right >= 0 or bias.tensor_bias is not None
+                                 or (inp.bias_kind == ab.CAUSAL_BR and inp.query.shape[1] not in (1, inp.key.shape[1])))
+
+
+def _dense_mask(inp) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """SDPA's ``attn_mask`` for a dense mask kind with its window / tensor bias, and the query rows that
+    see no key (None when every row sees one): bool (Mq, Mk), or the bias (B, Hq, Mq, Mk) in the query's dtype
+    with -inf where hidden."""
+    q, k = inp.query, inp.key
+    mq, mk = q.shape[1], k.shape[1]
+    (seg,) = inp.attn_bias.segments(mq, mk)
+    visible = seg.visible(mq, mk, q.device)
+    empty = ~visible.any(dim=-1)
+    has_empty = bool(empty.any())
+    if has_empty:
+        visible = visible | empty[:, None]
+    tensor = inp.attn_bias.tensor_bias
+    if tensor is None:
+        return visible, empty if has_empty else None
+    mask = tensor.to(q.dtype).expand(q.shape[0], q.shape[2], mq, mk).masked_fill(~visible, float("-inf"))
+    return mask, empty if has_empty else None
 
 
 @register
@@ -158,6 +200,10 @@ class SdpaEfficientFwOp(_SdpaOp):
     HEAD_DIMS_V = range(1, 513)
     GQA = False  # enable_gqa is not implemented by this backend (torch 2.11)
     DETERMINISTIC = False
+    ATTN_MASK = True
+    MASK_BACKEND = SDPBackend.EFFICIENT_ATTENTION
+    WINDOW = True
+    BIAS_KINDS = _SdpaOp.BIAS_KINDS | ab.TENSOR_KINDS
     RATES = (250.0, 2.0, 8.0)
 
     @staticmethod
@@ -176,6 +222,10 @@ class SdpaMathFwOp(_SdpaOp):
     OUT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
     HEAD_DIMS = range(1, 1025)
     HEAD_DIMS_V = range(1, 1025)
+    ATTN_MASK = True
+    MASK_BACKEND = SDPBackend.MATH
+    WINDOW = True
+    BIAS_KINDS = _SdpaOp.BIAS_KINDS | ab.TENSOR_KINDS
     RATES = (60.0, 0.6, 15.0)
     PRIORITY = -10
 
