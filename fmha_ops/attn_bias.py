@@ -606,6 +606,12 @@ class BlockDiagonalMask(AttentionBias):
         return BlockDiagonalCausalMask(self.q_seqinfo, self.k_seqinfo, self._batch_sizes)
 
     def make_causal_from_bottomright(self) -> "BlockDiagonalCausalFromBottomRightMask":
+        """Each block causal, bottom-right aligned; every block needs as many keys as queries (xformers'
+        rule; the FA3 wrappers build the mask directly and allow fewer: those queries see no key)."""
+        for b, (nq, nk) in enumerate(zip(self.q_seqinfo.seqlens, self.k_seqinfo.seqlens)):
+            if nk < nq:
+                raise ValueError(f"sequence {b} has {nq} queries but {nk} keys; a bottom-right causal block needs "
+                                 f"num_keys >= num_queries")
         return BlockDiagonalCausalFromBottomRightMask(self.q_seqinfo, self.k_seqinfo, self._batch_sizes)
 
     def make_local_attention(self, window_size: int) -> "BlockDiagonalCausalLocalAttentionMask":

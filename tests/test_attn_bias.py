@@ -68,7 +68,8 @@ def make_bias(spec: dict, device="cpu") -> ab.AttentionBias | None:
         return ab.LowerTriangularFromBottomRightMask()
     if kind == "varlen":
         m = ab.BlockDiagonalMask.from_seqlens(spec["q"], spec["k"], device=device)
-        return {"": m, "tl": m.make_causal(), "br": m.make_causal_from_bottomright()}[c]
+        # bottom-right built directly: make_causal_from_bottomright refuses blocks with fewer keys than queries
+        return {"": m, "tl": m.make_causal(), "br": ab.BlockDiagonalCausalFromBottomRightMask(m.q_seqinfo, m.k_seqinfo)}[c]
     cls = ab.BlockDiagonalCausalWithOffsetPaddedKeysMask if c == "br" else ab.BlockDiagonalPaddedKeysMask
     padded = cls.from_seqlens(spec["q"], spec["padding"] if kind == "padded" else _cap(spec), spec["k"], device=device)
     if kind == "padded":
