@@ -1151,11 +1151,15 @@ def _packed_queries_signature(mask: AttentionBias) -> tuple:
 
 # ---- xformers' objects ---------------------------------------------------------------------------------
 
-#: our mask classes by name (every concrete AttentionBias subclass above), for ``from_xformers``
+#: our mask classes by name (every concrete AttentionBias subclass above), for ``from_xformers``: plain dicts
+#: torch.compile reads at trace time
 MASK_CLASSES: dict[str, type[AttentionBias]] = {
     c.__name__: c for c in list(globals().values())
     if isinstance(c, type) and issubclass(c, AttentionBias) and c is not AttentionBias}
 _SEQINFO = {"_SeqLenInfo": _SeqLenInfo, "_PaddedSeqLenInfo": _PaddedSeqLenInfo, "_GappySeqInfo": _GappySeqInfo}
+#: each dataclass mask's fields: (name, our seqinfo class for a seqinfo field, else None)
+_MASK_FIELDS = {name: tuple((f.name, _SEQINFO.get(f.type)) for f in fields(c))
+                for name, c in MASK_CLASSES.items() if "__dataclass_fields__" in vars(c)}
 
 
 def from_xformers(bias: object) -> AttentionBias:
@@ -1177,18 +1181,26 @@ def from_xformers(bias: object) -> AttentionBias:
                          f"{', '.join(sorted(MASK_CLASSES))}")
     if ours is LowerTriangularMaskWithTensorBias:
         return ours(bias._bias)
-    if ours in (LowerTriangularMask, LowerTriangularFromBottomRightMask):
+    if name not in _MASK_FIELDS:
         return ours()
     args = {}
-    for f in fields(ours):
-        if hasattr(bias, f.name):
-            args[f.name] = _seqinfo_from(getattr(bias, f.name))
+    for field_name, seqinfo in _MASK_FIELDS[name]:
+        if hasattr(bias, field_name):
+            value = getattr(bias, field_name)
+            args[field_name] = value if seqinfo is None else _seqinfo_from(value, seqinfo)
     return ours(**args)
 
 
-def _seqinfo_from(value: Any) -> Any:
-    """Our seqinfo object for xformers' (sharing its tensors and lists); other values unchanged."""
-    ours = _SEQINFO.get(type(value).__name__)
-    if ours is None:
-        return value
-    return ours(**{f.name: getattr(value, f.name) for f in fields(ours)})
+def _seqinfo_from(x: Any, cls: type) -> _SeqLenInfo:
+    """Our ``cls`` seqinfo for xformers' ``x``, sharing its tensors and host lists; fields xformers' objects
+    always have but look-alikes may lack (the lengths' extremes) are derived."""
+    starts = x.seqstart_py
+    if cls is _SeqLenInfo:
+        lens = [b - a for a, b in zip(starts, starts[1:])]
+        return _SeqLenInfo(seqstart=x.seqstart, max_seqlen=getattr(x, "max_seqlen", max(lens, default=0)),
+                           min_seqlen=getattr(x, "min_seqlen", min(lens, default=0)), seqstart_py=starts)
+    lens = x.seqlen_py
+    common = dict(seqstart=x.seqstart, seqstart_py=starts, seqlen=x.seqlen, seqlen_py=lens,
+                  max_seqlen=getattr(x, "max_seqlen", max(lens, default=0)),
+                  min_seqlen=getattr(x, "min_seqlen", min(lens, default=0)))
+    return cls(**common, padding=x.padding) if cls is _PaddedSeqLenInfo else cls(**common)

@@ -54,6 +54,7 @@ class CallSpec(NamedTuple):
     is_partial: bool
     quantize_kv: bool
     needs_lse: bool
+    softcap: float
 
     def encode(self) -> str:
         return repr(tuple(self))
@@ -63,7 +64,8 @@ class CallSpec(NamedTuple):
         qd, kd, vd = tensors[:3]
         mask = None if self.mask is None else unflatten_mask(self.mask, tensors)
         out = None if self.output_dtype is None else getattr(torch, self.output_dtype)
-        return Inputs(query, key, value, mask, self.p, self.scale, out, self.is_partial, qd, kd, vd, self.quantize_kv)
+        return Inputs(query, key, value, mask, self.p, self.scale, out, self.is_partial, qd, kd, vd, self.quantize_kv,
+                      softcap=self.softcap)
 
 
 _SPECS: dict[str, CallSpec] = {}
@@ -90,8 +92,9 @@ def flatten_mask(obj: Any, tensors: list) -> Any:
     if dataclasses.is_dataclass(obj):
         return ("object", type(obj).__name__,
                 tuple(flatten_mask(getattr(obj, f.name), tensors) for f in dataclasses.fields(obj)))
-    if isinstance(obj, ab.AttentionBias):
-        return ("object", type(obj).__name__, ())
+    if isinstance(obj, ab.AttentionBias):  # no fields, or only a tensor bias (TensorBias and the like)
+        bias = obj.tensor_bias
+        return ("object", type(obj).__name__, () if bias is None else (flatten_mask(bias, tensors),))
     if isinstance(obj, (list, tuple)):
         return ("list" if isinstance(obj, list) else "tuple", tuple(flatten_mask(x, tensors) for x in obj))
     return ("value", obj)
@@ -136,7 +139,7 @@ def run_forward(inp: Inputs, op: Any, needs_lse: bool) -> tuple[torch.Tensor, to
     out_dtype = None if inp.output_dtype is None else str(inp.output_dtype).replace("torch.", "")
     text, fw_name, traceable = _plan(inp.query.device, tuple(fields.items()), op,
                                      (mask, inp.p, inp.scale, out_dtype, inp.is_partial, inp.quantize_kv_to_fp8,
-                                      needs_lse or inp.is_partial))
+                                      needs_lse or inp.is_partial, inp.softcap))
     if traceable:
         return REGISTRY.get(fw_name).apply(inp, needs_lse)
     out, lse = torch.ops.fmha_ops.attention_forward(inp.query, inp.key, inp.value, tensors, text)

@@ -356,3 +356,20 @@ def test_flash_attn_with_kvcache_causal_window():
         assert_close(out[b:b + 1], naive(q[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n], want))
     with pytest.raises(NotImplementedError, match="causal=False is not implemented by flash_attn_with_kvcache"):
         fmha_ops.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, window_size=(2, 1))
+
+
+@pytest.mark.parametrize("case", ["window_sdpa", "tensor_bias", "softcap_reference"])
+def test_compiled_calls_keep_windows_biases_and_softcap(case):
+    g = torch.Generator().manual_seed(37)
+    q, k, v = rnd(1, 6, 2, 16, gen=g), rnd(1, 9, 2, 16, gen=g), rnd(1, 9, 2, 16, gen=g)
+    bias = rnd(1, 2, 6, 9, gen=g)
+    call = {
+        "window_sdpa": lambda q, k, v: fmha_ops.memory_efficient_attention(
+            q, k, v, ab.LocalAttentionFromBottomRightMask(1, 2), op="sdpa_mathF"),
+        "tensor_bias": lambda q, k, v: fmha_ops.memory_efficient_attention(q, k, v, bias, op="torch_referenceF"),
+        "softcap_reference": lambda q, k, v: fmha_ops.memory_efficient_attention(
+            q, k, v, ab.LowerTriangularFromBottomRightMask(), softcap=1.5),
+    }[case]
+    torch._dynamo.reset()
+    got = torch.compile(call, fullgraph=True, backend="aot_eager")(q, k, v)
+    assert_close(got, call(q, k, v).double(), tol=1e-6)

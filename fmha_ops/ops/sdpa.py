@@ -107,23 +107,20 @@ def _needs_dense_mask(inp) -> bool:
                                  or (inp.bias_kind == ab.CAUSAL_BR and inp.query.shape[1] not in (1, inp.key.shape[1])))
 
 
-def _dense_mask(inp) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """SDPA's ``attn_mask`` for a dense mask kind with its window / tensor bias, and the query rows that
-    see no key (None when every row sees one): bool (Mq, Mk), or the bias (B, Hq, Mq, Mk) in the query's dtype
-    with -inf where hidden."""
+def _dense_mask(inp) -> tuple[torch.Tensor, torch.Tensor]:
+    """SDPA's ``attn_mask`` for a dense mask kind with its window / tensor bias: bool (Mq, Mk), or the bias
+    (B, Hq, Mq, Mk) in the query's dtype with -inf where hidden; and the (Mq,) bool query rows that see no key
+    (shown every key here, zeroed by the caller: no data-dependent branch, so torch.compile traces it)."""
     q, k = inp.query, inp.key
     mq, mk = q.shape[1], k.shape[1]
     (seg,) = inp.attn_bias.segments(mq, mk)
     visible = seg.visible(mq, mk, q.device)
     empty = ~visible.any(dim=-1)
-    has_empty = bool(empty.any())
-    if has_empty:
-        visible = visible | empty[:, None]
+    visible = visible | empty[:, None]
     tensor = inp.attn_bias.tensor_bias
     if tensor is None:
-        return visible, empty if has_empty else None
-    mask = tensor.to(q.dtype).expand(q.shape[0], q.shape[2], mq, mk).masked_fill(~visible, float("-inf"))
-    return mask, empty if has_empty else None
+        return visible, empty
+    return tensor.to(q.dtype).expand(q.shape[0], q.shape[2], mq, mk).masked_fill(~visible, float("-inf")), empty
 
 
 @register
