@@ -114,10 +114,11 @@ def _devices_and_capability(op) -> tuple[set[str], tuple[int, int]]:
 
 
 def _bias_types(fmha) -> tuple:
-    """xformers mask types with a counterpart here, plus None and dense tensors."""
+    """xformers mask types with a counterpart here, plus None and dense tensors (our op's own reasons then say
+    which of them it runs)."""
     names = [n for n in dir(fmha.attn_bias) if n != "AttentionBias" and isinstance(getattr(ab, n, None), type)
              and issubclass(getattr(ab, n), ab.AttentionBias) and isinstance(getattr(fmha.attn_bias, n), type)]
-    return (type(None), *(getattr(fmha.attn_bias, n) for n in sorted(names)))
+    return (type(None), torch.Tensor, *(getattr(fmha.attn_bias, n) for n in sorted(names)))
 
 
 @functools.lru_cache(maxsize=None)
