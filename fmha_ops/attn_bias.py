@@ -744,6 +744,7 @@ class BlockDiagonalPaddedKeysMask(AttentionBias):
         if cls is None:
             raise ValueError(f"{type(self).__name__} has no paged form; paged masks: "
                              f"{', '.join(c.__name__ for c in _PAGED_TWIN.values())}")
+        arguments.tensor("block_tables", block_tables, layout="int32 (batch, max_pages)")
         k = self.k_seqinfo
         paged_k = _PaddedSeqLenInfo(seqstart=k.seqstart, max_seqlen=k.max_seqlen, min_seqlen=k.min_seqlen,
                                     seqstart_py=k.seqstart_py, seqlen=k.seqlen, seqlen_py=k.seqlen_py,
@@ -864,6 +865,7 @@ class PagedBlockDiagonalPaddedKeysMask(AttentionBias):
         default ``block_tables``' device)."""
         if len(kv_seqlen) != len(q_seqlen):
             raise ValueError(f"q_seqlen has {len(q_seqlen)} sequences but kv_seqlen has {len(kv_seqlen)}")
+        arguments.tensor("block_tables", block_tables, layout="int32 (batch, max_pages)")
         device = block_tables.device if device is None else device
         padding = block_tables.shape[-1] * page_size if block_tables.ndim == 2 else 0
         return cls(_SeqLenInfo.from_seqlens(q_seqlen, device),
@@ -990,6 +992,7 @@ class BlockDiagonalGappyKeysMask(AttentionBias):
     def make_paged(self, block_tables: torch.Tensor, page_size: int, notional_padding: int,
                    paged_type: type | None = None) -> "PagedBlockDiagonalGappyKeysMask":
         """Keys that live in blocks of ``notional_padding`` rows per sequence, moved to pages."""
+        arguments.tensor("block_tables", block_tables, layout="int32 (batch, max_pages)")
         if notional_padding % page_size:
             raise ValueError(f"notional_padding={notional_padding} must be a multiple of page_size={page_size}")
         k = self.k_seqinfo
