@@ -12,8 +12,8 @@ the quantized forward attended to, written by the same quantization pass), with 
 LSE, so gradients flow to the bf16 tensors (the practical training path). The backward must see the
 forward's logits: it recomputes P = exp(q k^T - lse) with the forward's LSE, so keys or queries that differ
 from the forward's by the fp8 rounding (2^-4 relative per element) make rows of P that do not sum to 1
-(off by exp of the logit error), and that bias trains a model far worse than bf16 (fp8 val loss 1.83x
-before this, bench/results/train_convergence.md). The keys are the smoothed ones: dS does not sum to
+(off by exp of the logit error), and that bias trains a model far worse than bf16 (a recompute from freshly
+rounded inputs reached 1.83x bf16's validation loss). The keys are the smoothed ones: dS does not sum to
 exactly 0 over keys against a quantized forward, and dQ = dS k would multiply that residue by K's mean.
 dK is unchanged by the shift (d(k - mean(k))/dk only removes a component dK does not have).
 The forward op is selected by dtype (triton_fp8F / triton_i8fp8F where available, else the reference).

@@ -1,13 +1,10 @@
 """Adapter for AMD aiter's prebuilt (hand-written asm) i8fp8 attention forward on gfx942 / gfx950.
 
-UNTESTED ON HARDWARE HERE: there is no AMD GPU and no aiter in this project's environments. The
-argument mapping is tested on CPU against a recorded fake of aiter's function
-(``tests/test_amd_ops.py``); the first run on an MI300/MI350 should compare it to the reference op.
+Not run on AMD hardware: the argument mapping is tested on CPU against a fake of aiter's function
+(``tests/test_amd_ops.py``); on an MI300/MI350, compare it with the reference op before relying on it.
 
-The aiter entry point (read from the public aiter sources in the code index, not from an installed
-package; ROCm/aiter ``aiter/ops/mha.py`` declares its fp8 sibling ``flash_attn_fp8_pertensor_func``
-with the same parameters, and aiter's ``op_tests/op_benchmarks`` ``bench_sage.py`` on the i8fp8
-branch imports and calls this one)::
+The aiter entry point (ROCm/aiter ``aiter/ops/mha.py`` declares its fp8 sibling ``flash_attn_fp8_pertensor_func``
+with the same parameters; aiter's ``op_tests/op_benchmarks/bench_sage.py`` on the i8fp8 branch calls this one)::
 
     aiter.ops.mha.flash_attn_i8fp8_pertensor_func(
         q, k, v, q_descale, k_descale, v_descale,
