@@ -189,11 +189,13 @@ def main():
         print("record:", record(rows, environment(), os.path.join(out, "attention_bwd.png")))
 
 
-COLUMNS = ["shape", "ours", "cudnn", "flash", "ours/cudnn", "ours/flash"]
-LABELS = ["shape (B,H,N,D)", "ours", "cuDNN", "flash", "ours / cuDNN", "ours / flash"]
+COLUMNS = ["shape", "ours", "cudnn", "flash", "fa4_bw", "ours/cudnn", "ours/flash"]
+LABELS = ["shape (B,H,N,D)", "ours", "cuDNN", "flash", "FA4", "ours / cuDNN", "ours / flash"]
 NOTES = ("TFLOP/s = 2.5 * 4*B*H*N^2*D / t, halved when causal; bf16 q, k, v, dO. Ours: one `attention_backward` call "
          "(the dK/dV and dQ kernels, best tile variant within 2% relative error of SDPA flash's gradients); SDPA "
-         "cuDNN and flash timed through `torch.autograd.grad` in the same run.")
+         "cuDNN and flash timed through `torch.autograd.grad` in the same run; FA4 (through "
+         "`memory_efficient_attention`) "
+         "empty where it is not installed.")
 COMMAND = "PYTHONPATH=$PWD python bench/attention_bwd_bench.py --variants default"
 
 
