@@ -26,12 +26,11 @@ from bench.common import (
     bar_plot,
     base_parser,
     environment,
-    markdown_table,
+    Record,
     out_dir,
     print_table,
     time_ms,
     write_json,
-    write_record,
 )
 from fmha_ops.kernels.triton.attention_bwd import (
     BwdConfig,
@@ -186,23 +185,17 @@ def main():
     bar_plot(out, "attention_bwd", rows, "shape", ["cudnn", "flash", "ours"], "TFLOP/s (2.5x fwd count)",
              "attention backward bf16, H200")
     if not (args.no_record or args.quick):
-        print("record:", record(rows, environment(), os.path.join(out, "attention_bwd.png")))
+        print("record:", RECORD.write(rows, environment(), os.path.join(out, "attention_bwd.png")))
 
 
-COLUMNS = ["shape", "ours", "cudnn", "flash", "fa4_bw", "ours/cudnn", "ours/flash"]
-LABELS = ["shape (B,H,N,D)", "ours", "cuDNN", "flash", "FA4", "ours / cuDNN", "ours / flash"]
-NOTES = ("TFLOP/s = 2.5 * 4*B*H*N^2*D / t, halved when causal; bf16 q, k, v, dO. Ours: one `attention_backward` call "
-         "(the dK/dV and dQ kernels, best tile variant within 2% relative error of SDPA flash's gradients); SDPA "
-         "cuDNN and flash timed through `torch.autograd.grad` in the same run; FA4 (through "
-         "`memory_efficient_attention`) "
-         "empty where it is not installed.")
-COMMAND = "PYTHONPATH=$PWD python bench/attention_bwd_bench.py --variants default"
-
-
-def record(rows: list[dict], env: dict, png: str | None = None) -> str:
-    """Write bench/results/attention_bwd.md from main's rows."""
-    body = markdown_table(rows, COLUMNS, LABELS) + "\n\n" + NOTES
-    return write_record("attention_bwd", "Backward attention (bf16)", COMMAND, body, env, png)
+RECORD = Record(
+    "attention_bwd", "Backward attention (bf16)", "PYTHONPATH=$PWD python bench/attention_bwd_bench.py --variants default",
+    {"shape": "shape (B,H,N,D)", "ours": "ours", "cudnn": "cuDNN", "flash": "flash", "fa4_bw": "FA4",
+     "ours/cudnn": "ours / cuDNN", "ours/flash": "ours / flash"},
+    "TFLOP/s = 2.5 * 4*B*H*N^2*D / t, halved when causal; bf16 q, k, v, dO. Ours: one `attention_backward` call (the "
+    "dK/dV and dQ kernels, best tile variant within 2% relative error of SDPA flash's gradients); SDPA cuDNN and flash "
+    "timed through `torch.autograd.grad` in the same run; FA4 (through `memory_efficient_attention`) empty where it is "
+    "not installed.")
 
 
 if __name__ == "__main__":

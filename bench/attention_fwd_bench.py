@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.backends import forward_columns, fp8_columns  # noqa: E402
 from bench.common import (  # noqa: E402
     attention_tflops,
+    Record,
     bar_plot,
-    markdown_table,
     base_parser,
     capture_graph,
     environment,
@@ -35,7 +35,6 @@ from bench.common import (  # noqa: E402
     sdpa,
     time_ms,
     write_json,
-    write_record,
 )
 from fmha_ops.kernels.triton.attention_fwd import FwdConfig, attention_forward, default_config  # noqa: E402
 from fmha_ops.kernels.triton.transpose_v import transpose_v  # noqa: E402
@@ -245,30 +244,22 @@ def accuracy_table(out, best):
     return rows, cols
 
 
-FWD_COLUMNS = ["shape", "fp8", "i8fp8", "bf16", "cudnn", "fa4", "cudnn_fp8", "fp8/cudnn", "i8fp8/cudnn"]
-FWD_LABELS = ["shape (B x Hq/Hkv x N x D)", "ours fp8", "ours i8fp8", "ours bf16", "cuDNN bf16", "FA4",
-              "cuDNN fp8", "fp8 / cuDNN", "i8fp8 / cuDNN"]
-FWD_NOTES = ("TFLOP/s = 4*B*H*N^2*D / t, halved when causal; CUDA-event medians of whole calls. Ours take inputs "
-             "already quantized (fp8: per (batch, kv head) descales; i8fp8: int8 q/k per 128-token block, fp8 v per "
-             "channel) and include the V transpose. cuDNN is torch SDPA's cuDNN backend in the same run; the FA4 and "
-             "cuDNN fp8 columns are empty where the package is not installed.")
-ACC_COLUMNS = ["inputs", "kernel", "cos", "mae", "max", "rel"]
-ACC_LABELS = ["inputs", "kernel", "cosine", "mean abs err", "max abs err", "rel L2 err"]
-ACC_NOTES = ("B=1, H=16, N=16384, D=128, non-causal, against float32 attention of the bf16 inputs; inputs from "
-             "`fmha_ops.testing` (`normal_qkv`, `transformer_like`).")
 COMMAND = "PYTHONPATH=$PWD python bench/attention_fwd_bench.py"
-
-
-def record_speed(rows: list[dict], env: dict, png: str | None = None) -> str:
-    """Write bench/results/attention_fwd.md from speed_table's rows."""
-    body = markdown_table(rows, FWD_COLUMNS, FWD_LABELS) + "\n\n" + FWD_NOTES
-    return write_record("attention_fwd", "Forward attention (prefill)", COMMAND, body, env, png)
-
-
-def record_accuracy(rows: list[dict], env: dict) -> str:
-    """Write bench/results/accuracy.md from accuracy_table's rows."""
-    body = markdown_table(rows, ACC_COLUMNS, ACC_LABELS) + "\n\n" + ACC_NOTES
-    return write_record("accuracy", "Accuracy of the quantized forward", COMMAND, body, env)
+SPEED_RECORD = Record(
+    "attention_fwd", "Forward attention (prefill)", COMMAND,
+    {"shape": "shape (B x Hq/Hkv x N x D)", "fp8": "ours fp8", "i8fp8": "ours i8fp8", "bf16": "ours bf16",
+     "cudnn": "cuDNN bf16", "fa4": "FA4", "cudnn_fp8": "cuDNN fp8", "fp8/cudnn": "fp8 / cuDNN",
+     "i8fp8/cudnn": "i8fp8 / cuDNN"},
+    "TFLOP/s = 4*B*H*N^2*D / t, halved when causal; CUDA-event medians of whole calls. Ours take inputs already "
+    "quantized (fp8: per (batch, kv head) descales; i8fp8: int8 q/k per 128-token block, fp8 v per channel) and "
+    "include the V transpose. cuDNN is torch SDPA's cuDNN backend in the same run; the FA4 and cuDNN fp8 columns are "
+    "empty where the package is not installed.")
+ACCURACY_RECORD = Record(
+    "accuracy", "Accuracy of the quantized forward", COMMAND,
+    {"inputs": "inputs", "kernel": "kernel", "cos": "cosine", "mae": "mean abs err", "max": "max abs err",
+     "rel": "rel L2 err"},
+    "B=1, H=16, N=16384, D=128, non-causal, against float32 attention of the bf16 inputs; inputs from "
+    "`fmha_ops.testing` (`normal_qkv`, `transformer_like`).")
 
 
 def main():
@@ -291,11 +282,11 @@ def main():
     rows, _ = speed_table(out, best, args.quick)
     record = not (args.no_record or args.quick)
     if record:
-        print("record:", record_speed(rows, env, os.path.join(out, "attention_fwd.png")))
+        print("record:", SPEED_RECORD.write(rows, env, os.path.join(out, "attention_fwd.png")))
     if not args.no_accuracy:
         arows, _ = or_none(lambda: accuracy_table(out, best)) or ([], [])
         if record and arows:
-            print("record:", record_accuracy(arows, env))
+            print("record:", ACCURACY_RECORD.write(arows, env))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
 * the environment: :func:`environment` (GPU, driver, CUDA, torch, triton, cuDNN, date) and :func:`environment_line`;
 * output: :func:`print_table` (stdout), :func:`write_json` and :func:`bar_plot` (into ``--out``, default ``$OUT`` or
   ``bench/out``) and :func:`write_record`, which writes the benchmark's table whole to ``bench/results/<name>.md``,
-  from which ``bench/assemble_benchmarks.py`` builds BENCHMARKS.md;
+  from which ``bench/assemble_benchmarks.py`` builds BENCHMARKS.md (a :class:`Record` declares a benchmark's table);
 * attention helpers: :func:`attention_tflops`, :func:`sdpa` (torch SDPA pinned to one backend) and
   :func:`or_none` (a failing variant becomes an empty cell).
 
@@ -22,7 +22,8 @@ import platform
 import shutil
 import subprocess
 import time
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -230,6 +231,26 @@ def write_record(name: str, title: str, command: str, body: str, env: dict | Non
     with open(path, "w") as f:
         f.write("\n".join(parts) + "\n")
     return path
+
+
+@dataclass(frozen=True)
+class Record:
+    """What one benchmark writes to ``bench/results/<name>.md``: its title, the command that reproduces it, its
+    table's columns (row key -> column label, in order) and the notes under the table."""
+
+    name: str
+    title: str
+    command: str
+    columns: Mapping[str, str]
+    notes: str = ""
+
+    def write(self, rows: Sequence[dict], env: dict | None = None, png: str | None = None,
+              notes: str | None = None, results_dir: str = RESULTS) -> str:
+        """Write the record of ``rows`` (``notes`` replaces the default notes); returns the path."""
+        body = markdown_table(rows, list(self.columns), list(self.columns.values()))
+        text = self.notes if notes is None else notes
+        return write_record(self.name, self.title, self.command, body + ("\n\n" + text if text else ""), env, png,
+                            results_dir)
 
 
 def write_json(path_dir: str, name: str, rows: Sequence[dict], extra: dict | None = None) -> str:

@@ -194,22 +194,16 @@ COLUMNS = ["shape", "bf16_op", "fp8_op", "bf16_splits", "fp8_splits", "bf16_grap
            "fp8_speedup_eager", "fp8_speedup_kernel", "fp8_eager_over_graph", "cudnn_TBps", "target_speedup",
            "target_eager_over_graph", "bf16_graph_ok", "fp8_graph_ok", "bf16_rel_vs_cudnn", "fp8_rel_vs_cudnn"]
 
-RECORD_COLUMNS = ["shape", "bf16_graph_TBps", "bf16_eager_TBps", "bf16_kernel_TBps", "fp8_graph_TBps",
-                  "fp8_eager_TBps", "fp8_kernel_TBps", "fp8_speedup_graph", "fp8_speedup_kernel", "cudnn_TBps"]
-RECORD_LABELS = ["shape", "bf16 graph (TB/s)", "bf16 eager", "bf16 kernel", "fp8 graph", "fp8 eager", "fp8 kernel",
-                 "fp8 speedup (graph)", "fp8 speedup (kernel)", "cuDNN bf16"]
-RECORD_NOTES = ("Paged KV (B batch, L keys, p page size), one query token, D=128 and Hq/Hkv = 32/8 unless named; "
-                "effective TB/s = K+V bytes (+ fp8 per-token scales) / time; fp8 speedup = bf16 time / fp8 time. "
-                "graph / eager: `flash_attn_with_kvcache` replayed from a CUDA graph (do_bench median) / called back "
-                "to back; kernel: the kernel of the selected op alone (graph). cuDNN: torch SDPA on contiguous bf16 "
-                "KV, graph.")
-COMMAND = "PYTHONPATH=$PWD python bench/decoder_bench.py"
-
-
-def record(rows: list[dict], env: dict, png: str | None = None) -> str:
-    """Write bench/results/decode.md from main's rows."""
-    body = common.markdown_table(rows, RECORD_COLUMNS, RECORD_LABELS) + "\n\n" + RECORD_NOTES
-    return common.write_record("decode", "Decode (paged KV cache)", COMMAND, body, env, png)
+RECORD = common.Record(
+    "decode", "Decode (paged KV cache)", "PYTHONPATH=$PWD python bench/decoder_bench.py",
+    {"shape": "shape", "bf16_graph_TBps": "bf16 graph (TB/s)", "bf16_eager_TBps": "bf16 eager",
+     "bf16_kernel_TBps": "bf16 kernel", "fp8_graph_TBps": "fp8 graph", "fp8_eager_TBps": "fp8 eager",
+     "fp8_kernel_TBps": "fp8 kernel", "fp8_speedup_graph": "fp8 speedup (graph)",
+     "fp8_speedup_kernel": "fp8 speedup (kernel)", "cudnn_TBps": "cuDNN bf16"},
+    "Paged KV (B batch, L keys, p page size), one query token, D=128 and Hq/Hkv = 32/8 unless named; effective TB/s = "
+    "K+V bytes (+ fp8 per-token scales) / time; fp8 speedup = bf16 time / fp8 time. graph / eager: "
+    "`flash_attn_with_kvcache` replayed from a CUDA graph (do_bench median) / called back to back; kernel: the kernel "
+    "of the selected op alone (graph). cuDNN: torch SDPA on contiguous bf16 KV, graph.")
 
 
 def main():
@@ -246,7 +240,7 @@ def main():
                                                          "cudnn_TBps"],
                           "TB/s (effective)", "Paged decode through flash_attn_with_kvcache, H200")
     if not (args.no_record or args.quick):
-        print("record:", record(rows, env, png))
+        print("record:", RECORD.write(rows, env, png))
 
 
 if __name__ == "__main__":

@@ -22,19 +22,13 @@ from bench import common
 
 SHAPES = [(16, 1024, 8, 64), (4, 4096, 32, 128), (1, 16384, 16, 128), (2, 8192, 8, 256)]
 SHIPPED = "fmha_ops.kernels.triton.quantize"
-COMMAND = "PYTHONPATH=$PWD python bench/quantize_bench.py"
-RECORD_COLUMNS = ["shape", "MB_moved", "int8_us", "int8_TBps", "fp8_us", "fp8_TBps", "copy_TBps"]
-RECORD_LABELS = ["shape (B x N x H x D)", "MB moved", "int8 q/k (us)", "TB/s", "fp8 q/k (us)", "TB/s",
-                 "clone q,k,v TB/s"]
-RECORD_NOTES = ("`quantize_qkv` of bf16 q, k, v (the training path's pass: k/v stats, then one fused quantize that "
-                "also writes the dequantized bf16 copies the backward reads), CUDA-graph replay; clone: "
-                "`torch.clone` of q, k and v, the copy speed on the same device.")
-
-
-def record(rows: list[dict], env: dict, png: str | None = None) -> str:
-    """Write bench/results/quantize.md from main's rows."""
-    body = common.markdown_table(rows, RECORD_COLUMNS, RECORD_LABELS) + "\n\n" + RECORD_NOTES
-    return common.write_record("quantize", "Quantization pass of the training path", COMMAND, body, env, png)
+RECORD = common.Record(
+    "quantize", "Quantization pass of the training path", "PYTHONPATH=$PWD python bench/quantize_bench.py",
+    {"shape": "shape (B x N x H x D)", "MB_moved": "MB moved", "int8_us": "int8 q/k (us)", "int8_TBps": "TB/s",
+     "fp8_us": "fp8 q/k (us)", "fp8_TBps": "TB/s", "copy_TBps": "clone q,k,v TB/s"},
+    "`quantize_qkv` of bf16 q, k, v (the training path's pass: k/v stats, then one fused quantize that also writes "
+    "the dequantized bf16 copies the backward reads), CUDA-graph replay; clone: `torch.clone` of q, k and v, the "
+    "copy speed on the same device.")
 
 
 def main() -> None:
@@ -71,7 +65,7 @@ def main() -> None:
     png = common.bar_plot(out, "quantize_bench", rows, "shape", ["int8_TBps", "fp8_TBps", "copy_TBps"], "TB/s",
                           "quantize_qkv bandwidth vs torch clone (H200, graph replay)")
     if not (args.no_record or args.quick or args.module != SHIPPED):
-        print("record:", record(rows, common.environment(), png))
+        print("record:", RECORD.write(rows, common.environment(), png))
 
 
 if __name__ == "__main__":

@@ -17,13 +17,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.common import (  # noqa: E402
+    Record,
     base_parser,
     environment,
-    markdown_table,
     out_dir,
     print_table,
     write_json,
-    write_record,
 )
 
 import fmha_ops  # noqa: E402
@@ -49,7 +48,10 @@ def calls(device: str, quick: bool):
     return out
 
 
-COMMAND = "PYTHONPATH=$PWD python bench/selector.py"
+RECORD = Record(
+    "selector", "Selector regret", "PYTHONPATH=$PWD python bench/selector.py",
+    {"kind": "kind of call", "calls": "calls", "median": "median regret", "worst": "worst regret",
+     "worst_call": "worst call: selected vs fastest"})
 
 
 def _pct(x: float | None) -> str:
@@ -71,13 +73,10 @@ def record(rows: list[dict], env: dict, png: str | None = None) -> str:
                       "worst_call": (f"{worst['call'].split(' ', 2)[-1]}: {worst['selected']} vs {worst['best']}"
                                      if worst["regret"] else "-")})
     regrets = [r["regret"] for r in rows if r["regret"] is not None]
-    body = markdown_table(table, ["kind", "calls", "median", "worst", "worst_call"],
-                          ["kind of call", "calls", "median regret", "worst regret",
-                           "worst call: selected vs fastest"])
-    body += (f"\n\nAll {len(rows)} calls: median regret {_pct(statistics.median(regrets))}, worst "
+    notes = (f"All {len(rows)} calls: median regret {_pct(statistics.median(regrets))}, worst "
              f"{_pct(max(regrets))}; regret = t(selected) / t(fastest supporting op) - 1, calls between and outside "
              "the tuned buckets (other lengths, batch sizes, GQA ratios, head dims).")
-    return write_record("selector", "Selector regret", COMMAND, body, env, png)
+    return RECORD.write(table, env, png, notes)
 
 
 def main() -> None:

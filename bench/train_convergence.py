@@ -539,8 +539,7 @@ def record_command(args) -> str:
 def record(rows: list[dict], cmp_step, args, env: dict, corpus: dict, results_dir: str = common.RESULTS,
            png: str | None = None) -> str:
     """Write ``<results_dir>/<record_name(args)>.md``: the variants' table and what it measured."""
-    cols = [c for c in RECORD_COLUMNS if any(r.get(c) is not None for r in rows)]
-    labels = [RECORD_LABELS[RECORD_COLUMNS.index(c)] for c in cols]
+    columns = {c: label for c, label in zip(RECORD_COLUMNS, RECORD_LABELS) if any(r.get(c) is not None for r in rows)}
     title = (f"Training: {args.layers}L d{args.d_model} {args.heads}h ctx{args.context}, batch {args.batch}, "
              f"{args.steps} steps, " + ("CUDA-graph steps" if args.cuda_graph else "eager steps"))
     notes = (f"Byte-level GPT on {corpus['files']} stdlib .py files ({corpus['train_bytes'] / 1e6:.1f} MB train, "
@@ -549,8 +548,8 @@ def record(rows: list[dict], cmp_step, args, env: dict, corpus: dict, results_di
              "backend at the training shape); fp8 / i8fp8: `fmha_ops.fp8_attention` / `i8fp8_attention` (quantized "
              "forward, bf16 backward). Attention columns: one forward+backward at the training shape, eager / "
              "replayed from a CUDA graph.")
-    body = common.markdown_table(rows, cols, labels) + "\n\n" + notes
-    return common.write_record(record_name(args), title, record_command(args), body, env, png, results_dir)
+    spec = common.Record(record_name(args), title, record_command(args), columns, notes)
+    return spec.write(rows, env, png, results_dir=results_dir)
 
 
 # ---- entry point -----------------------------------------------------------------------------
