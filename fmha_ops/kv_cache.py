@@ -37,7 +37,7 @@ def quantize_fp8(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn):
 
 def keys_contiguous(scale: torch.Tensor) -> torch.Tensor:
     """The same (..., L, H) scales laid out with L contiguous per head (strides of a (..., H, L) tensor): the
-    layout in which the sm90 fp8 decoder reads a tile's scales in 16-byte copies (decode.md step 14)."""
+    layout in which the sm90 fp8 decoder reads a tile's scales in 16-byte copies."""
     arguments.tensor("scale", scale)
     if scale.ndim < 2:
         raise ValueError(f"scale must have >= 2 dims (..., L, H), got shape {tuple(scale.shape)}")

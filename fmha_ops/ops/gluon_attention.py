@@ -37,7 +37,7 @@ class GluonFp8FwOp(AttentionFwOp):
     PARTIAL = True
     DESCALES: ClassVar[dict[str, frozenset[str]]] = {r: frozenset({"none", "tensor", "head"}) for r in "qkv"}
     #: achieved TFLOP/s on the H200 (fp8, d128, non-causal: 739 at 4x32x4096, 784 at 2x16x16384), for the cost
-    #: model. Measured at parity with triton_fp8F (0.97-1.06x, bench/results/attention_fwd.md), which declares a
+    #: model. At parity with triton_fp8F on the H200 (0.97-1.06x, bench/attention_fwd_bench.py), which declares a
     #: higher rate and so stays the default; pick this op with op="gluon_fp8F".
     TFLOPS = 760.0
 

@@ -27,7 +27,7 @@ from fmha_ops.kernels.triton.launch import cdiv, launch, next_pow2
 _ROWS = 128  # rows per v program
 _TILE = 2048  # elements per register tile: 16 per thread with 4 warps, so many programs stay resident
 _MAX_SPLITS = 32  # partials per (batch, kv head), so each k/v program reduces few
-_STATS_PROGRAMS = 1024  # stats programs to aim for (bench/results/quantize.md: A/B of this tiling)
+_STATS_PROGRAMS = 1024  # stats programs to aim for (no tiling won at every shape: bench/quantize_bench.py)
 
 
 @triton.jit
