@@ -350,12 +350,11 @@ def tile_config(page_size: int | None, tile_width: int, keys_per_program: int = 
                 vector_scales: bool = False) -> tuple[int, int] | None:
     """(BLOCK_N, STAGES) for a page size (None: dense cache), tile width (head dim x heads per program), keys
     per program and whether scales move in 16-byte copies, or None for pages the tiles cannot cover. H200, 4
-    programs per SM (``bench/decoder_bench.py --sweep``): 32-key tiles; 128-byte rows take 3 stages when the scales come in
-    16-byte copies and a program walks >= 1536 keys (B64/L4096 131.7 us vs 137.0 at 2 stages, B1/Hq64/L128K
-    73.8 vs 75.8; B128/L1024, 1024 keys: 72.6 vs 71.3), else 2 (with 4-byte scale copies 3 stages ran 5% slower:
-    the scales' L1 traffic); 64-byte rows 3 (93-100 us vs 104-106). Pages of 1-16 keys: 32-key tiles spanning
-    pages (p16: 1.70x bf16 against 1.68x with 16-key tiles); other multiples of 16: 16-key tiles, 4 stages, 8
-    per SM."""
+    programs per SM (``bench/decoder_bench.py --sweep``): 32-key tiles; 128-byte rows take 3 stages when the scales
+    come in 16-byte copies and a program walks >= 1536 keys (4% faster than 2 at B64/L4096; no gain at 1024 keys),
+    else 2 (with 4-byte scale copies 3 stages ran 5% slower: the scales' L1 traffic); 64-byte rows 3 (6-11%
+    faster). Pages of 1-16 keys: 32-key tiles spanning pages (p16: 1.70x bf16 against 1.68x with 16-key tiles);
+    other multiples of 16: 16-key tiles, 4 stages, 8 per SM."""
     if page_size is None or page_size % 32 == 0 or 32 % page_size == 0:
         if tile_width <= 64:
             return 32, 3
