@@ -7,16 +7,23 @@ that kernel's rate. Ring depth, warps and tile width moved this ceiling by < 1% 
 one configuration stands for all. The ceiling's time over a decoder's is the share of the memory roofline the
 decoder reaches; our bf16 decoder's time over the fp8 cache's ceiling is the largest fp8/bf16 speedup any fp8
 kernel could show against it.
+
+    PYTHONPATH=$PWD python bench/diagnostics/stream_ceiling.py [--B 64] [--L 4096] [--page 64]
 """
 from __future__ import annotations
 
 import torch
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.ampere import async_copy  # noqa: E402
 
-from bench import common
-from fmha_ops.kernels.gluon.decode import split_range
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+from bench import common  # noqa: E402
+from fmha_ops.kernels.gluon.decode import split_range  # noqa: E402
 
 
 @gluon.jit
@@ -92,3 +99,27 @@ def stream_ms(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.T
     kv_bytes = 2 * hkv * d * k_cache.element_size() * int(seqlens.sum())
     factor = (kv_bytes + scale_bytes) / kv_bytes
     return common.time_ms(g.replay, warmup=10, rep=60) * factor, common.time_clean_l2_ms(g.replay) * factor
+
+
+def main() -> None:
+    """The ceiling of one paged decode shape (Hq/Hkv 32/8, D 128, one split) for bf16 and fp8 caches, TB/s."""
+    p = common.base_parser(__doc__.splitlines()[0])
+    p.add_argument("--B", type=int, default=64)
+    p.add_argument("--L", type=int, default=4096)
+    p.add_argument("--page", type=int, default=64)
+    args = p.parse_args()
+    pages = args.B * args.L // args.page
+    block_table = torch.randperm(pages, device="cuda").view(args.B, -1).to(torch.int32)
+    seqlens = torch.full((args.B,), args.L, device="cuda", dtype=torch.int32)
+    rows = []
+    fp8_scale_bytes = 2 * args.B * 8 * args.L * 4  # float32 per token and KV head, for K and V
+    for name, dtype, scale_bytes in (("bf16", torch.bfloat16, 0), ("fp8", torch.float8_e4m3fn, fp8_scale_bytes)):
+        cache = torch.zeros(pages, args.page, 8, 128, device="cuda", dtype=dtype)
+        ms, clean_ms = stream_ms(cache, cache.clone(), block_table, seqlens, 1, scale_bytes)
+        nbytes = 2 * cache.numel() * cache.element_size() + scale_bytes
+        rows.append({"cache": name, "ms": ms, "TBps": nbytes / ms / 1e9, "clean_TBps": nbytes / clean_ms / 1e9})
+    common.print_table(rows, ["cache", "ms", "TBps", "clean_TBps"])
+
+
+if __name__ == "__main__":
+    main()
