@@ -209,7 +209,7 @@ class CudnnFp8FwOp(OptionalPackage, AttentionFwOp):
             r.append(f"bottom-right causal with Mq={p.seqlen_q} != Mk={p.seqlen_k} not supported on Hopper "
                      f"(cuDNN's fp8 forward has it on Blackwell only)")
         if blackwell and p.head_dim > 128:
-            r.append(f"head dim K={p.head_dim} not supported on Blackwell; supported: 16..128 step 16")
+            r.append(f"head dim K={p.head_dim} not supported on Blackwell; supported: multiples of 16 from 16 to 128")
         if p.seqlen_k == 0 or p.seqlen_q == 0:
             r.append(f"empty sequences (Mq={p.seqlen_q}, Mk={p.seqlen_k}) not supported")
         elif p.seqlen_q < MIN_SEQLEN_Q:

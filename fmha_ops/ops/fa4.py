@@ -75,9 +75,9 @@ def arch_reasons(p: Problem) -> list[str]:
             r.append("fp8 inputs run on FA4's sm100 path only (this is sm90)")
     elif major in (10, 11):
         if not (p.head_dim <= 128 or p.head_dim in _SM100_EXTRA_HEAD_DIMS):
-            r.append(f"head dim K={p.head_dim} not supported on sm100; supported: 8..128 step 8, 256")
+            r.append(f"head dim K={p.head_dim} not supported on sm100; supported: multiples of 8 up to 128, and 256")
         if fp8 and p.head_dim > 128:
-            r.append(f"fp8 with head dim K={p.head_dim} not supported on sm100; supported: 8..128 step 8")
+            r.append(f"fp8 with head dim K={p.head_dim} not supported on sm100; supported: multiples of 8 up to 128")
     return r
 
 

@@ -35,7 +35,7 @@ def _e4m3_to_f16(x, ASM: tl.constexpr):
     cannot hoist past the layout change into the mma operand: the tile is then converted in its load layout
     (16-byte shared loads) and reaches the operand through ldmatrix, instead of being gathered one byte per
     shared load in the operand layout (V's reduction dim, the keys, is not contiguous). For K (reduction dim
-    D contiguous) the hoisted plain conversion is faster. bench/results/decode.md step 7."""
+    D contiguous) the hoisted plain conversion is faster."""
     if ASM:
         return tl.inline_asm_elementwise(
             "{ .reg .b16 a<2>; mov.b32 {a0, a1}, $2; cvt.rn.f16x2.e4m3x2 $0, a0; cvt.rn.f16x2.e4m3x2 $1, a1; }",
