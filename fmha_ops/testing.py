@@ -110,13 +110,8 @@ def transformer_like(shape_q: Sequence[int], shape_kv: Sequence[int], *, dtype: 
 
     Parameters
     ----------
-    shape_q : (B, Mq, Hq, D)
-    shape_kv : (B, Mk, Hkv, D)
-        Shape of K; V has the same shape. ``Mk`` may be 0.
-    dtype, device
-        Of the returned tensors (generated in float32 on the CPU, then converted).
-    seed : int
-        Seed of the CPU generator.
+    shape_q, shape_kv, dtype, device, seed
+        As in :func:`normal_qkv`; ``Mk`` may be 0.
     rank : int
         Rank of the component Q and K share.
 
