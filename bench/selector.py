@@ -1,10 +1,11 @@
 """Selector regret: over calls between and outside the tuned buckets, how much slower is the op the
 selector picks than the fastest op for that call? regret = t(selected) / t(best) - 1.
 
-    python bench/selector.py [--out DIR] [--quick]
+    python bench/selector.py [--out DIR] [--quick] [--dtypes bfloat16,fp8_tensor]
 
 Prints a table, writes selector.json and selector.png (regret per call) into --out and the record
-bench/results/selector.md (regret per kind of call; not with --quick or --no-record).
+bench/results/selector.md (regret per kind of call; not with --quick, --dtypes or --no-record).
+``--dtypes``: only the prefill calls of these dtypes (no decode calls), for a shorter run.
 """
 from __future__ import annotations
 
@@ -29,17 +30,22 @@ import fmha_ops  # noqa: E402
 from fmha_ops.tune import decode_call, measure, prefill_call  # noqa: E402
 
 
-def calls(device: str, quick: bool):
+PREFILL_DTYPES = ("bfloat16", "fp8", "fp8_tensor", "i8fp8")
+
+
+def calls(device: str, quick: bool, dtypes: tuple[str, ...] | None = None):
     if quick:
         return [lambda: prefill_call(1, 100, 4, 2, 32, True, "float32", device),
                 lambda: decode_call(3, 200, 4, 1, 32, 0, "bf16", device)]
     out = []
-    for dtype in ("bfloat16", "fp8", "fp8_tensor", "i8fp8"):
+    for dtype in dtypes or PREFILL_DTYPES:
         for b, n, h, hkv, d, causal in ((8, 768, 16, 16, 128, False), (3, 3000, 32, 8, 128, True),
                                         (1, 6000, 32, 4, 64, False), (2, 12000, 16, 16, 128, True),
                                         (1, 20000, 8, 8, 256, False), (32, 256, 16, 16, 64, True),
                                         (6, 1500, 24, 8, 128, False)):
             out.append(lambda a=(b, n, h, hkv, d, causal, dtype): prefill_call(*a, device))
+    if dtypes:
+        return out
     for b, length, hq, hkv, page, kv in ((2, 100000, 64, 8, 64, "bf16"), (12, 20000, 32, 8, 16, "bf16"),
                                         (48, 6000, 32, 8, 0, "bf16"), (96, 1500, 32, 4, 256, "bf16"),
                                         (200, 700, 32, 8, 64, "fp8"), (4, 50000, 32, 8, 64, "fp8"),
@@ -80,10 +86,13 @@ def record(rows: list[dict], env: dict, png: str | None = None) -> str:
 
 
 def main() -> None:
-    args = base_parser(__doc__.splitlines()[0]).parse_args()
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--dtypes", default=None, help=f"comma list of {', '.join(PREFILL_DTYPES)}: prefill only")
+    args = parser.parse_args()
+    dtypes = tuple(args.dtypes.split(",")) if args.dtypes else None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
-    for make in calls(device, args.quick):
+    for make in calls(device, args.quick, dtypes):
         call = make()
         times = measure(call, device)
         selected = fmha_ops.explain(*call.args, **call.kwargs).selected.NAME
@@ -117,7 +126,7 @@ def main() -> None:
         fig.savefig(os.path.join(d, "selector.png"), dpi=120)
     except ImportError:
         pass
-    if not (args.no_record or args.quick):
+    if not (args.no_record or args.quick or dtypes):
         print("record:", record(rows, environment(), os.path.join(d, "selector.png")))
 
 
