@@ -178,3 +178,13 @@ def test_tune_measures_only_named_ops_and_merges_into_a_table(tmp_path):
     data = json.loads(out.read_text())
     assert set(data["timings"]) == {"kept_op", "torch_referenceF"}
     assert data["calibration"]["kept_op"] == 2.0 and "torch_referenceF" in data["calibration"]
+
+
+@pytest.mark.skipif("softcap" not in {f.name for f in dataclasses.fields(fmha_ops.Problem)},
+                    reason="this fmha_ops has no Problem.softcap")
+def test_fa4_declares_softcap_except_the_sm100_backward_at_head_dim_256():
+    p = dataclasses.replace(problem(H200, d=256), softcap=True)
+    assert FA4FwOp.SOFTCAP and reasons(FA4BwOp, p) == ""
+    blackwell = dataclasses.replace(p, arch=B200)
+    assert "softcap with head dim 256" in reasons(FA4BwOp, blackwell)
+    assert "softcap" in reasons(CudnnFp8FwOp, dataclasses.replace(problem(H200, dtype=F8), softcap=True))

@@ -45,8 +45,9 @@ def per_tensor(q, k, v):
 @needs(FA4FwOp)
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("mq,mk,hkv,bias", [
-    (1000, 1000, 8, None), (333, 333, 2, ab.LowerTriangularMask()), (17, 1000, 1, ab.LowerTriangularFromBottomRightMask()),
-    (1, 1000, 8, ab.LowerTriangularFromBottomRightMask()), (1000, 17, 2, None)])
+    (1000, 1000, 8, None), (333, 333, 2, ab.LowerTriangularMask()),
+    (17, 1000, 1, ab.LowerTriangularFromBottomRightMask()), (1, 1000, 8, ab.LowerTriangularFromBottomRightMask()),
+    (1000, 17, 2, None)])
 def test_fa4_forward_matches_reference(d, mq, mk, hkv, bias):
     q, k, v = qkv(2, mq, mk, 8, hkv, d, seed=d + mq)
     out = fmha_ops.memory_efficient_attention(q, k, v, bias, op="fa4F")
@@ -101,6 +102,40 @@ def test_fp8_training_backward_uses_the_selected_op():
         assert t.grad is not None and torch.isfinite(t.grad).all()
     picked = [op.NAME for key, op in fmha_ops.SELECTOR._memo.items() if key[0] == "bw"]
     assert "fa4B" in picked, picked
+
+
+WINDOW_MASKS = pytest.mark.skipif(not hasattr(ab, "LocalAttentionFromBottomRightMask"),
+                                  reason="this fmha_ops has no local-attention masks")
+
+
+@needs(FA4FwOp)
+@WINDOW_MASKS
+@pytest.mark.parametrize("mq,mk,make_mask", [
+    (1000, 1000, lambda: ab.LowerTriangularFromBottomRightMask().make_local_attention(128)),
+    (300, 1000, lambda: ab.LocalAttentionFromBottomRightMask(window_left=64, window_right=17)),
+    (1000, 1000, lambda: ab.LocalAttentionFromBottomRightMask(window_left=-1, window_right=5))])
+def test_fa4_local_windows_forward_and_backward(mq, mk, make_mask):
+    bias = make_mask()
+    q, k, v = (t.requires_grad_() for t in qkv(2, mq, mk, 8, 2, 128, seed=13))
+    out = fmha_ops.memory_efficient_attention(q, k, v, bias, op=("fa4F", "fa4B"))
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    r = fmha_ops.memory_efficient_attention(qf, kf, vf, bias, op="torch_referenceF")
+    assert error_report(out, r)["cos"] > 0.9999
+    g = torch.randn_like(out)
+    assert_grads_close(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(r, (qf, kf, vf), g.float()))
+
+
+@needs(FA4FwOp)
+@WINDOW_MASKS
+def test_fa4_softcap_forward_and_backward():
+    bias = ab.LowerTriangularFromBottomRightMask()
+    q, k, v = (t.requires_grad_() for t in qkv(2, 700, 700, 8, 4, 128, seed=15))
+    out = fmha_ops.memory_efficient_attention(q, k, v, bias, op=("fa4F", "fa4B"), softcap=5.0)
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    r = fmha_ops.memory_efficient_attention(qf, kf, vf, bias, op="torch_referenceF", softcap=5.0)
+    assert error_report(out, r)["cos"] > 0.9999
+    g = torch.randn_like(out)
+    assert_grads_close(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(r, (qf, kf, vf), g.float()))
 
 
 @needs(FA4FwOp)

@@ -10,8 +10,9 @@ combination of value rows, |o| <= max|v_fp8| <= 448 and the fp8 output cannot sa
 v per call; one fused kernel (``kernels.triton.dequantize``) then writes o_fp8 * v_descale in the output dtype.
 
 Declined, with reasons: per-(batch, head), per-block or per-channel descales (cuDNN takes one scalar per
-tensor), varlen / padded / paged masks, one query token (no plan), bottom-right causal with Mq != Mk on Hopper (cuDNN has it for fp8 on
-Blackwell only), head dims other than 16..256 in steps of 16 (128 at most on Blackwell), K != Kv, dropout.
+tensor), varlen / padded / paged masks, one query token (no plan), bottom-right causal with Mq != Mk on
+Hopper (cuDNN has it for fp8 on Blackwell only), head dims other than 16..256 in steps of 16 (128 at most on
+Blackwell), K != Kv, dropout, local windows, softcap.
 The fp8 backward (``sdpa_fp8_backward``) is not offered: it takes fp8 dO and returns fp8 gradients with
 per-tensor scales, while the training path here differentiates the dequantized bf16 values with a bf16
 backward op (FA4's where installed).

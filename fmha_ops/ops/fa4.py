@@ -12,7 +12,8 @@ dtypes          bf16, fp16 (q = k = v)                      bf16, fp16; fp8 e4m3
 head dims       K = Kv, 8..256, multiple of 8               K = Kv, 8..128 multiple of 8, or 256
 masks           none; causal bottom-right (FA's causal); top-left causal where it equals bottom-right
                 (Mq == Mk); varlen BlockDiagonal, non-causal or bottom-right causal; local windows
-                (``window_size``, aligned bottom-right like FA's causal mask)
+                (``window_size``, aligned bottom-right like FA's causal mask); softcap (both; not in the
+                sm100 backward at head dim 256)
 GQA / MQA       yes                                         yes
 LSE (partial)   yes (natural log, (B, Hq, Mq); varlen (1, Hq, total))
 autograd        yes (FA4's own autograd function); the backward op below serves other forwards
@@ -89,6 +90,13 @@ def mask_reasons(p: Problem) -> list[str]:
     return []
 
 
+def backward_reasons(p: Problem) -> list[str]:
+    """What FA4's backward does not take beyond its forward: softcap at head dim 256 on sm100."""
+    if getattr(p, "softcap", False) and p.arch.kind == "cuda" and p.arch.capability[0] >= 10 and p.head_dim == 256:
+        return ["softcap with head dim 256 not supported by FA4's sm100 backward"]
+    return []
+
+
 def window_size(bias_kind: str, window_left: int, window_right: int) -> tuple[bool, tuple[int | None, int | None]]:
     """FA4's ``(causal, window_size)`` for a mask kind and our window fields (-1 = unbounded).
 
@@ -111,6 +119,12 @@ def window_size(bias_kind: str, window_left: int, window_right: int) -> tuple[bo
 def _window_fields(inp: Inputs) -> tuple[int, int]:
     bias = inp.attn_bias
     return getattr(bias, "window_left", -1), getattr(bias, "window_right", -1)
+
+
+def _softcap(inp: Inputs) -> float:
+    """The call's score cap (``Inputs.softcap``; 0 = off), FA4's ``softcap`` with the same definition:
+    scores become softcap * tanh(softmax_scale * q.k / softcap) before the softmax."""
+    return getattr(inp, "softcap", 0.0)
 
 
 def _varlen_args(inp: Inputs) -> dict:
@@ -139,6 +153,7 @@ class _FA4Op(OptionalPackage):
     GQA = True
     PARTIAL = True
     WINDOW = True
+    SOFTCAP = True
     DETERMINISTIC = True  # passes deterministic=True to FA4 when torch.use_deterministic_algorithms is on
     CUDA_GRAPH = True
     package_reason = staticmethod(fa4_package_reason)
@@ -159,7 +174,7 @@ class FA4FwOp(_FA4Op, AttentionFwOp):
 
     @classmethod
     def extra_reasons(cls, p: Problem) -> list[str]:
-        return arch_reasons(p) + mask_reasons(p)
+        return arch_reasons(p) + mask_reasons(p) + (backward_reasons(p) if p.needs_grad else [])
 
     @classmethod
     def apply(cls, inp: Inputs, needs_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -170,7 +185,7 @@ class FA4FwOp(_FA4Op, AttentionFwOp):
         if inp.q_descale is not None:  # fp8 (sm100): the module-level forward takes descales, no autograd
             from flash_attn.cute.interface import _flash_attn_fwd
 
-            out, lse = _flash_attn_fwd(q, k, v, softmax_scale=inp.softmax_scale, causal=causal,
+            out, lse = _flash_attn_fwd(q, k, v, softmax_scale=inp.softmax_scale, causal=causal, softcap=_softcap(inp),
                                        window_size_left=window[0], window_size_right=window[1],
                                        return_lse=needs_lse, **seqlens, **_fp8_descales(inp))[:2]
         else:
@@ -178,8 +193,8 @@ class FA4FwOp(_FA4Op, AttentionFwOp):
 
             fn = flash_attn_varlen_func if varlen else flash_attn_func
             out, lse = fn(q, k, v, softmax_scale=inp.softmax_scale, causal=causal, window_size=window,
-                          deterministic=torch.are_deterministic_algorithms_enabled(), return_lse=needs_lse,
-                          **seqlens)
+                          softcap=_softcap(inp), deterministic=torch.are_deterministic_algorithms_enabled(),
+                          return_lse=needs_lse, **seqlens)
         if not needs_lse:
             lse = None
         if out.dtype != inp.out_dtype:
@@ -208,7 +223,7 @@ class FA4BwOp(_FA4Op, AttentionBwOp):
 
     @classmethod
     def extra_reasons(cls, p: Problem) -> list[str]:
-        return [r for r in arch_reasons(p) if not r.startswith("fp8")] + mask_reasons(p)
+        return [r for r in arch_reasons(p) if not r.startswith("fp8")] + mask_reasons(p) + backward_reasons(p)
 
     @classmethod
     def apply_bw(cls, inp: Inputs, out: torch.Tensor, lse: torch.Tensor,
@@ -220,7 +235,7 @@ class FA4BwOp(_FA4Op, AttentionBwOp):
             q, k, v = (t.to(torch.bfloat16) for t in dequantized_qkv(inp))
         out, grad_out = out.to(q.dtype), grad_out.to(q.dtype)
         causal, (left, right) = window_size(inp.bias_kind, *_window_fields(inp))
-        kwargs = dict(softmax_scale=inp.softmax_scale, causal=causal, window_size_left=left,
+        kwargs = dict(softmax_scale=inp.softmax_scale, causal=causal, softcap=_softcap(inp), window_size_left=left,
                       window_size_right=right, deterministic=torch.are_deterministic_algorithms_enabled())
         if inp.bias_kind in ab.VARLEN_KINDS:
             dq, dk, dv = _flash_attn_bwd(q[0], k[0], v[0], out[0], grad_out[0], lse[0], **_varlen_args(inp), **kwargs)
