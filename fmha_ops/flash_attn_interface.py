@@ -247,9 +247,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     else:
         bias = kind(_uniform_q(batch, mq), keys, page_table, page)
     pool = (1, k_cache.shape[0] * page)
-    per_token = kd is not None and kd.shape == k_cache.shape[:3]
-    kd = kd.reshape(pool + kd.shape[2:]) if per_token else kd
-    vd = vd.reshape(pool + vd.shape[2:]) if per_token else vd
+    # per-token descales pass in the cache's own (num_pages, page_size, Hkv) layout: no copy, any strides
     res = _run(q.reshape(1, batch * mq, *q.shape[2:]), k_cache.reshape(pool + k_cache.shape[2:]),
                v_cache.reshape(pool + v_cache.shape[2:]), bias, softmax_scale, None, kd, vd, return_softmax_lse, softcap)
     if return_softmax_lse:

@@ -17,7 +17,8 @@ Descale kinds (``Problem.descales`` holds one per role):
   "block"   q: (B, Hq, cdiv(Mq, Q_SCALE_BLOCK)), k: (B, Hkv, cdiv(Mk, K_SCALE_BLOCK)) (i8fp8 per-block
             grids; both 128, see fmha_ops.quant)
   "channel" v only: (B, Hkv, Kv)
-  "token"   k/v only: key.shape[:-1], one per cached token and kv head (fp8 KV cache)
+  "token"   k/v only: key.shape[:-1], one per cached token and kv head (fp8 KV cache); with a paged mask
+            also (num_pages, page_size, Hkv), the page pool's own layout
 
 Validation (``fmha_ops.validation``) and the ``Problem`` run once per ``signature()``: a repeated call
 costs the signature and the selector's dict lookup.

@@ -137,11 +137,16 @@ def descale_kinds(inp: "Inputs") -> tuple[str, str, str]:
     mk, hkv = k.shape[1], k.shape[2]
     sequences = inp.attn_bias.dims(q, k).batch if inp.bias_kind in ab.VARLEN_KINDS else b
     head = (sequences, hkv)
+    # per token: shaped like the key without its head dim; with a paged mask also like the page pool
+    # (num_pages, page_size, Hkv), so an fp8 cache's scales pass through in their own layout
+    k_token, v_token = {"token": tuple(k.shape[:3])}, {"token": tuple(v.shape[:3])}
+    if inp.bias_kind in ab.PAGED_KINDS and inp.attn_bias.page_size and mk % inp.attn_bias.page_size == 0:
+        pages = (mk // inp.attn_bias.page_size, inp.attn_bias.page_size, hkv)
+        k_token["token (pages)"], v_token["token (pages)"] = pages, pages
     shapes = {
         "q_descale": (inp.q_descale, {"head": head, "block": (b, hq, -(-mq // Q_SCALE_BLOCK))}),
-        "k_descale": (inp.k_descale, {"head": head, "block": (b, hkv, -(-mk // K_SCALE_BLOCK)),
-                                      "token": tuple(k.shape[:3])}),
-        "v_descale": (inp.v_descale, {"head": head, "channel": (b, hkv, v.shape[3]), "token": tuple(v.shape[:3])}),
+        "k_descale": (inp.k_descale, {"head": head, "block": (b, hkv, -(-mk // K_SCALE_BLOCK)), **k_token}),
+        "v_descale": (inp.v_descale, {"head": head, "channel": (b, hkv, v.shape[3]), **v_token}),
     }
     kinds = []
     for role, (t, allowed) in shapes.items():
@@ -151,13 +156,12 @@ def descale_kinds(inp: "Inputs") -> tuple[str, str, str]:
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{role} must be a float32 tensor, got {type(t).__name__}")
         shape = tuple(t.shape)
-        if t.numel() == 1:
+        # an exact shape first: a per-token scale of a one-slot, one-head cache has numel 1 too
+        kind = next((kind for kind, want in allowed.items() if shape == want), None)
+        if kind is not None:
+            kinds.append(kind.split(" ")[0])
+        elif t.numel() == 1:
             kinds.append("tensor")
-            continue
-        for kind, want in allowed.items():
-            if shape == want:
-                kinds.append(kind)
-                break
         else:
             listed = ", ".join(f"{kind} {want}" for kind, want in allowed.items())
             raise ValueError(f"{role} has shape {shape}; supported: a scalar (numel 1), {listed}")

@@ -428,3 +428,13 @@ def test_gpu_memcheck_adversarial_indices():
     print(tail)
     assert r.returncode == 0 and "memcheck script done" in r.stdout, tail
     assert "ERROR SUMMARY: 0 errors" in r.stdout + r.stderr, tail
+
+
+def test_descale_kind_one_slot_one_head_is_per_token():
+    """A per-token scale of a one-slot, one-KV-head cache has numel 1: its exact shape makes it per token."""
+    from fmha_ops.inputs import Inputs
+    from fmha_ops.validation import descale_kinds
+
+    q, k = torch.zeros(1, 1, 2, 16).half(), torch.zeros(1, 1, 1, 16).to(F8)
+    inp = Inputs(q, k, k, k_descale=torch.ones(1, 1, 1), v_descale=torch.ones(1))
+    assert descale_kinds(inp)[1:] == ("token", "tensor")

@@ -118,3 +118,36 @@ def test_kv_append(paged, dtype, scales):
     if bt is not None:  # pages outside the block table untouched
         unused = sorted(set(range(kc.shape[0])) - set(bt.flatten().tolist()))
         assert torch.equal(got[0][unused], exp[0][unused])
+
+
+def test_kvcache_fp8_scales_reach_the_kernel_as_views(monkeypatch):
+    """flash_attn_with_kvcache passes the per-token scales of build_fp8_paged_cache (each head's slots contiguous)
+    to the decode kernel as they are: same storage, same strides, no copy; the result matches the reference op."""
+    import fmha_ops
+    from fmha_ops.kernels.triton import decode
+    from fmha_ops.ops import triton_decode  # noqa: F401  (registers the op)
+
+    g = torch.Generator().manual_seed(4)
+    k = torch.randn(3, 40, 2, 32, generator=g).half()
+    v = torch.randn(3, 40, 2, 32, generator=g).half()
+    q = torch.randn(3, 1, 4, 32, generator=g).half()
+    kc, vc, ks, vs, table = build_fp8_paged_cache(k, v, 16, num_pages=12, generator=g)
+    kc, vc, ks, vs, table = (t.to(DEVICE) for t in (kc, vc, ks, vs, table))
+    lens = torch.tensor([40, 3, 17], dtype=torch.int32, device=DEVICE)
+    seen = {}
+    real = decode.paged_decode
+
+    def spy(*args, **kw):
+        seen.update(k_scale=kw["k_scale"], v_scale=kw["v_scale"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(decode, "paged_decode", spy)
+    call = dict(cache_seqlens=lens, page_table=table, k_descale=ks, v_descale=vs, causal=True)
+    with fmha_ops.use_ops("triton_splitKF"):
+        out = fmha_ops.flash_attn_with_kvcache(q.to(DEVICE), kc, vc, **call)
+    for got, given in ((seen["k_scale"], ks), (seen["v_scale"], vs)):
+        assert got.data_ptr() == given.data_ptr() and got.stride() == given.stride() and got.shape == given.shape
+    with fmha_ops.use_ops("torch_referenceF"):
+        ref = fmha_ops.flash_attn_with_kvcache(q.to(DEVICE), kc, vc, **call)
+    assert (out.float() - ref.float()).abs().max() < 2e-3
+

@@ -52,12 +52,13 @@ def decode_views(inp: Inputs):
 
     Caches are (B, L, Hkv, D) or, paged, (pages, page_size, Hkv, D) views of the call's key / value; seqlens
     int32 (B,); block_table int32 (B, max_pages) or None; k/v scales float32 per token (shaped like the caches
-    without D; stride 0 where a per-tensor or per-head descale repeats) or None. With ``quantize_kv_to_fp8``
+    without D, in the caller's layout when given per page; stride 0 where a per-tensor or per-head descale
+    repeats) or None. With ``quantize_kv_to_fp8``
     the caches are quantized to the arch's fp8 per token first.
     """
     q, k, v, bias = inp.query, inp.key, inp.value, inp.attn_bias
     ks, vs = inp.k_descale, inp.v_descale
-    per_token = ks is not None and ks.shape == k.shape[:3] and ks.numel() > 1
+    per_token = ks is not None and ks.shape == k.shape[:3]  # shaped like the key (pool) without D
     block_table = None
     if bias is None or isinstance(bias, ab.LowerTriangularFromBottomRightMask):
         seqlens = _full_lengths(q.device, q.shape[0], k.shape[1])
@@ -123,8 +124,8 @@ def dequantize(x: torch.Tensor, descale: torch.Tensor | None, kind: str, block: 
         return xf * d.repeat_interleave(block, dim=2)[:, :, :m].permute(0, 2, 1)[..., None]
     if kind == "channel":
         return xf * d[:, None, :, :]
-    if kind == "token":
-        return xf * d[..., None]
+    if kind == "token":  # shaped like x without its last dim, or like a paged pool of the same tokens
+        return xf * d.reshape(x.shape[:-1])[..., None]
     raise ValueError(f"unknown descale kind {kind!r}")
 
 
