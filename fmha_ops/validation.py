@@ -145,7 +145,10 @@ def descale_kinds(inp: "Inputs") -> tuple[str, str, str]:
         k_token["token (pages)"], v_token["token (pages)"] = pages, pages
     shapes = {
         "q_descale": (inp.q_descale, {"head": head, "block": (b, hq, -(-mq // Q_SCALE_BLOCK))}),
-        "k_descale": (inp.k_descale, {"head": head, "block": (b, hkv, -(-mk // K_SCALE_BLOCK)), **k_token}),
+        # a float query's k_descale is per token before per block (i8fp8 only) where both shapes agree
+        "k_descale": (inp.k_descale, {"head": head, **k_token, "block": (b, hkv, -(-mk // K_SCALE_BLOCK))}
+                      if q.dtype in FLOAT_DTYPES else
+                      {"head": head, "block": (b, hkv, -(-mk // K_SCALE_BLOCK)), **k_token}),
         "v_descale": (inp.v_descale, {"head": head, "channel": (b, hkv, v.shape[3]), **v_token}),
     }
     kinds = []
