@@ -4,7 +4,8 @@ Cost of fp8 KV: decode is bound by reading K and V, so an fp8 cache (1 byte per 
 one float32 scale per token and head, i.e. 1 + 4/D bytes) halves the bytes of a bf16 one. Scales are
 laid out with the tokens of each head contiguous (any strides work; this layout is the fast one).
 That only pays when the cache is built once and reused across decode steps
-(``build_fp8_paged_cache`` here, or ``kv_append`` quantizing each new token as it is written).
+(``build_fp8_paged_cache`` here, or the append of ``flash_attn_with_kvcache`` quantizing each new token as it
+is written: the ``kv_append`` kernel on a GPU, ``append_to_cache`` in torch).
 Quantizing a bf16 cache on every call reads 2 bytes and writes 1 + 4/D bytes per element before
 the decode reads 1 + 4/D again: about 4 bytes per element against 2 for plain bf16 decode,
 so per-call quantization is roughly 2x slower than bf16 decode and 4x slower than a prebuilt
@@ -24,6 +25,12 @@ def quantize_fp8(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn):
 
     scale = amax / fp8_max in float32 (1 for an all-zero row); returns (x8, scale) with scale
     shaped like x without its last dim. Matches ``kv_append``'s in-kernel quantization.
+
+    Example
+    -------
+    >>> x8, scale = quantize_fp8(torch.tensor([[1.0, -4.0], [0.0, 0.0]]))
+    >>> scale.tolist(), x8.float().tolist()
+    ([0.008928571827709675, 1.0], [[112.0, -448.0], [0.0, 0.0]])
     """
     arguments.tensor("x", x, dtypes=_FLOAT_INPUTS)
     arguments.dtype("dtype", dtype, arguments.FP8)
@@ -37,7 +44,13 @@ def quantize_fp8(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn):
 
 def keys_contiguous(scale: torch.Tensor) -> torch.Tensor:
     """The same (..., L, H) scales laid out with L contiguous per head (strides of a (..., H, L) tensor): the
-    layout in which the sm90 fp8 decoder reads a tile's scales in 16-byte copies."""
+    layout in which the sm90 fp8 decoder reads a tile's scales in 16-byte copies.
+
+    Example
+    -------
+    >>> keys_contiguous(torch.zeros(2, 16, 4)).stride()
+    (64, 1, 16)
+    """
     arguments.tensor("scale", scale)
     if scale.ndim < 2:
         raise ValueError(f"scale must have >= 2 dims (..., L, H), got shape {tuple(scale.shape)}")
@@ -46,7 +59,14 @@ def keys_contiguous(scale: torch.Tensor) -> torch.Tensor:
 
 def quantize_kv_fp8(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn):
     """Per-token, per-head fp8 quantization of K and V (..., L, Hkv, D): (k8, v8, k_scale, v_scale), scales
-    (..., L, Hkv) float32 with L contiguous per head (``keys_contiguous``)."""
+    (..., L, Hkv) float32 with L contiguous per head (``keys_contiguous``).
+
+    Example
+    -------
+    >>> k8, v8, ks, vs = quantize_kv_fp8(torch.randn(2, 16, 4, 64), torch.randn(2, 16, 4, 64))
+    >>> k8.dtype, tuple(ks.shape)
+    (torch.float8_e4m3fn, (2, 16, 4))
+    """
     arguments.tensor("k", k, dtypes=_FLOAT_INPUTS)
     arguments.tensor("v", v, dtypes=_FLOAT_INPUTS)
     k8, ks = quantize_fp8(k, dtype)
@@ -55,7 +75,13 @@ def quantize_kv_fp8(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype = torch
 
 
 def dequantize_fp8(x8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """float32 ``x8 * scale[..., None]``."""
+    """float32 ``x8 * scale[..., None]``.
+
+    Example
+    -------
+    >>> dequantize_fp8(*quantize_fp8(torch.tensor([[1.0, -4.0]]))).tolist()
+    [[1.0, -4.0]]
+    """
     arguments.tensor("x8", x8)
     arguments.tensor("scale", scale)
     arguments.shape("scale", scale, tuple(x8.shape[:-1]), f"(x8's shape {tuple(x8.shape)} without its last dim)")
@@ -107,7 +133,15 @@ def paged_from_dense(tensors, page_size: int, *, num_pages: int | None = None,
 
 
 def dense_from_paged(pages: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """Gather (num_pages, page_size, ...) through block_table (B, P) into (B, length, ...)."""
+    """Gather (num_pages, page_size, ...) through block_table (B, P) into (B, length, ...).
+
+    Example
+    -------
+    >>> x = torch.randn(2, 50, 4, 64)
+    >>> (pages,), table = paged_from_dense([x], 16)
+    >>> torch.equal(dense_from_paged(pages, table, 50), x)
+    True
+    """
     arguments.tensor("pages", pages)
     if pages.ndim < 2:
         raise ValueError(f"pages must be (num_pages, page_size, ...), got shape {tuple(pages.shape)}")
@@ -128,6 +162,13 @@ def build_fp8_paged_cache(k: torch.Tensor, v: torch.Tensor, page_size: int,
     Returns (k_cache, v_cache, k_scale, v_scale, block_table): caches (num_pages, page_size,
     Hkv, D) in ``dtype``, scales float32 (num_pages, page_size, Hkv) with the slots of each page contiguous per
     head (``keys_contiguous``), block_table int32.
+
+    Example
+    -------
+    >>> k, v = torch.randn(2, 100, 8, 128, dtype=torch.bfloat16), torch.randn(2, 100, 8, 128, dtype=torch.bfloat16)
+    >>> k_cache, v_cache, k_scale, v_scale, table = build_fp8_paged_cache(k, v, 64)
+    >>> tuple(k_cache.shape), tuple(k_scale.shape), tuple(table.shape)
+    ((4, 64, 8, 128), (4, 64, 8), (2, 2))
     """
     arguments.tensor("k", k, ndim=4, dtypes=_FLOAT_INPUTS, layout="(B, L, Hkv, D)")
     arguments.tensor("v", v, ndim=4, dtypes=_FLOAT_INPUTS, layout="(B, L, Hkv, D)")

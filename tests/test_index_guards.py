@@ -20,9 +20,9 @@ import torch
 import fmha_ops
 from fmha_ops import checks
 from fmha_ops.kv_cache import append_to_cache, build_fp8_paged_cache, keys_contiguous, paged_from_dense
-from tests.conftest import DEVICE, HAS_CUDA
+from tests.conftest import DEVICE
 from fmha_ops.testing import error_report
-from tests.test_kernel_decode import FP16_REL, make_case
+from tests.test_kernel_decode import FP16_REL, make_case, reference
 
 F8 = torch.float8_e4m3fn
 
@@ -49,28 +49,6 @@ def fence_case(kw: dict) -> dict:
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality (NaN fences compare equal to themselves)."""
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
-
-
-def reference(q, k, v, lengths, key_ends, scale):
-    """float64 decode: query i of sequence b at position lengths[b] - Mq + i sees keys j <= that position and
-    j < key_ends[b]; k, v dense (B, >= max key_ends, Hkv, D). Returns CPU (out, lse (B, Hq, Mq))."""
-    B, MQ, HQ, D = q.shape
-    HKV = k.shape[2]
-    G = HQ // HKV
-    out = torch.zeros(B, MQ, HQ, D, dtype=torch.float64)
-    lse = torch.full((B, HQ, MQ), float("-inf"), dtype=torch.float64)
-    for b in range(B):
-        n, end = int(lengths[b]), int(key_ends[b])
-        if end <= 0:
-            continue
-        kk, vv = k[b, :end].cpu().double(), v[b, :end].cpu().double()
-        s = torch.einsum("mkgd,nkd->kgmn", q[b].cpu().double().view(MQ, HKV, G, D), kk) * scale
-        pos = n - MQ + torch.arange(MQ)
-        s = s.masked_fill(~(torch.arange(end)[None, :] <= pos[:, None]), float("-inf"))
-        lb = torch.logsumexp(s, -1)
-        out[b] = torch.einsum("kgmn,nkd->mkgd", torch.exp(s - lb[..., None]).nan_to_num(0.0), vv).reshape(MQ, HQ, D)
-        lse[b] = lb.reshape(HQ, MQ)
-    return out, lse
 
 
 def decode(q, kw, **extra):
@@ -115,8 +93,8 @@ def test_decode_bad_page_entries_are_masked(page_size, block_n, num_splits, fp8)
     assert not out.isnan().any() and not lse.isnan().any()
     cut = [page_size, 0, 2 * page_size, 33]
     ends = [min(n, c) for n, c in zip(lens, cut)]
-    ref, ref_lse = reference(q, k, v, lens, ends, kw["scale"])
-    full, full_lse = reference(q, k, v, lens, lens, kw["scale"])
+    ref, ref_lse = reference(q, k, v, lens, kw["scale"], ends)
+    full, full_lse = reference(q, k, v, lens, kw["scale"])
     assert error_report(out[3], full[3])["rel"] < FP16_REL
     if num_splits == 1:
         assert (out[1] == 0).all() and torch.isinf(lse[1]).all()
@@ -140,7 +118,7 @@ def test_decode_lengths_clamped_to_the_cache(page_size, num_splits):
     out, lse = decode(q, kw, num_splits=num_splits)
     assert not out.isnan().any() and not lse.isnan().any()
     clamped = [capacity, 0, 17]
-    ref, ref_lse = reference(q, padded(k, capacity), padded(v, capacity), clamped, clamped, kw["scale"])
+    ref, ref_lse = reference(q, padded(k, capacity), padded(v, capacity), clamped, kw["scale"])
     assert error_report(out, ref)["rel"] < FP16_REL
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)) and (out[1] == 0).all()
 
@@ -371,6 +349,34 @@ def test_gpu_check_mode_reads_device_indices():
     with fmha_ops.check_inputs(), pytest.raises(ValueError, match=r"page_table\[0, 1\] = 9"):
         fmha_ops.flash_attn_with_kvcache(q, *pages, cache_seqlens=torch.tensor([6, 2], dtype=I32, device="cuda"),
                                          page_table=table)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [80, 96])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_kvcache_append_head_dims_not_powers_of_two(D, fp8):
+    """Append with head dims 80 / 96 through flash_attn_with_kvcache on the GPU (the kernel with a padded block):
+    the cache holds what the torch append writes, and the call attends the new tokens."""
+    g = torch.Generator().manual_seed(D)
+    B, L, H = 3, 64, 2
+    q = torch.randn(B, 1, 4 * H, D, generator=g).cuda().bfloat16()
+    k, v = torch.randn(B, L, H, D, generator=g).bfloat16().cuda(), torch.randn(B, L, H, D, generator=g).bfloat16().cuda()
+    kn, vn = torch.randn(B, 3, H, D, generator=g).bfloat16().cuda(), torch.randn(B, 3, H, D, generator=g).bfloat16().cuda()
+    lens = torch.tensor([0, 17, 61], dtype=I32, device="cuda")
+    if fp8:
+        kc, vc, ks, vs, table = build_fp8_paged_cache(k, v, 16)
+        kw = dict(page_table=table, k_descale=ks, v_descale=vs)
+        expected = [kc.clone(), vc.clone(), ks.clone(), vs.clone()]
+        append_to_cache(kn, vn, *expected[:2], lens, block_table=table, k_scale=expected[2], v_scale=expected[3])
+    else:
+        kc, vc, kw = k.clone(), v.clone(), {}
+        expected = [k.clone(), v.clone()]
+        append_to_cache(kn, vn, *expected, lens)
+    out = fmha_ops.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens, causal=True, **kw)
+    got = [kc, vc] + ([kw["k_descale"], kw["v_descale"]] if fp8 else [])
+    for a, b in zip(got, expected):
+        assert same_bits(a, b)
+    assert out.isfinite().all()
 
 
 MEMCHECK_SCRIPT = textwrap.dedent('''

@@ -18,8 +18,10 @@ from fmha_ops.testing import error_report, transformer_like
 CPU_DTYPE = torch.float16
 
 
-def reference(q, k, v, seqlens, scale):
-    """float64 decode attention on q's device; k, v dense (B, L, Hkv, D); returns CPU (out, lse (B, Hq, Mq))."""
+def reference(q, k, v, seqlens, scale, key_ends=None):
+    """float64 decode attention on q's device; k, v dense (B, L, Hkv, D); returns CPU (out, lse (B, Hq, Mq)).
+    Query i of sequence b sits at position seqlens[b] - Mq + i and sees keys j <= that position and
+    j < key_ends[b] (default: seqlens)."""
     B, MQ, HQ, D = q.shape
     HKV = k.shape[2]
     G = HQ // HKV
@@ -27,11 +29,12 @@ def reference(q, k, v, seqlens, scale):
     lse = torch.full((B, HQ, MQ), float("-inf"), dtype=torch.float64)
     for b in range(B):
         n = int(seqlens[b])
-        kk = k[b, :n].to(q.device).double()
-        vv = v[b, :n].to(q.device).double()
+        end = max(int(seqlens[b] if key_ends is None else key_ends[b]), 0)
+        kk = k[b, :end].to(q.device).double()
+        vv = v[b, :end].to(q.device).double()
         s = torch.einsum("mkgd,nkd->kgmn", q[b].double().view(MQ, HKV, G, D), kk) * scale
         pos = n - MQ + torch.arange(MQ, device=q.device)
-        s = s.masked_fill(~(torch.arange(n, device=q.device)[None, :] <= pos[:, None]), float("-inf"))
+        s = s.masked_fill(~(torch.arange(end, device=q.device)[None, :] <= pos[:, None]), float("-inf"))
         lb = torch.logsumexp(s, -1)
         p = torch.exp(s - lb[..., None]).nan_to_num(0.0)
         out[b] = torch.einsum("kgmn,nkd->mkgd", p, vv).reshape(MQ, HQ, D).cpu()
@@ -340,14 +343,14 @@ def test_gluon_heads_per_program():
     assert gd.heads_per_program(64, 1, 4) == 1 and gd.heads_per_program(64, 3, 4) == 1  # no pair for every head
     assert gd.heads_per_program(128, 8, 4) == 1 and gd.heads_per_program(256, 8, 4) == 1
     assert gd.warps_per_program(256) == 2 and gd.warps_per_program(128) == gd.warps_per_program(64) == 1
-    assert gd.tile_config(64, 128) == (32, 2) and gd.tile_config(64, 64) == (32, 3)
-    assert gd.tile_config(16, 128) == (32, 2)
-    assert gd.tile_config(48, 128) == (16, 4) and gd.tile_config(8, 128) == (32, 2)
-    assert gd.tile_config(1, 64) == (32, 3) and gd.tile_config(24, 128) is None
+    assert gd.tile_config(64, 128) == gd.TileConfig(32, 2) and gd.tile_config(64, 64) == gd.TileConfig(32, 3)
+    assert gd.tile_config(16, 128) == gd.TileConfig(32, 2)
+    assert gd.tile_config(48, 128) == gd.TileConfig(16, 4) and gd.tile_config(8, 128) == gd.TileConfig(32, 2)
+    assert gd.tile_config(1, 64) == gd.TileConfig(32, 3) and gd.tile_config(24, 128) is None
     # 128-byte rows: 3 stages only with 16-byte scale copies and programs of >= 1536 keys
-    assert gd.tile_config(64, 128, 4096, True) == (32, 3) and gd.tile_config(None, 128, 1536, True) == (32, 3)
-    assert gd.tile_config(64, 128, 1024, True) == (32, 2) and gd.tile_config(64, 128, 4096, False) == (32, 2)
-    assert gd.tile_config(64, 256, 4096, True) == (32, 2) and gd.tile_config(48, 128, 4096, True) == (16, 4)
+    assert gd.tile_config(64, 128, 4096, True) == gd.TileConfig(32, 3) and gd.tile_config(None, 128, 1536, True) == gd.TileConfig(32, 3)
+    assert gd.tile_config(64, 128, 1024, True) == gd.TileConfig(32, 2) and gd.tile_config(64, 128, 4096, False) == gd.TileConfig(32, 2)
+    assert gd.tile_config(64, 256, 4096, True) == gd.TileConfig(32, 2) and gd.tile_config(48, 128, 4096, True) == gd.TileConfig(16, 4)
 
 
 def test_gluon_vector_scales():
@@ -553,8 +556,10 @@ def test_gpu_gluon_decoder_heads_apart(page_size, D):
     if not _gluon_runs():
         pytest.skip("the Gluon decoder runs on sm90")
     q, kw, k, v = make_case(3, 1, 16, 4, D, [1500, 1, 333], page_size=page_size, dtype=torch.bfloat16,
-                            fp8=torch.float8_e4m3fn, dist="transformer", seed=8, split_kv=True)
-    assert kw["k_cache"].stride(2) != D
+                            fp8=torch.float8_e4m3fn, dist="transformer", seed=8)
+    both = torch.stack([kw["k_cache"].view(torch.uint8), kw["v_cache"].view(torch.uint8)], 3)  # (.., Hkv, 2, D)
+    kw = dict(kw, k_cache=both[:, :, :, 0].view(torch.float8_e4m3fn), v_cache=both[:, :, :, 1].view(torch.float8_e4m3fn))
+    assert kw["k_cache"].stride(2) == 2 * D
     for s in (1, 3):
         check(q, kw, k, v, rel=GPU_REL[torch.bfloat16], runner=run_gluon, num_splits=s)
 

@@ -47,6 +47,19 @@ def _full_lengths(device: torch.device, batch: int, length: int) -> torch.Tensor
     return torch.full((batch,), length, dtype=torch.int32, device=device)
 
 
+def decode_reasons(p: Problem) -> list[str]:
+    """What the paged-decode kernels (Triton and Gluon) share: output in the query's dtype or float32, causal
+    among several new tokens, per-token (not per-(batch, head)) scales with a paged cache."""
+    r = []
+    if p.out_dtype not in (p.q_dtype, torch.float32):
+        r.append(f"output dtype must be the query's ({p.q_dtype}) or float32")
+    if p.bias in (ab.NONE, ab.PADDED_KEYS, ab.PAGED) and p.seqlen_q > 1:
+        r.append("non-causal decode with more than one query per sequence not supported")
+    if p.page_size and "head" in p.descales[1:]:
+        r.append("per-(batch, head) KV descales with a paged cache not supported (use per-token scales)")
+    return r
+
+
 def decode_views(inp: Inputs):
     """(q (B, Mq, Hq, D), k_cache, v_cache, seqlens, block_table, k_scale, v_scale) for a decode kernel.
 

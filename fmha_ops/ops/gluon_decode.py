@@ -14,11 +14,10 @@ import torch
 
 from registry.arch import sm_count
 
-from .. import attn_bias as ab
 from ..dispatch import register
 from ..problem import Problem
 from .base import AttentionFwOp
-from .common import DECODE_MASKS, decode_outputs, decode_views
+from .common import DECODE_MASKS, decode_outputs, decode_reasons, decode_views
 from .cost import attention_bytes
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -60,17 +59,11 @@ class GluonFp8DecodeFwOp(AttentionFwOp):
         if not p.kv_fp8:
             r.append("needs an fp8 KV cache (float8_e4m3fn key/value with per-token descales) or "
                      "quantize_kv_to_fp8=True")
-        if p.out_dtype not in (p.q_dtype, torch.float32):
-            r.append(f"output dtype must be the query's ({p.q_dtype}) or float32")
         if p.gqa_ratio * p.seqlen_q > ROWS.value:
             r.append(f"{p.gqa_ratio * p.seqlen_q} query rows per KV head (Hq/Hkv x Mq) > {ROWS.value}")
         if p.page_size and tile_config(p.page_size, p.head_dim) is None:
             r.append(f"page_size={p.page_size} not supported; pages must divide 32 keys or be a multiple of 16")
-        if p.bias in (ab.NONE, ab.PADDED_KEYS, ab.PAGED) and p.seqlen_q > 1:
-            r.append("non-causal decode with more than one query per sequence not supported")
-        if p.page_size and "head" in p.descales[1:]:
-            r.append("per-(batch, head) KV descales with a paged cache not supported (use per-token scales)")
-        return r
+        return r + decode_reasons(p)
 
     @classmethod
     def num_splits(cls, batch: int, hkv: int, max_len: int, rows: int, head_dim: int, page_size: int | None,

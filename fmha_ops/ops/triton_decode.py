@@ -17,12 +17,11 @@ import torch
 
 from registry.arch import sm_count
 
-from .. import attn_bias as ab
 from ..dispatch import register
 from ..dtypes import FP8_DTYPES
 from ..problem import Problem
 from .base import AttentionFwOp
-from .common import DECODE_MASKS, TRITON_ARCHS, decode_outputs, decode_views, interpreter_reasons
+from .common import DECODE_MASKS, TRITON_ARCHS, decode_outputs, decode_reasons, decode_views, interpreter_reasons
 from .cost import attention_bytes
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -48,14 +47,7 @@ class _DecodeOp(AttentionFwOp):
 
     @classmethod
     def extra_reasons(cls, p: Problem) -> list[str]:
-        r = interpreter_reasons(p)
-        if p.out_dtype not in (p.q_dtype, torch.float32):
-            r.append(f"output dtype must be the query's ({p.q_dtype}) or float32")
-        if p.bias in (ab.NONE, ab.PADDED_KEYS, ab.PAGED) and p.seqlen_q > 1:
-            r.append("non-causal decode with more than one query per sequence not supported")
-        if p.page_size and "head" in p.descales[1:]:
-            r.append("per-(batch, head) KV descales with a paged cache not supported (use per-token scales)")
-        return r
+        return interpreter_reasons(p) + decode_reasons(p)
 
     @classmethod
     def num_splits(cls, batch: int, hkv: int, max_len: int, rows: int, head_dim: int, kv_fp8: bool, arch) -> int:

@@ -24,6 +24,8 @@ kept in units of it), exp2 online softmax.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -346,21 +348,29 @@ def warps_per_program(head_dim: int) -> int:
     return 2 if head_dim == 256 else 1
 
 
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile config of ``_decode_fp8_kernel``: keys per tile and the depth of the cp.async ring."""
+
+    block_n: int
+    stages: int
+
+
 def tile_config(page_size: int | None, tile_width: int, keys_per_program: int = 0,
-                vector_scales: bool = False) -> tuple[int, int] | None:
-    """(BLOCK_N, STAGES) for a page size (None: dense cache), tile width (head dim x heads per program), keys
-    per program and whether scales move in 16-byte copies, or None for pages the tiles cannot cover. H200, 4
-    programs per SM (``bench/decoder_bench.py --sweep``): 32-key tiles; 128-byte rows take 3 stages when the scales
-    come in 16-byte copies and a program walks >= 1536 keys (4% faster than 2 at B64/L4096; no gain at 1024 keys),
-    else 2 (with 4-byte scale copies 3 stages ran 5% slower: the scales' L1 traffic); 64-byte rows 3 (6-11%
-    faster). Pages of 1-16 keys: 32-key tiles spanning pages (p16: 1.70x bf16 against 1.68x with 16-key tiles);
-    other multiples of 16: 16-key tiles, 4 stages, 8 per SM."""
+                vector_scales: bool = False) -> TileConfig | None:
+    """The TileConfig for a page size (None: dense cache), tile width (head dim x heads per program), keys
+    per program and whether scales move in 16-byte copies, or None for pages the tiles cannot cover. Measured on
+    the H200, 4 programs per SM: 32-key tiles; 128-byte rows take 3 stages when the scales come in 16-byte copies
+    and a program walks >= 1536 keys (4% faster than 2 at B64/L4096; no gain at 1024 keys), else 2 (with 4-byte
+    scale copies 3 stages ran 5% slower: the scales' L1 traffic); 64-byte rows 3 (6-11% faster). Pages of 1-16
+    keys: 32-key tiles spanning pages (p16: 1.70x bf16 against 1.68x with 16-key tiles); other multiples of 16:
+    16-key tiles, 4 stages, 8 per SM."""
     if page_size is None or page_size % 32 == 0 or 32 % page_size == 0:
         if tile_width <= 64:
-            return 32, 3
-        return 32, 3 if tile_width == 128 and vector_scales and keys_per_program >= 1536 else 2
+            return TileConfig(32, 3)
+        return TileConfig(32, 3 if tile_width == 128 and vector_scales and keys_per_program >= 1536 else 2)
     if page_size % 16 == 0:
-        return 16, 4
+        return TileConfig(16, 4)
     return None
 
 
@@ -374,7 +384,7 @@ def resident_programs(page_size: int | None, tile_width: int) -> int:
     """Programs per SM of the one-warp programs: 4 with 32-key tiles (8 fit, but B64/L4096 and B128/L1024 ran
     5-10% faster as one wave of 4 per SM than with the splits that fill 8), 8 with 16-key tiles (B64/L4096:
     1.64x bf16 with 8, 1.40x with 4). The kernel is latency bound: its time follows waves of these programs."""
-    return 4 if tile_config(page_size, tile_width)[0] == 32 else 8
+    return 4 if tile_config(page_size, tile_width).block_n == 32 else 8
 
 
 def programs_per_split(batch: int, num_kv_heads: int, heads: int) -> int:
@@ -412,7 +422,7 @@ def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse
     paged = page_size is not None
     capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
     vec = vector_scales(k_scale, v_scale)
-    block_n, stages = tile_config(page_size, heads * D, -(-capacity // num_splits), vec)
+    tiles = tile_config(page_size, heads * D, -(-capacity // num_splits), vec)
     bt = block_table if paged else seqlens
     launch_cached(_decode_fp8_kernel)[(programs_per_split(B, hkv, heads), num_splits)](
         q, k_cache, v_cache, k_scale, v_scale, seqlens, bt, out, lse,
@@ -421,6 +431,6 @@ def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse
         v_cache.stride(2), *k_scale.stride(), *v_scale.stride(),
         block_table.stride(0) if paged else 0, *out_strides, *lse_strides,
         qk_scale_log2, hkv, num_splits, k_cache.shape[0], capacity, MQ * (HQ // hkv),
-        G=HQ // hkv, MQ=MQ, D=D, HEADS=heads, WARPS=warps, BLOCK_N=block_n, PAGE_SIZE=page_size or 1,
-        PAGED=paged, PARTIAL=num_splits > 1, STAGES=stages, PDL=pdl, SC_VEC=4 if vec else 1, num_warps=warps,
+        G=HQ // hkv, MQ=MQ, D=D, HEADS=heads, WARPS=warps, BLOCK_N=tiles.block_n, PAGE_SIZE=page_size or 1,
+        PAGED=paged, PARTIAL=num_splits > 1, STAGES=tiles.stages, PDL=pdl, SC_VEC=4 if vec else 1, num_warps=warps,
     )

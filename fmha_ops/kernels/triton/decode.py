@@ -267,7 +267,7 @@ class DecodeConfig:
 
 
 def default_config(head_dim: int, kv_fp8: bool, page_aligned: bool, rows_per_program: int) -> DecodeConfig:
-    """Measured on the H200 at B=64/Hkv=8/L=4096, 4 query rows per KV head (``bench/decoder_bench.py --sweep``).
+    """Measured on the H200 at B=64/Hkv=8/L=4096, 4 query rows per KV head (tile options of ``paged_decode``).
     ``page_aligned``: dense, or pages a multiple of 64 keys (one page id per tile). fp8: two-warp programs with
     64-key tiles (4-7 resident per SM) up to 32 rows, four warps beyond. bf16: 128-key tiles at D64, 64-key
     tiles on aligned pages at D128 (32-key, 3 stages, when a tile spans pages), 32-key tiles at D256."""
