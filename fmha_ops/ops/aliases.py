@@ -168,9 +168,8 @@ def foreign_op(op: Any, kind: str) -> type[Op] | None:
         if len(op) != 2:
             raise ValueError(f"op={op!r}: a tuple must be (FwOp, BwOp)")
         return foreign_op(op[0] if kind == "fw" else op[1], kind)
-    ours = getattr(op, "FMHA_OPS_OP", None)  # our ops exposed as xformers classes (fmha_ops.xformers_ops)
-    if isinstance(ours, type) and issubclass(ours, Op):
-        return ours
+    if hasattr(op, "FMHA_OPS_OP"):  # our ops exposed as xformers classes (fmha_ops.xformers_ops); None: the selector's
+        return op.FMHA_OPS_OP
     name = _foreign_name(op)
     if name in REGISTRY.names():
         return REGISTRY.get(name)
