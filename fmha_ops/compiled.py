@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import operator
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -137,6 +138,9 @@ def run_forward(inp: Inputs, op: Any, needs_lse: bool) -> tuple[torch.Tensor, to
     tensors: list = [inp.q_descale, inp.k_descale, inp.v_descale]
     mask = None if inp.attn_bias is None else flatten_mask(inp.attn_bias, tensors)
     out_dtype = None if inp.output_dtype is None else str(inp.output_dtype).replace("torch.", "")
+    # sizes become constants: a dynamic-shape trace specializes (guards on) the sizes the selection reads
+    fields = {name: operator.index(x) if isinstance(x, (int, torch.SymInt)) and not isinstance(x, bool) else x
+              for name, x in fields.items()}
     text, fw_name, traceable = _plan(inp.query.device, tuple(fields.items()), op,
                                      (mask, inp.p, inp.scale, out_dtype, inp.is_partial, inp.quantize_kv_to_fp8,
                                       needs_lse or inp.is_partial, inp.softcap))

@@ -131,6 +131,15 @@ def test_xformers_masks_compile_fullgraph():
     _check(lambda q, k, v: fmha_ops.memory_efficient_attention(q, k, v, mask), q[:1], k[:1], v[:1])
 
 
+def test_new_sequence_lengths_recompile_with_dynamic_shapes():
+    """A second length makes Dynamo trace with symbolic sizes; the selection specializes on them."""
+    fn = _compiled(lambda q, k, v: fmha_ops.memory_efficient_attention(q, k, v, CAUSAL, op="torch_referenceF"))
+    for m in (33, 40, 47):
+        q, k, v = _qkv(m=m, seed=m)
+        torch.testing.assert_close(fn(q, k, v), fmha_ops.memory_efficient_attention(q, k, v, CAUSAL),
+                                   atol=1e-5, rtol=1e-4)
+
+
 def test_trace_time_choice_follows_use_ops():
     q, k, v = _qkv(seed=5)
     with fmha_ops.use_ops("torch_referenceF"):
