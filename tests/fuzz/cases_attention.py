@@ -339,7 +339,7 @@ def descale_variants(base: Base, role: str) -> list[tuple[str, tuple[str, ...], 
 def mask_variants(base: Base) -> list[tuple[str, tuple[str, ...], Change]]:
     bias_names = ("attn_bias",)
     out = [
-        ("dense", bias_names, set_args(attn_bias=torch.zeros(5, 7))),
+        ("dense_unbroadcastable", bias_names, set_args(attn_bias=torch.zeros(2, 3))),
         ("str", bias_names, set_args(attn_bias="causal")),
         ("int", bias_names, set_args(attn_bias=5)),
         ("class", bias_names, set_args(attn_bias=fmha_ops.LowerTriangularMask)),
@@ -375,8 +375,8 @@ def mask_variants(base: Base) -> list[tuple[str, tuple[str, ...], Change]]:
         ]
     if base.name == "padded_fp8_token":
         out += [
-            ("rows!=nseq*padding", bias_names + ("key", "kv_padding"),
-             lambda kw: {**kw, "attn_bias": ab.BlockDiagonalPaddedKeysMask.from_seqlens([1, 1], 8, [8, 4])}),
+            ("rows<nseq*padding", bias_names + ("key", "kv_padding"),
+             lambda kw: {**kw, "attn_bias": ab.BlockDiagonalPaddedKeysMask.from_seqlens([1, 1], 64, [8, 4])}),
             ("nseq_mismatch", bias_names + ("kv_seqlen", "q_seqlen"),
              lambda kw: {**kw, "attn_bias": ab.BlockDiagonalPaddedKeysMask.from_seqlens([1, 1], 9, [9, 4, 2])}),
         ]
