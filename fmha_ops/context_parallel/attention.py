@@ -1,6 +1,7 @@
 """``attention``: context-parallel (ring) attention over a process group, forward and backward."""
 from __future__ import annotations
 
+import contextvars
 from typing import Any, Sequence
 
 import torch
@@ -146,10 +147,13 @@ def _ring_backward(ctx: _Context, q: torch.Tensor, kv: KVShard, out: torch.Tenso
 
 
 class _RingAttention(torch.autograd.Function):
+    """The backward selects its ops in the forward's context (``use_ops``, ``set_fp8_dequantized_backward``
+    are context-local, and autograd runs CUDA backwards on its own thread)."""
+
     @staticmethod
     def forward(fctx, ctx: _Context, kv: KVShard, q, k, v):
         out, lse = _ring_forward(ctx, q, kv)
-        fctx.ctx, fctx.kv = ctx, kv
+        fctx.ctx, fctx.kv, fctx.context = ctx, kv, contextvars.copy_context()
         fctx.save_for_backward(q, k, v, out, lse)
         fctx.mark_non_differentiable(lse)
         return out, lse
@@ -158,7 +162,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(fctx, grad_out, _grad_lse):
         q, k, v, out, lse = fctx.saved_tensors
         kv = KVShard(k, v, fctx.kv.k_descale, fctx.kv.v_descale)
-        dq, dk, dv = _ring_backward(fctx.ctx, q, kv, out, lse, grad_out.contiguous())
+        dq, dk, dv = fctx.context.run(_ring_backward, fctx.ctx, q, kv, out, lse, grad_out.contiguous())
         return None, None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
