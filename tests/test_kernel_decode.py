@@ -66,8 +66,8 @@ def make_case(B, MQ, HQ, HKV, D, seqlens, *, page_size=None, dtype=CPU_DTYPE, fp
     cache = [c.to(DEVICE) for c in cache]
     if split_kv:  # K and V interleaved in one buffer: each has its own non-contiguous strides
         # (built on the device: .to() would make the strided views contiguous)
-        both = torch.stack(cache[:2], 2)
-        cache[:2] = [both[:, :, 0], both[:, :, 1]]
+        both = torch.stack(cache[:2], 3)  # (..., Hkv, 2, D): each head's K row, then its V row
+        cache[:2] = [both[:, :, :, 0], both[:, :, :, 1]]
     if fp8 is not None:
         cache[0], cache[1] = cache[0].view(fp8), cache[1].view(fp8)
     kw = dict(k_cache=cache[0], v_cache=cache[1], seqlens=seq.to(DEVICE), scale=D ** -0.5,
@@ -589,7 +589,7 @@ def test_gpu_fp8_cache_through_the_api_runs_the_gluon_op(page_size):
         from fmha_ops import attn_bias as ab
 
         bias = ab.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask(
-            ab._SeqLenInfo.from_seqlens([1] * B), ab._PaddedSeqLenInfo(None, lens, table.shape[1] * page_size),
+            ab._SeqLenInfo.from_seqlens([1] * B), ab._PaddedSeqLenInfo.from_device_seqlens(lens, table.shape[1] * page_size),
             table, page_size)
         pool = (1, kc.shape[0] * page_size)
         rep = fmha_ops.explain(q.reshape(1, B, H * G, D), kc.reshape(pool + kc.shape[2:]),
