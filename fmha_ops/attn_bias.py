@@ -231,11 +231,9 @@ class LowerTriangularMask(AttentionBias):
         return LowerTriangularMaskWithTensorBias(bias)
 
 
-class LowerTriangularMaskWithTensorBias(LowerTriangularMask):
-    """Causal (top-left) plus an additive tensor ``bias`` broadcastable to (B, Hq, Mq, Mk); gradients
-    flow to the bias where the op supports it."""
-
-    KIND = CAUSAL_TENSOR
+class _WithTensorBias:
+    """A mask that also adds a dense ``bias`` tensor broadcastable to (B, Hq, Mq, Mk); rebuilt from that tensor
+    alone (``type(mask)(bias)``), which is how layouts fold it and traces carry it."""
 
     def __init__(self, bias: torch.Tensor) -> None:
         if not isinstance(bias, torch.Tensor):
@@ -247,7 +245,7 @@ class LowerTriangularMaskWithTensorBias(LowerTriangularMask):
         return self._bias
 
     def to(self, device):
-        return LowerTriangularMaskWithTensorBias(self._bias.to(device))
+        return type(self)(self._bias.to(device))
 
     def validate(self, query, key):
         _validate_tensor_bias(self, self._bias, query, key)
@@ -256,29 +254,18 @@ class LowerTriangularMaskWithTensorBias(LowerTriangularMask):
         return (type(self), -1, -1) + _tensor_bias_signature(self._bias)
 
 
-class TensorBias(AttentionBias):
+class LowerTriangularMaskWithTensorBias(_WithTensorBias, LowerTriangularMask):
+    """Causal (top-left) plus an additive tensor ``bias`` broadcastable to (B, Hq, Mq, Mk); gradients
+    flow to the bias where the op supports it."""
+
+    KIND = CAUSAL_TENSOR
+
+
+class TensorBias(_WithTensorBias, AttentionBias):
     """A dense additive bias tensor broadcastable to (B, Hq, Mq, Mk) (an ``attn_bias`` tensor is wrapped
     in this); ``-inf`` entries mask keys out."""
 
     KIND = TENSOR
-
-    def __init__(self, bias: torch.Tensor) -> None:
-        if not isinstance(bias, torch.Tensor):
-            raise TypeError(f"bias must be a torch.Tensor, got {type(bias).__name__}")
-        self.bias = bias
-
-    @property
-    def tensor_bias(self) -> torch.Tensor:
-        return self.bias
-
-    def to(self, device):
-        return TensorBias(self.bias.to(device))
-
-    def validate(self, query, key):
-        _validate_tensor_bias(self, self.bias, query, key)
-
-    def signature(self):
-        return (type(self), -1, -1) + _tensor_bias_signature(self.bias)
 
     def segments(self, mq, mk):
         yield Segment(0, mq, (0, mk))
