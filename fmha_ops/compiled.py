@@ -43,30 +43,20 @@ _F32 = torch.float32
 class CallSpec(NamedTuple):
     """Everything but the tensors that an op needs to run a call, chosen at trace time.
 
-    ``mask`` is the mask's structure from ``flatten_mask``; the tensors it references by index are items of the
-    custom op's ``tensors`` argument, which starts with the three descales."""
+    ``fields`` holds every ``Inputs`` field but query / key / value / layout as ``(name, flatten(value))``; the
+    tensors it references by index (descales, the mask's tensors) are items of the custom op's ``tensors``."""
 
     fw: str  # forward op NAME
     bw: str  # backward op NAME ("" when no gradient is needed or the forward differentiates itself)
-    mask: Any
-    p: float
-    scale: float | None
-    output_dtype: str | None  # torch dtype name
-    is_partial: bool
-    quantize_kv: bool
+    fields: tuple
     needs_lse: bool
-    softcap: float
 
     def encode(self) -> str:
         return repr(tuple(self))
 
     def inputs(self, query, key, value, tensors) -> Inputs:
         """The eager ``Inputs`` of the call, rebuilt around the real tensors."""
-        qd, kd, vd = tensors[:3]
-        mask = None if self.mask is None else unflatten_mask(self.mask, tensors)
-        out = None if self.output_dtype is None else getattr(torch, self.output_dtype)
-        return Inputs(query, key, value, mask, self.p, self.scale, out, self.is_partial, qd, kd, vd, self.quantize_kv,
-                      softcap=self.softcap)
+        return Inputs(query, key, value, **{name: unflatten(x, tensors) for name, x in self.fields})
 
 
 _SPECS: dict[str, CallSpec] = {}
@@ -80,39 +70,54 @@ def decode_spec(text: str) -> CallSpec:
     return spec
 
 
-# ---- masks as constants + tensors --------------------------------------------------------------
+# ---- call fields as constants + tensors ----------------------------------------------------------
 
-def flatten_mask(obj: Any, tensors: list) -> Any:
-    """A mask as nested tuples of constants, its tensors appended to ``tensors`` and named by index.
+def flatten(obj: Any, tensors: list) -> Any:
+    """A value as nested tuples of constants, its tensors appended to ``tensors`` and named by index.
 
-    Masks are the ``attn_bias`` classes: dataclasses of ints, lists of ints, tensors and the seqinfo
-    dataclasses (``LowerTriangularMask`` and the like have no fields)."""
+    Values are what ``Inputs`` holds: tensors, dtypes, numbers, strings, None and the ``attn_bias`` masks
+    (dataclasses of those and of the seqinfo dataclasses; ``LowerTriangularMask`` and the like have no fields)."""
     if isinstance(obj, torch.Tensor):
         tensors.append(obj)
         return ("tensor", len(tensors) - 1)
+    if isinstance(obj, torch.dtype):
+        return ("dtype", str(obj).replace("torch.", ""))
     if dataclasses.is_dataclass(obj):
         return ("object", type(obj).__name__,
-                tuple(flatten_mask(getattr(obj, f.name), tensors) for f in dataclasses.fields(obj)))
+                tuple(flatten(getattr(obj, f.name), tensors) for f in dataclasses.fields(obj) if f.init))
     if isinstance(obj, ab.AttentionBias):  # no fields, or only a tensor bias (TensorBias and the like)
         bias = obj.tensor_bias
-        return ("object", type(obj).__name__, () if bias is None else (flatten_mask(bias, tensors),))
+        return ("object", type(obj).__name__, () if bias is None else (flatten(bias, tensors),))
     if isinstance(obj, (list, tuple)):
-        return ("list" if isinstance(obj, list) else "tuple", tuple(flatten_mask(x, tensors) for x in obj))
+        return ("list" if isinstance(obj, list) else "tuple", tuple(flatten(x, tensors) for x in obj))
     return ("value", obj)
 
 
-def unflatten_mask(structure: Any, tensors: list) -> Any:
-    """The inverse of ``flatten_mask``."""
+def unflatten(structure: Any, tensors: list) -> Any:
+    """The inverse of ``flatten``."""
     tag = structure[0]
     if tag == "tensor":
         return tensors[structure[1]]
+    if tag == "dtype":
+        return getattr(torch, structure[1])
     if tag == "object":
-        return getattr(ab, structure[1])(*(unflatten_mask(s, tensors) for s in structure[2]))
+        return getattr(ab, structure[1])(*(unflatten(s, tensors) for s in structure[2]))
     if tag == "list":
-        return [unflatten_mask(s, tensors) for s in structure[1]]
+        return [unflatten(s, tensors) for s in structure[1]]
     if tag == "tuple":
-        return tuple(unflatten_mask(s, tensors) for s in structure[1])
+        return tuple(unflatten(s, tensors) for s in structure[1])
     return structure[1]
+
+
+_TENSOR_FIELDS = ("query", "key", "value", "layout")  # passed to the custom op as tensors / not needed by ops
+
+
+def flatten_inputs(inp: Inputs) -> tuple[tuple, list]:
+    """(the ``CallSpec.fields`` of ``inp``, the tensors they reference)."""
+    tensors: list = []
+    fields = tuple((f.name, flatten(getattr(inp, f.name), tensors)) for f in dataclasses.fields(inp)
+                   if f.name not in _TENSOR_FIELDS)
+    return fields, tensors
 
 
 # ---- trace time ----------------------------------------------------------------------------------
@@ -134,16 +139,13 @@ def _plan(device: torch.device, fields: tuple, op: Any, spec: tuple) -> tuple[st
 def run_forward(inp: Inputs, op: Any, needs_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The traced twin of ``api.run_forward``: same arguments, same results."""
     inp.validate()
-    fields = inp.problem_fields(needs_lse)
-    tensors: list = [inp.q_descale, inp.k_descale, inp.v_descale]
-    mask = None if inp.attn_bias is None else flatten_mask(inp.attn_bias, tensors)
-    out_dtype = None if inp.output_dtype is None else str(inp.output_dtype).replace("torch.", "")
+    problem = inp.problem_fields(needs_lse)
     # sizes become constants: a dynamic-shape trace specializes (guards on) the sizes the selection reads
-    fields = {name: operator.index(x) if isinstance(x, (int, torch.SymInt)) and not isinstance(x, bool) else x
-              for name, x in fields.items()}
-    text, fw_name, traceable = _plan(inp.query.device, tuple(fields.items()), op,
-                                     (mask, inp.p, inp.scale, out_dtype, inp.is_partial, inp.quantize_kv_to_fp8,
-                                      needs_lse or inp.is_partial, inp.softcap))
+    problem = {name: operator.index(x) if isinstance(x, (int, torch.SymInt)) and not isinstance(x, bool) else x
+               for name, x in problem.items()}
+    fields, tensors = flatten_inputs(inp)
+    text, fw_name, traceable = _plan(inp.query.device, tuple(problem.items()), op,
+                                     (fields, needs_lse or inp.is_partial))
     if traceable:
         return REGISTRY.get(fw_name).apply(inp, needs_lse)
     out, lse = torch.ops.fmha_ops.attention_forward(inp.query, inp.key, inp.value, tensors, text)
@@ -211,7 +213,7 @@ def _forward_setup(ctx, inputs, output):
 def _forward_backward(ctx, grad_out, _grad_lse):
     query, key, value, out, lse, *tensors = ctx.saved_tensors
     dq, dk, dv = torch.ops.fmha_ops.attention_backward(grad_out, query, key, value, out, lse, tensors, ctx.spec)
-    return dq, dk, dv, None, None
+    return dq, dk, dv, [None] * ctx.n_tensors, None
 
 
 attention_forward_op.register_autograd(_forward_backward, setup_context=_forward_setup)
@@ -334,7 +336,7 @@ def _varlen_attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, descales, spec):
 
 def _varlen_setup(ctx, inputs, output):
     q, k, v, cu_q, cu_k, descales, spec = inputs
-    ctx.spec, ctx.n_descales = spec, len(descales)
+    ctx.spec = spec
     ctx.save_for_backward(q, k, v, cu_q, cu_k, *descales)
 
 
