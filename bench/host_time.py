@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fmha_ops  # noqa: E402
 from bench import common  # noqa: E402
 from fmha_ops import attn_bias as ab  # noqa: E402
-from fmha_ops.api import make_problem  # noqa: E402
+from fmha_ops.call import make_problem  # noqa: E402
 from fmha_ops.dispatch import SELECTOR  # noqa: E402
 from fmha_ops.inputs import make_inputs  # noqa: E402
 from fmha_ops.ops.sdpa import SdpaCudnnFwOp  # noqa: E402

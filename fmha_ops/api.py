@@ -14,14 +14,13 @@ import torch
 
 from registry import Op, Report
 
-from . import arguments, compiled
+from . import arguments
+from .call import make_problem, run_forward
 from .dispatch import REGISTRY, SELECTOR
 from .dtypes import FLOAT_DTYPES
 from .inputs import Inputs, make_inputs
-from .problem import Problem
 
 OpArg = Any  # an op class, name/alias, or (FwOp, BwOp) tuple
-_is_compiling = torch.compiler.is_compiling
 
 
 def memory_efficient_attention(
@@ -221,45 +220,3 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_bi
 def get_op(name: str) -> type[Op]:
     """The op class registered under ``name`` or an alias (legacy aliases warn once)."""
     return REGISTRY.get(name)
-
-
-# ---- the call path (shared by the FA3 wrappers and the quantize-inside functions) -----------------
-
-def make_problem(inp: Inputs, needs_lse: bool) -> Problem:
-    """Validate ``inp`` and build its ``Problem`` (what the selector runs on a memo miss)."""
-    inp.validate()
-    return inp.problem(needs_lse)
-
-
-def run_forward(inp: Inputs, op: OpArg, needs_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Select the forward op for ``inp`` (and the backward op when autograd needs one) and run it.
-
-    Returns out (B, Mq, Hq, Kv) in ``inp.out_dtype`` and lse float32 (B, Hq, Mq) (None unless ``needs_lse``
-    or a backward op is attached). Example: ``out, _ = run_forward(make_inputs(q, k, v), None, False)``.
-    """
-    if _is_compiling():
-        return compiled.run_forward(inp, op, needs_lse)
-    sig = inp.signature()
-    fw = SELECTOR.select(sig, lambda: make_problem(inp, needs_lse), "fw", op)
-    if not sig.needs_grad or (fw.AUTOGRAD and inp.query.dtype in FLOAT_DTYPES):
-        return fw.apply(inp, needs_lse)
-    bw = SELECTOR.select(sig, lambda: make_problem(inp, needs_lse), "bw", op)
-    return _Attention.apply(fw, bw, inp, inp.query, inp.key, inp.value)
-
-
-class _Attention(torch.autograd.Function):
-    """Autograd for a forward op without native autograd, paired with a backward op."""
-
-    @staticmethod
-    def forward(ctx, fw, bw, inp: Inputs, query, key, value):
-        out, lse = fw.apply(inp, True)
-        ctx.bw, ctx.inp = bw, inp
-        ctx.save_for_backward(out, lse)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, grad_out, _grad_lse):
-        out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.bw.apply_bw(ctx.inp, out, lse, grad_out.contiguous())
-        return None, None, None, dq, dk, dv

@@ -7,8 +7,9 @@ runs once at trace time on those constants (``torch.compiler.assume_constant_res
 op, and the backward op when gradients are needed, and returns them as a ``CallSpec`` string. Ops whose
 ``apply`` is plain torch (``AttentionOp.TRACEABLE``: the SDPA ops) are traced into the graph; every other op
 runs behind the custom op ``fmha_ops::attention_forward`` (a fake implementation gives the output shapes;
-autograd goes through ``fmha_ops::attention_backward``). ``fp8_attention`` / ``i8fp8_attention`` run as
-``fmha_ops::quantized_attention``, whose backward is the same backward op.
+autograd goes through ``fmha_ops::attention_backward``). ``fp8_attention`` / ``i8fp8_attention`` and
+``flash_attn_varlen_func`` have custom ops of their own next to them (``fmha_ops.quantized``,
+``fmha_ops.flash_attn_interface``), built from this module's helpers.
 
 What a trace fixes: the selected ops, and with them ``use_ops``, ``set_fp8_dequantized_backward``, the
 ``FMHA_OPS_*`` environment and ``torch.use_deterministic_algorithms`` as they were when the function was
@@ -28,7 +29,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from registry import current_arch, fp8_dtype
+from registry import current_arch
 
 from . import attn_bias as ab
 from .dispatch import REGISTRY, SELECTOR
@@ -123,7 +124,7 @@ def flatten_inputs(inp: Inputs) -> tuple[tuple, list]:
 # ---- trace time ----------------------------------------------------------------------------------
 
 @torch.compiler.assume_constant_result
-def _plan(device: torch.device, fields: tuple, op: Any, spec: tuple) -> tuple[str, str, bool]:
+def _plan(device: str, fields: tuple, op: Any, spec: tuple) -> tuple[str, str, bool]:
     """Select the ops for a traced call (real Python, at trace time): the ``CallSpec`` string, the forward op's
     NAME, and whether that op is traced into the graph."""
     problem = Problem(arch=current_arch(device), deterministic=torch.are_deterministic_algorithms_enabled(),
@@ -137,14 +138,14 @@ def _plan(device: torch.device, fields: tuple, op: Any, spec: tuple) -> tuple[st
 
 
 def run_forward(inp: Inputs, op: Any, needs_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The traced twin of ``api.run_forward``: same arguments, same results."""
+    """The traced twin of ``call.run_forward``: same arguments, same results."""
     inp.validate()
     problem = inp.problem_fields(needs_lse)
     # sizes become constants: a dynamic-shape trace specializes (guards on) the sizes the selection reads
     problem = {name: operator.index(x) if isinstance(x, (int, torch.SymInt)) and not isinstance(x, bool) else x
                for name, x in problem.items()}
     fields, tensors = flatten_inputs(inp)
-    text, fw_name, traceable = _plan(inp.query.device, tuple(problem.items()), op,
+    text, fw_name, traceable = _plan(str(inp.query.device), tuple(problem.items()), op,
                                      (fields, needs_lse or inp.is_partial))
     if traceable:
         return REGISTRY.get(fw_name).apply(inp, needs_lse)
@@ -185,13 +186,13 @@ def attention_backward_op(grad_out: torch.Tensor, query: torch.Tensor, key: torc
                           spec: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv), contiguous, in query / key / value's dtypes, from the backward op ``spec`` names."""
     call = decode_spec(spec)
-    with _autograd_dispatch():  # the reference backward differentiates with torch.autograd
+    with autograd_dispatch():  # the reference backward differentiates with torch.autograd
         grads = REGISTRY.get(call.bw).apply_bw(call.inputs(query, key, value, tensors), out, lse,
                                                grad_out.contiguous())
     return tuple(g.to(t.dtype).contiguous() for g, t in zip(grads, (query, key, value)))
 
 
-def _autograd_dispatch():
+def autograd_dispatch():
     """Autograd dispatch back on: a custom op's implementation runs below torch's autograd keys."""
     excluded = torch._C._dispatch_tls_local_exclude_set()
     for key in (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.ADInplaceOrView):
@@ -217,152 +218,3 @@ def _forward_backward(ctx, grad_out, _grad_lse):
 
 
 attention_forward_op.register_autograd(_forward_backward, setup_context=_forward_setup)
-
-
-# ---- quantize-inside attention (fp8_attention, i8fp8_attention) ------------------------------------
-
-def quantized_attention(qk_kind: str, causal: bool, scale: float | None, op: Any, q, k, v) -> torch.Tensor:
-    """The traced twin of ``fp8_attention`` / ``i8fp8_attention`` (``qk_kind`` "fp8" / "int8"). The quantized
-    problem exists only after the quantization, so its ops are selected inside the custom op (memoized)."""
-    text = repr((qk_kind, causal, scale, _op_names(op)))
-    return torch.ops.fmha_ops.quantized_attention(q, k, v, text)[0]
-
-
-def _op_names(op: Any) -> Any:
-    """An ``op=`` value as constants: names for op classes (tuples element-wise)."""
-    if isinstance(op, tuple):
-        return tuple(_op_names(o) for o in op)
-    return op.NAME if isinstance(op, type) else op
-
-
-def _quantized_args(spec: str):
-    qk_kind, causal, scale, op = ast.literal_eval(spec)
-    bias = ab.LowerTriangularFromBottomRightMask() if causal else None
-    return qk_kind, bias, scale, op
-
-
-@torch.library.custom_op("fmha_ops::quantized_attention", mutates_args=())
-def quantized_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                           spec: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``quantized.quantized_forward``: (out, lse, qh, kh, vh), contiguous."""
-    from .quantized import quantized_forward
-
-    qk_kind, bias, scale, op = _quantized_args(spec)
-    qk_dtype = torch.int8 if qk_kind == "int8" else fp8_dtype(current_arch(query.device))
-    out, lse, dequantized = quantized_forward(qk_dtype, bias, scale, op, query, key, value)
-    return tuple(t.contiguous() for t in (out, lse, *dequantized))
-
-
-@quantized_attention_op.register_fake
-def _quantized_attention_fake(query, key, value, spec):
-    b, mq, hq, _ = query.shape
-    return (query.new_empty((b, mq, hq, value.shape[-1])), query.new_empty((b, hq, mq), dtype=_F32),
-            query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape))
-
-
-@torch.library.custom_op("fmha_ops::quantized_attention_backward", mutates_args=())
-def quantized_attention_backward_op(grad_out: torch.Tensor, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor,
-                                    out: torch.Tensor, lse: torch.Tensor,
-                                    spec: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``quantized.quantized_backward``: (dq, dk, dv), contiguous."""
-    from .quantized import quantized_backward
-
-    _, bias, scale, _ = _quantized_args(spec)
-    with _autograd_dispatch():
-        grads = quantized_backward(bias, scale, qh, kh, vh, out, lse, grad_out)
-    return tuple(g.to(t.dtype).contiguous() for g, t in zip(grads, (qh, kh, vh)))
-
-
-@quantized_attention_backward_op.register_fake
-def _quantized_attention_backward_fake(grad_out, qh, kh, vh, out, lse, spec):
-    return tuple(t.new_empty(t.shape) for t in (qh, kh, vh))
-
-
-def _quantized_setup(ctx, inputs, output):
-    ctx.spec = inputs[3]
-    out, lse, qh, kh, vh = output
-    ctx.save_for_backward(qh, kh, vh, out, lse)
-
-
-def _quantized_backward(ctx, grad_out, *_unused):
-    qh, kh, vh, out, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.fmha_ops.quantized_attention_backward(grad_out, qh, kh, vh, out, lse, ctx.spec)
-    return dq, dk, dv, None
-
-
-quantized_attention_op.register_autograd(_quantized_backward, setup_context=_quantized_setup)
-
-
-# ---- flash_attn_varlen_func ----------------------------------------------------------------------
-
-def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
-                     softmax_scale: float | None, causal: bool, descales: tuple, return_lse: bool):
-    """The traced twin of ``flash_attn_varlen_func``: its mask needs the sequence starts on the host, which a
-    trace does not have, so the whole call (selection included, memoized) runs inside the custom op."""
-    text = repr((int(max_seqlen_q), int(max_seqlen_k), softmax_scale, bool(causal), bool(return_lse)))
-    out, lse = torch.ops.fmha_ops.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, list(descales), text)
-    return (out, lse) if return_lse else out
-
-
-def _varlen_eager(q, k, v, cu_q, cu_k, descales, spec, return_lse: bool | None = None):
-    from .flash_attn_interface import flash_attn_varlen_func
-
-    max_q, max_k, scale, causal, lse_wanted = ast.literal_eval(spec)
-    qd, kd, vd = descales
-    return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=causal,
-                                  q_descale=qd, k_descale=kd, v_descale=vd,
-                                  return_attn_probs=lse_wanted if return_lse is None else return_lse)
-
-
-@torch.library.custom_op("fmha_ops::varlen_attention", mutates_args=())
-def varlen_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                        cu_seqlens_k: torch.Tensor, descales: list[Optional[torch.Tensor]],
-                        spec: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``flash_attn_varlen_func``: out (total_q, Hq, Dv) contiguous and lse float32 (Hq, total_q) (empty unless
-    the spec asks for it)."""
-    res = _varlen_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, descales, spec)
-    if isinstance(res, tuple):
-        return res[0].contiguous(), res[1].contiguous()
-    return res.contiguous(), q.new_empty((0,), dtype=_F32)
-
-
-@varlen_attention_op.register_fake
-def _varlen_attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, descales, spec):
-    lse_wanted = ast.literal_eval(spec)[4]
-    out_dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16, _F32) else torch.bfloat16
-    out = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]), dtype=out_dtype)
-    return out, q.new_empty((q.shape[1], q.shape[0]) if lse_wanted else (0,), dtype=_F32)
-
-
-def _varlen_setup(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, descales, spec = inputs
-    ctx.spec = spec
-    ctx.save_for_backward(q, k, v, cu_q, cu_k, *descales)
-
-
-def _varlen_backward(ctx, grad_out, _grad_lse):
-    """Recompute the forward with torch autograd on and differentiate it (the eager call's own gradients)."""
-    q, k, v, cu_q, cu_k, *descales = ctx.saved_tensors
-    return (*torch.ops.fmha_ops.varlen_attention_backward(grad_out, q, k, v, cu_q, cu_k, descales, ctx.spec),
-            None, None, None, None)
-
-
-@torch.library.custom_op("fmha_ops::varlen_attention_backward", mutates_args=())
-def varlen_attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                 cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                                 descales: list[Optional[torch.Tensor]],
-                                 spec: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of ``flash_attn_varlen_func``'s output, by recomputation under autograd."""
-    with _autograd_dispatch(), torch.enable_grad():
-        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-        out = _varlen_eager(*leaves, cu_seqlens_q, cu_seqlens_k, descales, spec, return_lse=False)
-        grads = torch.autograd.grad(out, leaves, grad_out)
-    return tuple(g.to(t.dtype).contiguous() for g, t in zip(grads, (q, k, v)))
-
-
-@varlen_attention_backward_op.register_fake
-def _varlen_attention_backward_fake(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, descales, spec):
-    return tuple(t.new_empty(t.shape) for t in (q, k, v))
-
-
-varlen_attention_op.register_autograd(_varlen_backward, setup_context=_varlen_setup)

@@ -15,14 +15,18 @@ quantizes inside, runs the fp8 forward and returns bf16 gradients to the bf16 te
 """
 from __future__ import annotations
 
+import ast
 import functools
 import os
+from typing import Optional
 
 import torch
 
 from . import attn_bias as ab
 from . import arguments, checks, compiled, kv_cache
-from .api import memory_efficient_attention, run_forward
+from .api import memory_efficient_attention
+from .call import run_forward
+from .dtypes import FLOAT_DTYPES
 from .inputs import make_inputs
 from .fp8_backward import set_fp8_dequantized_backward
 
@@ -106,8 +110,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         if (left, right) != (-1, -1) or softcap:
             raise NotImplementedError(f"window_size={tuple(window_size)} / softcap={softcap} are not implemented for "
                                       f"flash_attn_varlen_func under torch.compile (eager calls take them)")
-        return compiled.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                         softmax_scale, causal, (q_descale, k_descale, v_descale), return_attn_probs)
+        return _traced_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                        softmax_scale, causal, (q_descale, k_descale, v_descale), return_attn_probs)
     q_info, k_info = _seqinfo("q", cu_seqlens_q, max_seqlen_q, q), _seqinfo("k", cu_seqlens_k, max_seqlen_k, k)
     if len(q_info.seqstart_py) != len(k_info.seqstart_py):
         raise ValueError(f"cu_seqlens_q has {len(q_info.seqstart_py) - 1} sequences but cu_seqlens_k has "
@@ -375,3 +379,76 @@ def _cache_descales(k_cache, k_descale, v_descale, device):
         raise ValueError(f"k_descale {tuple(k_descale.shape)} and v_descale {tuple(v_descale.shape)} must both be "
                          f"per token {token} or both per tensor")
     return k_descale, v_descale
+
+
+# ---- flash_attn_varlen_func under torch.compile: one custom op ------------------------------------
+
+def _traced_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                     softmax_scale: float | None, causal: bool, descales: tuple, return_lse: bool):
+    """The traced twin of ``flash_attn_varlen_func``: its mask needs the sequence starts on the host, which a
+    trace does not have, so the whole call (selection included, memoized) runs inside the custom op."""
+    text = repr((int(max_seqlen_q), int(max_seqlen_k), softmax_scale, bool(causal), bool(return_lse)))
+    out, lse = torch.ops.fmha_ops.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, list(descales), text)
+    return (out, lse) if return_lse else out
+
+
+def _varlen_eager(q, k, v, cu_q, cu_k, descales, spec, return_lse: bool | None = None):
+    max_q, max_k, scale, causal, lse_wanted = ast.literal_eval(spec)
+    qd, kd, vd = descales
+    return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=causal,
+                                  q_descale=qd, k_descale=kd, v_descale=vd,
+                                  return_attn_probs=lse_wanted if return_lse is None else return_lse)
+
+
+@torch.library.custom_op("fmha_ops::varlen_attention", mutates_args=())
+def varlen_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                        cu_seqlens_k: torch.Tensor, descales: list[Optional[torch.Tensor]],
+                        spec: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``flash_attn_varlen_func``: out (total_q, Hq, Dv) contiguous and lse float32 (Hq, total_q) (empty unless
+    the spec asks for it)."""
+    res = _varlen_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, descales, spec)
+    if isinstance(res, tuple):
+        return res[0].contiguous(), res[1].contiguous()
+    return res.contiguous(), q.new_empty((0,), dtype=torch.float32)
+
+
+@varlen_attention_op.register_fake
+def _varlen_attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, descales, spec):
+    lse_wanted = ast.literal_eval(spec)[4]
+    out_dtype = q.dtype if q.dtype in FLOAT_DTYPES else torch.bfloat16
+    out = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]), dtype=out_dtype)
+    return out, q.new_empty((q.shape[1], q.shape[0]) if lse_wanted else (0,), dtype=torch.float32)
+
+
+def _varlen_setup(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, descales, spec = inputs
+    ctx.spec = spec
+    ctx.save_for_backward(q, k, v, cu_q, cu_k, *descales)
+
+
+def _varlen_backward(ctx, grad_out, _grad_lse):
+    """Recompute the forward with torch autograd on and differentiate it (the eager call's own gradients)."""
+    q, k, v, cu_q, cu_k, *descales = ctx.saved_tensors
+    return (*torch.ops.fmha_ops.varlen_attention_backward(grad_out, q, k, v, cu_q, cu_k, descales, ctx.spec),
+            None, None, None, None)
+
+
+@torch.library.custom_op("fmha_ops::varlen_attention_backward", mutates_args=())
+def varlen_attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                                 descales: list[Optional[torch.Tensor]],
+                                 spec: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of ``flash_attn_varlen_func``'s output, by recomputation under autograd."""
+    with compiled.autograd_dispatch(), torch.enable_grad():
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        out = _varlen_eager(*leaves, cu_seqlens_q, cu_seqlens_k, descales, spec, return_lse=False)
+        grads = torch.autograd.grad(out, leaves, grad_out)
+    return tuple(g.to(t.dtype).contiguous() for g, t in zip(grads, (q, k, v)))
+
+
+@varlen_attention_backward_op.register_fake
+def _varlen_attention_backward_fake(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, descales, spec):
+    return tuple(t.new_empty(t.shape) for t in (q, k, v))
+
+
+varlen_attention_op.register_autograd(_varlen_backward, setup_context=_varlen_setup)

@@ -20,13 +20,16 @@ The forward op is selected by dtype (triton_fp8F / triton_i8fp8F where available
 """
 from __future__ import annotations
 
+import ast
+from typing import Any
+
 import torch
 
 from registry import current_arch, fp8_dtype
 
 from . import attn_bias as ab
 from . import arguments, compiled
-from .api import make_problem, run_forward
+from .call import make_problem, run_forward
 from .dispatch import SELECTOR
 from .dtypes import FLOAT_DTYPES
 from .inputs import make_inputs
@@ -116,7 +119,7 @@ def _causal(causal: bool):
 def _quantized_attention(qk_kind: str, causal: bool, scale: float | None, op, q, k, v) -> torch.Tensor:
     _check_call(q, k, v, causal, scale)
     if torch.compiler.is_compiling():
-        return compiled.quantized_attention(qk_kind, causal, scale, op, q, k, v)
+        return _traced_quantized_attention(qk_kind, causal, scale, op, q, k, v)
     qk_dtype = torch.int8 if qk_kind == "int8" else fp8_dtype(current_arch(q.device))
     return _QuantizedAttention.apply(qk_dtype, _causal(causal), scale, op, q, k, v)
 
@@ -146,3 +149,73 @@ def i8fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     >>> out = i8fp8_attention(q, k, v, causal=True)
     """
     return _quantized_attention("int8", causal, softmax_scale, op, q, k, v)
+
+
+# ---- under torch.compile: one custom op ----------------------------------------------------------------
+
+def _traced_quantized_attention(qk_kind: str, causal: bool, scale: float | None, op: Any, q, k, v) -> torch.Tensor:
+    """The traced twin of ``fp8_attention`` / ``i8fp8_attention`` (``qk_kind`` "fp8" / "int8"). The quantized
+    problem exists only after the quantization, so its ops are selected inside the custom op (memoized)."""
+    text = repr((qk_kind, causal, scale, _op_names(op)))
+    return torch.ops.fmha_ops.quantized_attention(q, k, v, text)[0]
+
+
+def _op_names(op: Any) -> Any:
+    """An ``op=`` value as constants: names for op classes (tuples element-wise)."""
+    if isinstance(op, tuple):
+        return tuple(_op_names(o) for o in op)
+    return op.NAME if isinstance(op, type) else op
+
+
+def _quantized_args(spec: str):
+    qk_kind, causal, scale, op = ast.literal_eval(spec)
+    bias = ab.LowerTriangularFromBottomRightMask() if causal else None
+    return qk_kind, bias, scale, op
+
+
+@torch.library.custom_op("fmha_ops::quantized_attention", mutates_args=())
+def quantized_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           spec: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantized.quantized_forward``: (out, lse, qh, kh, vh), contiguous."""
+    qk_kind, bias, scale, op = _quantized_args(spec)
+    qk_dtype = torch.int8 if qk_kind == "int8" else fp8_dtype(current_arch(query.device))
+    out, lse, dequantized = quantized_forward(qk_dtype, bias, scale, op, query, key, value)
+    return tuple(t.contiguous() for t in (out, lse, *dequantized))
+
+
+@quantized_attention_op.register_fake
+def _quantized_attention_fake(query, key, value, spec):
+    b, mq, hq, _ = query.shape
+    return (query.new_empty((b, mq, hq, value.shape[-1])), query.new_empty((b, hq, mq), dtype=torch.float32),
+            query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape))
+
+
+@torch.library.custom_op("fmha_ops::quantized_attention_backward", mutates_args=())
+def quantized_attention_backward_op(grad_out: torch.Tensor, qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor,
+                                    out: torch.Tensor, lse: torch.Tensor,
+                                    spec: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantized.quantized_backward``: (dq, dk, dv), contiguous."""
+    _, bias, scale, _ = _quantized_args(spec)
+    with compiled.autograd_dispatch():
+        grads = quantized_backward(bias, scale, qh, kh, vh, out, lse, grad_out)
+    return tuple(g.to(t.dtype).contiguous() for g, t in zip(grads, (qh, kh, vh)))
+
+
+@quantized_attention_backward_op.register_fake
+def _quantized_attention_backward_fake(grad_out, qh, kh, vh, out, lse, spec):
+    return tuple(t.new_empty(t.shape) for t in (qh, kh, vh))
+
+
+def _quantized_setup(ctx, inputs, output):
+    ctx.spec = inputs[3]
+    out, lse, qh, kh, vh = output
+    ctx.save_for_backward(qh, kh, vh, out, lse)
+
+
+def _quantized_backward(ctx, grad_out, *_unused):
+    qh, kh, vh, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.fmha_ops.quantized_attention_backward(grad_out, qh, kh, vh, out, lse, ctx.spec)
+    return dq, dk, dv, None
+
+
+quantized_attention_op.register_autograd(_quantized_backward, setup_context=_quantized_setup)

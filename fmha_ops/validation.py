@@ -6,7 +6,7 @@ runs once per call signature (the selector's memo), so none of this is on the re
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -15,13 +15,12 @@ from . import arguments, checks
 from .dtypes import FLOAT_DTYPES, FP8_DTYPES, dtype_name
 from .quant import K_SCALE_BLOCK, Q_SCALE_BLOCK
 
-if TYPE_CHECKING:
-    from .inputs import Inputs
+Inputs = Any  # an fmha_ops.inputs.Inputs (this module sits below it and does not import it)
 
 _DESCALE_ROLES = ("q_descale", "k_descale", "v_descale")
 
 
-def validate(inp: "Inputs") -> None:
+def validate(inp: Inputs) -> None:
     """Raise ValueError naming the argument, the value and what is supported."""
     q, k, v = inp.query, inp.key, inp.value
     for name, t in (("query", q), ("key", k), ("value", v)):
@@ -63,7 +62,7 @@ def validate(inp: "Inputs") -> None:
         inp.attn_bias.validate(q, k)
 
 
-def _validate_dtypes(inp: "Inputs") -> None:
+def _validate_dtypes(inp: Inputs) -> None:
     q, k, v = inp.query.dtype, inp.key.dtype, inp.value.dtype
     combo = f"query/key/value dtypes {dtype_name(q)}/{dtype_name(k)}/{dtype_name(v)}"
     supported = ("supported: all float16, all bfloat16, all float32; all fp8 e4m3 (with descales); "
@@ -97,7 +96,7 @@ def _validate_dtypes(inp: "Inputs") -> None:
         raise ValueError(f"quantize_kv_to_fp8=True needs float16/bfloat16 query, key and value; got {combo}")
 
 
-def _validate_descales(inp: "Inputs") -> None:
+def _validate_descales(inp: Inputs) -> None:
     kinds = descale_kinds(inp)  # raises on bad shapes
     for role, d in zip(_DESCALE_ROLES, (inp.q_descale, inp.k_descale, inp.v_descale)):
         if d is None:
@@ -113,7 +112,7 @@ def _validate_descales(inp: "Inputs") -> None:
         raise ValueError("per-token k/v descales are only for a float16/bfloat16 query with an fp8 KV cache")
 
 
-def check_values(inp: "Inputs") -> None:
+def check_values(inp: Inputs) -> None:
     """Per-call checks of values the signature does not hold: descales must be finite, and masks check their
     index tables. Host-resident tensors always; device-resident ones only in check mode
     (``fmha_ops.checks``: one host sync), never during a CUDA graph capture or a torch.compile trace."""
@@ -130,7 +129,7 @@ def check_values(inp: "Inputs") -> None:
         inp.attn_bias.check_values(inp.key)
 
 
-def descale_kinds(inp: "Inputs") -> tuple[str, str, str]:
+def descale_kinds(inp: Inputs) -> tuple[str, str, str]:
     """The (q, k, v) descale kinds (see ``fmha_ops.inputs``); raises ValueError on a shape that is none of them."""
     q, k, v = inp.query, inp.key, inp.value
     b, mq, hq, _ = q.shape

@@ -399,7 +399,7 @@ def test_merge_errors():
 # ---- autograd --------------------------------------------------------------------------------------------------
 
 class NoAutogradFw(ReferenceFwOp):
-    """An unregistered forward without autograd: exercises the (fw, bw) pairing in api._Attention."""
+    """An unregistered forward without autograd: exercises the (fw, bw) pairing in call._Attention."""
 
     NAME = "test_no_autogradF"
     AUTOGRAD = False

@@ -83,7 +83,7 @@ def launch_rows(iters: int) -> list[dict]:
 def layer_rows(iters: int) -> list[dict]:
     """Host time of each layer of the fp8 training path at a tiny size, outermost last."""
     from fmha_ops import attn_bias
-    from fmha_ops.api import run_forward
+    from fmha_ops.call import run_forward
     from fmha_ops.inputs import make_inputs
     from fmha_ops.kernels.triton import attention_bwd as ab, quantize as qz
 

@@ -11,7 +11,8 @@ from typing import Any, Sequence
 
 import torch
 
-from ..api import make_problem, memory_efficient_attention_partial, merge_attentions
+from ..api import memory_efficient_attention_partial, merge_attentions
+from ..call import make_problem
 from ..dispatch import SELECTOR
 from ..inputs import make_inputs
 from .schedule import Block, ShardGeometry
