@@ -178,3 +178,31 @@ def test_cudnn_fp8_lse_graph_cache_and_selection():
     head = dict(kw, q_descale=kw["q_descale"].expand(2, 4).contiguous())
     reasons = fmha_ops.explain(q8, k8, v8, op="cudnn_fp8F", **head).verdicts[0].reasons
     assert any("q_descale kind 'head'" in r for r in reasons), reasons
+
+
+# ---- cuDNN head dims above 128 ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("d", [160, 192, 256])
+@pytest.mark.parametrize("mq,mk,hkv,bias", [
+    (1000, 1000, 8, None), (333, 333, 2, ab.LowerTriangularMask()), (17, 700, 4, None)])
+def test_sdpa_cudnn_large_head_dims_forward_and_backward_match_reference(d, mq, mk, hkv, bias):
+    q, k, v = (t.requires_grad_() for t in qkv(2, mq, mk, 8, hkv, d, seed=d + mq))
+    report = fmha_ops.explain(q, k, v, bias, op="sdpa_cudnnF")
+    if report.selected is None:
+        pytest.skip(f"sdpa_cudnnF declines: {report.verdicts[0].why_not()}")
+    out = fmha_ops.memory_efficient_attention(q, k, v, bias, op="sdpa_cudnnF")
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    r = fmha_ops.memory_efficient_attention(qf, kf, vf, bias, op="torch_referenceF")
+    rep = error_report(out, r)
+    assert rep["cos"] > 0.9999 and rep["rel"] < 1e-2, rep
+    g = torch.randn_like(out)
+    assert_grads_close(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(r, (qf, kf, vf), g.float()))
+
+
+@needs(CudnnFp8FwOp)
+@pytest.mark.parametrize("d", [160, 192])
+def test_cudnn_fp8_large_head_dims_match_reference(d):
+    (q8, k8, v8), kw = per_tensor(*qkv(2, 1000, 1000, 16, 4, d, seed=d))
+    out = fmha_ops.memory_efficient_attention(q8, k8, v8, ab.LowerTriangularMask(), op="cudnn_fp8F", **kw)
+    rep = error_report(out, ref(q8, k8, v8, ab.LowerTriangularMask(), **kw))
+    assert rep["cos"] > 0.997 and rep["rel"] < 8e-2, rep

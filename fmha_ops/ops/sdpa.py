@@ -27,14 +27,19 @@ from .cost import attention_time
 
 #: cuDNN SDPA's largest batch / head count (torch's check_cudnn_tensor_shapes)
 _CUDNN_MAX_DIM = 65535
-#: cuDNN versions (torch.backends.cudnn.version()) from which torch lets cuDNN SDPA take head dim 256 on
-#: sm90/sm100 (above 9.22), and head dims 192 (q/k) with 128 (v) (9.11 and later)
+#: cuDNN versions (torch.backends.cudnn.version()) from which torch's own SDPA dispatch lets cuDNN take head dim 256
+#: on sm90/sm100 (above 9.22), and head dims 192 (q/k) with 128 (v) (9.11 and later)
 _CUDNN_D256_AFTER, _CUDNN_D192_FROM = 92200, 91100
+#: cuDNN from which its fused attention takes head dims up to 256 forward and backward on Hopper (its support
+#: matrix; the Hopper backward bug with large head dims of 9.11 / 9.12 is fixed in 9.13). The aten functions these
+#: ops call run such shapes; only torch's dispatch heuristic (``can_use_cudnn_attention``) waits for 9.22.
+_CUDNN_HOPPER_D256_FROM = 91300
+_HOPPER = 9
 
 
-def _cudnn_head_dim_limit(k: int, kv: int) -> int:
+def _cudnn_head_dim_limit(k: int, kv: int, capability: tuple[int, int]) -> int:
     version = torch.backends.cudnn.version() or 0
-    if version > _CUDNN_D256_AFTER:
+    if version > _CUDNN_D256_AFTER or (capability[0] == _HOPPER and version >= _CUDNN_HOPPER_D256_FROM):
         return 256
     if version >= _CUDNN_D192_FROM and (k, kv) == (192, 128):
         return 192
@@ -151,7 +156,7 @@ class SdpaCudnnFwOp(_SdpaOp):
                      f"Mk={p.seqlen_k})")
         if max(p.batch, p.heads_q) > _CUDNN_MAX_DIM:
             r.append(f"cuDNN SDPA takes batch and heads <= {_CUDNN_MAX_DIM} (got B={p.batch}, Hq={p.heads_q})")
-        limit = _cudnn_head_dim_limit(p.head_dim, p.head_dim_v)
+        limit = _cudnn_head_dim_limit(p.head_dim, p.head_dim_v, p.arch.capability)
         if max(p.head_dim, p.head_dim_v) > limit:
             r.append(f"cuDNN SDPA with this cuDNN ({torch.backends.cudnn.version()}) takes head dims <= {limit}")
         return r
