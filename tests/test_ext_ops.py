@@ -188,3 +188,32 @@ def test_fa4_declares_softcap_except_the_sm100_backward_at_head_dim_256():
     blackwell = dataclasses.replace(p, arch=B200)
     assert "softcap with head dim 256" in reasons(FA4BwOp, blackwell)
     assert "softcap" in reasons(CudnnFp8FwOp, dataclasses.replace(problem(H200, dtype=F8), softcap=True))
+
+
+@pytest.mark.parametrize("version,arch,d,expect", [
+    (91900, H200, 256, ""), (91900, H200, 192, ""), (91200, H200, 256, "takes head dims <= 128"),
+    (91900, B200, 256, "takes head dims <= 128"), (92300, B200, 256, ""), (91900, H200, 264, "head dim K=264")])
+def test_sdpa_cudnn_head_dims_above_128_follow_the_cudnn_version_and_arch(monkeypatch, version, arch, d, expect):
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: version)
+    got = reasons(fmha_ops.get_op("sdpa_cudnnF"), problem(arch, d=d))
+    assert (expect in got) if expect else got == "", got
+
+
+def test_extras_install_what_the_ops_check_for():
+    tomllib = pytest.importorskip("tomllib")
+    import os
+    import re
+
+    from fmha_ops.ops.cudnn_fp8 import MIN_FRONTEND
+    from fmha_ops.ops.fa4 import FA4_VERSION
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml"), "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    for name in ("fa4", "fa4-cu12"):
+        (req,) = [r for r in extras[name] if r.startswith("flash-attn-4")]
+        assert req.endswith(f"=={FA4_VERSION}"), req
+    assert extras["fa4"][0].startswith("flash-attn-4[cu13]")  # the CuTe DSL runtime of CUDA 13 torch builds
+    (req,) = [r for r in extras["cudnn"] if r.startswith("nvidia-cudnn-frontend")]
+    assert tuple(int(x) for x in re.search(r">=(\d+)\.(\d+)", req).groups()) == MIN_FRONTEND
+    assert fa4_package_reason() is None or "fmha-ops[fa4]" in fa4_package_reason()
+    assert cudnn_package_reason() is None or "fmha-ops[cudnn]" in cudnn_package_reason()
