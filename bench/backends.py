@@ -1,27 +1,33 @@
 """The public API against the strongest installed kernels, same process: bf16 forward and backward through
 ``memory_efficient_attention`` next to SDPA cuDNN and FlashAttention-4, and fp8 with per-tensor descales next
-to our Triton fp8 op and cuDNN's fp8 forward.
+to our fp8 kernels and cuDNN's fp8 forward.
 
-    python bench/backends.py [--quick] [--out DIR]
+    python bench/backends.py [--quick] [--out DIR] [--budget SECONDS] [--no-record]
 
 TFLOP/s = 4*B*H*N^2*D / t, halved when causal; backward 2.5x that count. Every column is timed through
-``memory_efficient_attention`` (``op=`` for the single-backend columns, the selector for ``api``), CUDA
-events (do_bench median). Ratios: ``api/best`` = api / max(cuDNN, FA4) (bf16) and api / max(ours, cuDNN fp8)
-(fp8). Columns of a backend that is not installed are empty. ``forward_columns`` / ``backward_columns`` /
-``fp8_columns`` are what the forward and backward benchmarks add to their rows.
+``memory_efficient_attention`` (``op=`` for the single-backend columns, the selector for ``api``) with CUDA
+events (``do_bench`` median of a few calls, after one untimed call that JIT-compiles the configuration).
+Ratios: ``api/best`` = api / max(cuDNN, FA4) (bf16) and api / max(ours, cuDNN fp8) (fp8), where ours is the
+fastest of our fp8 ops that take the call. Columns of a backend that is not installed are empty; shapes left
+when ``--budget`` runs out are listed as not measured. Writes backends.json into --out and, on CUDA (not with
+--quick or --no-record), the record bench/results/backends.md.
 """
 from __future__ import annotations
 
 import os
 import sys
+import time
+from typing import Callable
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import (  # noqa: E402
+    Record,
     attention_tflops,
     base_parser,
+    environment,
     environment_line,
     or_none,
     out_dir,
@@ -31,105 +37,175 @@ from bench.common import (  # noqa: E402
 )
 import fmha_ops  # noqa: E402
 from fmha_ops import attn_bias as ab  # noqa: E402
-from fmha_ops.quant import quantize_fp8_tensor  # noqa: E402
 from fmha_ops.testing import normal_qkv  # noqa: E402
 
-SHAPES = [  # B, Hq, Hkv, N, D, causal: the shapes of the backends' comparison in BENCHMARKS.md
+SHAPES = [  # B, Hq, Hkv, N, D, causal
     (4, 32, 32, 4096, 128, False),
     (4, 32, 32, 4096, 128, True),
     (2, 16, 16, 16384, 128, False),
     (4, 16, 16, 4096, 64, False),
     (4, 16, 16, 4096, 256, False),
     (8, 16, 16, 1000, 128, False),
-    (4, 32, 8, 4096, 128, False),
 ]
 BACKWARD_FLOPS = 2.5  # backward FLOPs per forward FLOP
+TARGET = 0.97  # api / best
+#: do_bench windows (ms): short, since every configuration is compiled by one untimed call first
+WARMUP_MS, REP_MS = 3, 15
+OUR_FP8_OPS = ("triton_fp8F", "gluon_fp8F")
+RATIOS = ("api/best", "api_bw/best", "api_fp8/best")
+
+RECORD = Record(
+    "backends", "Public API against cuDNN, FlashAttention-4 and cuDNN fp8 (TFLOP/s)",
+    "PYTHONPATH=$PWD python bench/backends.py",
+    {"shape": "B x Hq/Hkv x N x D", "api_op": "api op", "api": "api fwd", "cudnn": "cuDNN fwd", "fa4": "FA4 fwd",
+     "api/best": "fwd api/best", "api_bw": "api bwd", "cudnn_bw": "cuDNN bwd", "fa4_bw": "FA4 bwd",
+     "api_bw/best": "bwd api/best", "api_fp8_op": "fp8 api op", "api_fp8": "api fp8", "ours_fp8": "ours fp8",
+     "cudnn_fp8": "cuDNN fp8", "api_fp8/best": "fp8 api/best"})
+COLUMNS = list(RECORD.columns)
 
 
-def _available(name: str) -> bool:
+def available(name: str) -> bool:
+    """Whether the op ``name`` can run in this process (installed, importable, this arch)."""
     return fmha_ops.get_op(name).available() is None
+
+
+def ratio(num: float | None, *dens: float | None) -> float | None:
+    """``num / max(dens)`` over the measured denominators; None when ``num`` or every denominator is missing.
+
+    >>> ratio(90.0, 100.0, None, 80.0)
+    0.9
+    """
+    dens = [d for d in dens if d]
+    return num / max(dens) if num and dens else None
+
+
+def shape_label(b: int, hq: int, hkv: int, n: int, d: int, causal: bool) -> str:
+    """``4x32/32x4096x128 causal``: the row label of one shape."""
+    return f"{b}x{hq}/{hkv}x{n}x{d}{' causal' if causal else ''}"
 
 
 def _mask(causal: bool):
     return ab.LowerTriangularFromBottomRightMask() if causal else None
 
 
-def _ratio(num, *dens):
-    dens = [d for d in dens if d]
-    return num / max(dens) if num and dens else None
+def _timed(fn: Callable[[], object]) -> float | None:
+    return or_none(lambda: time_ms(fn, warmup=WARMUP_MS, rep=REP_MS))
 
 
 def forward_columns(q, k, v, causal: bool) -> dict:
     """bf16 forward TFLOP/s: ``api`` (the selector's op, named in ``api_op``), ``cudnn``, ``fa4``, ``api/best``."""
     b, n, hq, d = q.shape
     bias = _mask(causal)
-    tf = lambda ms: attention_tflops(b, hq, n, d, causal, ms)  # noqa: E731
-    run = lambda op: tf(or_none(lambda: time_ms(  # noqa: E731
-        lambda: fmha_ops.memory_efficient_attention(q, k, v, bias, op=op))))
+
+    def run(op):
+        return attention_tflops(b, hq, n, d, causal,
+                                _timed(lambda: fmha_ops.memory_efficient_attention(q, k, v, bias, op=op)))
+
     row = {"api_op": fmha_ops.explain(q, k, v, bias).selected.NAME, "api": run(None), "cudnn": run("sdpa_cudnnF"),
-           "fa4": run("fa4F") if _available("fa4F") else None}
-    row["api/best"] = _ratio(row["api"], row["cudnn"], row["fa4"])
+           "fa4": run("fa4F") if available("fa4F") else None}
+    row["api/best"] = ratio(row["api"], row["cudnn"], row["fa4"])
     return row
 
 
 def backward_columns(q, k, v, causal: bool) -> dict:
-    """bf16 backward TFLOP/s (2.5x the forward count): ``api_bw`` (selected pair), ``cudnn_bw``, ``fa4_bw``."""
+    """bf16 backward TFLOP/s (2.5x the forward count): ``api_bw`` (the pair the selector picks for a call that
+    needs gradients), ``cudnn_bw``, ``fa4_bw``, ``api_bw/best``."""
     b, n, hq, d = q.shape
     bias = _mask(causal)
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    grad = torch.randn_like(q)
 
     def run(op):
         out = fmha_ops.memory_efficient_attention(qg, kg, vg, bias, op=op)
-        grad = torch.randn_like(out)
-        ms = or_none(lambda: time_ms(lambda: torch.autograd.grad(out, (qg, kg, vg), grad, retain_graph=True)))
+        ms = _timed(lambda: torch.autograd.grad(out, (qg, kg, vg), grad, retain_graph=True))
         flops = attention_tflops(b, hq, n, d, causal, ms)
         return flops * BACKWARD_FLOPS if flops else None
 
     row = {"api_bw": or_none(lambda: run(None)), "cudnn_bw": or_none(lambda: run("sdpa_cudnnF")),
-           "fa4_bw": or_none(lambda: run(("fa4F", "fa4B"))) if _available("fa4F") else None}
-    row["api_bw/best"] = _ratio(row["api_bw"], row["cudnn_bw"], row["fa4_bw"])
+           "fa4_bw": or_none(lambda: run(("fa4F", "fa4B"))) if available("fa4F") else None}
+    row["api_bw/best"] = ratio(row["api_bw"], row["cudnn_bw"], row["fa4_bw"])
     return row
 
 
 def fp8_columns(q, k, v, causal: bool) -> dict:
-    """fp8 (per-tensor descales, bf16 out) TFLOP/s: ``api_fp8``, ``ours_fp8`` (triton_fp8F), ``cudnn_fp8``."""
+    """fp8 (per-tensor descales, bf16 out) TFLOP/s: ``api_fp8``, ``ours_fp8`` (the fastest of OUR_FP8_OPS),
+    ``cudnn_fp8``, ``api_fp8/best``."""
+    from fmha_ops.quant import quantize_fp8_tensor
+
     b, n, hq, d = q.shape
     bias = _mask(causal)
     (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8_tensor(t) for t in (q, k, v))
     kw = dict(q_descale=qd, k_descale=kd, v_descale=vd)
-    tf = lambda ms: attention_tflops(b, hq, n, d, causal, ms)  # noqa: E731
-    run = lambda op: tf(or_none(lambda: time_ms(  # noqa: E731
-        lambda: fmha_ops.memory_efficient_attention(q8, k8, v8, bias, op=op, **kw))))
+
+    def run(op):
+        return attention_tflops(b, hq, n, d, causal,
+                                _timed(lambda: fmha_ops.memory_efficient_attention(q8, k8, v8, bias, op=op, **kw)))
+
+    ours = [run(name) for name in OUR_FP8_OPS if available(name)]
     row = {"api_fp8_op": or_none(lambda: fmha_ops.explain(q8, k8, v8, bias, **kw).selected.NAME),
-           "api_fp8": run(None), "ours_fp8": run("triton_fp8F"),
-           "cudnn_fp8": run("cudnn_fp8F") if _available("cudnn_fp8F") else None}
-    row["api_fp8/best"] = _ratio(row["api_fp8"], row["ours_fp8"], row["cudnn_fp8"])
+           "api_fp8": run(None), "ours_fp8": max((t for t in ours if t), default=None),
+           "cudnn_fp8": run("cudnn_fp8F") if available("cudnn_fp8F") else None}
+    row["api_fp8/best"] = ratio(row["api_fp8"], row["ours_fp8"], row["cudnn_fp8"])
     return row
 
 
-COLUMNS = ["shape", "api_op", "api", "cudnn", "fa4", "api/best", "api_bw", "cudnn_bw", "fa4_bw", "api_bw/best",
-           "api_fp8_op", "api_fp8", "ours_fp8", "cudnn_fp8", "api_fp8/best"]
+def summary_lines(rows: list[dict]) -> list[str]:
+    """One line per ratio column: its minimum over the measured shapes and the shape where it is reached."""
+    lines = []
+    for key in RATIOS:
+        got = [(r[key], r["shape"]) for r in rows if r.get(key)]
+        if got:
+            low, where = min(got)
+            lines.append(f"{key}: min {low:.3f} at {where} over {len(got)} shapes (target >= {TARGET})")
+        else:
+            lines.append(f"{key}: not measured")
+    return lines
 
 
-def main() -> None:
-    args = base_parser(__doc__.splitlines()[0]).parse_args()
-    rows = []
+def notes(rows: list[dict], skipped: list[str]) -> str:
+    """The record's notes: what the columns are, the minimum ratios, and the shapes the budget left out."""
+    text = ("TFLOP/s = 4*B*H*N^2*D / t (halved when causal; backward 2.5x), CUDA events, every column through "
+            "`memory_efficient_attention` (`op=` for the single-backend columns). bwd: autograd through the pair "
+            "the selector (api), SDPA cuDNN or (fa4F, fa4B) gives; fp8: per-tensor descales, bf16 out, ours = the "
+            f"fastest of {', '.join(OUR_FP8_OPS)}. " + "; ".join(summary_lines(rows)) + ".")
+    if skipped:
+        text += f" Not measured (time budget): {', '.join(skipped)}."
+    return text
+
+
+def main(argv=None) -> dict:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--budget", type=float, default=0.0, help="seconds; shapes left after it are not measured")
+    args = parser.parse_args(argv)
+    t_end = time.perf_counter() + args.budget if args.budget else float("inf")
+    rows, skipped = [], []
     for B, Hq, Hkv, N, D, causal in SHAPES[:2] if args.quick else SHAPES:
+        label = shape_label(B, Hq, Hkv, N, D, causal)
+        if time.perf_counter() > t_end:
+            skipped.append(label)
+            continue
         q, k, v = normal_qkv((B, N, Hq, D), (B, N, Hkv, D), dtype=torch.bfloat16, device="cuda")
-        row = {"shape": f"{B}x{Hq}/{Hkv}x{N}x{D}{' causal' if causal else ''}"}
+        row = {"shape": label}
         for columns in (forward_columns, backward_columns, fp8_columns):
             row.update(columns(q, k, v, causal))
-        print(row, flush=True)
+        print("ROW " + "  ".join(f"{c}={row.get(c) if not isinstance(row.get(c), float) else round(row[c], 3)}"
+                                 for c in COLUMNS), flush=True)
         rows.append(row)
         del q, k, v
         torch.cuda.empty_cache()
-    print_table(rows, COLUMNS)
-    for key in ("api/best", "api_bw/best", "api_fp8/best"):
-        got = [r[key] for r in rows if r.get(key)]
-        if got:
-            print(f"{key}: min {min(got):.3f} over {len(got)} shapes (target >= 0.97)")
+    if rows:
+        print_table(rows, COLUMNS)
+    for line in summary_lines(rows):
+        print(line)
+    if skipped:
+        print(f"not measured (budget {args.budget:.0f} s): {', '.join(skipped)}")
     print(environment_line())
-    write_json(out_dir(args.out), "backends", rows)
+    write_json(out_dir(args.out), "backends", rows, {"not_measured": skipped})
+    result = {"rows": rows, "not_measured": skipped}
+    if rows and not (args.quick or args.no_record):
+        result["record"] = RECORD.write(rows, environment(), notes=notes(rows, skipped))
+        print("record:", result["record"])
+    return result
 
 
 if __name__ == "__main__":

@@ -1,17 +1,24 @@
 """Selector regret: over calls between and outside the tuned buckets, how much slower is the op the
 selector picks than the fastest op for that call? regret = t(selected) / t(best) - 1.
 
-    python bench/selector.py [--out DIR] [--quick] [--dtypes bfloat16,fp8_tensor]
+    python bench/selector.py [--out DIR] [--quick] [--dtypes bfloat16,fp8_tensor] [--budget SECONDS]
 
-Prints a table, writes selector.json and selector.png (regret per call) into --out and the record
-bench/results/selector.md (regret per kind of call; not with --quick, --dtypes or --no-record).
-``--dtypes``: only the prefill calls of these dtypes (no decode calls), for a shorter run.
+Forward calls (prefill of every dtype, decode) and, for the bf16 prefill calls, the backward op that a call
+needing gradients gets (every backward op timed on the same forward output and LSE). Each supporting op is
+timed through ``memory_efficient_attention(op=...)`` (backward: its ``apply_bw``) with CUDA events: one untimed
+call first (it JIT-compiles the configuration), then ``do_bench`` over a short window; ops whose own estimate
+is over ``SKIP_FACTOR`` times the best estimate are not timed. ``--budget``: calls left when it runs out are
+not measured (listed). Prints a table, writes selector.json and selector.png (regret per call) into --out
+and the record bench/results/selector.md (regret per kind of call; not with --quick, --dtypes or
+--no-record). ``--dtypes``: only the prefill calls of these dtypes (no decode calls), for a shorter run.
 """
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -26,32 +33,130 @@ from bench.common import (  # noqa: E402
     write_json,
 )
 
-import fmha_ops  # noqa: E402
-from fmha_ops.tune import decode_call, measure, prefill_call  # noqa: E402
+from fmha_ops.dispatch import SELECTOR  # noqa: E402
+from fmha_ops.inputs import make_inputs  # noqa: E402
+from fmha_ops.tune import Call, decode_call, prefill_call  # noqa: E402
 
-
+#: ops estimated slower than this many times the best estimate are not timed (math / reference paths)
+SKIP_FACTOR = 4.0
+#: do_bench windows (ms) after the untimed compiling call
+WARMUP_MS, REP_MS = 2, 10
 PREFILL_DTYPES = ("bfloat16", "fp8", "fp8_tensor", "i8fp8")
 
 
-def calls(device: str, quick: bool, dtypes: tuple[str, ...] | None = None):
+PREFILL_SHAPES = ((8, 768, 16, 16, 128, False), (3, 3000, 32, 8, 128, True), (1, 6000, 32, 4, 64, False),
+                  (2, 12000, 16, 16, 128, True), (1, 20000, 8, 8, 256, False), (32, 256, 16, 16, 64, True),
+                  (6, 1500, 24, 8, 128, False))
+DECODE_CALLS = ((2, 100000, 64, 8, 64, "bf16"), (12, 20000, 32, 8, 16, "bf16"), (48, 6000, 32, 8, 0, "bf16"),
+                (96, 1500, 32, 4, 256, "bf16"), (200, 700, 32, 8, 64, "fp8"), (4, 50000, 32, 8, 64, "fp8"),
+                (32, 3000, 32, 8, 0, "quantize"), (1, 250000, 64, 8, 256, "bf16"))
+#: the dtype whose prefill calls also measure the backward selection
+BACKWARD_DTYPE = "bfloat16"
+
+
+def calls(device: str, quick: bool, dtypes: tuple[str, ...] | None = None) -> list[tuple[str, object]]:
+    """``(kind, make)`` pairs, kind "fw" or "bw", ``make()`` building the ``Call``: the prefill shapes of every
+    dtype shape by shape (bf16 ones also as "bw"), then (unless ``dtypes`` is given) the decode calls."""
     if quick:
-        return [lambda: prefill_call(1, 100, 4, 2, 32, True, "float32", device),
-                lambda: decode_call(3, 200, 4, 1, 32, 0, "bf16", device)]
+        small = (lambda: prefill_call(1, 100, 4, 2, 32, True, "float32", device))
+        return [("fw", small), ("bw", small), ("fw", lambda: decode_call(3, 200, 4, 1, 32, 0, "bf16", device))]
     out = []
-    for dtype in dtypes or PREFILL_DTYPES:
-        for b, n, h, hkv, d, causal in ((8, 768, 16, 16, 128, False), (3, 3000, 32, 8, 128, True),
-                                        (1, 6000, 32, 4, 64, False), (2, 12000, 16, 16, 128, True),
-                                        (1, 20000, 8, 8, 256, False), (32, 256, 16, 16, 64, True),
-                                        (6, 1500, 24, 8, 128, False)):
-            out.append(lambda a=(b, n, h, hkv, d, causal, dtype): prefill_call(*a, device))
-    if dtypes:
-        return out
-    for b, length, hq, hkv, page, kv in ((2, 100000, 64, 8, 64, "bf16"), (12, 20000, 32, 8, 16, "bf16"),
-                                        (48, 6000, 32, 8, 0, "bf16"), (96, 1500, 32, 4, 256, "bf16"),
-                                        (200, 700, 32, 8, 64, "fp8"), (4, 50000, 32, 8, 64, "fp8"),
-                                        (32, 3000, 32, 8, 0, "quantize"), (1, 250000, 64, 8, 256, "bf16")):
-        out.append(lambda a=(b, length, hq, hkv, 128, page, kv): decode_call(*a, device))
+    for shape in PREFILL_SHAPES:
+        for dtype in dtypes or PREFILL_DTYPES:
+            make = (lambda a=(*shape, dtype): prefill_call(*a, device))
+            out.append(("fw", make))
+            if dtype == BACKWARD_DTYPE:
+                out.append(("bw", make))
+    if not dtypes:
+        out += [("fw", lambda a=(b, length, hq, hkv, 128, page, kv): decode_call(*a, device))
+                for b, length, hq, hkv, page, kv in DECODE_CALLS]
     return out
+
+
+def time_op(fn, device: str) -> float:
+    """Seconds per ``fn()``: one untimed call (JIT compilation, graph building), then the median of a short
+    CUDA-event window (``do_bench``); on a CPU the median of 3 timed calls."""
+    fn()
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")) * 1e-3
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def contenders(problem, kind: str) -> tuple[type | None, list]:
+    """The op the selector picks for ``problem`` and the supporting ops worth timing (estimate within
+    SKIP_FACTOR of the best estimate; the selected op always)."""
+    report = SELECTOR.explain(problem, kind)
+    ok = [v for v in report.verdicts if v.ok]
+    best = min((v.estimate for v in ok if v.estimate is not None), default=math.inf)
+    keep = [v.op for v in ok if v.op is report.selected or v.estimate is None or v.estimate <= SKIP_FACTOR * best]
+    return report.selected, keep
+
+
+def measure_forward(call: Call, device: str) -> tuple[str, dict[str, float]]:
+    """(selected op name, seconds per timed op) for one forward call."""
+    from fmha_ops.api import memory_efficient_attention
+
+    selected, ops = contenders(call.problem(), "fw")
+    times = {}
+    for op in ops:
+        try:
+            times[op.NAME] = time_op(lambda: memory_efficient_attention(*call.args, op=op, **call.kwargs), device)
+        except (torch.OutOfMemoryError, NotImplementedError, RuntimeError) as e:
+            print(f"  [skip] {op.NAME}: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+            torch.cuda.empty_cache() if device == "cuda" else None
+    return selected.NAME, times
+
+
+def measure_backward(call: Call, device: str) -> tuple[str, dict[str, float]]:
+    """(selected backward op name, seconds per timed backward op) for the call with gradients: every backward op
+    gets the same output, LSE and output gradient (from the forward the selector picks for a partial call)."""
+    q, k, v, bias = call.args
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    inp = make_inputs(q, k, v, bias, is_partial=True, **call.kwargs)
+    inp.validate()
+    problem = inp.problem(needs_lse=True)
+    fw = SELECTOR.explain(problem, "fw").selected
+    with torch.no_grad():
+        out, lse = fw.apply(inp, True)
+    grad = torch.randn_like(out)
+    selected, ops = contenders(problem, "bw")
+    times = {}
+    for op in ops:
+        try:
+            times[op.NAME] = time_op(lambda: op.apply_bw(inp, out, lse, grad), device)
+        except (torch.OutOfMemoryError, NotImplementedError, RuntimeError) as e:
+            print(f"  [skip] {op.NAME}: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+            torch.cuda.empty_cache() if device == "cuda" else None
+    return selected.NAME, times
+
+
+def regret_row(label: str, selected: str, times: dict[str, float]) -> dict:
+    """One table row: the selected and the fastest op, their times (us) and the regret (None when the selected
+    op was not timed).
+
+    >>> regret_row("c", "a", {"a": 2e-6, "b": 1e-6})["regret"]
+    1.0
+    """
+    best = min(times, key=times.get)
+    t_sel = times.get(selected)
+    return {"call": label, "selected": selected, "best": best, "t_sel_us": t_sel and t_sel * 1e6,
+            "t_best_us": times[best] * 1e6, "regret": (t_sel / times[best] - 1) if t_sel else None,
+            "times_us": {k: v * 1e6 for k, v in times.items()}}
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Median and worst regret over the rows with a regret, and how many rows had none."""
+    regrets = [r["regret"] for r in rows if r["regret"] is not None]
+    return {"median_regret": statistics.median(regrets) if regrets else None,
+            "worst_regret": max(regrets) if regrets else None,
+            "calls": len(rows), "unmeasured_selected": sum(r["regret"] is None for r in rows)}
 
 
 RECORD = Record(
@@ -78,56 +183,70 @@ def record(rows: list[dict], env: dict, png: str | None = None) -> str:
                       "worst": _pct(worst["regret"]),
                       "worst_call": (f"{worst['call'].split(' ', 2)[-1]}: {worst['selected']} vs {worst['best']}"
                                      if worst["regret"] else "-")})
-    regrets = [r["regret"] for r in rows if r["regret"] is not None]
-    notes = (f"All {len(rows)} calls: median regret {_pct(statistics.median(regrets))}, worst "
-             f"{_pct(max(regrets))}; regret = t(selected) / t(fastest supporting op) - 1, calls between and outside "
-             "the tuned buckets (other lengths, batch sizes, GQA ratios, head dims).")
+    summary = summarize(rows)
+    notes = (f"All {len(rows)} calls: median regret {_pct(summary['median_regret'])}, worst "
+             f"{_pct(summary['worst_regret'])}; regret = t(selected) / t(fastest supporting op) - 1, calls between and outside "
+             "the tuned buckets (other lengths, batch sizes, GQA ratios, head dims); backward rows: the backward op a "
+             "bf16 call with gradients gets, against every backward op on the same output and LSE.")
     return RECORD.write(table, env, png, notes)
 
 
-def main() -> None:
-    parser = base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--dtypes", default=None, help=f"comma list of {', '.join(PREFILL_DTYPES)}: prefill only")
-    args = parser.parse_args()
-    dtypes = tuple(args.dtypes.split(",")) if args.dtypes else None
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    rows = []
-    for make in calls(device, args.quick, dtypes):
-        call = make()
-        times = measure(call, device)
-        selected = fmha_ops.explain(*call.args, **call.kwargs).selected.NAME
-        best = min(times, key=times.get)
-        t_sel = times.get(selected)
-        rows.append({"call": call.label, "selected": selected, "best": best, "t_sel_us": t_sel and t_sel * 1e6,
-                     "t_best_us": times[best] * 1e6, "regret": (t_sel / times[best] - 1) if t_sel else None,
-                     "times_us": {k: v * 1e6 for k, v in times.items()}})
-        del call
-    print_table(rows, ["call", "selected", "best", "t_sel_us", "t_best_us", "regret"])
-    regrets = [r["regret"] for r in rows if r["regret"] is not None]
-    summary = {"median_regret": statistics.median(regrets), "worst_regret": max(regrets),
-               "unmeasured_selected": sum(r["regret"] is None for r in rows)}
-    print(f"median regret {summary['median_regret']:.1%}, worst {summary['worst_regret']:.1%} "
-          f"({len(regrets)} calls); env {environment()}")
-    d = out_dir(args.out)
-    write_json(d, "selector", rows, {"summary": summary})
+def plot(d: str, rows: list[dict], summary: dict) -> str | None:
+    """selector.png: regret per call (bars), in ``d``; None without matplotlib."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(10, 4.5))
-        ax.bar(range(len(rows)), [100 * (r["regret"] or 0) for r in rows])
-        ax.set_xticks(range(len(rows)))
-        ax.set_xticklabels([r["call"] for r in rows], rotation=75, ha="right", fontsize=6)
-        ax.set_ylabel("regret (%)")
-        ax.set_title(f"selector regret: median {summary['median_regret']:.1%}, worst {summary['worst_regret']:.1%}")
-        fig.tight_layout()
-        fig.savefig(os.path.join(d, "selector.png"), dpi=120)
     except ImportError:
-        pass
-    if not (args.no_record or args.quick or dtypes):
-        print("record:", record(rows, environment(), os.path.join(d, "selector.png")))
+        return None
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    ax.bar(range(len(rows)), [100 * (r["regret"] or 0) for r in rows])
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([r["call"] for r in rows], rotation=75, ha="right", fontsize=6)
+    ax.set_ylabel("regret (%)")
+    ax.set_title(f"selector regret: median {_pct(summary['median_regret'])}, worst {_pct(summary['worst_regret'])}")
+    fig.tight_layout()
+    path = os.path.join(d, "selector.png")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> dict:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--dtypes", default=None, help=f"comma list of {', '.join(PREFILL_DTYPES)}: prefill only")
+    parser.add_argument("--budget", type=float, default=0.0, help="seconds; calls left after it are not measured")
+    args = parser.parse_args(argv)
+    dtypes = tuple(args.dtypes.split(",")) if args.dtypes else None
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    t_start = time.perf_counter()
+    rows, skipped = [], []
+    for kind, make in calls(device, args.quick, dtypes):
+        call = make()
+        label = call.label if kind == "fw" else "backward " + call.label.split(" ", 1)[1]
+        if args.budget and time.perf_counter() - t_start > args.budget:
+            skipped.append(label)
+            continue
+        selected, times = (measure_forward if kind == "fw" else measure_backward)(call, device)
+        if times:
+            rows.append(regret_row(label, selected, times))
+            r = rows[-1]
+            print(f"{label}: {selected} vs {r['best']} regret {_pct(r['regret'])} "
+                  f"[{time.perf_counter() - t_start:.0f} s]", flush=True)
+        del call
+    if rows:
+        print_table(rows, ["call", "selected", "best", "t_sel_us", "t_best_us", "regret"])
+    summary = summarize(rows) | {"not_measured": skipped, "seconds": time.perf_counter() - t_start}
+    print(f"median regret {_pct(summary['median_regret'])}, worst {_pct(summary['worst_regret'])} "
+          f"({summary['calls'] - summary['unmeasured_selected']} calls, {len(skipped)} not measured, "
+          f"{summary['seconds']:.0f} s); targets <= 3% / <= 10%")
+    d = out_dir(args.out)
+    write_json(d, "selector", rows, {"summary": summary})
+    png = plot(d, rows, summary) if rows else None
+    if rows and not (args.no_record or args.quick or dtypes):
+        print("record:", record(rows, environment(), png))
+    return {"rows": rows, "summary": summary}
 
 
 if __name__ == "__main__":

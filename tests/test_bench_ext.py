@@ -1,0 +1,76 @@
+"""CPU checks of the backend and selector benchmarks' own logic: ratios, regret rows and summaries, the call
+lists, the record each writes, and a quick selector run (forward and backward) on the CPU ops."""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import backends, selector  # noqa: E402
+
+
+def test_ratio_takes_the_best_measured_denominator():
+    assert backends.ratio(90.0, 100.0, None, 80.0) == pytest.approx(0.9)
+    assert backends.ratio(None, 100.0) is None and backends.ratio(90.0, None, None) is None
+
+
+def test_backends_summary_names_the_worst_shape_and_the_unmeasured_ratios():
+    rows = [{"shape": "a", "api/best": 0.99, "api_bw/best": None}, {"shape": "b", "api/best": 0.95}]
+    lines = backends.summary_lines(rows)
+    assert lines[0].startswith("api/best: min 0.950 at b over 2 shapes")
+    assert lines[1] == "api_bw/best: not measured"
+    text = backends.notes(rows, ["c"])
+    assert "min 0.950 at b" in text and "Not measured (time budget): c." in text
+
+
+def test_backends_record_has_every_column(tmp_path):
+    rows = [{"shape": backends.shape_label(4, 32, 8, 4096, 128, True), "api": 500.0, "cudnn": 510.0,
+             "api/best": 500 / 510}]
+    path = backends.RECORD.write(rows, {"torch": "t", "date": "d"}, notes=backends.notes(rows, []),
+                                 results_dir=str(tmp_path))
+    text = open(path).read()
+    assert "| 4x32/8x4096x128 causal |" in text and "fwd api/best" in text and "Reproduce: `PYTHONPATH" in text
+    assert text.count("\n|---") == 1 and text.count("|---") == len(backends.COLUMNS)
+
+
+def test_regret_row_and_summary():
+    row = selector.regret_row("c", "a", {"a": 3e-6, "b": 2e-6})
+    assert row["best"] == "b" and row["regret"] == pytest.approx(0.5) and row["t_sel_us"] == pytest.approx(3.0)
+    assert selector.regret_row("c", "z", {"a": 1e-6})["regret"] is None  # selected op not timed
+    s = selector.summarize([row, selector.regret_row("d", "a", {"a": 1e-6}), selector.regret_row("e", "z", {"a": 1})])
+    assert s["median_regret"] == pytest.approx(0.25) and s["worst_regret"] == pytest.approx(0.5)
+    assert s["calls"] == 3 and s["unmeasured_selected"] == 1
+    assert selector.summarize([])["median_regret"] is None
+
+
+def test_selector_calls_interleave_dtypes_and_add_backward_rows():
+    made = selector.calls("cpu", False)
+    kinds = [k for k, _ in made]
+    n_prefill = len(selector.PREFILL_SHAPES) * len(selector.PREFILL_DTYPES)
+    assert kinds.count("bw") == len(selector.PREFILL_SHAPES)
+    assert len(made) == n_prefill + len(selector.PREFILL_SHAPES) + len(selector.DECODE_CALLS)
+    assert kinds[:len(selector.PREFILL_DTYPES) + 1] == ["fw", "bw"] + ["fw"] * (len(selector.PREFILL_DTYPES) - 1)
+    assert all(k == "fw" for k, _ in selector.calls("cpu", False, ("fp8_tensor",)))
+
+
+def test_selector_quick_run_measures_forward_and_backward(tmp_path):
+    res = selector.main(["--quick", "--no-record", "--out", str(tmp_path)])
+    calls = [r["call"] for r in res["rows"]]
+    assert any(c.startswith("backward ") for c in calls) and any(c.startswith("prefill ") for c in calls)
+    for r in res["rows"]:
+        assert r["selected"] in r["times_us"] and r["regret"] is not None and r["regret"] >= 0
+    assert os.path.exists(tmp_path / "selector.json")
+
+
+def test_selector_budget_leaves_calls_unmeasured(tmp_path):
+    res = selector.main(["--quick", "--no-record", "--out", str(tmp_path), "--budget", "1e-9"])
+    assert res["rows"] == [] and len(res["summary"]["not_measured"]) == 3
+
+
+def test_measure_backward_times_every_supporting_backward_op():
+    call = selector.prefill_call(1, 64, 4, 2, 32, True, "float32", "cpu")
+    selected, times = selector.measure_backward(call, "cpu")
+    assert selected in times and all(t > 0 for t in times.values())
+    assert torch.is_tensor(call.args[0]) and not call.args[0].requires_grad  # the call's own tensors are untouched
