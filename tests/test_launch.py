@@ -11,7 +11,7 @@ from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fmha_ops.kernels.triton import launch as launch_mod
-from fmha_ops.kernels.triton.launch import CachedKernel, _spec, cdiv, next_pow2
+from fmha_ops.kernels.triton.launch import CachedKernel, HostDescriptor, _spec, cdiv, host_descriptor, next_pow2
 from tests.conftest import HAS_CUDA
 
 
@@ -19,31 +19,53 @@ def _kernel_py(X, Y, n, scale, BLOCK: tl.constexpr, FLAG: tl.constexpr = True):
     pass
 
 
+_SIGNATURE = {"X": "*fp32", "Y": "*fp32", "n": "i32", "scale": "fp32", "BLOCK": "constexpr", "FLAG": "constexpr"}
+
+
+class _Launcher:
+    """Stands in for Triton 3.6's CudaLauncher: ``launch`` wraps the C launcher in a closure, as its descriptor
+    handling does."""
+
+    launch_cooperative_grid, launch_pdl, num_ctas = False, False, 1
+    global_scratch_size = global_scratch_align = profile_scratch_size = profile_scratch_align = 0
+
+    def __init__(self, record):
+        def launcher(gx, gy, gz, stream, function, coop, pdl, scratch, profile, metadata, launch_metadata,
+                     enter_hook, exit_hook, *args):
+            assert (stream, function, metadata) == ("stream", "function", "metadata")
+            assert launch_metadata is enter_hook is exit_hook is scratch is profile is None
+            record(((gx, gy, gz), args))
+
+        def inner(*args):
+            return launcher(*args)
+
+        self.launch = inner
+
+
 class _Compiled:
     """Stands in for triton's CompiledKernel: records what a cached launch passes, by which path."""
 
     function, packed_metadata = "function", "metadata"
 
-    def __init__(self):
+    def __init__(self, signature, tensordesc_meta=None):
         self.launches = []
-
-    def run(self, g0, g1, g2, stream, function, metadata, launch_metadata, enter_hook, exit_hook, *args):
-        assert (stream, function, metadata) == ("stream", "function", "metadata")
-        assert launch_metadata is enter_hook is exit_hook is None
-        self.launches.append(((g0, g1, g2), args))
+        self.run = _Launcher(self.launches.append)
+        self.src = SimpleNamespace(signature=signature)
+        self.metadata = SimpleNamespace(tensordesc_meta=tensordesc_meta)
 
     def __getitem__(self, grid):
         return lambda *args: self.launches.append(("hooked", grid, args))
 
 
 class _Recorder:
-    def __init__(self):
+    def __init__(self, signature=_SIGNATURE, tensordesc_meta=None):
         self.calls = 0
         self.kernels = []
+        self.signature, self.tensordesc_meta = signature, tensordesc_meta
 
     def __call__(self, *args, grid, warmup, **kwargs):
         self.calls += 1
-        self.kernels.append(_Compiled())
+        self.kernels.append(_Compiled(self.signature, self.tensordesc_meta))
         return self.kernels[-1]
 
 
@@ -61,11 +83,14 @@ def test_spec_separates_what_triton_specializes():
     x = torch.zeros(64, dtype=torch.float32)
     assert _spec(16) != _spec(17) and _spec(1) != _spec(2)
     assert _spec(True) != _spec(1) and _spec(1.0) != _spec(1)
-    assert _spec(x) == (torch.float32, True)
-    assert _spec(x[1:]) == (torch.float32, False)  # 4-byte offset: not 16-byte aligned
+    assert _spec(x) == (torch.float32, False, True)
+    assert _spec(x[1:]) == (torch.float32, False, False)  # 4-byte offset: not 16-byte aligned
     assert _spec(x.to(torch.float16)) != _spec(x)
     d = TensorDescriptor(x.view(8, 8), [8, 8], [8, 1], [4, 8])
-    assert _spec(d) == (TensorDescriptor, torch.float32, (4, 8))
+    assert _spec(d) == (TensorDescriptor, torch.float32, False, (4, 8), "zero")
+    h = host_descriptor(x.view(8, 8), (8, 8), (8, 1), (4, 8))
+    assert _spec(h) == (HostDescriptor, torch.float32, False, (4, 8))
+    assert _spec(host_descriptor(x.view(8, 8), (8, 8), (8, 1), (8, 8))) != _spec(h)
 
 
 def test_repeat_launch_reuses_the_compiled_kernel_with_constexprs_appended(fake):
@@ -182,3 +207,112 @@ def test_gpu_cached_launch_captures_in_a_graph():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, 2.0 * x + y, rtol=1e-6, atol=1e-6)
+
+
+def _desc_kernel_py(D, n, BLOCK: tl.constexpr):
+    pass
+
+
+@pytest.fixture
+def fake_desc(monkeypatch):
+    """A fake kernel taking one tensor descriptor, with descriptor metadata (the encoded CUtensorMap path);
+    ``encoded`` lists every descriptor the launches encode."""
+    fn = JITFunction(_desc_kernel_py)
+    rec = _Recorder({"D": "tensordesc<fp32[4, 8]>", "n": "i32", "BLOCK": "constexpr"}, [{"swizzle": 0}])
+    monkeypatch.setattr(fn, "run", rec)
+    active = SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda device: "stream")
+    monkeypatch.setattr(launch_mod, "driver", SimpleNamespace(active=active))
+    encoded = []
+
+    def encode(d, meta):
+        assert isinstance(d, TensorDescriptor) and meta == {"swizzle": 0}
+        encoded.append((d.base.data_ptr(), tuple(d.shape), tuple(d.strides)))
+        return [("tensormap", *encoded[-1]), *d.shape, *d.strides]
+
+    monkeypatch.setattr(launch_mod, "_encode_descriptor", encode)
+    return CachedKernel(fn), rec, encoded
+
+
+def test_descriptors_are_encoded_once_per_address_shape_and_strides(fake_desc):
+    """A cached descriptor is reused only for the same address, shape and strides: any change re-encodes, and
+    each launch passes the encoding of its own tensor (never a stale one)."""
+    ck, rec, encoded = fake_desc
+    x, y = torch.zeros(64, 32), torch.zeros(64, 32)
+
+    def run(t, shape, strides):
+        ck[(1,)](host_descriptor(t, shape, strides, (4, 8)), 7, BLOCK=4)
+        return rec.kernels[0].launches[-1][1]
+
+    ck[(1,)](host_descriptor(x, (64, 32), (32, 1), (4, 8)), 7, BLOCK=4)  # first launch: Triton's path
+    assert rec.calls == 1 and not encoded
+    calls = [(x, (64, 32), (32, 1)), (x, (64, 32), (32, 1)), (y, (64, 32), (32, 1)), (x, (32, 32), (32, 1)),
+             (x, (32, 32), (64, 1)), (x[16:], (48, 32), (32, 1)), (x, (64, 32), (32, 1))]
+    for t, shape, strides in calls:
+        args = run(t, shape, strides)
+        assert args == (("tensormap", t.data_ptr(), shape, strides), *shape, *strides, 7, 4)
+    assert rec.calls == 1  # one compiled kernel: the launch key holds no address or size of a descriptor
+    assert encoded == [(x.data_ptr(), (64, 32), (32, 1)), (y.data_ptr(), (64, 32), (32, 1)),
+                       (x.data_ptr(), (32, 32), (32, 1)), (x.data_ptr(), (32, 32), (64, 1)),
+                       (x[16:].data_ptr(), (48, 32), (32, 1))]
+
+
+def test_descriptor_block_or_dtype_change_is_a_new_launch_key(fake_desc):
+    ck, rec, _ = fake_desc
+    x = torch.zeros(64, 32)
+    ck[(1,)](host_descriptor(x, (64, 32), (32, 1), (4, 8)), 7, BLOCK=4)
+    ck[(1,)](host_descriptor(x, (64, 32), (32, 1), (8, 8)), 7, BLOCK=4)
+    ck[(1,)](host_descriptor(x.half(), (64, 32), (32, 1), (4, 8)), 7, BLOCK=4)
+    assert rec.calls == 3
+
+
+def test_host_descriptors_reach_triton_as_tensor_descriptors(fake_desc):
+    """The first launch (and the interpreter) get Triton's own validated TensorDescriptor."""
+    ck, rec, _ = fake_desc
+    seen = []
+    rec_call = rec.__call__
+
+    def spy(*args, grid, warmup, **kwargs):
+        seen.append(args[0])
+        return rec_call(*args, grid=grid, warmup=warmup, **kwargs)
+
+    ck.fn.run = spy
+    x = torch.zeros(64, 32)
+    ck[(1,)](host_descriptor(x, (64, 32), (32, 1), (4, 8)), 7, BLOCK=4)
+    assert type(seen[0]) is TensorDescriptor and seen[0].shape == [64, 32] and seen[0].block_shape == [4, 8]
+    with pytest.raises(AssertionError, match="16-byte aligned"):
+        ck[(1,)](host_descriptor(x.view(-1)[1:65].view(8, 8), (8, 8), (8, 1), (4, 8)), 7, BLOCK=4)
+
+
+@triton.jit
+def _desc_copy_kernel(X, OUT, stride_o, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    tile = X.load([pid * BLOCK_M, 0])
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    tl.store(OUT + rows[:, None] * stride_o + cols[None, :], tile)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_cached_descriptors_follow_pointer_stride_and_shape_changes():
+    """Cached launches with host descriptors read the tensor of each call: new tensors, a strided view of the
+    same storage, fewer rows (the descriptor zero-fills past the shape), and in-place updates of a cached one."""
+    ck = CachedKernel(_desc_copy_kernel)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    base = torch.randn(256, 32, device="cuda", generator=g)
+    other = torch.randn(256, 32, device="cuda", generator=g)
+    wide = torch.randn(256, 64, device="cuda", generator=g)
+    cases = [(base, 256), (base, 256), (other, 256), (wide[:, :32], 256), (base, 100), (base[64:], 192)]
+    for src, rows in cases:
+        out = torch.full((256, 32), float("nan"), device="cuda")
+        d = host_descriptor(src, (rows, 32), (src.stride(0), 1), (32, 32))
+        ck[(256 // 32,)](d, out, out.stride(0), BLOCK_M=32, BLOCK_N=32)
+        want = torch.zeros(256, 32, device="cuda")
+        want[:rows] = src[:rows]
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+    base.mul_(2.0)  # the same address, shape and strides: the cached encoding, the new values
+    out = torch.empty(256, 32, device="cuda")
+    ck[(8,)](host_descriptor(base, (256, 32), (32, 1), (32, 32)), out, out.stride(0), BLOCK_M=32, BLOCK_N=32)
+    torch.testing.assert_close(out, base, rtol=0, atol=0)
+    assert len(ck._cache) == 1
+    assert ck._cache[next(iter(ck._cache))][2] is not None  # launched directly, not through Triton's launcher

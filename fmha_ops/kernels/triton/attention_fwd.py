@@ -22,11 +22,10 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fmha_ops.kernels.attention_host import descale_args, ensure_allocator
 from fmha_ops.kernels.softmax import LOG2E, natural_lse, p_shift, row_inverse, softmax_step, tanh, visible
-from fmha_ops.kernels.triton.launch import cdiv, launch, next_pow2
+from fmha_ops.kernels.triton.launch import cdiv, host_descriptor, launch, next_pow2
 from fmha_ops.kernels.triton.transpose_v import transpose_v
 from fmha_ops.quant import K_SCALE_BLOCK, Q_SCALE_BLOCK
 
@@ -277,7 +276,7 @@ def default_config(head_dim: int, causal: bool, seqlen_k: int = 0, quantized: bo
 def _desc4(t, shape, strides, block):
     """Host TMA descriptor over ``t`` seen as (B, H, rows, cols) (``strides`` of the first three; cols are
     contiguous), loading [1, 1, *block] tiles; out-of-bounds rows and cols read as 0, stores are clipped."""
-    return TensorDescriptor(t, list(shape), [*strides, 1], [1, 1, *block])
+    return host_descriptor(t, shape, (*strides, 1), (1, 1, *block))
 
 
 def _block_descale_args(t, shape, scale_block, tile):

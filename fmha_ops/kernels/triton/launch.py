@@ -1,43 +1,213 @@
-"""Kernel launches without Triton's per-call argument binding.
+"""Kernel launches without Triton's per-call argument binding, and host TMA descriptors built once.
 
 ``JITFunction.run`` specializes every argument on every launch before it looks the compiled kernel up.
-``CachedKernel`` keys each launch on the arguments themselves - ints by value, tensors by (dtype, 16-byte
-alignment), host TMA descriptors by (dtype, block shape), constexprs and launch options by value, keywords
-alike, and the current device - which determines every specialization Triton makes, and after the first
-launch of a key calls the compiled kernel directly (``CompiledKernel[grid]``: the current stream, scratch
-allocation as in a normal launch; Triton's launch hooks, when a profiler has registered any, else none: an
-empty hook chain still costs a launch-metadata dict and two Python calls from the C launcher). Interpreted
-kernels (``TRITON_INTERPRET=1``) always take Triton's own path. Host time per launch:
-bench/diagnostics/launch_overhead.py.
+``CachedKernel`` keys each launch on the arguments themselves - ints by value, tensors by (dtype, CUDA or not,
+16-byte alignment), host TMA descriptors by (dtype, CUDA or not, block shape), constexprs and launch options by
+value, keywords alike, and the current device - which determines every specialization Triton makes. After the
+first launch of a key it calls the compiled kernel's C launcher directly, with the arguments it would get from
+Triton's launcher: CUDA tensors as their device addresses (Triton's launcher would look each one up with a driver
+call), host descriptors as their encoded ``CUtensorMap`` and sizes, cached per (address, shape, strides) so an
+unchanged tensor is not encoded again, scratch allocated as Triton does, the current stream. Launch hooks, when a
+profiler has registered any, take Triton's own launch path (an empty hook chain still costs a launch-metadata dict
+and two Python calls from the C launcher). Interpreted kernels (``TRITON_INTERPRET=1``) always take Triton's own
+path. Host time per launch: bench/diagnostics/launch_overhead.py.
+
+Host descriptors: ``host_descriptor(tensor, shape, strides, block_shape)`` is a plain record (no checks, no
+encoding); the launch validates and encodes it as ``triton.tools.tensor_descriptor.TensorDescriptor`` would, once
+per distinct (kernel parameter, address, shape, strides). Triton's own ``TensorDescriptor`` is accepted too.
 """
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
 from triton import knobs
+from triton.runtime import _allocation
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+_Tensor = torch.Tensor
 _MAX_ENTRIES = 4096  # distinct launch keys kept per kernel (ints are keyed by value: varying sizes add keys)
+_MAX_DESCRIPTORS = 256  # encoded descriptors kept per descriptor parameter of a launch key
+
+
+class HostDescriptor(NamedTuple):
+    """A host TMA descriptor before encoding: ``base`` seen as ``shape`` with ``strides`` (last stride 1),
+    loading ``block_shape`` tiles (zero padding). Build it with ``host_descriptor``."""
+
+    base: torch.Tensor
+    shape: tuple
+    strides: tuple
+    block_shape: tuple
+
+
+def host_descriptor(base: torch.Tensor, shape, strides, block_shape) -> HostDescriptor:
+    """A host TMA descriptor over ``base`` for ``launch(kernel)[grid](...)``, where a kernel parameter takes a
+    ``TensorDescriptor``. ``shape``, ``strides`` (elements, last one 1) and ``block_shape`` are int sequences of
+    one rank; the launch checks them as ``TensorDescriptor`` does (16-byte aligned base and strides, positive
+    sizes, a power-of-two block) the first time it meets them.
+
+    Example: ``host_descriptor(x, x.shape, x.stride(), (64, 64))`` for a contiguous 2-D ``x``.
+    """
+    return HostDescriptor(base, tuple(shape), tuple(strides), tuple(block_shape))
+
+
+def _triton_descriptor(d: HostDescriptor) -> TensorDescriptor:
+    """The validated ``TensorDescriptor`` of ``d`` (raises AssertionError as Triton does on a bad one)."""
+    return TensorDescriptor(d.base, list(d.shape), list(d.strides), list(d.block_shape))
+
+
+#: argument types keyed by (type, value), as ``_spec`` keys them (checked inline before calling it)
+_BY_VALUE = frozenset({float, bool, str, type(None)})
 
 
 def _spec(a):
-    """The part of one argument that Triton's specialization depends on."""
+    """The part of one argument that Triton's specialization (and the argument's encoding) depends on."""
     tp = type(a)
     if tp is int or a is None:
         return a  # ints by value: covers == 1 (constexpr), % 16 == 0 and the int32 / int64 choice
+    if tp is _Tensor or isinstance(a, _Tensor):
+        return a.dtype, a.is_cuda, a.data_ptr() & 15 == 0
+    if tp is HostDescriptor:
+        base = a.base
+        return tp, base.dtype, base.is_cuda, a.block_shape
     if tp is TensorDescriptor:
-        return tp, a.base.dtype, tuple(a.block_shape)
-    if isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() & 15 == 0
+        return tp, a.base.dtype, a.base.is_cuda, tuple(a.block_shape), a.padding
     return tp, a  # floats, bools (kept apart from equal ints) and constexpr values
+
+
+def _for_triton(a):
+    """An argument as Triton's own launch takes it (host descriptors as ``TensorDescriptor``)."""
+    return _triton_descriptor(a) if type(a) is HostDescriptor else a
+
+
+class _DirectLaunch:
+    """One compiled kernel's C launcher with the argument conversions Triton's Python launcher would make.
+
+    ``kinds`` has one entry per kernel parameter: "tensor" (a CUDA tensor: passed as its address), "desc" (a host
+    descriptor: expanded to Triton's encoded form through a per-parameter cache), or None (passed unchanged)."""
+
+    __slots__ = ("kernel", "c_launch", "function", "metadata", "cooperative", "pdl", "num_ctas", "scratch",
+                 "profile_scratch", "bind")
+
+    def __init__(self, kernel, c_launch, kinds: list, descriptor_meta: list) -> None:
+        run = kernel.run
+        self.kernel, self.c_launch = kernel, c_launch
+        self.function, self.metadata = kernel.function, kernel.packed_metadata
+        self.cooperative, self.pdl, self.num_ctas = run.launch_cooperative_grid, run.launch_pdl, run.num_ctas
+        self.scratch = (run.global_scratch_size, run.global_scratch_align)
+        self.profile_scratch = (run.profile_scratch_size, run.profile_scratch_align)
+        self.bind = _binder(kinds, descriptor_meta)
+
+    def __call__(self, grid: tuple, stream, args: tuple) -> None:
+        gx, gy, gz = grid
+        scratch = profile = None
+        if self.scratch[0] > 0:
+            scratch = _allocation._allocator.get()(gx * gy * gz * self.num_ctas * self.scratch[0], self.scratch[1],
+                                                   stream)
+        if self.profile_scratch[0] > 0:
+            profile = _allocation._profile_allocator.get()(
+                gx * gy * gz * self.num_ctas * self.profile_scratch[0], self.profile_scratch[1], stream)
+        self.c_launch(gx, gy, gz, stream, self.function, self.cooperative, self.pdl, scratch, profile,
+                      self.metadata, None, None, None, *self.bind(args))
+
+    @classmethod
+    def of(cls, kernel, args: tuple) -> "_DirectLaunch | None":
+        """The direct launch of ``kernel`` for arguments shaped like ``args`` (one per kernel parameter), or None
+        when the kernel's launcher is not Triton 3.6's CUDA launcher as this module knows it."""
+        run = kernel.run
+        c_launch = _c_launcher(run)
+        signature = getattr(getattr(kernel, "src", None), "signature", None)
+        if c_launch is None or not isinstance(signature, dict) or len(signature) != len(args):
+            return None
+        desc_positions = [i for i, ty in enumerate(signature.values()) if isinstance(ty, str)
+                          and ty.startswith("tensordesc")]
+        meta = getattr(kernel.metadata, "tensordesc_meta", None) or [None] * len(desc_positions)
+        if len(meta) != len(desc_positions):
+            return None
+        kinds, descriptor_meta = [], []
+        for i, (ty, a) in enumerate(zip(signature.values(), args)):
+            if i in desc_positions:
+                kinds.append("desc")
+                descriptor_meta.append(meta[desc_positions.index(i)])
+            elif isinstance(ty, str) and ty.startswith("*") and isinstance(a, torch.Tensor) and a.is_cuda:
+                kinds.append("tensor")
+            else:
+                kinds.append(None)
+        return cls(kernel, c_launch, kinds, descriptor_meta)
+
+
+def _c_launcher(run):
+    """The C ``launch`` function behind Triton 3.6's ``CudaLauncher`` (under its descriptor-expanding wrapper), or
+    None."""
+    launch = getattr(run, "launch", None)
+    if launch is None or not all(hasattr(run, a) for a in (
+            "launch_cooperative_grid", "launch_pdl", "num_ctas", "global_scratch_size", "global_scratch_align",
+            "profile_scratch_size", "profile_scratch_align")):
+        return None
+    if getattr(launch, "__closure__", None):  # wrap_handle_tensordesc's ``inner`` holds the C launcher
+        cells = dict(zip(launch.__code__.co_freevars, (c.cell_contents for c in launch.__closure__)))
+        launch = cells.get("launcher")
+    return launch if callable(launch) else None
+
+
+def _binder(kinds: list, descriptor_meta: list):
+    """``bind(args) -> tuple``: the C launcher's kernel arguments for one launch (see ``_DirectLaunch``)."""
+    encoders = [_descriptor_encoder(meta) for meta in descriptor_meta]
+    parts, names = [], {}
+    desc = 0
+    for i, kind in enumerate(kinds):
+        if kind == "tensor":
+            parts.append(f"a[{i}].data_ptr()")
+        elif kind == "desc":
+            names[f"d{desc}"] = encoders[desc]
+            parts.append(f"*d{desc}(a[{i}])")
+            desc += 1
+        else:
+            parts.append(f"a[{i}]")
+    source = f"def bind(a):\n    return ({', '.join(parts)}{',' if parts else ''})\n"
+    exec(compile(source, "<fmha_ops.launch binder>", "exec"), names)
+    return names["bind"]
+
+
+def _encode_descriptor(d: TensorDescriptor, meta) -> list:
+    """Triton's launcher arguments for descriptor ``d`` of a parameter with ``tensordesc_meta`` entry ``meta``:
+    [CUtensorMap, *shape, *strides], or (no meta: the kernel takes the pieces) [base, *shape, *strides, nan padding,
+    *shape, *strides]."""
+    from triton.backends.nvidia.driver import make_tensordesc_arg
+
+    return make_tensordesc_arg(d, meta)
+
+
+def _descriptor_encoder(meta):
+    """``encode(descriptor) -> list``: ``_encode_descriptor`` for one descriptor parameter, cached per (address,
+    shape, strides) when the result holds no tensor (the launch key fixes dtype, block shape and padding)."""
+    cache: dict = {}
+
+    def encode(d):
+        shape, strides = tuple(d.shape), tuple(d.strides)
+        key = (d.base.data_ptr(), shape, strides)
+        hit = cache.get(key)
+        if hit is not None:
+            return hit
+        full = _triton_descriptor(d) if type(d) is HostDescriptor else d
+        encoded = _encode_descriptor(full, meta)
+        if meta is not None:  # [CUtensorMap, *shape, *strides]: no reference to the tensor, safe to keep
+            if len(cache) >= _MAX_DESCRIPTORS:
+                cache.clear()
+            cache[key] = encoded
+        return encoded
+
+    return encode
 
 
 class CachedKernel:
     """``launch(kernel)[grid](*args, **constexprs_and_options)`` launches like ``kernel[grid](...)``.
 
     Arguments as Triton's own call takes them (runtime values, constexprs and launch options, positional or
-    by keyword); ``grid`` is a tuple of 1 to 3 ints."""
+    by keyword; ``HostDescriptor`` where the kernel takes a tensor descriptor); ``grid`` is a tuple of 1 to 3
+    ints."""
 
     def __init__(self, fn):
         self.fn = fn
@@ -49,27 +219,29 @@ class CachedKernel:
 
     def _launch(self, grid, args, kwargs):
         if not self._compiled:
-            return self.fn[grid](*args, **kwargs)
+            return self.fn[grid](*[_for_triton(a) for a in args],
+                                 **{n: _for_triton(v) for n, v in kwargs.items()})
         device = driver.active.get_current_device()
-        key = (device, tuple([a if type(a) is int else _spec(a) for a in args]),
-               tuple(kwargs), tuple([v if type(v) is int else _spec(v) for v in kwargs.values()]))
+        key = (device, tuple([a if (tp := type(a)) is int else (tp, a) if tp in _BY_VALUE else _spec(a) for a in args]),
+               tuple(kwargs),
+               tuple([v if (tp := type(v)) is int else (tp, v) if tp in _BY_VALUE else _spec(v) for v in kwargs.values()]))
         hit = self._cache.get(key)
-        if hit is not None:  # the kernel's remaining parameters, in order, from this call's keywords
-            kernel, rest = hit
+        if hit is not None:
+            kernel, rest, direct = hit
             full = (*args, *[kwargs[n] if n in kwargs else d for n, d in rest])
             hooks = knobs.runtime
-            if hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls:  # a profiler listens: Triton's path
-                kernel[(*grid, 1, 1)[:3]](*full)
-            else:  # no launch metadata, no empty hook chains called from the C launcher
-                g = (*grid, 1, 1)
-                kernel.run(g[0], g[1], g[2], driver.active.get_current_stream(device), kernel.function,
-                           kernel.packed_metadata, None, None, None, *full)
+            g = (*grid, 1, 1)[:3]
+            if direct is None or hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls:
+                kernel[g](*[_for_triton(a) for a in full])  # a profiler listens, or no direct launch: Triton's
+            else:
+                direct(g, driver.active.get_current_stream(device), full)
             return kernel
-        kernel = self.fn[grid](*args, **kwargs)
+        kernel = self.fn[grid](*[_for_triton(a) for a in args], **{n: _for_triton(v) for n, v in kwargs.items()})
         rest = tuple((p.name, p.default) for p in self.fn.params[len(args):])
+        full = (*args, *[kwargs[n] if n in kwargs else d for n, d in rest])
         if len(self._cache) >= _MAX_ENTRIES:
             self._cache.clear()
-        self._cache[key] = (kernel, rest)
+        self._cache[key] = (kernel, rest, _DirectLaunch.of(kernel, full))
         return kernel
 
 
