@@ -8,6 +8,9 @@ the declarations plus three class methods:
 - ``not_supported_reasons(problem)`` -> list of short sentences; empty means supported.
   The problem type belongs to the domain package (the registry never looks inside it).
 - ``estimate(problem)`` -> seconds or ``None`` (the op's cost model).
+- ``host_time(problem)`` -> seconds of host work per eager call (default ``HOST_US``). The selector ranks a
+  GPU op by the larger of its device time and its host time: back-to-back calls of a small problem run at the
+  pace of the host, and a device time alone would pick a kernel that waits on a slow launch path.
 """
 from __future__ import annotations
 
@@ -32,6 +35,9 @@ class Op:
     REQUIRES: ClassVar[tuple[str, ...]] = ()
     #: tie-breaker and last-resort rank when no estimate exists (higher wins)
     PRIORITY: ClassVar[int] = 0
+    #: host time of one eager call of the op (launch path, allocations, argument handling), microseconds,
+    #: measured on the reference GPU machine's host; 0 when negligible or unknown
+    HOST_US: ClassVar[float] = 0.0
 
     @classmethod
     def arch_specs(cls) -> tuple[ArchSpec, ...]:
@@ -58,6 +64,12 @@ class Op:
     @classmethod
     def estimate(cls, problem: Any) -> float | None:
         return None
+
+    @classmethod
+    def host_time(cls, problem: Any) -> float:
+        """Seconds of host work per eager call on ``problem`` (``HOST_US``); the selector ranks a GPU op by
+        max(estimate, host_time)."""
+        return cls.HOST_US * 1e-6
 
 
 @functools.lru_cache(maxsize=None)

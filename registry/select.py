@@ -5,8 +5,10 @@ The problem object is the domain's: the selector needs only ``problem.arch``
 hands the problem to each op's ``not_supported_reasons`` and ``estimate``.
 
 Ranking: measured time from the tuning table for this device and bucket, else the
-op's cost model (scaled by the table's calibration of that op), else declared PRIORITY (ops with an estimate rank first). Ties break
-on PRIORITY then NAME, so the choice is deterministic. ``select`` is memoized on the
+op's cost model (scaled by the table's calibration of that op), else declared PRIORITY (ops with an estimate rank first). On a GPU
+the estimate is at least the op's host time per call (``Op.host_time``): a small problem runs at the pace its launch
+path is issued, so the op that is fastest for the whole call wins (source "... , host-bound"). Ties break
+on the device estimate, then PRIORITY, then NAME, so the choice is deterministic. ``select`` is memoized on the
 caller's hashable signature plus the active overrides, so a repeated call is one
 dict lookup.
 
@@ -49,7 +51,8 @@ class Verdict:
     unavailable: str | None  # None when the op can run in this process
     reasons: tuple[str, ...]  # why it does not support the problem (empty: supported)
     estimate: float | None  # seconds
-    source: str  # "table" | "calibrated model" | "model" | "priority"
+    source: str  # "table" | "calibrated model" | "model" | "priority"; ", host-bound" appended where the host time ruled
+    device_estimate: float | None = None  # seconds on the device alone (equals estimate unless host-bound)
 
     @property
     def ok(self) -> bool:
@@ -165,7 +168,7 @@ class Selector:
             if not op.supports_arch(problem.arch):
                 reasons.append(f"runs on {', '.join(map(str, op.arch_specs()))}; the inputs are on {problem.arch}")
             reasons.extend(op.not_supported_reasons(problem))
-        estimate, source = None, "priority"
+        estimate, source, device = None, "priority", None
         if unavailable is None and not reasons:
             estimate = self.tables.lookup(problem.arch.name, op.NAME, problem.bucket())
             source = "table"
@@ -176,11 +179,16 @@ class Selector:
                     estimate, source = None, "priority"
                 elif factor is not None:
                     estimate, source = estimate * factor, "calibrated model"
-        return Verdict(op, unavailable, tuple(reasons), estimate, source)
+            device = estimate
+            if estimate is not None and problem.arch.kind != "cpu":
+                host = op.host_time(problem)
+                if host > estimate:
+                    estimate, source = host, f"{source}, host-bound"
+        return Verdict(op, unavailable, tuple(reasons), estimate, source, device)
 
     @staticmethod
     def _rank(v: Verdict) -> tuple:
-        return (not v.ok, v.estimate is None, v.estimate or 0.0, -v.op.PRIORITY, v.op.NAME)
+        return (not v.ok, v.estimate is None, v.estimate or 0.0, v.device_estimate or 0.0, -v.op.PRIORITY, v.op.NAME)
 
     def _candidates(self, kind: str) -> tuple[list[type[Op]], str]:
         """Ops of ``kind`` allowed by the context and the environment, and a note on the restriction."""

@@ -129,6 +129,36 @@ def test_tie_break_priority_then_name_independent_of_registration_order():
     assert names[0] == names[1] == names[2]
 
 
+H200 = Arch("cuda", (9, 0), name="NVIDIA H200")
+
+
+def gpu_op(name, est, host_us):
+    """A dummy CUDA op that counts as available on this machine, with host time ``host_us`` per call."""
+    o = op(name, est=est, archs=("cuda>=9.0",))
+    o.HOST_US = host_us
+    o.available = classmethod(lambda cls: None)
+    return o
+
+
+def test_gpu_ops_rank_by_the_larger_of_device_and_host_time():
+    """A tiny problem runs at the pace of the host: the op with the cheaper launch path wins there; a large one
+    is ranked by device time; ties on host time break on device time; on a CPU host time is not added."""
+    kernel = gpu_op("kernelF", est=lambda p: 5e-6 * p.size, host_us=60.0)  # fast kernel, slow launch path
+    library = gpu_op("libraryF", est=lambda p: 8e-6 * p.size, host_us=20.0)
+    sel = make_selector(kernel, library)
+    r = sel.explain(Prob(arch=H200))
+    assert [(v.op, v.estimate, v.source, v.device_estimate) for v in r.verdicts] == [
+        (library, pytest.approx(20e-6), "model, host-bound", pytest.approx(8e-6)),
+        (kernel, pytest.approx(60e-6), "model, host-bound", pytest.approx(5e-6))]
+    big = sel.explain(Prob(arch=H200, size=100))
+    assert big.selected is kernel and all(v.source == "model" for v in big.verdicts)
+    twin = gpu_op("twinF", est=lambda p: 3e-6 * p.size, host_us=60.0)
+    assert make_selector(kernel, twin).explain(Prob(arch=H200)).selected is twin  # same host time: faster kernel
+    cpu_kernel, cpu_library = op("cpuKernelF", est=5e-6), op("cpuLibraryF", est=8e-6)
+    cpu_kernel.HOST_US, cpu_library.HOST_US = 60.0, 20.0
+    assert make_selector(cpu_kernel, cpu_library).explain(Prob()).selected is cpu_kernel
+
+
 def test_unsupported_and_unavailable_rank_last_and_never_win():
     bad = op("badF", est=1e-9, refuse=("plain",))
     missing = op("missingF", est=1e-9, requires=("fmha_ops_no_such_module_xyz",))

@@ -22,6 +22,8 @@ Declarations (class attributes; every check below reads only these):
                  custom op ``fmha_ops::attention_forward``, see fmha_ops.compiled); implies AUTOGRAD
   WINDOW         local attention windows (Problem.window_left / window_right, with each allowed mask kind)
   SOFTCAP        score capping (Problem.softcap: s * tanh(score / s) before the softmax)
+  HOST_US        host time of one eager call on the H200's host, microseconds (the selector ranks a GPU op by
+                 max(estimate, host time); not counted during a CUDA graph capture, whose replays skip the host)
 Ops add op-specific reasons in ``extra_reasons``.
 """
 from __future__ import annotations
@@ -119,6 +121,10 @@ class AttentionOp(Op):
     @classmethod
     def extra_reasons(cls, p: Problem) -> list[str]:
         return []
+
+    @classmethod
+    def host_time(cls, p: Problem) -> float:
+        return 0.0 if p.graph_capture else cls.HOST_US * 1e-6
 
 
 class AttentionFwOp(AttentionOp):
