@@ -1,6 +1,7 @@
 """Where code runs: CPU, a CUDA GPU (compute capability) or a ROCm GPU (gfx name).
 
-``Arch`` is hashable and cheap; ``current_arch(device)`` is memoized per device index.
+``Arch`` is hashable and cheap; ``current_arch(device)`` is memoized per device index (a plain dict, so it is a
+constant under torch.compile).
 ``ArchSpec`` parses the declarations ops use: ``"cpu"``, ``"cuda>=9.0"``, ``"cuda>=8.0,<10.0"``,
 ``"rocm:gfx942,gfx950"``.
 """
@@ -30,17 +31,35 @@ class Arch:
 CPU = Arch("cpu")
 
 
-@functools.lru_cache(maxsize=None)
-def _gpu_arch(index: int) -> Arch:
+#: the arch of each GPU index seen so far: a plain dict, which torch.compile reads as a constant of the trace
+_GPU_ARCHS: dict[int, Arch] = {}
+
+
+@torch.compiler.assume_constant_result
+def _gpu_arch_fields(index: int) -> tuple:
+    """Arch(...)'s fields for GPU ``index``, from the driver. Under torch.compile this runs as plain Python at
+    trace time and its result is a constant of the graph (Dynamo cannot trace the device-properties object)."""
     props = torch.cuda.get_device_properties(index)
     if getattr(torch.version, "hip", None):
-        gfx = getattr(props, "gcnArchName", "").split(":")[0]
-        return Arch("rocm", gfx=gfx, name=props.name)
-    return Arch("cuda", capability=(props.major, props.minor), name=props.name)
+        return "rocm", (0, 0), getattr(props, "gcnArchName", "").split(":")[0], props.name
+    return "cuda", (props.major, props.minor), "", props.name
+
+
+def _gpu_arch(index: int) -> Arch:
+    arch = _GPU_ARCHS.get(index)
+    if arch is None:
+        arch = Arch(*_gpu_arch_fields(index))
+        if not torch.compiler.is_compiling():  # a traced store would be replayed on every call
+            _GPU_ARCHS[index] = arch
+    return arch
 
 
 def current_arch(device: torch.device | str | None = None) -> Arch:
-    """The arch of ``device`` (default: the current CUDA device if any, else CPU)."""
+    """The arch of ``device`` (default: the current CUDA device if any, else CPU); memoized per device index and
+    safe to call inside torch.compile (fullgraph).
+
+    Example: ``current_arch("cuda:0").capability`` -> (9, 0) on an H200; ``current_arch("cpu")`` -> CPU.
+    """
     if device is None:
         if not torch.cuda.is_available():
             return CPU

@@ -236,3 +236,35 @@ def test_requires_checked_before_unavailable_reason():
 
     assert "fmha_ops_no_such_module_xyz" in Both.available()
     assert calls == []
+
+
+def test_gpu_arch_lookup_is_a_constant_under_torch_compile(monkeypatch):
+    """current_arch on a GPU device inside torch.compile(fullgraph=True): the device-properties query (which
+    Dynamo cannot trace; stood in for by a function it may not enter) runs at trace time as plain Python, and
+    later eager calls are one dict lookup."""
+    import types
+
+    import registry.arch as arch_mod
+
+    props = types.SimpleNamespace(major=9, minor=0, name="NVIDIA H200")
+    queries = []
+
+    def properties(index):
+        queries.append(index)
+        return props
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", torch._dynamo.disable(properties))
+    monkeypatch.setattr(arch_mod, "_GPU_ARCHS", {})
+
+    def scaled(x):
+        arch = current_arch("cuda:0")
+        return x * (2.0 if arch.kind == "cuda" and arch.capability >= (9, 0) else 3.0)
+
+    torch._dynamo.reset()
+    try:
+        got = torch.compile(scaled, fullgraph=True, backend="aot_eager")(torch.ones(3))
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(got, torch.full((3,), 2.0)) and queries == [0]
+    assert current_arch("cuda:0") == Arch("cuda", (9, 0), name="NVIDIA H200")
+    assert current_arch("cuda:0") is current_arch(torch.device("cuda", 0)) and queries == [0, 0]
