@@ -194,3 +194,28 @@ def test_explain_reports_no_graph_break_for_the_entry_points():
                lambda q, k, v: fmha_ops.flash_attn_func(q, k, v, causal=True),
                lambda q, k, v: fmha_ops.fp8_attention(q, k, v)):
         assert _graph_breaks(fn, q, k, v) == 0
+
+
+CUDA_SHAPE_Q, CUDA_SHAPE_KV = (2, 257, HQ, 64), (2, 257, HKV, 64)  # a partial last block of every tile size
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("name, fn", [
+    ("memory_efficient_attention", lambda q, k, v: fmha_ops.memory_efficient_attention(q, k, v, CAUSAL)),
+    ("flash_attn_func", lambda q, k, v: fmha_ops.flash_attn_func(q, k, v, causal=True)),
+    ("fp8_attention", lambda q, k, v: fmha_ops.fp8_attention(q, k, v, causal=True)),
+])
+def test_entry_points_compile_fullgraph_on_cuda(name, fn, backend):
+    """The selection at trace time sees the CUDA device (its arch), and the custom ops run the GPU kernels."""
+    q, k, v = normal_qkv(CUDA_SHAPE_Q, CUDA_SHAPE_KV, dtype=torch.bfloat16, device="cuda", seed=8)
+    _check(fn, q, k, v, grad=True, backend=backend, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_flash_attn_varlen_func_compiles_fullgraph_on_cuda():
+    q, k, v = (t[0] for t in normal_qkv((1, 300, HQ, 64), (1, 300, HKV, 64), dtype=torch.bfloat16, device="cuda",
+                                        seed=9))
+    cu = torch.tensor([0, 1, 130, 300], dtype=torch.int32, device="cuda")
+    _check(lambda q, k, v: fmha_ops.flash_attn_varlen_func(q, k, v, cu, cu, 170, 170, causal=True), q, k, v,
+           grad=True, atol=2e-2)
