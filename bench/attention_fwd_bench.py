@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.backends import forward_columns, fp8_columns  # noqa: E402
 from bench.common import (  # noqa: E402
+    PREFILL_SHAPES,
     attention_tflops,
     Record,
     bar_plot,
@@ -41,13 +42,8 @@ from fmha_ops.kernels.triton.transpose_v import transpose_v  # noqa: E402
 from fmha_ops.quant import quantize_i8fp8, quantize_qkv_fp8  # noqa: E402
 from fmha_ops.testing import error_report, normal_qkv, transformer_like  # noqa: E402
 
-SHAPES = [  # B, Hq, Hkv, N, D, causal
-    (4, 32, 32, 4096, 128, False),
-    (4, 32, 32, 4096, 128, True),
-    (2, 16, 16, 16384, 128, False),
+SHAPES = PREFILL_SHAPES + [  # B, Hq, Hkv, N, D, causal
     (2, 16, 16, 16384, 128, True),
-    (4, 16, 16, 4096, 64, False),
-    (4, 16, 16, 4096, 256, False),
     (2, 8, 8, 16384, 256, False),
     (4, 32, 8, 4096, 128, False),
 ]

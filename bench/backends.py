@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import (  # noqa: E402
+    PREFILL_SHAPES,
     Record,
     attention_tflops,
     base_parser,
@@ -39,14 +40,7 @@ import fmha_ops  # noqa: E402
 from fmha_ops import attn_bias as ab  # noqa: E402
 from fmha_ops.testing import normal_qkv  # noqa: E402
 
-SHAPES = [  # B, Hq, Hkv, N, D, causal
-    (4, 32, 32, 4096, 128, False),
-    (4, 32, 32, 4096, 128, True),
-    (2, 16, 16, 16384, 128, False),
-    (4, 16, 16, 4096, 64, False),
-    (4, 16, 16, 4096, 256, False),
-    (8, 16, 16, 1000, 128, False),
-]
+SHAPES = PREFILL_SHAPES + [(8, 16, 16, 1000, 128, False)]  # B, Hq, Hkv, N, D, causal; N = 1000: partial blocks
 BACKWARD_FLOPS = 2.5  # backward FLOPs per forward FLOP
 TARGET = 0.97  # api / best
 #: do_bench windows (ms): short, since every configuration is compiled by one untimed call first

@@ -7,7 +7,7 @@
 * output: :func:`print_table` (stdout), :func:`write_json` and :func:`bar_plot` (into ``--out``, default ``$OUT`` or
   ``bench/out``) and :func:`write_record`, which writes the benchmark's table whole to ``bench/results/<name>.md``,
   from which ``bench/assemble_benchmarks.py`` builds BENCHMARKS.md (a :class:`Record` declares a benchmark's table);
-* attention helpers: :func:`attention_tflops`, :func:`sdpa` (torch SDPA pinned to one backend) and
+* attention helpers: ``PREFILL_SHAPES``, :func:`attention_tflops`, :func:`sdpa` (torch SDPA pinned to one backend) and
   :func:`or_none` (a failing variant becomes an empty cell).
 
 Scripts under ``bench/diagnostics/`` (compile reports, probes) use the same harness but write no record.
@@ -28,6 +28,16 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+#: prefill shapes (B, Hq, Hkv, N, D, causal) that the forward benchmark (bench/attention_fwd_bench.py) and the
+#: public API's comparison with other backends (bench/backends.py) both time; each adds its own
+PREFILL_SHAPES = [
+    (4, 32, 32, 4096, 128, False),
+    (4, 32, 32, 4096, 128, True),
+    (2, 16, 16, 16384, 128, False),
+    (4, 16, 16, 4096, 64, False),
+    (4, 16, 16, 4096, 256, False),
+]
 
 def out_dir(arg: str | None = None) -> str:
     path = arg or os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "out")

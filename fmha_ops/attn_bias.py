@@ -516,10 +516,58 @@ class _GappySeqInfo(_SeqLenInfo):
                              seqstart_py=self.seqstart_py, seqlen=self.seqlen.to(device), seqlen_py=self.seqlen_py)
 
 
+# ---- packed-query masks: varlen, padded keys, paged, gappy --------------------------------------------------
+
+class _PackedQueriesMask(AttentionBias):
+    """Base of the dataclass masks whose queries are packed sequences (``q_seqinfo``, batch 1) and whose
+    ``k_seqinfo`` gives each sequence's keys: their dims, device moves and segments. Subclasses say which key
+    rows each sequence sees (``_key_rows``) and how many keys per sequence the kernels span (``_key_dims``)."""
+
+    def _key_rows(self) -> Iterator[Any]:
+        """Per sequence, the key rows it sees: (start, end) or a tensor of row indices."""
+        return self.k_seqinfo.intervals()
+
+    def _key_dims(self) -> tuple[int, int]:
+        """(keys per sequence as the kernels see them, page size; 0 = not paged)."""
+        return self.k_seqinfo.max_seqlen, 0
+
+    def _signature_fields(self):
+        return _packed_queries_signature(self) + (self.k_seqinfo.seqstart_py[-1], self.k_seqinfo.max_seqlen)
+
+    def dims(self, query, key):
+        qi = self.q_seqinfo
+        keys, page_size = self._key_dims()
+        return MaskDims(len(qi.seqstart_py) - 1, qi.max_seqlen, keys, qi.min_seqlen == qi.max_seqlen, page_size)
+
+    def to(self, device):
+        moved = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+        return type(self)(**{name: x.to(device) if isinstance(x, (torch.Tensor, _SeqLenInfo)) else x
+                             for name, x in moved.items()})
+
+    def segments(self, mq, mk):
+        window = (self.window_left, self.window_right)
+        for (qs, qe), keys in zip(self.q_seqinfo.intervals(), self._key_rows()):
+            yield Segment(qs, qe, keys, self._CAUSAL, window)
+
+
+class _PagedMask(_PackedQueriesMask):
+    """Base of the paged masks (``block_tables`` int32 (B, max_pages), ``page_size``): keys live in the pool."""
+
+    def _key_dims(self) -> tuple[int, int]:
+        return self.block_tables.shape[1] * self.page_size, self.page_size
+
+    def _page_signature(self) -> tuple:
+        bt = self.block_tables
+        return (self.page_size, bt.shape, bt.dtype, bt.device)
+
+    def materialize(self, shape, dtype=torch.float32, device="cpu"):
+        return _materialize_paged(self, shape, dtype, device)
+
+
 # ---- varlen (block-diagonal) masks ------------------------------------------------------------------------
 
 @dataclass
-class BlockDiagonalMask(AttentionBias):
+class BlockDiagonalMask(_PackedQueriesMask):
     """Varlen: packed sequences, each attending only its own keys (non-causal). ``_batch_sizes`` (set by
     ``from_tensor_list``) says how many sequences each input tensor held, for ``split``.
 
@@ -620,24 +668,6 @@ class BlockDiagonalMask(AttentionBias):
             raise ValueError(f"key has {key.shape[1]} tokens but attn_bias k_seqinfo covers "
                              f"{self.k_seqinfo.seqstart_py[-1]}")
 
-    def _signature_fields(self):
-        return _packed_queries_signature(self) + (self.k_seqinfo.seqstart_py[-1], self.k_seqinfo.max_seqlen)
-
-    def dims(self, query, key):
-        qi = self.q_seqinfo
-        return MaskDims(len(qi.seqstart_py) - 1, qi.max_seqlen, self.k_seqinfo.max_seqlen,
-                        qi.min_seqlen == qi.max_seqlen, 0)
-
-    def to(self, device):
-        moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        moved.update(q_seqinfo=self.q_seqinfo.to(device), k_seqinfo=self.k_seqinfo.to(device))
-        return type(self)(**moved)
-
-    def segments(self, mq, mk):
-        window = (self.window_left, self.window_right)
-        for (qs, qe), keys in zip(self.q_seqinfo.intervals(), self.k_seqinfo.intervals()):
-            yield Segment(qs, qe, keys, self._CAUSAL, window)
-
 
 @dataclass
 class BlockDiagonalCausalMask(BlockDiagonalMask):
@@ -706,7 +736,7 @@ class BlockDiagonalLocalAttentionFromBottomRightMask(BlockDiagonalMask):
 # ---- decode (padded keys) masks ---------------------------------------------------------------------------
 
 @dataclass
-class BlockDiagonalPaddedKeysMask(AttentionBias):
+class BlockDiagonalPaddedKeysMask(_PackedQueriesMask):
     """Decode, non-causal: packed queries, padded keys (see module docstring)."""
 
     q_seqinfo: _SeqLenInfo
@@ -753,20 +783,8 @@ class BlockDiagonalPaddedKeysMask(AttentionBias):
     def _signature_fields(self):
         return _packed_queries_signature(self) + (self.k_seqinfo.padding, self.k_seqinfo.seqlen.device)
 
-    def dims(self, query, key):
-        qi = self.q_seqinfo
-        return MaskDims(len(qi.seqstart_py) - 1, qi.max_seqlen, self.k_seqinfo.padding,
-                        qi.min_seqlen == qi.max_seqlen, 0)
-
-    def to(self, device):
-        moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        moved.update(q_seqinfo=self.q_seqinfo.to(device), k_seqinfo=self.k_seqinfo.to(device))
-        return type(self)(**moved)
-
-    def segments(self, mq, mk):
-        window = (self.window_left, self.window_right)
-        for (qs, qe), keys in zip(self.q_seqinfo.intervals(), self.k_seqinfo.intervals()):
-            yield Segment(qs, qe, keys, self._CAUSAL, window)
+    def _key_dims(self):
+        return self.k_seqinfo.padding, 0
 
 
 @dataclass
@@ -819,7 +837,7 @@ class BlockDiagonalCausalLocalAttentionPaddedKeysMask(BlockDiagonalPaddedKeysMas
 
 
 @dataclass
-class PagedBlockDiagonalPaddedKeysMask(AttentionBias):
+class PagedBlockDiagonalPaddedKeysMask(_PagedMask):
     """Paged decode, non-causal. ``block_tables`` int32 (B, max_pages); keys of sequence b are the first
     ``k_seqinfo.seqlen[b]`` rows of its pages in order; ``k_seqinfo.padding`` = max_pages * page_size.
 
@@ -876,28 +894,11 @@ class PagedBlockDiagonalPaddedKeysMask(AttentionBias):
                                     f"the key ({key.shape[1]} rows of page_size={self.page_size})"))
 
     def _signature_fields(self):
-        bt = self.block_tables
         return _packed_queries_signature(self) + (self.k_seqinfo.padding, self.k_seqinfo.seqlen.device,
-                                                  self.page_size, bt.shape, bt.dtype, bt.device)
+                                                  *self._page_signature())
 
-    def dims(self, query, key):
-        qi = self.q_seqinfo
-        return MaskDims(len(qi.seqstart_py) - 1, qi.max_seqlen, self.block_tables.shape[1] * self.page_size,
-                        qi.min_seqlen == qi.max_seqlen, self.page_size)
-
-    def to(self, device):
-        moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        moved.update(q_seqinfo=self.q_seqinfo.to(device), k_seqinfo=self.k_seqinfo.to(device),
-                     block_tables=self.block_tables.to(device))
-        return type(self)(**moved)
-
-    def segments(self, mq, mk):
-        window = (self.window_left, self.window_right)
-        for b, ((qs, qe), n) in enumerate(zip(self.q_seqinfo.intervals(), self.k_seqinfo.lengths())):
-            yield Segment(qs, qe, _page_rows(self, b, 0, n), self._CAUSAL, window)
-
-    def materialize(self, shape, dtype=torch.float32, device="cpu"):
-        return _materialize_paged(self, shape, dtype, device)
+    def _key_rows(self):
+        return (_page_rows(self, b, 0, n) for b, n in enumerate(self.k_seqinfo.lengths()))
 
 
 def _page_rows(mask, b: int, start: int, end: int) -> torch.Tensor:
@@ -959,7 +960,7 @@ _PAGED_TWIN = {BlockDiagonalPaddedKeysMask: PagedBlockDiagonalPaddedKeysMask,
 # ---- gappy keys masks ----------------------------------------------------------------------------------
 
 @dataclass
-class BlockDiagonalGappyKeysMask(AttentionBias):
+class BlockDiagonalGappyKeysMask(_PackedQueriesMask):
     """Packed queries; sequence b's keys are rows [seqstart[b], seqstart[b] + seqlen[b]) of the key tensor,
     anywhere (``k_seqinfo.seqstart_py[-1]`` is the key tensor's length). Non-causal."""
 
@@ -1002,22 +1003,6 @@ class BlockDiagonalGappyKeysMask(AttentionBias):
             raise ValueError(f"key has {key.shape[1]} rows but attn_bias reads keys up to row "
                              f"{max([self.k_seqinfo.seqstart_py[-1]] + [e for _, e in self.k_seqinfo.intervals()])}")
 
-    def _signature_fields(self):
-        return _packed_queries_signature(self) + (self.k_seqinfo.seqstart_py[-1], self.k_seqinfo.max_seqlen)
-
-    def dims(self, query, key):
-        qi = self.q_seqinfo
-        return MaskDims(len(qi.seqstart_py) - 1, qi.max_seqlen, self.k_seqinfo.max_seqlen,
-                        qi.min_seqlen == qi.max_seqlen, 0)
-
-    def to(self, device):
-        return type(self)(self.q_seqinfo.to(device), self.k_seqinfo.to(device))
-
-    def segments(self, mq, mk):
-        window = (self.window_left, self.window_right)
-        for (qs, qe), keys in zip(self.q_seqinfo.intervals(), self.k_seqinfo.intervals()):
-            yield Segment(qs, qe, keys, self._CAUSAL, window)
-
 
 @dataclass
 class BlockDiagonalCausalWithOffsetGappyKeysMask(BlockDiagonalGappyKeysMask):
@@ -1028,7 +1013,7 @@ class BlockDiagonalCausalWithOffsetGappyKeysMask(BlockDiagonalGappyKeysMask):
 
 
 @dataclass
-class PagedBlockDiagonalGappyKeysMask(AttentionBias):
+class PagedBlockDiagonalGappyKeysMask(_PagedMask):
     """Paged gappy keys: sequence b's keys are logical positions [seqstart[b], seqlen[b]) of its pages
     (``k_seqinfo`` in xformers' paged convention); ``materialize`` as ``PagedBlockDiagonalPaddedKeysMask``."""
 
@@ -1066,27 +1051,11 @@ class PagedBlockDiagonalGappyKeysMask(AttentionBias):
         _validate_pages(self, query, key)
 
     def _signature_fields(self):
-        bt = self.block_tables
-        return _packed_queries_signature(self) + (self.k_seqinfo.max_seqlen, self.page_size, bt.shape, bt.dtype,
-                                                  bt.device)
+        return _packed_queries_signature(self) + (self.k_seqinfo.max_seqlen, *self._page_signature())
 
-    def dims(self, query, key):
-        qi = self.q_seqinfo
-        return MaskDims(len(qi.seqstart_py) - 1, qi.max_seqlen, self.block_tables.shape[1] * self.page_size,
-                        qi.min_seqlen == qi.max_seqlen, self.page_size)
-
-    def to(self, device):
-        return type(self)(self.q_seqinfo.to(device), self.k_seqinfo.to(device), self.block_tables.to(device),
-                          self.page_size)
-
-    def segments(self, mq, mk):
-        window = (self.window_left, self.window_right)
-        for b, ((qs, qe), start, end) in enumerate(zip(self.q_seqinfo.intervals(), self.k_seqinfo.seqstart_py,
-                                                       self.k_seqinfo.seqlen_py)):
-            yield Segment(qs, qe, _page_rows(self, b, start, end), self._CAUSAL, window)
-
-    def materialize(self, shape, dtype=torch.float32, device="cpu"):
-        return _materialize_paged(self, shape, dtype, device)
+    def _key_rows(self):
+        k = self.k_seqinfo
+        return (_page_rows(self, b, start, end) for b, (start, end) in enumerate(zip(k.seqstart_py, k.seqlen_py)))
 
 
 @dataclass
@@ -1145,7 +1114,8 @@ def _packed_queries_signature(mask: AttentionBias) -> tuple:
 #: torch.compile reads at trace time
 MASK_CLASSES: dict[str, type[AttentionBias]] = {
     c.__name__: c for c in list(globals().values())
-    if isinstance(c, type) and issubclass(c, AttentionBias) and c is not AttentionBias}
+    if isinstance(c, type) and issubclass(c, AttentionBias) and c is not AttentionBias
+    and not c.__name__.startswith("_")}
 _SEQINFO = {"_SeqLenInfo": _SeqLenInfo, "_PaddedSeqLenInfo": _PaddedSeqLenInfo, "_GappySeqInfo": _GappySeqInfo}
 #: each dataclass mask's fields: (name, our seqinfo class for a seqinfo field, else None)
 _MASK_FIELDS = {name: tuple((f.name, _SEQINFO.get(f.type)) for f in fields(c))
