@@ -3,7 +3,8 @@
 Tiny shapes, so the host path sets the pace. Per entry point three columns, microseconds per call:
 ``ours`` (the public function), ``direct`` (the op the selector chose, called without our call path: SDPA's own aten
 function on BHMK tensors for the SDPA ops, the op's kernel launcher with a prebuilt ``Inputs`` for ours) and
-``SDPA`` (``torch.nn.functional.scaled_dot_product_attention`` on BHMK tensors, where a float call has one).
+``SDPA`` (``torch.nn.functional.scaled_dot_product_attention`` on BHMK tensors, where a float call has one);
+merge_attentions' direct is its kernel's launch on CUDA, its torch arithmetic on stacked parts on the CPU.
 ``overhead`` is ours - direct; the target is max(25% of direct, 5 us). Each cell is the fastest of ``--rounds``
 interleaved rounds of ``--iters`` back-to-back calls (``bench.common.host_us``). On a GPU it also times the fp8
 short-sequence shapes through ``flash_attn_func`` against cuDNN bf16 SDPA (TFLOP/s, same run).
@@ -68,8 +69,13 @@ def _sdpa(q, k, v, causal) -> Call:
     return lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=gqa)
 
 
-def _merge_direct(parts, lses) -> Call:
-    """merge_attentions' arithmetic in plain torch on stacked parts."""
+def _merge_direct(parts, lses) -> tuple[str, Call]:
+    """(backend, merge_attentions' backend called directly): on CUDA the merge kernel's launch on the parts, else
+    its arithmetic in plain torch on stacked parts."""
+    if parts[0].is_cuda:
+        from fmha_ops.kernels.triton.merge import merge_parts
+
+        return "triton merge", lambda: merge_parts(parts, lses, parts[0].dtype, True)
     attn, lse = torch.stack(parts), torch.stack(lses)
 
     def run():
@@ -78,7 +84,7 @@ def _merge_direct(parts, lses) -> Call:
         w = torch.exp(lse_t - top)
         total = w.sum(0)
         return (w[..., None] * attn).sum(0) / total[..., None], (top + torch.log(total)).movedim(1, -1)
-    return run
+    return "torch", run
 
 
 def cases(device: str) -> list[tuple[str, str, Call, Call | None, Call | None]]:
@@ -103,8 +109,9 @@ def cases(device: str) -> list[tuple[str, str, Call, Call | None, Call | None]]:
         make_inputs(q, k, v, output_dtype=torch.float32, is_partial=True), needs_lse=True)
     parts = [fmha_ops.memory_efficient_attention_partial(q, k[:, s], v[:, s]) for s in (slice(0, 7), slice(7, None))]
     outs, lses = [o for o, _ in parts], [lse for _, lse in parts]
-    rows.append(("merge_attentions (2 parts)", "torch", lambda: fmha_ops.merge_attentions(outs, lses),
-                 _merge_direct(outs, lses), None))
+    merge_backend, merge_direct = _merge_direct(outs, lses)
+    rows.append(("merge_attentions (2 parts)", merge_backend, lambda: fmha_ops.merge_attentions(outs, lses),
+                 merge_direct, None))
     br = ab.LowerTriangularFromBottomRightMask()
     row("flash_attn_func causal", lambda: fmha_ops.flash_attn_func(q, k, v, causal=True), make_inputs(q, k, v, br),
         sdpa=_sdpa(q, k, v, True))

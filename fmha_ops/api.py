@@ -21,6 +21,7 @@ from .dtypes import FLOAT_DTYPES
 from .inputs import Inputs, make_inputs
 
 OpArg = Any  # an op class, name/alias, or (FwOp, BwOp) tuple
+_is_compiling = torch.compiler.is_compiling
 
 
 def memory_efficient_attention(
@@ -159,46 +160,87 @@ def merge_attentions(
     attn_split (S, B, M, [G,] H, K) or a list of S such tensors; lse_split (S, B, [G,] H, M) or a list.
     Returns attn (B, M, [G,] H, K) in ``output_dtype`` (default: the parts' dtype) and, if ``write_lse``,
     lse (B, [G,] H, M) float32. Parts with lse -inf contribute nothing; all -inf gives 0 and -inf.
+    On CUDA one kernel launch reads the parts where they lie (``kernels/triton/merge.py``).
+
+    Example
+    -------
+    >>> parts = [memory_efficient_attention_partial(q, k[:, s], v[:, s]) for s in (slice(0, 512), slice(512, None))]
+    >>> out, lse = merge_attentions([o for o, _ in parts], [lse for _, lse in parts])
     """
-    attn, lse = _stack_parts("attn_split", attn_split), _stack_parts("lse_split", lse_split)
-    if attn.ndim not in (5, 6) or lse.ndim != attn.ndim - 1 or attn.shape[0] != lse.shape[0]:
-        raise ValueError(f"attn_split {tuple(attn.shape)} / lse_split {tuple(lse.shape)}: expected "
+    attns, lses = _parts("attn_split", attn_split), _parts("lse_split", lse_split)
+    a, lp = attns[0], lses[0]
+    if a.ndim not in (4, 5) or lp.ndim != a.ndim - 1 or len(attns) != len(lses):
+        raise ValueError(f"attn_split {_stacked_shape(attns)} / lse_split {_stacked_shape(lses)}: expected "
                          f"(S, B, M, [G,] H, K) and (S, B, [G,] H, M)")
-    arguments.tensor("attn_split", attn, dtypes=FLOAT_DTYPES)
-    arguments.tensor("lse_split", lse, dtypes=FLOAT_DTYPES)
-    arguments.same_device("lse_split", lse, "attn_split", attn)
+    arguments.tensor("attn_split", a, dtypes=FLOAT_DTYPES)
+    arguments.tensor("lse_split", lp, dtypes=FLOAT_DTYPES)
+    arguments.same_device("lse_split", lp, "attn_split", a)
     write_lse = arguments.flag("write_lse", write_lse)
     if output_dtype is not None:
         arguments.dtype("output_dtype", output_dtype, FLOAT_DTYPES)
+    if lp.movedim(-1, 1).shape != a.shape[:-1]:
+        raise ValueError(f"lse_split {_stacked_shape(lses)} does not match attn_split {_stacked_shape(attns)}")
+    out_dtype = output_dtype or a.dtype
+    if a.is_cuda and not _is_compiling():
+        return _merge_on_device(attns, lses, out_dtype, write_lse)
+    attn = attn_split if isinstance(attn_split, torch.Tensor) else torch.stack(attns)
+    lse = lse_split if isinstance(lse_split, torch.Tensor) else torch.stack(lses)
     lse_t = lse.float().movedim(-1, 2)  # (S, B, M, [G,] H)
-    if lse_t.shape != attn.shape[:-1]:
-        raise ValueError(f"lse_split {tuple(lse.shape)} does not match attn_split {tuple(attn.shape)}")
-    if (lse.device.type == "cpu" and not torch.compiler.is_compiling()
-            and bool((torch.isnan(lse_t) | (lse_t == math.inf)).any())):
+    if lse.device.type == "cpu" and not _is_compiling() and bool((torch.isnan(lse_t) | (lse_t == math.inf)).any()):
         raise ValueError("lse_split must be finite or -inf (a part that saw no key); it holds NaN or +inf")
     top = lse_t.amax(dim=0)
     top_safe = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     w = torch.exp(lse_t - top_safe)  # exp(-inf) = 0
     total = w.sum(dim=0)
     out = (w[..., None] * attn.float()).sum(dim=0) / torch.where(total > 0, total, torch.ones_like(total))[..., None]
-    out = out.to(output_dtype or attn.dtype)
+    out = out.to(out_dtype)
     if not write_lse:
         return out, None
     merged = (top_safe + torch.log(total)).movedim(1, -1)  # (B, M, [G,] H) -> (B, [G,] H, M)
     return out, merged
 
 
-def _stack_parts(name: str, parts: Any) -> torch.Tensor:
-    """A tensor, or a non-empty list of same-shape tensors stacked along a new dim 0."""
+def _merge_on_device(attns: list[torch.Tensor], lses: list[torch.Tensor], out_dtype: torch.dtype,
+                     write_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``merge_attentions`` by the merge kernel: the parts as (B, M, H, K) / float32 (B, H, M) views with one
+    stride set each (copies only where a part's layout differs), BMGHK folded to BMHK and back."""
+    from .kernels.triton.merge import merge_parts
+
+    grouped = attns[0].ndim == 5
+    if grouped:
+        b, m, g, h, k = attns[0].shape
+        attns, lses = [t.flatten(2, 3) for t in attns], [t.flatten(1, 2) for t in lses]
+    strides = attns[0].stride()
+    if strides[-1] != 1 or any(t.stride() != strides for t in attns):
+        attns = [t.contiguous() for t in attns]
+    if lses[0].dtype != torch.float32:
+        lses = [t.float() for t in lses]
+    if any(t.stride() != lses[0].stride() for t in lses):
+        lses = [t.contiguous() for t in lses]
+    out, lse = merge_parts(attns, lses, out_dtype, write_lse)
+    if grouped:
+        out, lse = out.view(b, m, g, h, k), (None if lse is None else lse.view(b, g, h, m))
+    return out, lse
+
+
+def _parts(name: str, parts: Any) -> list[torch.Tensor]:
+    """A tensor (S, ...) or a non-empty list of same-shape tensors as a list of S tensors."""
     if isinstance(parts, torch.Tensor):
-        return parts
+        if parts.ndim == 0 or parts.shape[0] == 0:
+            raise ValueError(f"{name} must hold at least one part along dim 0, got shape {tuple(parts.shape)}")
+        return list(parts.unbind(0))
     if not isinstance(parts, (list, tuple)) or not parts or not all(isinstance(p, torch.Tensor) for p in parts):
         raise TypeError(f"{name} must be a tensor or a non-empty list of tensors, got {type(parts).__name__}"
                         f"{' of ' + ', '.join(sorted({type(p).__name__ for p in parts})) if isinstance(parts, (list, tuple)) else ''}")
-    shapes = {tuple(p.shape) for p in parts}
-    if len(shapes) > 1 or len({(p.dtype, p.device) for p in parts}) > 1:
+    first = parts[0]
+    if any(p.shape != first.shape or p.dtype != first.dtype or p.device != first.device for p in parts[1:]):
+        shapes = {tuple(p.shape) for p in parts}
         raise ValueError(f"{name}: every part must have one shape, dtype and device; got shapes {sorted(shapes)}")
-    return torch.stack(list(parts))
+    return list(parts)
+
+
+def _stacked_shape(parts: list[torch.Tensor]) -> tuple[int, ...]:
+    return (len(parts), *parts[0].shape)
 
 
 def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_bias: Any = None, p: float = 0.0,

@@ -44,10 +44,11 @@ def _unsupported(**args) -> None:
 def _run(q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_lse, softcap=0.0):
     """out in q's dtype (bfloat16 for fp8 inputs), differentiable; with ``return_lse`` also the lse (float32,
     not differentiable, as FA3 returns it)."""
-    kw = dict(scale=softmax_scale, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, softcap=softcap)
     if not return_lse:
-        return memory_efficient_attention(q, k, v, bias, **kw)
-    inp = make_inputs(q, k, v, bias, is_partial=True, **kw)
+        return memory_efficient_attention(q, k, v, bias, scale=softmax_scale, q_descale=q_descale,
+                                          k_descale=k_descale, v_descale=v_descale, softcap=softcap)
+    inp = make_inputs(q, k, v, bias, is_partial=True, scale=softmax_scale, q_descale=q_descale, k_descale=k_descale,
+                      v_descale=v_descale, softcap=softcap)
     out, lse = run_forward(inp, None, True)
     return out, lse.detach()
 
@@ -60,17 +61,28 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
                     return_attn_probs: bool = False):
     """q (B, Mq, Hq, D), k (B, Mk, Hkv, D), v (B, Mk, Hkv, Dv) -> out (B, Mq, Hq, Dv)
     [, softmax_lse float32 (B, Hq, Mq) when ``return_attn_probs``]."""
-    _unsupported(qv=(qv, None), attention_chunk=(attention_chunk, 0))
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        arguments.tensor(name, t, ndim=4, layout="(batch, seqlen, heads, headdim)")
-    _check_scalars(softmax_scale, causal)
-    left, right = _window(window_size, causal)
-    if causal:
-        bias = ab.LowerTriangularFromBottomRightMask() if left < 0 else \
-            ab.LowerTriangularFromBottomRightLocalAttentionMask(left + 1)
+    if qv is not None or attention_chunk != 0:
+        _unsupported(qv=(qv, None), attention_chunk=(attention_chunk, 0))
+    if not (type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor and q.ndim == 4 and k.ndim == 4
+            and v.ndim == 4):
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            arguments.tensor(name, t, ndim=4, layout="(batch, seqlen, heads, headdim)")
+    if softmax_scale is not None or type(causal) is not bool:
+        _check_scalars(softmax_scale, causal)
+    if type(window_size) is tuple and window_size == (-1, -1):  # the default: no window
+        bias = _CAUSAL if causal else None
     else:
-        bias = None if (left, right) == (-1, -1) else ab.LocalAttentionFromBottomRightMask(left, right)
+        left, right = _window(window_size, causal)
+        if causal:
+            bias = _CAUSAL if left < 0 else ab.LowerTriangularFromBottomRightLocalAttentionMask(left + 1)
+        else:
+            bias = None if (left, right) == (-1, -1) else ab.LocalAttentionFromBottomRightMask(left, right)
     return _run(q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_attn_probs, softcap)
+
+
+_Tensor = torch.Tensor
+#: FA3's causal mask (holds no state: one instance serves every call, its signature computed once)
+_CAUSAL = ab.LowerTriangularFromBottomRightMask()
 
 
 def _window(window_size, causal: bool) -> tuple[int, int]:
@@ -98,7 +110,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            deterministic: bool = False, sm_margin: int = 0, return_attn_probs: bool = False):
     """Packed sequences: q (total_q, Hq, D), k/v (total_k, Hkv, D); cu_seqlens_* int32 (nseq + 1,).
     Descales are (nseq, Hkv) or per-tensor. Returns out (total_q, Hq, Dv) [, lse (Hq, total_q)].
-    Reads cu_seqlens on the host once per call (one device sync); under torch.compile the call is one custom op
+    Reads cu_seqlens on the host (one device sync per distinct tensor); under torch.compile the call is one custom op
     (``fmha_ops::varlen_attention``) that does so when it runs."""
     _unsupported(seqused_q=(seqused_q, None), seqused_k=(seqused_k, None), qv=(qv, None),
                  attention_chunk=(attention_chunk, 0))
@@ -112,7 +124,10 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                                       f"flash_attn_varlen_func under torch.compile (eager calls take them)")
         return _traced_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                         softmax_scale, causal, (q_descale, k_descale, v_descale), return_attn_probs)
-    q_info, k_info = _seqinfo("q", cu_seqlens_q, max_seqlen_q, q), _seqinfo("k", cu_seqlens_k, max_seqlen_k, k)
+    q_info = _seqinfo("q", cu_seqlens_q, max_seqlen_q, q)
+    # self-attention passes one tensor for both: read it once (one device sync per call, not two)
+    k_info = q_info if cu_seqlens_k is cu_seqlens_q and max_seqlen_k == max_seqlen_q and k.shape[0] == q.shape[0] \
+        else _seqinfo("k", cu_seqlens_k, max_seqlen_k, k)
     if len(q_info.seqstart_py) != len(k_info.seqstart_py):
         raise ValueError(f"cu_seqlens_q has {len(q_info.seqstart_py) - 1} sequences but cu_seqlens_k has "
                          f"{len(k_info.seqstart_py) - 1}")

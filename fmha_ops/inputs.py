@@ -89,7 +89,9 @@ class OutputLayout:
 
 BMHK = OutputLayout()
 _new_tuple = tuple.__new__  # a NamedTuple built without its Python-level __new__ (the hot path)
+_Tensor = torch.Tensor
 _deterministic = torch._C._get_deterministic_algorithms  # torch.are_deterministic_algorithms_enabled, one frame less
+_grad_enabled = torch.is_grad_enabled
 
 
 @dataclass
@@ -142,10 +144,10 @@ class Inputs:
         bias = self.attn_bias
         qd, kd, vd = self.q_descale, self.k_descale, self.v_descale
         return _new_tuple(Signature, (
-            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
+            _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
                 bias is not None and bias.tensor_bias is not None and bias.tensor_bias.requires_grad)),
             (q.dtype, k.dtype, v.dtype), (q.shape, k.shape, v.shape), (q.device, k.device, v.device),
-            (q.stride(-1), k.stride(-1)), "last" if v.stride(-1) == 1 else value_layout(v),
+            (q.stride()[-1], k.stride()[-1]), "last" if v.stride()[-1] == 1 else value_layout(v),
             None if bias is None else bias.signature(), (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15,
             None if qd is None and kd is None and vd is None else
             (_tensor_signature(qd), _tensor_signature(kd), _tensor_signature(vd)),
@@ -216,14 +218,20 @@ def make_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, att
     True
     """
     layout = BMHK
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    for name, d in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
-        if d is not None and not isinstance(d, torch.Tensor):
-            raise TypeError(f"{name} must be a float32 tensor (numel 1 for one scale; see fmha_ops.inputs for "
-                            f"the per-head / block / token shapes), got {type(d).__name__} {d!r}"[:300])
-    if query.ndim == 5:
+    if not (isinstance(query, _Tensor) and isinstance(key, _Tensor) and isinstance(value, _Tensor)):
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    descaled = q_descale is not None or k_descale is not None or v_descale is not None
+    if descaled:
+        for name, d in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+            if d is not None and not isinstance(d, torch.Tensor):
+                raise TypeError(f"{name} must be a float32 tensor (numel 1 for one scale; see fmha_ops.inputs for "
+                                f"the per-head / block / token shapes), got {type(d).__name__} {d!r}"[:300])
+    ndim = query.ndim
+    if ndim == 4 and key.ndim == 4 and value.ndim == 4:
+        pass
+    elif ndim == 5:
         if key.ndim != 5 or value.ndim != 5:
             raise ValueError(f"query is 5-D (BMGHK) but key is {key.ndim}-D and value {value.ndim}-D")
         b, m, g, h, _ = query.shape
@@ -237,18 +245,25 @@ def make_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, att
             key, value = key[:, :, :, 0], value[:, :, :, 0]
         else:
             key, value = key.flatten(2, 3), value.flatten(2, 3)
-    elif query.ndim == 3:
+    elif ndim == 3:
+        if key.ndim != 3 or value.ndim != 3:
+            raise ValueError(f"query is 3-D (BMK) but key is {key.ndim}-D and value {value.ndim}-D")
         layout = OutputLayout(bmk=True)
         query, key, value = query[:, :, None], key[:, :, None], value[:, :, None]
-    if isinstance(attn_bias, torch.Tensor):
-        attn_bias = ab.TensorBias(attn_bias)
-    elif attn_bias is not None and not isinstance(attn_bias, ab.AttentionBias):
-        attn_bias = ab.from_xformers(attn_bias)
-    if attn_bias is not None and attn_bias.tensor_bias is not None and layout is not BMHK:
-        attn_bias = _fold_tensor_bias(attn_bias, layout)
+    else:
+        name, t = next((n, t) for n, t in (("query", query), ("key", key), ("value", value)) if t.ndim != 4)
+        raise ValueError(f"{name} must be 4-D BMHK (batch, seqlen, heads, headdim), got shape {tuple(t.shape)}")
+    if attn_bias is not None:
+        if isinstance(attn_bias, _Tensor):
+            attn_bias = ab.TensorBias(attn_bias)
+        elif not isinstance(attn_bias, ab.AttentionBias):
+            attn_bias = ab.from_xformers(attn_bias)
+        if attn_bias.tensor_bias is not None and layout is not BMHK:
+            attn_bias = _fold_tensor_bias(attn_bias, layout)
     inp = Inputs(query, key, value, attn_bias, p, scale, output_dtype, is_partial, q_descale, k_descale, v_descale,
                  quantize_kv_to_fp8, layout, softcap)
-    check_values(inp)
+    if descaled or (attn_bias is not None and _checks_values(type(attn_bias))):
+        check_values(inp)
     return inp
 
 
@@ -260,6 +275,17 @@ def _fold_tensor_bias(bias: ab.AttentionBias, layout: OutputLayout) -> ab.Attent
     elif layout.shape5 is not None and t.ndim == 5:
         t = t.flatten(1, 2)
     return type(bias)(t)
+
+
+_CHECKS_VALUES: dict[type, bool] = {}
+
+
+def _checks_values(mask_type: type) -> bool:
+    """Whether masks of this type check index values per call (their own ``check_values``), memoized per type."""
+    checks = _CHECKS_VALUES.get(mask_type)
+    if checks is None:
+        checks = _CHECKS_VALUES[mask_type] = mask_type.check_values is not ab.AttentionBias.check_values
+    return checks
 
 
 def _expanded_over_heads(t: torch.Tensor) -> bool:

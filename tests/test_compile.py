@@ -219,3 +219,86 @@ def test_flash_attn_varlen_func_compiles_fullgraph_on_cuda():
     cu = torch.tensor([0, 1, 130, 300], dtype=torch.int32, device="cuda")
     _check(lambda q, k, v: fmha_ops.flash_attn_varlen_func(q, k, v, cu, cu, 170, 170, causal=True), q, k, v,
            grad=True, atol=2e-2)
+
+
+# ---- CUDA: the same entry points with the GPU ops (Triton / Gluon kernels behind the custom ops, SDPA traced) ----
+
+def _cuda_qkv(dtype=torch.bfloat16, b=2, m=256, hq=8, hkv=2, d=64, seed=0):
+    return normal_qkv((b, m, hq, d), (b, m, hkv, d), dtype=dtype, device="cuda", seed=seed)
+
+
+def _fp8(*ts):
+    return [t.to(torch.float8_e4m3fn) for t in ts]
+
+
+_ONE = None
+
+
+def _one():
+    global _ONE
+    if _ONE is None:
+        _ONE = torch.ones(1, device="cuda")
+    return _ONE
+
+
+def _split_and_merge_cuda(q, k, v):
+    parts = [fmha_ops.memory_efficient_attention_partial(q, k[:, s], v[:, s]) for s in (slice(0, 100), slice(100, None))]
+    return fmha_ops.merge_attentions([o for o, _ in parts], [lse for _, lse in parts])
+
+
+_GPU_CASES = [
+    ("triton_attnF custom op fwd+bwd", lambda q, k, v: fmha_ops.memory_efficient_attention(
+        q, k, v, CAUSAL, op="triton_attnF"), True, None),
+    ("flash_attn_func fp8 descales", lambda q, k, v: fmha_ops.flash_attn_func(
+        q, k, v, causal=True, q_descale=_one(), k_descale=_one(), v_descale=_one()), False, _fp8),
+    ("i8fp8_attention fwd+bwd", lambda q, k, v: fmha_ops.i8fp8_attention(q, k, v, causal=True), True, None),
+    ("partial + merge_attentions", _split_and_merge_cuda, False, None),
+    ("memory_efficient_attention_forward", lambda q, k, v: fmha_ops.memory_efficient_attention_forward(
+        q, k, v, CAUSAL), False, None),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, fn, grad, convert", _GPU_CASES, ids=[c[0] for c in _GPU_CASES])
+def test_gpu_entry_points_compile_fullgraph(name, fn, grad, convert):
+    _one()  # the descale tensor exists before any trace
+    q, k, v = _cuda_qkv()
+    args = convert(q, k, v) if convert else (q, k, v)
+    assert _graph_breaks(fn, *args) == 0
+    _check(fn, *args, grad=grad, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_mask_compiles_fullgraph_with_gradients():
+    q, k, v = _cuda_qkv(b=1, seed=1)
+    mask = ab.BlockDiagonalCausalMask.from_seqlens([100, 156], device="cuda")
+    masked = lambda q, k, v: fmha_ops.memory_efficient_attention(q, k, v, mask)  # noqa: E731
+    assert _graph_breaks(masked, q, k, v) == 0
+    _check(masked, q, k, v, grad=True, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_kvcache_decode_compiles_fullgraph():
+    q, _, _ = _cuda_qkv(b=4, m=1, seed=2)
+    _, k, v = _cuda_qkv(b=4, m=300, seed=3)
+    lengths = torch.tensor([300, 17, 1, 256], dtype=torch.int32, device="cuda")
+    decode = lambda q, k, v: fmha_ops.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths)  # noqa: E731
+    assert _graph_breaks(decode, q, k, v) == 0
+    _check(decode, q, k, v, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_transformer_block_compiles_fullgraph_with_inductor():
+    torch.manual_seed(0)
+    block = Block(dim=128, heads=4, kv_heads=2).to("cuda", torch.bfloat16)
+    x = torch.randn(2, 256, 128, device="cuda", dtype=torch.bfloat16)
+    assert _graph_breaks(block, x) == 0
+    compiled = _compiled(block, "inductor")
+    want = block(x)
+    torch.testing.assert_close(compiled(x).float(), want.float(), atol=5e-2, rtol=5e-2)
+    want.float().square().sum().backward()
+    grads = {n: p.grad.float().clone() for n, p in block.named_parameters()}
+    block.zero_grad()
+    compiled(x).float().square().sum().backward()
+    for n, p in block.named_parameters():
+        torch.testing.assert_close(p.grad.float(), grads[n], atol=0.5, rtol=5e-2, msg=n)

@@ -355,8 +355,12 @@ def test_api_layout_errors():
         fmha_ops.memory_efficient_attention(q[:, :, None], k, v)
     with pytest.raises(ValueError, match=r"query must be 4-D BMHK .* got shape \(5,\)"):
         fmha_ops.memory_efficient_attention(q[0, :, 0, 0], k, v)
-    with pytest.raises(ValueError, match=r"key must be 4-D BMHK .* got shape \(2, 7, 1, 2, 16\)"):
+    with pytest.raises(ValueError, match=r"query is 3-D \(BMK\) but key is 4-D and value 4-D"):
         fmha_ops.memory_efficient_attention(q[:, :, 0], k, v)  # BMK query with BMHK key
+    for role in ("query", "key", "value"):  # a 0-d tensor is named, not an IndexError from its strides
+        args = {"query": q, "key": k, "value": v, role: torch.tensor(1.0)}
+        with pytest.raises(ValueError, match=rf"{role} must be 4-D BMHK .* got shape \(\)"):
+            fmha_ops.memory_efficient_attention(**args)
 
 
 def test_api_non_tensor_query_is_value_error():
