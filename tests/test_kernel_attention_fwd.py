@@ -138,6 +138,25 @@ def test_transpose_v():
         assert torch.equal(vt[0, :, :, cu[i]:cu[i] + b - a].float(), v[0, a:b].permute(1, 2, 0).float())
 
 
+@pytest.mark.parametrize("mk", [1, 37, 160])
+def test_transpose_v_key_order(mk):
+    """key_order: padded to 32 with zeros; column 16h + 4c + 2g + e of each 32-key group holds key
+    16h + 8g + 2c + e (written out per key here, independently of the kernel's bit arithmetic)."""
+    from fmha_ops.kernels.triton.transpose_v import transpose_v
+
+    v = (torch.randn(2, mk, 3, 64, device=DEVICE) + 0.5).to(FP8)
+    vt, cu = transpose_v(v, key_order=True)
+    L = -(-mk // 32) * 32
+    assert vt.shape == (2, 3, 64, L) and cu is None
+    column_of_key = [32 * j + 16 * h + 4 * c + 2 * g + e for j in range(L // 32) for h in range(2) for g in range(2)
+                     for c in range(4) for e in range(2)]
+    expected = torch.zeros(2, 3, 64, L)
+    expected[..., column_of_key[:mk]] = v.permute(0, 2, 3, 1).float()
+    assert torch.equal(vt.float(), expected)
+    with pytest.raises(NotImplementedError, match="key_order"):
+        transpose_v(v[:1], torch.tensor([0, mk], dtype=torch.int32, device=DEVICE), mk, key_order=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, FP8])
 def test_keys_contiguous_v_is_read_in_place(dtype):
     """v as a (B, Mk, Hkv, Dv) view of (B, Hkv, Dv, L) storage: the same result as the copying transpose, and

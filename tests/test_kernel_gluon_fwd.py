@@ -92,11 +92,54 @@ def test_launcher_finishes_empty_problems_and_rejects_bad_inputs():
     q = torch.randn(1, 3, 4, 64).to(FP8)
     out, lse = fwd(q, k[:1, :0], k[:1, :0], scale=0.125, return_lse=True)
     assert out.float().eq(0).all() and lse.eq(float("-inf")).all()
-    with pytest.raises(AssertionError, match="head dim"):
+    with pytest.raises(ValueError, match="head dim"):
         fwd(torch.randn(1, 3, 4, 32).to(FP8), torch.randn(1, 5, 2, 32).to(FP8), torch.randn(1, 5, 2, 32).to(FP8),
             scale=1.0)
-    with pytest.raises(AssertionError, match="float8_e4m3fn"):
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
         fwd(q.float(), k[:1], k[:1], scale=1.0)
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        fwd(torch.randn(1, 3, 3, 64).to(FP8), k[:1], k[:1], scale=1.0)
+
+
+def test_ws_launcher_finishes_empty_problems_and_rejects_bad_configs():
+    from fmha_ops.kernels.gluon import attention_fwd_ws as ws
+
+    q, k = torch.randn(1, 3, 4, 64).to(FP8), torch.randn(1, 0, 2, 64).to(FP8)
+    out, lse = ws.attention_forward(q, k, k, scale=0.125, return_lse=True)
+    assert out.float().eq(0).all() and lse.eq(float("-inf")).all()
+    for bad in (ws.WsFwdConfig(consumers=3), ws.WsFwdConfig(stages=1)):
+        with pytest.raises(ValueError, match="config"):
+            ws.attention_forward(q, k, k, scale=0.125, config=bad)
+    with pytest.raises(ValueError, match="head dim"):
+        ws.attention_forward(torch.randn(1, 3, 4, 96).to(FP8), torch.randn(1, 5, 2, 96).to(FP8),
+                             torch.randn(1, 5, 2, 96).to(FP8), scale=1.0)
+
+
+_COMPILE_CHECK = """
+import dataclasses, sys
+from fmha_ops.kernels.gluon import attention_fwd_ws as ws
+head_dim, causal, consumers = int(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[3])
+cfg = dataclasses.replace(ws.default_config(head_dim, causal), consumers=consumers,
+                          maxnreg=168 if consumers == 2 else ws.SINGLE_CONSUMER_MAXNREG[head_dim])
+kernel = ws.compile_sm90(head_dim, causal=causal, write_lse=True, config=cfg)
+assert "wgmma" in kernel.asm["ptx"] and kernel.asm["cubin"]
+assert kernel.metadata.num_warps == 4 * (consumers + 1), kernel.metadata.num_warps  # + the producer's warpgroup
+print("compiled")
+"""
+
+
+@pytest.mark.parametrize("head_dim,causal,consumers", [(128, True, 2), (64, False, 1)])
+def test_ws_kernel_compiles_for_sm90(head_dim, causal, consumers):
+    """Ahead-of-time sm90 compile (no GPU): Gluon front end, Triton passes and ptxas accept the kernel. In a
+    child process without ``TRITON_INTERPRET`` (interpreted helpers cannot be called from a compiled kernel)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _COMPILE_CHECK, str(head_dim), str(int(causal)), str(consumers)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
 
 
 # ----------------------------------------------------------------------------------------- GPU suite
@@ -115,11 +158,8 @@ GPU_SHAPES = [  # B, Mq, Mk, Hq, Hkv, D, causal
 ]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("descale", ["head", "tensor"])
-def test_gpu_gluon_fwd(shape, descale):
-    from fmha_ops.kernels.gluon.attention_fwd import attention_forward
+def _check_fp8_forward(attention_forward, shape, descale):
+    """``attention_forward`` (a Gluon fp8 launcher) against the float32 reference of the dequantized inputs."""
     from fmha_ops.quant import quantize_qkv_fp8
 
     B, Mq, Mk, Hq, Hkv, D, causal = shape
@@ -141,6 +181,31 @@ def test_gpu_gluon_fwd(shape, descale):
     # transformer-like inputs have logits in the hundreds: the fp8 MMA's imprecise accumulation moves them by
     # ~1e-3 relative (the Triton fp8 kernel's LSE agrees with ours to 1e-3: test_gpu_gluon_matches_triton_fp8)
     _check_lse(lse, ref_lse, 2e-2 if descale == "head" else 2e-3 * ref_lse.abs().max().item() + 2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("descale", ["head", "tensor"])
+def test_gpu_gluon_fwd(shape, descale):
+    from fmha_ops.kernels.gluon.attention_fwd import attention_forward
+
+    _check_fp8_forward(attention_forward, shape, descale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("descale", ["head", "tensor"])
+@pytest.mark.parametrize("consumers", [2, 1])
+def test_gpu_gluon_ws_fwd(shape, descale, consumers):
+    """The warp-specialized kernel, ping-pong (2 consumer warpgroups) and single-consumer schedules."""
+    import functools
+
+    from fmha_ops.kernels.gluon import attention_fwd_ws as ws
+
+    cfg = ws.default_config(shape[5], shape[6])
+    if consumers == 1:
+        cfg = dataclasses.replace(cfg, consumers=1, maxnreg=ws.SINGLE_CONSUMER_MAXNREG[shape[5]])
+    _check_fp8_forward(functools.partial(ws.attention_forward, config=cfg), shape, descale)
 
 
 @pytest.mark.gpu

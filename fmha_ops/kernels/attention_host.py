@@ -2,6 +2,8 @@
 scratch allocator that device-made TMA descriptors need."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 from triton.runtime import _allocation
@@ -42,3 +44,62 @@ def ensure_allocator() -> None:
     is set; an allocator the caller set is kept."""
     if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
         triton.set_allocator(scratch)
+
+
+@dataclass(frozen=True)
+class Fp8ForwardArgs:
+    """What an fp8 forward launcher passes on: output and LSE buffers, the three descale tensors and their
+    (batch, head) strides, and ``done`` when the problem is empty and the buffers are already final."""
+
+    out: torch.Tensor
+    lse: torch.Tensor | None
+    qd: torch.Tensor
+    kd: torch.Tensor
+    vd: torch.Tensor
+    descale_strides: tuple[int, int, int, int, int, int]
+    done: bool
+
+
+def fp8_forward_args(q, k, v, q_descale, k_descale, v_descale, return_lse: bool, out, head_dims) -> Fp8ForwardArgs:
+    """Check the fp8 forward inputs of the Hopper launchers and allocate their outputs.
+
+    q (B, Mq, Hq, D), k / v (B, Mk, Hkv, D): ``float8_e4m3fn``, last dim contiguous, q / k strides multiples of
+    16 elements (TMA), D in ``head_dims``, Hq % Hkv == 0; descales as ``descale_args`` takes them; ``out`` None
+    or a bf16 (B, Mq, Hq, D) tensor with a contiguous last dim. Empty problems (no query, no key) are finished
+    here: out 0, lse -inf.
+
+    Example: ``fp8_forward_args(q, k, v, None, None, None, True, None, (64, 128, 256)).lse.shape`` -> (B, Hq, Mq).
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype != torch.float8_e4m3fn:
+            raise TypeError(f"{name} has dtype {t.dtype}; supported: torch.float8_e4m3fn")
+        if t.dim() != 4 or t.stride(-1) != 1:
+            raise ValueError(f"{name} must be 4-D (B, M, H, D) with a contiguous last dim, got shape "
+                             f"{tuple(t.shape)} strides {t.stride()}")
+    B, Mq, Hq, D = q.shape
+    Mk, Hkv = k.shape[1], k.shape[2]
+    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: k and v must be "
+                         f"(B, Mk, Hkv, D) with q's B and D")
+    if D not in head_dims:
+        raise ValueError(f"head dim {D} not supported; supported: {tuple(head_dims)}")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"Hq = {Hq} must be a multiple of Hkv = {Hkv}")
+    if any(s % 16 for t in (q, k) for s in t.stride()[:3]):
+        raise ValueError(f"q strides {q.stride()} and k strides {k.stride()} must be multiples of 16 (TMA)")
+    device = q.device
+    qd, qd_sb, qd_sh = descale_args(q_descale, device, B, Hkv, "q_descale")
+    kd, kd_sb, kd_sh = descale_args(k_descale, device, B, Hkv, "k_descale")
+    vd, vd_sb, vd_sh = descale_args(v_descale, device, B, Hkv, "v_descale")
+    if out is None:
+        out = torch.empty((B, Mq, Hq, D), dtype=torch.bfloat16, device=device)
+    elif out.shape != (B, Mq, Hq, D) or out.dtype != torch.bfloat16 or out.stride(-1) != 1:
+        raise ValueError(f"out must be bfloat16 {(B, Mq, Hq, D)} with a contiguous last dim, got {out.dtype} "
+                         f"{tuple(out.shape)} strides {out.stride()}")
+    lse = torch.empty((B, Hq, Mq), dtype=torch.float32, device=device) if return_lse else None
+    done = out.numel() == 0 or Mk == 0
+    if done:
+        out.zero_()
+        if lse is not None:
+            lse.fill_(float("-inf"))
+    return Fp8ForwardArgs(out, lse, qd, kd, vd, (qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh), done)

@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ..attention_host import descale_args, ensure_allocator
+from ..attention_host import ensure_allocator, fp8_forward_args
 from ..softmax import LOG2E, natural_lse, p_shift, row_inverse, softmax_step, visible
 from ..triton.launch import cdiv, launch
 from ..triton.transpose_v import transpose_v
@@ -46,7 +46,7 @@ _P_SHIFT = p_shift(torch.float8_e4m3fn)
 
 
 @gluon.jit
-def _tile_softmax(s, m_i, l_i, qk_scale, start_n, full_end, seqlen_k, hi, offs_m,
+def tile_softmax(s, m_i, l_i, qk_scale, start_n, full_end, seqlen_k, hi, offs_m,
                   CAUSAL: gl.constexpr, P_SHIFT: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
     """``softmax_step`` on one S tile (raw scores), with the key/causal masks only on tiles at or past
     ``full_end`` (partial or diagonal); returns (p fp32 scaled by 2**P_SHIFT, m, l, alpha)."""
@@ -158,7 +158,7 @@ def _attn_fwd_kernel(
     # P_j is converted and consumed in the same iteration (a loop-carried fp8 tensor costs byte shuffles)
     for j in range(n_tiles - 1):
         start_n = j * BLOCK_N
-        p, m_i, l_i, alpha = _tile_softmax(s, m_i, l_i, qk_scale, start_n, full_end, Mk, diag, offs_m, CAUSAL,
+        p, m_i, l_i, alpha = tile_softmax(s, m_i, l_i, qk_scale, start_n, full_end, Mk, diag, offs_m, CAUSAL,
                                            P_SHIFT, BLOCK_N, s_layout)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         # P_{j-1} V_{j-1} has read V slot (j-1) % STAGES: refill it with tile j - 1 + STAGES
@@ -186,7 +186,7 @@ def _attn_fwd_kernel(
     # last tile (always masked when it is partial or on the causal diagonal)
     last = n_tiles - 1
     start_n = last * BLOCK_N
-    p, m_i, l_i, alpha = _tile_softmax(s, m_i, l_i, qk_scale, start_n, full_end, Mk, diag, offs_m, CAUSAL,
+    p, m_i, l_i, alpha = tile_softmax(s, m_i, l_i, qk_scale, start_n, full_end, Mk, diag, offs_m, CAUSAL,
                                        P_SHIFT, BLOCK_N, s_layout)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row), 1)
@@ -245,40 +245,25 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=
         out, _ = attention_forward(q, k, v, scale=128 ** -0.5, causal=True)
     """
     B, Mq, Hq, D = q.shape
-    _, Mk, Hkv, Dv = v.shape
-    assert k.shape == v.shape and k.shape[0] == B and k.shape[3] == D and Dv == D, "q/k/v shapes disagree"
-    assert D in HEAD_DIMS, f"head dim {D} not supported; supported: {HEAD_DIMS}"
-    assert Hq % Hkv == 0, "Hq must be a multiple of Hkv"
-    assert q.dtype == k.dtype == v.dtype == torch.float8_e4m3fn, "q/k/v must be float8_e4m3fn"
-    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1, "last dim must be contiguous"
-    assert all(s % 16 == 0 for t in (q, k) for s in t.stride()[:3]), "q/k strides must be multiples of 16 (TMA)"
-    device = q.device
+    Mk, Hkv = k.shape[1], k.shape[2]
     cfg = config or default_config(D, causal)
     BM, BN, ST = cfg.block_m, cfg.block_n, cfg.stages
-    assert ST >= 2, "the K/V rings need at least 2 stages"
-    qd, qd_sb, qd_sh = descale_args(q_descale, device, B, Hkv, "q_descale")
-    kd, kd_sb, kd_sh = descale_args(k_descale, device, B, Hkv, "k_descale")
-    vd, vd_sb, vd_sh = descale_args(v_descale, device, B, Hkv, "v_descale")
-    if out is None:
-        out = torch.empty((B, Mq, Hq, D), dtype=torch.bfloat16, device=device)
-    else:
-        assert out.shape == (B, Mq, Hq, D) and out.dtype == torch.bfloat16 and out.stride(-1) == 1
-    lse = torch.empty((B, Hq, Mq), dtype=torch.float32, device=device) if return_lse else None
-    if out.numel() == 0 or Mk == 0:
-        out.zero_()
-        if lse is not None:
-            lse.fill_(float("-inf"))
-        return out, lse
+    if ST < 2:
+        raise ValueError(f"config {cfg}: the K/V rings need at least 2 stages")
+    prep = fp8_forward_args(q, k, v, q_descale, k_descale, v_descale, return_lse, out, HEAD_DIMS)
+    if prep.done:
+        return prep.out, prep.lse
+    out, lse = prep.out, prep.lse
     ensure_allocator()
     vt, _ = transpose_v(v)
     launch(_attn_fwd_kernel)[(cdiv(Mq, BM), B * Hq)](
-        q, k, vt, out, lse if lse is not None else qd, qd, kd, vd, scale * LOG2E.value,
+        q, k, vt, out, lse if lse is not None else prep.qd, prep.qd, prep.kd, prep.vd, scale * LOG2E.value,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         vt.stride(0), vt.stride(1), vt.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
-        qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh,
+        *prep.descale_strides,
         Mq, Mk, Hq, Hq // Hkv,
         HEAD_D=D, BLOCK_M=BM, BLOCK_N=BN, STAGES=ST, CAUSAL=causal, WRITE_LSE=return_lse, P_SHIFT=_P_SHIFT,
         num_warps=BM // 16,

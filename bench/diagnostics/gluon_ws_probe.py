@@ -1,0 +1,123 @@
+"""Warp-specialized Gluon fp8 forward on the H200: schedule variants vs our other fp8 kernels and cuDNN fp8.
+
+    python bench/diagnostics/gluon_ws_probe.py [--out DIR] [--quick]
+
+Per shape (per-tensor descales, so cuDNN fp8 takes the same inputs): the Triton fp8 kernel, the software-
+pipelined Gluon kernel, cuDNN fp8 (``cudnn_fp8F``, where nvidia-cudnn-frontend is installed) and every
+warp-specialized variant, each first checked against the Triton output (same P quantization, rel err ~1e-3),
+then timed. TFLOP/s = 4*B*H*N^2*D / t, halved when causal. Writes gluon_ws_probe.json into --out.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+import fmha_ops  # noqa: E402
+from bench.common import (  # noqa: E402
+    attention_tflops,
+    base_parser,
+    environment,
+    or_none,
+    out_dir,
+    print_table,
+    time_ms,
+)
+from fmha_ops import attn_bias as ab  # noqa: E402
+from fmha_ops.kernels.gluon import attention_fwd as G  # noqa: E402
+from fmha_ops.kernels.gluon import attention_fwd_ws as W  # noqa: E402
+from fmha_ops.kernels.triton.attention_fwd import attention_forward as triton_fwd  # noqa: E402
+from fmha_ops.quant import quantize_fp8_tensor  # noqa: E402
+from fmha_ops.testing import error_report, normal_qkv  # noqa: E402
+
+SHAPES = [  # B, Hq, Hkv, N, D, causal
+    (4, 32, 32, 4096, 128, False),
+    (4, 32, 32, 4096, 128, True),
+    (2, 16, 16, 16384, 128, False),
+    (4, 32, 8, 4096, 128, False),
+    (8, 16, 16, 1000, 128, False),
+    (3, 24, 8, 3000, 128, True),
+    (4, 16, 16, 4096, 64, False),
+    (4, 16, 16, 4096, 256, False),
+]
+
+_ONE = W.SINGLE_CONSUMER_MAXNREG
+VARIANTS = {  # head dim -> name -> config
+    64: {"c2n128s2": W.WsFwdConfig(2, 128, 2), "c2n128s3": W.WsFwdConfig(2, 128, 3),
+         "c1n128s3": W.WsFwdConfig(1, 128, 3, _ONE[64]), "c2n64s3": W.WsFwdConfig(2, 64, 3)},
+    128: {"c2n128s2": W.WsFwdConfig(2, 128, 2), "c2n128s3": W.WsFwdConfig(2, 128, 3),
+          "c1n128s2": W.WsFwdConfig(1, 128, 2, _ONE[128]), "c2n64s3": W.WsFwdConfig(2, 64, 3),
+          "c2n128s2shfl": W.WsFwdConfig(2, 128, 2, key_order=False)},
+    256: {"c2n64s2": W.WsFwdConfig(2, 64, 2), "c2n64s3": W.WsFwdConfig(2, 64, 3),
+          "c1n64s2": W.WsFwdConfig(1, 64, 2, _ONE[256])},
+}
+
+
+def probe_shape(B, Hq, Hkv, N, D, causal, quick):
+    q, k, v = normal_qkv((B, N, Hq, D), (B, N, Hkv, D), dtype=torch.bfloat16, device="cuda")
+    (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8_tensor(t) for t in (q, k, v))
+    kw = {"scale": D ** -0.5, "causal": causal, "q_descale": qd, "k_descale": kd, "v_descale": vd}
+
+    def f(ms):
+        return attention_tflops(B, Hq, N, D, causal, ms) if ms else None
+
+    row = {"shape": f"{B}x{Hq}/{Hkv}x{N}x{D}{' causal' if causal else ''}"}
+    row["triton"] = f(or_none(lambda: time_ms(lambda: triton_fwd(q8, k8, v8, **kw))))
+    row["gluon_sp"] = f(or_none(lambda: time_ms(lambda: G.attention_forward(q8, k8, v8, **kw))))
+    bias = ab.LowerTriangularFromBottomRightMask() if causal else None
+    dkw = {"q_descale": qd, "k_descale": kd, "v_descale": vd}
+    row["cudnn_fp8"] = f(or_none(lambda: time_ms(
+        lambda: fmha_ops.memory_efficient_attention(q8, k8, v8, bias, op="cudnn_fp8F", **dkw))))
+    ref = triton_fwd(q8, k8, v8, **kw)[0]
+    best = None
+    for name, cfg in list(VARIANTS[D].items())[:2 if quick else None]:
+        def run(cfg=cfg):
+            return W.attention_forward(q8, k8, v8, config=cfg, **kw)[0]
+        try:
+            o = run()
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001 - report the full compile / launch error and go on
+            print(f"  {row['shape']} {name} FAILED:\n{traceback.format_exc()}", flush=True)
+            row[name] = None
+            continue
+        e = error_report(o, ref)
+        if not e["rel"] < 2e-2:
+            print(f"  {row['shape']} {name} WRONG vs triton: {e}", flush=True)
+            row[name] = None
+            continue
+        row[name] = f(or_none(lambda run=run: time_ms(run)))
+        if row[name] and (best is None or row[name] > row[best]):
+            best = name
+    row["best"] = best
+    for den in ("cudnn_fp8", "triton", "gluon_sp"):
+        row[f"best/{den}"] = row[best] / row[den] if best and row.get(den) else None
+    return row
+
+
+def main():
+    p = base_parser(__doc__)
+    args = p.parse_args()
+    out = out_dir(args.out)
+    print(environment(), flush=True)
+    rows = []
+    for shape in (SHAPES[:2] if args.quick else SHAPES):
+        row = probe_shape(*shape, args.quick)
+        print("ROW", " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+              flush=True)
+        rows.append(row)
+        torch.cuda.empty_cache()
+    with open(os.path.join(out, "gluon_ws_probe.json"), "w") as fh:
+        json.dump({"env": environment(), "variants": {d: {n: dataclasses.asdict(c) for n, c in v.items()}
+                                                      for d, v in VARIANTS.items()}, "rows": rows}, fh, indent=1)
+    vcols = sorted({c for r in rows for c in r if c.startswith("c") and c[1].isdigit()})
+    print_table(rows, ["shape", "triton", "gluon_sp", "cudnn_fp8", *vcols, "best", "best/cudnn_fp8", "best/triton"])
+
+
+if __name__ == "__main__":
+    main()
