@@ -178,7 +178,10 @@ def _bias(bias, ndim: int):
     return bias
 
 
+@torch.no_grad()
 def _apply_fw(cls, inp, needs_gradient: bool):
+    """xformers' op contract: plain tensors out, no autograd graph (xformers' own autograd function, or
+    ``memory_efficient_attention_forward_requires_grad`` + ``_backward``, handle the gradients)."""
     fmha = _xformers()
     bias = _bias(inp.attn_bias, inp.query.ndim)
     kw = dict(op=cls.FMHA_OPS_OP, output_dtype=inp.get_output_dtype())
@@ -188,6 +191,7 @@ def _apply_fw(cls, inp, needs_gradient: bool):
     return memory_efficient_attention_forward(inp.query, inp.key, inp.value, bias, inp.p, inp.scale, **kw), None
 
 
+@torch.no_grad()
 def _apply_bw(cls, ctx, inp, grad):
     from .api import memory_efficient_attention_backward
 

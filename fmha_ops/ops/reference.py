@@ -54,13 +54,16 @@ def reference_attention(inp: Inputs, compute_dtype: torch.dtype = torch.float32
     bias = inp.attn_bias
     segments = list(bias.segments(mq, mk)) if bias else [ab.Segment(0, mq, (0, mk))]
     tensor_bias = None if bias is None or bias.tensor_bias is None else bias.tensor_bias.expand(b, hq, mq, mk)
+    # unbind, not indexing, per batch element: the backward of b selects would add b full-size gradients
+    per_batch = zip(qf.unbind(0), kf.unbind(0), vf.unbind(0),
+                    [None] * b if tensor_bias is None else tensor_bias.unbind(0))
     outs, lses = [], []
-    for bi in range(b):
+    for qb, kb, vb, bias_b in per_batch:
         o_b, l_b = [], []
         for seg in segments:
             keys = seg.key_rows().to(q.device)
-            extra = None if tensor_bias is None else tensor_bias[bi, :, seg.q_start:seg.q_end][:, :, keys]
-            o, lse = _attend(qf[bi, seg.q_start:seg.q_end], kf[bi, keys], vf[bi, keys], seg, extra, inp)
+            extra = None if bias_b is None else bias_b[:, seg.q_start:seg.q_end][:, :, keys]
+            o, lse = _attend(qb[seg.q_start:seg.q_end], kb[keys], vb[keys], seg, extra, inp)
             o_b.append(o)
             l_b.append(lse)
         outs.append(torch.cat(o_b, 0))
@@ -171,7 +174,11 @@ class ReferenceBwOp(AttentionBwOp):
             share = torch.where(seen, torch.exp(l.detach() - lse.float()), torch.zeros_like(l)).transpose(1, 2)
             g = grad_out.float()
             grad_l = share * (g * (o.detach() - out.float())).sum(-1)
-            return torch.autograd.grad((o, l), leaves, (share[..., None] * g, grad_l.transpose(1, 2)))
+            # without keys l is a constant, and an empty batch has no graph at all: their gradients are zeros
+            pairs = [(t, dt) for t, dt in ((o, share[..., None] * g), (l, grad_l.transpose(1, 2))) if t.requires_grad]
+            grads = (torch.autograd.grad([t for t, _ in pairs], leaves, [dt for _, dt in pairs], allow_unused=True)
+                     if pairs else [None] * len(leaves))
+        return tuple(torch.zeros_like(x) if dx is None else dx for x, dx in zip(leaves, grads))
 
     @classmethod
     def estimate(cls, p: Problem) -> float:
