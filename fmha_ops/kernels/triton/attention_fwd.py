@@ -207,16 +207,16 @@ def _attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     q = _load(q_desc, tensor_b, hq, q_start + m0, 0, BLOCK_M, BLOCK_D, VARLEN)
 
-    if MASK_LEFT:
-        for start_n in tl.range(kv_start, full_start, BLOCK_N):
-            acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, softcap_log2, k_start,
-                                  v_start, start_n, seqlen_k, lo, hi, offs_m, tensor_b, hkv, True, MASK_LEFT,
-                                  MASK_RIGHT, SOFTCAP, K_BLOCKSCALE, V_T, P_SHIFT, BLOCK_N, BLOCK_DV, VARLEN)
+    # the unmasked interior first, then the boundary tiles (below full_start and from full_end) in one loop: each
+    # loop pays its own pipeline fill, and a window has boundary tiles on both sides
     for start_n in tl.range(full_start, full_end, BLOCK_N):
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, softcap_log2, k_start, v_start,
                               start_n, seqlen_k, lo, hi, offs_m, tensor_b, hkv, False, MASK_LEFT, MASK_RIGHT, SOFTCAP,
                               K_BLOCKSCALE, V_T, P_SHIFT, BLOCK_N, BLOCK_DV, VARLEN)
-    for start_n in tl.range(full_end, kv_end, BLOCK_N):
+    n_lower = tl.cdiv(full_start - kv_start, BLOCK_N)
+    n_boundary = n_lower + tl.cdiv(kv_end - full_end, BLOCK_N)
+    for t in tl.range(0, n_boundary):
+        start_n = tl.where(t < n_lower, kv_start + t * BLOCK_N, full_end + (t - n_lower) * BLOCK_N)
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, softcap_log2, k_start, v_start,
                               start_n, seqlen_k, lo, hi, offs_m, tensor_b, hkv, True, MASK_LEFT, MASK_RIGHT, SOFTCAP,
                               K_BLOCKSCALE, V_T, P_SHIFT, BLOCK_N, BLOCK_DV, VARLEN)
