@@ -15,8 +15,8 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(BENCH, "results")
 HEADER = os.path.join(BENCH, "findings.md")
 PAGE = os.path.join(BENCH, "..", "BENCHMARKS.md")
-ORDER = ("attention_fwd", "attention_bwd", "backends", "decode", "host_time", "host_time_cpu", "train_convergence_graph",
-         "train_convergence", "context_parallel", "selector", "accuracy", "quantize")
+ORDER = ("attention_fwd", "attention_window", "attention_bwd", "backends", "decode", "host_time", "host_time_cpu",
+         "train_convergence_graph", "train_convergence", "context_parallel", "selector", "accuracy", "quantize")
 ENV_PREFIX = "Environment: "
 
 

@@ -1,12 +1,14 @@
 """Local (sliding-window) attention forward on the H200: a causal 4096-key window at N = 32k against full causal
-attention, ours (Triton, bf16 and fp8) next to SDPA cuDNN (the window as a boolean mask) and FlashAttention-4.
+attention, ours (Triton, bf16 and fp8) next to FlashAttention-4 with the same window and SDPA cuDNN (the window as
+a boolean mask: cuDNN has no window of its own through torch).
 
 TFLOP/s = 4*B*H*D*P / t over the P visible (query, key) pairs (a window's own, or N(N+1)/2 for full causal), so a
 kernel that skips the keys outside the window scores like full attention; ``win/full`` is that ratio for ours
-(same dtype, same run). fp8 inputs are quantized per tensor beforehand (the call excludes quantization).
-CUDA-event medians of whole calls.
+(same dtype, same run), ``ours/fa4`` ours over FA4 with the window (bf16; FA4 takes fp8 only on sm100). fp8
+inputs are quantized per tensor beforehand (the call excludes quantization, includes the V transpose).
+CUDA-event medians of whole calls. Writes ``bench/results/attention_window.md`` and ``<out>/attention_window.json``.
 
-    python bench/attention_window_bench.py [--quick] [--window 4096] [--out DIR]
+    python bench/attention_window_bench.py [--quick] [--window 4096] [--out DIR] [--no-record]
 """
 from __future__ import annotations
 
@@ -17,8 +19,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import base_parser, environment_line, or_none, out_dir, print_table, time_ms, write_json  # noqa: E402
+from bench.common import (Record, base_parser, environment, environment_line, or_none, out_dir,  # noqa: E402
+                          print_table, time_ms, write_json)
 from fmha_ops.kernels.triton.attention_fwd import attention_forward  # noqa: E402
+from fmha_ops.ops.fa4 import fa4_unavailable_reason  # noqa: E402
 from fmha_ops.quant import quantize_fp8_tensor  # noqa: E402
 
 
@@ -33,10 +37,23 @@ def _tflops(B, H, D, pairs, ms):
     return 4 * B * H * D * pairs / (ms * 1e-3) / 1e12 if ms else None
 
 
+COMMAND = "python bench/attention_window_bench.py"
+RECORD = Record(
+    "attention_window", "Local (sliding-window) attention forward", COMMAND,
+    {"shape": "shape (B x H x N x D, window)", "dtype": "dtype", "ours": "ours window", "ours_full": "ours full",
+     "win/full": "win / full", "fa4": "FA4 window", "fa4_full": "FA4 full", "ours/fa4": "ours / FA4 (window)",
+     "cudnn_mask": "cuDNN bool mask", "cudnn_full": "cuDNN full"},
+    "TFLOP/s over the visible (query, key) pairs (4*B*H*D*pairs / t; the window's pairs, or N(N+1)/2 for full "
+    "causal), causal bottom-right, the window ending at each query's own key. Ours: the Triton forward "
+    "(kernels/triton/attention_fwd.py), fp8 per-tensor descales, inputs already quantized, the V transpose "
+    "included. FA4: flash-attn-4 with window_size=(window - 1, 0) (bf16; empty where not installed). cuDNN: torch "
+    "SDPA's cuDNN backend with the window as an (N, N) boolean mask. CUDA-event medians of whole calls.")
+
+
 def _fa4(q, k, v, window_left):
     from flash_attn.cute import flash_attn_func
 
-    return flash_attn_func(q, k, v, causal=True, window_size=(window_left, 0))[0]
+    return flash_attn_func(q, k, v, causal=True, window_size=(window_left, None))[0]
 
 
 def _cudnn_masked(qt, kt, vt, mask):
@@ -44,6 +61,13 @@ def _cudnn_masked(qt, kt, vt, mask):
 
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask)
+
+
+def _time_cudnn_masked(qt, kt, vt, left):
+    """ms of cuDNN SDPA with the causal window as an [N, N] boolean mask (True = visible), freed on return."""
+    i = torch.arange(qt.shape[2], device=qt.device)
+    mask = (i[None, :] <= i[:, None]) & (i[None, :] >= i[:, None] - left)
+    return time_ms(lambda: _cudnn_masked(qt, kt, vt, mask))
 
 
 def _cudnn_causal(qt, kt, vt):
@@ -74,27 +98,33 @@ def run(B: int, H: int, N: int, D: int, window: int) -> list[dict]:
         row["win/full"] = row["ours"] / row["ours_full"] if row["ours"] and row["ours_full"] else None
         rows.append(row)
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-    i = torch.arange(N, device="cuda")
-    mask = (i[None, :] <= i[:, None]) & (i[None, :] >= i[:, None] - left)  # [N, N] bool, True = visible
-    rows[0]["cudnn_mask"] = _tflops(B, H, D, p_win, or_none(lambda: time_ms(lambda: _cudnn_masked(qt, kt, vt, mask))))
-    del mask
+    rows[0]["cudnn_mask"] = _tflops(B, H, D, p_win, or_none(lambda: _time_cudnn_masked(qt, kt, vt, left)))
     rows[0]["cudnn_full"] = _tflops(B, H, D, p_full, or_none(lambda: time_ms(lambda: _cudnn_causal(qt, kt, vt))))
-    rows[0]["fa4"] = _tflops(B, H, D, p_win, or_none(lambda: time_ms(lambda: _fa4(q, k, v, left))))
-    rows[0]["fa4_full"] = _tflops(B, H, D, p_full, or_none(lambda: time_ms(lambda: _fa4(q, k, v, N))))
+    missing = fa4_unavailable_reason()
+    if missing:
+        print(f"  [skip] FA4: {missing}")
+    else:
+        rows[0]["fa4"] = _tflops(B, H, D, p_win, or_none(lambda: time_ms(lambda: _fa4(q, k, v, left))))
+        rows[0]["fa4_full"] = _tflops(B, H, D, p_full, or_none(lambda: time_ms(lambda: _fa4(q, k, v, None))))
+        if rows[0]["fa4"] and rows[0]["ours"]:
+            rows[0]["ours/fa4"] = rows[0]["ours"] / rows[0]["fa4"]
     return rows
 
 
 def main() -> None:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--window", type=int, default=4096)
+    p.add_argument("--no-record", action="store_true", help="print and write the JSON only (no bench/results record)")
     a = p.parse_args()
     out = out_dir(a.out)
     B, H, N, D = (1, 16, 8192, 128) if a.quick else (1, 16, 32768, 128)
     rows = run(B, H, N, D, a.window)
-    cols = ["shape", "dtype", "ours", "ours_full", "win/full", "cudnn_mask", "cudnn_full", "fa4", "fa4_full"]
-    print(environment_line())
-    print_table(rows, cols)
-    write_json(out, "attention_window", rows)
+    env = environment()
+    print(environment_line(env))
+    print_table(rows, list(RECORD.columns))
+    print("json:", write_json(out, "attention_window", rows))
+    if not a.no_record and not a.quick:
+        print("record:", RECORD.write(rows, env))
 
 
 if __name__ == "__main__":
