@@ -15,7 +15,8 @@ A class's declarations are read off our op's (devices from ``ARCHS``, float dtyp
 ``DTYPES``, head dims, partial, determinism); xformers' generic checks run first, then our op's
 own reasons for the call (``fmha_ops.explain``), so xformers reports why ours refuses. Masks are
 xformers' own objects (converted by ``fmha_ops.attn_bias.from_xformers``) or tensors. The classes
-declare no dropout: xformers' backward replays dropout from its own RNG state, ours cannot.
+declare no dropout: xformers' backward replays dropout from its own RNG state, ours cannot. The backward
+classes give a dense tensor bias its gradient (``tensor_bias_gradient``, from the forward's out and lse).
 Each class carries ``FMHA_OPS_OP`` (our op, None for the selector's), so ``fmha_ops`` calls accept
 them as ``op=`` too. Without xformers, attribute access raises ImportError naming the package.
 
@@ -143,8 +144,8 @@ def _op_class(name: str | None, kind: str) -> type:
     label = ours.NAME if ours is not None else f"fmha_ops{'F' if kind == 'fw' else 'B'}"
     ns = dict(
         decl, OPERATOR=True, NAME=label if ours is None else NAME_PREFIX + label, FMHA_OPS_OP=ours,
-        SUPPORTED_ATTN_BIAS_TYPES=_bias_types(fmha), SUPPORTS_DROPOUT=False, SUPPORTS_CUSTOM_SCALE=True,
-        SUPPORTS_OUTPUT_DTYPE=True, SUPPORTS_BMGHK=kind == "fw", VARLEN_LSE_PACKED=True,
+        SUPPORTED_ATTN_BIAS_TYPES=_bias_types(fmha), SUPPORTS_ATTN_BIAS_GRAD=kind == "bw", SUPPORTS_DROPOUT=False,
+        SUPPORTS_CUSTOM_SCALE=True, SUPPORTS_OUTPUT_DTYPE=True, SUPPORTS_BMGHK=kind == "fw", VARLEN_LSE_PACKED=True,
         KIND_OURS=kind,
         not_supported_reasons=classmethod(_not_supported_reasons),
         apply=classmethod(_apply_fw if kind == "fw" else _apply_bw),
@@ -199,4 +200,39 @@ def _apply_bw(cls, ctx, inp, grad):
     bias = _bias(inp.attn_bias, inp.query.ndim)
     grads = memory_efficient_attention_backward(grad, ctx.out, ctx.lse, inp.query, inp.key, inp.value, bias, inp.p,
                                                 inp.scale, op=cls.FMHA_OPS_OP)
-    return fmha.common.Gradients(*grads)
+    tensor = inp.attn_bias
+    db = tensor_bias_gradient(grad, ctx.out, ctx.lse, inp.query, inp.key, inp.value, tensor, inp.scale) \
+        if isinstance(tensor, torch.Tensor) and tensor.requires_grad else None
+    return fmha.common.Gradients(*grads, db=db)
+
+
+def tensor_bias_gradient(grad: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, query: torch.Tensor,
+                         key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor,
+                         scale: float | None = None) -> torch.Tensor:
+    """d(loss)/d(bias) of softmax(scale * q k^T + bias) v for a dense additive bias, from the forward's
+    ``out`` and natural-log ``lse``: dS = P * (dO v^T - rowsum(dO * out)), P = exp(scale * q k^T + bias - lse),
+    summed over the dims ``bias`` broadcasts. BMHK tensors (B, M, H, K) (key / value with Hkv heads repeat
+    per query-head group), grad / out (B, Mq, H, Kv), lse (B, H, Mq), bias broadcastable to (B, H, Mq, Mk).
+    Returns a tensor of ``bias``'s shape and dtype. Rows that saw no key (lse -inf) get 0.
+
+    Example
+    -------
+    >>> out, lse = fmha_ops.memory_efficient_attention_forward_requires_grad(q, k, v, bias)   # doctest: +SKIP
+    >>> db = tensor_bias_gradient(grad, out, lse, q, k, v, bias)                          # doctest: +SKIP
+    """
+    group = query.shape[2] // key.shape[2]
+    k, v = (t.float().repeat_interleave(group, dim=2) for t in (key, value))
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    s = torch.einsum("bmhk,bnhk->bhmn", query.float(), k) * scale + bias.float()
+    lse = lse.float()[..., None]
+    p = torch.where(torch.isfinite(lse), torch.exp(s - lse.nan_to_num(neginf=0.0)), torch.zeros_like(s))
+    dp = torch.einsum("bmhk,bnhk->bhmn", grad.float(), v)
+    rowsum = (grad.float() * out.float()).sum(-1).transpose(1, 2)[..., None]
+    ds = p * (dp - rowsum)
+    extra = ds.ndim - bias.ndim
+    if extra:
+        ds = ds.sum(dim=tuple(range(extra)))
+    broadcast = tuple(d for d, n in enumerate(bias.shape) if n == 1 and ds.shape[d] != 1)
+    if broadcast:  # (an empty dim tuple would sum everything)
+        ds = ds.sum(dim=broadcast, keepdim=True)
+    return ds.to(bias.dtype)
