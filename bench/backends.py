@@ -54,7 +54,7 @@ RECORD = Record(
     {"shape": "B x Hq/Hkv x N x D", "api_op": "api op", "api": "api fwd", "cudnn": "cuDNN fwd", "fa4": "FA4 fwd",
      "api/best": "fwd api/best", "api_bw": "api bwd", "cudnn_bw": "cuDNN bwd", "fa4_bw": "FA4 bwd",
      "api_bw/best": "bwd api/best", "api_fp8_op": "fp8 api op", "api_fp8": "api fp8", "ours_fp8": "ours fp8",
-     "cudnn_fp8": "cuDNN fp8", "api_fp8/best": "fp8 api/best"})
+     "cudnn_fp8": "cuDNN fp8", "api_fp8/best": "fp8 api/best", "api_fp8_out": "api fp8, fp8 out"})
 COLUMNS = list(RECORD.columns)
 
 
@@ -123,7 +123,8 @@ def backward_columns(q, k, v, causal: bool) -> dict:
 
 def fp8_columns(q, k, v, causal: bool) -> dict:
     """fp8 (per-tensor descales, bf16 out) TFLOP/s: ``api_fp8``, ``ours_fp8`` (the fastest of OUR_FP8_OPS),
-    ``cudnn_fp8``, ``api_fp8/best``."""
+    ``cudnn_fp8``, ``api_fp8/best``; and ``api_fp8_out``, the API with the fp8 output option
+    (``output_dtype=float8_e4m3fn``, in v's units)."""
     from fmha_ops.quant import quantize_fp8_tensor
 
     b, n, hq, d = q.shape
@@ -140,6 +141,8 @@ def fp8_columns(q, k, v, causal: bool) -> dict:
            "api_fp8": run(None), "ours_fp8": max((t for t in ours if t), default=None),
            "cudnn_fp8": run("cudnn_fp8F") if available("cudnn_fp8F") else None}
     row["api_fp8/best"] = ratio(row["api_fp8"], row["ours_fp8"], row["cudnn_fp8"])
+    row["api_fp8_out"] = or_none(lambda: attention_tflops(b, hq, n, d, causal, _timed(
+        lambda: fmha_ops.memory_efficient_attention(q8, k8, v8, bias, output_dtype=torch.float8_e4m3fn, **kw))))
     return row
 
 
@@ -161,7 +164,8 @@ def notes(rows: list[dict], skipped: list[str]) -> str:
     text = ("TFLOP/s = 4*B*H*N^2*D / t (halved when causal; backward 2.5x), CUDA events, every column through "
             "`memory_efficient_attention` (`op=` for the single-backend columns). bwd: autograd through the pair "
             "the selector (api), SDPA cuDNN or (fa4F, fa4B) gives; fp8: per-tensor descales, bf16 out, ours = the "
-            f"fastest of {', '.join(OUR_FP8_OPS)}. " + "; ".join(summary_lines(rows)) + ".")
+            f"fastest of {', '.join(OUR_FP8_OPS)}; fp8 out: `output_dtype=float8_e4m3fn` (in v's units). "
+            + "; ".join(summary_lines(rows)) + ".")
     if skipped:
         text += f" Not measured (time budget): {', '.join(skipped)}."
     return text

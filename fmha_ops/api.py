@@ -38,10 +38,14 @@ def memory_efficient_attention(
     a mask from ``fmha_ops.attn_bias``, an xformers mask, or an additive tensor (B, Hq, Mq, Mk).
     ``softcap`` > 0 caps the scores: softcap * tanh(score / softcap) (Gemma 2; not in xformers).
     Returns (B, Mq, Hq, Kv) in ``output_dtype`` (default: query's dtype; bfloat16 for fp8/int8 inputs).
+    ``output_dtype=torch.float8_e4m3fn`` (fp8 e4m3fn inputs, for fp8 pipelines): the output in the value's fp8
+    units, i.e. attention = out.float() * v_descale (it cannot saturate: attention averages value rows).
 
     Example
     -------
     >>> out = memory_efficient_attention(q, k, v, LowerTriangularMask())
+    >>> o8 = memory_efficient_attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
+    ...                                 output_dtype=torch.float8_e4m3fn)  # attention = o8.float() * vd
     """
     inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, output_dtype=output_dtype,
                       q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,

@@ -56,10 +56,26 @@ def validate(inp: Inputs) -> None:
     if inp.softcap < 0.0:
         raise ValueError(f"softcap must be a finite float >= 0 (0 = off), got {inp.softcap}")
     if inp.output_dtype is not None:
-        arguments.dtype("output_dtype", inp.output_dtype, FLOAT_DTYPES)
+        _validate_output_dtype(inp)
     arguments.flag("quantize_kv_to_fp8", inp.quantize_kv_to_fp8)
     if inp.attn_bias is not None:
         inp.attn_bias.validate(q, k)
+
+
+def _validate_output_dtype(inp) -> None:
+    """A float output dtype, or float8_e4m3fn (the fp8 output option) when the value is fp8 e4m3fn: the output is
+    then in the value's fp8 units, its descale ``v_descale`` (attention averages value rows, so it cannot
+    saturate)."""
+    if inp.output_dtype == torch.float8_e4m3fn:
+        if inp.value.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"output_dtype=float8_e4m3fn needs an fp8 e4m3fn value (the output is in the value's "
+                             f"fp8 units, descale v_descale); got value dtype {dtype_name(inp.value.dtype)}")
+        if not isinstance(inp.v_descale, torch.Tensor) or inp.v_descale.numel() != 1:
+            shape = None if not isinstance(inp.v_descale, torch.Tensor) else tuple(inp.v_descale.shape)
+            raise ValueError(f"output_dtype=float8_e4m3fn needs a per-tensor v_descale (numel 1: the output's own "
+                             f"descale); got v_descale of shape {shape}")
+        return
+    arguments.dtype("output_dtype", inp.output_dtype, FLOAT_DTYPES + (torch.float8_e4m3fn,))
 
 
 def _validate_dtypes(inp: Inputs) -> None:

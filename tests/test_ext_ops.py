@@ -217,3 +217,29 @@ def test_extras_install_what_the_ops_check_for():
     assert tuple(int(x) for x in re.search(r">=(\d+)\.(\d+)", req).groups()) == MIN_FRONTEND
     assert fa4_package_reason() is None or "fmha-ops[fa4]" in fa4_package_reason()
     assert cudnn_package_reason() is None or "fmha-ops[cudnn]" in cudnn_package_reason()
+
+
+def test_fp8_output_is_in_the_values_units_and_declared_by_the_ops_that_write_it():
+    (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8_tensor(torch.randn(2, 40, 4, 32) * s) for s in (1.0, 2.0, 3.0))
+    kw = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    o8 = fmha_ops.memory_efficient_attention(q8, k8, v8, ab.LowerTriangularMask(), output_dtype=F8, **kw)
+    want = fmha_ops.memory_efficient_attention(q8, k8, v8, ab.LowerTriangularMask(), output_dtype=torch.float32, **kw)
+    assert o8.dtype == F8 and o8.shape == want.shape
+    err = (o8.float() * vd - want).abs()
+    assert float(err.max()) <= float(want.abs().max()) * 2 ** -3  # one fp8 rounding of |o| <= max|v|
+    assert reasons(CudnnFp8FwOp, problem(H200, dtype=F8, partial=True)) == ""
+    q = torch.randn(2, 64, 4, 64).to(F8)
+    one = torch.ones(1)
+    inp = make_inputs(q, q, q, None, q_descale=one, k_descale=one, v_descale=one, output_dtype=F8)
+    inp.validate()
+    p8 = dataclasses.replace(inp.problem(), arch=H200)
+    assert reasons(CudnnFp8FwOp, p8) == ""
+    assert "output dtype float8_e4m3fn not supported" in reasons(fmha_ops.get_op("triton_fp8F"), p8)
+
+
+def test_fp8_output_needs_fp8_values():
+    x = torch.randn(1, 8, 2, 16)
+    with pytest.raises(ValueError, match="output_dtype=float8_e4m3fn needs an fp8 e4m3fn value"):
+        fmha_ops.memory_efficient_attention(x, x, x, output_dtype=F8)
+    with pytest.raises(ValueError, match="output_dtype=int8 not supported"):
+        fmha_ops.memory_efficient_attention(x, x, x, output_dtype=torch.int8)

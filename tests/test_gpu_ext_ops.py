@@ -206,3 +206,16 @@ def test_cudnn_fp8_large_head_dims_match_reference(d):
     out = fmha_ops.memory_efficient_attention(q8, k8, v8, ab.LowerTriangularMask(), op="cudnn_fp8F", **kw)
     rep = error_report(out, ref(q8, k8, v8, ab.LowerTriangularMask(), **kw))
     assert rep["cos"] > 0.997 and rep["rel"] < 8e-2, rep
+
+
+@needs(CudnnFp8FwOp)
+@pytest.mark.parametrize("bias", [None, ab.LowerTriangularMask()])
+def test_cudnn_fp8_output_option_is_the_bf16_output_in_v_units(bias):
+    (q8, k8, v8), kw = per_tensor(*qkv(2, 1000, 1000, 16, 4, 128, seed=21))
+    o8 = fmha_ops.memory_efficient_attention(q8, k8, v8, bias, output_dtype=torch.float8_e4m3fn, **kw)
+    assert o8.dtype == torch.float8_e4m3fn
+    assert fmha_ops.explain(q8, k8, v8, bias, output_dtype=torch.float8_e4m3fn, **kw).selected.NAME == "cudnn_fp8F"
+    out = fmha_ops.memory_efficient_attention(q8, k8, v8, bias, op="cudnn_fp8F", **kw)
+    torch.testing.assert_close(o8.float() * kw["v_descale"], out.float(), rtol=1e-2, atol=1e-2)
+    rep = error_report(o8.float() * kw["v_descale"], ref(q8, k8, v8, bias, **kw))
+    assert rep["cos"] > 0.997, rep

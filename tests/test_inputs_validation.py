@@ -272,10 +272,18 @@ def test_scale_not_finite(scale):
     check(rf"scale must be a finite float, got {scale}", scale=scale)
 
 
-@pytest.mark.parametrize("dt", [torch.float64, torch.int8, F8, torch.int32])
+@pytest.mark.parametrize("dt", [torch.float64, torch.int8, torch.int32])
 def test_output_dtype(dt):
     check(rf"output_dtype={str(dt).replace('torch.', '')} not supported; supported: float16, bfloat16, float32",
           output_dtype=dt)
+
+
+def test_fp8_output_dtype_needs_fp8_values_with_a_per_tensor_descale():
+    check(r"output_dtype=float8_e4m3fn needs an fp8 e4m3fn value", output_dtype=F8)
+    q, k, v = qkv(F8)
+    head = torch.ones(q.shape[0], k.shape[2])
+    check(r"output_dtype=float8_e4m3fn needs a per-tensor v_descale", q=q, k=k, v=v, output_dtype=F8,
+          q_descale=head, k_descale=head, v_descale=head)
 
 
 # ---- masks -------------------------------------------------------------------------------------------------

@@ -4,10 +4,12 @@ One cuDNN graph (``sdpa_fp8``) per call signature, built on the first call and c
 a repeated call binds its tensors to the cached graph and executes it (no graph building per call).
 
 Contract: fp8 e4m3 q/k/v with per-tensor float32 descales; out = attention(q*q_descale, k*k_descale,
-v*v_descale) in bfloat16 / float16 / float32 (default bfloat16). On Hopper cuDNN writes the output in fp8 only,
-so the graph attends to v in its fp8 units (descale 1) with output scale 1: since attention is a convex
-combination of value rows, |o| <= max|v_fp8| <= 448 and the fp8 output cannot saturate, with no reduction over
-v per call; one fused kernel (``kernels.triton.dequantize``) then writes o_fp8 * v_descale in the output dtype.
+v*v_descale) in bfloat16 / float16 / float32 (default bfloat16), or with ``output_dtype=float8_e4m3fn`` in fp8
+in v's units (attention = out * v_descale). On Hopper cuDNN writes the output in fp8 only, so the graph attends
+to v in its fp8 units (descale 1) with output scale 1: since attention is a convex combination of value rows,
+|o| <= max|v_fp8| <= 448 and the fp8 output cannot saturate, with no reduction over v per call. The fp8 output
+is returned as it is; for a float output one fused kernel (``kernels.triton.dequantize``) writes
+o_fp8 * v_descale in the output dtype.
 
 Declined, with reasons: per-(batch, head), per-block or per-channel descales (cuDNN takes one scalar per
 tensor), varlen / padded / paged masks, one query token (no plan), bottom-right causal with Mq != Mk on
@@ -185,13 +187,14 @@ GRAPHS = GraphCache()
 
 @register
 class CudnnFp8FwOp(OptionalPackage, AttentionFwOp):
-    """cuDNN fp8 attention forward (``sdpa_fp8``): fp8 e4m3 q/k/v, per-tensor descales, bf16/fp16/fp32 out."""
+    """cuDNN fp8 attention forward (``sdpa_fp8``): fp8 e4m3 q/k/v, per-tensor descales, bf16/fp16/fp32 out, or
+    fp8 out in v's units."""
 
     NAME = "cudnn_fp8F"
     ARCHS = ("cuda>=9.0",)
     REQUIRES = ("triton",)
     DTYPES = frozenset({(_FP8,) * 3})
-    OUT_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})
+    OUT_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32, _FP8})
     HEAD_DIMS = range(16, 257, 16)
     BIAS_KINDS = _BIAS
     GQA = True
@@ -211,6 +214,8 @@ class CudnnFp8FwOp(OptionalPackage, AttentionFwOp):
                      f"(cuDNN's fp8 forward has it on Blackwell only)")
         if blackwell and p.head_dim > 128:
             r.append(f"head dim K={p.head_dim} not supported on Blackwell; supported: multiples of 16 from 16 to 128")
+        if p.out_dtype == _FP8 and p.needs_grad:
+            r.append("gradients through an fp8 output (output_dtype=float8_e4m3fn) not supported")
         if p.seqlen_k == 0 or p.seqlen_q == 0:
             r.append(f"empty sequences (Mq={p.seqlen_q}, Mk={p.seqlen_k}) not supported")
         elif p.seqlen_q < MIN_SEQLEN_Q:
@@ -224,6 +229,8 @@ class CudnnFp8FwOp(OptionalPackage, AttentionFwOp):
 
         graph, consts, cudnn = GRAPHS.get(inp, needs_lse)
         o8, lse = graph.run(inp, consts, cudnn)
+        if inp.out_dtype == _FP8:
+            return o8, lse
         return dequantize(o8, inp.v_descale, inp.out_dtype), lse
 
     @classmethod

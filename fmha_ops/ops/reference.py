@@ -109,7 +109,7 @@ class ReferenceFwOp(AttentionFwOp):
     NAME = "torch_referenceF"
     ARCHS = ("cpu", "cuda>=0.0", "rocm")
     DTYPES = _DTYPES
-    OUT_DTYPES = frozenset(FLOAT_DTYPES)
+    OUT_DTYPES = frozenset(FLOAT_DTYPES) | {torch.float8_e4m3fn}  # fp8: in v's units (validation's contract)
     HEAD_DIMS = range(1, 1025)
     HEAD_DIMS_V = range(1, 1025)
     BIAS_KINDS = ab.ALL_KINDS
@@ -127,8 +127,16 @@ class ReferenceFwOp(AttentionFwOp):
     PRIORITY = -100
 
     @classmethod
+    def extra_reasons(cls, p: Problem) -> list[str]:
+        if p.out_dtype == torch.float8_e4m3fn and p.descales[2] != "tensor":
+            return [f"an fp8 output is in v's units: needs a per-tensor v_descale (got kind {p.descales[2]!r})"]
+        return []
+
+    @classmethod
     def apply(cls, inp, needs_lse):
         out, lse = reference_attention(inp)
+        if inp.out_dtype == torch.float8_e4m3fn:  # attention = out * v_descale
+            out = out / inp.v_descale.float().reshape(())
         return out.to(inp.out_dtype), (lse if needs_lse else None)
 
     @classmethod
