@@ -82,8 +82,23 @@ def _mask(causal: bool):
     return ab.LowerTriangularFromBottomRightMask() if causal else None
 
 
+def _time(fn: Callable[[], object]) -> float:
+    return time_ms(fn, warmup=WARMUP_MS, rep=REP_MS)
+
+
+def _compile(fn: Callable[[], object]) -> None:
+    """One untimed call: with ``--compile-only`` it fills the JIT caches (Triton's, FA4's CuTe DSL cache) that a
+    later timed run in another process reads."""
+    fn()
+    torch.cuda.synchronize()
+
+
+#: what each column does with its call: ``_time`` (ms) or, with ``--compile-only``, ``_compile``
+_RUN = {"call": _time}
+
+
 def _timed(fn: Callable[[], object]) -> float | None:
-    return or_none(lambda: time_ms(fn, warmup=WARMUP_MS, rep=REP_MS))
+    return or_none(lambda: _RUN["call"](fn))
 
 
 def forward_columns(q, k, v, causal: bool) -> dict:
@@ -174,10 +189,15 @@ def notes(rows: list[dict], skipped: list[str]) -> str:
 def main(argv=None) -> dict:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--budget", type=float, default=0.0, help="seconds; shapes left after it are not measured")
+    parser.add_argument("--shapes", default=None, help="comma list of indices into SHAPES (default: all)")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="run every column's call once, untimed (fills the JIT caches), and write nothing")
     args = parser.parse_args(argv)
+    _RUN["call"] = _compile if args.compile_only else _time
     t_end = time.perf_counter() + args.budget if args.budget else float("inf")
     rows, skipped = [], []
-    for B, Hq, Hkv, N, D, causal in SHAPES[:2] if args.quick else SHAPES:
+    shapes = [SHAPES[int(i)] for i in args.shapes.split(",")] if args.shapes else SHAPES
+    for B, Hq, Hkv, N, D, causal in shapes[:2] if args.quick else shapes:
         label = shape_label(B, Hq, Hkv, N, D, causal)
         if time.perf_counter() > t_end:
             skipped.append(label)
@@ -191,6 +211,8 @@ def main(argv=None) -> dict:
         rows.append(row)
         del q, k, v
         torch.cuda.empty_cache()
+    if args.compile_only:
+        return {"rows": rows, "not_measured": skipped}
     if rows:
         print_table(rows, COLUMNS)
     for line in summary_lines(rows):

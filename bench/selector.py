@@ -73,10 +73,17 @@ def calls(device: str, quick: bool, dtypes: tuple[str, ...] | None = None) -> li
     return out
 
 
+#: ``--compile-only``: time_op makes its untimed call only (filling the JIT caches a later timed run reads)
+_RUN = {"compile_only": False}
+
+
 def time_op(fn, device: str) -> float:
     """Seconds per ``fn()``: one untimed call (JIT compilation, graph building), then the median of a short
-    CUDA-event window (``do_bench``); on a CPU the median of 3 timed calls."""
+    CUDA-event window (``do_bench``); on a CPU the median of 3 timed calls. With ``--compile-only`` the untimed
+    call alone (returns 1.0)."""
     fn()
+    if _RUN["compile_only"]:
+        return 1.0
     if device == "cuda":
         from triton.testing import do_bench
 
@@ -217,24 +224,35 @@ def main(argv=None) -> dict:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--dtypes", default=None, help=f"comma list of {', '.join(PREFILL_DTYPES)}: prefill only")
     parser.add_argument("--budget", type=float, default=0.0, help="seconds; calls left after it are not measured")
+    parser.add_argument("--shard", default="0/1", help="K/N: only every N-th call from the K-th (for --compile-only)")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="run every timed op once, untimed (fills the JIT caches), and write nothing")
     args = parser.parse_args(argv)
+    _RUN["compile_only"] = args.compile_only
+    shard, shards = (int(x) for x in args.shard.split("/"))
     dtypes = tuple(args.dtypes.split(",")) if args.dtypes else None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     t_start = time.perf_counter()
     rows, skipped = [], []
-    for kind, make in calls(device, args.quick, dtypes):
+    for i, (kind, make) in enumerate(calls(device, args.quick, dtypes)):
+        if i % shards != shard:
+            continue
         call = make()
         label = call.label if kind == "fw" else "backward " + call.label.split(" ", 1)[1]
         if args.budget and time.perf_counter() - t_start > args.budget:
             skipped.append(label)
             continue
         selected, times = (measure_forward if kind == "fw" else measure_backward)(call, device)
+        if args.compile_only:
+            continue
         if times:
             rows.append(regret_row(label, selected, times))
             r = rows[-1]
             print(f"{label}: {selected} vs {r['best']} regret {_pct(r['regret'])} "
                   f"[{time.perf_counter() - t_start:.0f} s]", flush=True)
         del call
+    if args.compile_only:
+        return {"rows": [], "summary": {"seconds": time.perf_counter() - t_start}}
     if rows:
         print_table(rows, ["call", "selected", "best", "t_sel_us", "t_best_us", "regret"])
     summary = summarize(rows) | {"not_measured": skipped, "seconds": time.perf_counter() - t_start}

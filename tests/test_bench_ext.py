@@ -74,3 +74,8 @@ def test_measure_backward_times_every_supporting_backward_op():
     selected, times = selector.measure_backward(call, "cpu")
     assert selected in times and all(t > 0 for t in times.values())
     assert torch.is_tensor(call.args[0]) and not call.args[0].requires_grad  # the call's own tensors are untouched
+
+
+def test_selector_compile_only_shards_the_calls_and_writes_nothing(tmp_path):
+    res = selector.main(["--quick", "--compile-only", "--shard", "1/2", "--out", str(tmp_path)])
+    assert res["rows"] == [] and not os.path.exists(tmp_path / "selector.json")
