@@ -219,3 +219,29 @@ def test_cudnn_fp8_output_option_is_the_bf16_output_in_v_units(bias):
     torch.testing.assert_close(o8.float() * kw["v_descale"], out.float(), rtol=1e-2, atol=1e-2)
     rep = error_report(o8.float() * kw["v_descale"], ref(q8, k8, v8, bias, **kw))
     assert rep["cos"] > 0.997, rep
+
+
+@needs(FA4BwOp)
+def test_fp8_training_step_with_fa4_backward_captures_in_a_cuda_graph():
+    q, k, v = (t.requires_grad_() for t in qkv(4, 1024, 1024, 8, 8, 64, seed=23))
+    g = torch.randn(4, 1024, 8, 64, device=DEV, dtype=torch.bfloat16)
+
+    def step():
+        out = fmha_ops.fp8_attention(q, k, v, causal=True)
+        return torch.autograd.grad(out, (q, k, v), g)
+
+    expect = step()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        grads = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(grads, expect):  # FA4 accumulates dQ with atomics: equal up to summation order
+        assert error_report(got, want)["cos"] > 0.99999
+    picked = {op.NAME for key, op in fmha_ops.SELECTOR._memo.items() if key[0] == "bw"}
+    assert "fa4B" in picked, picked
