@@ -96,21 +96,25 @@ def time_op(fn, device: str) -> float:
     return statistics.median(times)
 
 
-def contenders(problem, kind: str) -> tuple[type | None, list]:
-    """The op the selector picks for ``problem`` and the supporting ops worth timing (estimate within
-    SKIP_FACTOR of the best estimate; the selected op always)."""
+def contenders(problem, kind: str) -> tuple[type | None, list, dict]:
+    """The op the selector picks for ``problem``, the supporting ops worth timing (estimate within SKIP_FACTOR of
+    the best estimate; the selected op always) and their estimates: what the selector ranked by (us, and its
+    source) and the op's own uncalibrated model (us), kept with each row so calibrations can be derived from the
+    measured times."""
     report = SELECTOR.explain(problem, kind)
     ok = [v for v in report.verdicts if v.ok]
     best = min((v.estimate for v in ok if v.estimate is not None), default=math.inf)
     keep = [v.op for v in ok if v.op is report.selected or v.estimate is None or v.estimate <= SKIP_FACTOR * best]
-    return report.selected, keep
+    estimates = {v.op.NAME: {"ranked_us": v.estimate and v.estimate * 1e6, "source": v.source,
+                             "model_us": (v.op.estimate(problem) or 0.0) * 1e6} for v in ok if v.op in keep}
+    return report.selected, keep, estimates
 
 
-def measure_forward(call: Call, device: str) -> tuple[str, dict[str, float]]:
-    """(selected op name, seconds per timed op) for one forward call."""
+def measure_forward(call: Call, device: str) -> tuple[str, dict[str, float], dict]:
+    """(selected op name, seconds per timed op, estimates per op as ``contenders`` gives) for one forward call."""
     from fmha_ops.api import memory_efficient_attention
 
-    selected, ops = contenders(call.problem(), "fw")
+    selected, ops, estimates = contenders(call.problem(), "fw")
     times = {}
     for op in ops:
         try:
@@ -118,12 +122,13 @@ def measure_forward(call: Call, device: str) -> tuple[str, dict[str, float]]:
         except (torch.OutOfMemoryError, NotImplementedError, RuntimeError) as e:
             print(f"  [skip] {op.NAME}: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
             torch.cuda.empty_cache() if device == "cuda" else None
-    return selected.NAME, times
+    return selected.NAME, times, estimates
 
 
-def measure_backward(call: Call, device: str) -> tuple[str, dict[str, float]]:
-    """(selected backward op name, seconds per timed backward op) for the call with gradients: every backward op
-    gets the same output, LSE and output gradient (from the forward the selector picks for a partial call)."""
+def measure_backward(call: Call, device: str) -> tuple[str, dict[str, float], dict]:
+    """(selected backward op name, seconds per timed backward op, estimates) for the call with gradients: every
+    backward op gets the same output, LSE and output gradient (from the forward the selector picks for a partial
+    call)."""
     q, k, v, bias = call.args
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     inp = make_inputs(q, k, v, bias, is_partial=True, **call.kwargs)
@@ -133,7 +138,7 @@ def measure_backward(call: Call, device: str) -> tuple[str, dict[str, float]]:
     with torch.no_grad():
         out, lse = fw.apply(inp, True)
     grad = torch.randn_like(out)
-    selected, ops = contenders(problem, "bw")
+    selected, ops, estimates = contenders(problem, "bw")
     times = {}
     for op in ops:
         try:
@@ -141,7 +146,7 @@ def measure_backward(call: Call, device: str) -> tuple[str, dict[str, float]]:
         except (torch.OutOfMemoryError, NotImplementedError, RuntimeError) as e:
             print(f"  [skip] {op.NAME}: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
             torch.cuda.empty_cache() if device == "cuda" else None
-    return selected.NAME, times
+    return selected.NAME, times, estimates
 
 
 def regret_row(label: str, selected: str, times: dict[str, float]) -> dict:
@@ -242,11 +247,11 @@ def main(argv=None) -> dict:
         if args.budget and time.perf_counter() - t_start > args.budget:
             skipped.append(label)
             continue
-        selected, times = (measure_forward if kind == "fw" else measure_backward)(call, device)
+        selected, times, estimates = (measure_forward if kind == "fw" else measure_backward)(call, device)
         if args.compile_only:
             continue
         if times:
-            rows.append(regret_row(label, selected, times))
+            rows.append(regret_row(label, selected, times) | {"estimates": estimates})
             r = rows[-1]
             print(f"{label}: {selected} vs {r['best']} regret {_pct(r['regret'])} "
                   f"[{time.perf_counter() - t_start:.0f} s]", flush=True)

@@ -71,7 +71,8 @@ def test_selector_budget_leaves_calls_unmeasured(tmp_path):
 
 def test_measure_backward_times_every_supporting_backward_op():
     call = selector.prefill_call(1, 64, 4, 2, 32, True, "float32", "cpu")
-    selected, times = selector.measure_backward(call, "cpu")
+    selected, times, estimates = selector.measure_backward(call, "cpu")
+    assert set(estimates) == set(times) and all(e["model_us"] > 0 for e in estimates.values())
     assert selected in times and all(t > 0 for t in times.values())
     assert torch.is_tensor(call.args[0]) and not call.args[0].requires_grad  # the call's own tensors are untouched
 
