@@ -15,7 +15,7 @@ is xformers' file with the edits its header lists (BSD licence: ``LICENSE.xforme
 
 Every other test exercises xformers' own kernels or dispatcher and is deselected.
 
-Sampling (CI's time budget): the op-parametrized cases fall into groups of one test, op, dtype and mask type
+Sampling (CI's time budget): the op-parametrized cases fall into groups of one test, op, device, dtype and mask type
 (tests without those parameters: one group per test); each group keeps ``ceil(n / XFORMERS_COMPAT_SAMPLE)``
 of its n cases (at least one), the ones with the smallest CRC-32 of ``XFORMERS_COMPAT_SEED`` + test id. So
 every mask type and dtype stays and a seeded subset of shapes / layouts runs; sampled runs leave xformers'
@@ -108,7 +108,7 @@ def _mentions_ours(item) -> bool:
 
 def _group(item) -> tuple:
     m = _CASE.search(item.name)
-    return (item.originalname, m["op"], m["dtype"], m["bias"]) if m else (item.originalname,)
+    return (item.originalname, m["op"], m["device"], m["dtype"], m["bias"]) if m else (item.originalname,)
 
 
 def _large_on_cpu(item) -> bool:
