@@ -181,8 +181,9 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.1%}"
 
 
-def record(rows: list[dict], env: dict, png: str | None = None) -> str:
-    """Write bench/results/selector.md: regret per kind of call (the label's first two words) from main's rows."""
+def record(rows: list[dict], env: dict, png: str | None = None, skipped: tuple[str, ...] = ()) -> str:
+    """Write bench/results/selector.md: regret per kind of call (the label's first two words) from main's rows;
+    ``skipped``: the calls the time budget left out."""
     groups: dict[str, list[dict]] = {}
     for r in rows:
         groups.setdefault(" ".join(r["call"].split()[:2]), []).append(r)
@@ -197,9 +198,11 @@ def record(rows: list[dict], env: dict, png: str | None = None) -> str:
                                      if worst["regret"] else "-")})
     summary = summarize(rows)
     notes = (f"All {len(rows)} calls: median regret {_pct(summary['median_regret'])}, worst "
-             f"{_pct(summary['worst_regret'])}; regret = t(selected) / t(fastest supporting op) - 1, calls between and outside "
-             "the tuned buckets (other lengths, batch sizes, GQA ratios, head dims); backward rows: the backward op a "
-             "bf16 call with gradients gets, against every backward op on the same output and LSE.")
+             f"{_pct(summary['worst_regret'])}; regret = t(selected) / t(fastest supporting op) - 1, calls between and "
+             "outside the tuned buckets (other lengths, batch sizes, GQA ratios, head dims); backward rows: the "
+             "backward op a bf16 call with gradients gets, against every backward op on the same output and LSE.")
+    if skipped:
+        notes += f" Not measured (time budget): {len(skipped)} calls, from {skipped[0]}."
     return RECORD.write(table, env, png, notes)
 
 
@@ -268,7 +271,7 @@ def main(argv=None) -> dict:
     write_json(d, "selector", rows, {"summary": summary})
     png = plot(d, rows, summary) if rows else None
     if rows and not (args.no_record or args.quick or dtypes):
-        print("record:", record(rows, environment(), png))
+        print("record:", record(rows, environment(), png, tuple(skipped)))
     return {"rows": rows, "summary": summary}
 
 

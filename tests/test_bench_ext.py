@@ -80,3 +80,18 @@ def test_measure_backward_times_every_supporting_backward_op():
 def test_selector_compile_only_shards_the_calls_and_writes_nothing(tmp_path):
     res = selector.main(["--quick", "--compile-only", "--shard", "1/2", "--out", str(tmp_path)])
     assert res["rows"] == [] and not os.path.exists(tmp_path / "selector.json")
+
+
+def test_selector_record_groups_calls_and_names_the_unmeasured(tmp_path, monkeypatch):
+    class Capture:  # the record's writer, returning what it would write
+        @staticmethod
+        def write(table, env, png, notes):
+            return table, notes
+
+    monkeypatch.setattr(selector, "RECORD", Capture)
+    rows = [selector.regret_row("prefill bfloat16 B1 N8", "a", {"a": 2e-6, "b": 1e-6}),
+            selector.regret_row("backward bfloat16 B1 N8", "a", {"a": 1e-6})]
+    table, notes = selector.record(rows, {}, None, ("decode bf16 B2",))
+    assert [t["kind"] for t in table] == ["prefill bfloat16", "backward bfloat16"]
+    assert table[0]["worst"] == "100.0%" and "B1 N8: a vs b" in table[0]["worst_call"]
+    assert "Not measured (time budget): 1 calls, from decode bf16 B2." in notes
