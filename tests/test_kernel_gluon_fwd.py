@@ -1,4 +1,5 @@
-"""Gluon fp8 attention forward (fmha_ops/kernels/gluon/attention_fwd.py) and its op ``gluon_fp8F``.
+"""Gluon fp8 attention forwards (fmha_ops/kernels/gluon/attention_fwd.py, attention_fwd_ws.py) and their ops
+``gluon_fp8F``, ``gluon_ws_fp8F``.
 
 Gluon kernels do not run in the Triton interpreter, so the CPU suite checks only the op's declarations,
 rejections and registry behaviour; the ``gpu`` tests (H200, sm90) check the kernel against a float32
@@ -48,6 +49,9 @@ def test_op_registered_and_declared():
     assert set(op.HEAD_DIMS) == {64, 128, 256}
     assert op.DTYPES == frozenset({(FP8, FP8, FP8)})
     assert op.OUT_DTYPES == frozenset({torch.bfloat16})
+    ws = REGISTRY.get("gluon_ws_fp8F")
+    for name in ("ARCHS", "HEAD_DIMS", "DTYPES", "OUT_DTYPES", "BIAS_KINDS", "DESCALES", "GQA"):
+        assert getattr(ws, name) == getattr(op, name), name  # the same contract, another schedule
 
 
 def test_op_not_available_on_cpu():
@@ -235,8 +239,9 @@ def test_gpu_gluon_op_through_api():
 
     q, k, v = _inputs("normal", 2, 1000, 1000, 8, 2, 128, 128, torch.bfloat16, seed=5)
     q8, k8, v8, qd, kd, vd = quantize_qkv_fp8(q, k, v)
-    for bias in (None, ab.LowerTriangularFromBottomRightMask()):
-        o = memory_efficient_attention_forward(q8, k8, v8, attn_bias=bias, op="gluon_fp8F", q_descale=qd,
-                                               k_descale=kd, v_descale=vd)
-        ref, _ = reference(_dq(q8, qd, 4), _dq(k8, kd), _dq(v8, vd), 128 ** -0.5, bias is not None)
-        assert error_report(o, ref)["rel"] < 4e-2
+    for op in ("gluon_fp8F", "gluon_ws_fp8F"):
+        for bias in (None, ab.LowerTriangularFromBottomRightMask()):
+            o = memory_efficient_attention_forward(q8, k8, v8, attn_bias=bias, op=op, q_descale=qd,
+                                                   k_descale=kd, v_descale=vd)
+            ref, _ = reference(_dq(q8, qd, 4), _dq(k8, kd), _dq(v8, vd), 128 ** -0.5, bias is not None)
+            assert error_report(o, ref)["rel"] < 4e-2, op

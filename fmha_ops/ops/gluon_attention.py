@@ -1,9 +1,10 @@
-"""Gluon fp8 attention forward for Hopper (``kernels/gluon/attention_fwd.py``): the op ``gluon_fp8F``.
+"""Gluon fp8 attention forwards for Hopper: the ops ``gluon_fp8F`` (``kernels/gluon/attention_fwd.py``, software
+pipelined) and ``gluon_ws_fp8F`` (``kernels/gluon/attention_fwd_ws.py``, warp-specialized).
 
 sm90 only (async wgmma, TMA and mbarriers as Gluon exposes them for Hopper); needs a Triton with
 ``triton.experimental.gluon`` (3.6.0 has it). Dense batches, head dims 64/128/256 (K == Kv), no mask or
 bottom-right causal, GQA, q/k/v descales per tensor or per (batch, kv head); bf16 out; returns the LSE.
-Gluon kernels do not run in the Triton interpreter: the op never runs on a CPU.
+Gluon kernels do not run in the Triton interpreter: the ops never run on a CPU.
 """
 from __future__ import annotations
 
@@ -59,3 +60,22 @@ class GluonFp8FwOp(AttentionFwOp):
     @classmethod
     def estimate(cls, p: Problem) -> float:
         return attention_time(p, cls.TFLOPS, 3.0, 6.0)
+
+
+@register
+class GluonWsFp8FwOp(GluonFp8FwOp):
+    """fp8 e4m3fn q/k/v, warp-specialized in Gluon: a TMA producer warp, two consumer warpgroups ping-ponging
+    softmax against each other's wgmmas (FA3's schedule); the same contract as ``gluon_fp8F``."""
+
+    NAME = "gluon_ws_fp8F"
+    #: placeholder rate for the cost model until the H200 tuning table measures this op: below triton_fp8F's, so
+    #: the op is chosen only where the table says it is faster, or with op="gluon_ws_fp8F"
+    TFLOPS = 750.0
+
+    @classmethod
+    def apply(cls, inp, needs_lse):
+        from ..kernels.gluon.attention_fwd_ws import attention_forward
+
+        return attention_forward(inp.query, inp.key, inp.value, scale=inp.softmax_scale, causal=inp.bias_kind != ab.NONE,
+                                 q_descale=inp.q_descale, k_descale=inp.k_descale, v_descale=inp.v_descale,
+                                 return_lse=needs_lse)
