@@ -111,7 +111,7 @@ def test_ws_launcher_finishes_empty_problems_and_rejects_bad_configs():
     q, k = torch.randn(1, 3, 4, 64).to(FP8), torch.randn(1, 0, 2, 64).to(FP8)
     out, lse = ws.attention_forward(q, k, k, scale=0.125, return_lse=True)
     assert out.float().eq(0).all() and lse.eq(float("-inf")).all()
-    for bad in (ws.WsFwdConfig(consumers=3), ws.WsFwdConfig(stages=1)):
+    for bad in (ws.WsFwdConfig(consumers=4), ws.WsFwdConfig(stages=1)):
         with pytest.raises(ValueError, match="config"):
             ws.attention_forward(q, k, k, scale=0.125, config=bad)
     with pytest.raises(ValueError, match="head dim"):
@@ -123,8 +123,12 @@ _COMPILE_CHECK = """
 import dataclasses, sys
 from fmha_ops.kernels.gluon import attention_fwd_ws as ws
 head_dim, causal, consumers = int(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[3])
-cfg = dataclasses.replace(ws.default_config(head_dim, causal), consumers=consumers,
-                          maxnreg=168 if consumers == 2 else ws.SINGLE_CONSUMER_MAXNREG[head_dim])
+cfg = ws.default_config(head_dim, causal)
+if consumers == 1:
+    cfg = dataclasses.replace(cfg, consumers=1, maxnreg=ws.SINGLE_CONSUMER_MAXNREG[head_dim])
+elif consumers == 3:
+    cfg = dataclasses.replace(cfg, consumers=3, block_n=64, maxnreg=ws.THREE_CONSUMER_MAXNREG,
+                              consumer_regs=ws.THREE_CONSUMER_REGS)
 kernel = ws.compile_sm90(head_dim, causal=causal, write_lse=True, config=cfg)
 assert "wgmma" in kernel.asm["ptx"] and kernel.asm["cubin"]
 assert kernel.metadata.num_warps == 4 * (consumers + 1), kernel.metadata.num_warps  # + the producer's warpgroup
@@ -132,7 +136,7 @@ print("compiled")
 """
 
 
-@pytest.mark.parametrize("head_dim,causal,consumers", [(128, True, 2), (64, False, 1)])
+@pytest.mark.parametrize("head_dim,causal,consumers", [(128, True, 2), (64, False, 1), (64, True, 3)])
 def test_ws_kernel_compiles_for_sm90(head_dim, causal, consumers):
     """Ahead-of-time sm90 compile (no GPU): Gluon front end, Triton passes and ptxas accept the kernel. In a
     child process without ``TRITON_INTERPRET`` (interpreted helpers cannot be called from a compiled kernel)."""
@@ -199,9 +203,9 @@ def test_gpu_gluon_fwd(shape, descale):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("descale", ["head", "tensor"])
-@pytest.mark.parametrize("consumers", [2, 1])
+@pytest.mark.parametrize("consumers", [2, 1, 3])
 def test_gpu_gluon_ws_fwd(shape, descale, consumers):
-    """The warp-specialized kernel, ping-pong (2 consumer warpgroups) and single-consumer schedules."""
+    """The warp-specialized kernel: ping-pong (2 or 3 consumer warpgroups) and single-consumer schedules."""
     import functools
 
     from fmha_ops.kernels.gluon import attention_fwd_ws as ws
@@ -209,6 +213,11 @@ def test_gpu_gluon_ws_fwd(shape, descale, consumers):
     cfg = ws.default_config(shape[5], shape[6])
     if consumers == 1:
         cfg = dataclasses.replace(cfg, consumers=1, maxnreg=ws.SINGLE_CONSUMER_MAXNREG[shape[5]])
+    elif consumers == 3:
+        if shape[5] == 256:
+            pytest.skip("three 64-row consumers do not fit D256's accumulators in 160 registers")
+        cfg = dataclasses.replace(cfg, consumers=3, block_n=64, maxnreg=ws.THREE_CONSUMER_MAXNREG,
+                                  consumer_regs=ws.THREE_CONSUMER_REGS)
     _check_fp8_forward(functools.partial(ws.attention_forward, config=cfg), shape, descale)
 
 

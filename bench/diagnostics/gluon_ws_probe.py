@@ -1,11 +1,13 @@
 """Warp-specialized Gluon fp8 forward on the H200: schedule variants vs our other fp8 kernels and cuDNN fp8.
 
-    python bench/diagnostics/gluon_ws_probe.py [--out DIR] [--quick]
+    python bench/diagnostics/gluon_ws_probe.py [--out DIR] [--quick] [--shape I] [--warm]
 
 Per shape (per-tensor descales, so cuDNN fp8 takes the same inputs): the Triton fp8 kernel, the software-
 pipelined Gluon kernel, cuDNN fp8 (``cudnn_fp8F``, where nvidia-cudnn-frontend is installed) and every
 warp-specialized variant, each first checked against the Triton output (same P quantization, rel err ~1e-3),
 then timed. TFLOP/s = 4*B*H*N^2*D / t, halved when causal. Writes gluon_ws_probe.json into --out.
+``--warm`` only compiles (one launch of every kernel at batch 1, the same specializations), so several
+processes, one ``--shape`` each, can fill Triton's cache in parallel before the timed run.
 """
 from __future__ import annotations
 
@@ -49,14 +51,33 @@ SHAPES = [  # B, Hq, Hkv, N, D, causal
 
 _ONE = W.SINGLE_CONSUMER_MAXNREG
 VARIANTS = {  # head dim -> name -> config
-    64: {"c2n128s2": W.WsFwdConfig(2, 128, 2), "c2n128s3": W.WsFwdConfig(2, 128, 3),
-         "c1n128s3": W.WsFwdConfig(1, 128, 3, _ONE[64]), "c2n64s3": W.WsFwdConfig(2, 64, 3)},
+    64: {"c2n128s2": W.WsFwdConfig(2, 128, 2), "c2n256s2": W.WsFwdConfig(2, 256, 2),
+         "c1n128s3": W.WsFwdConfig(1, 128, 3, _ONE[64]), "c2n64s3": W.WsFwdConfig(2, 64, 3),
+         "c3n64s3": W.WsFwdConfig(3, 64, 3, W.THREE_CONSUMER_MAXNREG, W.THREE_CONSUMER_REGS)},
     128: {"c2n128s2": W.WsFwdConfig(2, 128, 2), "c2n128s3": W.WsFwdConfig(2, 128, 3),
           "c1n128s2": W.WsFwdConfig(1, 128, 2, _ONE[128]), "c2n64s3": W.WsFwdConfig(2, 64, 3),
-          "c2n128s2shfl": W.WsFwdConfig(2, 128, 2, key_order=False)},
+          "c2n128s2shfl": W.WsFwdConfig(2, 128, 2, key_order=False),
+          "c3n64s2": W.WsFwdConfig(3, 64, 2, W.THREE_CONSUMER_MAXNREG, W.THREE_CONSUMER_REGS)},
     256: {"c2n64s2": W.WsFwdConfig(2, 64, 2), "c2n64s3": W.WsFwdConfig(2, 64, 3),
           "c1n64s2": W.WsFwdConfig(1, 64, 2, _ONE[256])},
 }
+
+
+def warm_shape(B, Hq, Hkv, N, D, causal):
+    """One untimed launch of every kernel the timed row runs, at batch 1 (the kernels' specializations do not
+    depend on the batch): fills Triton's cache."""
+    q, k, v = normal_qkv((1, N, Hq, D), (1, N, Hkv, D), dtype=torch.bfloat16, device="cuda")
+    (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8_tensor(t) for t in (q, k, v))
+    kw = {"scale": D ** -0.5, "causal": causal, "q_descale": qd, "k_descale": kd, "v_descale": vd}
+    runs = {"triton": lambda: triton_fwd(q8, k8, v8, **kw), "gluon_sp": lambda: G.attention_forward(q8, k8, v8, **kw)}
+    for name, cfg in VARIANTS[D].items():
+        runs[name] = lambda cfg=cfg: W.attention_forward(q8, k8, v8, config=cfg, **kw)
+    for name, run in runs.items():
+        try:
+            run()
+        except Exception:  # noqa: BLE001 - the timed run reports it in full
+            print(f"  warm {B}x{Hq}/{Hkv}x{N}x{D} {name} failed: {traceback.format_exc(limit=1)[-300:]}", flush=True)
+    torch.cuda.synchronize()
 
 
 def probe_shape(B, Hq, Hkv, N, D, causal, quick):
@@ -102,11 +123,18 @@ def probe_shape(B, Hq, Hkv, N, D, causal, quick):
 
 def main():
     p = base_parser(__doc__)
+    p.add_argument("--shape", type=int, default=None, help="only SHAPES[I]")
+    p.add_argument("--warm", action="store_true", help="compile only (batch 1, untimed)")
     args = p.parse_args()
+    shapes = [SHAPES[args.shape]] if args.shape is not None else SHAPES[:2] if args.quick else SHAPES
+    if args.warm:
+        for shape in shapes:
+            warm_shape(*shape)
+        return
     out = out_dir(args.out)
     print(environment(), flush=True)
     rows = []
-    for shape in (SHAPES[:2] if args.quick else SHAPES):
+    for shape in shapes:
         row = probe_shape(*shape, args.quick)
         print("ROW", " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
               flush=True)

@@ -13,8 +13,8 @@ One CTA owns ``CONSUMERS * BLOCK_M`` query rows of one (batch, query head):
 * each consumer partition (one warpgroup, BLOCK_M = 64 rows) runs, per key tile j: issue S_{j+1} = Q K_{j+1}^T
   and O += P_j V_j as async wgmmas, wait for S_{j+1} only, release its K slot, softmax(S_{j+1}) while P_j V_j
   still runs, wait for it, release its V slot, rescale O (the intra-warpgroup overlap);
-* with two consumers, a pair of "turn" mbarriers orders the wgmma issue: consumer c issues its pair, then
-  hands the turn to the other, so one warpgroup's softmax runs under the other's GEMMs (ping-pong).
+* with two or three consumers, "turn" mbarriers order the wgmma issue: consumer c issues its pair, then hands
+  the turn to consumer c + 1 (round robin), so one warpgroup's softmax runs under the others' GEMMs (ping-pong).
 
 Both consumers walk the same key tiles (the CTA's last row bounds them under causal masking; a consumer whose
 rows see fewer keys masks the extra tile), so the rings and turns stay in step. Softmax in exp2 with
@@ -75,16 +75,17 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v
 
 @gluon.jit
 def _take_turn(turn_bars, turn, C: gl.constexpr, CONSUMERS: gl.constexpr):
-    """Wait until consumer ``C`` may issue its ``turn``-th wgmma group (consumer 0 goes first)."""
-    if CONSUMERS == 2:
-        mbarrier.wait(turn_bars.index(C), (turn & 1) ^ (1 - C))
+    """Wait until consumer ``C`` may issue its ``turn``-th wgmma group: consumers take turns in the order 0, 1, ..
+    (a fresh mbarrier counts as having completed the phase before its first, so consumer 0 starts at once)."""
+    if CONSUMERS > 1:
+        mbarrier.wait(turn_bars.index(C), (turn & 1) ^ (1 if C == 0 else 0))
 
 
 @gluon.jit
 def _pass_turn(turn_bars, C: gl.constexpr, CONSUMERS: gl.constexpr):
-    """Hand the tensor cores to the other consumer once this one's wgmmas are issued."""
-    if CONSUMERS == 2:
-        mbarrier.arrive(turn_bars.index(1 - C), count=1)
+    """Hand the tensor cores to the next consumer once this one's wgmmas are issued."""
+    if CONSUMERS > 1:
+        mbarrier.arrive(turn_bars.index((C + 1) % CONSUMERS), count=1)
 
 
 @gluon.jit
@@ -231,7 +232,7 @@ def _attn_fwd_ws_kernel(
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turn_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(CONSUMERS):
         mbarrier.init(q_bars.index(c), count=1)
     for i in gl.static_range(STAGES):
@@ -239,8 +240,8 @@ def _attn_fwd_ws_kernel(
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=CONSUMERS)
         mbarrier.init(v_empty.index(i), count=CONSUMERS)
-    for i in gl.static_range(2):
-        mbarrier.init(turn_bars.index(i), count=1)
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.init(turn_bars.index(c), count=1)
 
     qd = gl.load(QD + b * qd_sb + hkv * qd_sh)
     kd = gl.load(KD + b * kd_sb + hkv * kd_sh)
@@ -249,7 +250,21 @@ def _attn_fwd_ws_kernel(
     lse_ptr = Lse + b64 * stride_lb + hq.to(gl.int64) * stride_lh
 
     # constexprs travel as arguments of each partition function (a tuple built here would make them tensors)
-    if CONSUMERS == 2:
+    if CONSUMERS == 3:
+        gl.warp_specialize([
+            (_consumer, (0, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
+                         o_desc, lse_ptr, qk_scale, vd, m0, n_tiles, Mq, Mk, HEAD_D, BLOCK_N, STAGES, CONSUMERS,
+                         CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER)),
+            (_consumer, (1, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
+                         o_desc, lse_ptr, qk_scale, vd, m0, n_tiles, Mq, Mk, HEAD_D, BLOCK_N, STAGES, CONSUMERS,
+                         CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER)),
+            (_consumer, (2, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
+                         o_desc, lse_ptr, qk_scale, vd, m0, n_tiles, Mq, Mk, HEAD_D, BLOCK_N, STAGES, CONSUMERS,
+                         CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
+                         m0, n_tiles, BLOCK_N, HEAD_D, STAGES, CONSUMERS)),
+        ], [WG_WARPS, WG_WARPS, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    elif CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
                          o_desc, lse_ptr, qk_scale, vd, m0, n_tiles, Mq, Mk, HEAD_D, BLOCK_N, STAGES, CONSUMERS,
@@ -276,15 +291,16 @@ def _attn_fwd_ws_kernel(
         mbarrier.invalidate(v_ready.index(i))
         mbarrier.invalidate(k_empty.index(i))
         mbarrier.invalidate(v_empty.index(i))
-    for i in gl.static_range(2):
-        mbarrier.invalidate(turn_bars.index(i))
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.invalidate(turn_bars.index(c))
 
 
 @dataclass(frozen=True)
 class WsFwdConfig:
     """Schedule of the warp-specialized kernel."""
 
-    #: consumer warpgroups per CTA (64 query rows each): 2 ping-pong in one CTA per SM, 1 runs two CTAs per SM
+    #: consumer warpgroups per CTA (64 query rows each), taking turns at the tensor cores: 2 or 3 in one CTA per
+    #: SM (``maxnreg`` 168 / 128), 1 runs two CTAs per SM
     consumers: int = 2
     #: keys per tile
     block_n: int = 128
@@ -299,6 +315,9 @@ class WsFwdConfig:
     key_order: bool = True
 
 
+#: ``maxnreg`` and consumer registers of three-consumer schedules: four warpgroups in 65536 registers
+THREE_CONSUMER_MAXNREG = 128
+THREE_CONSUMER_REGS = 160
 #: ``maxnreg`` of single-consumer schedules: 128 fits two 8-warp CTAs per SM; D256's wgmmas need more (one CTA)
 SINGLE_CONSUMER_MAXNREG = {64: 128, 128: 128, 256: 168}
 
@@ -323,8 +342,8 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=
     B, Mq, Hq, D = q.shape
     Mk, Hkv = k.shape[1], k.shape[2]
     cfg = config or default_config(D, causal)
-    if cfg.consumers not in (1, 2) or cfg.stages < 2:
-        raise ValueError(f"config {cfg}: consumers must be 1 or 2 and stages >= 2")
+    if cfg.consumers not in (1, 2, 3) or cfg.stages < 2:
+        raise ValueError(f"config {cfg}: consumers must be 1, 2 or 3 and stages >= 2")
     prep = fp8_forward_args(q, k, v, q_descale, k_descale, v_descale, return_lse, out, HEAD_DIMS)
     if prep.done:
         return prep.out, prep.lse
