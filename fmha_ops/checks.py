@@ -97,6 +97,11 @@ def wanted(*tensors: torch.Tensor) -> bool:
     """Whether ``validate_indices`` would check any of these tensors (cheap: no tensor work)."""
     if any(t.device.type == "cpu" for t in tensors):
         return True
+    return device_checks_wanted()
+
+
+def device_checks_wanted() -> bool:
+    """Whether device-resident tensors are checked now: check mode on and no CUDA graph being captured."""
     return checks_enabled() and not torch.cuda.is_current_stream_capturing()
 
 
