@@ -15,7 +15,7 @@ import torch
 from registry import Op, Report
 
 from . import arguments
-from .call import make_problem, run_forward
+from .call import make_problem, no_grad, run_forward
 from .dispatch import REGISTRY, SELECTOR
 from .dtypes import FLOAT_DTYPES
 from .inputs import Inputs, make_inputs
@@ -60,7 +60,7 @@ def memory_efficient_attention_forward(
     v_descale: torch.Tensor | None = None, quantize_kv_to_fp8: bool = False, softcap: float = 0.0,
 ) -> torch.Tensor:
     """Like ``memory_efficient_attention`` without autograd (inference)."""
-    with torch.no_grad():
+    with no_grad():
         return memory_efficient_attention(query, key, value, attn_bias, p, scale, op=op, output_dtype=output_dtype,
                                           q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                                           quantize_kv_to_fp8=quantize_kv_to_fp8, softcap=softcap)
@@ -87,7 +87,7 @@ def memory_efficient_attention_partial(
         raise NotImplementedError(f"memory_efficient_attention_partial returns no gradients, but {'/'.join(grads)} "
                                   f"requires_grad=True; call it under torch.no_grad() or pass detached tensors "
                                   f"(memory_efficient_attention is differentiable)")
-    with torch.no_grad():
+    with no_grad():
         out, lse = run_forward(inp, op, True)
     return inp.layout(out), inp.layout.lse(lse)
 
@@ -109,7 +109,7 @@ def memory_efficient_attention_forward_requires_grad(
     """
     _no_dropout(p, "memory_efficient_attention_forward_requires_grad")
     inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, output_dtype=output_dtype, softcap=softcap)
-    with torch.no_grad():
+    with no_grad():
         out, lse = run_forward(inp, op, True)
     return inp.layout(out), _lse_layout(inp, lse)
 

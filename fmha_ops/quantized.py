@@ -143,6 +143,8 @@ def _quantized_attention(qk_kind: str, causal: bool, scale: float | None, op, q,
     if torch.compiler.is_compiling():
         return _traced_quantized_attention(qk_kind, causal, scale, op, q, k, v)
     qk_dtype = torch.int8 if qk_kind == "int8" else fp8_dtype(current_arch(q.device))
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        return quantized_forward(qk_dtype, _causal(causal), scale, op, q, k, v)[0]  # no autograd node to record
     return _QuantizedAttention.apply(qk_dtype, _causal(causal), scale, op, q, k, v)
 
 

@@ -14,6 +14,7 @@ from fmha_ops.inputs import K_SCALE_BLOCK as KB
 from fmha_ops.inputs import Q_SCALE_BLOCK as QB
 from fmha_ops.inputs import Inputs
 from fmha_ops.ops.reference import ReferenceBwOp, ReferenceFwOp, reference_attention
+from fmha_ops.testing import normal_qkv
 from fmha_ops.testing import error_report
 from tests.test_attn_bias import hand_mask, make_bias, naive_attention, naive_lse
 
@@ -521,3 +522,19 @@ def test_xformers_lookalike_bias_through_api():
     xf = XF()
     xf.q_seqinfo, xf.k_seqinfo = ours.q_seqinfo, ours.k_seqinfo
     assert_close(MEA(q, k, v, xf), naive_attention(q, k, v, hand_mask(spec, q.shape[1], k.shape[1])))
+
+
+def test_forward_without_autograd_restores_the_grad_mode():
+    """memory_efficient_attention_forward / _partial switch autograd off for the call only: no graph on
+    inputs that require grad, and the caller's grad mode back afterwards, also after an error."""
+    q, k, v = (t.requires_grad_() for t in normal_qkv((1, 9, 2, 16), (1, 9, 2, 16), dtype=torch.float32))
+    out = fmha_ops.memory_efficient_attention_forward(q, k, v)
+    assert out.grad_fn is None and not out.requires_grad and torch.is_grad_enabled()
+    with pytest.raises(ValueError):
+        fmha_ops.memory_efficient_attention_forward(q, k[:, :, :1, :8], v)
+    assert torch.is_grad_enabled()
+    with torch.no_grad():
+        fmha_ops.memory_efficient_attention_forward(q, k, v)
+        assert not torch.is_grad_enabled()
+    o, lse = fmha_ops.memory_efficient_attention_partial(q.detach(), k.detach(), v.detach())
+    assert o.grad_fn is None and torch.is_grad_enabled()
