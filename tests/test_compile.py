@@ -248,7 +248,7 @@ def _split_and_merge_cuda(q, k, v):
 
 _GPU_CASES = [
     ("triton_attnF custom op fwd+bwd", lambda q, k, v: fmha_ops.memory_efficient_attention(
-        q, k, v, CAUSAL, op="triton_attnF"), True, None),
+        q, k, v, CAUSAL, op=("triton_attnF", None)), True, None),
     ("flash_attn_func fp8 descales", lambda q, k, v: fmha_ops.flash_attn_func(
         q, k, v, causal=True, q_descale=_one(), k_descale=_one(), v_descale=_one()), False, _fp8),
     ("i8fp8_attention fwd+bwd", lambda q, k, v: fmha_ops.i8fp8_attention(q, k, v, causal=True), True, None),

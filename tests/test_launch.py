@@ -316,3 +316,15 @@ def test_gpu_cached_descriptors_follow_pointer_stride_and_shape_changes():
     torch.testing.assert_close(out, base, rtol=0, atol=0)
     assert len(ck._cache) == 1
     assert ck._cache[next(iter(ck._cache))][2] is not None  # launched directly, not through Triton's launcher
+
+
+def test_a_launch_that_triton_hands_to_a_compile_hook_is_not_cached(fake):
+    """Triton's run returns None when a jit_cache_hook (torch.compile installs some) takes the compile: the
+    launch returns None like Triton's, caches nothing, and the next launch asks Triton again."""
+    ck, rec = fake
+    x, y = torch.zeros(64), torch.zeros(64)
+    real = rec.__call__
+    ck.fn.run = lambda *args, grid, warmup, **kwargs: None
+    assert ck[(1,)](x, y, 64, 0.5, BLOCK=32) is None and not ck._cache
+    ck.fn.run = real
+    assert ck[(1,)](x, y, 64, 0.5, BLOCK=32) is rec.kernels[0] and len(ck._cache) == 1

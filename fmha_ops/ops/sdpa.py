@@ -140,7 +140,7 @@ class SdpaCudnnFwOp(_SdpaOp):
     DROPOUT = False  # torch takes cuDNN dropout only in steps of 1/16 (and not with one query)
     DETERMINISTIC = False
     RATES = (600.0, 3.9, 8.0)
-    HOST_US = 21.0
+    HOST_US = 18.0
 
     @staticmethod
     def attention(q, k, v, p, causal, scale):
@@ -174,7 +174,7 @@ class SdpaFlashFwOp(_SdpaOp):
     HEAD_DIMS = range(8, 257, 8)
     RATES = (340.0, 2.5, 8.0)
     CPU_RATES = (0.01, 0.01, 50.0)
-    HOST_US = 20.0
+    HOST_US = 17.5
 
     @classmethod
     def extra_reasons(cls, p: Problem) -> list[str]:
@@ -209,7 +209,7 @@ class SdpaEfficientFwOp(_SdpaOp):
     WINDOW = True
     BIAS_KINDS = _SdpaOp.BIAS_KINDS | ab.TENSOR_KINDS
     RATES = (250.0, 2.0, 8.0)
-    HOST_US = 21.0
+    HOST_US = 18.0
 
     @staticmethod
     def attention(q, k, v, p, causal, scale):

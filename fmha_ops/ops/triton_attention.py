@@ -63,8 +63,8 @@ class _TritonFwOp(AttentionFwOp):
     SOFTCAP = True
     #: achieved TFLOP/s on the H200 (non-causal, d128), for the cost model
     TFLOPS: ClassVar[float]
-    #: one kernel launch with four host descriptors (bench/host_time.py, direct column)
-    HOST_US = 60.0
+    #: one kernel launch with four host descriptors and the output's allocation (bench/host_time.py, direct column)
+    HOST_US = 75.0
 
     @classmethod
     def extra_reasons(cls, p: Problem) -> list[str]:
@@ -99,7 +99,7 @@ class TritonFp8FwOp(_TritonFwOp):
     DTYPES = frozenset((f, f, f) for f in FP8_DTYPES)
     DESCALES = _QUANTIZED_DESCALES
     TFLOPS = 900.0
-    HOST_US = 75.0  # and the launch that transposes V
+    HOST_US = 90.0  # and the launch that transposes V
 
 
 @register
@@ -110,7 +110,7 @@ class TritonI8Fp8FwOp(_TritonFwOp):
     DTYPES = frozenset((torch.int8, torch.int8, f) for f in FP8_DTYPES)
     DESCALES = _QUANTIZED_DESCALES
     TFLOPS = 850.0
-    HOST_US = 75.0  # and the launch that transposes V
+    HOST_US = 90.0  # and the launch that transposes V
 
 
 @register

@@ -116,8 +116,8 @@ class _DirectLaunch:
     def of(cls, kernel, args: tuple) -> "_DirectLaunch | None":
         """The direct launch of ``kernel`` for arguments shaped like ``args`` (one per kernel parameter), or None
         when the kernel's launcher is not Triton 3.6's CUDA launcher as this module knows it."""
-        run = kernel.run
-        c_launch = _c_launcher(run)
+        run = getattr(kernel, "run", None)
+        c_launch = None if run is None else _c_launcher(run)
         signature = getattr(getattr(kernel, "src", None), "signature", None)
         if c_launch is None or not isinstance(signature, dict) or len(signature) != len(args):
             return None
@@ -237,6 +237,8 @@ class CachedKernel:
                 direct(g, driver.active.get_current_stream(device), full)
             return kernel
         kernel = self.fn[grid](*[_for_triton(a) for a in args], **{n: _for_triton(v) for n, v in kwargs.items()})
+        if kernel is None:  # a jit_cache_hook (e.g. torch.compile's) took the compile over: nothing to cache
+            return None
         rest = tuple((p.name, p.default) for p in self.fn.params[len(args):])
         full = (*args, *[kwargs[n] if n in kwargs else d for n, d in rest])
         if len(self._cache) >= _MAX_ENTRIES:
