@@ -9,7 +9,8 @@ is native in the flash and cuDNN kernels and ``enable_gqa`` in the math path. Ma
 key). The backends that take an ``attn_mask`` (efficient, math; ``ATTN_MASK``) also run local windows, any
 bottom-right causal and tensor biases: through SDPA's front end (``sdpa_kernel``) with a mask materialized per
 call (an (Mq, Mk) boolean, or the bias with -inf where the window hides a key; the bias gradient flows through
-it). Query rows that see no key give 0 (SDPA would give NaN): they attend to every key inside SDPA and are
+it). Under torch.compile the ops trace SDPA's front end (``scaled_dot_product_attention``), whose kernel the
+compiler picks. Query rows that see no key give 0 (SDPA would give NaN): they attend to every key inside SDPA and are
 zeroed after. No LSE (not partial).
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ..problem import Problem
 from .base import AttentionFwOp
 from .cost import attention_time
 
+_is_compiling = torch.compiler.is_compiling
 #: cuDNN SDPA's largest batch / head count (torch's check_cudnn_tensor_shapes)
 _CUDNN_MAX_DIM = 65535
 #: cuDNN versions (torch.backends.cudnn.version()) from which torch's own SDPA dispatch lets cuDNN take head dim 256
@@ -86,9 +88,10 @@ class _SdpaOp(AttentionFwOp):
                     q, k, v, attn_mask=mask, dropout_p=inp.p, scale=scale,
                     enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2)
             out = out.masked_fill(empty_rows[None, :, None, None], 0.0)
-        elif q.numel() and k.numel():
+        elif q.numel() and k.numel() and not _is_compiling():
             out = cls.attention(q, k, v, inp.p, causal, scale).transpose(1, 2)
-        else:  # the fused functions fault on empty inputs; SDPA's front end returns the empty / zero output
+        else:  # the fused functions fault on empty inputs (SDPA's front end returns the empty / zero output); traced
+            # calls take the front end too, the function torch.compile knows best (it picks the kernel then)
             out = torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, dropout_p=inp.p, is_causal=causal, scale=scale,
                 enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2)
