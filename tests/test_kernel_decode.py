@@ -18,10 +18,11 @@ from fmha_ops.testing import error_report, transformer_like
 CPU_DTYPE = torch.float16
 
 
-def reference(q, k, v, seqlens, scale, key_ends=None):
+def reference(q, k, v, seqlens, scale, key_ends=None, window_left=-1, softcap=0.0):
     """float64 decode attention on q's device; k, v dense (B, L, Hkv, D); returns CPU (out, lse (B, Hq, Mq)).
     Query i of sequence b sits at position seqlens[b] - Mq + i and sees keys j <= that position and
-    j < key_ends[b] (default: seqlens)."""
+    j < key_ends[b] (default: seqlens), and with ``window_left`` >= 0 keys j >= that position - window_left;
+    ``softcap`` > 0 caps the scaled scores s to softcap * tanh(s / softcap)."""
     B, MQ, HQ, D = q.shape
     HKV = k.shape[2]
     G = HQ // HKV
@@ -33,8 +34,14 @@ def reference(q, k, v, seqlens, scale, key_ends=None):
         kk = k[b, :end].to(q.device).double()
         vv = v[b, :end].to(q.device).double()
         s = torch.einsum("mkgd,nkd->kgmn", q[b].double().view(MQ, HKV, G, D), kk) * scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
         pos = n - MQ + torch.arange(MQ, device=q.device)
-        s = s.masked_fill(~(torch.arange(end, device=q.device)[None, :] <= pos[:, None]), float("-inf"))
+        keys = torch.arange(end, device=q.device)[None, :]
+        seen = keys <= pos[:, None]
+        if window_left >= 0:
+            seen &= keys >= pos[:, None] - window_left
+        s = s.masked_fill(~seen, float("-inf"))
         lb = torch.logsumexp(s, -1)
         p = torch.exp(s - lb[..., None]).nan_to_num(0.0)
         out[b] = torch.einsum("kgmn,nkd->mkgd", p, vv).reshape(MQ, HQ, D).cpu()
@@ -114,7 +121,8 @@ def run_gluon(q, kw, num_splits=1):
 
 def check(q, kw, k, v, *, rel, lse_tol=2e-4, runner=run, **extra):
     out, lse = runner(q, kw, **extra)
-    ref, ref_lse = reference(q, k, v, kw["seqlens"].cpu(), kw["scale"])
+    ref, ref_lse = reference(q, k, v, kw["seqlens"].cpu(), kw["scale"], window_left=extra.get("window_left", -1),
+                             softcap=extra.get("softcap", 0.0))
     out, lse = out.cpu(), lse.cpu()
     assert not out.isnan().any() and not lse.isnan().any(), "unwritten output"
     rep = error_report(out, ref)

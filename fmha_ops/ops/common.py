@@ -73,7 +73,7 @@ def decode_views(inp: Inputs):
     ks, vs = inp.k_descale, inp.v_descale
     per_token = ks is not None and ks.shape == k.shape[:3]  # shaped like the key (pool) without D
     block_table = None
-    if bias is None or isinstance(bias, ab.LowerTriangularFromBottomRightMask):
+    if bias is None or bias.KIND in (ab.NONE, ab.CAUSAL_BR):  # dense, local windows included
         seqlens = _full_lengths(q.device, q.shape[0], k.shape[1])
     else:
         nseq = len(bias.q_seqinfo.seqstart_py) - 1
@@ -97,6 +97,19 @@ def decode_views(inp: Inputs):
     elif ks is not None:
         ks, vs = _token_scale(ks, k), _token_scale(vs, v)
     return q, k, v, seqlens, block_table, ks, vs
+
+
+def decode_window(inp: Inputs) -> int:
+    """The decode kernels' ``window_left`` (-1 = unbounded): the mask's. Its ``window_right`` never bounds a decode
+    query's keys: causal masks stop at the query's own position, and a non-causal decode call has one query, the
+    sequence's last token."""
+    return -1 if inp.attn_bias is None else inp.attn_bias.window_left
+
+
+def decode_keys(max_len: int, window_left: int, mq: int) -> int:
+    """Keys a sequence's queries can see at most (what a split count is chosen for): ``max_len``, or a window's
+    ``window_left + mq`` when that is shorter."""
+    return max_len if window_left < 0 else min(max_len, window_left + mq)
 
 
 def decode_outputs(inp: Inputs, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, needs_lse: bool):

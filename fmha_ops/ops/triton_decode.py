@@ -7,6 +7,7 @@ packed into one program, so each KV byte is read once. fp8 KV carries per-token 
 (``k_descale``/``v_descale`` shaped like the cache without its last dim); with
 ``quantize_kv_to_fp8=True`` a bf16/fp16 KV is quantized per token for this call first. On sm90 the fp8-KV
 shapes the Gluon decoder takes go to ``gluon_fp8_decodeF`` (``ops/gluon_decode.py``), which ranks first there.
+Local windows (the masks' ``window_left``; key tiles left of the window are not read) and softcap.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from ..dispatch import register
 from ..dtypes import FP8_DTYPES
 from ..problem import Problem
 from .base import AttentionFwOp
-from .common import DECODE_MASKS, TRITON_ARCHS, decode_outputs, decode_reasons, decode_views, interpreter_reasons
+from .common import (DECODE_MASKS, TRITON_ARCHS, decode_keys, decode_outputs, decode_reasons, decode_views,
+                     decode_window, interpreter_reasons)
 from .cost import attention_bytes
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -43,6 +45,8 @@ class _DecodeOp(AttentionFwOp):
     MAX_SEQLEN_Q = 16
     RAGGED_Q = False
     PARTIAL = True
+    WINDOW = True
+    SOFTCAP = True
     SPLIT_K: ClassVar[bool]
 
     @classmethod
@@ -62,12 +66,13 @@ class _DecodeOp(AttentionFwOp):
         from ..kernels.triton.decode import paged_decode
 
         q, k, v, seqlens, table, ks, vs = decode_views(inp)
-        max_len = k.shape[1] * (table.shape[1] if table is not None else 1)
+        window = decode_window(inp)
+        max_len = decode_keys(k.shape[1] * (table.shape[1] if table is not None else 1), window, q.shape[1])
         splits = cls.num_splits(q.shape[0], k.shape[2], max_len, q.shape[2] // k.shape[2] * q.shape[1], q.shape[3],
                                 k.dtype != q.dtype, _arch(q.device))
         out = torch.empty(q.shape, dtype=inp.out_dtype, device=q.device)
         out, lse = paged_decode(q, k, v, seqlens, block_table=table, scale=inp.softmax_scale, k_scale=ks,
-                                v_scale=vs, num_splits=splits, out=out)
+                                v_scale=vs, num_splits=splits, out=out, window_left=window, softcap=inp.softcap)
         return decode_outputs(inp, q, out, lse, needs_lse)
 
     @classmethod
@@ -76,9 +81,10 @@ class _DecodeOp(AttentionFwOp):
             return 1e3
         rows = p.gqa_ratio * p.seqlen_q
         programs = p.batch * p.heads_kv * max(1, -(-rows // 64))
-        splits = cls.num_splits(p.batch, p.heads_kv, p.seqlen_k, rows, p.head_dim, p.kv_fp8, p.arch)
+        keys = decode_keys(p.seqlen_k, p.window_left, p.seqlen_q)
+        splits = cls.num_splits(p.batch, p.heads_kv, keys, rows, p.head_dim, p.kv_fp8, p.arch)
         fill = min(1.0, programs * splits / (1.5 * sm_count(p.arch)))
-        kv_bytes = attention_bytes(p)
+        kv_bytes = attention_bytes(p) * keys / max(p.seqlen_k, 1)  # a window reads its keys only
         if p.kv_fp8:
             kv_bytes *= (1.0 if p.quantize_kv else FP8_KV_BYTES) * FP8_KERNEL_SLOWDOWN
         extra = 3.0 * attention_bytes(p) if p.quantize_kv else 0.0

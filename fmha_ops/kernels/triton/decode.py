@@ -7,6 +7,10 @@ a float32 scale per token and KV head: the K scale multiplies the columns of ``q
 and the V scale the columns of ``P`` before ``P @ v``, so dequantization costs no extra pass.
 On NVIDIA sm89+ the fp8 V tile is converted to fp16 in its load layout (see ``_e4m3_to_f16``).
 
+Local attention (``window_left`` >= 0): query i, at position p_i = seqlen - Mq + i, sees keys
+[p_i - window_left, p_i]; the splits cut only the keys some query of the sequence can see, so key tiles wholly
+left of the window are never read. Softcap c > 0: scores s become c * tanh(s / c) before the softmax.
+
 With ``num_splits == 1`` the decoder writes the final output and LSE. Otherwise each
 split writes a float32 partial output (normalized) and its LSE into a workspace whose size
 depends on static shapes only, and the reduce kernel combines them with log-sum-exp
@@ -23,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from fmha_ops.kernels.softmax import LN2, LOG2E
+from fmha_ops.kernels.softmax import LN2, LOG2E, tanh
 from fmha_ops.kernels.triton.launch import cdiv, launch, next_pow2
 
 SCAN = tl.constexpr(512)  # block-table entries checked per step of a program's prologue (``valid_end``)
@@ -60,7 +64,7 @@ def valid_end(bt_row, start, end, num_pages, PAGE_SIZE: tl.constexpr):
     return tl.minimum(end, tl.maximum(cut * PAGE_SIZE, start))
 
 
-@triton.jit(do_not_specialize=["NUM_PAGES", "CAPACITY"])
+@triton.jit(do_not_specialize=["NUM_PAGES", "CAPACITY", "WINDOW_LEFT"])
 def _decode_kernel(
     Q, K, V, KS, VS, SEQ, BT, OUT, LSE,
     stride_qb, stride_qm, stride_qh,
@@ -71,12 +75,12 @@ def _decode_kernel(
     stride_btb,
     stride_os, stride_ob, stride_om, stride_oh,
     stride_ls, stride_lb, stride_lh, stride_lm,
-    qk_scale,
-    NUM_KV_HEADS, NUM_SPLITS, NUM_PAGES, CAPACITY,
+    qk_scale, softcap_log2,
+    NUM_KV_HEADS, NUM_SPLITS, NUM_PAGES, CAPACITY, WINDOW_LEFT,
     G: tl.constexpr, MQ: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, FP8: tl.constexpr, PARTIAL: tl.constexpr,
-    ASM_CVT: tl.constexpr, PDL: tl.constexpr,
+    ASM_CVT: tl.constexpr, PDL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     if PDL:  # the split reduce may launch now and wait for this grid on the device (programmatic dependent launch)
         gdc_launch_dependents()
@@ -93,13 +97,18 @@ def _decode_kernel(
 
     # lengths outside [0, CAPACITY] are clamped: the block-table reads below stay inside its rows
     seqlen = tl.minimum(tl.maximum(tl.load(SEQ + b), 0), CAPACITY)
-    chunk = tl.cdiv(tl.cdiv(seqlen, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
+    if WINDOW:  # the first tile holding a key that the sequence's first query sees
+        first = tl.maximum(seqlen - MQ - WINDOW_LEFT, 0) // BLOCK_N * BLOCK_N
+    else:
+        first = 0
+    chunk = tl.cdiv(tl.cdiv(seqlen - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = first + split * chunk
     end = tl.minimum(start + chunk, seqlen)
     bt_row = BT + b * stride_btb
     if PAGED:
         end = valid_end(bt_row, start, end, NUM_PAGES, PAGE_SIZE)
-    # query row i sits at position seqlen - MQ + i and sees keys j <= that position
+    # query row i sits at position seqlen - MQ + i and sees keys j <= that position (and, with a window, j >=
+    # that position - WINDOW_LEFT)
     last_key = seqlen - MQ + qi
 
     q = tl.load(Q + b.to(tl.int64) * stride_qb + qi[:, None] * stride_qm + qh[:, None] * stride_qh
@@ -146,7 +155,11 @@ def _decode_kernel(
             s = s * (ks * qk_scale)[None, :]
         else:
             s = s * qk_scale
+        if SOFTCAP:  # qk_scale is then the natural scale / c: c * tanh(scale * q.k / c) in log2 units
+            s = tanh(s) * softcap_log2
         visible = (offs_n[None, :] <= last_key[:, None]) & kv_ok[None, :]
+        if WINDOW:
+            visible = visible & (offs_n[None, :] >= last_key[:, None] - WINDOW_LEFT)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -310,6 +323,7 @@ def reduce_splits(o_buf: torch.Tensor, l_buf: torch.Tensor, out: torch.Tensor, l
 
 def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float,
                  k_scale=None, v_scale=None, num_splits: int = 1, out=None, lse=None,
+                 window_left: int = -1, softcap: float = 0.0,
                  block_n: int | None = None, num_warps: int | None = None,
                  num_stages: int | None = None):
     """Attention of ``Mq`` new query tokens per sequence against a (paged) KV cache.
@@ -323,6 +337,9 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
     sits at position seqlens[b] - Mq + i and sees keys j <= that position; a row seeing no key
     gets out 0 and lse -inf. Hq must be a multiple of Hkv. With fp8 K/V both dots run in fp16
     (q cast to fp16: |q| must stay below 65504).
+    ``window_left`` >= 0: query i also sees only keys j >= seqlens[b] - Mq + i - window_left (local attention;
+    -1 = unbounded); key tiles left of every query's window are skipped. ``softcap`` > 0: scores s (scaled
+    by ``scale``) become softcap * tanh(s / softcap) before the softmax; 0 = off.
     Index guards: lengths are clamped to [0, capacity] (max_pages_per_seq * page_size, or Lmax), and a
     program's keys stop at the first block-table entry of its split that is not in [0, num_pages); no entry
     can make the kernel read outside the caches (``fmha_ops.checks`` validates them on the host instead).
@@ -356,9 +373,13 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
     capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
     o_buf, l_buf, o_strides, l_strides = split_buffers(q, num_splits, out, lse)
     pdl = num_splits > 1 and programmatic_launch(q.device)
+    if window_left < -1 or not softcap >= 0.0 or softcap == float("inf"):
+        raise ValueError(f"window_left={window_left} must be >= -1 (-1 = unbounded) and softcap={softcap} finite "
+                         f"and >= 0 (0 = off)")
     rows = G * MQ
     bm = block_m(rows)
     cfg = default_config(D, fp8, not paged or page_size % 64 == 0, bm)
+    qk_scale, softcap_log2 = (scale / softcap, softcap * LOG2E.value) if softcap else (scale * LOG2E.value, 0.0)
     launch(_decode_kernel)[(B * HKV, num_splits, cdiv(rows, bm))](
         q, k_cache, v_cache, k_scale if fp8 else k_cache, v_scale if fp8 else v_cache, seqlens,
         block_table if paged else seqlens, o_buf, l_buf,
@@ -367,10 +388,10 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         *(k_scale.stride() if fp8 else (0, 0, 0)), *(v_scale.stride() if fp8 else (0, 0, 0)),
         block_table.stride(0) if paged else 0, *o_strides, *l_strides,
-        scale * LOG2E.value, HKV, num_splits, k_cache.shape[0], capacity,
+        qk_scale, softcap_log2, HKV, num_splits, k_cache.shape[0], capacity, max(window_left, 0),
         G=G, MQ=MQ, D=D, BLOCK_M=bm, BLOCK_N=block_n or cfg.block_n, PAGE_SIZE=page_size, PAGED=paged, FP8=fp8,
-        PARTIAL=num_splits > 1, ASM_CVT=fp8 and _asm_cvt(q.device), PDL=pdl, num_warps=num_warps or cfg.num_warps,
-        num_stages=num_stages or cfg.num_stages,
+        PARTIAL=num_splits > 1, ASM_CVT=fp8 and _asm_cvt(q.device), PDL=pdl, WINDOW=window_left >= 0,
+        SOFTCAP=softcap > 0.0, num_warps=num_warps or cfg.num_warps, num_stages=num_stages or cfg.num_stages,
     )
     if num_splits > 1:
         reduce_splits(o_buf, l_buf, out, lse, pdl)
