@@ -37,6 +37,7 @@ from bench.diagnostics.aot import compile_sm90, opcodes, sass_instructions, sass
 
 spec = importlib.util.spec_from_file_location("dec", os.path.join(a.repo, "fmha_ops/kernels/triton/decode.py"))
 mod = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = mod  # its dataclasses look their module up
 spec.loader.exec_module(mod)
 fn = mod._decode_kernel
 
@@ -58,12 +59,14 @@ args += [("stride_ksp", "i32", sc[0]), ("stride_kss", "i32", sc[1]), ("stride_ks
          ("stride_btb", "i32", L // PAGE),
          ("stride_os", "i32", 64 * B * G * HKV * D if a.partial else 0), ("stride_ob", "i32", HQ * D), ("stride_om", "i32", HQ * D), ("stride_oh", "i32", D),
          ("stride_ls", "i32", B * HQ if a.partial else 0), ("stride_lb", "i32", HQ), ("stride_lh", "i32", 1), ("stride_lm", "i32", 1),
-         ("qk_scale", "fp32", None), ("NUM_KV_HEADS", "i32", HKV), ("NUM_SPLITS", "i32", 64 if a.partial else 1),
-         ("NUM_PAGES", "i32", None), ("CAPACITY", "i32", None)]
+         ("qk_scale", "fp32", None), ("softcap_log2", "fp32", None), ("NUM_KV_HEADS", "i32", HKV),
+         ("NUM_SPLITS", "i32", 64 if a.partial else 1), ("NUM_PAGES", "i32", None), ("CAPACITY", "i32", None),
+         ("WINDOW_LEFT", "i32", None)]
 rows = G
 bm = min(64, max(16, triton.next_power_of_2(rows)))
 const = {"G": G, "MQ": 1, "D": D, "BLOCK_M": bm, "BLOCK_N": a.bn, "PAGE_SIZE": PAGE, "PAGED": True,
-         "FP8": bool(a.fp8), "PARTIAL": a.partial, "ASM_CVT": bool(a.fp8), "PDL": False}
+         "FP8": bool(a.fp8), "PARTIAL": a.partial, "ASM_CVT": bool(a.fp8), "PDL": False, "WINDOW": False,
+         "SOFTCAP": False}
 for e in a.extra:
     k, v = e.split("=")
     const[k] = eval(v)

@@ -5,6 +5,7 @@ for the call with ``quantize_kv_to_fp8=True``), through the decode masks, plain 
 and ``flash_attn_with_kvcache``; one-warp programs (two at D256) whose fp8 K and V reach mma.sync operands by
 16-byte shared loads. Split-K with the Triton reduce kernel when the wave model asks for splits. sm90 only
 (measured and tuned there); Gluon kernels do not run in the Triton interpreter, so the op never runs on a CPU.
+Local windows (the masks' ``window_left``; key tiles left of the window are not read) and softcap.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from registry.arch import sm_count
 from ..dispatch import register
 from ..problem import Problem
 from .base import AttentionFwOp
-from .common import DECODE_MASKS, decode_outputs, decode_reasons, decode_views
+from .common import DECODE_MASKS, decode_keys, decode_outputs, decode_reasons, decode_views, decode_window
 from .cost import attention_bytes
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -48,6 +49,8 @@ class GluonFp8DecodeFwOp(AttentionFwOp):
     MAX_SEQLEN_Q = 16
     RAGGED_Q = False
     PARTIAL = True
+    WINDOW = True
+    SOFTCAP = True
 
     @classmethod
     def extra_reasons(cls, p: Problem) -> list[str]:
@@ -82,7 +85,8 @@ class GluonFp8DecodeFwOp(AttentionFwOp):
         q, k, v, seqlens, table, ks, vs = decode_views(inp)
         B, MQ, HQ, D = q.shape
         page_size = k.shape[1] if table is not None else None
-        max_len = k.shape[1] * (table.shape[1] if table is not None else 1)
+        window = decode_window(inp)
+        max_len = decode_keys(k.shape[1] * (table.shape[1] if table is not None else 1), window, MQ)
         splits = cls.num_splits(B, k.shape[2], max_len, HQ // k.shape[2] * MQ, D, page_size, _arch(q.device),
                                 gluon.heads_adjacent(k, v))
         out = torch.empty(q.shape, dtype=inp.out_dtype, device=q.device)
@@ -90,7 +94,7 @@ class GluonFp8DecodeFwOp(AttentionFwOp):
         o_buf, l_buf, o_strides, l_strides = split_buffers(q, splits, out, lse)
         pdl = splits > 1 and programmatic_launch(q.device)
         gluon.launch(q, k, v, ks, vs, seqlens, table, o_buf, l_buf, o_strides, l_strides,
-                     inp.softmax_scale * LOG2E.value, splits, page_size, pdl)
+                     inp.softmax_scale * LOG2E.value, splits, page_size, pdl, window_left=window, softcap=inp.softcap)
         if splits > 1:
             reduce_splits(o_buf, l_buf, out, lse, pdl)
         return decode_outputs(inp, q, out, lse, needs_lse)
@@ -98,9 +102,10 @@ class GluonFp8DecodeFwOp(AttentionFwOp):
     @classmethod
     def estimate(cls, p: Problem) -> float:
         rows = p.gqa_ratio * p.seqlen_q
-        splits = cls.num_splits(p.batch, p.heads_kv, p.seqlen_k, rows, p.head_dim, p.page_size or None, p.arch)
+        keys = decode_keys(p.seqlen_k, p.window_left, p.seqlen_q)
+        splits = cls.num_splits(p.batch, p.heads_kv, keys, rows, p.head_dim, p.page_size or None, p.arch)
         fill = min(1.0, p.batch * p.heads_kv * splits / (1.5 * sm_count(p.arch)))
-        kv_bytes = attention_bytes(p) * (1.0 if p.quantize_kv else FP8_KV_BYTES)
+        kv_bytes = attention_bytes(p) * keys / max(p.seqlen_k, 1) * (1.0 if p.quantize_kv else FP8_KV_BYTES)
         extra = 3.0 * attention_bytes(p) if p.quantize_kv else 0.0
         return kv_bytes / (3.9e12 * max(fill, 0.02)) + extra / 3.0e12 + (7e-6 if splits > 1 else 4e-6)
 

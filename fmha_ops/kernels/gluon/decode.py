@@ -20,7 +20,8 @@ takes two adjacent KV heads (``heads_per_program``) as one 128-byte tile per key
 their q in that head's half of the reduction dim and zeros in the other's. At D256 two warps split the mma N
 (``warps_per_program``): half of QK^T's keys and half of PV's columns each. Numerics as the Triton decoder: fp16
 products with float32 accumulation, V scales folded into P relative to the tile's largest (the accumulator is
-kept in units of it), exp2 online softmax.
+kept in units of it), exp2 online softmax. Local windows and softcap as the Triton decoder's: with ``window_left``
+>= 0 the splits cut only the keys some query of the sequence sees, and scores s become c * tanh(s / c) with softcap c.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from ..softmax import LN2
+from ..softmax import LN2, LOG2E, tanh
 from ..triton.launch import launch as launch_cached
 
 HEAD_DIMS = (64, 128, 256)
@@ -141,12 +142,18 @@ def valid_end(bt_row, start, end, NUM_PAGES, PAGE_SIZE: gl.constexpr, WARPS: gl.
 
 
 @gluon.jit
-def split_range(SEQ, b, split, NUM_SPLITS, CAPACITY, BLOCK_N: gl.constexpr):
+def split_range(SEQ, b, split, NUM_SPLITS, CAPACITY, WINDOW_LEFT, MQ: gl.constexpr, BLOCK_N: gl.constexpr,
+                WINDOW: gl.constexpr):
     """(seqlen, start, end, tiles) of split ``split`` of sequence ``b``: splits of whole BLOCK_N-key tiles, the
-    last ones possibly empty; the length clamped to [0, CAPACITY] (block-table reads stay inside its row)."""
+    last ones possibly empty; the length clamped to [0, CAPACITY] (block-table reads stay inside its row). With a
+    WINDOW the splits start at the first tile holding a key the sequence's first query sees."""
     seqlen = gl.minimum(gl.maximum(gl.load(SEQ + b), 0), CAPACITY)
-    chunk = gl.cdiv(gl.cdiv(seqlen, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
+    if WINDOW:
+        first = gl.maximum(seqlen - MQ - WINDOW_LEFT, 0) // BLOCK_N * BLOCK_N
+    else:
+        first = 0
+    chunk = gl.cdiv(gl.cdiv(seqlen - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = first + split * chunk
     end = gl.minimum(start + chunk, seqlen)
     return seqlen, start, end, gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
 
@@ -170,7 +177,7 @@ def _tile_origin(bt_row, b, n, end, kv_rows, sc_layout: gl.constexpr, BLOCK_N: g
         return b.to(gl.int64), b.to(gl.int64), n
 
 
-@gluon.jit(do_not_specialize=["Q_ROWS", "NUM_PAGES", "CAPACITY"])
+@gluon.jit(do_not_specialize=["Q_ROWS", "NUM_PAGES", "CAPACITY", "WINDOW_LEFT"])
 def _decode_fp8_kernel(
     Q, K, V, KS, VS, SEQ, BT, OUT, LSE,
     stride_qb, stride_qm, stride_qh,
@@ -179,10 +186,10 @@ def _decode_fp8_kernel(
     stride_btb,
     stride_os, stride_ob, stride_om, stride_oh,
     stride_ls, stride_lb, stride_lh, stride_lm,
-    qk_scale, NUM_KV_HEADS, NUM_SPLITS, NUM_PAGES, CAPACITY, Q_ROWS,
+    qk_scale, softcap_log2, NUM_KV_HEADS, NUM_SPLITS, NUM_PAGES, CAPACITY, Q_ROWS, WINDOW_LEFT,
     G: gl.constexpr, MQ: gl.constexpr, D: gl.constexpr, HEADS: gl.constexpr, WARPS: gl.constexpr,
     BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, PARTIAL: gl.constexpr,
-    STAGES: gl.constexpr, PDL: gl.constexpr, SC_VEC: gl.constexpr,
+    STAGES: gl.constexpr, PDL: gl.constexpr, SC_VEC: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
 ):
     STRADDLE: gl.constexpr = PAGED and PAGE_SIZE < BLOCK_N  # a tile spans BLOCK_N / PAGE_SIZE pages
     # HEADS (1 or 2) adjacent KV heads per program: the tile is DT = HEADS * D bytes of each key; query row r
@@ -208,7 +215,7 @@ def _decode_fp8_kernel(
     split = gl.program_id(1)
     b = pid_bh // (NUM_KV_HEADS // HEADS)
     hkv0 = (pid_bh % (NUM_KV_HEADS // HEADS)) * HEADS
-    seqlen, start, end, n_tiles = split_range(SEQ, b, split, NUM_SPLITS, CAPACITY, BLOCK_N)
+    seqlen, start, end, n_tiles = split_range(SEQ, b, split, NUM_SPLITS, CAPACITY, WINDOW_LEFT, MQ, BLOCK_N, WINDOW)
     K = K + hkv0 * stride_kh  # the program's (first) KV head
     V = V + hkv0 * stride_vh
     bt_row = BT + b * stride_btb
@@ -290,11 +297,17 @@ def _decode_fp8_kernel(
         if HEADS == 2:
             k_sc = gl.where(row_head == 1, gl.expand_dims(ks1 * qk_scale, 0), k_sc)
             v_sc = gl.where(row_head == 1, gl.expand_dims(vs1 / v_max, 0), v_sc)
-        if MQ > 1:
+        if SOFTCAP:  # qk_scale is then the natural scale / c: c * tanh(scale * q.k / c) in log2 units
+            s = tanh(s * k_sc) * softcap_log2
+        else:
+            s = s * k_sc
+        if MQ > 1 or WINDOW:
             visible = (gl.expand_dims(cols, 0) <= gl.expand_dims(last_key, 1)) & gl.expand_dims(cols < end, 0)
-            s = gl.where(visible, s * k_sc, float("-inf"))
-        else:  # one FMA per score: keys past the end (zero-filled K) get -inf through the column bias
-            s = s * k_sc + gl.expand_dims(gl.where(cols < end, 0.0, float("-inf")), 0)
+            if WINDOW:
+                visible = visible & (gl.expand_dims(cols, 0) >= gl.expand_dims(last_key - WINDOW_LEFT, 1))
+            s = gl.where(visible, s, float("-inf"))
+        else:  # one FMA per score (the product above and this sum): keys past the end (zero-filled K) get -inf
+            s = s + gl.expand_dims(gl.where(cols < end, 0.0, float("-inf")), 0)
         m_new = gl.maximum(m_i, gl.max(s, 1))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
@@ -404,11 +417,14 @@ def vector_scales(k_scale: torch.Tensor, v_scale: torch.Tensor) -> bool:
 
 
 def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse, out_strides, lse_strides,
-           qk_scale_log2: float, num_splits: int, page_size: int | None, pdl: bool = False) -> None:
+           qk_scale_log2: float, num_splits: int, page_size: int | None, pdl: bool = False, *,
+           window_left: int = -1, softcap: float = 0.0) -> None:
     """Run the kernel into ``out`` / ``lse`` (the final tensors, or the split workspace with its leading split
     strides in ``out_strides`` / ``lse_strides``, see ``kernels.triton.decode.split_buffers``); arguments as
     ``kernels.triton.decode.paged_decode``'s, ``page_size`` None for a dense cache, the shape one that
-    ``takes_shape`` accepts; ``pdl``: a split reduce follows by programmatic dependent launch.
+    ``takes_shape`` accepts; ``pdl``: a split reduce follows by programmatic dependent launch; ``window_left``
+    (-1 = unbounded) and ``softcap`` (0 = off) as ``paged_decode``'s, ``qk_scale_log2`` the softmax scale times
+    log2(e) either way.
 
     Example
     -------
@@ -422,15 +438,19 @@ def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse
     paged = page_size is not None
     capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
     vec = vector_scales(k_scale, v_scale)
-    tiles = tile_config(page_size, heads * D, -(-capacity // num_splits), vec)
+    keys = capacity if window_left < 0 else min(capacity, window_left + MQ)
+    tiles = tile_config(page_size, heads * D, -(-keys // num_splits), vec)
     bt = block_table if paged else seqlens
+    qk_scale, softcap_log2 = (qk_scale_log2 / (LOG2E.value * softcap), softcap * LOG2E.value) if softcap else \
+        (qk_scale_log2, 0.0)
     launch_cached(_decode_fp8_kernel)[(programs_per_split(B, hkv, heads), num_splits)](
         q, k_cache, v_cache, k_scale, v_scale, seqlens, bt, out, lse,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), *k_scale.stride(), *v_scale.stride(),
         block_table.stride(0) if paged else 0, *out_strides, *lse_strides,
-        qk_scale_log2, hkv, num_splits, k_cache.shape[0], capacity, MQ * (HQ // hkv),
+        qk_scale, softcap_log2, hkv, num_splits, k_cache.shape[0], capacity, MQ * (HQ // hkv), max(window_left, 0),
         G=HQ // hkv, MQ=MQ, D=D, HEADS=heads, WARPS=warps, BLOCK_N=tiles.block_n, PAGE_SIZE=page_size or 1,
-        PAGED=paged, PARTIAL=num_splits > 1, STAGES=tiles.stages, PDL=pdl, SC_VEC=4 if vec else 1, num_warps=warps,
+        PAGED=paged, PARTIAL=num_splits > 1, STAGES=tiles.stages, PDL=pdl, SC_VEC=4 if vec else 1,
+        WINDOW=window_left >= 0, SOFTCAP=softcap > 0.0, num_warps=warps,
     )
