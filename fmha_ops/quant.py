@@ -9,6 +9,9 @@ dequantize as ``x ≈ x_q.float() * descale`` (broadcast over the dims the desca
   (per head), per head or per tensor; smooth-K subtracts K's mean over the sequence first (a constant
   per query row in the logits, so softmax is unchanged); the softmax scale is folded into q's descale.
   V is fp8 per channel ``(batch, kv_head, head_dim)`` or per tensor.
+* incoherent processing (FA3): ``quantize_qkv_fp8(..., rotation=random_hadamard(D))`` rotates q and k by one
+  orthogonal matrix before quantizing (q k^T, so the output and the LSE, are unchanged), spreading channel
+  outliers over all channels.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ __all__ = [
     "quantize_fp8_channels",
     "quantize_i8fp8",
     "quantize_qkv_fp8",
+    "random_hadamard",
 ]
 
 _FLOAT_INPUTS = arguments.FLOATS + (torch.float64,)
@@ -66,10 +70,40 @@ def quantize_fp8(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, num_
     return xq.reshape(B, M, H, D), descale
 
 
-def quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn):
+def random_hadamard(head_dim: int, seed: int = 0, device: torch.device | str | None = None) -> torch.Tensor:
+    """A random orthogonal rotation for incoherent processing: (D, D) float32 ``diag(s) H / sqrt(D)``, H the
+    Sylvester Hadamard matrix, s random signs drawn from ``seed``; ``head_dim`` a power of two.
+
+    >>> r = random_hadamard(64, seed=1)
+    >>> bool(torch.allclose(r @ r.T, torch.eye(64), atol=1e-6))
+    True
+    """
+    d = arguments.integer("head_dim", head_dim, minimum=1)
+    if d & (d - 1):
+        raise ValueError(f"head_dim={d}: a Hadamard rotation needs a power of two")
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    signs = torch.randint(0, 2, (d,), generator=torch.Generator().manual_seed(seed)) * 2.0 - 1.0
+    return (signs[:, None] * h * d ** -0.5).to(device)
+
+
+def _rotated(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """x @ rotation over the head dim, in x's dtype when it is 16-bit (the product rounds to 8 mantissa bits,
+    far below fp8's 3) and float32 otherwise."""
+    if x.dtype in (torch.bfloat16, torch.float16):
+        return x @ rotation.to(x.dtype)
+    return x.float() @ rotation.float()
+
+
+def quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn,
+                     *, rotation: torch.Tensor | None = None):
     """FA3-convention fp8 q, k, v with (B, Hkv) descales: ``(q8, k8, v8, q_descale, k_descale, v_descale)``.
 
     q (B, Mq, Hq, D), k (B, Mk, Hkv, D), v (B, Mk, Hkv, Dv) float, Hq % Hkv == 0; q's descale is per kv head.
+    ``rotation``: an orthogonal (D, D) matrix (``random_hadamard(D)``) applied to q and k before quantizing;
+    attention of the returned tensors is that of the unrotated ones (q R (k R)^T = q k^T), with less
+    quantization error where a few channels hold outliers.
 
     >>> q8, k8, v8, qd, kd, vd = quantize_qkv_fp8(torch.randn(1, 4, 2, 16), torch.randn(1, 6, 1, 16),
     ...                                           torch.randn(1, 6, 1, 16))
@@ -78,6 +112,13 @@ def quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: t
     """
     arguments.bmhk_qkv(q, k, v)
     hkv = k.shape[2]
+    if rotation is not None:
+        d = q.shape[-1]
+        arguments.tensor("rotation", rotation, ndim=2, dtypes=_FLOAT_INPUTS)
+        if tuple(rotation.shape) != (d, d):
+            raise ValueError(f"rotation has shape {tuple(rotation.shape)}; it must be (D, D) = {(d, d)}")
+        rotation = rotation.to(q.device)
+        q, k = _rotated(q, rotation), _rotated(k, rotation)
     q8, qd = quantize_fp8(q, dtype, num_kv_heads=hkv)
     k8, kd = quantize_fp8(k, dtype)
     v8, vd = quantize_fp8(v, dtype)

@@ -2,7 +2,14 @@
 import pytest
 import torch
 
-from fmha_ops.quant import K_SCALE_BLOCK, Q_SCALE_BLOCK, quantize_fp8, quantize_i8fp8, quantize_qkv_fp8
+from fmha_ops.quant import (
+    K_SCALE_BLOCK,
+    Q_SCALE_BLOCK,
+    quantize_fp8,
+    quantize_i8fp8,
+    quantize_qkv_fp8,
+    random_hadamard,
+)
 from fmha_ops.testing import transformer_like
 
 
@@ -95,3 +102,42 @@ def test_i8fp8_granularities(gran, vgran):
     assert x.v_descale.numel() == 1 if vgran == "tensor" else x.v_descale.shape == (2, 2, 32)
     with pytest.raises(ValueError):
         quantize_i8fp8(q, k, v, qk_granularity="row")
+
+
+@pytest.mark.parametrize("d", [1, 64, 128, 256])
+def test_random_hadamard_is_orthogonal_and_seeded(d):
+    r = random_hadamard(d, seed=3)
+    assert r.shape == (d, d) and r.dtype == torch.float32
+    assert torch.allclose(r @ r.T, torch.eye(d), atol=1e-5)
+    assert torch.equal(r, random_hadamard(d, seed=3))
+    if d > 1:
+        assert not torch.equal(r, random_hadamard(d, seed=4))
+        assert r.abs().unique().numel() == 1  # every entry +-1/sqrt(d): energy spread over all channels
+    with pytest.raises(ValueError, match="power of two"):
+        random_hadamard(96)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_qkv_fp8_rotation_keeps_attention_and_cuts_outlier_error(dtype):
+    """q and k rotated by one orthogonal matrix: the same attention (output and logits), and on inputs with two
+    outlier channels the logits' quantization error drops (the outliers no longer dominate every product)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 256, s, 64, generator=g) for s in (4, 2, 2))
+    q[..., :2] *= 30
+    k[..., :2] *= 30
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    logits = torch.einsum("bmhd,bnhd->bhmn", q.double(), k.double().repeat_interleave(2, 2))
+    err, out_err = {}, {}
+    ref = _attn(q, k, v, 0.05)
+    for rotated in (False, True):
+        q8, k8, v8, qd, kd, vd = quantize_qkv_fp8(q, k, v, rotation=random_hadamard(64, 1) if rotated else None)
+        dq = q8.float() * qd.repeat_interleave(2, 1)[:, None, :, None]
+        dk = k8.float() * kd[:, None, :, None]
+        s8 = torch.einsum("bmhd,bnhd->bhmn", dq.double(), dk.double().repeat_interleave(2, 2))
+        err[rotated] = ((s8 - logits).norm() / logits.norm()).item()
+        out = _attn(dq, dk, v8.float() * vd[:, None, :, None], 0.05)
+        out_err[rotated] = ((out - ref).norm() / ref.norm()).item()
+    assert err[True] < 0.3 * err[False] and err[True] < 0.02, err
+    assert out_err[True] < 0.5 * out_err[False], out_err
+    with pytest.raises(ValueError, match="rotation"):
+        quantize_qkv_fp8(q, k, v, rotation=torch.eye(32))

@@ -1,11 +1,14 @@
 """Warp-specialized Gluon fp8 forward on the H200: schedule variants vs our other fp8 kernels and cuDNN fp8.
 
-    python bench/diagnostics/gluon_ws_probe.py [--out DIR] [--quick] [--shape I] [--warm]
+    python bench/diagnostics/gluon_ws_probe.py [--out DIR] [--quick] [--shape I] [--warm] [--accuracy]
 
 Per shape (per-tensor descales, so cuDNN fp8 takes the same inputs): the Triton fp8 kernel, the software-
 pipelined Gluon kernel, cuDNN fp8 (``cudnn_fp8F``, where nvidia-cudnn-frontend is installed) and every
 warp-specialized variant, each first checked against the Triton output (same P quantization, rel err ~1e-3),
 then timed. TFLOP/s = 4*B*H*N^2*D / t, halved when causal. Writes gluon_ws_probe.json into --out.
+``--accuracy`` instead compares fp8 quantization with and without a random Hadamard rotation of q and k
+(``quantize_qkv_fp8(rotation=...)``) on transformer-like inputs: cos / MAE / max error vs float32 of our fp8
+kernels and cuDNN fp8, and what the rotation adds to the quantization time.
 ``--warm`` only compiles (one launch of every kernel at batch 1, the same specializations), so several
 processes, one ``--shape`` each, can fill Triton's cache in parallel before the timed run.
 """
@@ -35,8 +38,8 @@ from fmha_ops import attn_bias as ab  # noqa: E402
 from fmha_ops.kernels.gluon import attention_fwd as G  # noqa: E402
 from fmha_ops.kernels.gluon import attention_fwd_ws as W  # noqa: E402
 from fmha_ops.kernels.triton.attention_fwd import attention_forward as triton_fwd  # noqa: E402
-from fmha_ops.quant import quantize_fp8_tensor  # noqa: E402
-from fmha_ops.testing import error_report, normal_qkv  # noqa: E402
+from fmha_ops.quant import quantize_fp8_tensor, quantize_qkv_fp8, random_hadamard  # noqa: E402
+from fmha_ops.testing import error_report, normal_qkv, transformer_like  # noqa: E402
 
 SHAPES = [  # B, Hq, Hkv, N, D, causal
     (4, 32, 32, 4096, 128, False),
@@ -121,11 +124,54 @@ def probe_shape(B, Hq, Hkv, N, D, causal, quick):
     return row
 
 
+def accuracy_rows(B=1, H=16, N=4096, D=128):
+    """Rows (inputs, kernel, rotation, cos, mae, max) on transformer-like inputs, and the quantization times."""
+    q, k, v = transformer_like((B, N, H, D), (B, N, H, D), dtype=torch.bfloat16, device="cuda", seed=7)
+    ref = torch.empty(B, N, H, D, device="cuda")
+    kf, vf = k.float().permute(0, 2, 3, 1), v.float().permute(0, 2, 1, 3)
+    for s0 in range(0, N, 1024):
+        sc = (q[:, s0:s0 + 1024].float().permute(0, 2, 1, 3) @ kf) * D ** -0.5
+        ref[:, s0:s0 + 1024] = (torch.softmax(sc, -1) @ vf).permute(0, 2, 1, 3)
+    del kf, vf
+    rot = random_hadamard(D, seed=1, device="cuda")
+    rows = []
+    for rotated in (False, True):
+        r = rot if rotated else None
+        q8, k8, v8, qd, kd, vd = quantize_qkv_fp8(q, k, v, rotation=r)
+        kw = {"scale": D ** -0.5, "q_descale": qd, "k_descale": kd, "v_descale": vd}
+        qr, kr = (q @ rot.to(q.dtype), k @ rot.to(k.dtype)) if rotated else (q, k)
+        (tq, tqd), (tk, tkd), (tv, tvd) = (quantize_fp8_tensor(t) for t in (qr, kr, v))
+        runs = {"triton fp8": lambda: triton_fwd(q8, k8, v8, **kw)[0],
+                "gluon ws fp8": lambda: W.attention_forward(q8, k8, v8, **kw)[0],
+                "cuDNN fp8 (tensor descales)": lambda: fmha_ops.memory_efficient_attention(
+                    tq, tk, tv, None, op="cudnn_fp8F", q_descale=tqd, k_descale=tkd, v_descale=tvd)}
+        for name, fn in runs.items():
+            o = or_none(fn)
+            if o is not None:
+                e = error_report(o, ref)
+                rows.append({"kernel": name, "rotation": rotated, "cos": e["cos"], "mae": e["mae"],
+                             "max": e["max"]})
+                print("ACC", rows[-1], flush=True)
+    t_plain = time_ms(lambda: quantize_qkv_fp8(q, k, v))
+    t_rot = time_ms(lambda: quantize_qkv_fp8(q, k, v, rotation=rot))
+    q8, k8, v8, qd, kd, vd = quantize_qkv_fp8(q, k, v)
+    t_attn = time_ms(lambda: W.attention_forward(q8, k8, v8, scale=D ** -0.5, q_descale=qd, k_descale=kd,
+                                                 v_descale=vd))
+    total = t_plain + t_attn
+    print(f"ACC quantize_qkv_fp8 {t_plain:.3f} ms, with rotation {t_rot:.3f} ms (+{t_rot - t_plain:.3f} ms = "
+          f"{(t_rot - t_plain) / total:.1%} of quantize + attention {total:.3f} ms)", flush=True)
+    return rows
+
+
 def main():
     p = base_parser(__doc__)
     p.add_argument("--shape", type=int, default=None, help="only SHAPES[I]")
     p.add_argument("--warm", action="store_true", help="compile only (batch 1, untimed)")
+    p.add_argument("--accuracy", action="store_true", help="the Hadamard rotation's accuracy and cost instead")
     args = p.parse_args()
+    if args.accuracy:
+        accuracy_rows()
+        return
     shapes = [SHAPES[args.shape]] if args.shape is not None else SHAPES[:2] if args.quick else SHAPES
     if args.warm:
         for shape in shapes:
