@@ -35,7 +35,7 @@ from bench.common import (  # noqa: E402
 
 from fmha_ops.dispatch import SELECTOR  # noqa: E402
 from fmha_ops.inputs import make_inputs  # noqa: E402
-from fmha_ops.tune import Call, decode_call, prefill_call  # noqa: E402
+from fmha_ops.tune import Call, decode_call, prefill_call, time_call  # noqa: E402
 
 #: ops estimated slower than this many times the best estimate are not timed (math / reference paths)
 SKIP_FACTOR = 4.0
@@ -84,16 +84,7 @@ def time_op(fn, device: str) -> float:
     fn()
     if _RUN["compile_only"]:
         return 1.0
-    if device == "cuda":
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")) * 1e-3
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return time_call(fn, device, WARMUP_MS, REP_MS)
 
 
 def contenders(problem, kind: str) -> tuple[type | None, list, dict]:

@@ -34,10 +34,9 @@ import torch
 from registry import current_arch
 
 from . import attn_bias as ab
-from .dtypes import FLOAT_DTYPES, FP8_DTYPES, dtype_name  # noqa: F401  (re-exported)
-from .fp8_backward import fp8_dequantized_backward_enabled, set_fp8_dequantized_backward  # noqa: F401
+from .dtypes import FLOAT_DTYPES
+from .fp8_backward import fp8_dequantized_backward_enabled
 from .problem import Problem
-from .quant import K_SCALE_BLOCK, Q_SCALE_BLOCK  # noqa: F401  (re-exported for the descale shapes)
 from .validation import check_values, descale_kinds, tma_misaligned, validate, value_layout
 
 
@@ -51,7 +50,7 @@ class Signature(NamedTuple):
     last_strides: tuple  # (q, k) stride of the head dim
     value_layout: Any  # validation.value_layout
     bias: Any  # AttentionBias.signature() or None
-    misaligned: int  # nonzero when a data pointer is not 16-byte aligned
+    misaligned: int  # the data pointers' bits below validation.TMA_ALIGNMENT (16 bytes): nonzero = misaligned
     descales: tuple | None  # (dtype, shape, device) or None per role; None when no descale is given
     p: float
     scale: float | None

@@ -27,6 +27,7 @@ from . import arguments
 # with 128).
 Q_SCALE_BLOCK = 128
 K_SCALE_BLOCK = 128
+INT8_MAX = 127.0  # symmetric int8 range [-127, 127]: -128 unused, so negation never overflows
 
 __all__ = [
     "K_SCALE_BLOCK",
@@ -155,7 +156,7 @@ def quantize_blocks(x: torch.Tensor, block: int, dtype: torch.dtype = torch.int8
     arguments.dtype("dtype", dtype, (torch.int8,) + arguments.FP8)
     B, M, H, D = x.shape
     nb = -(-M // block)
-    qmax = 127.0 if dtype == torch.int8 else torch.finfo(dtype).max
+    qmax = INT8_MAX if dtype == torch.int8 else torch.finfo(dtype).max
     xp = torch.nn.functional.pad(x.float(), (0, 0, 0, 0, 0, nb * block - M)).reshape(B, nb, block, H, D)
     descale = _safe_descale(xp.abs().amax(dim=(2, 4)), qmax)  # (B, nb, H)
     y = (xp / descale[:, :, None, :, None]).clamp(-qmax, qmax)
@@ -179,11 +180,11 @@ def _int8_grouped(x: torch.Tensor, groups: int | None):
     """int8 with one descale per (batch, group of heads) (shape (B, groups)) or per tensor (groups None)."""
     B, M, H, D = x.shape
     if groups is None:
-        descale = _safe_descale(x.abs().amax().reshape(1), 127.0)
-        return torch.round(x / descale).clamp(-127, 127).to(torch.int8), descale
+        descale = _safe_descale(x.abs().amax().reshape(1), INT8_MAX)
+        return torch.round(x / descale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), descale
     xg = x.reshape(B, M, groups, H // groups, D)
-    descale = _safe_descale(xg.abs().amax(dim=(1, 3, 4)), 127.0)
-    xq = torch.round(xg / descale[:, None, :, None, None]).clamp(-127, 127).to(torch.int8)
+    descale = _safe_descale(xg.abs().amax(dim=(1, 3, 4)), INT8_MAX)
+    xq = torch.round(xg / descale[:, None, :, None, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return xq.reshape(B, M, H, D), descale
 
 

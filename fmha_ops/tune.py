@@ -26,6 +26,7 @@ from .dispatch import REGISTRY, SELECTOR
 from .inputs import make_inputs
 
 SKIP_FACTOR = 20.0
+WARMUP_MS, REP_MS = 5, 20  # do_bench windows per op and call (ms)
 
 
 @dataclass
@@ -123,12 +124,14 @@ def grid(device: str, quick: bool = False) -> list[Callable[[], Call]]:
     return calls
 
 
-def time_call(call: Callable[[], object], device: str) -> float:
-    """Median seconds of one call (CUDA events on a GPU, perf_counter on a CPU)."""
+def time_call(call: Callable[[], object], device: str, warmup_ms: float = WARMUP_MS,
+              rep_ms: float = REP_MS) -> float:
+    """Median seconds of one call: on a GPU CUDA events over ``do_bench``'s windows (``warmup_ms`` / ``rep_ms``),
+    on a CPU perf_counter over 3 calls after an untimed one."""
     if device == "cuda":
         from triton.testing import do_bench
 
-        return float(do_bench(call, warmup=5, rep=20, return_mode="median")) * 1e-3
+        return float(do_bench(call, warmup=warmup_ms, rep=rep_ms, return_mode="median")) * 1e-3
     call()
     times = []
     for _ in range(3):

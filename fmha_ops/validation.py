@@ -18,6 +18,8 @@ from .quant import K_SCALE_BLOCK, Q_SCALE_BLOCK
 Inputs = Any  # an fmha_ops.inputs.Inputs (this module sits below it and does not import it)
 
 _DESCALE_ROLES = ("q_descale", "k_descale", "v_descale")
+#: bytes a TMA descriptor needs its start address and its non-unit strides to be a multiple of
+TMA_ALIGNMENT = 16
 
 
 def validate(inp: Inputs) -> None:
@@ -194,7 +196,7 @@ def value_layout(v: torch.Tensor) -> Any:
     if v.shape[-1] == 0 or v.stride(-1) == 1:
         return "last"
     if (v.stride(1) == 1 or v.shape[1] <= 1) and all(
-            v.stride(d) * v.element_size() % 16 == 0 for d in (0, 2, 3)):
+            v.stride(d) * v.element_size() % TMA_ALIGNMENT == 0 for d in (0, 2, 3)):
         return "keys"
     return v.stride()
 
@@ -202,4 +204,5 @@ def value_layout(v: torch.Tensor) -> Any:
 def tma_misaligned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[str, ...]:
     """Names of the non-empty inputs whose start address is not a multiple of 16 bytes (a TMA descriptor
     needs it; the call signature holds the same test)."""
-    return tuple(name for name, t in (("query", q), ("key", k), ("value", v)) if t.numel() and t.data_ptr() % 16)
+    return tuple(name for name, t in (("query", q), ("key", k), ("value", v))
+                 if t.numel() and t.data_ptr() % TMA_ALIGNMENT)

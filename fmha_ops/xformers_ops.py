@@ -36,7 +36,7 @@ import torch
 from . import attn_bias as ab
 from .api import explain, memory_efficient_attention_forward, memory_efficient_attention_partial
 from .dispatch import REGISTRY
-from .inputs import FLOAT_DTYPES
+from .dtypes import FLOAT_DTYPES
 
 NAME_PREFIX = "fmha_ops-"
 #: xformers' own refusal of bf16 off A100+ GPUs; our CPU ops run bf16, so it is dropped for them

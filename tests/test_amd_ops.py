@@ -347,7 +347,7 @@ def test_fp8_kv_per_token_scales_and_transformer_like(fake_launch):
 def test_quantize_kv_uses_arch_fp8(fake_launch):
     q, k, v, bias = _decode_call(B=2, lens=(40, 9), dtype=BF16)
     call = _check(Inputs(q, k, v, bias, quantize_kv_to_fp8=True), FlyDSLDecoderFwOp, fake_launch, tol=8e-3)
-    assert call["k"].dtype == fmha_ops.inputs.FP8_DTYPES[0] and call["ks"].dtype == torch.float32  # CPU: e4m3fn
+    assert call["k"].dtype == fmha_ops.dtypes.FP8_DTYPES[0] and call["ks"].dtype == torch.float32  # CPU: e4m3fn
 
 
 def test_kv_with_different_strides_is_made_uniform(fake_launch):

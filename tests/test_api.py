@@ -10,8 +10,8 @@ import torch
 
 import fmha_ops
 from fmha_ops import attn_bias as ab
-from fmha_ops.inputs import K_SCALE_BLOCK as KB
-from fmha_ops.inputs import Q_SCALE_BLOCK as QB
+from fmha_ops.quant import K_SCALE_BLOCK as KB
+from fmha_ops.quant import Q_SCALE_BLOCK as QB
 from fmha_ops.inputs import Inputs
 from fmha_ops.ops.reference import ReferenceBwOp, ReferenceFwOp, reference_attention
 from fmha_ops.testing import normal_qkv

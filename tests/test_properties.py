@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fmha_ops
-from fmha_ops.inputs import K_SCALE_BLOCK as KB
-from fmha_ops.inputs import Q_SCALE_BLOCK as QB
+from fmha_ops.quant import K_SCALE_BLOCK as KB
+from fmha_ops.quant import Q_SCALE_BLOCK as QB
 from fmha_ops.testing import error_report
 from tests.test_api import mask_geometry
 from tests.test_attn_bias import hand_mask, make_bias, naive_attention

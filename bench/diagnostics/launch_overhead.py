@@ -133,6 +133,10 @@ def autograd_rows(iters: int) -> list[dict]:
     directly on this thread (``node.apply``) and through ``autograd.grad`` on a graph built once (retained), for
     ``fp8_attention`` itself and for replicas of its Function that drop one ingredient at a time."""
     from fmha_ops import quantized as qz
+    from fmha_ops.attn_bias import LowerTriangularFromBottomRightMask
+    from fmha_ops.call import make_problem, run_forward
+    from fmha_ops.dispatch import SELECTOR
+    from fmha_ops.inputs import make_inputs
     from fmha_ops.kernels.triton.attention_bwd import attention_backward
 
     qkv = [torch.randn(1, 64, 1, 64, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3)]
@@ -144,11 +148,11 @@ def autograd_rows(iters: int) -> list[dict]:
             def forward(ctx, *args):
                 q, k, v = args[-3:]
                 qkv8, descales, dequantized = qz.quantize_smooth(q, k, v, 0.125, torch.float8_e4m3fn)
-                inp = qz.make_inputs(*qkv8, qz._causal(True), scale=1.0, output_dtype=q.dtype, is_partial=True,
+                inp = make_inputs(*qkv8, LowerTriangularFromBottomRightMask(), scale=1.0, output_dtype=q.dtype, is_partial=True,
                                      **descales)
-                out, lse = qz.run_forward(inp, None, True)
+                out, lse = run_forward(inp, None, True)
                 ctx.save_for_backward(*dequantized, out if save_output else out.detach().clone(), lse)
-                ctx.bias = qz._causal(True)
+                ctx.bias = LowerTriangularFromBottomRightMask()
                 return out
 
             @staticmethod
@@ -157,14 +161,14 @@ def autograd_rows(iters: int) -> list[dict]:
                 if not dispatch:
                     grads = attention_backward(grad_out, qh, kh, vh, out, lse, scale=0.125, causal=True)
                 else:
-                    inp = qz.make_inputs(qh, kh, vh, ctx.bias, scale=0.125, is_partial=True)
-                    bw = qz.SELECTOR.select(("quantized backward", inp.signature()),
-                                            lambda: qz.make_problem(inp, True), "bw")
+                    inp = make_inputs(qh, kh, vh, ctx.bias, scale=0.125, is_partial=True)
+                    bw = SELECTOR.select(("quantized backward", inp.signature()),
+                                         lambda: make_problem(inp, True), "bw")
                     grads = bw.apply_bw(inp, out, lse, grad_out.contiguous())
                 return (None, None, None, None, *grads) if extra_inputs else grads
 
         if extra_inputs:  # fp8_attention's own signature: four non-tensor inputs before q, k, v
-            return lambda: Replica.apply(torch.float8_e4m3fn, qz._causal(True), None, None, *qkv)
+            return lambda: Replica.apply(torch.float8_e4m3fn, LowerTriangularFromBottomRightMask(), None, None, *qkv)
         return lambda: Replica.apply(*qkv)
 
     cases = {
