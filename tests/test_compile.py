@@ -196,31 +196,6 @@ def test_explain_reports_no_graph_break_for_the_entry_points():
         assert _graph_breaks(fn, q, k, v) == 0
 
 
-CUDA_SHAPE_Q, CUDA_SHAPE_KV = (2, 257, HQ, 64), (2, 257, HKV, 64)  # a partial last block of every tile size
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-@pytest.mark.parametrize("name, fn", [
-    ("memory_efficient_attention", lambda q, k, v: fmha_ops.memory_efficient_attention(q, k, v, CAUSAL)),
-    ("flash_attn_func", lambda q, k, v: fmha_ops.flash_attn_func(q, k, v, causal=True)),
-    ("fp8_attention", lambda q, k, v: fmha_ops.fp8_attention(q, k, v, causal=True)),
-])
-def test_entry_points_compile_fullgraph_on_cuda(name, fn, backend):
-    """The selection at trace time sees the CUDA device (its arch), and the custom ops run the GPU kernels."""
-    q, k, v = normal_qkv(CUDA_SHAPE_Q, CUDA_SHAPE_KV, dtype=torch.bfloat16, device="cuda", seed=8)
-    _check(fn, q, k, v, grad=True, backend=backend, atol=2e-2)
-
-
-@pytest.mark.gpu
-def test_flash_attn_varlen_func_compiles_fullgraph_on_cuda():
-    q, k, v = (t[0] for t in normal_qkv((1, 300, HQ, 64), (1, 300, HKV, 64), dtype=torch.bfloat16, device="cuda",
-                                        seed=9))
-    cu = torch.tensor([0, 1, 130, 300], dtype=torch.int32, device="cuda")
-    _check(lambda q, k, v: fmha_ops.flash_attn_varlen_func(q, k, v, cu, cu, 170, 170, causal=True), q, k, v,
-           grad=True, atol=2e-2)
-
-
 # ---- CUDA: the same entry points with the GPU ops (Triton / Gluon kernels behind the custom ops, SDPA traced) ----
 
 def _cuda_qkv(dtype=torch.bfloat16, b=2, m=256, hq=8, hkv=2, d=64, seed=0):
@@ -247,6 +222,10 @@ def _split_and_merge_cuda(q, k, v):
 
 
 _GPU_CASES = [
+    ("memory_efficient_attention (selected op) fwd+bwd", lambda q, k, v: fmha_ops.memory_efficient_attention(
+        q, k, v, CAUSAL), True, None),
+    ("flash_attn_func fwd+bwd", lambda q, k, v: fmha_ops.flash_attn_func(q, k, v, causal=True), True, None),
+    ("fp8_attention fwd+bwd", lambda q, k, v: fmha_ops.fp8_attention(q, k, v, causal=True), True, None),
     ("triton_attnF custom op fwd+bwd", lambda q, k, v: fmha_ops.memory_efficient_attention(
         q, k, v, CAUSAL, op=("triton_attnF", None)), True, None),
     ("flash_attn_func fp8 descales", lambda q, k, v: fmha_ops.flash_attn_func(
@@ -275,6 +254,15 @@ def test_gpu_varlen_mask_compiles_fullgraph_with_gradients():
     masked = lambda q, k, v: fmha_ops.memory_efficient_attention(q, k, v, mask)  # noqa: E731
     assert _graph_breaks(masked, q, k, v) == 0
     _check(masked, q, k, v, grad=True, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_flash_attn_varlen_func_compiles_fullgraph_with_gradients():
+    q, k, v = (t[0] for t in _cuda_qkv(b=1, m=300, seed=4))
+    cu = torch.tensor([0, 1, 130, 300], dtype=torch.int32, device="cuda")  # a one-token sequence, partial tiles
+    varlen = lambda q, k, v: fmha_ops.flash_attn_varlen_func(q, k, v, cu, cu, 170, 170, causal=True)  # noqa: E731
+    assert _graph_breaks(varlen, q, k, v) == 0
+    _check(varlen, q, k, v, grad=True, atol=2e-2)
 
 
 @pytest.mark.gpu
