@@ -7,6 +7,7 @@ Validation runs once per call signature; a repeated call costs a signature tuple
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Sequence
 
@@ -182,7 +183,7 @@ def merge_attentions(
     write_lse = arguments.flag("write_lse", write_lse)
     if output_dtype is not None:
         arguments.dtype("output_dtype", output_dtype, FLOAT_DTYPES)
-    if lp.movedim(-1, 1).shape != a.shape[:-1]:
+    if (lp.shape[0], lp.shape[-1], *lp.shape[1:-1]) != tuple(a.shape[:-1]):  # lse (B, [G,] H, M) vs (B, M, [G,] H)
         raise ValueError(f"lse_split {_stacked_shape(lses)} does not match attn_split {_stacked_shape(attns)}")
     out_dtype = output_dtype or a.dtype
     if a.is_cuda and not _is_compiling():
@@ -208,8 +209,6 @@ def _merge_on_device(attns: list[torch.Tensor], lses: list[torch.Tensor], out_dt
                      write_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``merge_attentions`` by the merge kernel: the parts as (B, M, H, K) / float32 (B, H, M) views with one
     stride set each (copies only where a part's layout differs), BMGHK folded to BMHK and back."""
-    from .kernels.triton.merge import merge_parts
-
     grouped = attns[0].ndim == 5
     if grouped:
         b, m, g, h, k = attns[0].shape
@@ -221,10 +220,18 @@ def _merge_on_device(attns: list[torch.Tensor], lses: list[torch.Tensor], out_dt
         lses = [t.float() for t in lses]
     if any(t.stride() != lses[0].stride() for t in lses):
         lses = [t.contiguous() for t in lses]
-    out, lse = merge_parts(attns, lses, out_dtype, write_lse)
+    out, lse = _merge_kernel()(attns, lses, out_dtype, write_lse)
     if grouped:
         out, lse = out.view(b, m, g, h, k), (None if lse is None else lse.view(b, g, h, m))
     return out, lse
+
+
+@functools.cache
+def _merge_kernel():
+    """``kernels.triton.merge.merge_parts``, imported at its first use (Triton loads only when a merge runs on a GPU)."""
+    from .kernels.triton.merge import merge_parts
+
+    return merge_parts
 
 
 def _parts(name: str, parts: Any) -> list[torch.Tensor]:
