@@ -41,6 +41,8 @@ from .dtypes import FLOAT_DTYPES
 NAME_PREFIX = "fmha_ops-"
 #: xformers' own refusal of bf16 off A100+ GPUs; our CPU ops run bf16, so it is dropped for them
 _XFORMERS_BF16_REASON = "bf16 is only supported on A100+ GPUs"
+#: xformers' refusal of CUDA inputs when its own C++/CUDA extension did not load: our ops do not use it
+_XFORMERS_NO_CUDA_BUILD_REASON = "xFormers wasn't build with CUDA support"
 
 
 def fw_op(name: str) -> type:
@@ -157,7 +159,8 @@ def _op_class(name: str | None, kind: str) -> type:
 
 def _not_supported_reasons(cls, inp) -> list[str]:
     reasons = [r for r in super(cls, cls).not_supported_reasons(inp)
-               if not (r == _XFORMERS_BF16_REASON and "cpu" in cls.SUPPORTED_DEVICES)]
+               if not (r == _XFORMERS_BF16_REASON and "cpu" in cls.SUPPORTED_DEVICES)
+               and r != _XFORMERS_NO_CUDA_BUILD_REASON]
     if reasons:
         return reasons
     q, k, v = inp.query, inp.key, inp.value

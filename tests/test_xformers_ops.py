@@ -65,3 +65,14 @@ def test_lowlevel_forward_requires_grad_and_backward_with_our_ops():
                     grad_out)
     for name, a, b in zip("qkv", expect, (dq, dk, dv)):
         torch.testing.assert_close(b, a, atol=2e-5, rtol=2e-5, msg=name)
+
+
+def test_refusals_about_xformers_own_build_are_not_ours(monkeypatch):
+    """xformers refuses CUDA inputs when its C++/CUDA extension did not load; our op classes need none of it."""
+    base = xops.fmha.common.AttentionFwOpBase
+    own = base.not_supported_reasons.__func__
+    monkeypatch.setattr(base, "not_supported_reasons", classmethod(
+        lambda cls, d: own(cls, d) + [xformers_ops._XFORMERS_NO_CUDA_BUILD_REASON]))
+    q = torch.randn(1, 8, 2, 16)
+    assert xformers_ops.FwOp.not_supported_reasons(xops.fmha.Inputs(q, q, q)) == []
+    assert xops.fmha.cutlass.FwOp.not_supported_reasons(xops.fmha.Inputs(q, q, q)) != []
