@@ -40,7 +40,8 @@ def test_fp8_selected_by_dtype_and_accurate(d, causal):
     q8, k8, v8, qd, kd, vd = quantize_qkv_fp8(q, k, v)
     bias = fmha_ops.LowerTriangularFromBottomRightMask() if causal else None
     kw = dict(q_descale=qd, k_descale=kd, v_descale=vd)
-    assert fmha_ops.explain(q8, k8, v8, bias, **kw).selected.NAME == "triton_fp8F"
+    # which fp8 kernel depends on the shape (at this size the selector weighs the launch paths' host time too)
+    assert fmha_ops.explain(q8, k8, v8, bias, **kw).selected.NAME in ("triton_fp8F", "gluon_fp8F", "gluon_ws_fp8F")
     out = fmha_ops.memory_efficient_attention(q8, k8, v8, bias, **kw)
     assert out.dtype == torch.bfloat16
     rep = error_report(out, ref(q8, k8, v8, bias, **kw))
