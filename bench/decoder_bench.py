@@ -3,13 +3,15 @@
 Times what users call, ``flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=, page_table=, [k_descale=,
 v_descale=,] causal=True)`` on a paged cache (fp8: ``kv_cache.build_fp8_paged_cache``'s layout), eager
 (back-to-back calls between two CUDA events, so host cost that outruns the GPU shows) and as a CUDA-graph replay
-(do_bench median; the replay is checked to rewrite a poisoned output); beside it the kernel alone (the kernel the
-selector's op runs, with that op's split count, graph replay) and, in the same process, torch SDPA pinned to
+(do_bench median; the replay is checked to rewrite a poisoned output), and the same call planned once
+(``fmha_ops.plan_kvcache``) and run per step (``PagedDecodePlan.run``), eager and graph; beside it the kernel alone
+(the kernel the selector's op runs, with that op's split count, graph replay) and the host time per call of the
+three (``common.host_us``: issue time of back-to-back calls) and, in the same process, torch SDPA pinned to
 cuDNN on contiguous (B, Hkv, L, D) bf16 KV (best of ``enable_gqa=True`` and the query heads of a KV head packed as
 query rows, equivalent for one query token). Effective TB/s = bytes of K and V (and fp8 per-token scales) / time;
 fp8 speedup = bf16 time / fp8 time. Each shape runs in its own subprocess.
 
-    python bench/decoder_bench.py [--quick] [--out DIR] [--no-record]
+    python bench/decoder_bench.py [--quick | --shapes NAME,...] [--out DIR] [--no-record]
 
 Writes decode.json/.png to --out and the record bench/results/decode.md (not with --quick or --no-record).
 """
@@ -170,51 +172,80 @@ def run_shape(spec: dict) -> dict:
         def api_into_out():
             out.copy_(api())
 
-        op = selected_op(q, kc, vc, seq, bt, ksc, vsc)
+        op = selected_op(q, kc, vc, seq, bt, ksc, vsc)  # first: it reads the selector's log of a fresh selection
         kernel, splits = kernel_call(op, q, kc, vc, seq, bt, ksc, vsc, out, lse)
+        plan = fmha_ops.plan_kvcache(q, kc, vc, cache_seqlens=seq, page_table=bt, k_descale=ksc, v_descale=vsc,
+                                     causal=True)
+
+        def planned():
+            return plan.run(q)
+
         row[f"{kv}_op"], row[f"{kv}_splits"] = op, splits
         ms_graph = common.time_graph_ms(api, warmup=10, rep=60)[0]
         ms_eager = eager_ms(api)
         ms_kernel, graph_ok = graph_ms_checked(kernel, out)
+        ms_plan_graph = common.time_graph_ms(planned, warmup=10, rep=60)[0]
+        ms_plan_eager = eager_ms(planned)
+        row[f"{kv}_api_host_us"] = common.host_us(api, iters=200, warmup=20)
+        row[f"{kv}_plan_host_us"] = common.host_us(planned, iters=200, warmup=20)
+        row[f"{kv}_kernel_host_us"] = common.host_us(kernel, iters=200, warmup=20)
         api_into_out()
         if ref is not None:
             row[f"{kv}_rel_vs_cudnn"] = error_report(out.reshape(B, Hq, D).float(), ref.float())["rel"]
         row.update({f"{kv}_graph_us": ms_graph * 1e3, f"{kv}_eager_us": ms_eager * 1e3,
                     f"{kv}_kernel_us": ms_kernel * 1e3, f"{kv}_graph_TBps": nbytes / ms_graph / 1e9,
                     f"{kv}_eager_TBps": nbytes / ms_eager / 1e9, f"{kv}_kernel_TBps": nbytes / ms_kernel / 1e9,
-                    f"{kv}_graph_ok": graph_ok, f"{kv}_eager_over_graph": ms_eager / ms_graph})
+                    f"{kv}_graph_ok": graph_ok, f"{kv}_eager_over_graph": ms_eager / ms_graph,
+                    f"{kv}_plan_graph_us": ms_plan_graph * 1e3, f"{kv}_plan_eager_us": ms_plan_eager * 1e3,
+                    f"{kv}_plan_graph_TBps": nbytes / ms_plan_graph / 1e9,
+                    f"{kv}_plan_eager_TBps": nbytes / ms_plan_eager / 1e9,
+                    f"{kv}_plan_eager_over_graph": ms_plan_eager / ms_graph})
     row["fp8_speedup_graph"] = row["bf16_graph_us"] / row["fp8_graph_us"]
     row["fp8_speedup_eager"] = row["bf16_eager_us"] / row["fp8_eager_us"]
     row["fp8_speedup_kernel"] = row["bf16_kernel_us"] / row["fp8_kernel_us"]
+    row["fp8_speedup_plan_eager"] = row["bf16_plan_eager_us"] / row["fp8_plan_eager_us"]
     return row
 
 
 COLUMNS = ["shape", "bf16_op", "fp8_op", "bf16_splits", "fp8_splits", "bf16_graph_TBps", "bf16_eager_TBps",
            "bf16_kernel_TBps", "fp8_graph_TBps", "fp8_eager_TBps", "fp8_kernel_TBps", "fp8_speedup_graph",
-           "fp8_speedup_eager", "fp8_speedup_kernel", "fp8_eager_over_graph", "cudnn_TBps", "target_speedup",
-           "target_eager_over_graph", "bf16_graph_ok", "fp8_graph_ok", "bf16_rel_vs_cudnn", "fp8_rel_vs_cudnn"]
+           "fp8_speedup_eager", "fp8_speedup_kernel", "fp8_eager_over_graph", "fp8_plan_eager_over_graph",
+           "fp8_speedup_plan_eager", "fp8_api_host_us", "fp8_plan_host_us", "fp8_kernel_host_us", "bf16_api_host_us",
+           "cudnn_TBps", "target_speedup", "target_eager_over_graph", "bf16_graph_ok", "fp8_graph_ok",
+           "bf16_rel_vs_cudnn", "fp8_rel_vs_cudnn"]
 
 RECORD = common.Record(
     "decode", "Decode (paged KV cache)", "PYTHONPATH=$PWD python bench/decoder_bench.py",
     {"shape": "shape", "bf16_graph_TBps": "bf16 graph (TB/s)", "bf16_eager_TBps": "bf16 eager",
      "bf16_kernel_TBps": "bf16 kernel", "fp8_graph_TBps": "fp8 graph", "fp8_eager_TBps": "fp8 eager",
      "fp8_kernel_TBps": "fp8 kernel", "fp8_speedup_graph": "fp8 speedup (graph)",
-     "fp8_speedup_kernel": "fp8 speedup (kernel)", "cudnn_TBps": "cuDNN bf16"},
+     "fp8_speedup_kernel": "fp8 speedup (kernel)", "fp8_eager_over_graph": "fp8 eager / graph",
+     "fp8_plan_eager_TBps": "fp8 plan.run eager", "fp8_api_host_us": "fp8 host us (call)",
+     "fp8_plan_host_us": "fp8 host us (plan.run)", "fp8_kernel_host_us": "fp8 host us (kernel)",
+     "cudnn_TBps": "cuDNN bf16"},
     "Paged KV (B batch, L keys, p page size), one query token, D=128 and Hq/Hkv = 32/8 unless named; effective TB/s = "
     "K+V bytes (+ fp8 per-token scales) / time; fp8 speedup = bf16 time / fp8 time. graph / eager: "
     "`flash_attn_with_kvcache` replayed from a CUDA graph (do_bench median) / called back to back; kernel: the kernel "
-    "of the selected op alone (graph). cuDNN: torch SDPA on contiguous bf16 KV, graph.")
+    "of the selected op alone (graph); plan.run: `plan_kvcache` once, `run(q)` back to back; host us: issue time per "
+    "call of back-to-back calls. cuDNN: torch SDPA on contiguous bf16 KV, graph.")
 
 
 def main():
     p = common.base_parser(__doc__.splitlines()[0])
     p.add_argument("--one", help=argparse.SUPPRESS)
+    p.add_argument("--shapes", default=None, help="comma-separated shape names (default: all; --quick: the first two)")
     args = p.parse_args()
     if args.one:
         print("RESULT " + json.dumps(run_shape(json.loads(args.one))), flush=True)
         return
     out = common.out_dir(args.out)
     shapes = SHAPES[:2] if args.quick else SHAPES
+    if args.shapes:
+        wanted = args.shapes.split(",")
+        unknown = sorted(set(wanted) - {s[0] for s in SHAPES})
+        if unknown:
+            p.error(f"unknown --shapes {unknown}; known: {[s[0] for s in SHAPES]}")
+        shapes = [s for s in SHAPES if s[0] in wanted]
     rows = []
     for name, B, Hq, Hkv, L, D, ps in shapes:
         spec = dict(name=name, B=B, Hq=Hq, Hkv=Hkv, L=L, D=D, page=ps)
@@ -230,8 +261,10 @@ def main():
         row["target_speedup"], row["target_eager_over_graph"] = TARGETS.get(name, (None, None))
         rows.append(row)
         print(f"{name}: fp8 speedup graph {row['fp8_speedup_graph']:.3f} kernel {row['fp8_speedup_kernel']:.3f}, "
-              f"fp8 eager/graph {row['fp8_eager_over_graph']:.3f} ({row['fp8_op']}, {row['fp8_splits']} splits)",
-              flush=True)
+              f"fp8 eager/graph {row['fp8_eager_over_graph']:.3f}, plan.run eager/graph "
+              f"{row['fp8_plan_eager_over_graph']:.3f}; host us fp8 call {row['fp8_api_host_us']:.1f} plan.run "
+              f"{row['fp8_plan_host_us']:.1f} kernel {row['fp8_kernel_host_us']:.1f}, bf16 call "
+              f"{row['bf16_api_host_us']:.1f} ({row['fp8_op']}, {row['fp8_splits']} splits)", flush=True)
     env = common.environment()
     common.print_table(rows, COLUMNS)
     common.write_json(out, "decode", rows)
@@ -239,7 +272,7 @@ def main():
                                                          "fp8_graph_TBps", "fp8_eager_TBps", "fp8_kernel_TBps",
                                                          "cudnn_TBps"],
                           "TB/s (effective)", "Paged decode through flash_attn_with_kvcache, H200")
-    if not (args.no_record or args.quick):
+    if not (args.no_record or args.quick or args.shapes):
         print("record:", RECORD.write(rows, env, png))
 
 

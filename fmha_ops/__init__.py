@@ -14,6 +14,7 @@ from .attn_bias import (BlockDiagonalCausalFromBottomRightMask, BlockDiagonalCau
                         BlockDiagonalCausalWithOffsetPaddedKeysMask, BlockDiagonalMask, BlockDiagonalPaddedKeysMask,
                         LowerTriangularFromBottomRightMask, LowerTriangularMask,
                         PagedBlockDiagonalCausalWithOffsetPaddedKeysMask, PagedBlockDiagonalPaddedKeysMask)
+from .decode_plan import PagedDecodePlan, plan_kvcache
 from .dispatch import REGISTRY, SELECTOR, use_ops
 from .flash_attn_interface import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from .fp8_backward import set_fp8_dequantized_backward
@@ -34,6 +35,7 @@ __all__ = [
     "BlockDiagonalPaddedKeysMask", "BlockDiagonalCausalWithOffsetPaddedKeysMask", "PagedBlockDiagonalPaddedKeysMask",
     "PagedBlockDiagonalCausalWithOffsetPaddedKeysMask", "flash_attn_func", "flash_attn_varlen_func",
     "flash_attn_with_kvcache", "set_fp8_dequantized_backward", "check_inputs", "fp8_attention", "i8fp8_attention",
+    "plan_kvcache", "PagedDecodePlan",
 ]
 
 

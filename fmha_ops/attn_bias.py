@@ -34,7 +34,7 @@ mask objects.
 Where this module deliberately differs from xformers: masks are created on the CPU unless ``device=``
 is given (xformers picks CUDA when available; here a mask whose lengths the kernels read must be on the
 query's device, and validation says so); ``_PaddedSeqLenInfo.seqlen_py`` may be None when the lengths live
-only on the device (``from_device_seqlens``); ``LocalAttentionFromBottomRightMask`` also takes -1 for an
+only on the device (the decode masks' ``from_device_seqlens``); ``LocalAttentionFromBottomRightMask`` also takes -1 for an
 unbounded side.
 """
 from __future__ import annotations
@@ -343,6 +343,23 @@ def _padded_starts(device: torch.device, n: int, padding: int) -> torch.Tensor:
     return torch.arange(n + 1, dtype=torch.int32, device=device) * padding
 
 
+@functools.lru_cache(maxsize=256)
+def _uniform_queries(batch: int, per_sequence: int) -> "_SeqLenInfo":
+    """The packed queries of ``batch`` sequences of ``per_sequence`` tokens each (host starts, CPU tensor), made
+    once per size: decode calls reuse it."""
+    return _SeqLenInfo.from_seqlens([per_sequence] * batch)
+
+
+def _query_info(q_seqlen: "int | Sequence[int]", batch: int) -> "_SeqLenInfo":
+    """``q_seqlen`` (per-sequence lengths, or one int for every one of ``batch`` sequences) as packed queries."""
+    if isinstance(q_seqlen, int) and not isinstance(q_seqlen, bool):
+        return _uniform_queries(batch, arguments.integer("q_seqlen", q_seqlen, minimum=0))
+    q = _SeqLenInfo.from_seqlens(q_seqlen, name="q_seqlen")
+    if len(q.seqstart_py) - 1 != batch:
+        raise ValueError(f"q_seqlen has {len(q.seqstart_py) - 1} sequences but kv_seqlen has {batch}")
+    return q
+
+
 def _lengths(name: str, seqlens: Any) -> list[int]:
     """``seqlens`` as a list of non-negative ints (ValueError / TypeError naming ``name``)."""
     if isinstance(seqlens, torch.Tensor) and seqlens.ndim == 1 and not seqlens.is_floating_point():
@@ -379,6 +396,28 @@ class _SeqLenInfo:
             starts.append(starts[-1] + n)
         return cls(seqstart=_int32(starts, device), max_seqlen=max(lens, default=0), min_seqlen=min(lens, default=0),
                    seqstart_py=starts)
+
+    @classmethod
+    def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, max_seqlen: int | None = None, total: int | None = None, *,
+                        name: str = "cu_seqlens", role: str = "") -> "_SeqLenInfo":
+        """From cumulative lengths int32 (B + 1,) (0 first, never decreasing, ``total`` last when given; read on the
+        host, kept on their device); ``max_seqlen`` (None: the longest) at least the longest sequence; errors name
+        ``name`` (and ``role``, the packed tensor the starts index)."""
+        arguments.tensor(name, cu_seqlens, ndim=1, dtypes=(torch.int32,), layout="int32 (num_sequences + 1,)")
+        starts = [int(x) for x in cu_seqlens.tolist()]
+        if (not starts or starts[0] != 0 or any(b < a for a, b in zip(starts, starts[1:]))
+                or total is not None and starts[-1] != total):
+            shown = starts if len(starts) <= 12 else starts[:6] + ["..."] + starts[-3:]
+            end = "" if total is None else f" and end at {role + chr(39) + 's ' if role else ''}{total} tokens"
+            raise ValueError(f"{name} must start at 0, never decrease{end}; got {shown}")
+        lens = [b - a for a, b in zip(starts, starts[1:])]
+        longest = max(lens, default=0)
+        max_name = name.replace("cu_seqlens", "max_seqlen")
+        if max_seqlen is None:
+            max_seqlen = longest
+        elif arguments.integer(max_name, max_seqlen, minimum=0) < longest:
+            raise ValueError(f"{max_name}={max_seqlen} is smaller than the longest sequence in {name} ({longest})")
+        return cls(seqstart=cu_seqlens, max_seqlen=max_seqlen, min_seqlen=min(lens, default=0), seqstart_py=starts)
 
     def from_seqlens_inplace(self, seqlens: Sequence[int]) -> None:
         """Update the lengths in place (same count, longest no longer than before: CUDA graphs keep working)."""
@@ -585,6 +624,32 @@ class BlockDiagonalMask(_PackedQueriesMask):
     _CAUSAL: ClassVar[str] = ""
 
     @classmethod
+    def from_cu_seqlens(cls, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor | None = None, *fields,
+                        max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, total_q: int | None = None,
+                        total_k: int | None = None):
+        """From FlashAttention's cumulative lengths: int32 (B + 1,) sequence starts, 0 first, never decreasing,
+        ending at ``total_*`` when given (the packed tensors' token counts; keys default to the queries'), read on
+        the host once (one sync for device tensors) and kept on their device; ``max_seqlen_*`` (default: the
+        longest) at least the longest sequence; ``fields``: the mask's own fields after the two seqinfos (a
+        window's sizes).
+
+        Example
+        -------
+        >>> mask = BlockDiagonalCausalMask.from_cu_seqlens(torch.tensor([0, 3, 8], dtype=torch.int32))
+        >>> mask.q_seqinfo.seqstart_py, mask.q_seqinfo.max_seqlen
+        ([0, 3, 8], 5)
+        """
+        q = _SeqLenInfo.from_cu_seqlens(cu_seqlens_q, max_seqlen_q, total_q, name="cu_seqlens_q", role="q")
+        same = cu_seqlens_k is None or (cu_seqlens_k is cu_seqlens_q and (max_seqlen_k, total_k) == (max_seqlen_q,
+                                                                                                   total_q))
+        k = q if same else _SeqLenInfo.from_cu_seqlens(cu_seqlens_k, max_seqlen_k, total_k, name="cu_seqlens_k",
+                                                       role="k")  # self-attention's one tensor is read once
+        if len(k.seqstart_py) != len(q.seqstart_py):
+            raise ValueError(f"cu_seqlens_q has {len(q.seqstart_py) - 1} sequences but cu_seqlens_k has "
+                             f"{len(k.seqstart_py) - 1}")
+        return cls(q, k, *fields)
+
+    @classmethod
     def from_seqlens(cls, q_seqlen: Sequence[int], kv_seqlen: Sequence[int] | None = None,
                      device: torch.device | str | None = None) -> "BlockDiagonalMask":
         """From per-sequence query and key lengths (keys default to the queries'); tensors on ``device``."""
@@ -754,6 +819,22 @@ class BlockDiagonalPaddedKeysMask(_PackedQueriesMask):
             raise ValueError(f"q_seqlen has {len(q_seqlen)} sequences but kv_seqlen has {len(kv_seqlen)}")
         return cls(q, k)
 
+    @classmethod
+    def from_device_seqlens(cls, q_seqlen: int | Sequence[int], kv_padding: int, kv_seqlen: torch.Tensor, *fields):
+        """Key lengths that stay on their device (int32 (B,): no host copy, no sync, CUDA-graph capturable);
+        ``q_seqlen``: per-sequence query lengths, or one int for all; ``fields``: the mask's own fields after the
+        seqinfos (a window's sizes). The kernels clamp each length to [0, kv_padding].
+
+        Example
+        -------
+        >>> lens = torch.tensor([5, 2], dtype=torch.int32)
+        >>> BlockDiagonalCausalWithOffsetPaddedKeysMask.from_device_seqlens(1, 8, lens).k_seqinfo.padding
+        8
+        """
+        arguments.tensor("kv_seqlen", kv_seqlen, ndim=1, dtypes=(torch.int32,), layout="int32 (batch,)")
+        k = _PaddedSeqLenInfo.from_device_seqlens(kv_seqlen, arguments.integer("kv_padding", kv_padding, minimum=0))
+        return cls(_query_info(q_seqlen, kv_seqlen.shape[0]), k, *fields)
+
     def make_paged(self, block_tables: torch.Tensor, page_size: int, paged_type: type | None = None
                    ) -> "PagedBlockDiagonalPaddedKeysMask":
         """The paged twin of this mask: same lengths, keys in ``block_tables`` pages of ``page_size``."""
@@ -875,6 +956,26 @@ class PagedBlockDiagonalPaddedKeysMask(_PagedMask):
         padding = block_tables.shape[-1] * page_size if block_tables.ndim == 2 else 0
         return cls(_SeqLenInfo.from_seqlens(q_seqlen, device),
                    _PaddedSeqLenInfo.from_seqlens_padded(kv_seqlen, padding, device), block_tables, page_size)
+
+    @classmethod
+    def from_device_seqlens(cls, q_seqlen: int | Sequence[int], kv_seqlen: torch.Tensor, block_tables: torch.Tensor,
+                            page_size: int, *fields):
+        """Key lengths that stay on their device (int32 (B,): no host copy, no sync, CUDA-graph capturable);
+        ``q_seqlen``: per-sequence query lengths, or one int for all; ``block_tables`` int32 (B, max_pages);
+        ``fields``: the mask's own fields after ``page_size`` (a window's size). The kernels clamp each length to
+        the block tables' capacity.
+
+        Example
+        -------
+        >>> lens, table = torch.tensor([5, 2], dtype=torch.int32), torch.tensor([[0], [1]], dtype=torch.int32)
+        >>> PagedBlockDiagonalCausalWithOffsetPaddedKeysMask.from_device_seqlens(1, lens, table, 8).k_seqinfo.padding
+        8
+        """
+        arguments.tensor("kv_seqlen", kv_seqlen, ndim=1, dtypes=(torch.int32,), layout="int32 (batch,)")
+        arguments.tensor("block_tables", block_tables, ndim=2, layout="int32 (batch, max_pages)")
+        page_size = arguments.integer("page_size", page_size, minimum=1)
+        k = _PaddedSeqLenInfo.from_device_seqlens(kv_seqlen, block_tables.shape[1] * page_size)
+        return cls(_query_info(q_seqlen, kv_seqlen.shape[0]), k, block_tables, page_size, *fields)
 
     def validate(self, query, key):
         _validate_padded_keys(self, query)

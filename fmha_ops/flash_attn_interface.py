@@ -18,7 +18,7 @@ from __future__ import annotations
 import ast
 import functools
 import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -124,53 +124,27 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                                       f"flash_attn_varlen_func under torch.compile (eager calls take them)")
         return _traced_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                         softmax_scale, causal, (q_descale, k_descale, v_descale), return_attn_probs)
-    q_info = _seqinfo("q", cu_seqlens_q, max_seqlen_q, q)
-    # self-attention passes one tensor for both: read it once (one device sync per call, not two)
-    k_info = q_info if cu_seqlens_k is cu_seqlens_q and max_seqlen_k == max_seqlen_q and k.shape[0] == q.shape[0] \
-        else _seqinfo("k", cu_seqlens_k, max_seqlen_k, k)
-    if len(q_info.seqstart_py) != len(k_info.seqstart_py):
-        raise ValueError(f"cu_seqlens_q has {len(q_info.seqstart_py) - 1} sequences but cu_seqlens_k has "
-                         f"{len(k_info.seqstart_py) - 1}")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        arguments.tensor(name, cu, ndim=1, dtypes=(torch.int32,), layout="int32 (num_sequences + 1,)")
+        if cu.device != q.device and cu.device.type != "cpu":
+            raise ValueError(f"{name} is on {cu.device} but {name[-1]} is on {q.device}")
     if causal:
-        bias = ab.BlockDiagonalCausalFromBottomRightMask(q_info, k_info) if left < 0 else \
-            ab.BlockDiagonalCausalLocalAttentionFromBottomRightMask(q_info, k_info, None, left + 1)
+        kind, window = (ab.BlockDiagonalCausalFromBottomRightMask, ()) if left < 0 else \
+            (ab.BlockDiagonalCausalLocalAttentionFromBottomRightMask, (None, left + 1))
     elif (left, right) == (-1, -1):
-        bias = ab.BlockDiagonalMask(q_info, k_info)
+        kind, window = ab.BlockDiagonalMask, ()
     else:
-        bias = ab.BlockDiagonalLocalAttentionFromBottomRightMask(q_info, k_info, None, left, right)
+        kind, window = ab.BlockDiagonalLocalAttentionFromBottomRightMask, (None, left, right)
+    bias = kind.from_cu_seqlens(cu_seqlens_q, cu_seqlens_k, *window, max_seqlen_q=max_seqlen_q,
+                                max_seqlen_k=max_seqlen_k, total_q=q.shape[0], total_k=k.shape[0])
+    if bias.q_seqinfo.seqstart.device != q.device or bias.k_seqinfo.seqstart.device != q.device:
+        bias = bias.to(q.device)  # starts given on the host: read there, the kernels read a device copy
     res = _run(q[None], k[None], v[None], bias, softmax_scale, q_descale, k_descale, v_descale, return_attn_probs,
                softcap)
     if return_attn_probs:
         return res[0][0], res[1][0]
     return res[0]
 
-
-def _seqinfo(role: str, cu: torch.Tensor, max_seqlen: int | None, packed: torch.Tensor) -> ab._SeqLenInfo:
-    """``cu_seqlens_{role}`` (int32 (nseq + 1,), read on the host) as sequence starts into ``packed``
-    (total, H, D): 0 first, never decreasing, ``total`` last; ``max_seqlen_{role}`` (None: computed) at
-    least the longest sequence."""
-    name, max_name = f"cu_seqlens_{role}", f"max_seqlen_{role}"
-    arguments.tensor(name, cu, ndim=1, dtypes=(torch.int32,), layout="int32 (num_sequences + 1,)")
-    if cu.device != packed.device and cu.device.type != "cpu":
-        raise ValueError(f"{name} is on {cu.device} but {role} is on {packed.device}")
-    starts = [int(x) for x in cu.tolist()]
-    total = packed.shape[0]
-    if not starts or starts[0] != 0 or starts[-1] != total or any(b < a for a, b in zip(starts, starts[1:])):
-        shown = starts if len(starts) <= 12 else starts[:6] + ["..."] + starts[-3:]
-        raise ValueError(f"{name} must start at 0, never decrease and end at {role}'s {total} tokens; got {shown}")
-    lens = [b - a for a, b in zip(starts, starts[1:])]
-    longest = max(lens, default=0)
-    if max_seqlen is None:
-        max_seqlen = longest
-    elif arguments.integer(max_name, max_seqlen, minimum=0) < longest:
-        raise ValueError(f"{max_name}={max_seqlen} is smaller than the longest sequence in {name} ({longest})")
-    return ab._SeqLenInfo(seqstart=cu.to(packed.device), max_seqlen=max_seqlen, min_seqlen=min(lens, default=0),
-                          seqstart_py=starts)
-
-
-@functools.lru_cache(maxsize=256)
-def _uniform_q(batch: int, mq: int) -> ab._SeqLenInfo:
-    return ab._SeqLenInfo.from_seqlens([mq] * batch)
 
 
 @functools.lru_cache(maxsize=64)
@@ -217,6 +191,33 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                  cache_leftpad=(cache_leftpad, None), cu_seqlens_q=(cu_seqlens_q, None),
                  cu_seqlens_k_new=(cu_seqlens_k_new, None), rotary_seqlens=(rotary_seqlens, None),
                  attention_chunk=(attention_chunk, 0))
+    call = kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, q_descale, k_descale,
+                        v_descale, softmax_scale, causal, window_size)
+    batch, mq = q.shape[:2]
+    res = _run(call.query, call.key, call.value, call.bias, softmax_scale, None, call.k_descale, call.v_descale,
+               return_softmax_lse, softcap)
+    if return_softmax_lse:
+        out, lse = res
+        return out.view(q.shape[:3] + out.shape[3:]), lse.view(lse.shape[1], batch, mq).permute(1, 0, 2)
+    return res.view(q.shape[:3] + res.shape[3:])
+
+
+class KVCacheCall(NamedTuple):
+    """``flash_attn_with_kvcache``'s call as the op path takes it: query (1, B * Mq, Hq, D), key / value the cache
+    pool (1, pages * page_size, Hkv, D) (views), the paged decode mask, per-token (or per-tensor) descales."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    bias: ab.AttentionBias
+    k_descale: torch.Tensor | None
+    v_descale: torch.Tensor | None
+
+
+def kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, q_descale, k_descale,
+                 v_descale, softmax_scale, causal, window_size) -> KVCacheCall:
+    """Validate ``flash_attn_with_kvcache``'s arguments (ValueError / TypeError / NotImplementedError naming them),
+    append ``k`` / ``v`` when given, and return the call for the op path (``fmha_ops.decode_plan`` plans it)."""
     left, right = _window(window_size, causal)
     if not causal and (left, right) != (-1, -1):
         raise NotImplementedError(f"window_size={tuple(window_size)} with causal=False is not implemented by "
@@ -259,20 +260,17 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         seqlens = cache_seqlens + mnew
     else:
         seqlens = cache_seqlens
-    kind = ab.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask if causal else ab.PagedBlockDiagonalPaddedKeysMask
-    keys = ab._PaddedSeqLenInfo.from_device_seqlens(seqlens, page_table.shape[1] * page)
     if left >= 0:
-        bias = ab.PagedBlockDiagonalCausalLocalPaddedKeysMask(_uniform_q(batch, mq), keys, page_table, page, left + 1)
+        bias = ab.PagedBlockDiagonalCausalLocalPaddedKeysMask.from_device_seqlens(mq, seqlens, page_table, page,
+                                                                                 left + 1)
+    elif causal:
+        bias = ab.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask.from_device_seqlens(mq, seqlens, page_table, page)
     else:
-        bias = kind(_uniform_q(batch, mq), keys, page_table, page)
+        bias = ab.PagedBlockDiagonalPaddedKeysMask.from_device_seqlens(mq, seqlens, page_table, page)
     pool = (1, k_cache.shape[0] * page)
     # per-token descales pass in the cache's own (num_pages, page_size, Hkv) layout: no copy, any strides
-    res = _run(q.reshape(1, batch * mq, *q.shape[2:]), k_cache.reshape(pool + k_cache.shape[2:]),
-               v_cache.reshape(pool + v_cache.shape[2:]), bias, softmax_scale, None, kd, vd, return_softmax_lse, softcap)
-    if return_softmax_lse:
-        out, lse = res
-        return out.view(q.shape[:3] + out.shape[3:]), lse.view(lse.shape[1], batch, mq).permute(1, 0, 2)
-    return res.view(q.shape[:3] + res.shape[3:])
+    return KVCacheCall(q.reshape(1, batch * mq, *q.shape[2:]), k_cache.reshape(pool + k_cache.shape[2:]),
+                       v_cache.reshape(pool + v_cache.shape[2:]), bias, kd, vd)
 
 
 def _check_cache_tensors(q, k_cache, v_cache, k, v) -> None:

@@ -295,15 +295,19 @@ def default_config(head_dim: int, kv_fp8: bool, page_aligned: bool, rows_per_pro
     return DecodeConfig(32, 4, 2)
 
 
-def split_buffers(q: torch.Tensor, num_splits: int, out: torch.Tensor, lse: torch.Tensor):
+def split_buffers(q: torch.Tensor, num_splits: int, out: torch.Tensor, lse: torch.Tensor, workspace=None):
     """(out buffer, lse buffer, out strides, lse strides) a decoder writes: ``out`` / ``lse`` themselves (a
     leading split stride of 0) for one split, else float32 workspaces (num_splits, B, Mq, Hq, D) and
-    (num_splits, B, Hq, Mq) whose size depends on static shapes only."""
+    (num_splits, B, Hq, Mq) whose size depends on static shapes only (``workspace``: such a pair to reuse, from an
+    earlier call's ``split_buffers``)."""
     if num_splits == 1:
         return out, lse, (0, *out.stride()[:3]), (0, *lse.stride())
-    B, MQ, HQ, D = q.shape
-    o_buf = torch.empty((num_splits, B, MQ, HQ, D), device=q.device, dtype=torch.float32)
-    l_buf = torch.empty((num_splits, B, HQ, MQ), device=q.device, dtype=torch.float32)
+    if workspace is not None:
+        o_buf, l_buf = workspace
+    else:
+        B, MQ, HQ, D = q.shape
+        o_buf = torch.empty((num_splits, B, MQ, HQ, D), device=q.device, dtype=torch.float32)
+        l_buf = torch.empty((num_splits, B, HQ, MQ), device=q.device, dtype=torch.float32)
     return o_buf, l_buf, o_buf.stride()[:4], l_buf.stride()
 
 
@@ -323,7 +327,7 @@ def reduce_splits(o_buf: torch.Tensor, l_buf: torch.Tensor, out: torch.Tensor, l
 
 def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float,
                  k_scale=None, v_scale=None, num_splits: int = 1, out=None, lse=None,
-                 window_left: int = -1, softcap: float = 0.0,
+                 window_left: int = -1, softcap: float = 0.0, workspace=None,
                  block_n: int | None = None, num_warps: int | None = None,
                  num_stages: int | None = None):
     """Attention of ``Mq`` new query tokens per sequence against a (paged) KV cache.
@@ -345,8 +349,9 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
     can make the kernel read outside the caches (``fmha_ops.checks`` validates them on the host instead).
     Returns (out (B, Mq, Hq, D) in q's dtype, lse float32 (B, Hq, Mq) natural log), written into
     ``out``/``lse`` when given. ``num_splits > 1`` runs the split kernel into a float32 workspace
-    and the reduce kernel; no host sync, so it can be captured in a CUDA graph. ``block_n`` / ``num_warps`` /
-    ``num_stages`` override fields of ``default_config``.
+    and the reduce kernel (``workspace``: the (partial out, partial lse) pair of ``split_buffers`` to reuse); no
+    host sync, so it can be captured in a CUDA graph. ``block_n`` / ``num_warps`` / ``num_stages`` override fields
+    of ``default_config``.
 
     Example
     -------
@@ -371,7 +376,7 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
     paged = block_table is not None
     page_size = k_cache.shape[1] if paged else 1
     capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
-    o_buf, l_buf, o_strides, l_strides = split_buffers(q, num_splits, out, lse)
+    o_buf, l_buf, o_strides, l_strides = split_buffers(q, num_splits, out, lse, workspace)
     pdl = num_splits > 1 and programmatic_launch(q.device)
     if window_left < -1 or not softcap >= 0.0 or softcap == float("inf"):
         raise ValueError(f"window_left={window_left} must be >= -1 (-1 = unbounded) and softcap={softcap} finite "

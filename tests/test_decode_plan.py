@@ -1,0 +1,123 @@
+"""``plan_kvcache`` / ``PagedDecodePlan.run``: the same results as ``flash_attn_with_kvcache`` step after step
+(lengths and caches updated in place, caches swapped per run), bad arguments named, CUDA-graph replay."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fmha_ops
+from fmha_ops.kv_cache import paged_from_dense, quantize_kv_fp8
+from fmha_ops.testing import error_report
+from tests.conftest import DEVICE, HAS_CUDA
+
+DTYPE = torch.float16 if DEVICE == "cpu" else torch.bfloat16
+REL = 2e-3 if DEVICE == "cpu" else 8e-3
+
+
+def _cache(B=3, L=40, Hkv=2, D=16, page_size=8, fp8=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(B, L, Hkv, D, generator=g).to(DTYPE) for _ in range(2))
+    scales = []
+    if fp8:
+        k8, v8, ks, vs = quantize_kv_fp8(k, v)
+        tensors = [k8.view(torch.uint8), v8.view(torch.uint8), ks, vs]
+    else:
+        tensors = [k, v]
+    if page_size is None:
+        cache, table = tensors, None
+    else:
+        cache, table = paged_from_dense(tensors, page_size, generator=g)
+        table = table.to(DEVICE)
+    cache = [c.to(DEVICE) for c in cache]
+    if fp8:
+        cache[0], cache[1] = cache[0].view(torch.float8_e4m3fn), cache[1].view(torch.float8_e4m3fn)
+        scales = cache[2:]
+    return cache[0], cache[1], scales, table
+
+
+@pytest.mark.parametrize("op", [None, "triton_decoderF", "triton_splitKF"])
+@pytest.mark.parametrize("page_size,fp8", [(8, False), (None, False), (8, True)])
+def test_run_matches_flash_attn_with_kvcache_over_steps(op, page_size, fp8):
+    k_cache, v_cache, scales, table = _cache(page_size=page_size, fp8=fp8, seed=3)
+    scale_kw = dict(k_descale=scales[0], v_descale=scales[1]) if fp8 else {}
+    lens = torch.tensor([1, 17, 30], dtype=torch.int32, device=DEVICE)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(3, 1, 4, 16, generator=g).to(DEVICE, DTYPE)
+    kw = dict(cache_seqlens=lens, page_table=table, causal=True, softcap=2.0, window_size=(11, 0), **scale_kw)
+    scope = fmha_ops.use_ops(op) if op else fmha_ops.use_ops()
+    with scope:
+        plan = fmha_ops.plan_kvcache(q, k_cache, v_cache, **kw)
+        assert plan.op.NAME == (op or plan.op.NAME)
+        for step in range(3):
+            q.copy_(torch.randn(3, 1, 4, 16, generator=g))
+            out = plan.run(q)
+            want = fmha_ops.flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
+            assert out is plan.out
+            assert error_report(out.cpu().float(), want.cpu().float())["rel"] < REL, step
+            lens += 3  # the loop's lengths, in place
+
+
+def test_run_with_lse_and_swapped_caches():
+    k_cache, v_cache, _, table = _cache(seed=4)
+    k2, v2, _, _ = _cache(seed=5)
+    lens = torch.tensor([5, 40, 0], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(3, 2, 4, 16).to(DEVICE, DTYPE)
+    with fmha_ops.use_ops("triton_splitKF"):
+        plan = fmha_ops.plan_kvcache(q, k_cache, v_cache, cache_seqlens=lens, page_table=table, causal=True,
+                                     return_softmax_lse=True)
+        out, lse = plan.run(q, k2, v2)
+        want, want_lse = fmha_ops.flash_attn_with_kvcache(q, k2, v2, cache_seqlens=lens, page_table=table, causal=True,
+                                                          return_softmax_lse=True)
+        assert error_report(out.cpu().float(), want.cpu().float())["rel"] < REL
+        seen = torch.isfinite(want_lse)
+        assert torch.equal(seen, torch.isfinite(lse)) and (lse - want_lse)[seen].abs().max() < 1e-3
+        mine = torch.empty_like(out)
+        assert plan.run(q, out=mine, lse=torch.empty_like(lse))[0] is mine
+
+
+def test_bad_runs_are_named():
+    k_cache, v_cache, _, table = _cache(seed=6)
+    lens = torch.tensor([5, 40, 0], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(3, 1, 4, 16).to(DEVICE, DTYPE)
+    plan = fmha_ops.plan_kvcache(q, k_cache, v_cache, cache_seqlens=lens, page_table=table, causal=True)
+    with pytest.raises(ValueError, match=r"q \(3, 2, 4, 16\).*does not match the plan's \(3, 1, 4, 16\)"):
+        plan.run(torch.randn(3, 2, 4, 16).to(DEVICE, DTYPE))
+    with pytest.raises(ValueError, match="k_cache .* does not match the plan's cache"):
+        plan.run(q, k_cache[:-1], v_cache[:-1])
+    with pytest.raises(ValueError, match="lse is given but the plan returns no lse"):
+        plan.run(q, lse=torch.empty(3, 4, 1))
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        plan.run(q, out=torch.empty(3, 1, 4, 8))
+    with pytest.raises(ValueError, match="k_descale / v_descale are for an fp8 cache"):
+        plan.run(q, k_descale=torch.ones(1), v_descale=torch.ones(1))
+    with pytest.raises(ValueError, match="page_table has shape"):  # planning validates as the function does
+        fmha_ops.plan_kvcache(q, k_cache, v_cache, cache_seqlens=lens, page_table=table[:2], causal=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDA graphs")
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_plan_run_in_a_cuda_graph(fp8):
+    from bench.common import capture_graph
+    from fmha_ops.kv_cache import build_fp8_paged_cache
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, L, ps = 16, 2048, 64
+    k, v = (torch.randn(B, L, 8, 128, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    q = torch.randn(B, 1, 32, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    k8, v8, ks, vs, table = build_fp8_paged_cache(k, v, ps)
+    if fp8:
+        kc, vc, kw = k8, v8, dict(k_descale=ks, v_descale=vs)
+    else:
+        order = table.flatten().argsort()
+        kc, vc = (t.view(-1, ps, 8, 128)[order] for t in (k, v))
+        kw = {}
+    lens = torch.full((B,), 1500, dtype=torch.int32, device="cuda")
+    plan = fmha_ops.plan_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table, causal=True, **kw)
+    graph = capture_graph(lambda: plan.run(q))
+    for step in range(3):
+        q.copy_(torch.randn(q.shape, device="cuda", generator=g))
+        lens.copy_(torch.randint(0, L + 1, (B,), device="cuda", generator=g, dtype=torch.int32))
+        graph.replay()
+        want = fmha_ops.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table, causal=True, **kw)
+        assert error_report(plan.out.float(), want.float())["rel"] < 1e-3, step
