@@ -403,9 +403,16 @@ MEMCHECK_SCRIPT = textwrap.dedent('''
             out, _ = paged_decode(q, kc, vc, lens, block_table=table, scale=D ** -0.5, k_scale=ks, v_scale=vs,
                                   num_splits=splits, block_n=64, num_warps=2, num_stages=3)
             assert out.isfinite().all()
-        # the public call: the selected fp8 decoder (sm90: the Gluon kernel)
+            for window in (0, 37, 150):  # windows start the splits mid-sequence (also past a bad entry)
+                out, _ = paged_decode(q, kc, vc, lens, block_table=table, scale=D ** -0.5, k_scale=ks, v_scale=vs,
+                                      num_splits=splits, window_left=window, softcap=5.0)
+                assert out.isfinite().all()
+        # the public call: the selected fp8 decoder (sm90: the Gluon kernel), also with a window and softcap
         out = fmha_ops.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table, k_descale=ks,
                                                v_descale=vs, causal=True)
+        assert out.isfinite().all()
+        out = fmha_ops.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table, k_descale=ks,
+                                               v_descale=vs, causal=True, window_size=(37, 0), softcap=5.0)
         assert out.isfinite().all()
         # appends past the last page, onto bad entries, from negative positions
         kn = torch.randn(B, 3, H, D, device="cuda", dtype=torch.bfloat16)
@@ -425,8 +432,8 @@ MEMCHECK_SCRIPT = textwrap.dedent('''
 @pytest.mark.gpu
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not on PATH")
 def test_gpu_memcheck_adversarial_indices():
-    """compute-sanitizer memcheck over the decode (single pass, split-K + reduce, bf16 / fp8, the selected fp8
-    decoder) and append kernels fed out-of-range page entries, lengths and append positions: 0 errors."""
+    """compute-sanitizer memcheck over the decode (single pass, split-K + reduce, bf16 / fp8, windows and softcap, the
+    selected fp8 decoder) and append kernels fed out-of-range page entries, lengths and append positions: 0 errors."""
     env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run(["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "1", sys.executable, "-c",
                         MEMCHECK_SCRIPT], capture_output=True, text=True, env=env, timeout=540)
