@@ -40,11 +40,11 @@ class PagedDecodePlan:
     float32 (B, Hq, Mq): the buffers ``run`` writes unless given others.
     """
 
-    def __init__(self, op, launch, template, cache, descales, out, lse, return_lse: bool) -> None:
+    def __init__(self, op, launch, template, cache, descales, index, out, lse, return_lse: bool) -> None:
         self.op, self.out, self.lse = op, out, lse if return_lse else None
         self._lse = lse  # written by every run (the kernels write an LSE), returned only when planned
         self._launch, self._return_lse = launch, return_lse
-        self._cache, self._descales = cache, descales
+        self._cache, self._descales, self._index = cache, descales, index
         q = template
         self._q_meta = (q.shape, q.dtype, q.device)
         self._cache_meta = tuple(_meta(t) for t in cache)
@@ -73,7 +73,7 @@ class PagedDecodePlan:
                                                                                                      v_descale)
         out = self.out if out is None else _check_out("out", out, self.out)
         lse_buf = self._lse if lse is None else _check_out("lse", lse, self.lse)
-        self._launch(q, k, v, ks, vs, out, lse_buf)
+        self._launch(q, k, v, ks, vs, *self._index, out, lse_buf)
         return (out, lse_buf) if self._return_lse else out
 
     def _swapped(self, k_cache, v_cache):
@@ -152,17 +152,19 @@ def plan_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         from .ops.common import decode_views
 
         launch = planner(inp, return_softmax_lse)
-        descales = decode_views(inp)[5:]  # per token as given, or a per-tensor value broadcast (a view)
+        views = decode_views(inp)
+        index, descales = views[3:5], views[5:]  # lengths and block table; descales per token or broadcast (views)
     else:
         launch = _apply_launcher(op, inp, batch, mq, return_softmax_lse)
-        descales = (call.k_descale, call.v_descale)
-    return PagedDecodePlan(op, launch, q, (k_cache, v_cache), descales, out, lse, return_softmax_lse)
+        index, descales = (None, None), (call.k_descale, call.v_descale)
+    return PagedDecodePlan(op, launch, q, (k_cache, v_cache), descales, index, out, lse, return_softmax_lse)
 
 
 def _apply_launcher(op, inp, batch: int, mq: int, needs_lse: bool):
-    """``launch(q, k_cache, v_cache, k_scale, v_scale, out, lse)`` through ``op.apply`` on the planned call with
-    these tensors (ops without a decode launcher of their own, e.g. the reference op on a CPU)."""
-    def launch(q, k_cache, v_cache, k_scale, v_scale, out, lse):
+    """``launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, table, out, lse)`` through ``op.apply`` on the
+    planned call with these tensors, its own mask's lengths and table (ops without a decode launcher of their own,
+    e.g. the reference op on a CPU)."""
+    def launch(q, k_cache, v_cache, k_scale, v_scale, _seqlens, _table, out, lse):
         pool = (1, k_cache.shape[0] * k_cache.shape[1])
         call = replace(inp, query=q.reshape(1, batch * mq, *q.shape[2:]), key=k_cache.reshape(pool + k_cache.shape[2:]),
                        value=v_cache.reshape(pool + v_cache.shape[2:]), k_descale=k_scale, v_descale=v_scale)

@@ -25,7 +25,8 @@ import torch
 from . import attn_bias as ab
 from . import arguments, checks, compiled, kv_cache
 from .api import memory_efficient_attention
-from .call import run_forward
+from .call import make_problem, run_forward
+from .dispatch import SELECTOR
 from .dtypes import FLOAT_DTYPES
 from .inputs import make_inputs
 from .fp8_backward import set_fp8_dequantized_backward
@@ -191,6 +192,15 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                  cache_leftpad=(cache_leftpad, None), cu_seqlens_q=(cu_seqlens_q, None),
                  cu_seqlens_k_new=(cu_seqlens_k_new, None), rotary_seqlens=(rotary_seqlens, None),
                  attention_chunk=(attention_chunk, 0))
+    if k is None and cache_batch_idx is None and q_descale is None and type(cache_seqlens) is torch.Tensor \
+            and type(page_table) is torch.Tensor and not torch.compiler.is_compiling():
+        fast = _fast_key(q, k_cache, v_cache, cache_seqlens, page_table, k_descale, v_descale, softmax_scale, causal,
+                         window_size, softcap, return_softmax_lse)
+        launcher = None if fast is None else _fast_launcher(fast, q, k_cache, v_cache, cache_seqlens, page_table,
+                                                            k_descale, v_descale, softmax_scale, causal, window_size,
+                                                            softcap, return_softmax_lse)
+        if launcher is not None:
+            return launcher(q, k_cache, v_cache, k_descale, v_descale, cache_seqlens, page_table)
     call = kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, q_descale, k_descale,
                         v_descale, softmax_scale, causal, window_size)
     batch, mq = q.shape[:2]
@@ -200,6 +210,88 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         out, lse = res
         return out.view(q.shape[:3] + out.shape[3:]), lse.view(lse.shape[1], batch, mq).permute(1, 0, 2)
     return res.view(q.shape[:3] + res.shape[3:])
+
+
+#: the fast path of repeated paged decode calls: (selected op, ``_fast_key``) -> launcher or None (see
+#: ``_fast_launcher``); the op comes from the selector's memo, so ``use_ops`` scopes and ``SELECTOR.clear()`` apply
+_FAST: dict = {}
+_FAST_LIMIT = 256  # distinct call layouts kept (each is one decode shape of a model)
+
+
+def _meta(t) -> tuple | None:
+    return None if t is None else (t.shape, t.dtype, t.stride(), t.device)
+
+
+def _fast_key(q, k_cache, v_cache, cache_seqlens, page_table, k_descale, v_descale, softmax_scale, causal,
+              window_size, softcap, return_lse):
+    """The layout of a paged decode call without append on device tensors (everything its validation, selection
+    and launch depend on but the tensors' values), or None when the call must take the full path: autograd, check
+    mode (``fmha_ops.checks``), host tensors, non-tensor arguments."""
+    if not all(type(t) is torch.Tensor for t in (q, k_cache, v_cache)):
+        return None
+    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
+        return None
+    if checks.wanted(q, cache_seqlens, page_table):  # host tensors (always checked) or check mode: the full path
+        return None
+    try:
+        return ("flash_attn_with_kvcache", _meta(q), _meta(k_cache), _meta(v_cache), _meta(cache_seqlens),
+                _meta(page_table), _meta(k_descale), _meta(v_descale), softmax_scale, causal, tuple(window_size),
+                softcap, return_lse, _deterministic())
+    except (TypeError, AttributeError):  # descales that are not tensors, window_size not a pair: the full path says
+        return None
+
+
+_deterministic = torch._C._get_deterministic_algorithms
+
+
+def _fast_launcher(fast, q, k_cache, v_cache, cache_seqlens, page_table, k_descale, v_descale, softmax_scale, causal,
+                   window_size, softcap, return_lse):
+    """The fast path of calls of layout ``fast``: ``run(q, k_cache, v_cache, k_descale, v_descale, cache_seqlens,
+    page_table)`` -> what ``flash_attn_with_kvcache`` returns, through the selected op's ``decode_launcher``; None
+    when that op has none (the call keeps the full path). The selector memoizes the op under ``fast``: the first
+    call of a layout (and the first after ``SELECTOR.clear()``) validates it in full, raising as the full path
+    would."""
+    from .ops.common import decode_views
+
+    built = []
+
+    def problem():
+        call = kvcache_call(q, k_cache, v_cache, None, None, cache_seqlens, None, page_table, None, k_descale,
+                            v_descale, softmax_scale, causal, window_size)
+        inp = make_inputs(call.query, call.key, call.value, call.bias, scale=softmax_scale, k_descale=call.k_descale,
+                          v_descale=call.v_descale, softcap=softcap, is_partial=return_lse)
+        built.append((call, inp))
+        return make_problem(inp, return_lse)
+
+    op = SELECTOR.select(fast, problem, "fw", None)
+    try:
+        return _FAST[op, fast]
+    except KeyError:
+        pass
+    if not built:
+        problem()
+    call, inp = built[0]
+    planner = getattr(op, "decode_launcher", None)
+    if len(_FAST) >= _FAST_LIMIT:
+        _FAST.clear()
+    if planner is None:
+        _FAST[op, fast] = None
+        return None
+    launch = planner(inp, return_lse, own_workspace=False)
+    per_tensor = call.k_descale is not None and decode_views(inp)[5].stride() == (0, 0, 0)
+    batch, mq, hq, _ = q.shape
+    out_shape, out_dtype, device = q.shape[:3] + (v_cache.shape[3],), inp.out_dtype, q.device
+
+    def run(q, k_cache, v_cache, k_descale, v_descale, cache_seqlens, page_table):
+        if per_tensor:
+            k_descale = k_descale.reshape(1, 1, 1).expand(k_cache.shape[:3])
+            v_descale = v_descale.reshape(1, 1, 1).expand(v_cache.shape[:3])
+        out = torch.empty(out_shape, dtype=out_dtype, device=device)
+        lse = torch.empty((batch, hq, mq), dtype=torch.float32, device=device)
+        launch(q, k_cache, v_cache, k_descale, v_descale, cache_seqlens, page_table, out, lse)
+        return (out, lse) if return_lse else out
+    _FAST[op, fast] = run
+    return run
 
 
 class KVCacheCall(NamedTuple):

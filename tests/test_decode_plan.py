@@ -121,3 +121,34 @@ def test_gpu_plan_run_in_a_cuda_graph(fp8):
         graph.replay()
         want = fmha_ops.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table, causal=True, **kw)
         assert error_report(plan.out.float(), want.float())["rel"] < 1e-3, step
+
+
+# ---- flash_attn_with_kvcache's fast path (repeated paged calls on device tensors) ----------------------------
+
+@pytest.mark.parametrize("fp8,per_tensor", [(False, False), (True, False), (True, True)])
+def test_fast_path_matches_the_full_path(monkeypatch, fp8, per_tensor):
+    """Index tensors on a GPU are not read back, and repeated calls of one layout skip validation and selection: the
+    fast path (forced here on the CPU, whose index tensors are otherwise always checked) gives the full path's
+    results, follows new lengths, and leaves calls of another layout (or under use_ops) to the full path."""
+    from fmha_ops import checks
+    from fmha_ops import flash_attn_interface as fa
+
+    k_cache, v_cache, scales, table = _cache(fp8=fp8, seed=7)
+    if per_tensor:
+        scales = [torch.full((1,), 0.02, device=DEVICE), torch.full((1,), 0.03, device=DEVICE)]
+    kw = dict(k_descale=scales[0], v_descale=scales[1]) if fp8 else {}
+    lens = torch.tensor([1, 17, 30], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(3, 1, 4, 16).to(DEVICE, DTYPE)
+    with fmha_ops.use_ops("triton_splitKF"):
+        want = [fmha_ops.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens + d, page_table=table,
+                                                 causal=True, **kw) for d in (0, 5)]
+        fa._FAST.clear()
+        monkeypatch.setattr(checks, "wanted", lambda *t: False)
+        got = [fmha_ops.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens + d, page_table=table,
+                                                causal=True, **kw) for d in (0, 5, 0)]
+        assert len(fa._FAST) == 1 and next(iter(fa._FAST.values())) is not None
+    for a, b in zip(got, want + want[:1]):
+        assert error_report(a.cpu().float(), b.cpu().float())["rel"] < 1e-6
+    with pytest.raises(ValueError, match="page_table has shape"):  # a new layout is validated in full
+        fmha_ops.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, page_table=table[:2], causal=True,
+                                         **kw)

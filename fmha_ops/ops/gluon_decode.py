@@ -100,25 +100,26 @@ class GluonFp8DecodeFwOp(AttentionFwOp):
         return decode_outputs(inp, q, out, lse, needs_lse)
 
     @classmethod
-    def decode_launcher(cls, inp, needs_lse):
-        """``launch(q, k_cache, v_cache, k_scale, v_scale, out, lse)`` for calls like ``inp`` (same shapes, strides,
-        mask): tensors as ``decode_views`` lays them out, written into ``out`` / ``lse``; the lengths, block table,
-        split count and split workspace are ``inp``'s, fixed here (``fmha_ops.decode_plan``)."""
+    def decode_launcher(cls, inp, needs_lse, own_workspace: bool = True):
+        """``launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse)`` for calls like ``inp``
+        (same shapes, strides, mask kind and window): tensors as ``decode_views`` lays them out, written into
+        ``out`` / ``lse``; the split count (and, with ``own_workspace``, one split workspace for every launch: one
+        stream at a time) fixed here (``fmha_ops.decode_plan``, the ``flash_attn_with_kvcache`` fast path)."""
         from ..kernels.gluon import decode as gluon
         from ..kernels.softmax import LOG2E
         from ..kernels.triton.decode import programmatic_launch, reduce_splits, split_buffers
 
-        q, k, v, seqlens, table, _, _ = decode_views(inp)
+        q, k, v, _, table, _, _ = decode_views(inp)
         B, MQ, HQ, D = q.shape
         page_size = k.shape[1] if table is not None else None
         window, softcap, scale_log2 = decode_window(inp), inp.softcap, inp.softmax_scale * LOG2E.value
         max_len = decode_keys(k.shape[1] * (table.shape[1] if table is not None else 1), window, MQ)
         splits = cls.num_splits(B, k.shape[2], max_len, HQ // k.shape[2] * MQ, D, page_size, _arch(q.device),
                                 gluon.heads_adjacent(k, v))
-        workspace = split_buffers(q, splits, None, None)[:2] if splits > 1 else None
+        workspace = split_buffers(q, splits, None, None)[:2] if splits > 1 and own_workspace else None
         pdl = splits > 1 and programmatic_launch(q.device)
 
-        def launch(q, k_cache, v_cache, k_scale, v_scale, out, lse):
+        def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, table, out, lse):
             o_buf, l_buf, o_strides, l_strides = split_buffers(q, splits, out, lse, workspace)
             gluon.launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, table, o_buf, l_buf, o_strides, l_strides,
                          scale_log2, splits, page_size, pdl, window_left=window, softcap=softcap)

@@ -76,20 +76,21 @@ class _DecodeOp(AttentionFwOp):
         return decode_outputs(inp, q, out, lse, needs_lse)
 
     @classmethod
-    def decode_launcher(cls, inp, needs_lse):
-        """``launch(q, k_cache, v_cache, k_scale, v_scale, out, lse)`` for calls like ``inp`` (same shapes, strides,
-        mask): tensors as ``decode_views`` lays them out, written into ``out`` / ``lse``; the lengths, block table,
-        split count and split workspace are ``inp``'s, fixed here (``fmha_ops.decode_plan``)."""
+    def decode_launcher(cls, inp, needs_lse, own_workspace: bool = True):
+        """``launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse)`` for calls like ``inp``
+        (same shapes, strides, mask kind and window): tensors as ``decode_views`` lays them out, written into
+        ``out`` / ``lse``; the split count (and, with ``own_workspace``, one split workspace for every launch: one
+        stream at a time) fixed here (``fmha_ops.decode_plan``, the ``flash_attn_with_kvcache`` fast path)."""
         from ..kernels.triton.decode import paged_decode, split_buffers
 
-        q, k, v, seqlens, table, _, _ = decode_views(inp)
+        q, k, v, _, table, _, _ = decode_views(inp)
         window, scale, softcap = decode_window(inp), inp.softmax_scale, inp.softcap
         max_len = decode_keys(k.shape[1] * (table.shape[1] if table is not None else 1), window, q.shape[1])
         splits = cls.num_splits(q.shape[0], k.shape[2], max_len, q.shape[2] // k.shape[2] * q.shape[1], q.shape[3],
                                 k.dtype != q.dtype, _arch(q.device))
-        workspace = split_buffers(q, splits, None, None)[:2] if splits > 1 else None
+        workspace = split_buffers(q, splits, None, None)[:2] if splits > 1 and own_workspace else None
 
-        def launch(q, k_cache, v_cache, k_scale, v_scale, out, lse):
+        def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, table, out, lse):
             paged_decode(q, k_cache, v_cache, seqlens, block_table=table, scale=scale, k_scale=k_scale,
                          v_scale=v_scale, num_splits=splits, out=out, lse=lse, window_left=window, softcap=softcap,
                          workspace=workspace)
