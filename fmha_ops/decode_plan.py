@@ -122,9 +122,9 @@ def plan_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """Plan ``flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=..., ...)`` for repeated calls.
 
     Arguments as ``flash_attn_with_kvcache`` takes them (``q`` fixes the query's shape, dtype and device; its
-    values are not kept), without appended ``k`` / ``v``. ``cache_seqlens`` int32 (B,) on q's device (or an int:
-    every sequence holds that many tokens) and ``page_table`` int32 (B, max_pages) / ``cache_batch_idx`` are kept
-    by the plan: update their values in place between runs. Validates once (raising as
+    values are not kept), without appended ``k`` / ``v``. ``cache_seqlens`` int32 (B,) on q's device and
+    ``page_table`` int32 (B, max_pages) / ``cache_batch_idx`` are kept by the plan: update their values in place
+    between runs (an int ``cache_seqlens`` plans fixed lengths: every sequence holds that many tokens). Validates once (raising as
     ``flash_attn_with_kvcache`` would), selects the op once (``PagedDecodePlan.op``) and allocates the output (and
     for split-K decoders the split workspace) once.
 
