@@ -152,3 +152,24 @@ def test_fast_path_matches_the_full_path(monkeypatch, fp8, per_tensor):
     with pytest.raises(ValueError, match="page_table has shape"):  # a new layout is validated in full
         fmha_ops.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, page_table=table[:2], causal=True,
                                          **kw)
+
+
+def test_split_workspace_reused_across_runs(monkeypatch):
+    """A split-K plan owns one workspace: runs after runs (new queries, new lengths) still match the full path."""
+    from fmha_ops.ops.triton_decode import TritonSplitKFwOp
+
+    monkeypatch.setattr(TritonSplitKFwOp, "num_splits", classmethod(lambda cls, *a, **k: 3))
+    k_cache, v_cache, _, table = _cache(seed=8)
+    lens = torch.tensor([3, 40, 21], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(3, 1, 4, 16).to(DEVICE, DTYPE)
+    with fmha_ops.use_ops("triton_splitKF"):
+        plan = fmha_ops.plan_kvcache(q, k_cache, v_cache, cache_seqlens=lens, page_table=table, causal=True,
+                                     return_softmax_lse=True)
+        for step in range(2):
+            q.copy_(torch.randn_like(q))
+            out, lse = plan.run(q)
+            want, want_lse = fmha_ops.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
+                                                              page_table=table, causal=True, return_softmax_lse=True)
+            assert error_report(out.cpu().float(), want.cpu().float())["rel"] < REL, step
+            assert (lse - want_lse).abs().max() < 1e-3
+            lens -= 2
