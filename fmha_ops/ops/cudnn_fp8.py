@@ -15,9 +15,11 @@ Declined, with reasons: per-(batch, head), per-block or per-channel descales (cu
 tensor), varlen / padded / paged masks, one query token (no plan), bottom-right causal with Mq != Mk on
 Hopper (cuDNN has it for fp8 on Blackwell only), head dims other than 16..256 in steps of 16 (128 at most on
 Blackwell), K != Kv, dropout, local windows, softcap.
-The fp8 backward (``sdpa_fp8_backward``) is not offered: it takes fp8 dO and returns fp8 gradients with
-per-tensor scales, while the training path here differentiates the dequantized bf16 values with a bf16
-backward op (FA4's where installed).
+The fp8 backward (``sdpa_fp8_backward``) is not offered as an op, because it loses to fa4B on the H200 (cuDNN 9.19,
+bench/diagnostics/cudnn_fp8_probe.py, 4x32x4096 D128): cuDNN builds no plan with bf16 gradients, only fp8 ones
+(with per-tensor scales that need the gradients' amax in advance); its kernel reaches 667 TFLOP/s against fa4B's
+617, but with the per-tensor quantization of o and dO it needs, 480; and its fp8 dQ has cosine 0.986 to the
+float32 reference. fp8 forwards are differentiated at the dequantized values by the selected bf16 backward op.
 """
 from __future__ import annotations
 
@@ -200,8 +202,10 @@ class CudnnFp8FwOp(OptionalPackage, AttentionFwOp):
     GQA = True
     DESCALES = {r: frozenset({"tensor"}) for r in "qkv"}
     PARTIAL = True
-    #: achieved (TFLOP/s, TB/s, host us) on the H200 for the cost model (D128, 4096 tokens)
-    RATES: ClassVar[tuple[float, float, float]] = (880.0, 3.0, 40.0)
+    #: achieved (TFLOP/s, TB/s, device overhead us: the dequantization launch) on the H200 for the cost model
+    #: (D128, 4096 tokens)
+    RATES: ClassVar[tuple[float, float, float]] = (880.0, 3.0, 8.0)
+    HOST_US = 40.0  # binding the cached graph's tensors and executing it, plus the dequantization launch
     package_reason = staticmethod(cudnn_package_reason)
     import_reason = staticmethod(cudnn_unavailable_reason)
 
