@@ -83,15 +83,17 @@ def flatten(obj: Any, tensors: list) -> Any:
         return ("tensor", len(tensors) - 1)
     if isinstance(obj, torch.dtype):
         return ("dtype", str(obj).replace("torch.", ""))
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return ("value", obj)
+    if isinstance(obj, (list, tuple)):
+        return ("list" if isinstance(obj, list) else "tuple", tuple(flatten(x, tensors) for x in obj))
     if dataclasses.is_dataclass(obj):
         return ("object", type(obj).__name__,
                 tuple(flatten(getattr(obj, f.name), tensors) for f in dataclasses.fields(obj) if f.init))
     if isinstance(obj, ab.AttentionBias):  # no fields, or only a tensor bias (TensorBias and the like)
         bias = obj.tensor_bias
         return ("object", type(obj).__name__, () if bias is None else (flatten(bias, tensors),))
-    if isinstance(obj, (list, tuple)):
-        return ("list" if isinstance(obj, list) else "tuple", tuple(flatten(x, tensors) for x in obj))
-    return ("value", obj)
+    raise TypeError(f"cannot pass a {type(obj).__name__} through the compiled call: {obj!r}")
 
 
 def unflatten(structure: Any, tensors: list) -> Any:

@@ -63,13 +63,14 @@ class Signature(NamedTuple):
     softcap: float
 
 
-class OutputLayout:
-    """Undo ``make_inputs``'s folding of the user's layout on the outputs (BMHK is the identity)."""
+class OutputLayout(NamedTuple):
+    """Undo ``make_inputs``'s folding of the user's layout on the outputs (BMHK is the identity).
 
-    __slots__ = ("shape5", "bmk")
+    A named tuple of constants, so that torch.compile can rebuild it where it has no source (a dataclass
+    field's default)."""
 
-    def __init__(self, shape5: tuple[int, ...] | None = None, bmk: bool = False) -> None:
-        self.shape5, self.bmk = shape5, bmk
+    shape5: tuple[int, ...] | None = None  # (B, Mq, G, H) of a BMGHK call
+    bmk: bool = False  # a BMK call (one head)
 
     def __call__(self, out: torch.Tensor) -> torch.Tensor:
         """out (B, Mq, Hq, Kv) -> the user's layout (BMGHK: (B, Mq, G, H, Kv); BMK: (B, Mq, Kv))."""

@@ -37,7 +37,9 @@ def quantize_fp8(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn):
     fmax = torch.finfo(dtype).max
     xf = x.float()
     amax = xf.abs().amax(-1)
-    scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
+    # divide by a tensor: torch on CUDA turns division by a Python scalar into a multiply by its rounded
+    # reciprocal (1 ulp off amax / fmax), and the scales must match the kernels' correctly rounded quotient
+    scale = torch.where(amax > 0, amax / amax.new_full((), fmax), torch.ones_like(amax))
     x8 = (xf / scale[..., None]).clamp(-fmax, fmax).to(dtype)
     return x8, scale
 

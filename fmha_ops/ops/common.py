@@ -155,14 +155,6 @@ def dequantize(x: torch.Tensor, descale: torch.Tensor | None, kind: str, block: 
     raise ValueError(f"unknown descale kind {kind!r}")
 
 
-def quantize_per_token(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-(token, head) fp8 quantization of a (..., K) tensor: (x_fp8, scale float32 (...))."""
-    fmax = torch.finfo(dtype).max
-    amax = x.float().abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
-    return (x.float() / scale[..., None]).clamp(-fmax, fmax).to(dtype), scale
-
-
 def dequantized_qkv(inp: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """float32 q, k, v as the kernels see them: times their descales (or quantized per token to the
     arch's fp8 and back when ``quantize_kv_to_fp8``)."""
@@ -178,8 +170,10 @@ def dequantized_qkv(inp: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
                 descales[i] = d.repeat_interleave((q if i == 0 else k).shape[2] // d.shape[1], dim=1)[None]
                 kinds = kinds[:i] + ("token",) + kinds[i + 1:]
     if inp.quantize_kv_to_fp8:
+        from ..kv_cache import quantize_fp8
+
         f8 = fp8_dtype(current_arch(q.device))
-        (k8, ks), (v8, vs) = quantize_per_token(k, f8), quantize_per_token(v, f8)
+        (k8, ks), (v8, vs) = quantize_fp8(k, f8), quantize_fp8(v, f8)
         kf, vf = k8.float() * ks[..., None], v8.float() * vs[..., None]
     else:
         kf = dequantize(k, descales[1], kinds[1], K_SCALE_BLOCK)
