@@ -111,7 +111,9 @@ def test_ws_launcher_finishes_empty_problems_and_rejects_bad_configs():
     q, k = torch.randn(1, 3, 4, 64).to(FP8), torch.randn(1, 0, 2, 64).to(FP8)
     out, lse = ws.attention_forward(q, k, k, scale=0.125, return_lse=True)
     assert out.float().eq(0).all() and lse.eq(float("-inf")).all()
-    for bad in (ws.WsFwdConfig(consumers=4), ws.WsFwdConfig(stages=1)):
+    bad_configs = (ws.WsFwdConfig(consumers=4), ws.WsFwdConfig(stages=1),
+                   ws.WsFwdConfig(key_order=True, v_transpose=True))
+    for bad in bad_configs:
         with pytest.raises(ValueError, match="config"):
             ws.attention_forward(q, k, k, scale=0.125, config=bad)
     with pytest.raises(ValueError, match="head dim"):
@@ -122,8 +124,8 @@ def test_ws_launcher_finishes_empty_problems_and_rejects_bad_configs():
 _COMPILE_CHECK = """
 import dataclasses, sys
 from fmha_ops.kernels.gluon import attention_fwd_ws as ws
-head_dim, causal, consumers = int(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[3])
-cfg = ws.default_config(head_dim, causal)
+head_dim, causal, consumers, v_transpose = int(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[3]), sys.argv[4] == "1"
+cfg = dataclasses.replace(ws.default_config(head_dim, causal), v_transpose=v_transpose)
 if consumers == 1:
     cfg = dataclasses.replace(cfg, consumers=1, maxnreg=ws.SINGLE_CONSUMER_MAXNREG[head_dim])
 elif consumers == 3:
@@ -136,8 +138,9 @@ print("compiled")
 """
 
 
-@pytest.mark.parametrize("head_dim,causal,consumers", [(128, True, 2), (64, False, 1), (64, True, 3)])
-def test_ws_kernel_compiles_for_sm90(head_dim, causal, consumers):
+@pytest.mark.parametrize("head_dim,causal,consumers,v_transpose",
+                         [(128, True, 2, False), (64, False, 1, False), (64, True, 3, False), (256, True, 2, True)])
+def test_ws_kernel_compiles_for_sm90(head_dim, causal, consumers, v_transpose):
     """Ahead-of-time sm90 compile (no GPU): Gluon front end, Triton passes and ptxas accept the kernel. In a
     child process without ``TRITON_INTERPRET`` (interpreted helpers cannot be called from a compiled kernel)."""
     import os
@@ -145,7 +148,8 @@ def test_ws_kernel_compiles_for_sm90(head_dim, causal, consumers):
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _COMPILE_CHECK, str(head_dim), str(int(causal)), str(consumers)],
+    run = subprocess.run([sys.executable, "-c", _COMPILE_CHECK, str(head_dim), str(int(causal)), str(consumers),
+                          str(int(v_transpose))],
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
 
@@ -203,14 +207,15 @@ def test_gpu_gluon_fwd(shape, descale):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("descale", ["head", "tensor"])
-@pytest.mark.parametrize("consumers", [2, 1, 3])
-def test_gpu_gluon_ws_fwd(shape, descale, consumers):
-    """The warp-specialized kernel: ping-pong (2 or 3 consumer warpgroups) and single-consumer schedules."""
+@pytest.mark.parametrize("consumers,v_transpose", [(2, False), (2, True), (1, False), (1, True), (3, False)])
+def test_gpu_gluon_ws_fwd(shape, descale, consumers, v_transpose):
+    """The warp-specialized kernel: ping-pong (2 or 3 consumer warpgroups) and single-consumer schedules, V^T
+    from ``transpose_v`` or transposed in shared memory by the producer warpgroup."""
     import functools
 
     from fmha_ops.kernels.gluon import attention_fwd_ws as ws
 
-    cfg = ws.default_config(shape[5], shape[6])
+    cfg = dataclasses.replace(ws.default_config(shape[5], shape[6]), v_transpose=v_transpose)
     if consumers == 1:
         cfg = dataclasses.replace(cfg, consumers=1, maxnreg=ws.SINGLE_CONSUMER_MAXNREG[shape[5]])
     elif consumers == 3:

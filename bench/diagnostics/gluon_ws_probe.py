@@ -1,6 +1,6 @@
 """Warp-specialized Gluon fp8 forward on the H200: schedule variants vs our other fp8 kernels and cuDNN fp8.
 
-    python bench/diagnostics/gluon_ws_probe.py [--out DIR] [--quick] [--shape I] [--warm] [--accuracy]
+    python bench/diagnostics/gluon_ws_probe.py [--out DIR] [--quick] [--shape I] [--warm] [--accuracy] [--api]
 
 Per shape (per-tensor descales, so cuDNN fp8 takes the same inputs): the Triton fp8 kernel, the software-
 pipelined Gluon kernel, cuDNN fp8 (``cudnn_fp8F``, where nvidia-cudnn-frontend is installed) and every
@@ -9,6 +9,7 @@ then timed. TFLOP/s = 4*B*H*N^2*D / t, halved when causal. Writes gluon_ws_probe
 ``--accuracy`` instead compares fp8 quantization with and without a random Hadamard rotation of q and k
 (``quantize_qkv_fp8(rotation=...)``) on transformer-like inputs: cos / MAE / max error vs float32 of our fp8
 kernels and cuDNN fp8, and what the rotation adds to the quantization time.
+``--api`` times fp8 ``flash_attn_func`` with each fp8 op forced against cuDNN bf16 SDPA (short sequences).
 ``--warm`` only compiles (one launch of every kernel at batch 1, the same specializations), so several
 processes, one ``--shape`` each, can fill Triton's cache in parallel before the timed run.
 """
@@ -47,23 +48,27 @@ SHAPES = [  # B, Hq, Hkv, N, D, causal
     (2, 16, 16, 16384, 128, False),
     (4, 32, 8, 4096, 128, False),
     (8, 16, 16, 1000, 128, False),
+    (16, 32, 8, 512, 64, True),
     (3, 24, 8, 3000, 128, True),
     (4, 16, 16, 4096, 64, False),
     (4, 16, 16, 4096, 256, False),
 ]
 
 _ONE = W.SINGLE_CONSUMER_MAXNREG
-VARIANTS = {  # head dim -> name -> config
-    64: {"c2n128s2": W.WsFwdConfig(2, 128, 2), "c2n256s2": W.WsFwdConfig(2, 256, 2),
-         "c1n128s3": W.WsFwdConfig(1, 128, 3, _ONE[64]), "c2n64s3": W.WsFwdConfig(2, 64, 3),
-         "c3n64s3": W.WsFwdConfig(3, 64, 3, W.THREE_CONSUMER_MAXNREG, W.THREE_CONSUMER_REGS)},
-    128: {"c2n128s2": W.WsFwdConfig(2, 128, 2), "c2n128s3": W.WsFwdConfig(2, 128, 3),
-          "c1n128s2": W.WsFwdConfig(1, 128, 2, _ONE[128]), "c2n64s3": W.WsFwdConfig(2, 64, 3),
-          "c2n128s2shfl": W.WsFwdConfig(2, 128, 2, key_order=False),
-          "c3n64s2": W.WsFwdConfig(3, 64, 2, W.THREE_CONSUMER_MAXNREG, W.THREE_CONSUMER_REGS)},
-    256: {"c2n64s2": W.WsFwdConfig(2, 64, 2), "c2n64s3": W.WsFwdConfig(2, 64, 3),
-          "c1n64s2": W.WsFwdConfig(1, 64, 2, _ONE[256])},
-}
+
+
+def _variants(d: int) -> dict:
+    """name -> config: the default schedule (``c2``), V transposed in shared memory by the producer warpgroup
+    (``vt``, otherwise V^T comes from transpose_v), one consumer per CTA and two CTAs per SM (``c1``)."""
+    base = W.default_config(d, False)
+    out = {"c2": base, "c2vt": dataclasses.replace(base, v_transpose=True)}
+    if d <= 128:
+        one = dataclasses.replace(base, consumers=1, maxnreg=_ONE[d])
+        out["c1vt"] = dataclasses.replace(one, v_transpose=True)
+    return out
+
+
+VARIANTS = {d: _variants(d) for d in (64, 128, 256)}
 
 
 def warm_shape(B, Hq, Hkv, N, D, causal):
@@ -163,14 +168,54 @@ def accuracy_rows(B=1, H=16, N=4096, D=128):
     return rows
 
 
+API_SHAPES = [(8, 16, 16, 1000, 128, False), (16, 32, 8, 512, 64, True), (4, 32, 8, 4096, 128, False)]
+API_OPS = ("triton_fp8F", "gluon_fp8F", "gluon_ws_fp8F", "cudnn_fp8F")
+
+
+def api_rows():
+    """TFLOP/s of fp8 ``flash_attn_func`` (per-tensor descales) with each fp8 op forced, against cuDNN bf16 SDPA
+    on the same shape, printed as measured."""
+    from bench.common import sdpa
+
+    cudnn_bf16 = sdpa("CUDNN_ATTENTION")
+    rows = []
+    for B, Hq, Hkv, N, D, causal in API_SHAPES:
+        q, k, v = normal_qkv((B, N, Hq, D), (B, N, Hkv, D), dtype=torch.bfloat16, device="cuda")
+        (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8_tensor(t) for t in (q, k, v))
+        row = {"shape": f"{B}x{N}x{Hq}/{Hkv}x{D}{' causal' if causal else ''}"}
+        for op in API_OPS:
+            def call(op=op):
+                with fmha_ops.use_ops(op):
+                    return fmha_ops.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd,
+                                                    v_descale=vd)
+            ms = or_none(lambda call=call: time_ms(call))
+            row[op] = attention_tflops(B, Hq, N, D, causal, ms) if ms else None
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        ms = or_none(lambda: time_ms(lambda: cudnn_bf16(qt, kt, vt, causal, Hq != Hkv)))
+        row["cudnn_bf16"] = attention_tflops(B, Hq, N, D, causal, ms) if ms else None
+        fp8 = [row[op] for op in API_OPS[:3] if row.get(op)]
+        row["best_ours/cudnn_bf16"] = max(fp8) / row["cudnn_bf16"] if fp8 and row["cudnn_bf16"] else None
+        print("API", " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+              flush=True)
+        rows.append(row)
+    return rows
+
+
 def main():
     p = base_parser(__doc__)
     p.add_argument("--shape", type=int, default=None, help="only SHAPES[I]")
     p.add_argument("--warm", action="store_true", help="compile only (batch 1, untimed)")
     p.add_argument("--accuracy", action="store_true", help="the Hadamard rotation's accuracy and cost instead")
+    p.add_argument("--api", action="store_true", help="fp8 flash_attn_func per forced op vs cuDNN bf16 instead")
     args = p.parse_args()
     if args.accuracy:
         accuracy_rows()
+        return
+    if args.api:
+        print(environment(), flush=True)
+        rows = api_rows()
+        with open(os.path.join(out_dir(args.out), "fp8_api.json"), "w") as fh:
+            json.dump({"env": environment(), "rows": rows}, fh, indent=1)
         return
     shapes = [SHAPES[args.shape]] if args.shape is not None else SHAPES[:2] if args.quick else SHAPES
     if args.warm:

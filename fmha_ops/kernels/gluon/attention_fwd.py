@@ -24,11 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -37,34 +35,34 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..attention_host import ensure_allocator, fp8_forward_args
-from ..softmax import LOG2E, natural_lse, p_shift, row_inverse, softmax_step, visible
+from ..softmax import p_shift
 from ..triton.launch import cdiv, launch
 from ..triton.transpose_v import transpose_v
+from .attention_common import (
+    acc_layout,
+    compile_for_sm90,
+    fp8_tile_layout,
+    head_descales,
+    head_descriptors,
+    key_tiles,
+    launch_args,
+    out_tile_layout,
+    p_operand_layout,
+    store_output,
+    tile_softmax,
+    unmasked_end,
+)
 
 HEAD_DIMS = (64, 128, 256)
 _P_SHIFT = p_shift(torch.float8_e4m3fn)
 
 
 @gluon.jit
-def tile_softmax(s, m_i, l_i, qk_scale, start_n, full_end, seqlen_k, hi, offs_m,
-                  CAUSAL: gl.constexpr, P_SHIFT: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-    """``softmax_step`` on one S tile (raw scores), with the key/causal masks only on tiles at or past
-    ``full_end`` (partial or diagonal); returns (p fp32 scaled by 2**P_SHIFT, m, l, alpha)."""
-    if start_n >= full_end:
-        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        keep = visible(offs_m, cols, seqlen_k, 0, hi, False, CAUSAL)
-        p, m_i, l_i, alpha = softmax_step(s, keep, m_i, l_i, qk_scale, 0.0, P_SHIFT, True)
-    else:
-        p, m_i, l_i, alpha = softmax_step(s, None, m_i, l_i, qk_scale, 0.0, P_SHIFT, False)
-    return p, m_i, l_i, alpha
-
-
-@gluon.jit
 def _attn_fwd_kernel(
-    Q, K, VT, Out, Lse, QD, KD, VD, sm_scale_log2,
+    Q, K, V, Out, Lse, QD, KD, VD, sm_scale_log2, v_len,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_km, stride_kh,
-    stride_vb, stride_vh, stride_vd,
+    stride_vb, stride_v1, stride_v2,
     stride_ob, stride_om, stride_oh,
     stride_lb, stride_lh,
     qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh,
@@ -82,41 +80,23 @@ def _attn_fwd_kernel(
     m0 = pid_m * BLOCK_M
     b64 = b.to(gl.int64)
     diag = Mk - Mq
-    if CAUSAL:
-        kv_end = gl.maximum(gl.minimum(Mk, m0 + BLOCK_M + diag), 0)
-        full_end = gl.maximum(gl.minimum(Mk, m0 + diag + 1), 0) // BLOCK_N * BLOCK_N
-    else:
-        kv_end = Mk
-        full_end = Mk // BLOCK_N * BLOCK_N
-    # at least one (then fully masked) tile, so rows that see no key take the masked path: out 0, lse -inf
-    n_tiles = gl.maximum(gl.cdiv(kv_end, BLOCK_N), 1)
+    n_tiles = key_tiles(m0, BLOCK_M, Mq, Mk, BLOCK_N, CAUSAL)
+    full_end = unmasked_end(m0, Mq, Mk, BLOCK_N, CAUSAL)
 
-    # layouts: S and O accumulators of one m64 wgmma per warpgroup; P feeds the PV wgmma from registers
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 32])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, HEAD_D, 32])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    # S and O accumulators of one m64 wgmma per warpgroup; P feeds the PV wgmma from registers
+    s_layout: gl.constexpr = acc_layout(num_warps, BLOCK_N)
+    o_layout: gl.constexpr = acc_layout(num_warps, HEAD_D)
+    p_layout: gl.constexpr = p_operand_layout(num_warps, HEAD_D)
     s_row: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_row: gl.constexpr = gl.SliceLayout(1, o_layout)
-    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_D], gl.float8e4nv)
-    k_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], gl.float8e4nv)
-    v_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_D, BLOCK_N], gl.float8e4nv)
-    o_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_D], gl.bfloat16)
+    q_desc, k_desc, v_desc, o_desc = head_descriptors(
+        Q, K, V, Out, b64, hq, hkv, stride_qb, stride_qm, stride_qh, stride_kb, stride_km, stride_kh,
+        stride_vb, stride_v1, stride_v2, stride_ob, stride_om, stride_oh, Mq, Mk, v_len,
+        BLOCK_M, BLOCK_N, HEAD_D, BLOCK_N, HEAD_D, False)
 
-    q_desc = tma.make_tensor_descriptor(Q + b64 * stride_qb + hq.to(gl.int64) * stride_qh, shape=[Mq, HEAD_D],
-                                        strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_D], layout=q_sl)
-    k_desc = tma.make_tensor_descriptor(K + b64 * stride_kb + hkv.to(gl.int64) * stride_kh, shape=[Mk, HEAD_D],
-                                        strides=[stride_km, 1], block_shape=[BLOCK_N, HEAD_D], layout=k_sl)
-    # V^T (B, Hkv, D, L): keys contiguous; shape Mk (not L) so the padding columns read as zeros
-    v_desc = tma.make_tensor_descriptor(VT + b64 * stride_vb + hkv.to(gl.int64) * stride_vh, shape=[HEAD_D, Mk],
-                                        strides=[stride_vd, 1], block_shape=[HEAD_D, BLOCK_N], layout=v_sl)
-    o_desc = tma.make_tensor_descriptor(Out + b64 * stride_ob + hq.to(gl.int64) * stride_oh, shape=[Mq, HEAD_D],
-                                        strides=[stride_om, 1], block_shape=[BLOCK_M, HEAD_D], layout=o_sl)
-
-    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_M, HEAD_D], q_sl)
-    k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_D], k_sl)
-    v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_D, BLOCK_N], v_sl)
+    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_M, HEAD_D], fp8_tile_layout(BLOCK_M, HEAD_D))
+    k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_D], fp8_tile_layout(BLOCK_N, HEAD_D))
+    v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_D, BLOCK_N], fp8_tile_layout(HEAD_D, BLOCK_N))
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -135,9 +115,7 @@ def _attn_fwd_kernel(
         mbarrier.expect(v_bars.index(i), K_BYTES, pred=ok)
         tma.async_copy_global_to_shared(v_desc, [0, i * BLOCK_N], v_bars.index(i), v_smem.index(i), pred=ok)
 
-    qd = gl.load(QD + b * qd_sb + hkv * qd_sh)
-    kd = gl.load(KD + b * kd_sb + hkv * kd_sh)
-    qk_scale = qd * kd * sm_scale_log2
+    qk_scale, vd = head_descales(QD, KD, VD, b, hkv, qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh, sm_scale_log2)
     offs_m = m0 + gl.arange(0, BLOCK_M, layout=s_row)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=s_row)
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=s_row)
@@ -201,17 +179,9 @@ def _attn_fwd_kernel(
         mbarrier.invalidate(k_bars.index(i))
         mbarrier.invalidate(v_bars.index(i))
 
-    inv_l = row_inverse(l_i)
-    vd = gl.load(VD + b * vd_sb + hkv * vd_sh)
-    out = acc * gl.expand_dims(gl.convert_layout(inv_l * vd, o_row), 1)
-    o_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, HEAD_D], o_sl)
-    o_smem.store(out.to(gl.bfloat16))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [m0, 0], o_smem)
-    if WRITE_LSE:
-        lse = natural_lse(m_i, l_i, P_SHIFT)
-        gl.store(Lse + b64 * stride_lb + hq.to(gl.int64) * stride_lh + offs_m, lse, mask=offs_m < Mq)
-    tma.store_wait(pendings=0)
+    o_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, HEAD_D], out_tile_layout(BLOCK_M, HEAD_D))
+    store_output(acc, m_i, l_i, vd, o_smem, o_desc, m0, Lse + b64 * stride_lb + hq.to(gl.int64) * stride_lh,
+                 offs_m, Mq, WRITE_LSE, P_SHIFT, o_layout)
 
 
 @dataclass(frozen=True)
@@ -257,14 +227,8 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=
     ensure_allocator()
     vt, _ = transpose_v(v)
     launch(_attn_fwd_kernel)[(cdiv(Mq, BM), B * Hq)](
-        q, k, vt, out, lse if lse is not None else prep.qd, prep.qd, prep.kd, prep.vd, scale * LOG2E.value,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        vt.stride(0), vt.stride(1), vt.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
-        *prep.descale_strides,
-        Mq, Mk, Hq, Hq // Hkv,
+        q, k, vt, out, lse if lse is not None else prep.qd,
+        *launch_args(q, k, vt, vt.stride()[:3], Mk, out, lse, prep, scale),
         HEAD_D=D, BLOCK_M=BM, BLOCK_N=BN, STAGES=ST, CAUSAL=causal, WRITE_LSE=return_lse, P_SHIFT=_P_SHIFT,
         num_warps=BM // 16,
     )
@@ -272,17 +236,10 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=
 
 
 def compile_sm90(head_dim=128, block_n=128, stages=2, causal=False, write_lse=False, block_m=64):
-    """Compile the kernel ahead of time for sm90 (no GPU needed); returns the CompiledKernel (asm: ptx, cubin)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
+    """Compile the kernel ahead of time for sm90 (no GPU needed); returns the CompiledKernel (asm: ptx, cubin).
 
+    Example: ``"wgmma" in compile_sm90(64, causal=True).asm["ptx"]`` -> True.
+    """
     const = {"HEAD_D": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages, "CAUSAL": causal,
              "WRITE_LSE": write_lse, "P_SHIFT": _P_SHIFT, "num_warps": block_m // 16}
-    i32 = ("stride_qb", "stride_qm", "stride_qh", "stride_kb", "stride_km", "stride_kh", "stride_vb", "stride_vh",
-           "stride_vd", "stride_ob", "stride_om", "stride_oh", "stride_lb", "stride_lh",
-           "qd_sb", "qd_sh", "kd_sb", "kd_sh", "vd_sb", "vd_sh", "Mq", "Mk", "Hq", "GROUP")
-    sig = {"Q": "*fp8e4nv", "K": "*fp8e4nv", "VT": "*fp8e4nv", "Out": "*bf16", "Lse": "*fp32", "QD": "*fp32",
-           "KD": "*fp32", "VD": "*fp32", "sm_scale_log2": "fp32", **dict.fromkeys(i32, "i32"),
-           **dict.fromkeys(const, "constexpr")}
-    src = GluonASTSource(_attn_fwd_kernel, sig, constexprs={(list(sig).index(n),): v for n, v in const.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": block_m // 16})
+    return compile_for_sm90(_attn_fwd_kernel, const, block_m // 16)

@@ -25,7 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -37,10 +36,23 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..attention_host import ensure_allocator, fp8_forward_args
-from ..softmax import LOG2E, natural_lse, p_shift, row_inverse
+from ..softmax import p_shift
 from ..triton.launch import cdiv, launch
 from ..triton.transpose_v import transpose_v
-from .attention_fwd import tile_softmax
+from .attention_common import (
+    acc_layout,
+    compile_for_sm90,
+    fp8_tile_layout,
+    head_descales,
+    head_descriptors,
+    key_tiles,
+    launch_args,
+    out_tile_layout,
+    p_operand_layout,
+    store_output,
+    tile_softmax,
+    unmasked_end,
+)
 
 HEAD_DIMS = (64, 128, 256)
 _P_SHIFT = p_shift(torch.float8_e4m3fn)
@@ -50,27 +62,81 @@ WG_ROWS = gl.constexpr(64)
 WG_WARPS = gl.constexpr(4)
 #: registers of the producer warp: the hardware minimum (it only issues TMA and waits on mbarriers)
 PRODUCER_REGS = gl.constexpr(24)
+#: channels of one raw V box (keys x V_CHUNK) that a transposing producer moves at a time
+V_CHUNK = gl.constexpr(64)
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty, m0,
-              n_tiles, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-              CONSUMERS: gl.constexpr):
-    """Q tiles once, then K_j, V_j for every key tile, each into its ring slot once all consumers freed it."""
+def _load_k(k_desc, k_smem, k_ready, k_empty, j, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+            STAGES: gl.constexpr):
+    """K tile ``j`` into its ring slot once every consumer freed it (a fresh mbarrier has completed the phase
+    before its first, so the first round passes at once)."""
+    slot = j % STAGES
+    mbarrier.wait(k_empty.index(slot), ((j // STAGES) & 1) ^ 1)
+    mbarrier.expect(k_ready.index(slot), BLOCK_N * HEAD_D)
+    tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+
+
+@gluon.jit
+def _load_v_rows(v_desc, v_raw, raw_ready, j, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                 STAGES: gl.constexpr):
+    """Keys [j * BLOCK_N, +BLOCK_N) of v (as stored: keys x channels) into raw slot ``j % STAGES``, in
+    ``V_CHUNK``-channel boxes."""
+    slot = j % STAGES
+    mbarrier.expect(raw_ready.index(slot), BLOCK_N * HEAD_D)
+    for c in gl.static_range(HEAD_D // V_CHUNK):
+        tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, c * V_CHUNK], raw_ready.index(slot),
+                                        v_raw.index(slot * (HEAD_D // V_CHUNK) + c))
+
+
+@gluon.jit
+def _transpose_v_tile(v_raw, v_smem, raw_ready, v_ready, v_empty, j, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                      STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """V tile ``j`` from its raw slot (keys x channels) into V^T slot ``j % STAGES`` (channels x keys, the
+    K-major B operand of the fp8 PV wgmma), through registers, once every consumer freed that slot."""
+    slot = j % STAGES
+    phase = (j // STAGES) & 1
+    # each thread moves 4 keys x 16 channels: 16-byte rows in, 4-byte key runs out
+    raw_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[4, 16], threads_per_warp=[8, 4],
+                                                warps_per_cta=[num_warps, 1], order=[1, 0])
+    mbarrier.wait(raw_ready.index(slot), phase)
+    mbarrier.wait(v_empty.index(slot), phase ^ 1)
+    for c in gl.static_range(HEAD_D // V_CHUNK):
+        rows = v_raw.index(slot * (HEAD_D // V_CHUNK) + c).load(raw_layout)
+        v_smem.index(slot).slice(c * V_CHUNK, V_CHUNK, dim=0).store(gl.permute(rows, (1, 0)))
+    # the PV wgmma reads V^T through the async proxy; the next TMA load reuses the raw slot
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(v_ready.index(slot), count=1)
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, v_raw, q_bars, k_ready, v_ready, k_empty, v_empty,
+              raw_ready, m0, n_tiles, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+              CONSUMERS: gl.constexpr, V_TRANSPOSE: gl.constexpr):
+    """Q tiles once, then K_j, V_j for every key tile, each into its ring slot once all consumers freed it.
+
+    ``V_TRANSPOSE``: v arrives as stored (keys x channels) and this partition (a warpgroup) transposes each tile
+    in shared memory, loading tile j + 1 before it transposes tile j; otherwise V^T tiles arrive by TMA."""
     for c in gl.static_range(CONSUMERS):
         mbarrier.expect(q_bars.index(c), WG_ROWS * HEAD_D)
         tma.async_copy_global_to_shared(q_desc, [m0 + c * WG_ROWS, 0], q_bars.index(c), q_smem.index(c))
-    TILE_BYTES: gl.constexpr = BLOCK_N * HEAD_D
-    for j in range(n_tiles):
-        slot = j % STAGES
-        # a fresh mbarrier has completed the phase before its first: the first round passes at once
-        free_phase = ((j // STAGES) & 1) ^ 1
-        mbarrier.wait(k_empty.index(slot), free_phase)
-        mbarrier.expect(k_ready.index(slot), TILE_BYTES)
-        tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
-        mbarrier.wait(v_empty.index(slot), free_phase)
-        mbarrier.expect(v_ready.index(slot), TILE_BYTES)
-        tma.async_copy_global_to_shared(v_desc, [0, j * BLOCK_N], v_ready.index(slot), v_smem.index(slot))
+    if V_TRANSPOSE:
+        _load_k(k_desc, k_smem, k_ready, k_empty, 0, BLOCK_N, HEAD_D, STAGES)
+        _load_v_rows(v_desc, v_raw, raw_ready, 0, BLOCK_N, HEAD_D, STAGES)
+        for j in range(n_tiles):
+            if j + 1 < n_tiles:
+                _load_k(k_desc, k_smem, k_ready, k_empty, j + 1, BLOCK_N, HEAD_D, STAGES)
+                _load_v_rows(v_desc, v_raw, raw_ready, j + 1, BLOCK_N, HEAD_D, STAGES)
+            _transpose_v_tile(v_raw, v_smem, raw_ready, v_ready, v_empty, j, BLOCK_N, HEAD_D, STAGES,
+                              gl.num_warps())
+    else:
+        for j in range(n_tiles):
+            _load_k(k_desc, k_smem, k_ready, k_empty, j, BLOCK_N, HEAD_D, STAGES)
+            slot = j % STAGES
+            mbarrier.wait(v_empty.index(slot), ((j // STAGES) & 1) ^ 1)
+            mbarrier.expect(v_ready.index(slot), BLOCK_N * HEAD_D)
+            tma.async_copy_global_to_shared(v_desc, [0, j * BLOCK_N], v_ready.index(slot), v_smem.index(slot))
 
 
 @gluon.jit
@@ -107,20 +173,15 @@ def _consumer(C: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, 
               HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
               CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr):
     """Rows ``m0 + C * WG_ROWS ..`` of the output: the online softmax over all ``n_tiles`` key tiles."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WG_WARPS, 1],
-                                                       instr_shape=[16, BLOCK_N, 32])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WG_WARPS, 1],
-                                                       instr_shape=[16, HEAD_D, 32])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    s_layout: gl.constexpr = acc_layout(WG_WARPS, BLOCK_N)
+    o_layout: gl.constexpr = acc_layout(WG_WARPS, HEAD_D)
+    p_layout: gl.constexpr = p_operand_layout(WG_WARPS, HEAD_D)
     s_row: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_row: gl.constexpr = gl.SliceLayout(1, o_layout)
 
     row0 = m0 + C * WG_ROWS
     diag = Mk - Mq
-    if CAUSAL:  # tiles before full_end need no mask for any row of this warpgroup
-        full_end = gl.maximum(gl.minimum(Mk, row0 + diag + 1), 0) // BLOCK_N * BLOCK_N
-    else:
-        full_end = Mk // BLOCK_N * BLOCK_N
+    full_end = unmasked_end(row0, Mq, Mk, BLOCK_N, CAUSAL)  # no tile before it needs a mask for these rows
     offs_m = row0 + gl.arange(0, WG_ROWS, layout=s_row)
     m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, layout=s_row)
     l_i = gl.zeros([WG_ROWS], gl.float32, layout=s_row)
@@ -167,29 +228,23 @@ def _consumer(C: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, 
     acc = warpgroup_mma_wait(0, deps=(o_tok, ))
     mbarrier.arrive(v_empty.index(vs), count=1)
 
-    out = acc * gl.expand_dims(gl.convert_layout(row_inverse(l_i) * out_scale, o_row), 1)
-    o_tile = o_smem.index(C)
-    o_tile.store(out.to(gl.bfloat16))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [row0, 0], o_tile)
-    if WRITE_LSE:
-        gl.store(lse_ptr + offs_m, natural_lse(m_i, l_i, P_SHIFT), mask=offs_m < Mq)
-    tma.store_wait(pendings=0)
+    store_output(acc, m_i, l_i, out_scale, o_smem.index(C), o_desc, row0, lse_ptr, offs_m, Mq, WRITE_LSE, P_SHIFT,
+                 o_layout)
 
 
 @gluon.jit
 def _attn_fwd_ws_kernel(
-    Q, K, VT, Out, Lse, QD, KD, VD, sm_scale_log2, vt_len,
+    Q, K, V, Out, Lse, QD, KD, VD, sm_scale_log2, v_len,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_km, stride_kh,
-    stride_vb, stride_vh, stride_vd,
+    stride_vb, stride_v1, stride_v2,
     stride_ob, stride_om, stride_oh,
     stride_lb, stride_lh,
     qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh,
     Mq, Mk, Hq, GROUP,
     HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, P_SHIFT: gl.constexpr,
-    KEY_ORDER: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CAUSAL: gl.constexpr,
+    WRITE_LSE: gl.constexpr, P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr, V_TRANSPOSE: gl.constexpr,
 ):
     BLOCK_M: gl.constexpr = CONSUMERS * WG_ROWS
     pid_m = gl.program_id(0)
@@ -201,37 +256,29 @@ def _attn_fwd_ws_kernel(
     hkv = hq // GROUP
     m0 = pid_m * BLOCK_M
     b64 = b.to(gl.int64)
-    if CAUSAL:
-        kv_end = gl.maximum(gl.minimum(Mk, m0 + BLOCK_M + Mk - Mq), 0)
+    n_tiles = key_tiles(m0, BLOCK_M, Mq, Mk, BLOCK_N, CAUSAL)
+    # V^T in key order has its padding written (zeros) and keys moved within their 32-key group, so all v_len
+    # columns are read; otherwise v_len is Mk so the unwritten padding reads as zeros
+    q_desc, k_desc, v_desc, o_desc = head_descriptors(
+        Q, K, V, Out, b64, hq, hkv, stride_qb, stride_qm, stride_qh, stride_kb, stride_km, stride_kh,
+        stride_vb, stride_v1, stride_v2, stride_ob, stride_om, stride_oh, Mq, Mk, v_len,
+        WG_ROWS, BLOCK_N, HEAD_D, BLOCK_N, V_CHUNK, V_TRANSPOSE)
+
+    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [CONSUMERS, WG_ROWS, HEAD_D], fp8_tile_layout(WG_ROWS, HEAD_D))
+    k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_D], fp8_tile_layout(BLOCK_N, HEAD_D))
+    v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_D, BLOCK_N], fp8_tile_layout(HEAD_D, BLOCK_N))
+    if V_TRANSPOSE:  # raw v tiles (keys x channels) in V_CHUNK-channel boxes
+        v_raw = gl.allocate_shared_memory(gl.float8e4nv, [STAGES * (HEAD_D // V_CHUNK), BLOCK_N, V_CHUNK],
+                                          fp8_tile_layout(BLOCK_N, V_CHUNK))
     else:
-        kv_end = Mk
-    # at least one (then fully masked) tile, so rows that see no key take the masked path: out 0, lse -inf
-    n_tiles = gl.maximum(gl.cdiv(kv_end, BLOCK_N), 1)
-
-    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, HEAD_D], gl.float8e4nv)
-    k_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], gl.float8e4nv)
-    v_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_D, BLOCK_N], gl.float8e4nv)
-    o_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, HEAD_D], gl.bfloat16)
-    q_desc = tma.make_tensor_descriptor(Q + b64 * stride_qb + hq.to(gl.int64) * stride_qh, shape=[Mq, HEAD_D],
-                                        strides=[stride_qm, 1], block_shape=[WG_ROWS, HEAD_D], layout=q_sl)
-    k_desc = tma.make_tensor_descriptor(K + b64 * stride_kb + hkv.to(gl.int64) * stride_kh, shape=[Mk, HEAD_D],
-                                        strides=[stride_km, 1], block_shape=[BLOCK_N, HEAD_D], layout=k_sl)
-    # V^T (B, Hkv, D, L): keys contiguous. In key order its padding is written (zeros) and keys move within their
-    # 32-key group, so all L columns are read; otherwise the shape is Mk so the unwritten padding reads as zeros
-    v_desc = tma.make_tensor_descriptor(VT + b64 * stride_vb + hkv.to(gl.int64) * stride_vh, shape=[HEAD_D, vt_len],
-                                        strides=[stride_vd, 1], block_shape=[HEAD_D, BLOCK_N], layout=v_sl)
-    o_desc = tma.make_tensor_descriptor(Out + b64 * stride_ob + hq.to(gl.int64) * stride_oh, shape=[Mq, HEAD_D],
-                                        strides=[stride_om, 1], block_shape=[WG_ROWS, HEAD_D], layout=o_sl)
-
-    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [CONSUMERS, WG_ROWS, HEAD_D], q_sl)
-    k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_D], k_sl)
-    v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_D, BLOCK_N], v_sl)
-    o_smem = gl.allocate_shared_memory(gl.bfloat16, [CONSUMERS, WG_ROWS, HEAD_D], o_sl)
+        v_raw = v_smem
+    o_smem = gl.allocate_shared_memory(gl.bfloat16, [CONSUMERS, WG_ROWS, HEAD_D], out_tile_layout(WG_ROWS, HEAD_D))
     q_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    raw_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(CONSUMERS):
         mbarrier.init(q_bars.index(c), count=1)
@@ -240,13 +287,11 @@ def _attn_fwd_ws_kernel(
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=CONSUMERS)
         mbarrier.init(v_empty.index(i), count=CONSUMERS)
+        mbarrier.init(raw_ready.index(i), count=1)
     for c in gl.static_range(CONSUMERS):
         mbarrier.init(turn_bars.index(c), count=1)
 
-    qd = gl.load(QD + b * qd_sb + hkv * qd_sh)
-    kd = gl.load(KD + b * kd_sb + hkv * kd_sh)
-    vd = gl.load(VD + b * vd_sb + hkv * vd_sh)
-    qk_scale = qd * kd * sm_scale_log2
+    qk_scale, vd = head_descales(QD, KD, VD, b, hkv, qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh, sm_scale_log2)
     lse_ptr = Lse + b64 * stride_lb + hq.to(gl.int64) * stride_lh
 
     # constexprs travel as arguments of each partition function (a tuple built here would make them tensors)
@@ -261,9 +306,9 @@ def _attn_fwd_ws_kernel(
             (_consumer, (2, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
                          o_desc, lse_ptr, qk_scale, vd, m0, n_tiles, Mq, Mk, HEAD_D, BLOCK_N, STAGES, CONSUMERS,
                          CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
-                         m0, n_tiles, BLOCK_N, HEAD_D, STAGES, CONSUMERS)),
-        ], [WG_WARPS, WG_WARPS, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, v_raw, q_bars, k_ready, v_ready, k_empty,
+                         v_empty, raw_ready, m0, n_tiles, BLOCK_N, HEAD_D, STAGES, CONSUMERS, V_TRANSPOSE)),
+        ], [WG_WARPS, WG_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     elif CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
@@ -272,17 +317,17 @@ def _attn_fwd_ws_kernel(
             (_consumer, (1, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
                          o_desc, lse_ptr, qk_scale, vd, m0, n_tiles, Mq, Mk, HEAD_D, BLOCK_N, STAGES, CONSUMERS,
                          CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
-                         m0, n_tiles, BLOCK_N, HEAD_D, STAGES, CONSUMERS)),
-        ], [WG_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, v_raw, q_bars, k_ready, v_ready, k_empty,
+                         v_empty, raw_ready, m0, n_tiles, BLOCK_N, HEAD_D, STAGES, CONSUMERS, V_TRANSPOSE)),
+        ], [WG_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (0, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
                          o_desc, lse_ptr, qk_scale, vd, m0, n_tiles, Mq, Mk, HEAD_D, BLOCK_N, STAGES, CONSUMERS,
                          CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
-                         m0, n_tiles, BLOCK_N, HEAD_D, STAGES, CONSUMERS)),
-        ], [1], [PRODUCER_REGS])
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, v_raw, q_bars, k_ready, v_ready, k_empty,
+                         v_empty, raw_ready, m0, n_tiles, BLOCK_N, HEAD_D, STAGES, CONSUMERS, V_TRANSPOSE)),
+        ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
     for c in gl.static_range(CONSUMERS):
         mbarrier.invalidate(q_bars.index(c))
@@ -291,6 +336,7 @@ def _attn_fwd_ws_kernel(
         mbarrier.invalidate(v_ready.index(i))
         mbarrier.invalidate(k_empty.index(i))
         mbarrier.invalidate(v_empty.index(i))
+        mbarrier.invalidate(raw_ready.index(i))
     for c in gl.static_range(CONSUMERS):
         mbarrier.invalidate(turn_bars.index(c))
 
@@ -311,8 +357,22 @@ class WsFwdConfig:
     #: registers of a worker consumer warpgroup (setmaxnreg); the default partition gets what is left
     consumer_regs: int = 240
     #: V^T's keys in the S accumulator's order (``transpose_v(key_order=True)``): P feeds the PV wgmma from its
-    #: own registers; False converts P's layout through warp shuffles
-    key_order: bool = True
+    #: own registers; False converts P's layout through warp shuffles (H200, D128: 721-802 TFLOP/s against
+    #: 440-717 in key order, whose byte-permuting transpose costs more than the shuffles it saves)
+    key_order: bool = False
+    #: the producer warpgroup transposes V tiles in shared memory (v is read as stored, no ``transpose_v``
+    #: launch, no V^T copy in global memory); False reads V^T made by ``transpose_v``
+    v_transpose: bool = False
+
+    @property
+    def producer_warps(self) -> int:
+        """Warps of the producer partition: one issues TMA; a warpgroup also transposes V."""
+        return WG_WARPS.value if self.v_transpose else 1
+
+    @property
+    def producer_regs(self) -> int:
+        """Registers per producer thread: what the consumers leave of the 64K register file."""
+        return TRANSPOSER_REGS if self.v_transpose else PRODUCER_REGS.value
 
 
 #: ``maxnreg`` and consumer registers of three-consumer schedules: four warpgroups in 65536 registers
@@ -320,11 +380,20 @@ THREE_CONSUMER_MAXNREG = 128
 THREE_CONSUMER_REGS = 160
 #: ``maxnreg`` of single-consumer schedules: 128 fits two 8-warp CTAs per SM; D256's wgmmas need more (one CTA)
 SINGLE_CONSUMER_MAXNREG = {64: 128, 128: 128, 256: 168}
+#: registers per thread of a transposing producer warpgroup: 512 per thread-slot of three warpgroups (65536 /
+#: 128) less two consumers' 240
+TRANSPOSER_REGS = 32
 
 
 def default_config(head_dim: int, causal: bool) -> WsFwdConfig:
-    """Schedule for head dim ``head_dim``."""
+    """Schedule for head dim ``head_dim``: two consumers, 128-key tiles (64 at D256), V^T shuffled into P's
+    order by warp shuffles (``WsFwdConfig.key_order``)."""
     return WsFwdConfig(block_n=128 if head_dim <= 128 else 64)
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    """Whether TMA can read ``t`` (B, M, H, D) as stored: 16-byte aligned base and strides."""
+    return t.data_ptr() % 16 == 0 and all(s % 16 == 0 for s in t.stride()[:3])
 
 
 def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=None, k_descale=None,
@@ -332,7 +401,9 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=
     """fp8 attention forward on Hopper, warp-specialized (module docstring: shapes, dtypes, layouts).
 
     Returns (out bf16 (B, Mq, Hq, D), lse float32 (B, Hq, Mq) natural log, or None). ``config`` overrides
-    ``default_config``; ``out`` is an optional preallocated bf16 output.
+    ``default_config``; ``out`` is an optional preallocated bf16 output. With ``config.v_transpose`` v is read
+    as stored when its strides are multiples of 16 elements (TMA); other v strides are copied by
+    ``transpose_v`` first (the same result).
 
     Example::
 
@@ -344,24 +415,27 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=
     cfg = config or default_config(D, causal)
     if cfg.consumers not in (1, 2, 3) or cfg.stages < 2:
         raise ValueError(f"config {cfg}: consumers must be 1, 2 or 3 and stages >= 2")
+    if cfg.v_transpose and cfg.key_order:
+        raise ValueError(f"config {cfg}: key_order reorders transpose_v's copy; v_transpose makes none")
     prep = fp8_forward_args(q, k, v, q_descale, k_descale, v_descale, return_lse, out, HEAD_DIMS)
     if prep.done:
         return prep.out, prep.lse
     out, lse = prep.out, prep.lse
     ensure_allocator()
-    vt, _ = transpose_v(v, key_order=cfg.key_order)
+    v_transpose = cfg.v_transpose and _tma_ready(v)
+    if v_transpose:
+        v_arg, v_strides, v_len = v, (v.stride(0), v.stride(1), v.stride(2)), Mk
+    else:
+        v_arg, _ = transpose_v(v, key_order=cfg.key_order)
+        v_strides, v_len = v_arg.stride()[:3], v_arg.shape[3] if cfg.key_order else Mk
+    producer_warps = WG_WARPS.value if v_transpose else 1
+    producer_regs = TRANSPOSER_REGS if v_transpose else PRODUCER_REGS.value
     launch(_attn_fwd_ws_kernel)[(cdiv(Mq, cfg.consumers * WG_ROWS.value), B * Hq)](
-        q, k, vt, out, lse if lse is not None else prep.qd, prep.qd, prep.kd, prep.vd, scale * LOG2E.value,
-        vt.shape[3] if cfg.key_order else Mk,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        vt.stride(0), vt.stride(1), vt.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
-        *prep.descale_strides,
-        Mq, Mk, Hq, Hq // Hkv,
+        q, k, v_arg, out, lse if lse is not None else prep.qd,
+        *launch_args(q, k, v_arg, v_strides, v_len, out, lse, prep, scale),
         HEAD_D=D, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CONSUMERS=cfg.consumers, CONSUMER_REGS=cfg.consumer_regs,
-        CAUSAL=causal, WRITE_LSE=return_lse, P_SHIFT=_P_SHIFT, KEY_ORDER=cfg.key_order, num_warps=WG_WARPS.value,
+        PRODUCER_WARPS=producer_warps, PRODUCER_REGS=producer_regs, CAUSAL=causal, WRITE_LSE=return_lse,
+        P_SHIFT=_P_SHIFT, KEY_ORDER=cfg.key_order, V_TRANSPOSE=v_transpose, num_warps=WG_WARPS.value,
         maxnreg=cfg.maxnreg,
     )
     return out, lse
@@ -370,23 +444,13 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=
 def compile_sm90(head_dim: int = 128, causal: bool = False, write_lse: bool = False,
                  config: WsFwdConfig | None = None):
     """Compile the kernel ahead of time for sm90 (no GPU needed); returns the CompiledKernel (asm: ttgir, ptx,
-    cubin; ``n_regs``, ``n_spills``).
+    cubin).
 
-    Example: ``compile_sm90(128, causal=True).n_spills`` -> 0.
+    Example: ``"wgmma" in compile_sm90(128, causal=True).asm["ptx"]`` -> True.
     """
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     cfg = config or default_config(head_dim, causal)
     const = {"HEAD_D": head_dim, "BLOCK_N": cfg.block_n, "STAGES": cfg.stages, "CONSUMERS": cfg.consumers,
-             "CONSUMER_REGS": cfg.consumer_regs, "CAUSAL": causal, "WRITE_LSE": write_lse, "P_SHIFT": _P_SHIFT,
-             "KEY_ORDER": cfg.key_order}
-    i32 = ("vt_len", "stride_qb", "stride_qm", "stride_qh", "stride_kb", "stride_km", "stride_kh", "stride_vb",
-           "stride_vh", "stride_vd", "stride_ob", "stride_om", "stride_oh", "stride_lb", "stride_lh",
-           "qd_sb", "qd_sh", "kd_sb", "kd_sh", "vd_sb", "vd_sh", "Mq", "Mk", "Hq", "GROUP")
-    sig = {"Q": "*fp8e4nv", "K": "*fp8e4nv", "VT": "*fp8e4nv", "Out": "*bf16", "Lse": "*fp32", "QD": "*fp32",
-           "KD": "*fp32", "VD": "*fp32", "sm_scale_log2": "fp32", **dict.fromkeys(i32, "i32"),
-           **dict.fromkeys(const, "constexpr")}
-    src = GluonASTSource(_attn_fwd_ws_kernel, sig, constexprs={(list(sig).index(n),): v for n, v in const.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": WG_WARPS.value, "maxnreg": cfg.maxnreg})
+             "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_WARPS": cfg.producer_warps,
+             "PRODUCER_REGS": cfg.producer_regs, "CAUSAL": causal, "WRITE_LSE": write_lse, "P_SHIFT": _P_SHIFT,
+             "KEY_ORDER": cfg.key_order, "V_TRANSPOSE": cfg.v_transpose}
+    return compile_for_sm90(_attn_fwd_ws_kernel, const, WG_WARPS.value, cfg.maxnreg)
