@@ -6,7 +6,8 @@ past the cache are dropped), never an access outside a tensor. Device-resident i
 back by default, so a call costs no host sync and stays CUDA-graph capturable. With checks on
 (``FMHA_OPS_CHECK=1`` in the environment, or inside ``check_inputs()``), they are read back once per call
 (one sync) and a bad entry raises ValueError naming the argument, the entry and the bound. Index tensors
-on the host are always checked. Checks are skipped while a CUDA graph is being captured (no sync there).
+on the host are always checked. Checks are skipped while a CUDA graph is being captured (no sync there) and
+inside a torch.compile trace (the values are data of the graph; the kernels' index guards still apply).
 
 Example
 -------
@@ -95,6 +96,8 @@ class IndexCheck:
 
 def wanted(*tensors: torch.Tensor) -> bool:
     """Whether ``validate_indices`` would check any of these tensors (cheap: no tensor work)."""
+    if torch.compiler.is_compiling():
+        return False
     if any(t.device.type == "cpu" for t in tensors):
         return True
     return device_checks_wanted()
@@ -108,7 +111,9 @@ def device_checks_wanted() -> bool:
 def validate_indices(*checks: IndexCheck) -> None:
     """Raise the first check's ValueError whose tensor has an entry out of range. Host tensors are always
     checked; device tensors when ``checks_enabled()`` and no CUDA graph is being captured, with one host
-    sync for all of them."""
+    sync for all of them. Nothing is checked inside a torch.compile trace."""
+    if torch.compiler.is_compiling():
+        return
     host = [c for c in checks if c.values.device.type == "cpu"]
     device = [c for c in checks if c.values.device.type != "cpu"]
     if device and not (checks_enabled() and not torch.cuda.is_current_stream_capturing()):

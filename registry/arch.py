@@ -35,20 +35,27 @@ CPU = Arch("cpu")
 _GPU_ARCHS: dict[int, Arch] = {}
 
 
+_FIELD_SEP = "\x1f"  # joins Arch's fields in the one string the trace-time query returns
+
+
 @torch.compiler.assume_constant_result
-def _gpu_arch_fields(index: int) -> tuple:
-    """Arch(...)'s fields for GPU ``index``, from the driver. Under torch.compile this runs as plain Python at
-    trace time and its result is a constant of the graph (Dynamo cannot trace the device-properties object)."""
+def _gpu_arch_fields(index: int) -> str:
+    """Arch(...)'s fields for GPU ``index``, from the driver, joined by ``_FIELD_SEP``: kind, major, minor, gfx,
+    name. Under torch.compile this runs as plain Python at trace time (Dynamo cannot trace the device-properties
+    object) and its result is one string constant: Dynamo cannot guard on the parts of a constant tuple."""
     props = torch.cuda.get_device_properties(index)
     if getattr(torch.version, "hip", None):
-        return "rocm", (0, 0), getattr(props, "gcnArchName", "").split(":")[0], props.name
-    return "cuda", (props.major, props.minor), "", props.name
+        fields = ("rocm", 0, 0, getattr(props, "gcnArchName", "").split(":")[0], props.name)
+    else:
+        fields = ("cuda", props.major, props.minor, "", props.name)
+    return _FIELD_SEP.join(map(str, fields))
 
 
 def _gpu_arch(index: int) -> Arch:
     arch = _GPU_ARCHS.get(index)
     if arch is None:
-        arch = Arch(*_gpu_arch_fields(index))
+        kind, major, minor, gfx, name = _gpu_arch_fields(index).split(_FIELD_SEP)
+        arch = Arch(kind, (int(major), int(minor)), gfx, name)
         if not torch.compiler.is_compiling():  # a traced store would be replayed on every call
             _GPU_ARCHS[index] = arch
     return arch
