@@ -7,6 +7,8 @@ variant, sequentially in one process (memory freed between variants):
   fp8    fmha_ops.fp8_attention(q, k, v, causal=True): fp8 forward, then the backward op the selector picks
          (fa4B where flash-attn-4 is installed, else triton_attnB) at the dequantized bf16 q/k/v
   i8fp8  fmha_ops.i8fp8_attention(q, k, v, causal=True): int8 q/k + fp8 v forward, same backward
+  noattn the attention replaced by its value input (no attention work at all): the step time no attention
+         kernel can beat, so sdpa's step / noattn's is the ceiling of any attention speedup at this shape
 
 Corpus: every *.py file under ``sysconfig.get_paths()['stdlib']`` (site-packages excluded), sorted by
 relative path, byte tokens (vocab 256); a file is held out for validation when crc32(relative path) % 10 == 0.
@@ -53,7 +55,7 @@ import torch.nn.functional as F  # noqa: E402
 from bench import common  # noqa: E402
 
 NAME = "train_convergence"
-VARIANTS = ("sdpa", "fp8", "i8fp8")
+VARIANTS = ("sdpa", "fp8", "i8fp8", "noattn")
 VOCAB = 256
 VAL_TOLERANCE = 0.01  # fp8 val loss within 1% of sdpa's
 SPEEDUP_TARGET = 1.10  # fp8 step time: sdpa's / fp8's
@@ -172,6 +174,8 @@ def attention_fn(variant: str):
     if variant == "sdpa":
         return lambda q, k, v: F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True).transpose(1, 2)
+    if variant == "noattn":
+        return lambda q, k, v: v
     import fmha_ops
 
     fn = {"fp8": fmha_ops.fp8_attention, "i8fp8": fmha_ops.i8fp8_attention}[variant]
@@ -311,7 +315,10 @@ def evaluate(model: GPT, batches: list, attend, device: torch.device) -> float:
 def train_variant(variant: str, args, train: torch.Tensor, val: list, device: torch.device) -> dict:
     shape = (args.batch, args.context, args.heads, args.d_model // args.heads)
     res: dict = {"variant": variant}
-    if variant == "sdpa":
+    if variant == "noattn":
+        backend = "auto"
+        res["ops"] = {"fw": "none", "bw": "none"}
+    elif variant == "sdpa":
         backend, res["sdpa_backend_probe_ms"] = pick_sdpa_backend(args.sdpa_backend, shape, device, args.cuda_graph)
         res["ops"] = {"fw": f"sdpa[{backend}]", "bw": f"sdpa[{backend}]"}
     else:
@@ -320,7 +327,7 @@ def train_variant(variant: str, args, train: torch.Tensor, val: list, device: to
         res["ops"] = selected_ops(variant, q, k, v)
         del q, k, v
     print(f"[{variant}] attention ops: {res['ops']}", flush=True)
-    if device.type == "cuda" and variant != "sdpa" and not res["ops"]["fw"].startswith("triton"):
+    if device.type == "cuda" and variant in ("fp8", "i8fp8") and not res["ops"]["fw"].startswith("triton"):
         print(f"[{variant}] WARNING: forward op {res['ops']['fw']} is not a Triton kernel; step time is not "
               f"representative", flush=True)
     attend = attention_fn(variant)
@@ -328,7 +335,7 @@ def train_variant(variant: str, args, train: torch.Tensor, val: list, device: to
         res["probe"] = probe_attention(attend, shape, device)
         print(f"[{variant}] attention probe: {res['probe']}", flush=True)
         res.update(_train_loop(variant, args, train, val, attend, device))
-        if variant != "sdpa":
+        if variant in ("fp8", "i8fp8"):
             with sdpa_context("auto" if device.type == "cpu" else "flash"):
                 res["final_val_loss_sdpa_attn"] = evaluate(res.pop("_model"), val, attention_fn("sdpa"), device)
         else:
@@ -467,7 +474,9 @@ def summarize(results: list[dict], args) -> tuple[list[dict], int | None]:
         if base is not None and val_at["sdpa"] and v is not None:
             row["val_ratio"] = v / val_at["sdpa"]
             row["speedup"] = base["step_ms"] / r["step_ms"]
-        if base is not None and r is not base:
+        if r["variant"] == "noattn":
+            row["target"] = "ceiling: no attention work"
+        elif base is not None and r is not base:
             why = []
             if row["nan"]:
                 why.append("NaN/Inf")
@@ -549,8 +558,9 @@ def record(rows: list[dict], cmp_step, args, env: dict, corpus: dict, results_di
              f"{corpus['val_bytes'] / 1e6:.1f} MB validation by file); validation loss in nats/byte after "
              f"{cmp_step} steps. Same seed, init and data order for every variant; sdpa: torch SDPA bf16 (the faster "
              "backend at the training shape); fp8 / i8fp8: `fmha_ops.fp8_attention` / `i8fp8_attention` (quantized "
-             "forward, the selected bf16 backward op at the dequantized values). Attention columns: one "
-             "forward+backward at the training shape, eager / replayed from a CUDA graph.")
+             "forward, the selected bf16 backward op at the dequantized values); noattn: the attention replaced by its "
+             "value input, so its step speedup is the most any attention kernel can give at this shape. Attention "
+             "columns: one forward+backward at the training shape, eager / replayed from a CUDA graph.")
     spec = common.Record(record_name(args), title, record_command(args), columns, notes)
     return spec.write(rows, env, png, results_dir=results_dir)
 
