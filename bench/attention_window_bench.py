@@ -5,8 +5,10 @@ a boolean mask: cuDNN has no window of its own through torch).
 TFLOP/s = 4*B*H*D*P / t over the P visible (query, key) pairs (a window's own, or N(N+1)/2 for full causal), so a
 kernel that skips the keys outside the window scores like full attention; ``win/full`` is that ratio for ours
 (same dtype, same run), ``ours/fa4`` ours over FA4 with the window (bf16; FA4 takes fp8 only on sm100). fp8
-inputs are quantized per tensor beforehand (the call excludes quantization, includes the V transpose).
-CUDA-event medians of whole calls. Writes ``bench/results/attention_window.md`` and ``<out>/attention_window.json``.
+inputs are quantized per tensor beforehand (the call excludes quantization, includes the V transpose); the
+``kernel`` columns pass fp8 V already keys-contiguous (the layout the kernel reads), so the transpose is not timed.
+CUDA-event medians of whole calls. Writes ``bench/results/attention_window.md`` (+ .png) and
+``<out>/attention_window.json`` / ``.png``.
 
     python bench/attention_window_bench.py [--quick] [--window 4096] [--out DIR] [--no-record]
 """
@@ -19,9 +21,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import (Record, base_parser, environment, environment_line, or_none, out_dir,  # noqa: E402
-                          print_table, time_ms, write_json)
+from bench.common import (Record, bar_plot, base_parser, environment, environment_line, or_none,  # noqa: E402
+                          out_dir, print_table, time_ms, write_json)
 from fmha_ops.kernels.triton.attention_fwd import attention_forward  # noqa: E402
+from fmha_ops.kernels.triton.transpose_v import transpose_v  # noqa: E402
 from fmha_ops.ops.fa4 import fa4_unavailable_reason  # noqa: E402
 from fmha_ops.quant import quantize_fp8_tensor  # noqa: E402
 
@@ -41,12 +44,13 @@ COMMAND = "python bench/attention_window_bench.py"
 RECORD = Record(
     "attention_window", "Local (sliding-window) attention forward", COMMAND,
     {"shape": "shape (B x H x N x D, window)", "dtype": "dtype", "ours": "ours window", "ours_full": "ours full",
-     "win/full": "win / full", "fa4": "FA4 window", "fa4_full": "FA4 full", "ours/fa4": "ours / FA4 (window)",
+     "win/full": "win / full", "ours_kernel": "ours window (kernel)", "ours_full_kernel": "ours full (kernel)",
+     "win/full_kernel": "win / full (kernel)", "fa4": "FA4 window", "fa4_full": "FA4 full", "ours/fa4": "ours / FA4 (window)",
      "cudnn_mask": "cuDNN bool mask", "cudnn_full": "cuDNN full"},
     "TFLOP/s over the visible (query, key) pairs (4*B*H*D*pairs / t; the window's pairs, or N(N+1)/2 for full "
     "causal), causal bottom-right, the window ending at each query's own key. Ours: the Triton forward "
     "(kernels/triton/attention_fwd.py), fp8 per-tensor descales, inputs already quantized, the V transpose "
-    "included. FA4: flash-attn-4 with window_size=(window - 1, 0) (bf16; empty where not installed). cuDNN: torch "
+    "included; (kernel): fp8 V passed keys-contiguous, no transpose in the timed call. FA4: flash-attn-4 with window_size=(window - 1, 0) (bf16; empty where not installed). cuDNN: torch "
     "SDPA's cuDNN backend with the window as an (N, N) boolean mask. CUDA-event medians of whole calls.")
 
 
@@ -96,6 +100,14 @@ def run(B: int, H: int, N: int, D: int, window: int) -> list[dict]:
         row = dict(shape=f"{B}x{H}x{N}x{D} w{window}", dtype=name, ours_ms=win, ours_full_ms=full,
                    ours=_tflops(B, H, D, p_win, win), ours_full=_tflops(B, H, D, p_full, full))
         row["win/full"] = row["ours"] / row["ours_full"] if row["ours"] and row["ours_full"] else None
+        if name == "fp8":  # the kernel alone: V already in the keys-contiguous layout it reads
+            vk = transpose_v(vx)[0].permute(0, 3, 1, 2)[:, :N]
+            win_k = or_none(lambda: time_ms(lambda: attention_forward(qx, kx, vk, scale=scale, causal=True,
+                                                                      window_left=left, **desc)))
+            full_k = or_none(lambda: time_ms(lambda: attention_forward(qx, kx, vk, scale=scale, causal=True, **desc)))
+            row["ours_kernel"], row["ours_full_kernel"] = _tflops(B, H, D, p_win, win_k), _tflops(B, H, D, p_full, full_k)
+            if row["ours_kernel"] and row["ours_full_kernel"]:
+                row["win/full_kernel"] = row["ours_kernel"] / row["ours_full_kernel"]
         rows.append(row)
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     rows[0]["cudnn_mask"] = _tflops(B, H, D, p_win, or_none(lambda: _time_cudnn_masked(qt, kt, vt, left)))
@@ -123,8 +135,12 @@ def main() -> None:
     print(environment_line(env))
     print_table(rows, list(RECORD.columns))
     print("json:", write_json(out, "attention_window", rows))
+    plot_rows = [dict(r, label=f"{r['shape']} {r['dtype']}") for r in rows]
+    png = bar_plot(out, "attention_window", plot_rows, "label", ["ours", "ours_full", "ours_kernel", "fa4", "fa4_full",
+                                                                  "cudnn_mask", "cudnn_full"],
+                   "TFLOP/s (visible pairs)", "Causal 4096-key window vs full attention, H200")
     if not a.no_record and not a.quick:
-        print("record:", RECORD.write(rows, env))
+        print("record:", RECORD.write(rows, env, png))
 
 
 if __name__ == "__main__":

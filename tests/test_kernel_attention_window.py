@@ -12,8 +12,11 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import tests.test_kernel_attention_bwd  # noqa: F401  (patches the interpreter's loop bounds / bf16 dot)
+from fmha_ops.kernels.softmax import hide_keys
 from fmha_ops.testing import error_report
 from tests.conftest import DEVICE
 
@@ -223,6 +226,49 @@ def test_gpu_backward_window(window, causal, cap):
     q, k, v, do = (torch.randn(B, M, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     _backward_check(q, k, v, do, D ** -0.5 * 2, visible(M, M, causal, True, *window),
                     _window_kwargs(causal, True, *window, cap), None, tol=2e-2)
+
+
+@triton.jit
+def _hide_keys_kernel(S, Out, row0, col0, seqlen_k, lo, hi, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
+    r = tl.arange(0, 32)
+    c = tl.arange(0, 64)
+    s = tl.load(S + r[:, None] * 64 + c[None, :])
+    tl.store(Out + r[:, None] * 64 + c[None, :], hide_keys(s, row0 + r, col0 + c, seqlen_k, lo, hi, MASK_LEFT,
+                                                           MASK_RIGHT))
+
+
+def _hide_keys_case(device, seed):
+    """hide_keys on a [32, 64] tile of scores against the rule ``first <= j <= last``, j < seqlen_k, for random
+    tile offsets, window bounds (rows seeing no key included) and sequence ends; returns the mismatch count."""
+    g = torch.Generator().manual_seed(seed)
+    bad = 0
+    for _ in range(6):
+        row0, col0 = (int(torch.randint(0, 200, (1,), generator=g)) for _ in range(2))
+        seqlen_k = int(torch.randint(0, 300, (1,), generator=g))
+        lo, hi = sorted(int(x) for x in torch.randint(-120, 120, (2,), generator=g))
+        if torch.rand(1, generator=g) < 0.3:
+            lo, hi = hi, lo  # an empty range: no row sees a key
+        s = torch.randn(32, 64, generator=g).to(device)
+        for left in (False, True):
+            for right in (False, True):
+                out = torch.empty_like(s)
+                _hide_keys_kernel[(1,)](s, out, row0, col0, seqlen_k, lo, hi, MASK_LEFT=left, MASK_RIGHT=right)
+                i = row0 + torch.arange(32)[:, None]
+                j = col0 + torch.arange(64)[None, :]
+                keep = (j < seqlen_k) & ((j >= i + lo) | (not left)) & ((j <= i + hi) | (not right))
+                ref = torch.where(keep, s.cpu(), float("-inf"))
+                bad += int((out.cpu() != ref).sum())
+    return bad
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_hide_keys_matches_rule(seed):
+    assert _hide_keys_case("cpu", seed) == 0
+
+
+@pytest.mark.gpu
+def test_gpu_hide_keys_matches_rule():
+    assert _hide_keys_case("cuda", 0) == 0 and _hide_keys_case("cuda", 1) == 0
 
 
 def test_window_arguments_checked():

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from fmha_ops.kernels.attention_host import descale_args, ensure_allocator
-from fmha_ops.kernels.softmax import LOG2E, natural_lse, p_shift, row_inverse, softmax_step, tanh, visible
+from fmha_ops.kernels.softmax import LOG2E, hide_keys, natural_lse, p_shift, row_inverse, softmax_step, tanh
 from fmha_ops.kernels.triton.launch import cdiv, host_descriptor, launch, next_pow2
 from fmha_ops.kernels.triton.transpose_v import transpose_v
 from fmha_ops.quant import K_SCALE_BLOCK, Q_SCALE_BLOCK
@@ -62,7 +62,7 @@ def _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, softcap_log2, k_ro
           BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, VARLEN: tl.constexpr):
     """One BLOCK_N step of the online softmax (``softmax_step``); scores are in log2 units after ``qk_scale``
     (SOFTCAP: ``softcap_log2 * tanh(qk_scale * s)``). MASKED: the sequence end and the [i + lo, i + hi] key range
-    of ``visible`` apply (boundary tiles)."""
+    of ``hide_keys`` apply (boundary tiles)."""
     BLOCK_D: tl.constexpr = q.shape[1]
     k = _load(k_desc, b, hkv, k_row0 + start_n, 0, BLOCK_N, BLOCK_D, VARLEN)
     if q.dtype == tl.int8:
@@ -75,14 +75,13 @@ def _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, softcap_log2, k_ro
         OFF: tl.constexpr = 0.0
     if K_BLOCKSCALE:  # one k descale per tile: K_SCALE_BLOCK is a multiple of BLOCK_N
         qk_scale = qk_scale * tl.load(kd_ptr + start_n // _K_SCALE_BLOCK)
-    keep = None
-    if MASKED:
-        keep = visible(offs_m, start_n + tl.arange(0, BLOCK_N), seqlen_k, lo, hi, MASK_LEFT, MASK_RIGHT)
     if SOFTCAP:  # capped scores, already in log2 units
         s = tanh((s - OFF) * qk_scale) * softcap_log2
-        p, m_i, l_i, alpha = softmax_step(s, keep, m_i, l_i, 1.0, 0.0, P_SHIFT, MASKED)
-    else:
-        p, m_i, l_i, alpha = softmax_step(s, keep, m_i, l_i, qk_scale, OFF, P_SHIFT, MASKED)
+        qk_scale = 1.0
+        OFF: tl.constexpr = 0.0
+    if MASKED:
+        s = hide_keys(s, offs_m, start_n + tl.arange(0, BLOCK_N), seqlen_k, lo, hi, MASK_LEFT, MASK_RIGHT)
+    p, m_i, l_i, alpha = softmax_step(s, None, m_i, l_i, qk_scale, OFF, P_SHIFT, MASKED)
     if V_T:
         v = _load(v_desc, b, hkv, 0, v_row0 + start_n, BLOCK_DV, BLOCK_N, VARLEN).T
     else:
