@@ -111,9 +111,7 @@ def test_ws_launcher_finishes_empty_problems_and_rejects_bad_configs():
     q, k = torch.randn(1, 3, 4, 64).to(FP8), torch.randn(1, 0, 2, 64).to(FP8)
     out, lse = ws.attention_forward(q, k, k, scale=0.125, return_lse=True)
     assert out.float().eq(0).all() and lse.eq(float("-inf")).all()
-    bad_configs = (ws.WsFwdConfig(consumers=4), ws.WsFwdConfig(stages=1),
-                   ws.WsFwdConfig(key_order=True, v_transpose=True))
-    for bad in bad_configs:
+    for bad in (ws.WsFwdConfig(consumers=4), ws.WsFwdConfig(stages=1)):
         with pytest.raises(ValueError, match="config"):
             ws.attention_forward(q, k, k, scale=0.125, config=bad)
     with pytest.raises(ValueError, match="head dim"):
@@ -125,7 +123,7 @@ _COMPILE_CHECK = """
 import dataclasses, sys
 from fmha_ops.kernels.gluon import attention_fwd_ws as ws
 head_dim, causal, consumers, v_transpose = int(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[3]), sys.argv[4] == "1"
-cfg = dataclasses.replace(ws.default_config(head_dim, causal), v_transpose=v_transpose)
+cfg = dataclasses.replace(ws.default_config(head_dim, causal), v_transpose=v_transpose, key_order=v_transpose)
 if consumers == 1:
     cfg = dataclasses.replace(cfg, consumers=1, maxnreg=ws.SINGLE_CONSUMER_MAXNREG[head_dim])
 elif consumers == 3:
@@ -207,15 +205,18 @@ def test_gpu_gluon_fwd(shape, descale):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("descale", ["head", "tensor"])
-@pytest.mark.parametrize("consumers,v_transpose", [(2, False), (2, True), (1, False), (1, True), (3, False)])
-def test_gpu_gluon_ws_fwd(shape, descale, consumers, v_transpose):
+@pytest.mark.parametrize("consumers,v_transpose,key_order",
+                         [(2, False, False), (2, True, False), (2, True, True), (2, False, True), (1, True, True),
+                          (1, False, False), (3, False, False)])
+def test_gpu_gluon_ws_fwd(shape, descale, consumers, v_transpose, key_order):
     """The warp-specialized kernel: ping-pong (2 or 3 consumer warpgroups) and single-consumer schedules, V^T
-    from ``transpose_v`` or transposed in shared memory by the producer warpgroup."""
+    from ``transpose_v`` or transposed in shared memory by the producer warpgroup, keys in order or in the S
+    accumulator's order."""
     import functools
 
     from fmha_ops.kernels.gluon import attention_fwd_ws as ws
 
-    cfg = dataclasses.replace(ws.default_config(shape[5], shape[6]), v_transpose=v_transpose)
+    cfg = dataclasses.replace(ws.default_config(shape[5], shape[6]), v_transpose=v_transpose, key_order=key_order)
     if consumers == 1:
         cfg = dataclasses.replace(cfg, consumers=1, maxnreg=ws.SINGLE_CONSUMER_MAXNREG[shape[5]])
     elif consumers == 3:

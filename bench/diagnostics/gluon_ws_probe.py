@@ -58,13 +58,14 @@ _ONE = W.SINGLE_CONSUMER_MAXNREG
 
 
 def _variants(d: int) -> dict:
-    """name -> config: the default schedule (``c2``), V transposed in shared memory by the producer warpgroup
-    (``vt``, otherwise V^T comes from transpose_v), one consumer per CTA and two CTAs per SM (``c1``)."""
+    """name -> config: the default schedule (``c2``); V transposed in shared memory by the producer warpgroup
+    (``vt``, otherwise V^T comes from transpose_v), with keys in the S accumulator's order (``ko``); one consumer
+    per CTA and two CTAs per SM (``c1``)."""
     base = W.default_config(d, False)
-    out = {"c2": base, "c2vt": dataclasses.replace(base, v_transpose=True)}
+    out = {"c2": base, "c2vt": dataclasses.replace(base, v_transpose=True),
+           "c2vtko": dataclasses.replace(base, v_transpose=True, key_order=True)}
     if d <= 128:
-        one = dataclasses.replace(base, consumers=1, maxnreg=_ONE[d])
-        out["c1vt"] = dataclasses.replace(one, v_transpose=True)
+        out["c1vtko"] = dataclasses.replace(base, consumers=1, maxnreg=_ONE[d], v_transpose=True, key_order=True)
     return out
 
 
@@ -88,6 +89,28 @@ def warm_shape(B, Hq, Hkv, N, D, causal):
     torch.cuda.synchronize()
 
 
+#: sequences up to this long also get CUDA-graph timings (``g:`` columns: GPU time without the host's launches)
+GRAPH_MAX_N = 1024
+
+
+def graph_ms(fn):
+    """Median ms of one replay of a CUDA graph of ``fn()`` (captured after a warm-up call), or None."""
+    try:
+        fn()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return time_ms(graph.replay)
+    except Exception:  # noqa: BLE001 - a launch that cannot be captured gets an empty cell
+        print(f"  graph capture failed: {traceback.format_exc(limit=1)[-300:]}", flush=True)
+        return None
+
+
 def probe_shape(B, Hq, Hkv, N, D, causal, quick):
     q, k, v = normal_qkv((B, N, Hq, D), (B, N, Hkv, D), dtype=torch.bfloat16, device="cuda")
     (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8_tensor(t) for t in (q, k, v))
@@ -104,6 +127,8 @@ def probe_shape(B, Hq, Hkv, N, D, causal, quick):
     row["cudnn_fp8"] = f(or_none(lambda: time_ms(
         lambda: fmha_ops.memory_efficient_attention(q8, k8, v8, bias, op="cudnn_fp8F", **dkw))))
     ref = triton_fwd(q8, k8, v8, **kw)[0]
+    if N <= GRAPH_MAX_N:
+        row["g:triton"] = f(graph_ms(lambda: triton_fwd(q8, k8, v8, **kw)))
     best = None
     for name, cfg in list(VARIANTS[D].items())[:2 if quick else None]:
         def run(cfg=cfg):
@@ -121,6 +146,8 @@ def probe_shape(B, Hq, Hkv, N, D, causal, quick):
             row[name] = None
             continue
         row[name] = f(or_none(lambda run=run: time_ms(run)))
+        if N <= GRAPH_MAX_N:
+            row[f"g:{name}"] = f(graph_ms(run))
         if row[name] and (best is None or row[name] > row[best]):
             best = name
     row["best"] = best
@@ -183,6 +210,11 @@ def api_rows():
         q, k, v = normal_qkv((B, N, Hq, D), (B, N, Hkv, D), dtype=torch.bfloat16, device="cuda")
         (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8_tensor(t) for t in (q, k, v))
         row = {"shape": f"{B}x{N}x{Hq}/{Hkv}x{D}{' causal' if causal else ''}"}
+
+        def call_ws():
+            with fmha_ops.use_ops("gluon_ws_fp8F"):
+                return fmha_ops.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+
         for op in API_OPS:
             def call(op=op):
                 with fmha_ops.use_ops(op):
@@ -190,10 +222,18 @@ def api_rows():
                                                     v_descale=vd)
             ms = or_none(lambda call=call: time_ms(call))
             row[op] = attention_tflops(B, Hq, N, D, causal, ms) if ms else None
+        # the ws op with V transposed in shared memory, keys in accumulator order (its config swapped in)
+        default_config = W.default_config
+        W.default_config = lambda d, c: dataclasses.replace(default_config(d, c), v_transpose=True, key_order=True)
+        try:
+            ms = or_none(lambda: time_ms(call_ws))
+        finally:
+            W.default_config = default_config
+        row["gluon_ws_fp8F_vtko"] = attention_tflops(B, Hq, N, D, causal, ms) if ms else None
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
         ms = or_none(lambda: time_ms(lambda: cudnn_bf16(qt, kt, vt, causal, Hq != Hkv)))
         row["cudnn_bf16"] = attention_tflops(B, Hq, N, D, causal, ms) if ms else None
-        fp8 = [row[op] for op in API_OPS[:3] if row.get(op)]
+        fp8 = [row[c] for c in (*API_OPS[:3], "gluon_ws_fp8F_vtko") if row.get(c)]
         row["best_ours/cudnn_bf16"] = max(fp8) / row["cudnn_bf16"] if fp8 and row["cudnn_bf16"] else None
         print("API", " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
               flush=True)

@@ -91,18 +91,23 @@ def _load_v_rows(v_desc, v_raw, raw_ready, j, BLOCK_N: gl.constexpr, HEAD_D: gl.
 
 @gluon.jit
 def _transpose_v_tile(v_raw, v_smem, raw_ready, v_ready, v_empty, j, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                      STAGES: gl.constexpr, num_warps: gl.constexpr):
+                      STAGES: gl.constexpr, KEY_ORDER: gl.constexpr, num_warps: gl.constexpr):
     """V tile ``j`` from its raw slot (keys x channels) into V^T slot ``j % STAGES`` (channels x keys, the
-    K-major B operand of the fp8 PV wgmma), through registers, once every consumer freed that slot."""
+    K-major B operand of the fp8 PV wgmma), through registers, once every consumer freed that slot.
+
+    ``KEY_ORDER``: within each 16-key group key 8 g + 2 c + e goes to column 4 c + 2 g + e (the order of
+    ``transpose_v(key_order=True)``); each thread holds 16 whole keys, so the reorder stays in its registers."""
     slot = j % STAGES
     phase = (j // STAGES) & 1
-    # each thread moves 4 keys x 16 channels: 16-byte rows in, 4-byte key runs out
-    raw_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[4, 16], threads_per_warp=[8, 4],
-                                                warps_per_cta=[num_warps, 1], order=[1, 0])
+    # each thread moves 16 keys x 4 channels: 4-byte rows in, 16-byte key runs out
+    raw_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[16, 4], threads_per_warp=[2, 16],
+                                                warps_per_cta=[num_warps, 1], order=[0, 1])
     mbarrier.wait(raw_ready.index(slot), phase)
     mbarrier.wait(v_empty.index(slot), phase ^ 1)
     for c in gl.static_range(HEAD_D // V_CHUNK):
         rows = v_raw.index(slot * (HEAD_D // V_CHUNK) + c).load(raw_layout)
+        if KEY_ORDER:
+            rows = rows.reshape([BLOCK_N // 16, 2, 4, 2, V_CHUNK]).permute((0, 2, 1, 3, 4)).reshape([BLOCK_N, V_CHUNK])
         v_smem.index(slot).slice(c * V_CHUNK, V_CHUNK, dim=0).store(gl.permute(rows, (1, 0)))
     # the PV wgmma reads V^T through the async proxy; the next TMA load reuses the raw slot
     fence_async_shared()
@@ -113,7 +118,7 @@ def _transpose_v_tile(v_raw, v_smem, raw_ready, v_ready, v_empty, j, BLOCK_N: gl
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, v_raw, q_bars, k_ready, v_ready, k_empty, v_empty,
               raw_ready, m0, n_tiles, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-              CONSUMERS: gl.constexpr, V_TRANSPOSE: gl.constexpr):
+              CONSUMERS: gl.constexpr, V_TRANSPOSE: gl.constexpr, KEY_ORDER: gl.constexpr):
     """Q tiles once, then K_j, V_j for every key tile, each into its ring slot once all consumers freed it.
 
     ``V_TRANSPOSE``: v arrives as stored (keys x channels) and this partition (a warpgroup) transposes each tile
@@ -128,7 +133,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, v_raw, q_bars, k_r
             if j + 1 < n_tiles:
                 _load_k(k_desc, k_smem, k_ready, k_empty, j + 1, BLOCK_N, HEAD_D, STAGES)
                 _load_v_rows(v_desc, v_raw, raw_ready, j + 1, BLOCK_N, HEAD_D, STAGES)
-            _transpose_v_tile(v_raw, v_smem, raw_ready, v_ready, v_empty, j, BLOCK_N, HEAD_D, STAGES,
+            _transpose_v_tile(v_raw, v_smem, raw_ready, v_ready, v_empty, j, BLOCK_N, HEAD_D, STAGES, KEY_ORDER,
                               gl.num_warps())
     else:
         for j in range(n_tiles):
@@ -307,7 +312,7 @@ def _attn_fwd_ws_kernel(
                          o_desc, lse_ptr, qk_scale, vd, m0, n_tiles, Mq, Mk, HEAD_D, BLOCK_N, STAGES, CONSUMERS,
                          CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, v_raw, q_bars, k_ready, v_ready, k_empty,
-                         v_empty, raw_ready, m0, n_tiles, BLOCK_N, HEAD_D, STAGES, CONSUMERS, V_TRANSPOSE)),
+                         v_empty, raw_ready, m0, n_tiles, BLOCK_N, HEAD_D, STAGES, CONSUMERS, V_TRANSPOSE, KEY_ORDER)),
         ], [WG_WARPS, WG_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     elif CONSUMERS == 2:
         gl.warp_specialize([
@@ -318,7 +323,7 @@ def _attn_fwd_ws_kernel(
                          o_desc, lse_ptr, qk_scale, vd, m0, n_tiles, Mq, Mk, HEAD_D, BLOCK_N, STAGES, CONSUMERS,
                          CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, v_raw, q_bars, k_ready, v_ready, k_empty,
-                         v_empty, raw_ready, m0, n_tiles, BLOCK_N, HEAD_D, STAGES, CONSUMERS, V_TRANSPOSE)),
+                         v_empty, raw_ready, m0, n_tiles, BLOCK_N, HEAD_D, STAGES, CONSUMERS, V_TRANSPOSE, KEY_ORDER)),
         ], [WG_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -326,7 +331,7 @@ def _attn_fwd_ws_kernel(
                          o_desc, lse_ptr, qk_scale, vd, m0, n_tiles, Mq, Mk, HEAD_D, BLOCK_N, STAGES, CONSUMERS,
                          CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, v_raw, q_bars, k_ready, v_ready, k_empty,
-                         v_empty, raw_ready, m0, n_tiles, BLOCK_N, HEAD_D, STAGES, CONSUMERS, V_TRANSPOSE)),
+                         v_empty, raw_ready, m0, n_tiles, BLOCK_N, HEAD_D, STAGES, CONSUMERS, V_TRANSPOSE, KEY_ORDER)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
     for c in gl.static_range(CONSUMERS):
@@ -415,8 +420,6 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=
     cfg = config or default_config(D, causal)
     if cfg.consumers not in (1, 2, 3) or cfg.stages < 2:
         raise ValueError(f"config {cfg}: consumers must be 1, 2 or 3 and stages >= 2")
-    if cfg.v_transpose and cfg.key_order:
-        raise ValueError(f"config {cfg}: key_order reorders transpose_v's copy; v_transpose makes none")
     prep = fp8_forward_args(q, k, v, q_descale, k_descale, v_descale, return_lse, out, HEAD_DIMS)
     if prep.done:
         return prep.out, prep.lse
