@@ -11,6 +11,9 @@ the declarations plus three class methods:
 - ``host_time(problem)`` -> seconds of host work per eager call (default ``HOST_US``). The selector ranks a
   GPU op by the larger of its device time and its host time: back-to-back calls of a small problem run at the
   pace of the host, and a device time alone would pick a kernel that waits on a slow launch path.
+- ``backward_estimate(problem)`` -> seconds of the backward a forward op brings itself (one that autograd
+  differentiates), or ``None`` when a ``bw`` op runs after it. For a problem whose ``needs_grad`` is true the
+  selector ranks forward ops by forward + backward: their own backward's time, or the best ``bw`` op's.
 """
 from __future__ import annotations
 
@@ -63,6 +66,11 @@ class Op:
 
     @classmethod
     def estimate(cls, problem: Any) -> float | None:
+        return None
+
+    @classmethod
+    def backward_estimate(cls, problem: Any) -> float | None:
+        """Seconds of this forward's own backward on ``problem``; None when a ``bw`` op differentiates it."""
         return None
 
     @classmethod

@@ -27,6 +27,7 @@ import contextlib
 import contextvars
 import math
 import os
+import dataclasses
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterable, Iterator
@@ -174,7 +175,8 @@ class Selector:
             source = "table"
             if estimate is None:
                 estimate, source = op.estimate(problem), "model"
-                factor = self.tables.calibration(problem.arch.name, op.NAME)
+                # the tables time forward ops: a backward model stands as measured (no device-wide median)
+                factor = self.tables.calibration(problem.arch.name, op.NAME, median_fallback=op.KIND == "fw")
                 if estimate is None or not math.isfinite(estimate):
                     estimate, source = None, "priority"
                 elif factor is not None:
@@ -215,9 +217,38 @@ class Selector:
             v = self.verdict(forced, problem)
             return Report(problem, kind, [v], forced if v.ok else None, f"forced by op={forced.NAME!r}")
         ops, note = self._candidates(kind)
-        verdicts = sorted((self.verdict(o, problem) for o in ops), key=self._rank)
+        verdicts = [self.verdict(o, problem) for o in ops]
+        if kind == "fw" and getattr(problem, "needs_grad", False):
+            verdicts = self._with_backward(verdicts, problem)
+        verdicts.sort(key=self._rank)
         selected = verdicts[0].op if verdicts and verdicts[0].ok else None
         return Report(problem, kind, verdicts, selected, note)
+
+    def _with_backward(self, verdicts: list[Verdict], problem: Any) -> list[Verdict]:
+        """Forward verdicts of a call that needs gradients, their estimates plus the backward that follows:
+        the op's own (``backward_estimate``) or the best ``bw`` op's. A fast forward whose backward is slow
+        loses to a slightly slower forward paired with a faster backward."""
+        best_bw: list[Verdict | None] = []
+
+        def paired() -> Verdict | None:
+            if not best_bw:
+                ranked = sorted((self.verdict(o, problem) for o in self._candidates("bw")[0]), key=self._rank)
+                best_bw.append(ranked[0] if ranked and ranked[0].ok and ranked[0].estimate is not None else None)
+            return best_bw[0]
+
+        out = []
+        for v in verdicts:
+            if v.ok and v.estimate is not None:
+                own = v.op.backward_estimate(problem)
+                bw = None if own is not None else paired()
+                extra = own if own is not None else (bw.estimate if bw is not None else None)
+                if extra is not None:
+                    who = "its own" if own is not None else bw.op.NAME
+                    v = dataclasses.replace(v, estimate=v.estimate + extra,
+                                            device_estimate=(v.device_estimate or 0.0) + extra,
+                                            source=f"{v.source}; + backward ({who}) {extra * 1e6:.1f} us")
+            out.append(v)
+        return out
 
     # ---- the hot path ----------------------------------------------------------------------
     def select(self, key: Hashable, make_problem: Callable[[], Any], kind: str = "fw", op: OpLike = None) -> type[Op]:

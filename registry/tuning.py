@@ -72,16 +72,19 @@ class TuningTables:
         table = self._by_device.get(device)
         return table.lookup(op_name, bucket) if table else None
 
-    def calibration(self, device: str, op_name: str) -> float | None:
+    def calibration(self, device: str, op_name: str, median_fallback: bool = True) -> float | None:
         """The op's measured/model factor on ``device``; for an op the table has not measured, the median
         factor of the ops it has (cost models share a device-wide bias), so a new op's raw estimate is
-        not compared with its neighbours' corrected ones."""
+        not compared with its neighbours' corrected ones; None there without ``median_fallback`` (ops of a
+        kind the table does not time, whose models come from their own measurements)."""
         if self._by_device is None:
             self._by_device = self._load()
         table = self._by_device.get(device)
         if not table or not table.calibration:
             return None
-        return table.calibration.get(op_name, statistics.median(table.calibration.values()))
+        if op_name in table.calibration or not median_fallback:
+            return table.calibration.get(op_name)
+        return statistics.median(table.calibration.values())
 
     def reload(self) -> None:
         self._by_device = None

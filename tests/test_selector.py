@@ -488,3 +488,35 @@ def test_selector_ignores_tables_of_other_devices(tmp_path):
     sel = make_selector(a2, b2, tables=TuningTables([str(tmp_path)]))
     r = sel.explain(Prob(arch=h200))
     assert r.selected is b2 and r.verdicts[0].source == "table"
+
+
+@dataclass(frozen=True)
+class GradProb(Prob):
+    needs_grad: bool = False
+
+
+def test_calls_needing_gradients_rank_forward_plus_backward():
+    """A forward with its own slow backward loses to a slightly slower forward paired with a fast bw op when the
+    call needs gradients, and wins when it does not; explain says which backward was counted."""
+    own = op("ownF", est=1.0)
+    own.backward_estimate = classmethod(lambda cls, p: 10.0)
+    paired = op("pairedF", est=2.0)
+    sel = make_selector(own, paired, op("slowB", kind="bw", est=9.0), op("fastB", kind="bw", est=3.0))
+    assert sel.explain(GradProb()).selected is own
+    rep = sel.explain(GradProb(needs_grad=True))
+    assert rep.selected is paired
+    est = {v.op.NAME: (v.estimate, v.source) for v in rep.verdicts}
+    assert est["pairedF"][0] == 5.0 and "fastB" in est["pairedF"][1]
+    assert est["ownF"][0] == 11.0 and "its own" in est["ownF"][1]
+    # without a usable bw op the paired forward's estimate stands alone
+    alone = make_selector(own, paired)
+    assert alone.explain(GradProb(needs_grad=True)).selected is paired
+
+
+def test_backward_models_take_no_median_calibration(tmp_path):
+    """The tables time forward ops: an unmeasured forward takes their median factor, a backward op none."""
+    path = tmp_path / "t.json"
+    TuningTable("cpu", {"torch": "x"}, {}, calibration={"a": 2.0, "b": 4.0}).save(str(path))
+    tables = TuningTables([str(tmp_path)])
+    assert tables.calibration("cpu", "a") == 2.0 and tables.calibration("cpu", "new") == 3.0
+    assert tables.calibration("cpu", "new", median_fallback=False) is None

@@ -13,6 +13,9 @@ Declarations (class attributes; every check below reads only these):
   RAGGED_Q       query sequences of different lengths in one call (decode masks)
   PARTIAL        can return the LSE (memory_efficient_attention_partial, merge_attentions)
   AUTOGRAD       forward is differentiable by torch autograd itself (no bw op needed)
+  BACKWARD_RATES (AUTOGRAD ops) their own backward's achieved TFLOP/s by head dim, with BACKWARD_OVERHEAD_US:
+                 what the selector adds to a forward's estimate when the call needs gradients (without them:
+                 BACKWARD_WORK x the forward's estimate)
   DROPOUT        p > 0
   DETERMINISTIC  bitwise reproducible (checked when torch.use_deterministic_algorithms is on)
   CUDA_GRAPH     capturable in a CUDA graph
@@ -35,9 +38,10 @@ import torch
 from registry import Op
 
 from .. import attn_bias as ab
-from ..dtypes import dtype_name
+from ..dtypes import FLOAT_DTYPES, dtype_name
 from ..inputs import Inputs
 from ..problem import Problem
+from .cost import BACKWARD_WORK, backward_time
 
 NO_DESCALES = {"q": frozenset({"none"}), "k": frozenset({"none"}), "v": frozenset({"none"})}
 
@@ -64,6 +68,18 @@ class AttentionOp(Op):
     TRACEABLE: ClassVar[bool] = False
     WINDOW: ClassVar[bool] = False
     SOFTCAP: ClassVar[bool] = False
+    BACKWARD_RATES: ClassVar[dict[int, float] | None] = None
+    BACKWARD_OVERHEAD_US: ClassVar[float] = 0.0
+
+    @classmethod
+    def backward_estimate(cls, p: Problem) -> float | None:
+        """An AUTOGRAD forward's own backward (a float forward: fp8 inputs take a bw op); None otherwise."""
+        if not cls.AUTOGRAD or p.q_dtype not in FLOAT_DTYPES:
+            return None
+        if cls.BACKWARD_RATES is not None and p.arch.kind != "cpu":
+            return backward_time(p, cls.BACKWARD_RATES, 2.5, cls.BACKWARD_OVERHEAD_US)
+        forward = cls.estimate(p)
+        return None if forward is None else BACKWARD_WORK * forward
 
     @classmethod
     def not_supported_reasons(cls, p: Problem) -> list[str]:

@@ -16,6 +16,22 @@ def attention_flops(p: Problem) -> float:
     return f
 
 
+#: a backward's matrix work relative to its forward's (five GEMMs of the forward's size against two)
+BACKWARD_WORK = 2.5
+
+
+def head_dim_rate(rates: dict[int, float], head_dim: int) -> float:
+    """The rate listed for the smallest head dim >= ``head_dim`` (the largest listed one beyond them)."""
+    fitting = [d for d in rates if d >= head_dim]
+    return rates[min(fitting) if fitting else max(rates)]
+
+
+def backward_time(p: Problem, rates: dict[int, float], tbps: float, overhead_us: float) -> float:
+    """Seconds for one backward at ``rates`` (head dim -> achieved TFLOP/s counted over the backward's
+    BACKWARD_WORK x the forward's FLOPs), ``tbps`` TB/s and a fixed overhead."""
+    return BACKWARD_WORK * attention_time(p, head_dim_rate(rates, p.head_dim), tbps, 0.0) + overhead_us * 1e-6
+
+
 def attention_bytes(p: Problem) -> float:
     """Bytes of Q, K, V read and O written once (decode: K/V dominate)."""
     def size(dt) -> int:

@@ -37,7 +37,7 @@ from ..inputs import Inputs
 from ..problem import Problem
 from .base import AttentionBwOp, AttentionFwOp
 from .common import OptionalPackage, dequantized_qkv, import_failure, installed_version
-from .cost import attention_time
+from .cost import attention_time, backward_time
 
 #: the release whose interface this adapter calls (its backward entry point is module-level, not public)
 FA4_VERSION = "4.0.0b36"
@@ -160,6 +160,13 @@ class _FA4Op(OptionalPackage):
     import_reason = staticmethod(fa4_unavailable_reason)
 
 
+#: FA4's backward on the H200, achieved TFLOP/s of the backward's work by head dim (bench/results/backends.md:
+#: 545 at D64, 584 at D128, 371 at D256 on long sequences, 460 at 8x1000 D128) and a fixed ~80 us (its
+#: preprocess / dQ postprocess launches and the tail of short sequences): fa4B, and fa4F's own autograd
+BACKWARD_RATES = {64: 582.0, 128: 600.0, 256: 375.0}
+BACKWARD_OVERHEAD_US = 80.0
+
+
 @register
 class FA4FwOp(_FA4Op, AttentionFwOp):
     """FlashAttention-4 forward (bf16/fp16; fp8 on sm100), differentiable through FA4's own backward."""
@@ -171,6 +178,8 @@ class FA4FwOp(_FA4Op, AttentionFwOp):
     AUTOGRAD = True
     #: achieved (TFLOP/s, TB/s, device overhead us) on the H200 for the cost model (D128, 4096 tokens)
     RATES: ClassVar[tuple[float, float, float]] = (700.0, 3.5, 8.0)
+    BACKWARD_RATES = BACKWARD_RATES  # its autograd runs the same backward as fa4B
+    BACKWARD_OVERHEAD_US = BACKWARD_OVERHEAD_US
     HOST_US = 40.0  # FA4's Python interface per call
 
     @classmethod
@@ -219,10 +228,9 @@ class FA4BwOp(_FA4Op, AttentionBwOp):
     DTYPES = _HALF | _FP8
     OUT_DTYPES = FA4FwOp.OUT_DTYPES
     DESCALES = {r: frozenset({"none", "tensor", "head"}) for r in "qkv"}
-    #: achieved (TFLOP/s of the forward count, TB/s): 2.5x the forward's work at ~600 TFLOP/s (617 measured at
-    #: 4x32x4096, D128), plus its kernels' overhead once (the preprocess / dQ postprocess launches)
-    RATES: ClassVar[tuple[float, float]] = (600.0, 2.5)
-    OVERHEAD_US = 20.0
+    RATES: ClassVar[dict[int, float]] = BACKWARD_RATES
+    TBPS = 2.5
+    OVERHEAD_US = BACKWARD_OVERHEAD_US
     HOST_US = 60.0  # FA4's Python interface per call
 
     @classmethod
@@ -248,4 +256,4 @@ class FA4BwOp(_FA4Op, AttentionBwOp):
 
     @classmethod
     def estimate(cls, p: Problem) -> float:
-        return 2.5 * attention_time(p, *cls.RATES, 0.0) + cls.OVERHEAD_US * 1e-6
+        return backward_time(p, cls.RATES, cls.TBPS, cls.OVERHEAD_US)

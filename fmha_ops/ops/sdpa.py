@@ -143,6 +143,10 @@ class SdpaCudnnFwOp(_SdpaOp):
     DROPOUT = False  # torch takes cuDNN dropout only in steps of 1/16 (and not with one query)
     DETERMINISTIC = False
     RATES = (600.0, 3.9, 8.0)
+    #: cuDNN's backward on the H200 (bench/results/backends.md, TFLOP/s of the backward's work): 446 at D64, 551
+    #: at D128, 411 at D256 on long sequences, 401 at 8x1000 (D128): a fixed ~110 us beside the rate
+    BACKWARD_RATES = {64: 480.0, 128: 560.0, 256: 415.0}
+    BACKWARD_OVERHEAD_US = 110.0
     HOST_US = 18.0
 
     @staticmethod
