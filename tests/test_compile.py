@@ -288,6 +288,28 @@ def test_gpu_kvcache_decode_compiles_fullgraph():
 
 
 @pytest.mark.gpu
+def test_gpu_kvcache_decode_under_reduce_overhead_replays_cuda_graphs():
+    """mode="reduce-overhead": the decode step runs from CUDA graphs (no cudagraph skip) and follows new queries and
+    new cache lengths written into the same tensors, as a decode loop does."""
+    from torch._dynamo.utils import counters
+
+    q, _, _ = _cuda_qkv(b=4, m=1, seed=5)
+    _, k, v = _cuda_qkv(b=4, m=300, seed=6)
+    lengths = torch.tensor([300, 17, 1, 256], dtype=torch.int32, device="cuda")
+    decode = lambda q, k, v: fmha_ops.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths)  # noqa: E731
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(decode, mode="reduce-overhead", fullgraph=True)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    for _ in range(4):
+        q.copy_(torch.randn(q.shape, generator=g, device="cuda", dtype=q.dtype))
+        lengths.copy_(torch.randint(0, 301, (4,), generator=g, device="cuda", dtype=torch.int32))
+        got = step(q, k, v).clone()
+        torch.testing.assert_close(got.float(), decode(q, k, v).float(), atol=2e-2, rtol=2e-2)
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
+@pytest.mark.gpu
 def test_gpu_transformer_block_compiles_fullgraph_with_inductor():
     torch.manual_seed(0)
     block = Block(dim=128, heads=4, kv_heads=2).to("cuda", torch.bfloat16)
