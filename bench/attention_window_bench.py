@@ -45,7 +45,8 @@ RECORD = Record(
     "attention_window", "Local (sliding-window) attention forward", COMMAND,
     {"shape": "shape (B x H x N x D, window)", "dtype": "dtype", "ours": "ours window", "ours_full": "ours full",
      "win/full": "win / full", "ours_kernel": "ours window (kernel)", "ours_full_kernel": "ours full (kernel)",
-     "win/full_kernel": "win / full (kernel)", "fa4": "FA4 window", "fa4_full": "FA4 full", "ours/fa4": "ours / FA4 (window)",
+     "win/full_kernel": "win / full (kernel)", "fa4": "FA4 window", "fa4_full": "FA4 full",
+     "ours/fa4": "ours / FA4 (window)",
      "cudnn_mask": "cuDNN bool mask", "cudnn_full": "cuDNN full"},
     "TFLOP/s over the visible (query, key) pairs (4*B*H*D*pairs / t; the window's pairs, or N(N+1)/2 for full "
     "causal), causal bottom-right, the window ending at each query's own key. Ours: the Triton forward "
@@ -105,7 +106,8 @@ def run(B: int, H: int, N: int, D: int, window: int) -> list[dict]:
             win_k = or_none(lambda: time_ms(lambda: attention_forward(qx, kx, vk, scale=scale, causal=True,
                                                                       window_left=left, **desc)))
             full_k = or_none(lambda: time_ms(lambda: attention_forward(qx, kx, vk, scale=scale, causal=True, **desc)))
-            row["ours_kernel"], row["ours_full_kernel"] = _tflops(B, H, D, p_win, win_k), _tflops(B, H, D, p_full, full_k)
+            row["ours_kernel"] = _tflops(B, H, D, p_win, win_k)
+            row["ours_full_kernel"] = _tflops(B, H, D, p_full, full_k)
             if row["ours_kernel"] and row["ours_full_kernel"]:
                 row["win/full_kernel"] = row["ours_kernel"] / row["ours_full_kernel"]
         rows.append(row)

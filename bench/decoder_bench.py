@@ -268,8 +268,8 @@ def main():
         row = json.loads(res[0][7:])
         row["target_speedup"], row["target_eager_over_graph"] = TARGETS.get(name, (None, None))
         rows.append(row)
-        print(f"{name}: fp8 speedup graph {row['fp8_speedup_graph']:.3f} (clean L2 {row['fp8_speedup_graph_clean']:.3f}) "
-              f"kernel {row['fp8_speedup_kernel']:.3f}, "
+        print(f"{name}: fp8 speedup graph {row['fp8_speedup_graph']:.3f} (clean L2 "
+              f"{row['fp8_speedup_graph_clean']:.3f}) kernel {row['fp8_speedup_kernel']:.3f}, "
               f"fp8 eager/graph {row['fp8_eager_over_graph']:.3f}, plan.run eager/graph "
               f"{row['fp8_plan_eager_over_graph']:.3f}; host us fp8 call {row['fp8_api_host_us']:.1f} plan.run "
               f"{row['fp8_plan_host_us']:.1f} kernel {row['fp8_kernel_host_us']:.1f}, bf16 call "
