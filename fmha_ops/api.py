@@ -16,13 +16,14 @@ import torch
 from registry import Op, Report
 
 from . import arguments
-from .call import make_problem, no_grad, run_forward
+from .call import PLANS, make_problem, no_grad, plan_key, run_forward
 from .dispatch import REGISTRY, SELECTOR
 from .dtypes import FLOAT_DTYPES
 from .inputs import Inputs, make_inputs
 
 OpArg = Any  # an op class, name/alias, or (FwOp, BwOp) tuple
 _is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch._C.is_grad_enabled
 
 
 def memory_efficient_attention(
@@ -48,10 +49,18 @@ def memory_efficient_attention(
     >>> o8 = memory_efficient_attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
     ...                                 output_dtype=torch.float8_e4m3fn)  # attention = o8.float() * vd
     """
+    key_ = plan_key(query, key, value, attn_bias, p, scale, op, output_dtype, False, softcap, q_descale, k_descale,
+                    v_descale, quantize_kv_to_fp8)
+    try:
+        plan = PLANS.get(key_)
+    except TypeError:  # an unhashable argument: the full path names it
+        plan = key_ = None
+    if plan is not None:
+        return plan(query, key, value, attn_bias, q_descale, k_descale, v_descale)[0]
     inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, output_dtype=output_dtype,
                       q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                       quantize_kv_to_fp8=quantize_kv_to_fp8, softcap=softcap)
-    return inp.layout(run_forward(inp, op, False)[0])
+    return inp.layout(run_forward(inp, op, False, key_)[0])
 
 
 def memory_efficient_attention_forward(
@@ -61,6 +70,10 @@ def memory_efficient_attention_forward(
     v_descale: torch.Tensor | None = None, quantize_kv_to_fp8: bool = False, softcap: float = 0.0,
 ) -> torch.Tensor:
     """Like ``memory_efficient_attention`` without autograd (inference)."""
+    if not _grad_enabled():
+        return memory_efficient_attention(query, key, value, attn_bias, p, scale, op=op, output_dtype=output_dtype,
+                                          q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                                          quantize_kv_to_fp8=quantize_kv_to_fp8, softcap=softcap)
     with no_grad():
         return memory_efficient_attention(query, key, value, attn_bias, p, scale, op=op, output_dtype=output_dtype,
                                           q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
@@ -80,7 +93,16 @@ def memory_efficient_attention_partial(
     Dropout is refused (``p`` must be 0), as in xformers: the parts could not be merged exactly.
     """
     _no_dropout(p, "memory_efficient_attention_partial")
-    inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, output_dtype=output_dtype or torch.float32,
+    output_dtype = output_dtype or torch.float32
+    key_ = plan_key(query, key, value, attn_bias, p, scale, op, output_dtype, True, softcap, q_descale, k_descale,
+                    v_descale, quantize_kv_to_fp8)
+    try:
+        plan = PLANS.get(key_)
+    except TypeError:  # an unhashable argument: the full path names it
+        plan = key_ = None
+    if plan is not None:  # plans exist only for calls that need no gradient (the full path refuses the rest)
+        return plan(query, key, value, attn_bias, q_descale, k_descale, v_descale)
+    inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, output_dtype=output_dtype,
                       is_partial=True, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                       quantize_kv_to_fp8=quantize_kv_to_fp8, softcap=softcap)
     if inp.needs_grad():
@@ -89,7 +111,7 @@ def memory_efficient_attention_partial(
                                   f"requires_grad=True; call it under torch.no_grad() or pass detached tensors "
                                   f"(memory_efficient_attention is differentiable)")
     with no_grad():
-        out, lse = run_forward(inp, op, True)
+        out, lse = run_forward(inp, op, True, key_)
     return inp.layout(out), inp.layout.lse(lse)
 
 

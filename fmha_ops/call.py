@@ -4,6 +4,20 @@
 dict lookup on a repeated signature; validation and the ``Problem`` only on a miss), and runs it; when autograd
 needs gradients and the forward op does not differentiate itself, a backward op is selected too and the pair runs
 under ``_Attention``. Under ``torch.compile`` the traced twin in ``fmha_ops.compiled`` runs instead.
+
+Repeated calls skip even that: ``plan_key`` turns the user's arguments into one tuple of cheap attributes
+(shapes, dtypes, devices, strides, grad mode, the mask's signature, the scalars, the selector's scope and the
+process switches), and ``PLANS`` maps it to the launch plan built on the first call of that layout (the selected
+op's ``AttentionFwOp.launcher``): no ``Inputs``, no signature, no selector lookup, no validation. Calls whose
+values need per-call checks (host descales, masks with index tables, check mode) and non-BMHK layouts always take
+the full path.
+
+Example
+-------
+>>> key = plan_key(q, k, v, mask, 0.0, None, None, None, False, 0.0, None, None, None, False)
+>>> plan = PLANS.get(key)   # None until one full call of this layout ran
+>>> out, lse = plan(q, k, v, mask, None, None, None) if plan else run_forward(make_inputs(q, k, v, mask), None,
+...                                                                            False, key)
 """
 from __future__ import annotations
 
@@ -11,10 +25,10 @@ from typing import Any
 
 import torch
 
-from . import compiled
+from . import checks, compiled, fp8_backward
 from .dispatch import SELECTOR
 from .dtypes import FLOAT_DTYPES
-from .inputs import Inputs
+from .inputs import BMHK, Inputs, checks_values
 from .problem import Problem
 
 OpArg = Any  # an op class, name/alias, or (FwOp, BwOp) tuple
@@ -35,7 +49,7 @@ class _GradOff:
         _set_grad_enabled(self.previous)
 
 
-_grad_enabled, _set_grad_enabled = torch.is_grad_enabled, torch._C._set_grad_enabled
+_grad_enabled, _set_grad_enabled = torch._C.is_grad_enabled, torch._C._set_grad_enabled
 
 
 def no_grad():
@@ -53,20 +67,90 @@ def make_problem(inp: Inputs, needs_lse: bool) -> Problem:
     return inp.problem(needs_lse)
 
 
-def run_forward(inp: Inputs, op: OpArg, needs_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+#: launch plans of repeated calls: ``plan_key`` -> run(query, key, value, attn_bias, q_descale, k_descale,
+#: v_descale) -> (out, lse), as ``run_forward`` returns them; cleared with the selector's memo
+PLANS: dict = SELECTOR.derived_memo()
+PLAN_LIMIT = 1 << 12  # distinct call layouts kept before the plans are dropped (varlen-like workloads)
+
+_scope = SELECTOR.current_scope
+_deterministic = torch._C._get_deterministic_algorithms
+_fp8_backward = fp8_backward.enabled_now
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
+
+
+def plan_key(query, key, value, attn_bias, p, scale, op, output_dtype, is_partial, softcap, q_descale, k_descale,
+             v_descale, quantize_kv) -> tuple | None:
+    """The layout of a call as the public functions take it: a tuple (hashable where the arguments are) of
+    everything validation, selection and the launch read from the arguments and the process (all but the tensors'
+    values), or None when the call cannot have a plan (a trace, non-tensor arguments, a mask without a signature,
+    checked descales).
+
+    Example: ``plan_key(q, k, v, None, 0.0, None, None, None, False, 0.0, None, None, None, False)``.
+    """
+    if _is_compiling():
+        return None
+    try:
+        descales = None
+        if q_descale is not None or k_descale is not None or v_descale is not None:
+            if checks.checks_enabled():  # device descales are read back per call: the full path does that
+                return None
+            descales = tuple(None if d is None else (d.shape, d.dtype, d.device, d.stride())
+                             for d in (q_descale, k_descale, v_descale))
+        return (query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype, query.device, key.device,
+                value.device, query.stride(), key.stride(), value.stride(),
+                _grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad),
+                None if attn_bias is None else attn_bias.signature(),
+                (p, scale, op, output_dtype, is_partial, softcap, quantize_kv, descales, _deterministic(), _scope(),
+                 _fp8_backward()),
+                query.is_cuda and ((query.data_ptr() | key.data_ptr() | value.data_ptr()) & 15, _capturing()))
+    except (AttributeError, TypeError):  # not tensors, a mask of another library or a mask class: the full path
+        return None  # converts or names it
+
+
+def run_forward(inp: Inputs, op: OpArg, needs_lse: bool,
+                plan_key: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Select the forward op for ``inp`` (and the backward op when autograd needs one) and run it.
 
     Returns out (B, Mq, Hq, Kv) in ``inp.out_dtype`` and lse float32 (B, Hq, Mq) (None unless ``needs_lse``
-    or a backward op is attached). Example: ``out, _ = run_forward(make_inputs(q, k, v), None, False)``.
+    or a backward op is attached). ``plan_key``: the call's ``plan_key``; the launch plan of this call is kept
+    under it in ``PLANS`` when the call can have one. Example:
+    ``out, _ = run_forward(make_inputs(q, k, v), None, False)``.
     """
     if _is_compiling():
         return compiled.run_forward(inp, op, needs_lse)
     sig = inp.signature()
     fw = SELECTOR.select(sig, lambda: make_problem(inp, needs_lse), "fw", op)
-    if not sig.needs_grad or (fw.AUTOGRAD and inp.query.dtype in FLOAT_DTYPES):
-        return fw.apply(inp, needs_lse)
-    bw = SELECTOR.select(sig, lambda: make_problem(inp, needs_lse), "bw", op)
-    return _Attention.apply(fw, bw, inp, inp.query, inp.key, inp.value)
+    bw = None
+    if sig.needs_grad and not (fw.AUTOGRAD and inp.query.dtype in FLOAT_DTYPES):
+        bw = SELECTOR.select(sig, lambda: make_problem(inp, needs_lse), "bw", op)
+    result = fw.apply(inp, needs_lse) if bw is None else _Attention.apply(fw, bw, inp, inp.query, inp.key, inp.value)
+    if plan_key is not None and _plannable(inp):
+        if len(PLANS) >= PLAN_LIMIT:
+            PLANS.clear()
+        PLANS[plan_key] = fw.launcher(inp, needs_lse) if bw is None else _autograd_plan(fw, bw, inp)
+    return result
+
+
+def _plannable(inp: Inputs) -> bool:
+    """Whether repeated calls like ``inp`` may skip the full path: BMHK as given, no per-call value checks (host
+    descales, masks with index tables), no tensor bias (its gradient follows the grad mode)."""
+    bias = inp.attn_bias
+    if inp.layout is not BMHK or (bias is not None and (bias.tensor_bias is not None or checks_values(type(bias)))):
+        return False
+    return all(d is None or d.device.type != "cpu" for d in (inp.q_descale, inp.k_descale, inp.v_descale))
+
+
+def _autograd_plan(fw, bw, inp: Inputs):
+    """The plan of a differentiated call whose forward op has no autograd of its own: the pair under
+    ``_Attention``, on an ``Inputs`` rebuilt from the call's arguments."""
+    fields = (inp.p, inp.scale, inp.output_dtype, inp.is_partial)
+    quantize_kv, softcap = inp.quantize_kv_to_fp8, inp.softcap
+
+    def run(query, key, value, attn_bias, q_descale, k_descale, v_descale):
+        call = Inputs(query, key, value, attn_bias, *fields, q_descale, k_descale, v_descale, quantize_kv, BMHK,
+                      softcap)
+        return _Attention.apply(fw, bw, call, query, key, value)
+    return run
 
 
 class _Attention(torch.autograd.Function):

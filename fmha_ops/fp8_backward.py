@@ -46,3 +46,7 @@ class set_fp8_dequantized_backward:
 def fp8_dequantized_backward_enabled() -> bool:
     """Whether ``set_fp8_dequantized_backward`` is on in the current context."""
     return _ENABLED.get()
+
+
+#: ``fp8_dequantized_backward_enabled`` as one C call (the per-call key of ``fmha_ops.call``)
+enabled_now = _ENABLED.get

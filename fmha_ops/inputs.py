@@ -262,7 +262,7 @@ def make_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, att
             attn_bias = _fold_tensor_bias(attn_bias, layout)
     inp = Inputs(query, key, value, attn_bias, p, scale, output_dtype, is_partial, q_descale, k_descale, v_descale,
                  quantize_kv_to_fp8, layout, softcap)
-    if descaled or (attn_bias is not None and _checks_values(type(attn_bias))):
+    if descaled or (attn_bias is not None and checks_values(type(attn_bias))):
         check_values(inp)
     return inp
 
@@ -280,7 +280,7 @@ def _fold_tensor_bias(bias: ab.AttentionBias, layout: OutputLayout) -> ab.Attent
 _CHECKS_VALUES: dict[type, bool] = {}
 
 
-def _checks_values(mask_type: type) -> bool:
+def checks_values(mask_type: type) -> bool:
     """Whether masks of this type check index values per call (their own ``check_values``), memoized per type."""
     checks = _CHECKS_VALUES.get(mask_type)
     if checks is None:

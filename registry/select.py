@@ -100,9 +100,14 @@ class Selector:
         self.tables = tables
         self._env_prefix = env_prefix
         self._memo: dict[Hashable, type[Op]] = {}
+        #: callers' own memos of what follows from a selection, cleared with the selector's (``derived_memo``)
+        self._derived: list[dict] = []
         #: (allowed op NAMEs or None for all, excluded names) set by use_ops for the current context
         self._scope: contextvars.ContextVar[tuple[frozenset | None, frozenset]] = contextvars.ContextVar(
             f"{env_prefix}_scope", default=(None, frozenset()))
+        #: the ``use_ops`` restriction of the current context, hashable: part of any key a caller memoizes a
+        #: selection under
+        self.current_scope = self._scope.get
         self.refresh_env()
 
     # ---- overrides -------------------------------------------------------------------
@@ -116,6 +121,16 @@ class Selector:
 
     def clear(self) -> None:
         self._memo.clear()
+        for memo in self._derived:
+            memo.clear()
+
+    def derived_memo(self) -> dict:
+        """A new dict for a caller's memo of what follows from selections (launch plans per call layout); the
+        selector clears it whenever it clears its own memo (environment re-read, tuning tables reloaded, new
+        foreign-op translation), so no entry outlives the choice it was built from."""
+        memo: dict = {}
+        self._derived.append(memo)
+        return memo
 
     def resolve(self, op: OpLike, kind: str) -> type[Op] | None:
         """An ``op=`` value -> the op class of ``kind`` it names (None: let the selector choose)."""

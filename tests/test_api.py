@@ -449,18 +449,23 @@ def test_explain_selected_is_what_the_call_uses(monkeypatch, mask, dtype):
     bias = make_bias(spec)
     report = fmha_ops.explain(q, k, v, bias)
     assert report.selected is not None and f"selected: {report.selected.NAME}" in str(report)
-    used = []
+    used, planned = [], []
     for op in fmha_ops.ALL_FW_OPS:
-        orig = op.apply
-
-        def spy(cls, inp, needs_lse, _orig=orig):
+        def spy(cls, inp, needs_lse, _orig=op.apply):
             used.append(cls.NAME)
             return _orig(inp, needs_lse)
 
+        def plan_spy(cls, inp, needs_lse, _orig=op.launcher):
+            planned.append(cls.NAME)
+            return _orig(inp, needs_lse)
+
         monkeypatch.setattr(op, "apply", classmethod(spy))
-    MEA(q, k, v, bias)
-    MEA(q, k, v, bias)
-    assert used == [report.selected.NAME] * 2
+        monkeypatch.setattr(op, "launcher", classmethod(plan_spy))
+    fmha_ops.SELECTOR.clear()  # the first call takes the full path, the second its launch plan (where it has one)
+    out = MEA(q, k, v, bias)
+    assert used == [report.selected.NAME] and planned in ([], [report.selected.NAME])
+    assert torch.equal(MEA(q, k, v, bias), out)
+    assert set(used) == {report.selected.NAME} and (len(used) == 2 or planned == [report.selected.NAME])
 
 
 def test_op_override_forms_and_forced_failure():

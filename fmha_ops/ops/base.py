@@ -164,6 +164,27 @@ class AttentionFwOp(AttentionOp):
         """out (B, Mq, Hq, Kv) and, when ``needs_lse``, lse float32 (B, Hq, Mq) in natural log."""
         raise NotImplementedError
 
+    @classmethod
+    def launcher(cls, inp: Inputs, needs_lse: bool):
+        """The launch plan of calls laid out like ``inp`` (validated, BMHK, this op selected for it):
+        ``run(query, key, value, attn_bias, q_descale, k_descale, v_descale)`` -> what ``apply`` returns, for
+        new tensors of the same shapes, dtypes, devices and strides and a mask of the same signature. It keeps
+        only ``inp``'s scalars, never its tensors. This default rebuilds the ``Inputs`` and calls ``apply``; ops
+        whose launch has per-layout work to skip override it.
+
+        Example
+        -------
+        >>> run = SdpaFlashFwOp.launcher(make_inputs(q, k, v, LowerTriangularMask()), False)
+        >>> out, _ = run(q2, k2, v2, LowerTriangularMask(), None, None, None)
+        """
+        fields = (inp.p, inp.scale, inp.output_dtype, inp.is_partial)
+        quantize_kv, layout, softcap, apply = inp.quantize_kv_to_fp8, inp.layout, inp.softcap, cls.apply
+
+        def run(query, key, value, attn_bias, q_descale, k_descale, v_descale):
+            return apply(Inputs(query, key, value, attn_bias, *fields, q_descale, k_descale, v_descale, quantize_kv,
+                                layout, softcap), needs_lse)
+        return run
+
 
 class AttentionBwOp(AttentionOp):
     KIND = "bw"

@@ -3,8 +3,11 @@
 Each op calls its backend's own aten function (``torch._scaled_dot_product_cudnn_attention``, ...), the
 functions ``scaled_dot_product_attention`` dispatches to, with the same arguments; entering
 ``sdpa_kernel(backend)`` per call instead costs more host time than the tiny-shape call itself. Autograd comes
-with the aten functions. Layout bridge: BMHK views are transposed to SDPA's (B, H, M, K) without copies; GQA
-is native in the flash and cuDNN kernels and ``enable_gqa`` in the math path. Masks: none, top-left causal
+with the aten functions. Layout bridge: BMHK views are transposed to SDPA's (B, H, M, K) without copies (the CUDA
+flash op calls the BMHK function behind SDPA's flash path instead); GQA is native in the flash and cuDNN kernels
+and ``enable_gqa`` in the math path. Repeated calls run the op's launch plan (``launcher``, see
+``fmha_ops.call``): the aten function with the call's constants bound, four tensor views around it (none for
+CUDA flash) and nothing else. Masks: none, top-left causal
 (``is_causal``), and bottom-right causal where it coincides with those (Mq == Mk, or Mq == 1 which sees every
 key). The backends that take an ``attn_mask`` (efficient, math; ``ATTN_MASK``) also run local windows, any
 bottom-right causal and tensor biases: through SDPA's front end (``sdpa_kernel``) with a mask materialized per
@@ -15,7 +18,7 @@ zeroed after. No LSE (not partial).
 """
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Callable, ClassVar, NamedTuple
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -75,10 +78,11 @@ class _SdpaOp(AttentionFwOp):
 
     @classmethod
     def apply(cls, inp, needs_lse):
+        run = cls._kernel_plan(inp)
+        if run is not None:
+            return run(inp.query, inp.key, inp.value)
         q, k, v = inp.query.transpose(1, 2), inp.key.transpose(1, 2), inp.value.transpose(1, 2)
-        bias = inp.attn_bias
-        causal = bias is not None and (bias.KIND == ab.CAUSAL or (bias.KIND == ab.CAUSAL_BR and q.shape[2] > 1))
-        scale = inp.softmax_scale
+        causal, scale = _causal(inp), inp.softmax_scale
         if causal and scale <= 0.0:  # the fused kernels mask with -inf before scaling: -inf * 0 is NaN
             q, scale = q * scale, 1.0
         if cls.ATTN_MASK and _needs_dense_mask(inp):
@@ -89,7 +93,9 @@ class _SdpaOp(AttentionFwOp):
                     enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2)
             out = out.masked_fill(empty_rows[None, :, None, None], 0.0)
         elif q.numel() and k.numel() and not _is_compiling():
-            out = cls.attention(q, k, v, inp.p, causal, scale).transpose(1, 2)
+            fn, args, kwargs, bmhk = cls.kernel(inp, causal, scale)
+            out = fn(q.transpose(1, 2), inp.key, inp.value, *args, **kwargs)[0] if bmhk else \
+                fn(q, k, v, *args, **kwargs)[0].transpose(1, 2)
         else:  # the fused functions fault on empty inputs (SDPA's front end returns the empty / zero output); traced
             # calls take the front end too, the function torch.compile knows best (it picks the kernel then)
             out = torch.nn.functional.scaled_dot_product_attention(
@@ -97,10 +103,36 @@ class _SdpaOp(AttentionFwOp):
                 enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2)
         return (out if out.dtype == inp.out_dtype else out.to(inp.out_dtype)), None
 
-    @staticmethod
-    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, causal: bool,
-                  scale: float) -> torch.Tensor:
-        """The backend's (B, Hq, Mq, Kv) output for q (B, Hq, Mq, K), k / v (B, Hkv, Mk, K / Kv)."""
+    @classmethod
+    def launcher(cls, inp, needs_lse):
+        """The backend's function with the call's constants bound, when the call is a plain one (no dense mask,
+        inputs not empty, output in the input dtype); else the generic plan."""
+        return cls._kernel_plan(inp) or super().launcher(inp, needs_lse)
+
+    @classmethod
+    def _kernel_plan(cls, inp):
+        """run(query, key, value, *ignored) -> (out, None): the backend's function on views of BMHK tensors laid
+        out like ``inp``'s, or None where ``apply`` has more to do than call it."""
+        causal, scale = _causal(inp), inp.softmax_scale
+        if ((cls.ATTN_MASK and _needs_dense_mask(inp)) or not (inp.query.numel() and inp.key.numel())
+                or (causal and scale <= 0.0) or inp.query.dtype != inp.out_dtype or _is_compiling()):
+            return None
+        fn, args, kwargs, bmhk = cls.kernel(inp, causal, None if inp.scale is None else scale)
+        if bmhk:
+            def run(query, key, value, *_):
+                return fn(query, key, value, *args, **kwargs)[0], None
+        else:
+            def run(query, key, value, *_):
+                return fn(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), *args,
+                          **kwargs)[0].transpose(1, 2), None
+        return run
+
+    @classmethod
+    def kernel(cls, inp, causal: bool, scale: float | None) -> "SdpaKernel":
+        """The backend's aten function for calls like ``inp`` and its arguments after query, key and value:
+        ``fn(q, k, v, *args, **kwargs)[0]`` is the output, (B, Hq, Mq, Kv) for BHMK views q (B, Hq, Mq, K) and
+        k / v (B, Hkv, Mk, K / Kv), or (B, Mq, Hq, Kv) for the BMHK tensors themselves when ``bmhk``.
+        ``scale`` None: the backend's default 1/sqrt(K) (the same float)."""
         raise NotImplementedError
 
     @classmethod
@@ -149,10 +181,10 @@ class SdpaCudnnFwOp(_SdpaOp):
     BACKWARD_OVERHEAD_US = 110.0
     HOST_US = 18.0
 
-    @staticmethod
-    def attention(q, k, v, p, causal, scale):
-        return torch._scaled_dot_product_cudnn_attention(q, k, v, None, _needs_grad(q, k, v), p, causal, False,
-                                                         scale=scale)[0]
+    @classmethod
+    def kernel(cls, inp, causal, scale):
+        return SdpaKernel(torch._scaled_dot_product_cudnn_attention, (None, inp.needs_grad(), inp.p, causal, False),
+                          _scale_kwargs(scale))
 
     @classmethod
     def extra_reasons(cls, p: Problem) -> list[str]:
@@ -172,7 +204,12 @@ class SdpaCudnnFwOp(_SdpaOp):
 
 @register
 class SdpaFlashFwOp(_SdpaOp):
-    """SDPA through its FlashAttention-2 kernels (CUDA), or the CPU flash kernel."""
+    """SDPA through its FlashAttention-2 kernels (CUDA), or the CPU flash kernel.
+
+    On CUDA it calls ``aten::_flash_attention_forward``, the BMHK function behind
+    ``_scaled_dot_product_flash_attention`` (which transposes its BHMK arguments to BMHK for it), with SDPA's
+    autograd (``_flash_attention_backward``): no transposes on either side, four fewer tensor views per call.
+    """
 
     NAME = "sdpa_flashF"
     ARCHS = ("cpu", "cuda>=8.0")
@@ -192,11 +229,13 @@ class SdpaFlashFwOp(_SdpaOp):
             r.append("dropout (p > 0) not supported by the CPU flash kernel")
         return r
 
-    @staticmethod
-    def attention(q, k, v, p, causal, scale):
-        if q.is_cuda:
-            return torch._scaled_dot_product_flash_attention(q, k, v, p, causal, False, scale=scale)[0]
-        return torch._scaled_dot_product_flash_attention_for_cpu(q, k, v, p, causal, scale=scale)[0]
+    @classmethod
+    def kernel(cls, inp, causal, scale):
+        if inp.query.is_cuda:  # the function SDPA's flash path runs after transposing to BMHK: BMHK in and out
+            return SdpaKernel(torch.ops.aten._flash_attention_forward.default,
+                              (None, None, inp.query.shape[1], inp.key.shape[1], inp.p, causal, False),
+                              _scale_kwargs(scale), bmhk=True)
+        return SdpaKernel(torch._scaled_dot_product_flash_attention_for_cpu, (inp.p, causal), _scale_kwargs(scale))
 
 
 @register
@@ -218,10 +257,10 @@ class SdpaEfficientFwOp(_SdpaOp):
     RATES = (250.0, 2.0, 8.0)
     HOST_US = 18.0
 
-    @staticmethod
-    def attention(q, k, v, p, causal, scale):
-        return torch._scaled_dot_product_efficient_attention(q, k, v, None, _needs_grad(q, k, v), p, causal,
-                                                             scale=scale)[0]
+    @classmethod
+    def kernel(cls, inp, causal, scale):
+        return SdpaKernel(torch._scaled_dot_product_efficient_attention, (None, inp.needs_grad(), inp.p, causal),
+                          _scale_kwargs(scale))
 
 
 @register
@@ -242,12 +281,28 @@ class SdpaMathFwOp(_SdpaOp):
     HOST_US = 60.0
     PRIORITY = -10
 
-    @staticmethod
-    def attention(q, k, v, p, causal, scale):
-        return torch._scaled_dot_product_attention_math(q, k, v, None, p, causal, None, scale=scale,
-                                                        enable_gqa=q.shape[1] != k.shape[1])[0]
+    @classmethod
+    def kernel(cls, inp, causal, scale):
+        return SdpaKernel(torch._scaled_dot_product_attention_math, (None, inp.p, causal, None),
+                          {**_scale_kwargs(scale), "enable_gqa": inp.query.shape[2] != inp.key.shape[2]})
 
 
-def _needs_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """The cuDNN and efficient kernels write the LSE their backward needs only when asked (SDPA's own rule)."""
-    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+def _causal(inp) -> bool:
+    """Whether the call runs the fused kernels' causal mask: top-left causal, or bottom-right with Mq > 1 (the kinds'
+    rules coincide there; ``extra_reasons`` refuses the rest unless a dense mask runs it)."""
+    kind = inp.bias_kind
+    return kind == ab.CAUSAL or (kind == ab.CAUSAL_BR and inp.query.shape[1] > 1)
+
+
+def _scale_kwargs(scale: float | None) -> dict:
+    """The ``scale`` keyword of the aten functions; none for the default (their 1/sqrt(K) is the same float)."""
+    return {} if scale is None else {"scale": scale}
+
+
+class SdpaKernel(NamedTuple):
+    """An SDPA backend's aten function and its arguments after (query, key, value) (``_SdpaOp.kernel``)."""
+
+    fn: Callable
+    args: tuple
+    kwargs: dict
+    bmhk: bool = False  # fn takes the BMHK tensors and returns BMHK (else BHMK views in and out)

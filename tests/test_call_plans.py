@@ -1,0 +1,224 @@
+"""Launch plans of repeated calls (``fmha_ops.call.PLANS``): a repeated call skips validation, ``Inputs`` and the
+selector, gives bit-identical results to the full path, and never outlives what it was built from (grad mode,
+``use_ops``, the selector's memo, the tensors' layout)."""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import fmha_ops
+from fmha_ops import api, attn_bias as ab, call, inputs
+from fmha_ops.testing import normal_qkv
+
+from .test_api import SPECS, _spec_inputs, make_bias
+
+CAUSAL = ab.LowerTriangularMask()
+
+
+def _qkv(b=1, m=16, hq=2, hkv=2, d=16, mk=None, dtype=torch.float32, seed=0):
+    return list(normal_qkv((b, m, hq, d), (b, mk or m, hkv, d), dtype=dtype, seed=seed))
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts of validation runs, ``make_inputs`` calls and signatures computed while the test runs."""
+    counts = {"validate": 0, "make_inputs": 0, "signature": 0}
+
+    def counting(name, fn):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(inputs, "validate", counting("validate", inputs.validate))
+    monkeypatch.setattr(api, "make_inputs", counting("make_inputs", api.make_inputs))
+    monkeypatch.setattr(inputs.Inputs, "signature", counting("signature", inputs.Inputs.signature))
+    fmha_ops.SELECTOR.clear()
+    return counts
+
+
+def test_repeated_call_runs_no_validation_no_inputs_no_selection(counted):
+    q, k, v = _qkv()
+    first = fmha_ops.memory_efficient_attention(q, k, v, CAUSAL)
+    assert counted == {"validate": 1, "make_inputs": 1, "signature": 1}
+    q2, k2, v2 = _qkv(seed=1)  # new tensors of the same layout, a new mask object of the same kind
+    out = fmha_ops.memory_efficient_attention(q2, k2, v2, ab.LowerTriangularMask())
+    assert counted == {"validate": 1, "make_inputs": 1, "signature": 1}
+    assert not torch.equal(out, first)
+    fmha_ops.SELECTOR.clear()  # the plans go with the selector's memo
+    assert torch.equal(fmha_ops.memory_efficient_attention(q2, k2, v2, CAUSAL), out)
+    assert counted["validate"] == 2
+
+
+CASES = {
+    "causal fp32": (dict(), dict(attn_bias=CAUSAL)),
+    "no mask, scale": (dict(), dict(scale=0.3)),
+    "bottom-right causal, Mq < Mk": (dict(m=5, mk=16), dict(attn_bias=ab.LowerTriangularFromBottomRightMask())),
+    "gqa bf16": (dict(hq=4, hkv=1, dtype=torch.bfloat16), dict(attn_bias=CAUSAL)),
+    "output float32": (dict(dtype=torch.bfloat16), dict(output_dtype=torch.float32)),
+    "local window": (dict(m=12), dict(attn_bias=ab.LocalAttentionFromBottomRightMask(3, 1))),
+    "forced op": (dict(m=7), dict(attn_bias=CAUSAL, op="torch_referenceF")),
+    "zero scale causal": (dict(), dict(attn_bias=CAUSAL, scale=0.0)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_plan_is_bit_identical_to_the_full_path(case):
+    shape, kwargs = CASES[case]
+    fmha_ops.SELECTOR.clear()
+    results = []
+    for seed in (0, 1):
+        q, k, v = _qkv(**shape, seed=seed)
+        fmha_ops.SELECTOR.clear()
+        full = fmha_ops.memory_efficient_attention(q, k, v, **kwargs)
+        assert call.PLANS, "the full call left a plan"
+        planned = fmha_ops.memory_efficient_attention(q, k, v, **kwargs)
+        assert planned.shape == full.shape and planned.dtype == full.dtype and planned.stride() == full.stride()
+        assert torch.equal(planned, full)
+        results.append(planned)
+    assert not torch.equal(*results)
+
+
+def test_partial_forward_and_flash_attn_func_plans_match_the_full_path():
+    q, k, v = _qkv(m=9, hq=4, hkv=2)
+    entry_points = {
+        "partial": lambda: fmha_ops.memory_efficient_attention_partial(q, k, v, CAUSAL),
+        "forward": lambda: fmha_ops.memory_efficient_attention_forward(q, k, v, CAUSAL),
+        "flash_attn_func": lambda: fmha_ops.flash_attn_func(q, k, v, causal=True),
+        "flash_attn_func lse": lambda: fmha_ops.flash_attn_func(q, k, v, causal=True, return_attn_probs=True),
+    }
+    for name, fn in entry_points.items():
+        fmha_ops.SELECTOR.clear()
+        full, planned = fn(), fn()
+        for a, b in zip(*((r,) if isinstance(r, torch.Tensor) else r for r in (full, planned))):
+            assert torch.equal(a, b), name
+
+
+def test_gradients_through_a_plan_match_the_full_path():
+    base = _qkv(m=11)
+    grads = []
+    for _ in range(2):  # the full path, then the plan it left
+        q, k, v = (t.clone().requires_grad_() for t in base)
+        out = fmha_ops.memory_efficient_attention(q, k, v, CAUSAL)
+        out.backward(torch.ones_like(out))
+        grads.append((out.detach(), q.grad, k.grad, v.grad))
+        assert out.grad_fn is not None
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+    with torch.no_grad():  # the same tensors without autograd: a plan of its own, no graph
+        assert fmha_ops.memory_efficient_attention(q, k, v, CAUSAL).grad_fn is None
+        assert fmha_ops.memory_efficient_attention(q, k, v, CAUSAL).grad_fn is None
+    assert fmha_ops.memory_efficient_attention_forward(q, k, v, CAUSAL).grad_fn is None
+
+
+def test_a_plan_never_serves_another_scope_or_layout(monkeypatch):
+    q, k, v = _qkv()
+    fmha_ops.memory_efficient_attention(q, k, v, CAUSAL)
+    ran = []
+    ref = fmha_ops.get_op("torch_referenceF")
+    orig = ref.apply
+    monkeypatch.setattr(ref, "apply", classmethod(lambda cls, inp, lse: ran.append(inp) or orig(inp, lse)))
+    with fmha_ops.use_ops("torch_referenceF"):
+        fmha_ops.memory_efficient_attention(q, k, v, CAUSAL)
+        fmha_ops.memory_efficient_attention(q, k, v, CAUSAL)
+    assert len(ran) == 2  # the full path, then the scope's own (generic) plan, both on the forced op
+    fmha_ops.memory_efficient_attention(q, k, v, CAUSAL)
+    assert len(ran) == 2
+    # a non-contiguous query of the same shape is another layout: validated, refused with its name
+    bad = q.transpose(1, 3).contiguous().transpose(1, 3)
+    with pytest.raises(ValueError, match="query must be contiguous in its last dim"):
+        fmha_ops.memory_efficient_attention(bad, k, v, CAUSAL)
+    with pytest.raises(ValueError, match="query/key/value dtypes float32/float64/float32"):
+        fmha_ops.memory_efficient_attention(q, k.double(), v, CAUSAL)
+    with pytest.raises(ValueError, match="must be a torch.Tensor"):
+        fmha_ops.memory_efficient_attention(q, k.tolist(), v, CAUSAL)
+
+
+def test_calls_with_per_call_checks_keep_the_full_path(counted):
+    spec = SPECS["paged_p16"]  # a paged mask checks its block table on every call
+    q, k, v = _spec_inputs(spec, torch.float32)
+    paged = make_bias(spec)
+    for _ in range(2):
+        fmha_ops.memory_efficient_attention(q, k, v, paged)
+    assert counted["make_inputs"] == 2 and counted["validate"] == 1
+    q, k, v = _qkv(m=8)
+    bias = torch.randn(1, 2, 8, 8)  # a tensor bias: wrapped per call, its gradient follows the grad mode
+    for _ in range(2):
+        fmha_ops.memory_efficient_attention(q, k, v, bias)
+    assert counted["make_inputs"] == 4
+    varlen = ab.BlockDiagonalMask.from_seqlens([3, 5])  # host-built sequence starts: a plan of its own
+    full = fmha_ops.memory_efficient_attention(q, k, v, varlen)
+    assert torch.equal(fmha_ops.memory_efficient_attention(q, k, v, ab.BlockDiagonalMask.from_seqlens([3, 5])), full)
+    assert counted["make_inputs"] == 5
+    swapped = ab.BlockDiagonalMask.from_seqlens([5, 3])  # the same signature: the plan runs it with its own starts
+    other = fmha_ops.memory_efficient_attention(q, k, v, swapped)
+    assert counted["make_inputs"] == 5 and not torch.equal(other, full)
+    fmha_ops.SELECTOR.clear()
+    assert torch.equal(fmha_ops.memory_efficient_attention(q, k, v, swapped), other)
+
+
+def test_a_plan_holds_no_tensor_of_its_first_call():
+    q, k, v = _qkv(m=13)
+    refs = [weakref.ref(t) for t in (q, k, v)]
+    out = fmha_ops.memory_efficient_attention(q, k, v, CAUSAL)
+    assert fmha_ops.memory_efficient_attention(q, k, v, CAUSAL).shape == out.shape
+    del q, k, v, out
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_plan_key_refuses_what_it_cannot_key():
+    q, k, v = _qkv()
+    args = (None, 0.0, None, None, None, False, 0.0, None, None, None, False)
+    assert call.plan_key(q, k, v, *args) is not None
+    assert call.plan_key(q, k.tolist(), v, *args) is None  # not a tensor: the full path names it
+    assert call.plan_key(q, k, v, object(), *args[1:]) is None  # a foreign mask: converted on the full path
+    with fmha_ops.checks.check_inputs():
+        assert call.plan_key(q, k, v, None, 0.0, None, None, None, False, 0.0, torch.ones(1), None, None,
+                             False) is None
+
+
+# ---- on the GPU (pytest -m gpu) ------------------------------------------------------------------------------
+
+def _reference(q, k, v, bias):
+    return fmha_ops.memory_efficient_attention(q.float(), k.float(), v.float(), bias, op="torch_referenceF")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["sdpa_flashF", "sdpa_cudnnF"])
+@pytest.mark.parametrize("mq,mk,hkv,mask", [(77, 77, 2, "causal"), (33, 77, 8, "none"), (33, 77, 2, "causal"),
+                                            (77, 77, 1, "causal_br")])
+def test_gpu_sdpa_plans_match_the_reference_forward_and_backward(op, mq, mk, hkv, mask):
+    bias = {"none": None, "causal": ab.LowerTriangularMask(),
+            "causal_br": ab.LowerTriangularFromBottomRightMask()}[mask]
+    base = [t.cuda() for t in _qkv(b=2, m=mq, mk=mk, hq=8, hkv=hkv, d=64, dtype=torch.bfloat16)]
+    grad = torch.randn(2, mq, 8, 64, device="cuda", dtype=torch.bfloat16)
+    fmha_ops.SELECTOR.clear()
+    runs = []
+    for _ in range(2):  # the full path, then the plan
+        q, k, v = (t.clone().requires_grad_() for t in base)
+        out = fmha_ops.memory_efficient_attention(q, k, v, bias, op=op)
+        out.backward(grad)
+        runs.append((out.detach(), q.grad, k.grad, v.grad))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in base)
+    ref = _reference(qf, kf, vf, bias)
+    ref.backward(grad.float())
+    for got, want in zip(runs[0], (ref, qf.grad, kf.grad, vf.grad)):
+        err = (got.float() - want.detach()).abs().max().item() / want.detach().abs().max().item()
+        assert err < 2e-2, err
+
+
+@pytest.mark.gpu
+def test_gpu_flash_attn_func_plan_is_the_full_path():
+    q, k, v = (t.cuda() for t in _qkv(b=1, m=128, hq=4, hkv=2, d=64, dtype=torch.bfloat16))
+    fmha_ops.SELECTOR.clear()
+    full = fmha_ops.flash_attn_func(q, k, v, causal=True)
+    assert call.PLANS and torch.equal(fmha_ops.flash_attn_func(q, k, v, causal=True), full)
+    assert fmha_ops.explain(q, k, v, ab.LowerTriangularFromBottomRightMask()).selected.NAME in ("sdpa_flashF",
+                                                                                                "sdpa_cudnnF",
+                                                                                                "triton_attnF")
