@@ -135,6 +135,51 @@ def cases(device: str) -> list[tuple[str, str, Call, Call | None, Call | None]]:
             q8, k8, v8, causal=True, q_descale=one, k_descale=one, v_descale=one),
             make_inputs(q8, k8, v8, br, q_descale=one, k_descale=one, v_descale=one))
         rows += _quantized_rows(q, k, v)
+        rows += _kvcache_rows(device)
+    return rows
+
+
+KV_SHAPE = (4, 512, 8, 2, 128, 64)  # B, cache length, Hq, Hkv, D, page size: one decode step, host-bound
+
+
+def _kvcache_rows(device) -> list:
+    """flash_attn_with_kvcache paged decode (bf16 cache, with a one-token append, fp8 cache) against the selected
+    decode op's launch (``decode_launcher``) on prebuilt outputs, after the append kernel where the call appends."""
+    from fmha_ops.flash_attn_interface import flash_attn_with_kvcache, kvcache_call
+    from fmha_ops.kernels.triton.kv_append import kv_append
+    from fmha_ops.kv_cache import build_fp8_paged_cache, paged_from_dense
+
+    b, length, hq, hkv, d, page = KV_SHAPE
+    q, k, v = normal_qkv((b, 1, hq, d), (b, length, hkv, d), dtype=torch.bfloat16, device=device)
+    knew, vnew = (t[:, :1].clone() for t in (k, v))
+    (kc, vc), table = paged_from_dense([k, v], page)
+    k8, v8, ks, vs, table8 = build_fp8_paged_cache(k, v, page)
+    lens = torch.full((b,), length - 8, dtype=torch.int32, device=device)
+    rows = []
+    variants = (("flash_attn_with_kvcache paged decode", kc, vc, table, None, None, False),
+                ("flash_attn_with_kvcache paged + append", kc, vc, table, None, None, True),
+                ("flash_attn_with_kvcache fp8 cache", k8, v8, table8, ks, vs, False))
+    for label, kcache, vcache, tab, kd, vd, append in variants:
+        new = dict(k=knew, v=vnew) if append else {}
+        call = kvcache_call(q, kcache, vcache, None, None, lens + int(append), None, tab, None, kd, vd, None, True,
+                            (-1, -1))
+        inp = make_inputs(call.query, call.key, call.value, call.bias, k_descale=call.k_descale,
+                          v_descale=call.v_descale)
+        op = _selected(inp)
+        launch = op.decode_launcher(inp, False, own_workspace=False)
+        out = torch.empty(q.shape, dtype=q.dtype, device=device)
+        lse = torch.empty((b, hq, 1), dtype=torch.float32, device=device)
+        after = lens + int(append)
+
+        def direct(kcache=kcache, vcache=vcache, tab=tab, kd=kd, vd=vd, append=append, launch=launch):
+            if append:
+                kv_append(knew, vnew, kcache, vcache, lens, block_table=tab, k_scale=kd, v_scale=vd)
+            launch(q, kcache, vcache, kd, vd, after, tab, out, lse)
+
+        def ours(kcache=kcache, vcache=vcache, tab=tab, kd=kd, vd=vd, new=new):
+            return flash_attn_with_kvcache(q, kcache, vcache, cache_seqlens=lens, page_table=tab, k_descale=kd,
+                                           v_descale=vd, causal=True, **new)
+        rows.append((label, op.NAME, ours, direct, None))
     return rows
 
 

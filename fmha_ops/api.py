@@ -194,6 +194,11 @@ def merge_attentions(
     >>> parts = [memory_efficient_attention_partial(q, k[:, s], v[:, s]) for s in (slice(0, 512), slice(512, None))]
     >>> out, lse = merge_attentions([o for o, _ in parts], [lse for _, lse in parts])
     """
+    layout = _merge_layout(attn_split, lse_split, write_lse, output_dtype)
+    if layout is not None and layout in _MERGE_CHECKED:  # a CUDA layout validated before: the kernel's launch
+        attns = list(attn_split.unbind(0)) if isinstance(attn_split, torch.Tensor) else list(attn_split)
+        lses = list(lse_split.unbind(0)) if isinstance(lse_split, torch.Tensor) else list(lse_split)
+        return _merge_on_device(attns, lses, output_dtype or attns[0].dtype, write_lse)
     attns, lses = _parts("attn_split", attn_split), _parts("lse_split", lse_split)
     a, lp = attns[0], lses[0]
     if a.ndim not in (4, 5) or lp.ndim != a.ndim - 1 or len(attns) != len(lses):
@@ -209,6 +214,10 @@ def merge_attentions(
         raise ValueError(f"lse_split {_stacked_shape(lses)} does not match attn_split {_stacked_shape(attns)}")
     out_dtype = output_dtype or a.dtype
     if a.is_cuda and not _is_compiling():
+        if layout is not None:
+            if len(_MERGE_CHECKED) >= _MERGE_CHECKED_LIMIT:
+                _MERGE_CHECKED.clear()
+            _MERGE_CHECKED.add(layout)
         return _merge_on_device(attns, lses, out_dtype, write_lse)
     attn = attn_split if isinstance(attn_split, torch.Tensor) else torch.stack(attns)
     lse = lse_split if isinstance(lse_split, torch.Tensor) else torch.stack(lses)
@@ -225,6 +234,32 @@ def merge_attentions(
         return out, None
     merged = (top_safe + torch.log(total)).movedim(1, -1)  # (B, M, [G,] H) -> (B, [G,] H, M)
     return out, merged
+
+
+#: the CUDA layouts of merge_attentions calls that passed validation (``_merge_layout``): repeated calls skip it
+_MERGE_CHECKED: set = set()
+_MERGE_CHECKED_LIMIT = 4096
+
+
+def _merge_layout(attn_split, lse_split, write_lse, output_dtype) -> tuple | None:
+    """What ``merge_attentions``' validation reads from its arguments (each part's shape, dtype, device and
+    strides, ``write_lse``, ``output_dtype``), for CUDA calls outside a trace; None otherwise."""
+    if _is_compiling():
+        return None
+    if not all(isinstance(x, (torch.Tensor, list, tuple)) for x in (attn_split, lse_split)):
+        return None
+    try:
+        parts = (attn_split,) if isinstance(attn_split, torch.Tensor) else tuple(attn_split)
+        lse_parts = (lse_split,) if isinstance(lse_split, torch.Tensor) else tuple(lse_split)
+        if not parts or not parts[0].is_cuda:
+            return None
+        layout = (type(attn_split), type(lse_split), write_lse, output_dtype,
+                  tuple((t.shape, t.dtype, t.device, t.stride()) for t in parts),
+                  tuple((t.shape, t.dtype, t.device, t.stride()) for t in lse_parts))
+        hash(layout)
+        return layout
+    except (AttributeError, TypeError):  # not tensors, unhashable flags: validation names them
+        return None
 
 
 def _merge_on_device(attns: list[torch.Tensor], lses: list[torch.Tensor], out_dtype: torch.dtype,

@@ -29,10 +29,10 @@ from registry import current_arch, fp8_dtype
 
 from . import attn_bias as ab
 from . import arguments, compiled
-from .call import make_problem, run_forward
+from .call import PLAN_LIMIT, PLANS, make_problem, plan_key, run_forward
 from .dispatch import SELECTOR
 from .dtypes import FLOAT_DTYPES
-from .inputs import make_inputs
+from .inputs import Inputs, make_inputs
 from .quant import (
     K_SCALE_BLOCK,
     Q_SCALE_BLOCK,
@@ -78,16 +78,38 @@ def quantized_forward(qk_dtype: torch.dtype, bias, scale: float | None, op, quer
     """``quantize_smooth`` then the selected quantized forward op: (out in query's dtype, lse float32
     (B, Hq, Mq), (qh, kh, vh) the dequantized inputs the backward differentiates at)."""
     kernel_scale = query.shape[-1] ** -0.5 if scale is None else scale
-    qkv, descales, dequantized = quantize_smooth(query, key, value, kernel_scale, qk_dtype)
-    inp = make_inputs(*qkv, bias, scale=1.0, output_dtype=query.dtype, is_partial=True, **descales)
-    out, lse = run_forward(inp, op, True)
+    (q8, k8, v8), descales, dequantized = quantize_smooth(query, key, value, kernel_scale, qk_dtype)
+    qd, kd, vd = descales["q_descale"], descales["k_descale"], descales["v_descale"]
+    layout = plan_key(q8, k8, v8, bias, 0.0, 1.0, op, query.dtype, True, 0.0, qd, kd, vd, False)
+    try:
+        plan = PLANS.get(layout)
+    except TypeError:  # an unhashable op: the full path names it
+        plan = layout = None
+    if plan is not None:
+        out, lse = plan(q8, k8, v8, bias, qd, kd, vd)
+    else:
+        inp = make_inputs(q8, k8, v8, bias, scale=1.0, output_dtype=query.dtype, is_partial=True, **descales)
+        out, lse = run_forward(inp, op, True, layout)
     return out, lse, dequantized
+
+
+#: the backward op of ``quantized_backward`` per layout of the dequantized inputs (a ``plan_key``)
+_BACKWARD_OPS: dict = SELECTOR.derived_memo()
 
 
 def quantized_backward(bias, scale: float | None, qh, kh, vh, out, lse, grad_out):
     """(dq, dk, dv) by the selected bf16/fp16 backward op at the dequantized inputs (straight-through)."""
-    inp = make_inputs(qh, kh, vh, bias, scale=scale, is_partial=True)
-    bw = SELECTOR.select(("quantized backward", inp.signature()), lambda: make_problem(inp, True), "bw")
+    layout = plan_key(qh, kh, vh, bias, 0.0, scale, None, None, True, 0.0, None, None, None, False)
+    bw = _BACKWARD_OPS.get(layout)
+    if bw is not None:  # these tensors come from the forward's quantization: validated when first selected
+        inp = Inputs(qh, kh, vh, bias, 0.0, scale, None, True)
+    else:
+        inp = make_inputs(qh, kh, vh, bias, scale=scale, is_partial=True)
+        bw = SELECTOR.select(("quantized backward", inp.signature()), lambda: make_problem(inp, True), "bw")
+        if layout is not None:
+            if len(_BACKWARD_OPS) >= PLAN_LIMIT:
+                _BACKWARD_OPS.clear()
+            _BACKWARD_OPS[layout] = bw
     return bw.apply_bw(inp, out, lse, grad_out.contiguous())
 
 

@@ -121,10 +121,14 @@ class _SdpaOp(AttentionFwOp):
         if bmhk:
             def run(query, key, value, *_):
                 return fn(query, key, value, *args, **kwargs)[0], None
-        else:
+        elif inp.needs_grad():
             def run(query, key, value, *_):
                 return fn(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), *args,
                           **kwargs)[0].transpose(1, 2), None
+        else:  # no autograd node holds the output: its two dims swap in place (no second view object)
+            def run(query, key, value, *_):
+                return fn(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), *args,
+                          **kwargs)[0].transpose_(1, 2), None
         return run
 
     @classmethod
