@@ -1,5 +1,6 @@
-"""Forward attention benchmark: our Triton fp8 / i8fp8 / bf16 kernel and the Gluon fp8 kernel (sm90) vs SDPA
-cuDNN and flash (bf16).
+"""Forward attention benchmark: our Triton fp8 / i8fp8 / bf16 kernel and the Gluon fp8 kernels (sm90: pipelined
+``gluon``, warp-specialized ``gluon_ws``) vs SDPA cuDNN and flash (bf16) and cuDNN fp8 (``cudnn_fp8``, ratios
+``*/cudnn_fp8``).
 
     python bench/attention_fwd_bench.py [--sweep] [--quick] [--out DIR]
 
@@ -61,14 +62,15 @@ SWEEP = {  # (head dim, causal) -> list of (block_m, block_n, num_warps, num_sta
 }
 
 
-def _gluon():
-    """The Gluon fp8 forward (fmha_ops/kernels/gluon), or None where it cannot run (not sm90, no gluon)."""
+def _gluon(module: str = "attention_fwd"):
+    """A Gluon fp8 forward (``fmha_ops/kernels/gluon/<module>.py``: the pipelined ``attention_fwd`` or the
+    warp-specialized ``attention_fwd_ws``), or None where it cannot run (not sm90, no gluon)."""
     try:
         if torch.cuda.get_device_capability()[0] != 9:
             return None
-        from fmha_ops.kernels.gluon.attention_fwd import attention_forward as gluon_fwd
+        import importlib
 
-        return gluon_fwd
+        return importlib.import_module(f"fmha_ops.kernels.gluon.{module}").attention_forward
     except Exception:  # noqa: BLE001 - optional backend
         return None
 
@@ -142,6 +144,7 @@ def cfg_for(best, D, causal):
 def speed_table(out, best, quick):
     rows = []
     sdpa_cudnn, sdpa_flash, sage, gluon = sdpa("CUDNN_ATTENTION"), sdpa("FLASH_ATTENTION"), _sage(), _gluon()
+    gluon_ws = _gluon("attention_fwd_ws")
     for B, Hq, Hkv, N, D, causal in (SHAPES[:2] if quick else SHAPES):
         q, k, v = prepare(B, Hq, Hkv, N, D, causal)
         q8, k8, v8, qd, kd, vd = quantize_qkv_fp8(q, k, v)
@@ -157,6 +160,9 @@ def speed_table(out, best, quick):
         if gluon is not None:
             row["gluon"] = f(or_none(lambda: time_ms(lambda: gluon(q8, k8, v8, scale=D ** -0.5, causal=causal,
                                                                  q_descale=qd, k_descale=kd, v_descale=vd))))
+        if gluon_ws is not None:
+            row["gluon_ws"] = f(or_none(lambda: time_ms(lambda: gluon_ws(
+                q8, k8, v8, scale=D ** -0.5, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd))))
         row["i8fp8"] = f(or_none(lambda: time_ms(lambda: attention_forward(
             xi.q, xi.k, xi.v, scale=1.0, causal=causal, q_descale=xi.q_descale, k_descale=xi.k_descale,
             v_descale=xi.v_descale, **_kw(cfg)))))
@@ -170,18 +176,19 @@ def speed_table(out, best, quick):
             row["sage1"] = f(or_none(lambda: time_ms(lambda: sage(q, ks, v, tensor_layout="NHD", is_causal=causal))))
         row["vT_ms"] = or_none(lambda: time_ms(lambda: transpose_v(v8)))
         for num, den in (("fp8", "cudnn"), ("i8fp8", "cudnn"), ("i8fp8", "fp8"), ("bf16", "cudnn"), ("gluon", "fp8"),
-                         ("gluon", "cudnn")):
+                         ("gluon", "cudnn"), ("gluon_ws", "fp8"), ("fp8", "cudnn_fp8"), ("gluon_ws", "cudnn_fp8")):
             row[f"{num}/{den}"] = row[num] / row[den] if row.get(num) and row.get(den) else None
         print(row, flush=True)
         rows.append(row)
         del q, k, v, q8, k8, v8, xi, qt, kt, vt
         torch.cuda.empty_cache()
-    cols = ["shape", "fp8", "gluon", "i8fp8", "bf16", "cudnn", "flash", "sage1", "vT_ms", "fp8/cudnn", "gluon/fp8",
-            "gluon/cudnn", "i8fp8/cudnn", "i8fp8/fp8", "bf16/cudnn", "api", "fa4", "api/best", "api_fp8", "cudnn_fp8",
-            "api_fp8/best"]
+    cols = ["shape", "fp8", "gluon", "gluon_ws", "i8fp8", "bf16", "cudnn", "flash", "sage1", "vT_ms", "fp8/cudnn",
+            "gluon/fp8", "gluon/cudnn", "gluon_ws/fp8", "i8fp8/cudnn", "i8fp8/fp8", "bf16/cudnn", "api", "fa4",
+            "api/best", "api_fp8", "cudnn_fp8", "fp8/cudnn_fp8", "gluon_ws/cudnn_fp8", "api_fp8/best"]
     print_table(rows, cols)
     write_json(out, "attention_fwd", rows)
-    bar_plot(out, "attention_fwd", rows, "shape", ["fp8", "gluon", "i8fp8", "bf16", "cudnn", "flash", "sage1"], "TFLOP/s",
+    bar_plot(out, "attention_fwd", rows, "shape",
+             ["fp8", "gluon", "gluon_ws", "i8fp8", "bf16", "cudnn", "flash", "sage1"], "TFLOP/s",
              "attention forward, H200")
     return rows, cols
 

@@ -272,12 +272,19 @@ def _attn_fwd_ws_kernel(
     q_smem = gl.allocate_shared_memory(gl.float8e4nv, [CONSUMERS, WG_ROWS, HEAD_D], fp8_tile_layout(WG_ROWS, HEAD_D))
     k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_D], fp8_tile_layout(BLOCK_N, HEAD_D))
     v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_D, BLOCK_N], fp8_tile_layout(HEAD_D, BLOCK_N))
+    o_layout: gl.constexpr = out_tile_layout(WG_ROWS, HEAD_D)
     if V_TRANSPOSE:  # raw v tiles (keys x channels) in V_CHUNK-channel boxes
         v_raw = gl.allocate_shared_memory(gl.float8e4nv, [STAGES * (HEAD_D // V_CHUNK), BLOCK_N, V_CHUNK],
                                           fp8_tile_layout(BLOCK_N, V_CHUNK))
+        # the output tiles reuse the raw ring where it is large enough: a consumer stores its tile after its last
+        # PV wgmma, which waited for the last V^T tile, so every raw load and read is over by then
+        if STAGES * BLOCK_N >= CONSUMERS * WG_ROWS * 2:
+            o_smem = v_raw._reinterpret(gl.bfloat16, [CONSUMERS, WG_ROWS, HEAD_D], o_layout)
+        else:
+            o_smem = gl.allocate_shared_memory(gl.bfloat16, [CONSUMERS, WG_ROWS, HEAD_D], o_layout)
     else:
         v_raw = v_smem
-    o_smem = gl.allocate_shared_memory(gl.bfloat16, [CONSUMERS, WG_ROWS, HEAD_D], out_tile_layout(WG_ROWS, HEAD_D))
+        o_smem = gl.allocate_shared_memory(gl.bfloat16, [CONSUMERS, WG_ROWS, HEAD_D], o_layout)
     q_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
