@@ -13,7 +13,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma
 
-from ..softmax import LOG2E, natural_lse, row_inverse, softmax_step, visible
+from ..softmax import LOG2E, hide_keys, natural_lse, row_inverse, softmax_step
 
 
 @gluon.constexpr_function
@@ -110,8 +110,8 @@ def tile_softmax(s, m_i, l_i, qk_scale, start_n, full_end, seqlen_k, hi, offs_m,
     ``full_end`` (partial or diagonal); returns (p fp32 scaled by 2**P_SHIFT, m, l, alpha)."""
     if start_n >= full_end:
         cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        keep = visible(offs_m, cols, seqlen_k, 0, hi, False, CAUSAL)
-        p, m_i, l_i, alpha = softmax_step(s, keep, m_i, l_i, qk_scale, 0.0, P_SHIFT, True)
+        s = hide_keys(s, offs_m, cols, seqlen_k, 0, hi, False, CAUSAL)
+        p, m_i, l_i, alpha = softmax_step(s, None, m_i, l_i, qk_scale, 0.0, P_SHIFT, True)
     else:
         p, m_i, l_i, alpha = softmax_step(s, None, m_i, l_i, qk_scale, 0.0, P_SHIFT, False)
     return p, m_i, l_i, alpha
