@@ -192,20 +192,31 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                  cache_leftpad=(cache_leftpad, None), cu_seqlens_q=(cu_seqlens_q, None),
                  cu_seqlens_k_new=(cu_seqlens_k_new, None), rotary_seqlens=(rotary_seqlens, None),
                  attention_chunk=(attention_chunk, 0))
-    if k is None and cache_batch_idx is None and q_descale is None and type(cache_seqlens) is torch.Tensor \
+    appending = None
+    if cache_batch_idx is None and q_descale is None and type(cache_seqlens) is torch.Tensor \
             and type(page_table) is torch.Tensor and not torch.compiler.is_compiling():
         fast = _fast_key(q, k_cache, v_cache, cache_seqlens, page_table, k_descale, v_descale, softmax_scale, causal,
                          window_size, softcap, return_softmax_lse)
-        launcher = None if fast is None else _fast_launcher(fast, q, k_cache, v_cache, cache_seqlens, page_table,
-                                                            k_descale, v_descale, softmax_scale, causal, window_size,
-                                                            softcap, return_softmax_lse)
-        if launcher is not None:
-            return launcher(q, k_cache, v_cache, k_descale, v_descale, cache_seqlens, page_table)
+        if k is None:
+            launcher = None if fast is None else _fast_launcher(fast, q, k_cache, v_cache, cache_seqlens, page_table,
+                                                                k_descale, v_descale, softmax_scale, causal,
+                                                                window_size, softcap, return_softmax_lse)
+            if launcher is not None:
+                return launcher(q, k_cache, v_cache, k_descale, v_descale, cache_seqlens, page_table)
+        elif fast is not None and type(k) is torch.Tensor and type(v) is torch.Tensor:
+            appending = fast + (_meta(k), _meta(v), SELECTOR.current_scope())
+            plan = _APPEND.get(appending)
+            if plan:
+                return plan(q, k_cache, v_cache, k, v, k_descale, v_descale, cache_seqlens, page_table)
+            if plan is False:  # this layout's op has no decode launcher: the full path, nothing to remember
+                appending = None
     call = kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, q_descale, k_descale,
                         v_descale, softmax_scale, causal, window_size)
     batch, mq = q.shape[:2]
     res = _run(call.query, call.key, call.value, call.bias, softmax_scale, None, call.k_descale, call.v_descale,
                return_softmax_lse, softcap)
+    if appending is not None:
+        _remember_append(appending, call, q, v_cache, k.shape[1], softmax_scale, softcap, return_softmax_lse)
     if return_softmax_lse:
         out, lse = res
         return out.view(q.shape[:3] + out.shape[3:]), lse.view(lse.shape[1], batch, mq).permute(1, 0, 2)
@@ -251,8 +262,6 @@ def _fast_launcher(fast, q, k_cache, v_cache, cache_seqlens, page_table, k_desca
     when that op has none (the call keeps the full path). The selector memoizes the op under ``fast``: the first
     call of a layout (and the first after ``SELECTOR.clear()``) validates it in full, raising as the full path
     would."""
-    from .ops.common import decode_views
-
     built = []
 
     def problem():
@@ -271,11 +280,20 @@ def _fast_launcher(fast, q, k_cache, v_cache, cache_seqlens, page_table, k_desca
     if not built:
         problem()
     call, inp = built[0]
-    planner = getattr(op, "decode_launcher", None)
     if len(_FAST) >= _FAST_LIMIT:
         _FAST.clear()
+    run = _FAST[op, fast] = _decode_run(op, call, inp, q, v_cache, return_lse)
+    return run
+
+
+def _decode_run(op, call: "KVCacheCall", inp, q, v_cache, return_lse):
+    """``run(q, k_cache, v_cache, k_descale, v_descale, seqlens, page_table)`` -> what ``flash_attn_with_kvcache``
+    returns, by ``op``'s ``decode_launcher`` for calls laid out like ``call`` / ``inp`` (validated, ``op`` selected
+    for them); None when the op has no such launcher."""
+    from .ops.common import decode_views
+
+    planner = getattr(op, "decode_launcher", None)
     if planner is None:
-        _FAST[op, fast] = None
         return None
     launch = planner(inp, return_lse, own_workspace=False)
     per_tensor = call.k_descale is not None and decode_views(inp)[5].stride() == (0, 0, 0)
@@ -290,8 +308,35 @@ def _fast_launcher(fast, q, k_cache, v_cache, cache_seqlens, page_table, k_desca
         lse = torch.empty((batch, hq, mq), dtype=torch.float32, device=device)
         launch(q, k_cache, v_cache, k_descale, v_descale, cache_seqlens, page_table, out, lse)
         return (out, lse) if return_lse else out
-    _FAST[op, fast] = run
     return run
+
+
+#: the fast path of repeated paged decode calls that append: ``_fast_key`` + the new tokens' layout + the
+#: ``use_ops`` scope -> run(q, k_cache, v_cache, k, v, k_descale, v_descale, cache_seqlens, page_table), built after
+#: the call's full path (which validated it, appended and ran the decode), or False where the selected op has no
+#: decode launcher; cleared with the selector's memo
+_APPEND: dict = SELECTOR.derived_memo()
+
+
+def _remember_append(layout, call: "KVCacheCall", q, v_cache, new_tokens: int, softmax_scale, softcap,
+                     return_lse) -> None:
+    """Keep the plan of appending calls laid out like this one: the append kernel, then the selected decode op's
+    launch on ``cache_seqlens + new_tokens`` (what the full path's mask holds)."""
+    inp = make_inputs(call.query, call.key, call.value, call.bias, scale=softmax_scale, k_descale=call.k_descale,
+                      v_descale=call.v_descale, softcap=softcap, is_partial=return_lse)
+    op = SELECTOR.select(layout, lambda: make_problem(inp, return_lse), "fw", None)
+    decode = _decode_run(op, call, inp, q, v_cache, return_lse)
+    if len(_APPEND) >= _FAST_LIMIT:
+        _APPEND.clear()
+    if decode is None or not (q.is_cuda or _INTERPRET):
+        _APPEND[layout] = False
+        return
+    from .kernels.triton.kv_append import kv_append
+
+    def run(q, k_cache, v_cache, k, v, k_descale, v_descale, cache_seqlens, page_table):
+        kv_append(k, v, k_cache, v_cache, cache_seqlens, block_table=page_table, k_scale=k_descale, v_scale=v_descale)
+        return decode(q, k_cache, v_cache, k_descale, v_descale, cache_seqlens + new_tokens, page_table)
+    _APPEND[layout] = run
 
 
 class KVCacheCall(NamedTuple):

@@ -255,3 +255,31 @@ def test_gpu_merge_attentions_repeated_layout_matches_and_still_validates():
     assert (first[0] - full[0]).abs().max().item() < 1e-3
     with pytest.raises(ValueError, match="does not match attn_split"):
         fmha_ops.merge_attentions(outs, [lse[:, :, :5] for lse in lses])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_kvcache_append_plan_matches_the_full_path(fp8):
+    from fmha_ops import flash_attn_interface as fa
+    from fmha_ops.kv_cache import build_fp8_paged_cache, paged_from_dense
+
+    b, length, hq, hkv, d, page = 4, 256, 8, 2, 128, 64
+    q, k, v = (t.cuda() for t in normal_qkv((b, 1, hq, d), (b, length, hkv, d), dtype=torch.bfloat16))
+    knew, vnew = (torch.randn(b, 2, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    if fp8:
+        kc, vc, ks, vs, table = build_fp8_paged_cache(k, v, page)
+    else:
+        (kc, vc), table = paged_from_dense([k, v], page)
+        ks = vs = None
+    lens = torch.tensor([0, 17, 200, 254], dtype=torch.int32, device="cuda")
+    fmha_ops.SELECTOR.clear()
+    runs = []
+    for _ in range(2):  # the full path, then the plan it left, each on a fresh copy of the cache
+        state = [None if t is None else t.clone() for t in (kc, vc, ks, vs)]
+        out = fmha_ops.flash_attn_with_kvcache(q, state[0], state[1], k=knew, v=vnew, cache_seqlens=lens,
+                                               page_table=table, k_descale=state[2], v_descale=state[3],
+                                               causal=True)
+        runs.append([out] + [t for t in state if t is not None])
+    assert any(fa._APPEND.values())
+    for a, b_ in zip(*runs):
+        assert torch.equal(a, b_)
