@@ -96,8 +96,11 @@ def plan_key(query, key, value, attn_bias, p, scale, op, output_dtype, is_partia
                 return None
             descales = tuple(None if d is None else (d.shape, d.dtype, d.device, d.stride())
                              for d in (q_descale, k_descale, v_descale))
+        # strides: True for a contiguous tensor (they follow from its shape but for size-1 dims, which the call
+        # signature does not key either), else the tuple
         return (query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype, query.device, key.device,
-                value.device, query.stride(), key.stride(), value.stride(),
+                value.device, query.is_contiguous() or query.stride(), key.is_contiguous() or key.stride(),
+                value.is_contiguous() or value.stride(),
                 _grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad),
                 None if attn_bias is None else attn_bias.signature(),
                 (p, scale, op, output_dtype, is_partial, softcap, quantize_kv, descales, _deterministic(), _scope(),

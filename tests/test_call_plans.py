@@ -137,6 +137,17 @@ def test_a_plan_never_serves_another_scope_or_layout(monkeypatch):
         fmha_ops.memory_efficient_attention(q, k.tolist(), v, CAUSAL)
 
 
+def test_strided_views_get_plans_of_their_own():
+    packed = torch.randn(1, 16, 3, 2, 16)  # q, k, v as views of one packed projection (not contiguous)
+    q, k, v = packed.unbind(2)
+    dense = [t.contiguous() for t in (q, k, v)]
+    want = fmha_ops.memory_efficient_attention(*dense, CAUSAL)
+    assert torch.equal(fmha_ops.memory_efficient_attention(*dense, CAUSAL), want)
+    for _ in range(2):
+        assert torch.equal(fmha_ops.memory_efficient_attention(q, k, v, CAUSAL), want)
+    assert call.plan_key(q, k, v, CAUSAL, *([None] * 10)) != call.plan_key(*dense, CAUSAL, *([None] * 10))
+
+
 def test_calls_with_per_call_checks_keep_the_full_path(counted):
     spec = SPECS["paged_p16"]  # a paged mask checks its block table on every call
     q, k, v = _spec_inputs(spec, torch.float32)
