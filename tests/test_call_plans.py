@@ -220,11 +220,16 @@ def _reference(q, k, v, bias):
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["sdpa_flashF", "sdpa_cudnnF"])
 @pytest.mark.parametrize("mq,mk,hkv,mask", [(77, 77, 2, "causal"), (33, 77, 8, "none"), (33, 77, 2, "causal"),
-                                            (77, 77, 1, "causal_br")])
+                                            (77, 77, 1, "causal_br"), (33, 77, 2, "causal_br")])
 def test_gpu_sdpa_plans_match_the_reference_forward_and_backward(op, mq, mk, hkv, mask):
     bias = {"none": None, "causal": ab.LowerTriangularMask(),
             "causal_br": ab.LowerTriangularFromBottomRightMask()}[mask]
     base = [t.cuda() for t in _qkv(b=2, m=mq, mk=mk, hq=8, hkv=hkv, d=64, dtype=torch.bfloat16)]
+    report = fmha_ops.explain(*base, bias, op=op)
+    if op == "sdpa_flashF" and mq != mk:  # flash's causal is bottom-right: it takes that kind, refuses top-left
+        assert (report.selected is None) == (mask == "causal"), str(report)
+    if report.selected is None:
+        return
     grad = torch.randn(2, mq, 8, 64, device="cuda", dtype=torch.bfloat16)
     fmha_ops.SELECTOR.clear()
     runs = []

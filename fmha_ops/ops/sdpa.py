@@ -226,11 +226,21 @@ class SdpaFlashFwOp(_SdpaOp):
 
     @classmethod
     def extra_reasons(cls, p: Problem) -> list[str]:
-        r = super().extra_reasons(p)
-        if p.arch.kind != "cpu" and p.q_dtype == torch.float32:
+        if p.arch.kind == "cpu":  # the CPU flash kernel's causal is top-left, as SDPA's
+            r = super().extra_reasons(p)
+            if p.dropout:
+                r.append("dropout (p > 0) not supported by the CPU flash kernel")
+            return r
+        # the CUDA flash kernels align causal bottom-right (FlashAttention 2's rule; SDPA's front end refuses them
+        # non-square causal calls): bottom-right causal runs at any Mq <= Mk, top-left only where the two coincide
+        r = []
+        if p.q_dtype == torch.float32:
             r.append("float32 runs only on the CPU flash kernel")
-        if p.arch.kind == "cpu" and p.dropout:
-            r.append("dropout (p > 0) not supported by the CPU flash kernel")
+        if p.bias == ab.CAUSAL and p.seqlen_q != p.seqlen_k:
+            r.append(f"top-left causal with Mq={p.seqlen_q} != Mk={p.seqlen_k} not supported (the CUDA flash "
+                     f"kernels align causal bottom-right)")
+        if p.bias == ab.CAUSAL_BR and p.seqlen_q > p.seqlen_k:
+            r.append(f"bottom-right causal with Mq={p.seqlen_q} > Mk={p.seqlen_k} not supported")
         return r
 
     @classmethod
