@@ -1,8 +1,10 @@
 """Launch plans of repeated calls (``fmha_ops.call.PLANS``): a repeated call skips validation, ``Inputs`` and the
 selector, gives bit-identical results to the full path, and never outlives what it was built from (grad mode,
-``use_ops``, the selector's memo, the tensors' layout)."""
+``use_ops``, the selector's memo, the tensors' layout); and the causal alignment sdpa_flashF declares per device
+(the CUDA flash kernels' causal is bottom-right, the CPU kernel's top-left)."""
 from __future__ import annotations
 
+import dataclasses
 import gc
 import weakref
 
@@ -10,6 +12,7 @@ import pytest
 import torch
 
 import fmha_ops
+from registry import Arch
 from fmha_ops import api, attn_bias as ab, call, inputs
 from fmha_ops.testing import normal_qkv
 
@@ -299,3 +302,27 @@ def test_gpu_kvcache_append_plan_matches_the_full_path(fp8):
     assert any(fa._APPEND.values())
     for a, b_ in zip(*runs):
         assert torch.equal(a, b_)
+
+
+@pytest.mark.parametrize("arch,mq,mask,refusal", [
+    ("cuda", 33, ab.LowerTriangularMask(), "top-left causal with Mq=33 != Mk=77 not supported"),
+    ("cuda", 1, ab.LowerTriangularMask(), "top-left causal with Mq=1 != Mk=77 not supported"),
+    ("cuda", 33, ab.LowerTriangularFromBottomRightMask(), None),
+    ("cuda", 77, ab.LowerTriangularMask(), None),
+    ("cpu", 33, ab.LowerTriangularMask(), None),
+    ("cpu", 33, ab.LowerTriangularFromBottomRightMask(), "bottom-right causal with Mq=33 != Mk=77 not supported"),
+])
+def test_sdpa_flash_causal_alignment_per_device(arch, mq, mask, refusal):
+    q, k, v = _qkv(m=mq, mk=77, dtype=torch.bfloat16)
+    problem = make_problem_for(q, k, v, mask)
+    if arch == "cuda":
+        problem = dataclasses.replace(problem, arch=Arch("cuda", (9, 0), name="NVIDIA H200"))
+    reasons = fmha_ops.get_op("sdpa_flashF").not_supported_reasons(problem)
+    causal_reasons = [r for r in reasons if "causal" in r]
+    assert len(causal_reasons) == (refusal is not None) and all(r.startswith(refusal) for r in causal_reasons)
+
+
+def make_problem_for(q, k, v, mask):
+    inp = inputs.make_inputs(q, k, v, mask)
+    inp.validate()
+    return inp.problem()
