@@ -48,7 +48,7 @@ def test_op_registered_and_declared():
     assert op.ARCHS == ("cuda>=9.0,<10.0",)
     assert set(op.HEAD_DIMS) == {64, 128, 256}
     assert op.DTYPES == frozenset({(FP8, FP8, FP8)})
-    assert op.OUT_DTYPES == frozenset({torch.bfloat16})
+    assert op.OUT_DTYPES == frozenset({torch.bfloat16, FP8})
     ws = REGISTRY.get("gluon_ws_fp8F")
     for name in ("ARCHS", "HEAD_DIMS", "DTYPES", "OUT_DTYPES", "BIAS_KINDS", "DESCALES", "GQA"):
         assert getattr(ws, name) == getattr(op, name), name  # the same contract, another schedule
@@ -71,6 +71,9 @@ def test_op_supports_and_rejects():
     qd = torch.ones(2, 2)
     assert reasons(q_descale=qd, k_descale=qd, v_descale=qd) == []
     assert reasons(attn_bias=ab.LowerTriangularFromBottomRightMask()) == []
+    one = torch.ones(1)
+    assert reasons(output_dtype=FP8, q_descale=one, k_descale=one, v_descale=one) == []
+    assert any("per-tensor v_descale" in r for r in reasons(output_dtype=FP8, q_descale=qd, k_descale=qd, v_descale=qd))
     assert any("head dim" in r for r in reasons(shape=(1, 64, 64, 2, 2, 96)))
     assert any("dtypes" in r for r in reasons(dtype=torch.bfloat16))
     assert any("attn_bias" in r for r in reasons(attn_bias=ab.LowerTriangularMask()))  # top-left causal
@@ -96,6 +99,12 @@ def test_launcher_finishes_empty_problems_and_rejects_bad_inputs():
     q = torch.randn(1, 3, 4, 64).to(FP8)
     out, lse = fwd(q, k[:1, :0], k[:1, :0], scale=0.125, return_lse=True)
     assert out.float().eq(0).all() and lse.eq(float("-inf")).all()
+    out, _ = fwd(q, k[:1, :0], k[:1, :0], scale=0.125, out_dtype=FP8)
+    assert out.dtype == FP8 and out.float().eq(0).all()
+    with pytest.raises(TypeError, match="out_dtype"):
+        fwd(q, k[:1], k[:1], scale=0.125, out_dtype=torch.float16)
+    with pytest.raises(ValueError, match="16-byte"):
+        fwd(q, k[:1], k[:1], scale=0.125, out=torch.empty(1, 3, 4, 68, dtype=torch.bfloat16)[..., :64])
     with pytest.raises(ValueError, match="head dim"):
         fwd(torch.randn(1, 3, 4, 32).to(FP8), torch.randn(1, 5, 2, 32).to(FP8), torch.randn(1, 5, 2, 32).to(FP8),
             scale=1.0)
@@ -225,6 +234,35 @@ def test_gpu_gluon_ws_fwd(shape, descale, consumers, v_transpose, key_order):
         cfg = dataclasses.replace(cfg, consumers=3, block_n=64, maxnreg=ws.THREE_CONSUMER_MAXNREG,
                                   consumer_regs=ws.THREE_CONSUMER_REGS)
     _check_fp8_forward(functools.partial(ws.attention_forward, config=cfg), shape, descale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [GPU_SHAPES[1], GPU_SHAPES[5], GPU_SHAPES[6], GPU_SHAPES[9]],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("kernel", ["gluon", "ws", "ws_vtko"])
+def test_gpu_fp8_output_in_v_units(shape, kernel):
+    """out_dtype=float8_e4m3fn: the output in v's units, attention = out.float() * v_descale (per tensor)."""
+    import functools
+
+    from fmha_ops.kernels.gluon import attention_fwd as sp
+    from fmha_ops.kernels.gluon import attention_fwd_ws as ws
+
+    B, Mq, Mk, Hq, Hkv, D, causal = shape
+    q, k, v = _inputs("normal", B, Mq, Mk, Hq, Hkv, D, D, torch.bfloat16, seed=Mq + 2 * Mk)
+    qd, kd, vd = (x.float().abs().amax().reshape(1) / 448.0 for x in (q, k, v))
+    q8, k8, v8 = ((x.float() / d).to(FP8) for x, d in ((q, qd), (k, kd), (v, vd)))
+    vtko = dataclasses.replace(ws.default_config(D, causal), v_transpose=True, key_order=True)
+    fwd = {"gluon": sp.attention_forward, "ws": ws.attention_forward,
+           "ws_vtko": functools.partial(ws.attention_forward, config=vtko)}[kernel]
+    kw = {"scale": D ** -0.5, "causal": causal, "q_descale": qd, "k_descale": kd, "v_descale": vd}
+    o8, _ = fwd(q8, k8, v8, out_dtype=FP8, **kw)
+    o16, _ = fwd(q8, k8, v8, **kw)
+    assert o8.dtype == FP8 and o8.shape == (B, Mq, Hq, D)
+    ref, _ = reference(_dq(q8, qd, Hq // Hkv), _dq(k8, kd), _dq(v8, vd), D ** -0.5, causal)
+    e = error_report(o8.float() * vd, ref)
+    assert e["rel"] < 8e-2 and e["cos"] > 0.998, e  # and the output's own e4m3 rounding
+    # the bf16 output rounded to e4m3 in v's units is the fp8 output, up to one rounding step
+    assert ((o16.float() / vd).to(FP8).float() - o8.float()).abs().max().item() <= 32.0
 
 
 @pytest.mark.gpu

@@ -60,13 +60,19 @@ class Fp8ForwardArgs:
     done: bool
 
 
-def fp8_forward_args(q, k, v, q_descale, k_descale, v_descale, return_lse: bool, out, head_dims) -> Fp8ForwardArgs:
+#: output dtypes of the fp8 Hopper forwards: bf16, or fp8 e4m3fn in v's units (attention = out * v_descale)
+FP8_FORWARD_OUT_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+
+
+def fp8_forward_args(q, k, v, q_descale, k_descale, v_descale, return_lse: bool, out, head_dims,
+                     out_dtype: torch.dtype = torch.bfloat16) -> Fp8ForwardArgs:
     """Check the fp8 forward inputs of the Hopper launchers and allocate their outputs.
 
     q (B, Mq, Hq, D), k / v (B, Mk, Hkv, D): ``float8_e4m3fn``, last dim contiguous, q / k strides multiples of
     16 elements (TMA), D in ``head_dims``, Hq % Hkv == 0; descales as ``descale_args`` takes them; ``out`` None
-    or a bf16 (B, Mq, Hq, D) tensor with a contiguous last dim. Empty problems (no query, no key) are finished
-    here: out 0, lse -inf.
+    or an ``out_dtype`` (B, Mq, Hq, D) tensor with a contiguous last dim and 16-element-aligned strides;
+    ``out_dtype`` one of ``FP8_FORWARD_OUT_DTYPES``. Empty problems (no query, no key) are finished here:
+    out 0, lse -inf.
 
     Example: ``fp8_forward_args(q, k, v, None, None, None, True, None, (64, 128, 256)).lse.shape`` -> (B, Hq, Mq).
     """
@@ -91,11 +97,14 @@ def fp8_forward_args(q, k, v, q_descale, k_descale, v_descale, return_lse: bool,
     qd, qd_sb, qd_sh = descale_args(q_descale, device, B, Hkv, "q_descale")
     kd, kd_sb, kd_sh = descale_args(k_descale, device, B, Hkv, "k_descale")
     vd, vd_sb, vd_sh = descale_args(v_descale, device, B, Hkv, "v_descale")
+    if out_dtype not in FP8_FORWARD_OUT_DTYPES:
+        raise TypeError(f"out_dtype {out_dtype} not supported; supported: {FP8_FORWARD_OUT_DTYPES}")
     if out is None:
-        out = torch.empty((B, Mq, Hq, D), dtype=torch.bfloat16, device=device)
-    elif out.shape != (B, Mq, Hq, D) or out.dtype != torch.bfloat16 or out.stride(-1) != 1:
-        raise ValueError(f"out must be bfloat16 {(B, Mq, Hq, D)} with a contiguous last dim, got {out.dtype} "
-                         f"{tuple(out.shape)} strides {out.stride()}")
+        out = torch.empty((B, Mq, Hq, D), dtype=out_dtype, device=device)
+    elif (out.shape != (B, Mq, Hq, D) or out.dtype != out_dtype or out.stride(-1) != 1
+          or any(s * out.element_size() % 16 for s in out.stride()[:3])):
+        raise ValueError(f"out must be {out_dtype} {(B, Mq, Hq, D)} with a contiguous last dim and 16-byte "
+                         f"strides (TMA), got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
     lse = torch.empty((B, Hq, Mq), dtype=torch.float32, device=device) if return_lse else None
     done = out.numel() == 0 or Mk == 0
     if done:

@@ -3,7 +3,8 @@ pipelined) and ``gluon_ws_fp8F`` (``kernels/gluon/attention_fwd_ws.py``, warp-sp
 
 sm90 only (async wgmma, TMA and mbarriers as Gluon exposes them for Hopper); needs a Triton with
 ``triton.experimental.gluon`` (3.6.0 has it). Dense batches, head dims 64/128/256 (K == Kv), no mask or
-bottom-right causal, GQA, q/k/v descales per tensor or per (batch, kv head); bf16 out; returns the LSE.
+bottom-right causal, GQA, q/k/v descales per tensor or per (batch, kv head); bf16 out, or fp8 e4m3fn out in
+v's units (per-tensor v descale); returns the LSE.
 Gluon kernels do not run in the Triton interpreter: the ops never run on a CPU.
 """
 from __future__ import annotations
@@ -29,7 +30,8 @@ class GluonFp8FwOp(AttentionFwOp):
     ARCHS = ("cuda>=9.0,<10.0",)
     REQUIRES = ("triton.experimental.gluon",)
     DTYPES = frozenset({(_FP8, _FP8, _FP8)})
-    OUT_DTYPES = frozenset({torch.bfloat16})
+    #: fp8: in v's units (attention = out * v_descale), for fp8 pipelines feeding an fp8 GEMM
+    OUT_DTYPES = frozenset({torch.bfloat16, _FP8})
     HEAD_DIMS = (64, 128, 256)
     HEAD_DIMS_V = None  # Kv == K
     BIAS_KINDS = frozenset({ab.NONE, ab.CAUSAL_BR})
@@ -45,9 +47,12 @@ class GluonFp8FwOp(AttentionFwOp):
 
     @classmethod
     def extra_reasons(cls, p: Problem) -> list[str]:
+        r = []
         if p.arch.kind == "cuda" and p.arch.capability[0] != 9:
-            return [f"needs sm90 (Hopper); this is sm{p.arch.capability[0]}{p.arch.capability[1]}"]
-        return []
+            r.append(f"needs sm90 (Hopper); this is sm{p.arch.capability[0]}{p.arch.capability[1]}")
+        if p.out_dtype == _FP8 and p.descales[2] != "tensor":
+            r.append(f"an fp8 output is in v's units: needs a per-tensor v_descale (got kind {p.descales[2]!r})")
+        return r
 
     @classmethod
     def apply(cls, inp, needs_lse):
@@ -55,7 +60,7 @@ class GluonFp8FwOp(AttentionFwOp):
 
         return attention_forward(inp.query, inp.key, inp.value, scale=inp.softmax_scale, causal=inp.bias_kind != ab.NONE,
                                  q_descale=inp.q_descale, k_descale=inp.k_descale, v_descale=inp.v_descale,
-                                 return_lse=needs_lse)
+                                 return_lse=needs_lse, out_dtype=inp.out_dtype)
 
     @classmethod
     def estimate(cls, p: Problem) -> float:
@@ -84,7 +89,7 @@ class GluonWsFp8FwOp(GluonFp8FwOp):
 
         return attention_forward(inp.query, inp.key, inp.value, scale=inp.softmax_scale, causal=inp.bias_kind != ab.NONE,
                                  q_descale=inp.q_descale, k_descale=inp.k_descale, v_descale=inp.v_descale,
-                                 return_lse=needs_lse)
+                                 return_lse=needs_lse, out_dtype=inp.out_dtype)
 
     @classmethod
     def estimate(cls, p: Problem) -> float:

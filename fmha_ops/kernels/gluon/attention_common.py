@@ -4,8 +4,8 @@ masked / unmasked softmax of one S tile, the epilogue, and the host-side argumen
 
 Conventions (both kernels): q (B, Mq, Hq, D), k and v (B, Mk, Hkv, D) fp8 e4m3fn with the last dim contiguous;
 V reaches the kernel either as V^T (B, Hkv, D, L) from ``transpose_v`` (keys contiguous: the K-major B operand
-of the fp8 PV wgmma) or, for kernels that transpose V tiles in shared memory, as v itself; out bf16
-(B, Mq, Hq, D); LSE float32 (B, Hq, Mq) natural log; descales per tensor or per (batch, kv head).
+of the fp8 PV wgmma) or, for kernels that transpose V tiles in shared memory, as v itself; out (B, Mq, Hq, D)
+bf16, or fp8 e4m3fn in v's units (attention = out * v_descale); LSE float32 (B, Hq, Mq) natural log; descales per tensor or per (batch, kv head).
 """
 from __future__ import annotations
 
@@ -35,9 +35,9 @@ def fp8_tile_layout(rows, cols):
 
 
 @gluon.constexpr_function
-def out_tile_layout(rows, cols):
-    """Shared-memory layout of a [rows, cols] bf16 output tile (TMA store source)."""
-    return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
+def out_tile_layout(rows, cols, dtype):
+    """Shared-memory layout of a [rows, cols] output tile of ``dtype`` (bf16 or fp8; TMA store source)."""
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], dtype)
 
 
 @gluon.jit
@@ -47,7 +47,7 @@ def head_descriptors(Q, K, V, Out, b64, hq, hkv,
                      Mq, Mk, v_len,
                      Q_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                      V_ROWS: gl.constexpr, V_COLS: gl.constexpr, V_BMHK: gl.constexpr):
-    """TMA descriptors of one (batch, query head): q and out [Mq, D] in ``Q_ROWS``-row tiles, k [Mk, D] in
+    """TMA descriptors of one (batch, query head): q and out (bf16 or fp8) [Mq, D] in ``Q_ROWS``-row tiles, k [Mk, D] in
     ``BLOCK_N``-key tiles, and V either as v itself (``V_BMHK``: [Mk, D], strides (stride_v1 = key, stride_v2 =
     head), [V_ROWS keys, V_COLS channels] tiles) or as V^T [D, v_len] (stride_v1 = head, stride_v2 = channel,
     [D, BLOCK_N] tiles). Rows and columns past the shapes read as zeros and are not stored."""
@@ -69,7 +69,7 @@ def head_descriptors(Q, K, V, Out, b64, hq, hkv,
                                             layout=fp8_tile_layout(HEAD_D, BLOCK_N))
     o_desc = tma.make_tensor_descriptor(Out + b64 * stride_ob + hq64 * stride_oh, shape=[Mq, HEAD_D],
                                         strides=[stride_om, 1], block_shape=[Q_ROWS, HEAD_D],
-                                        layout=out_tile_layout(Q_ROWS, HEAD_D))
+                                        layout=out_tile_layout(Q_ROWS, HEAD_D, Out.dtype.element_ty))
     return q_desc, k_desc, v_desc, o_desc
 
 
@@ -118,12 +118,24 @@ def tile_softmax(s, m_i, l_i, qk_scale, start_n, full_end, seqlen_k, hi, offs_m,
 
 
 @gluon.jit
+def out_factor(vd, Out):
+    """What the epilogue multiplies acc / l by: v's descale for a bf16 output; 1 for an fp8 output, which stays in
+    v's units (attention = out * v_descale)."""
+    if Out.dtype.element_ty == gl.float8e4nv:
+        factor = vd * 0.0 + 1.0
+    else:
+        factor = vd
+    return factor
+
+
+@gluon.jit
 def store_output(acc, m_i, l_i, out_scale, o_smem, o_desc, row0, lse_ptr, offs_m, Mq,
                  WRITE_LSE: gl.constexpr, P_SHIFT: gl.constexpr, o_layout: gl.constexpr):
-    """out = acc / l * out_scale as bf16 through ``o_smem`` and a TMA store at row ``row0`` (rows past Mq are
-    clipped); the natural-log LSE of rows ``offs_m`` < Mq when ``WRITE_LSE``. Waits for the store."""
+    """out = acc / l * out_scale in ``o_smem``'s dtype (bf16, or fp8 e4m3 saturated to +-448) through ``o_smem``
+    and a TMA store at row ``row0`` (rows past Mq are clipped); the natural-log LSE of rows ``offs_m`` < Mq when
+    ``WRITE_LSE``. Waits for the store."""
     inv = gl.convert_layout(row_inverse(l_i) * out_scale, gl.SliceLayout(1, o_layout))
-    o_smem.store((acc * gl.expand_dims(inv, 1)).to(gl.bfloat16))
+    o_smem.store((acc * gl.expand_dims(inv, 1)).to(o_smem.dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [row0, 0], o_smem)
     if WRITE_LSE:
@@ -158,14 +170,15 @@ INT_ARGS = ("v_len", "stride_qb", "stride_qm", "stride_qh", "stride_kb", "stride
             "qd_sb", "qd_sh", "kd_sb", "kd_sh", "vd_sb", "vd_sh", "Mq", "Mk", "Hq", "GROUP")
 
 
-def compile_for_sm90(kernel, constexprs: dict, num_warps: int, maxnreg: int | None = None):
+def compile_for_sm90(kernel, constexprs: dict, num_warps: int, maxnreg: int | None = None, out_fp8: bool = False):
     """Compile one of the Gluon fp8 forward kernels ahead of time for sm90 (no GPU needed); returns the
-    CompiledKernel (asm: ttgir, ptx, cubin). ``constexprs`` maps the kernel's constexpr names to values."""
+    CompiledKernel (asm: ttgir, ptx, cubin). ``constexprs`` maps the kernel's constexpr names to values;
+    ``out_fp8``: an fp8 e4m3 output instead of bf16."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    sig = {"Q": "*fp8e4nv", "K": "*fp8e4nv", "V": "*fp8e4nv", "Out": "*bf16", "Lse": "*fp32", "QD": "*fp32",
+    sig = {"Q": "*fp8e4nv", "K": "*fp8e4nv", "V": "*fp8e4nv", "Out": "*fp8e4nv" if out_fp8 else "*bf16", "Lse": "*fp32", "QD": "*fp32",
            "KD": "*fp32", "VD": "*fp32", "sm_scale_log2": "fp32", **dict.fromkeys(INT_ARGS, "i32"),
            **dict.fromkeys(constexprs, "constexpr")}
     src = GluonASTSource(kernel, sig, constexprs={(list(sig).index(n),): v for n, v in constexprs.items()})

@@ -46,6 +46,7 @@ from .attention_common import (
     head_descriptors,
     key_tiles,
     launch_args,
+    out_factor,
     out_tile_layout,
     p_operand_layout,
     store_output,
@@ -179,9 +180,10 @@ def _attn_fwd_kernel(
         mbarrier.invalidate(k_bars.index(i))
         mbarrier.invalidate(v_bars.index(i))
 
-    o_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, HEAD_D], out_tile_layout(BLOCK_M, HEAD_D))
-    store_output(acc, m_i, l_i, vd, o_smem, o_desc, m0, Lse + b64 * stride_lb + hq.to(gl.int64) * stride_lh,
-                 offs_m, Mq, WRITE_LSE, P_SHIFT, o_layout)
+    o_smem = gl.allocate_shared_memory(Out.dtype.element_ty, [BLOCK_M, HEAD_D],
+                                       out_tile_layout(BLOCK_M, HEAD_D, Out.dtype.element_ty))
+    store_output(acc, m_i, l_i, out_factor(vd, Out), o_smem, o_desc, m0,
+                 Lse + b64 * stride_lb + hq.to(gl.int64) * stride_lh, offs_m, Mq, WRITE_LSE, P_SHIFT, o_layout)
 
 
 @dataclass(frozen=True)
@@ -203,11 +205,13 @@ def default_config(head_dim: int, causal: bool) -> GluonFwdConfig:
 
 
 def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=None, k_descale=None,
-                      v_descale=None, return_lse: bool = False, config: GluonFwdConfig | None = None, out=None):
+                      v_descale=None, return_lse: bool = False, config: GluonFwdConfig | None = None, out=None,
+                      out_dtype: torch.dtype = torch.bfloat16):
     """fp8 attention forward on Hopper (see the module docstring for shapes, dtypes and layouts).
 
-    Returns (out bf16 (B, Mq, Hq, D), lse float32 (B, Hq, Mq) natural log, or None). ``config`` overrides
-    ``default_config``; ``out`` is an optional preallocated output.
+    Returns (out (B, Mq, Hq, D), lse float32 (B, Hq, Mq) natural log, or None). ``out_dtype``: bfloat16, or
+    float8_e4m3fn in v's units (attention = out.float() * v_descale). ``config`` overrides ``default_config``;
+    ``out`` is an optional preallocated ``out_dtype`` output.
 
     Example::
 
@@ -220,7 +224,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=
     BM, BN, ST = cfg.block_m, cfg.block_n, cfg.stages
     if ST < 2:
         raise ValueError(f"config {cfg}: the K/V rings need at least 2 stages")
-    prep = fp8_forward_args(q, k, v, q_descale, k_descale, v_descale, return_lse, out, HEAD_DIMS)
+    prep = fp8_forward_args(q, k, v, q_descale, k_descale, v_descale, return_lse, out, HEAD_DIMS, out_dtype)
     if prep.done:
         return prep.out, prep.lse
     out, lse = prep.out, prep.lse
@@ -235,11 +239,11 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=
     return out, lse
 
 
-def compile_sm90(head_dim=128, block_n=128, stages=2, causal=False, write_lse=False, block_m=64):
+def compile_sm90(head_dim=128, block_n=128, stages=2, causal=False, write_lse=False, block_m=64, out_fp8=False):
     """Compile the kernel ahead of time for sm90 (no GPU needed); returns the CompiledKernel (asm: ptx, cubin).
 
     Example: ``"wgmma" in compile_sm90(64, causal=True).asm["ptx"]`` -> True.
     """
     const = {"HEAD_D": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "STAGES": stages, "CAUSAL": causal,
              "WRITE_LSE": write_lse, "P_SHIFT": _P_SHIFT, "num_warps": block_m // 16}
-    return compile_for_sm90(_attn_fwd_kernel, const, block_m // 16)
+    return compile_for_sm90(_attn_fwd_kernel, const, block_m // 16, out_fp8=out_fp8)

@@ -47,6 +47,7 @@ from .attention_common import (
     head_descriptors,
     key_tiles,
     launch_args,
+    out_factor,
     out_tile_layout,
     p_operand_layout,
     store_output,
@@ -272,19 +273,20 @@ def _attn_fwd_ws_kernel(
     q_smem = gl.allocate_shared_memory(gl.float8e4nv, [CONSUMERS, WG_ROWS, HEAD_D], fp8_tile_layout(WG_ROWS, HEAD_D))
     k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_D], fp8_tile_layout(BLOCK_N, HEAD_D))
     v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_D, BLOCK_N], fp8_tile_layout(HEAD_D, BLOCK_N))
-    o_layout: gl.constexpr = out_tile_layout(WG_ROWS, HEAD_D)
+    o_dtype: gl.constexpr = Out.dtype.element_ty
+    o_layout: gl.constexpr = out_tile_layout(WG_ROWS, HEAD_D, o_dtype)
     if V_TRANSPOSE:  # raw v tiles (keys x channels) in V_CHUNK-channel boxes
         v_raw = gl.allocate_shared_memory(gl.float8e4nv, [STAGES * (HEAD_D // V_CHUNK), BLOCK_N, V_CHUNK],
                                           fp8_tile_layout(BLOCK_N, V_CHUNK))
         # the output tiles reuse the raw ring where it is large enough: a consumer stores its tile after its last
         # PV wgmma, which waited for the last V^T tile, so every raw load and read is over by then
-        if STAGES * BLOCK_N >= CONSUMERS * WG_ROWS * 2:
-            o_smem = v_raw._reinterpret(gl.bfloat16, [CONSUMERS, WG_ROWS, HEAD_D], o_layout)
+        if STAGES * BLOCK_N >= CONSUMERS * WG_ROWS * o_dtype.primitive_bitwidth // 8:
+            o_smem = v_raw._reinterpret(o_dtype, [CONSUMERS, WG_ROWS, HEAD_D], o_layout)
         else:
-            o_smem = gl.allocate_shared_memory(gl.bfloat16, [CONSUMERS, WG_ROWS, HEAD_D], o_layout)
+            o_smem = gl.allocate_shared_memory(o_dtype, [CONSUMERS, WG_ROWS, HEAD_D], o_layout)
     else:
         v_raw = v_smem
-        o_smem = gl.allocate_shared_memory(gl.bfloat16, [CONSUMERS, WG_ROWS, HEAD_D], o_layout)
+        o_smem = gl.allocate_shared_memory(o_dtype, [CONSUMERS, WG_ROWS, HEAD_D], o_layout)
     q_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -304,6 +306,7 @@ def _attn_fwd_ws_kernel(
         mbarrier.init(turn_bars.index(c), count=1)
 
     qk_scale, vd = head_descales(QD, KD, VD, b, hkv, qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh, sm_scale_log2)
+    vd = out_factor(vd, Out)
     lse_ptr = Lse + b64 * stride_lb + hq.to(gl.int64) * stride_lh
 
     # constexprs travel as arguments of each partition function (a tuple built here would make them tensors)
@@ -409,11 +412,13 @@ def _tma_ready(t: torch.Tensor) -> bool:
 
 
 def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=None, k_descale=None,
-                      v_descale=None, return_lse: bool = False, config: WsFwdConfig | None = None, out=None):
+                      v_descale=None, return_lse: bool = False, config: WsFwdConfig | None = None, out=None,
+                      out_dtype: torch.dtype = torch.bfloat16):
     """fp8 attention forward on Hopper, warp-specialized (module docstring: shapes, dtypes, layouts).
 
-    Returns (out bf16 (B, Mq, Hq, D), lse float32 (B, Hq, Mq) natural log, or None). ``config`` overrides
-    ``default_config``; ``out`` is an optional preallocated bf16 output. With ``config.v_transpose`` v is read
+    Returns (out (B, Mq, Hq, D), lse float32 (B, Hq, Mq) natural log, or None). ``out_dtype``: bfloat16, or
+    float8_e4m3fn in v's units (attention = out.float() * v_descale). ``config`` overrides ``default_config``;
+    ``out`` is an optional preallocated ``out_dtype`` output. With ``config.v_transpose`` v is read
     as stored when its strides are multiples of 16 elements (TMA); other v strides are copied by
     ``transpose_v`` first (the same result).
 
@@ -427,7 +432,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=
     cfg = config or default_config(D, causal)
     if cfg.consumers not in (1, 2, 3) or cfg.stages < 2:
         raise ValueError(f"config {cfg}: consumers must be 1, 2 or 3 and stages >= 2")
-    prep = fp8_forward_args(q, k, v, q_descale, k_descale, v_descale, return_lse, out, HEAD_DIMS)
+    prep = fp8_forward_args(q, k, v, q_descale, k_descale, v_descale, return_lse, out, HEAD_DIMS, out_dtype)
     if prep.done:
         return prep.out, prep.lse
     out, lse = prep.out, prep.lse
@@ -452,7 +457,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=
 
 
 def compile_sm90(head_dim: int = 128, causal: bool = False, write_lse: bool = False,
-                 config: WsFwdConfig | None = None):
+                 config: WsFwdConfig | None = None, out_fp8: bool = False):
     """Compile the kernel ahead of time for sm90 (no GPU needed); returns the CompiledKernel (asm: ttgir, ptx,
     cubin).
 
@@ -463,4 +468,4 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, write_lse: bool = Fa
              "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_WARPS": cfg.producer_warps,
              "PRODUCER_REGS": cfg.producer_regs, "CAUSAL": causal, "WRITE_LSE": write_lse, "P_SHIFT": _P_SHIFT,
              "KEY_ORDER": cfg.key_order, "V_TRANSPOSE": cfg.v_transpose}
-    return compile_for_sm90(_attn_fwd_ws_kernel, const, WG_WARPS.value, cfg.maxnreg)
+    return compile_for_sm90(_attn_fwd_ws_kernel, const, WG_WARPS.value, cfg.maxnreg, out_fp8=out_fp8)
