@@ -5,7 +5,8 @@ masked / unmasked softmax of one S tile, the epilogue, and the host-side argumen
 Conventions (both kernels): q (B, Mq, Hq, D), k and v (B, Mk, Hkv, D) fp8 e4m3fn with the last dim contiguous;
 V reaches the kernel either as V^T (B, Hkv, D, L) from ``transpose_v`` (keys contiguous: the K-major B operand
 of the fp8 PV wgmma) or, for kernels that transpose V tiles in shared memory, as v itself; out (B, Mq, Hq, D)
-bf16, or fp8 e4m3fn in v's units (attention = out * v_descale); LSE float32 (B, Hq, Mq) natural log; descales per tensor or per (batch, kv head).
+bf16, or fp8 e4m3fn in v's units (attention = out * v_descale); LSE float32 (B, Hq, Mq) natural log; descales
+per tensor or per (batch, kv head).
 """
 from __future__ import annotations
 
@@ -178,9 +179,9 @@ def compile_for_sm90(kernel, constexprs: dict, num_warps: int, maxnreg: int | No
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    sig = {"Q": "*fp8e4nv", "K": "*fp8e4nv", "V": "*fp8e4nv", "Out": "*fp8e4nv" if out_fp8 else "*bf16", "Lse": "*fp32", "QD": "*fp32",
-           "KD": "*fp32", "VD": "*fp32", "sm_scale_log2": "fp32", **dict.fromkeys(INT_ARGS, "i32"),
-           **dict.fromkeys(constexprs, "constexpr")}
+    sig = {"Q": "*fp8e4nv", "K": "*fp8e4nv", "V": "*fp8e4nv", "Out": "*fp8e4nv" if out_fp8 else "*bf16",
+           "Lse": "*fp32", "QD": "*fp32", "KD": "*fp32", "VD": "*fp32", "sm_scale_log2": "fp32",
+           **dict.fromkeys(INT_ARGS, "i32"), **dict.fromkeys(constexprs, "constexpr")}
     src = GluonASTSource(kernel, sig, constexprs={(list(sig).index(n),): v for n, v in constexprs.items()})
     options = {"num_warps": num_warps}
     if maxnreg is not None:
