@@ -3,7 +3,8 @@
 Tensors are BMHK (batch, seqlen, heads, headdim); BMGHK (batch, seqlen, groups, heads, headdim, with
 key/value expanded over heads for MQA/GQA) and BMK (single head) are accepted and returned in the
 same layout. Quantized calls pass float32 descales as keyword arguments (see ``fmha_ops.inputs``).
-Validation runs once per call signature; a repeated call costs a signature tuple and a dict lookup.
+Validation runs once per call layout; a repeated call runs the launch plan its first call left
+(``fmha_ops.call.plan_key`` / ``PLANS``): one key of cheap attributes, one dict lookup, the op's launch.
 """
 from __future__ import annotations
 

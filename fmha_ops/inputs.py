@@ -21,7 +21,8 @@ Descale kinds (``Problem.descales`` holds one per role):
             also (num_pages, page_size, Hkv), the page pool's own layout
 
 Validation (``fmha_ops.validation``) and the ``Problem`` run once per ``signature()``: a repeated call
-costs the signature and the selector's dict lookup.
+through ``run_forward`` costs the signature and the selector's dict lookup (the public functions' launch plans,
+``fmha_ops.call``, skip even that).
 """
 from __future__ import annotations
 
