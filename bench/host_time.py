@@ -108,6 +108,7 @@ def cases(device: str) -> list[tuple[str, str, Call, Call | None, Call | None]]:
     with torch.no_grad():
         row("memory_efficient_attention_forward", lambda: fmha_ops.memory_efficient_attention_forward(q, k, v, causal),
             make_inputs(q, k, v, causal), sdpa=_sdpa(q, k, v, True))
+    rows.append(_training_row(q, k, v, causal))
     row("memory_efficient_attention_partial", lambda: fmha_ops.memory_efficient_attention_partial(q, k, v),
         make_inputs(q, k, v, output_dtype=torch.float32, is_partial=True), needs_lse=True)
     parts = [fmha_ops.memory_efficient_attention_partial(q, k[:, s], v[:, s]) for s in (slice(0, 7), slice(7, None))]
@@ -181,6 +182,25 @@ def _kvcache_rows(device) -> list:
                                            v_descale=vd, causal=True, **new)
         rows.append((label, op.NAME, ours, direct, None))
     return rows
+
+
+def _training_row(q, k, v, causal) -> tuple:
+    """memory_efficient_attention forward + backward against the selected op's own: an SDPA op's aten function
+    and torch's autograd of it (on leaf tensors laid out for it), our ops' apply and apply_bw."""
+    grads = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    do = torch.randn_like(q)
+    inp = make_inputs(*grads, causal)
+    fw = _selected(inp)
+    ours = lambda: torch.autograd.grad(fmha_ops.memory_efficient_attention(*grads, causal), grads, do)  # noqa: E731
+    if hasattr(fw, "kernel"):
+        fn, args, kwargs, bmhk = fw.kernel(inp, True, inp.scale)
+        leaves = [t.detach().clone().requires_grad_() for t in (grads if bmhk else _bhmk(*grads))]
+        do_in = do if bmhk else do.transpose(1, 2)
+        return ("memory_efficient_attention forward + backward", fw.NAME, ours,
+                lambda: torch.autograd.grad(fn(*leaves, *args, **kwargs)[0], leaves, do_in), None)
+    bw = _selected(inp, "bw", needs_lse=True)
+    return ("memory_efficient_attention forward + backward", f"{fw.NAME} + {bw.NAME}", ours,
+            lambda: bw.apply_bw(inp, *fw.apply(inp, True), do), None)
 
 
 def _quantized_rows(q, k, v) -> list:
