@@ -17,7 +17,7 @@ import torch
 from registry import Op, Report
 
 from . import arguments
-from .call import PLANS, make_problem, no_grad, plan_key, run_forward
+from .call import find_plan, make_problem, no_grad, plan_key, run_forward
 from .dispatch import REGISTRY, SELECTOR
 from .dtypes import FLOAT_DTYPES
 from .inputs import Inputs, make_inputs
@@ -52,10 +52,7 @@ def memory_efficient_attention(
     """
     key_ = plan_key(query, key, value, attn_bias, p, scale, op, output_dtype, False, softcap, q_descale, k_descale,
                     v_descale, quantize_kv_to_fp8)
-    try:
-        plan = PLANS.get(key_)
-    except TypeError:  # an unhashable argument: the full path names it
-        plan = key_ = None
+    plan = find_plan(key_)
     if plan is not None:
         return plan(query, key, value, attn_bias, q_descale, k_descale, v_descale)[0]
     inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, output_dtype=output_dtype,
@@ -97,10 +94,7 @@ def memory_efficient_attention_partial(
     output_dtype = output_dtype or torch.float32
     key_ = plan_key(query, key, value, attn_bias, p, scale, op, output_dtype, True, softcap, q_descale, k_descale,
                     v_descale, quantize_kv_to_fp8)
-    try:
-        plan = PLANS.get(key_)
-    except TypeError:  # an unhashable argument: the full path names it
-        plan = key_ = None
+    plan = find_plan(key_)
     if plan is not None:  # plans exist only for calls that need no gradient (the full path refuses the rest)
         return plan(query, key, value, attn_bias, q_descale, k_descale, v_descale)
     inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, output_dtype=output_dtype,

@@ -15,7 +15,7 @@ the full path.
 Example
 -------
 >>> key = plan_key(q, k, v, mask, 0.0, None, None, None, False, 0.0, None, None, None, False)
->>> plan = PLANS.get(key)   # None until one full call of this layout ran
+>>> plan = find_plan(key)   # None until one full call of this layout ran
 >>> out, lse = plan(q, k, v, mask, None, None, None) if plan else run_forward(make_inputs(q, k, v, mask), None,
 ...                                                                            False, key)
 """
@@ -127,11 +127,34 @@ def run_forward(inp: Inputs, op: OpArg, needs_lse: bool,
     if sig.needs_grad and not (fw.AUTOGRAD and inp.query.dtype in FLOAT_DTYPES):
         bw = SELECTOR.select(sig, lambda: make_problem(inp, needs_lse), "bw", op)
     result = fw.apply(inp, needs_lse) if bw is None else _Attention.apply(fw, bw, inp, inp.query, inp.key, inp.value)
-    if plan_key is not None and _plannable(inp):
+    if plan_key is not None and _plannable(inp) and _hashable(plan_key):
         if len(PLANS) >= PLAN_LIMIT:
             PLANS.clear()
         PLANS[plan_key] = fw.launcher(inp, needs_lse) if bw is None else _autograd_plan(fw, bw, inp)
     return result
+
+
+def _hashable(key: tuple) -> bool:
+    try:
+        hash(key)
+    except TypeError:
+        return False
+    return True
+
+
+def find_plan(key: tuple | None):
+    """The plan kept under ``key`` (a ``plan_key``), or None: no key (a trace: the dict is not read, so compiled
+    graphs hold no guard on it), no plan yet, or an unhashable argument (the full path names it, and ``plan_key``
+    then keeps no plan).
+
+    Example: ``plan = find_plan(plan_key(q, k, v, None, 0.0, None, None, None, False, 0.0, None, None, None, False))``.
+    """
+    if key is None:
+        return None
+    try:
+        return PLANS.get(key)
+    except TypeError:
+        return None
 
 
 def _plannable(inp: Inputs) -> bool:

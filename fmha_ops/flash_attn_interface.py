@@ -25,7 +25,7 @@ import torch
 from . import attn_bias as ab
 from . import arguments, checks, compiled, kv_cache
 from .api import memory_efficient_attention
-from .call import PLANS, make_problem, plan_key, run_forward
+from .call import find_plan, make_problem, plan_key, run_forward
 from .dispatch import SELECTOR
 from .dtypes import FLOAT_DTYPES
 from .inputs import make_inputs
@@ -50,10 +50,7 @@ def _run(q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_l
                                           k_descale=k_descale, v_descale=v_descale, softcap=softcap)
     layout = plan_key(q, k, v, bias, 0.0, softmax_scale, None, None, True, softcap, q_descale, k_descale, v_descale,
                       False)
-    try:
-        plan = PLANS.get(layout)
-    except TypeError:  # an unhashable argument: the full path names it
-        plan = layout = None
+    plan = find_plan(layout)
     if plan is not None:
         out, lse = plan(q, k, v, bias, q_descale, k_descale, v_descale)
     else:

@@ -278,15 +278,11 @@ def _fold_tensor_bias(bias: ab.AttentionBias, layout: OutputLayout) -> ab.Attent
     return type(bias)(t)
 
 
-_CHECKS_VALUES: dict[type, bool] = {}
-
-
 def checks_values(mask_type: type) -> bool:
-    """Whether masks of this type check index values per call (their own ``check_values``), memoized per type."""
-    checks = _CHECKS_VALUES.get(mask_type)
-    if checks is None:
-        checks = _CHECKS_VALUES[mask_type] = mask_type.check_values is not ab.AttentionBias.check_values
-    return checks
+    """Whether masks of this type check index values per call (their own ``check_values``). A class attribute
+    compare, no memo: a module-level dict read here would be a guard of every compiled graph (recompiling it
+    whenever an eager call of a new mask type added an entry)."""
+    return mask_type.check_values is not ab.AttentionBias.check_values
 
 
 def _expanded_over_heads(t: torch.Tensor) -> bool:

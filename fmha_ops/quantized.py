@@ -29,7 +29,7 @@ from registry import current_arch, fp8_dtype
 
 from . import attn_bias as ab
 from . import arguments, compiled
-from .call import PLAN_LIMIT, PLANS, make_problem, plan_key, run_forward
+from .call import PLAN_LIMIT, find_plan, make_problem, plan_key, run_forward
 from .dispatch import SELECTOR
 from .dtypes import FLOAT_DTYPES
 from .inputs import Inputs, make_inputs
@@ -81,10 +81,7 @@ def quantized_forward(qk_dtype: torch.dtype, bias, scale: float | None, op, quer
     (q8, k8, v8), descales, dequantized = quantize_smooth(query, key, value, kernel_scale, qk_dtype)
     qd, kd, vd = descales["q_descale"], descales["k_descale"], descales["v_descale"]
     layout = plan_key(q8, k8, v8, bias, 0.0, 1.0, op, query.dtype, True, 0.0, qd, kd, vd, False)
-    try:
-        plan = PLANS.get(layout)
-    except TypeError:  # an unhashable op: the full path names it
-        plan = layout = None
+    plan = find_plan(layout)
     if plan is not None:
         out, lse = plan(q8, k8, v8, bias, qd, kd, vd)
     else:

@@ -214,6 +214,20 @@ def test_quantized_backward_selects_once_per_layout(monkeypatch):
         assert torch.equal(a, b)
 
 
+
+def test_eager_calls_that_add_plans_recompile_no_compiled_graph():
+    q = torch.randn(1, 16, 2, 16)
+    compiled = torch.compile(lambda q, k, v: fmha_ops.memory_efficient_attention(q, k, v, ab.LowerTriangularMask()),
+                             fullgraph=True, backend="eager")
+    want = compiled(q, q, q)
+    r = torch.randn(1, 9, 2, 16)
+    fmha_ops.memory_efficient_attention(r, r, r)  # new plans, a mask type not seen before
+    fmha_ops.memory_efficient_attention(r, r, r, ab.BlockDiagonalMask.from_seqlens([4, 5]))
+    fmha_ops.flash_attn_func(r, r, r, causal=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert torch.equal(compiled(q, q, q), want)
+
+
 # ---- on the GPU (pytest -m gpu) ------------------------------------------------------------------------------
 
 def _reference(q, k, v, bias):
