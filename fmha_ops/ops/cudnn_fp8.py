@@ -35,7 +35,7 @@ from ..inputs import Inputs
 from ..problem import Problem
 from .base import AttentionFwOp
 from .common import OptionalPackage, import_failure, installed_version
-from .cost import attention_time
+from .cost import attention_time, head_dim_rate
 
 #: the oldest frontend release whose ``sdpa_fp8`` graph this op builds
 MIN_FRONTEND = (1, 16)
@@ -202,9 +202,10 @@ class CudnnFp8FwOp(OptionalPackage, AttentionFwOp):
     GQA = True
     DESCALES = {r: frozenset({"tensor"}) for r in "qkv"}
     PARTIAL = True
-    #: achieved (TFLOP/s, TB/s, device overhead us: the dequantization launch) on the H200 for the cost model
-    #: (D128, 4096 tokens)
-    RATES: ClassVar[tuple[float, float, float]] = (880.0, 3.0, 8.0)
+    #: achieved TFLOP/s by head dim on the H200 (the tuning table's long-sequence rates, non-causal, 8k tokens:
+    #: 570 / 989 / 967 at D64 / 128 / 256), TB/s, device overhead us (the dequantization launch)
+    HEAD_DIM_TFLOPS: ClassVar[dict[int, float]] = {64: 570.0, 128: 990.0, 256: 970.0}
+    TBPS, OVERHEAD_US = 3.0, 8.0
     HOST_US = 40.0  # binding the cached graph's tensors and executing it, plus the dequantization launch
     package_reason = staticmethod(cudnn_package_reason)
     import_reason = staticmethod(cudnn_unavailable_reason)
@@ -239,5 +240,5 @@ class CudnnFp8FwOp(OptionalPackage, AttentionFwOp):
 
     @classmethod
     def estimate(cls, p: Problem) -> float:
-        return attention_time(p, *cls.RATES)
+        return attention_time(p, head_dim_rate(cls.HEAD_DIM_TFLOPS, p.head_dim), cls.TBPS, cls.OVERHEAD_US)
 

@@ -20,7 +20,7 @@ from ..inputs import Inputs
 from ..problem import Problem
 from .base import AttentionBwOp, AttentionFwOp
 from .common import TRITON_ARCHS, dequantized_qkv, interpreter_reasons
-from .cost import attention_time, backward_time
+from .cost import attention_time, backward_time, head_dim_rate
 
 _HEAD_DIMS = range(16, 257, 16)
 _BIAS = frozenset({ab.NONE, ab.CAUSAL, ab.CAUSAL_BR, ab.BLOCK_DIAGONAL, ab.BLOCK_DIAGONAL_CAUSAL,
@@ -61,8 +61,9 @@ class _TritonFwOp(AttentionFwOp):
     TMA = True
     WINDOW = True
     SOFTCAP = True
-    #: achieved TFLOP/s on the H200 (non-causal, d128), for the cost model
+    #: achieved TFLOP/s on the H200 (non-causal, d128), for the cost model; HEAD_DIM_TFLOPS, where set, by head dim
     TFLOPS: ClassVar[float]
+    HEAD_DIM_TFLOPS: ClassVar[dict[int, float] | None] = None
     #: one kernel launch with four host descriptors and the output's allocation (bench/host_time.py, direct column)
     HOST_US = 75.0
 
@@ -87,7 +88,8 @@ class _TritonFwOp(AttentionFwOp):
     def estimate(cls, p: Problem) -> float:
         if p.arch.kind == "cpu":  # the interpreter: correct, never fast
             return attention_time(p, 1e-6, 1e-6, 1e5)
-        return attention_time(p, cls.TFLOPS, 3.0, 6.0)
+        rate = cls.TFLOPS if cls.HEAD_DIM_TFLOPS is None else head_dim_rate(cls.HEAD_DIM_TFLOPS, p.head_dim)
+        return attention_time(p, rate, 3.0, 6.0)
 
 
 @register
@@ -99,6 +101,8 @@ class TritonFp8FwOp(_TritonFwOp):
     DTYPES = frozenset((f, f, f) for f in FP8_DTYPES)
     DESCALES = _QUANTIZED_DESCALES
     TFLOPS = 900.0
+    #: the tuning table's long-sequence rates on the H200 (non-causal, 8k tokens): 547 / 812 / 980 at D64 / 128 / 256
+    HEAD_DIM_TFLOPS = {64: 550.0, 128: 810.0, 256: 980.0}
     HOST_US = 90.0  # and the launch that transposes V
 
 
