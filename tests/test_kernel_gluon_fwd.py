@@ -132,7 +132,7 @@ _COMPILE_CHECK = """
 import dataclasses, sys
 from fmha_ops.kernels.gluon import attention_fwd_ws as ws
 head_dim, causal, consumers, v_transpose = int(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[3]), sys.argv[4] == "1"
-cfg = dataclasses.replace(ws.default_config(head_dim, causal), v_transpose=v_transpose, key_order=v_transpose)
+cfg = ws.WsFwdConfig(block_n=128 if head_dim <= 128 else 64, v_transpose=v_transpose, key_order=v_transpose)
 if consumers == 1:
     cfg = dataclasses.replace(cfg, consumers=1, maxnreg=ws.SINGLE_CONSUMER_MAXNREG[head_dim])
 elif consumers == 3:
@@ -225,7 +225,7 @@ def test_gpu_gluon_ws_fwd(shape, descale, consumers, v_transpose, key_order):
 
     from fmha_ops.kernels.gluon import attention_fwd_ws as ws
 
-    cfg = dataclasses.replace(ws.default_config(shape[5], shape[6]), v_transpose=v_transpose, key_order=key_order)
+    cfg = ws.WsFwdConfig(block_n=128 if shape[5] <= 128 else 64, v_transpose=v_transpose, key_order=key_order)
     if consumers == 1:
         cfg = dataclasses.replace(cfg, consumers=1, maxnreg=ws.SINGLE_CONSUMER_MAXNREG[shape[5]])
     elif consumers == 3:
@@ -234,6 +234,16 @@ def test_gpu_gluon_ws_fwd(shape, descale, consumers, v_transpose, key_order):
         cfg = dataclasses.replace(cfg, consumers=3, block_n=64, maxnreg=ws.THREE_CONSUMER_MAXNREG,
                                   consumer_regs=ws.THREE_CONSUMER_REGS)
     _check_fp8_forward(functools.partial(ws.attention_forward, config=cfg), shape, descale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES + [(2, 5000, 5000, 4, 2, 128, True)], ids=lambda s: "x".join(map(str, s)))
+def test_gpu_gluon_ws_fwd_default_schedule(shape):
+    """The schedule ``default_config`` picks from the head dim and the key count (one or two consumers, V^T
+    transposed in shared memory or by transpose_v)."""
+    from fmha_ops.kernels.gluon import attention_fwd_ws as ws
+
+    _check_fp8_forward(ws.attention_forward, shape, "tensor")
 
 
 @pytest.mark.gpu
@@ -251,7 +261,7 @@ def test_gpu_fp8_output_in_v_units(shape, kernel):
     q, k, v = _inputs("normal", B, Mq, Mk, Hq, Hkv, D, D, torch.bfloat16, seed=Mq + 2 * Mk)
     qd, kd, vd = (x.float().abs().amax().reshape(1) / 448.0 for x in (q, k, v))
     q8, k8, v8 = ((x.float() / d).to(FP8) for x, d in ((q, qd), (k, kd), (v, vd)))
-    vtko = dataclasses.replace(ws.default_config(D, causal), v_transpose=True, key_order=True)
+    vtko = ws.WsFwdConfig(block_n=128 if D <= 128 else 64, v_transpose=True, key_order=True)
     fwd = {"gluon": sp.attention_forward, "ws": ws.attention_forward,
            "ws_vtko": functools.partial(ws.attention_forward, config=vtko)}[kernel]
     kw = {"scale": D ** -0.5, "causal": causal, "q_descale": qd, "k_descale": kd, "v_descale": vd}

@@ -73,15 +73,18 @@ class GluonWsFp8FwOp(GluonFp8FwOp):
     softmax against each other's wgmmas (FA3's schedule); the same contract as ``gluon_fp8F``."""
 
     NAME = "gluon_ws_fp8F"
-    #: cost-model rates (the units of triton_fp8F's 900) by (head dim, causal): 900 times the ratio of this op's
-    #: default schedule to triton_fp8F measured in one H200 run (D128: 0.97-1.00 dense, 0.84-0.89 causal, 0.90
-    #: at N = 1000; D64 / D256: 0.59 / 0.62, measured with V^T in key order), so triton_fp8F stays the choice
-    #: where it is faster
-    RATES: ClassVar[dict[tuple[int, bool], float]] = {
-        (64, False): 530.0, (64, True): 530.0, (128, False): 870.0, (128, True): 780.0,
-        (256, False): 560.0, (256, True): 560.0,
+    #: cost-model rates in triton_fp8F's units (its 900): 900 times this op's default schedule over triton_fp8F,
+    #: measured in one H200 run through the kernels, by (head dim, causal, keys >= LONG_KEYS): D128 long 0.96
+    #: dense / 0.90 causal (16k: 1.03), short 1.38 at 8x16x1000 / 0.95 at 3x24/8x3000 causal; D256 1.07 dense
+    #: (causal unmeasured: below triton_fp8F); D64 0.74 at 4096, 0.48 at 16x32/8x512 causal. So the selector takes
+    #: this op for short dense D128 and D256 dense calls and triton_fp8F elsewhere
+    RATES: ClassVar[dict[tuple[int, bool, bool], float]] = {
+        (64, False, False): 430.0, (64, True, False): 430.0, (64, False, True): 660.0, (64, True, True): 430.0,
+        (128, False, False): 1240.0, (128, True, False): 850.0, (128, False, True): 870.0, (128, True, True): 810.0,
+        (256, False, False): 960.0, (256, True, False): 850.0, (256, False, True): 960.0, (256, True, True): 850.0,
     }
     TFLOPS = 870.0
+    HOST_US = 60.0  # one launch where V is transposed in the kernel, two with transpose_v
 
     @classmethod
     def apply(cls, inp, needs_lse):
@@ -93,4 +96,7 @@ class GluonWsFp8FwOp(GluonFp8FwOp):
 
     @classmethod
     def estimate(cls, p: Problem) -> float:
-        return attention_time(p, cls.RATES.get((p.head_dim, p.causal), cls.TFLOPS), 3.0, 6.0)
+        from ..kernels.gluon.attention_fwd_ws import LONG_KEYS
+
+        rate = cls.RATES.get((p.head_dim, p.causal, p.seqlen_k >= LONG_KEYS), cls.TFLOPS)
+        return attention_time(p, rate, 3.0, 6.0)

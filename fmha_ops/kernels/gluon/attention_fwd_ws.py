@@ -1,15 +1,18 @@
-"""Warp-specialized fp8 attention forward for Hopper (sm90) in Gluon: a TMA producer warp and one or two
-consumer warpgroups that ping-pong their softmax against each other's wgmmas.
+"""Warp-specialized fp8 attention forward for Hopper (sm90) in Gluon: a TMA producer and one to three consumer
+warpgroups that ping-pong their softmax against each other's wgmmas.
 
-Shapes, dtypes, layouts: those of ``kernels/gluon/attention_fwd.py`` (q, k (B, M, H, D) fp8 e4m3fn with the
-last dim contiguous, V transposed by ``transpose_v``, descales per tensor or per (batch, kv head), bf16 out,
-float32 natural-log LSE (B, Hq, Mq), bottom-right causal, any Mq / Mk).
+Shapes, dtypes, layouts: those of ``kernels/gluon/attention_common.py`` (q, k, v (B, M, H, D) fp8 e4m3fn with the
+last dim contiguous, descales per tensor or per (batch, kv head), bf16 out or fp8 out in v's units, float32
+natural-log LSE (B, Hq, Mq), bottom-right causal, any Mq / Mk).
 
 One CTA owns ``CONSUMERS * BLOCK_M`` query rows of one (batch, query head):
 
-* the producer partition (one warp, few registers) loads each consumer's Q tile once, then streams K and V^T
-  tiles through ``STAGES``-deep shared-memory rings (TMA; ``*_ready`` mbarriers count the bytes, ``*_empty``
-  mbarriers take one arrival per consumer, so every consumer reads every tile);
+* the producer partition loads each consumer's Q tile once, then streams K and V^T tiles through
+  ``STAGES``-deep shared-memory rings (TMA; ``*_ready`` mbarriers count the bytes, ``*_empty`` mbarriers take
+  one arrival per consumer, so every consumer reads every tile). V^T comes either from ``transpose_v`` (a
+  separate launch; the producer is one warp) or, with ``v_transpose``, from v itself: the producer is a
+  warpgroup that loads raw key x channel tiles and writes them transposed (and, with ``key_order``, with the keys
+  of each 16-key group in the S accumulator's order) into the V^T ring;
 * each consumer partition (one warpgroup, BLOCK_M = 64 rows) runs, per key tile j: issue S_{j+1} = Q K_{j+1}^T
   and O += P_j V_j as async wgmmas, wait for S_{j+1} only, release its K slot, softmax(S_{j+1}) while P_j V_j
   still runs, wait for it, release its V slot, rescale O (the intra-warpgroup overlap);
@@ -400,10 +403,24 @@ SINGLE_CONSUMER_MAXNREG = {64: 128, 128: 128, 256: 168}
 TRANSPOSER_REGS = 32
 
 
-def default_config(head_dim: int, causal: bool) -> WsFwdConfig:
-    """Schedule for head dim ``head_dim``: two consumers, 128-key tiles (64 at D256), V^T shuffled into P's
-    order by warp shuffles (``WsFwdConfig.key_order``)."""
-    return WsFwdConfig(block_n=128 if head_dim <= 128 else 64)
+#: keys per sequence from which D <= 128 takes the two-consumer schedule with V^T from ``transpose_v``
+LONG_KEYS = 4096
+
+
+def default_config(head_dim: int, causal: bool, seqlen_k: int | None = None) -> WsFwdConfig:
+    """Schedule for head dim ``head_dim`` and ``seqlen_k`` keys per sequence (None: a long sequence).
+
+    H200 measurements (TFLOP/s, D128 unless noted): with ``LONG_KEYS`` keys or more and at D256, two consumers
+    with V^T from ``transpose_v`` and P shuffled (710-800 dense, 583 causal at 4096; D256 861); with fewer keys and
+    at D64, one consumer per CTA (two CTAs per SM) transposing V in shared memory in the accumulator's key order
+    (430 against 276 at 8x16x1000, 503 against 446 at 3x24/8x3000 causal, D64 402 against 399 at 4096), where the
+    transpose_v launch and the CTAs' fixed costs weigh more than the in-kernel transpose's shared-memory traffic
+    (10-14% slower at 4096 keys, D128)."""
+    long_keys = seqlen_k is None or seqlen_k >= LONG_KEYS
+    if head_dim not in (64, 128) or (head_dim == 128 and long_keys):  # D256 (other head dims are rejected later)
+        return WsFwdConfig(block_n=128 if head_dim <= 128 else 64)
+    return WsFwdConfig(consumers=1, block_n=128, maxnreg=SINGLE_CONSUMER_MAXNREG[head_dim], key_order=True,
+                       v_transpose=True)
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
@@ -429,7 +446,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=
     """
     B, Mq, Hq, D = q.shape
     Mk, Hkv = k.shape[1], k.shape[2]
-    cfg = config or default_config(D, causal)
+    cfg = config or default_config(D, causal, Mk)
     if cfg.consumers not in (1, 2, 3) or cfg.stages < 2:
         raise ValueError(f"config {cfg}: consumers must be 1, 2 or 3 and stages >= 2")
     prep = fp8_forward_args(q, k, v, q_descale, k_descale, v_descale, return_lse, out, HEAD_DIMS, out_dtype)
