@@ -293,6 +293,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--device", choices=("all", "cpu", "cuda"), default="all",
                    help="all: the CPU rows, then the GPU rows where CUDA is present")
+    p.add_argument("--no-short-sequences", action="store_true", help="leave out the fp8 short-sequence table")
     args = p.parse_args()
     devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
     devices = [d for d in devices if d == "cpu" or torch.cuda.is_available()]
@@ -304,7 +305,7 @@ def main() -> None:
         rows += measure(cases(device), iters, rounds, device)
     torch.set_num_threads(threads)
     common.print_table(rows, COLUMNS)
-    short = short_sequence_rows() if "cuda" in devices else []
+    short = short_sequence_rows() if "cuda" in devices and not args.no_short_sequences else []
     if short:
         common.print_table(short, list(short[0]))
     out = common.out_dir(args.out)

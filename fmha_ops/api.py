@@ -190,9 +190,12 @@ def merge_attentions(
     >>> out, lse = merge_attentions([o for o, _ in parts], [lse for _, lse in parts])
     """
     layout = _merge_layout(attn_split, lse_split, write_lse, output_dtype)
-    if layout is not None and layout in _MERGE_CHECKED:  # a CUDA layout validated before: the kernel's launch
+    direct = None if layout is None else _MERGE_CHECKED.get(layout)
+    if direct is not None:  # a CUDA layout validated before: the kernel's launch
         attns = list(attn_split.unbind(0)) if isinstance(attn_split, torch.Tensor) else list(attn_split)
         lses = list(lse_split.unbind(0)) if isinstance(lse_split, torch.Tensor) else list(lse_split)
+        if direct:  # BMHK parts with one stride set, float32 lse: the parts as they lie
+            return _merge_kernel()(attns, lses, output_dtype or attns[0].dtype, write_lse)
         return _merge_on_device(attns, lses, output_dtype or attns[0].dtype, write_lse)
     attns, lses = _parts("attn_split", attn_split), _parts("lse_split", lse_split)
     a, lp = attns[0], lses[0]
@@ -212,7 +215,7 @@ def merge_attentions(
         if layout is not None:
             if len(_MERGE_CHECKED) >= _MERGE_CHECKED_LIMIT:
                 _MERGE_CHECKED.clear()
-            _MERGE_CHECKED.add(layout)
+            _MERGE_CHECKED[layout] = _as_they_lie(attns, lses)
         return _merge_on_device(attns, lses, out_dtype, write_lse)
     attn = attn_split if isinstance(attn_split, torch.Tensor) else torch.stack(attns)
     lse = lse_split if isinstance(lse_split, torch.Tensor) else torch.stack(lses)
@@ -231,8 +234,9 @@ def merge_attentions(
     return out, merged
 
 
-#: the CUDA layouts of merge_attentions calls that passed validation (``_merge_layout``): repeated calls skip it
-_MERGE_CHECKED: set = set()
+#: the CUDA layouts of merge_attentions calls that passed validation (``_merge_layout``) -> whether the kernel takes
+#: the parts as they lie (``_as_they_lie``): repeated calls skip validation (and then the layout conversions)
+_MERGE_CHECKED: dict = {}
 _MERGE_CHECKED_LIMIT = 4096
 
 
@@ -255,6 +259,14 @@ def _merge_layout(attn_split, lse_split, write_lse, output_dtype) -> tuple | Non
         return layout
     except (AttributeError, TypeError):  # not tensors, unhashable flags: validation names them
         return None
+
+
+def _as_they_lie(attns: list[torch.Tensor], lses: list[torch.Tensor]) -> bool:
+    """Whether ``_merge_on_device`` would hand these parts to the kernel unchanged: BMHK (B, M, H, K) parts with one
+    stride set and a unit last stride, float32 lse parts with one stride set."""
+    strides = attns[0].stride()
+    return (attns[0].ndim == 4 and strides[-1] == 1 and all(t.stride() == strides for t in attns)
+            and lses[0].dtype == torch.float32 and all(t.stride() == lses[0].stride() for t in lses))
 
 
 def _merge_on_device(attns: list[torch.Tensor], lses: list[torch.Tensor], out_dtype: torch.dtype,

@@ -194,20 +194,28 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     >>> out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, page_table=table,
     ...                               k_descale=k_scale, v_descale=v_scale, causal=True)  # doctest: +SKIP
     """
-    _unsupported(qv=(qv, None), rotary_cos=(rotary_cos, None), rotary_sin=(rotary_sin, None),
-                 cache_leftpad=(cache_leftpad, None), cu_seqlens_q=(cu_seqlens_q, None),
-                 cu_seqlens_k_new=(cu_seqlens_k_new, None), rotary_seqlens=(rotary_seqlens, None),
-                 attention_chunk=(attention_chunk, 0))
+    if (qv is not None or rotary_cos is not None or rotary_sin is not None or cache_leftpad is not None
+            or cu_seqlens_q is not None or cu_seqlens_k_new is not None or rotary_seqlens is not None
+            or attention_chunk != 0):
+        _unsupported(qv=(qv, None), rotary_cos=(rotary_cos, None), rotary_sin=(rotary_sin, None),
+                     cache_leftpad=(cache_leftpad, None), cu_seqlens_q=(cu_seqlens_q, None),
+                     cu_seqlens_k_new=(cu_seqlens_k_new, None), rotary_seqlens=(rotary_seqlens, None),
+                     attention_chunk=(attention_chunk, 0))
     appending = None
     if cache_batch_idx is None and q_descale is None and type(cache_seqlens) is torch.Tensor \
             and type(page_table) is torch.Tensor and not torch.compiler.is_compiling():
         fast = _fast_key(q, k_cache, v_cache, cache_seqlens, page_table, k_descale, v_descale, softmax_scale, causal,
                          window_size, softcap, return_softmax_lse)
-        if k is None:
-            launcher = None if fast is None else _fast_launcher(fast, q, k_cache, v_cache, cache_seqlens, page_table,
-                                                                k_descale, v_descale, softmax_scale, causal,
-                                                                window_size, softcap, return_softmax_lse)
-            if launcher is not None:
+        if k is None and fast is not None:
+            layout = fast + (SELECTOR.current_scope(),)
+            launcher = _DECODE_RUNS.get(layout)
+            if launcher is None:  # the layout's first call (or the first after SELECTOR.clear()): select, plan
+                launcher = _fast_launcher(fast, q, k_cache, v_cache, cache_seqlens, page_table, k_descale, v_descale,
+                                          softmax_scale, causal, window_size, softcap, return_softmax_lse)
+                if len(_DECODE_RUNS) >= _FAST_LIMIT:
+                    _DECODE_RUNS.clear()
+                _DECODE_RUNS[layout] = launcher or False
+            if launcher:
                 return launcher(q, k_cache, v_cache, k_descale, v_descale, cache_seqlens, page_table)
         elif fast is not None and type(k) is torch.Tensor and type(v) is torch.Tensor:
             appending = fast + (_meta(k), _meta(v), SELECTOR.current_scope())
@@ -244,7 +252,7 @@ def _fast_key(q, k_cache, v_cache, cache_seqlens, page_table, k_descale, v_desca
     """The layout of a paged decode call without append on device tensors (everything its validation, selection
     and launch depend on but the tensors' values), or None when the call must take the full path: autograd, check
     mode (``fmha_ops.checks``), host tensors, non-tensor arguments."""
-    if not all(type(t) is torch.Tensor for t in (q, k_cache, v_cache)):
+    if not (type(q) is torch.Tensor and type(k_cache) is torch.Tensor and type(v_cache) is torch.Tensor):
         return None
     if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
         return None
@@ -316,6 +324,10 @@ def _decode_run(op, call: "KVCacheCall", inp, q, v_cache, return_lse):
         return (out, lse) if return_lse else out
     return run
 
+
+#: the fast path's launchers by layout (``_fast_key`` + the ``use_ops`` scope): no selection per call; False where
+#: the selected op has no decode launcher; cleared with the selector's memo
+_DECODE_RUNS: dict = SELECTOR.derived_memo()
 
 #: the fast path of repeated paged decode calls that append: ``_fast_key`` + the new tokens' layout + the
 #: ``use_ops`` scope -> run(q, k_cache, v_cache, k, v, k_descale, v_descale, cache_seqlens, page_table), built after
