@@ -17,6 +17,7 @@ import torch
 from registry import Op, Report
 
 from . import arguments
+from . import attn_bias as ab
 from .call import find_plan, make_problem, no_grad, plan_key, run_forward
 from .dispatch import REGISTRY, SELECTOR
 from .dtypes import FLOAT_DTYPES
@@ -68,7 +69,7 @@ def memory_efficient_attention_forward(
     v_descale: torch.Tensor | None = None, quantize_kv_to_fp8: bool = False, softcap: float = 0.0,
 ) -> torch.Tensor:
     """Like ``memory_efficient_attention`` without autograd (inference)."""
-    if not _grad_enabled():
+    if not (_grad_enabled() and _may_record_graph(query, key, value, attn_bias)):
         return memory_efficient_attention(query, key, value, attn_bias, p, scale, op=op, output_dtype=output_dtype,
                                           q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                                           quantize_kv_to_fp8=quantize_kv_to_fp8, softcap=softcap)
@@ -76,6 +77,14 @@ def memory_efficient_attention_forward(
         return memory_efficient_attention(query, key, value, attn_bias, p, scale, op=op, output_dtype=output_dtype,
                                           q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                                           quantize_kv_to_fp8=quantize_kv_to_fp8, softcap=softcap)
+
+
+def _may_record_graph(query, key, value, attn_bias) -> bool:
+    """Whether a call in grad mode could record an autograd graph: an input requires grad, or the mask may carry a
+    tensor that does (a tensor bias, a foreign mask)."""
+    return (getattr(query, "requires_grad", False) or getattr(key, "requires_grad", False)
+            or getattr(value, "requires_grad", False)
+            or not (attn_bias is None or (isinstance(attn_bias, ab.AttentionBias) and attn_bias.tensor_bias is None)))
 
 
 def memory_efficient_attention_partial(

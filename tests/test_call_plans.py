@@ -117,6 +117,18 @@ def test_gradients_through_a_plan_match_the_full_path():
     assert fmha_ops.memory_efficient_attention_forward(q, k, v, CAUSAL).grad_fn is None
 
 
+def test_forward_records_no_graph_whatever_requires_grad():
+    q, k, v = _qkv(m=6)
+    bias = torch.randn(1, 2, 6, 6, requires_grad=True)
+    for _ in range(2):  # the full path, then the plans
+        assert fmha_ops.memory_efficient_attention_forward(q, k, v, bias).grad_fn is None
+        assert fmha_ops.memory_efficient_attention_forward(q, k, v, ab.LowerTriangularMask().add_bias(bias)).grad_fn \
+            is None
+        assert fmha_ops.memory_efficient_attention_forward(q.requires_grad_(), k, v, CAUSAL).grad_fn is None
+        assert fmha_ops.memory_efficient_attention(q, k, v, CAUSAL).grad_fn is not None
+        q = q.detach()
+
+
 def test_a_plan_never_serves_another_scope_or_layout(monkeypatch):
     q, k, v = _qkv()
     fmha_ops.memory_efficient_attention(q, k, v, CAUSAL)
