@@ -77,11 +77,12 @@ def _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, softcap_log2, k_ro
         qk_scale = qk_scale * tl.load(kd_ptr + start_n // _K_SCALE_BLOCK)
     if SOFTCAP:  # capped scores, already in log2 units
         s = tanh((s - OFF) * qk_scale) * softcap_log2
-        qk_scale = 1.0
-        OFF: tl.constexpr = 0.0
     if MASKED:
         s = hide_keys(s, offs_m, start_n + tl.arange(0, BLOCK_N), seqlen_k, lo, hi, MASK_LEFT, MASK_RIGHT)
-    p, m_i, l_i, alpha = softmax_step(s, None, m_i, l_i, qk_scale, OFF, P_SHIFT, MASKED)
+    if SOFTCAP:
+        p, m_i, l_i, alpha = softmax_step(s, None, m_i, l_i, 1.0, 0.0, P_SHIFT, MASKED)
+    else:
+        p, m_i, l_i, alpha = softmax_step(s, None, m_i, l_i, qk_scale, OFF, P_SHIFT, MASKED)
     if V_T:
         v = _load(v_desc, b, hkv, 0, v_row0 + start_n, BLOCK_DV, BLOCK_N, VARLEN).T
     else:
@@ -249,7 +250,8 @@ class FwdConfig:
     #: query rows per program: 64 = one warpgroup, two programs per SM overlap one's softmax with the other's
     #: MMAs (64x128/4 warps 751 vs 128x128/8 warps 590)
     block_m: int
-    #: keys per tile: 128 at D <= 128 (64 keys 711, 256 keys 476), 64 at D256 (register file)
+    #: keys per tile: 128 at D <= 128 (64 keys 711, 256 keys 476), 64 at D256 (register file); bf16: see
+    #: ``default_config``
     block_n: int
     num_warps: int = 4
     #: K/V pipeline depth: 3 (2 stages 672, 4 stages 482; D256 2 stages 774 vs 908)
@@ -265,11 +267,20 @@ def default_config(head_dim: int, causal: bool, seqlen_k: int = 0, quantized: bo
     tiles weigh more (16x8x1024 D64 259 vs 248 TFLOP/s; from 4096 keys 128-key tiles win, 2x16x16384 750 vs
     701). ``quantized`` (fp8 or i8fp8 inputs) at head dim <= 64 without a causal mask caps registers at 128,
     which fits a fourth program per SM (fp8 544 vs 534, i8fp8 490 vs 471).
+
+    bf16/fp16 (not ``quantized``) tiles are twice the bytes: at D128 64x128 tiles with 3 stages fill one SM's
+    shared memory (one program of 4 warps per SM), 64x64 tiles fit two (TFLOP/s, 64x64 vs 64x128: 4x4096x32
+    535 vs 447, causal 496 vs 398; 1x16x32768 causal 500 vs 444, with a 4096-key window 523 vs 399; 128x128 /
+    8 warps 502 / 460 / 530 / 465); at D64 128-key tiles take 2 stages (4x4096x16 464 vs 432, causal 402 vs 381).
     """
     if head_dim > 128:
         return FwdConfig(block_m=64, block_n=64)
     block_n = 64 if causal and seqlen_k < 4096 else 128
-    return FwdConfig(block_m=64, block_n=block_n, maxnreg=128 if quantized and head_dim <= 64 and not causal else None)
+    if not quantized:
+        if head_dim > 64:
+            return FwdConfig(block_m=64, block_n=64)
+        return FwdConfig(block_m=64, block_n=block_n, num_stages=2 if block_n == 128 else 3)
+    return FwdConfig(block_m=64, block_n=block_n, maxnreg=128 if head_dim <= 64 and not causal else None)
 
 
 def _desc4(t, shape, strides, block):
