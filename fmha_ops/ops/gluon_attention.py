@@ -73,17 +73,18 @@ class GluonWsFp8FwOp(GluonFp8FwOp):
     softmax against each other's wgmmas (FA3's schedule); the same contract as ``gluon_fp8F``."""
 
     NAME = "gluon_ws_fp8F"
-    #: cost-model rates in triton_fp8F's units (its 900): 900 times this op's default schedule over triton_fp8F,
-    #: measured in one H200 run through the kernels, by (head dim, causal, keys >= LONG_KEYS): D128 long 0.96
-    #: dense / 0.90 causal (16k: 1.03), short 1.38 at 8x16x1000 / 0.95 at 3x24/8x3000 causal; D256 1.07 dense
-    #: (causal unmeasured: below triton_fp8F); D64 0.74 at 4096, 0.48 at 16x32/8x512 causal. So the selector takes
-    #: this op for short dense D128 and D256 dense calls and triton_fp8F elsewhere
+    #: cost-model rates by (head dim, causal, keys >= LONG_KEYS): this op's default schedule over triton_fp8F as
+    #: measured in one H200 run through the kernels (D128 long 0.96 dense / 0.90 causal, short 1.38 at 8x16x1000 /
+    #: 0.95 at 3x24/8x3000 causal; D256 1.07 dense, causal unmeasured (0.95 taken); D64 0.74 at 4096, 0.48 at
+    #: 16x32/8x512 causal), times triton_fp8F's calibrated rate (550 / 810 / 980 over its calibration 1.38) and
+    #: the tuning table's median calibration (1.75) this op's estimate is scaled by. So the selector takes this op
+    #: for short dense D128 and dense D256 calls and triton_fp8F elsewhere
     RATES: ClassVar[dict[tuple[int, bool, bool], float]] = {
-        (64, False, False): 430.0, (64, True, False): 430.0, (64, False, True): 660.0, (64, True, True): 430.0,
-        (128, False, False): 1240.0, (128, True, False): 850.0, (128, False, True): 870.0, (128, True, True): 810.0,
-        (256, False, False): 960.0, (256, True, False): 850.0, (256, False, True): 960.0, (256, True, True): 850.0,
+        (64, False, False): 350.0, (64, True, False): 335.0, (64, False, True): 516.0, (64, True, True): 350.0,
+        (128, False, False): 1418.0, (128, True, False): 976.0, (128, False, True): 986.0, (128, True, True): 924.0,
+        (256, False, False): 1330.0, (256, True, False): 1180.0, (256, False, True): 1330.0, (256, True, True): 1180.0,
     }
-    TFLOPS = 870.0
+    TFLOPS = 986.0
     HOST_US = 60.0  # one launch where V is transposed in the kernel, two with transpose_v
 
     @classmethod
