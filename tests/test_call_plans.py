@@ -297,7 +297,8 @@ def test_gpu_merge_attentions_repeated_layout_matches_and_still_validates():
     again = fmha_ops.merge_attentions(outs, lses)
     assert all(torch.equal(a, b) for a, b in zip(first, again))
     full = fmha_ops.memory_efficient_attention_partial(q, k, v)
-    assert (first[0] - full[0]).abs().max().item() < 1e-3
+    # the parts are bf16 (each rounded once before the merge): two bf16 ulps of an output near 1
+    assert (first[0].float() - full[0].float()).abs().max().item() < 2 * torch.finfo(torch.bfloat16).eps
     with pytest.raises(ValueError, match="does not match attn_split"):
         fmha_ops.merge_attentions(outs, [lse[:, :, :5] for lse in lses])
 
