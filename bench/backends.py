@@ -45,7 +45,7 @@ BACKWARD_FLOPS = 2.5  # backward FLOPs per forward FLOP
 TARGET = 0.97  # api / best
 #: do_bench windows (ms): short, since every configuration is compiled by one untimed call first
 WARMUP_MS, REP_MS = 3, 15
-OUR_FP8_OPS = ("triton_fp8F", "gluon_fp8F")
+OUR_FP8_OPS = ("triton_fp8F", "gluon_fp8F", "gluon_ws_fp8F")
 RATIOS = ("api/best", "api_bw/best", "api_fp8/best")
 
 RECORD = Record(
