@@ -54,13 +54,18 @@ class GluonFp8FwOp(AttentionFwOp):
             r.append(f"an fp8 output is in v's units: needs a per-tensor v_descale (got kind {p.descales[2]!r})")
         return r
 
-    @classmethod
-    def apply(cls, inp, needs_lse):
+    @staticmethod
+    def kernel():
+        """The kernel family's ``attention_forward`` (imported on first use: Gluon loads with the op)."""
         from ..kernels.gluon.attention_fwd import attention_forward
 
-        return attention_forward(inp.query, inp.key, inp.value, scale=inp.softmax_scale, causal=inp.bias_kind != ab.NONE,
-                                 q_descale=inp.q_descale, k_descale=inp.k_descale, v_descale=inp.v_descale,
-                                 return_lse=needs_lse, out_dtype=inp.out_dtype)
+        return attention_forward
+
+    @classmethod
+    def apply(cls, inp, needs_lse):
+        return cls.kernel()(inp.query, inp.key, inp.value, scale=inp.softmax_scale, causal=inp.bias_kind != ab.NONE,
+                            q_descale=inp.q_descale, k_descale=inp.k_descale, v_descale=inp.v_descale,
+                            return_lse=needs_lse, out_dtype=inp.out_dtype)
 
     @classmethod
     def estimate(cls, p: Problem) -> float:
@@ -87,13 +92,11 @@ class GluonWsFp8FwOp(GluonFp8FwOp):
     TFLOPS = 986.0
     HOST_US = 60.0  # one launch where V is transposed in the kernel, two with transpose_v
 
-    @classmethod
-    def apply(cls, inp, needs_lse):
+    @staticmethod
+    def kernel():
         from ..kernels.gluon.attention_fwd_ws import attention_forward
 
-        return attention_forward(inp.query, inp.key, inp.value, scale=inp.softmax_scale, causal=inp.bias_kind != ab.NONE,
-                                 q_descale=inp.q_descale, k_descale=inp.k_descale, v_descale=inp.v_descale,
-                                 return_lse=needs_lse, out_dtype=inp.out_dtype)
+        return attention_forward
 
     @classmethod
     def estimate(cls, p: Problem) -> float:
