@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import fmha_ops  # noqa: E402
 from bench.backends import forward_columns, fp8_columns  # noqa: E402
 from bench.common import (  # noqa: E402
     PREFILL_SHAPES,
@@ -40,7 +41,7 @@ from bench.common import (  # noqa: E402
 )
 from fmha_ops.kernels.triton.attention_fwd import FwdConfig, attention_forward, default_config  # noqa: E402
 from fmha_ops.kernels.triton.transpose_v import transpose_v  # noqa: E402
-from fmha_ops.quant import quantize_i8fp8, quantize_qkv_fp8  # noqa: E402
+from fmha_ops.quant import quantize_fp8_tensor, quantize_i8fp8, quantize_qkv_fp8, random_hadamard  # noqa: E402
 from fmha_ops.testing import error_report, normal_qkv, transformer_like  # noqa: E402
 
 SHAPES = PREFILL_SHAPES + [  # B, Hq, Hkv, N, D, causal
@@ -207,6 +208,9 @@ def accuracy_table(out, best):
             ref[:, s0:s0 + 2048] = (torch.softmax(s, -1) @ vf).permute(0, 2, 1, 3)
         del kf, vf
         q8, k8, v8, qd, kd, vd = quantize_qkv_fp8(q, k, v)
+        xb = quantize_qkv_fp8(q, k, v, qk_granularity="block")
+        xr = quantize_qkv_fp8(q, k, v, rotation=random_hadamard(D, device=q.device))
+        xt = [quantize_fp8_tensor(t) for t in (q, k, v)]
         xi = quantize_i8fp8(q, k, v)
         xh = quantize_i8fp8(q, k, v, qk_granularity="head")
         qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
@@ -222,6 +226,14 @@ def accuracy_table(out, best):
                 pv_fp8=False, **_kw(cfg))[0],
             "ours fp8 (B,Hkv descales)": lambda: attention_forward(
                 q8, k8, v8, scale=D ** -0.5, q_descale=qd, k_descale=kd, v_descale=vd, **_kw(cfg))[0],
+            "ours fp8 (block q/k, B,Hkv v)": lambda: attention_forward(
+                *xb[:3], scale=D ** -0.5, q_descale=xb[3], k_descale=xb[4], v_descale=xb[5], **_kw(cfg))[0],
+            "ours fp8 (Hadamard q/k, B,Hkv descales)": lambda: attention_forward(
+                *xr[:3], scale=D ** -0.5, q_descale=xr[3], k_descale=xr[4], v_descale=xr[5], **_kw(cfg))[0],
+            "cuDNN fp8 (per tensor, cudnn-frontend)": lambda: fmha_ops.memory_efficient_attention(
+                *(t for t, _ in xt), op="cudnn_fp8F", q_descale=xt[0][1], k_descale=xt[1][1], v_descale=xt[2][1]),
+            "ours fp8 (per tensor)": lambda: fmha_ops.memory_efficient_attention(
+                *(t for t, _ in xt), op="triton_fp8F", q_descale=xt[0][1], k_descale=xt[1][1], v_descale=xt[2][1]),
             "ours bf16": lambda: attention_forward(q, k, v, scale=D ** -0.5)[0],
             "ours Gluon fp8 (B,Hkv descales)": lambda: _gluon()(
                 q8, k8, v8, scale=D ** -0.5, q_descale=qd, k_descale=kd, v_descale=vd)[0],
@@ -239,7 +251,7 @@ def accuracy_table(out, best):
             rows.append(dict(inputs=dist, kernel=name, ms=ms, tflops=attention_tflops(B, H, N, D, False, ms),
                              mae=e["mae"], max=e["max"], cos=e["cos"], rel=e["rel"]))
             print(rows[-1], flush=True)
-        del q, k, v, ref, q8, k8, v8, xi, xh, qt, kt, vt
+        del q, k, v, ref, q8, k8, v8, xb, xr, xt, xi, xh, qt, kt, vt
         torch.cuda.empty_cache()
     cols = ["inputs", "kernel", "ms", "tflops", "mae", "max", "cos", "rel"]
     print_table(rows, cols)
@@ -262,7 +274,9 @@ ACCURACY_RECORD = Record(
     {"inputs": "inputs", "kernel": "kernel", "cos": "cosine", "mae": "mean abs err", "max": "max abs err",
      "rel": "rel L2 err"},
     "B=1, H=16, N=16384, D=128, non-causal, against float32 attention of the bf16 inputs; inputs from "
-    "`fmha_ops.testing` (`normal_qkv`, `transformer_like`).")
+    "`fmha_ops.testing` (`normal_qkv`, `transformer_like`). fp8 block q/k: one descale per 128 queries / 128 keys "
+    "(`quantize_qkv_fp8(..., qk_granularity=\"block\")`); Hadamard: `rotation=random_hadamard(128)`; cuDNN fp8 and "
+    "ours per tensor through `memory_efficient_attention` (`op=\"cudnn_fp8F\"` / `\"triton_fp8F\"`).")
 
 
 def main():

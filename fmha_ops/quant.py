@@ -98,10 +98,20 @@ def _rotated(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn,
-                     *, rotation: torch.Tensor | None = None):
-    """FA3-convention fp8 q, k, v with (B, Hkv) descales: ``(q8, k8, v8, q_descale, k_descale, v_descale)``.
+                     *, rotation: torch.Tensor | None = None, qk_granularity: str = "head"):
+    """fp8 q, k, v with float32 descales: ``(q8, k8, v8, q_descale, k_descale, v_descale)``.
 
-    q (B, Mq, Hq, D), k (B, Mk, Hkv, D), v (B, Mk, Hkv, Dv) float, Hq % Hkv == 0; q's descale is per kv head.
+    q (B, Mq, Hq, D), k (B, Mk, Hkv, D), v (B, Mk, Hkv, Dv) float, Hq % Hkv == 0; the fp8 tensors keep those
+    shapes. v's descale is (B, Hkv). ``qk_granularity``:
+
+    * ``"head"`` (FA3 convention): q_descale and k_descale (B, Hkv), q's per kv head (its group of q heads);
+    * ``"block"``: one descale per (batch, head, block of tokens), q_descale (B, Hq, cdiv(Mq, Q_SCALE_BLOCK)),
+      k_descale (B, Hkv, cdiv(Mk, K_SCALE_BLOCK)), contiguous; taken by the Triton fp8 kernel (``triton_fp8F``)
+      only, not with varlen masks.
+
+    e4m3 is a floating-point format: a finer scale changes its rounding error only where values would fall
+    into its subnormal range, so ``"block"`` costs the kernel little and buys little accuracy on typical
+    activations (bench/diagnostics/fp8_error_budget.py).
     ``rotation``: an orthogonal (D, D) matrix (``random_hadamard(D)``) applied to q and k before quantizing;
     attention of the returned tensors is that of the unrotated ones (q R (k R)^T = q k^T), with less
     quantization error where a few channels hold outliers.
@@ -110,8 +120,13 @@ def quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: t
     ...                                           torch.randn(1, 6, 1, 16))
     >>> qd.shape
     torch.Size([1, 1])
+    >>> q8, k8, v8, qd, kd, vd = quantize_qkv_fp8(torch.randn(1, 200, 2, 16), torch.randn(1, 300, 1, 16),
+    ...                                           torch.randn(1, 300, 1, 16), qk_granularity="block")
+    >>> tuple(qd.shape), tuple(kd.shape), tuple(vd.shape)
+    ((1, 2, 2), (1, 1, 3), (1, 1))
     """
     arguments.bmhk_qkv(q, k, v)
+    arguments.choice("qk_granularity", qk_granularity, ("head", "block"))
     hkv = k.shape[2]
     if rotation is not None:
         d = q.shape[-1]
@@ -120,8 +135,13 @@ def quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: t
             raise ValueError(f"rotation has shape {tuple(rotation.shape)}; it must be (D, D) = {(d, d)}")
         rotation = rotation.to(q.device)
         q, k = _rotated(q, rotation), _rotated(k, rotation)
-    q8, qd = quantize_fp8(q, dtype, num_kv_heads=hkv)
-    k8, kd = quantize_fp8(k, dtype)
+    if qk_granularity == "block":
+        arguments.dtype("dtype", dtype, arguments.FP8)
+        q8, qd = quantize_blocks(q, Q_SCALE_BLOCK, dtype)
+        k8, kd = quantize_blocks(k, K_SCALE_BLOCK, dtype)
+    else:
+        q8, qd = quantize_fp8(q, dtype, num_kv_heads=hkv)
+        k8, kd = quantize_fp8(k, dtype)
     v8, vd = quantize_fp8(v, dtype)
     return q8, k8, v8, qd, kd, vd
 
