@@ -36,7 +36,7 @@ from .dispatch import REGISTRY, SELECTOR
 from .fp8_backward import fp8_dequantized_backward_enabled
 from .inputs import Inputs
 from .problem import Problem
-from .validation import TMA_ALIGNMENT, tma_misaligned
+from .validation import tma_misaligned
 
 _F32 = torch.float32
 
@@ -164,8 +164,10 @@ def attention_forward_op(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     lse float32 (B, Hq, Mq) (empty when neither the LSE nor a gradient is needed)."""
     call = decode_spec(spec)
     fw = REGISTRY.get(call.fw)
-    if fw.TMA and tma_misaligned(query, key, value):  # the trace could not see the data pointers
-        query, key, value = (t.clone() if t.data_ptr() % TMA_ALIGNMENT else t for t in (query, key, value))
+    misaligned = tma_misaligned(query, key, value) if fw.TMA else ()  # the trace could not see the data pointers
+    if misaligned:
+        query, key, value = (t.clone(memory_format=torch.contiguous_format) if name in misaligned else t
+                             for name, t in zip(("query", "key", "value"), (query, key, value)))
     needs_lse = call.needs_lse or bool(call.bw)
     out, lse = fw.apply(call.inputs(query, key, value, tensors), needs_lse)
     lse = lse.contiguous() if needs_lse else query.new_empty((0,), dtype=_F32)

@@ -38,7 +38,7 @@ from . import attn_bias as ab
 from .dtypes import FLOAT_DTYPES
 from .fp8_backward import fp8_dequantized_backward_enabled
 from .problem import Problem
-from .validation import check_values, descale_kinds, tma_misaligned, validate, value_layout
+from .validation import alignment_bits, check_values, descale_kinds, tma_misaligned, validate, value_layout
 
 
 class Signature(NamedTuple):
@@ -51,7 +51,7 @@ class Signature(NamedTuple):
     last_strides: tuple  # (q, k) stride of the head dim
     value_layout: Any  # validation.value_layout
     bias: Any  # AttentionBias.signature() or None
-    misaligned: int  # the data pointers' bits below validation.TMA_ALIGNMENT (16 bytes): nonzero = misaligned
+    misaligned: int  # the data pointers' and strides' bits below validation.TMA_ALIGNMENT (16 bytes, alignment_bits)
     descales: tuple | None  # (dtype, shape, device) or None per role; None when no descale is given
     p: float
     scale: float | None
@@ -149,7 +149,7 @@ class Inputs:
                 bias is not None and bias.tensor_bias is not None and bias.tensor_bias.requires_grad)),
             (q.dtype, k.dtype, v.dtype), (q.shape, k.shape, v.shape), (q.device, k.device, v.device),
             (q.stride()[-1], k.stride()[-1]), "last" if v.stride()[-1] == 1 else value_layout(v),
-            None if bias is None else bias.signature(), (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15,
+            None if bias is None else bias.signature(), (alignment_bits(q) | alignment_bits(k) | alignment_bits(v)) & 15,
             None if qd is None and kd is None and vd is None else
             (_tensor_signature(qd), _tensor_signature(kd), _tensor_signature(vd)),
             self.p, self.scale, self.output_dtype, self.is_partial, self.quantize_kv_to_fp8,

@@ -202,7 +202,25 @@ def value_layout(v: torch.Tensor) -> Any:
 
 
 def tma_misaligned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[str, ...]:
-    """Names of the non-empty inputs whose start address is not a multiple of 16 bytes (a TMA descriptor
-    needs it; the call signature holds the same test)."""
-    return tuple(name for name, t in (("query", q), ("key", k), ("value", v))
-                 if t.numel() and t.data_ptr() % TMA_ALIGNMENT)
+    """Names of the non-empty inputs a TMA descriptor cannot address: the start address or a stride (in bytes)
+    of a dim longer than 1, other than the contiguous one (stride 1), is not a multiple of 16 bytes. The call
+    signature holds these bits (``alignment_bits``).
+
+    Example
+    -------
+    >>> q = torch.randn(2, 64, 4, 40, dtype=torch.float16)[..., :32]  # rows 80 bytes apart
+    >>> tma_misaligned(q, k, v)
+    ('query',)
+    """
+    return tuple(name for name, t in (("query", q), ("key", k), ("value", v)) if t.numel() and (
+        t.data_ptr() % TMA_ALIGNMENT or any(stride != 1 and size > 1 and stride * t.element_size() % TMA_ALIGNMENT
+                                            for size, stride in zip(t.shape, t.stride()))))
+
+
+def alignment_bits(t: torch.Tensor) -> int:
+    """The start address OR every stride in bytes of ``t``: its bits below ``TMA_ALIGNMENT`` are a memo key as fine
+    as ``tma_misaligned`` (which ignores unit strides and dims of length 1)."""
+    bits = t.data_ptr()
+    for stride in t.stride():
+        bits |= stride * t.element_size()
+    return bits

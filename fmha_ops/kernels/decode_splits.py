@@ -25,13 +25,15 @@ def choose_num_splits(programs: int, max_len: int, sm_count: int, resident: int 
     within 5% of the best are taken, or, when they run in one wave, as many as that wave holds (at most 64 or
     one wave). 512 programs (B64 x 8 KV heads, fp8 at D256) on 132 x 3 slots fill 1.3 waves, so 3 splits run 4
     full waves of thirds; 8 programs (B1 x 8 KV heads) on 528 slots take 66 splits, 1.8% faster than 64 on the
-    H200.
+    H200. No programs (an empty batch, no query rows) or no keys: 1 split (nothing to spread).
 
     Example
     -------
     >>> choose_num_splits(8, 131072, 132, resident=4)
     66
     """
+    if programs <= 0 or max_len <= 0:
+        return 1
     if resident is None:
         if programs >= sm_count:
             return 1

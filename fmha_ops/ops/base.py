@@ -20,7 +20,7 @@ Declarations (class attributes; every check below reads only these):
   DETERMINISTIC  bitwise reproducible (checked when torch.use_deterministic_algorithms is on)
   CUDA_GRAPH     capturable in a CUDA graph
   V_KEYS_CONTIGUOUS  accepts a keys-contiguous value (stride 1 along the sequence; fmha_ops.inputs)
-  TMA            moves tiles with TMA descriptors: q/k/v must start at 16-byte aligned addresses
+  TMA            moves tiles with TMA descriptors: q/k/v must start at 16-byte aligned addresses, strides too
   TRACEABLE      ``apply`` is plain torch that torch.compile traces into the graph (else it runs behind the
                  custom op ``fmha_ops::attention_forward``, see fmha_ops.compiled); implies AUTOGRAD
   WINDOW         local attention windows (Problem.window_left / window_right, with each allowed mask kind)
@@ -124,8 +124,8 @@ class AttentionOp(Op):
         if p.v_keys_contiguous and not cls.V_KEYS_CONTIGUOUS:
             r.append("a keys-contiguous value (stride 1 along the sequence) not supported; pass value.contiguous()")
         if p.tma_misaligned and cls.TMA:
-            r.append(f"{'/'.join(p.tma_misaligned)} does not start at a 16-byte aligned address (TMA needs it); "
-                     f"pass a .contiguous() copy")
+            r.append(f"{'/'.join(p.tma_misaligned)} has a start address or a stride not a multiple of 16 bytes "
+                     f"(TMA descriptors need both); pass a .contiguous() copy with 16-byte rows")
         if p.windowed and not cls.WINDOW:
             r.append(f"local attention window (window_left={p.window_left}, window_right={p.window_right}) not "
                      f"supported; only unbounded windows (-1)")

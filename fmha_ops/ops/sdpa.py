@@ -272,6 +272,25 @@ class SdpaEfficientFwOp(_SdpaOp):
     HOST_US = 18.0
 
     @classmethod
+    def extra_reasons(cls, p: Problem) -> list[str]:
+        """The cutlass kernels' operand alignment (SDPA's front end checks it; the aten function called here
+        does not, and a misaligned operand faults on the GPU): head dims K and Kv in whole 16-byte vectors on
+        sm80+ (8 fp16 / bf16 or 4 fp32 elements; 8 fp16 / bf16 elements before), q / k / v start addresses and
+        strides in 16-byte multiples."""
+        r = super().extra_reasons(p)
+        vector = _mem_efficient_alignment(p)
+        for arg, dim in (("query/key head dim K", p.head_dim), ("value head dim Kv", p.head_dim_v)):
+            if dim % vector:
+                r.append(f"{arg}={dim} is not a multiple of {vector} {p.q_dtype} elements "
+                         f"({MEM_EFFICIENT_ALIGNMENT_BYTES}-byte vectors the memory-efficient kernels load); "
+                         f"supported: multiples of {vector}")
+        if p.tma_misaligned:
+            r.append(f"{'/'.join(p.tma_misaligned)} has a start address or a stride not a multiple of "
+                     f"{MEM_EFFICIENT_ALIGNMENT_BYTES} bytes (the memory-efficient kernels' vector loads need both); "
+                     f"pass a .contiguous() copy with 16-byte rows")
+        return r
+
+    @classmethod
     def kernel(cls, inp, causal, scale):
         return SdpaKernel(torch._scaled_dot_product_efficient_attention, (None, inp.needs_grad(), inp.p, causal),
                           _scale_kwargs(scale))
@@ -299,6 +318,27 @@ class SdpaMathFwOp(_SdpaOp):
     def kernel(cls, inp, causal, scale):
         return SdpaKernel(torch._scaled_dot_product_attention_math, (None, inp.p, causal, None),
                           {**_scale_kwargs(scale), "enable_gqa": inp.query.shape[2] != inp.key.shape[2]})
+
+
+#: bytes per vector load of the memory-efficient (cutlass) kernels' operands
+MEM_EFFICIENT_ALIGNMENT_BYTES = 16
+
+
+def _mem_efficient_alignment(p: Problem) -> int:
+    """Elements per head-dim vector the memory-efficient kernels need (torch's ``minimum_gemm_alignment``):
+    one 16-byte vector where tensor cores run the dtype (fp16 / bf16 on sm70+, fp32 on sm80+), else 4 elements
+    on sm80+ and 1 before.
+
+    Example
+    -------
+    >>> _mem_efficient_alignment(problem)  # fp16 on sm90; 4 for fp32
+    8
+    """
+    capability = p.arch.capability if p.arch.kind == "cuda" else (0, 0)
+    half = p.q_dtype in (torch.float16, torch.bfloat16)
+    if (half and capability >= (7, 0)) or capability >= (8, 0):
+        return MEM_EFFICIENT_ALIGNMENT_BYTES // p.q_dtype.itemsize
+    return 1
 
 
 def _causal(inp) -> bool:

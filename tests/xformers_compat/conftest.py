@@ -24,7 +24,8 @@ large shapes on the CPU out (``CPU_MAX_HEADS``, ``CPU_MAX_LEN``). Defaults: 1 in
 marker (``pytest -m gpu tests/xformers_compat`` on the GPU; CI runs ``-m "not gpu"``).
 
 A refusal by our op is a skip whose reason names the op and "unsupported"; the terminal summary counts
-passed / refused / failed / skipped per mask type.
+passed / refused / failed / skipped per mask type. On CUDA every test waits for its kernels before it ends
+(``pytest_runtest_call``), so an asynchronous CUDA error fails the test that caused it.
 """
 from __future__ import annotations
 
@@ -158,6 +159,16 @@ def _masks_are_ours(request, monkeypatch):
         monkeypatch.setattr(request.module, "fmha", FMHA_AS_OURS)
         monkeypatch.setattr(request.module, "xformers", XFORMERS_AS_OURS, raising=False)
     yield
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """On CUDA, wait for the test's kernels inside its call phase: an asynchronous CUDA error (a fault) fails the
+    test that launched the kernel, counted under its mask type, not a later test of the same worker."""
+    result = yield
+    if HAS_CUDA and _here(item):
+        torch.cuda.synchronize()
+    return result
 
 
 _RESULTS: collections.Counter = collections.Counter()

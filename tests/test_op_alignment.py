@@ -1,0 +1,86 @@
+"""Operand alignment and empty problems in the ops' declarations, checked on the CPU with an sm90 ``Problem``.
+
+The memory-efficient SDPA kernels load 16-byte vectors along the head dim and fault on the GPU (a sticky
+"misaligned address") when a head dim, start address or stride breaks that; the op must refuse such calls with a
+reason naming the argument. Every op's ``not_supported_reasons`` and ``estimate`` must answer for empty problems
+(batch 0, no queries, no keys), which ``explain`` and the selector ask about.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from fmha_ops import attn_bias as ab
+from fmha_ops.api import REGISTRY
+from fmha_ops.inputs import make_inputs
+from fmha_ops.kernels.decode_splits import choose_num_splits
+from registry.arch import Arch
+
+SM90 = Arch("cuda", (9, 0), name="NVIDIA H200")
+SM75 = Arch("cuda", (7, 5), name="Tesla T4")
+
+
+def _problem(dtype, d, dv, mq=256, mk=128, bias=None, arch=SM90, key=None):
+    q = torch.randn(3, mq, 1, d).to(dtype)
+    k = torch.randn(3, mk, 1, d).to(dtype) if key is None else key
+    v = torch.randn(3, mk, 1, dv).to(dtype)
+    return dataclasses.replace(make_inputs(q, k, v, bias).problem(), arch=arch)
+
+
+@pytest.mark.parametrize("dtype, d, dv, bad", [
+    (torch.float16, 32, 36, "value head dim Kv=36 is not a multiple of 8"),
+    (torch.bfloat16, 36, 36, "query/key head dim K=36 is not a multiple of 8"),
+    (torch.float32, 30, 32, "query/key head dim K=30 is not a multiple of 4"),
+])
+def test_sdpa_efficient_refuses_head_dims_off_16_byte_vectors(dtype, d, dv, bad):
+    op = REGISTRY.get("sdpa_efficientF")
+    reasons = op.not_supported_reasons(_problem(dtype, d, dv, bias=ab.LowerTriangularFromBottomRightMask()))
+    assert any(bad in r and "supported: multiples of" in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize("dtype, d, dv", [(torch.float16, 8, 8), (torch.bfloat16, 80, 80), (torch.float32, 36, 36),
+                                          (torch.float16, 32, 264)])
+def test_sdpa_efficient_takes_whole_vectors(dtype, d, dv):
+    assert REGISTRY.get("sdpa_efficientF").not_supported_reasons(_problem(dtype, d, dv)) == []
+
+
+def test_sdpa_efficient_alignment_follows_the_arch():
+    """Before sm80 fp32 runs without tensor cores (any head dim: only its 120-byte rows are refused); fp16 needs
+    8-element vectors on sm75 too."""
+    op = REGISTRY.get("sdpa_efficientF")
+    assert not any("head dim" in r for r in op.not_supported_reasons(_problem(torch.float32, 30, 30, arch=SM75)))
+    assert any("head dim" in r for r in op.not_supported_reasons(_problem(torch.float32, 30, 30)))
+    assert any("head dim K=36" in r for r in op.not_supported_reasons(_problem(torch.float16, 36, 36, arch=SM75)))
+
+
+def test_sdpa_efficient_refuses_a_misaligned_key_stride():
+    """Key rows 2 * 68 bytes apart (a slice of wider rows): the reason names the key; the contiguous key passes."""
+    wide = torch.randn(3, 128, 1, 68, dtype=torch.float16)
+    reasons = REGISTRY.get("sdpa_efficientF").not_supported_reasons(
+        _problem(torch.float16, 64, 64, key=wide[..., :64]))
+    assert any(r.startswith("key has a start address or a stride not a multiple of 16 bytes") for r in reasons), \
+        reasons
+    assert REGISTRY.get("sdpa_efficientF").not_supported_reasons(_problem(torch.float16, 64, 64)) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("batch, mq, mk", [(0, 4, 64), (1, 0, 64), (1, 4, 0), (2, 0, 0), (1, 1, 0), (0, 1, 1)])
+def test_every_op_answers_for_empty_problems(dtype, batch, mq, mk):
+    """Reasons and estimates of every registered op (decoders' split counts included) for empty dims."""
+    q = torch.randn(batch, mq, 8, 128).to(dtype)
+    k, v = (torch.randn(batch, mk, 2, 128).to(dtype) for _ in range(2))
+    p = dataclasses.replace(make_inputs(q, k, v).problem(), arch=SM90)
+    for op in (op for op in REGISTRY.ops() if op.supports_arch(SM90)):
+        op.not_supported_reasons(p)
+        t = op.estimate(p)
+        assert math.isfinite(t) and t >= 0.0, (op.NAME, t)
+
+
+@pytest.mark.parametrize("resident", [None, 4])
+def test_no_programs_or_no_keys_take_one_split(resident):
+    assert choose_num_splits(0, 4096, 132, resident) == 1
+    assert choose_num_splits(8, 0, 132, resident) == 1
+    assert choose_num_splits(8, 131072, 132, resident) > 1
