@@ -128,7 +128,6 @@ def run(B: int, H: int, N: int, D: int, window: int) -> list[dict]:
 def main() -> None:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--window", type=int, default=4096)
-    p.add_argument("--no-record", action="store_true", help="print and write the JSON only (no bench/results record)")
     a = p.parse_args()
     out = out_dir(a.out)
     B, H, N, D = (1, 16, 8192, 128) if a.quick else (1, 16, 32768, 128)

@@ -52,3 +52,13 @@ def test_write_record_format(tmp_path):
     assert "Reproduce: `python bench/x.py`" in text
     assert "| shape | time (ms) | note |\n|---|---:|---|\n| 1x2 | 1.235 | - |" in text
     assert (tmp_path / "x.png").read_bytes() == b"png" and "(bench/results/x.png)" in text
+
+
+def test_window_bench_parses_its_arguments():
+    """The window bench's command line builds (an option declared twice made argparse raise before any timing)."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, os.path.join(root, "bench", "attention_window_bench.py"), "--help"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": root})
+    assert done.returncode == 0 and "--window" in done.stdout and "--no-record" in done.stdout, done.stderr[-2000:]
