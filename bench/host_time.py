@@ -5,6 +5,10 @@ Tiny shapes, so the host path sets the pace. Per entry point three columns, micr
 function an SDPA op calls, on tensors already in its layout, and the op's kernel launcher with a prebuilt ``Inputs``
 for ours) and ``SDPA`` (``torch.nn.functional.scaled_dot_product_attention`` on BHMK tensors, where a float call has
 one); merge_attentions' direct is its kernel's launch on CUDA, its torch arithmetic on stacked parts on the CPU.
+fp8_attention / i8fp8_attention's direct is the same launches ours makes: ``quantize_smooth`` (on CUDA the two
+fused quantization launches), ``make_inputs`` and the forward op's launcher; forward + backward adds the backward
+op's launcher on the dequantized inputs on this thread, so the autograd engine (its node and the hand-over to its
+device thread) is in ours only.
 ``overhead`` is ours - direct; the target is max(25% of direct, 5 us), and on the CPU ours <= 2x SDPA for the tiny
 float32 call. Each cell is the median of ``--rounds`` interleaved rounds of ``--iters`` back-to-back calls
 (``bench.common.host_us``); rows print as measured. The CPU rows run first (one thread), then, where CUDA is
@@ -324,7 +328,9 @@ def record(rows: list[dict], short: list[dict], env: dict, png: str | None, tag:
     body = common.markdown_table(rows, COLUMNS, LABELS)
     body += ("\n\nHost wall time per call of back-to-back calls, microseconds, median of interleaved rounds. direct: "
              "the selected op without the call path (SDPA ops: the aten function the op calls, on tensors in its "
-             "layout; ours: the op's launcher on a prebuilt Inputs). SDPA: torch's eager "
+             "layout; ours: the op's launcher on a prebuilt Inputs; fp8_attention / i8fp8_attention: the quantization "
+             "launches, then the forward op's launcher, and for forward + backward the backward op's launcher "
+             "without autograd). SDPA: torch's eager "
              "scaled_dot_product_attention on BHMK tensors. cpu rows: one thread of the host's CPU.")
     if short:
         body += "\n\nfp8 at short sequences through flash_attn_func (TFLOP/s, same run):\n\n" + common.markdown_table(
