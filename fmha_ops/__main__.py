@@ -103,11 +103,13 @@ def tune(argv: list[str]) -> int:
     p.add_argument("--quick", action="store_true", help="a few tiny calls (smoke test)")
     p.add_argument("--ops", default=None, help="comma-separated op names: measure only these")
     p.add_argument("--merge", default=None, help="start from this table (JSON); keep its other ops' timings")
+    p.add_argument("--dtypes", default=None, help="comma-separated prefill dtypes: only their grid calls")
     a = p.parse_args(argv)
     name = current_arch().name.replace(" ", "_")
     out = a.out or os.path.join(os.environ.get("FMHA_OPS_TUNING_DIR") or "fmha_ops_tuning", f"{name}.json")
     ops = frozenset(n.strip() for n in a.ops.split(",") if n.strip()) if a.ops else None
-    table = run_tune(out, quick=a.quick, ops=ops, merge=a.merge)
+    dtypes = tuple(a.dtypes.split(",")) if a.dtypes else None
+    table = run_tune(out, quick=a.quick, ops=ops, merge=a.merge, dtypes=dtypes)
     n = sum(len(v) for v in table.timings.values())
     print(f"wrote {n} timings for {len(table.timings)} ops to {out}; calibration: "
           + ", ".join(f"{k}={v:.2f}" for k, v in sorted(table.calibration.items())))

@@ -6,6 +6,7 @@ Built once per call signature from an ``Inputs`` (``Inputs.problem``); hashable;
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -90,6 +91,30 @@ class Problem:
         ] + ([f"w{_p2(self.window_left + 1)}/{_p2(self.window_right + 1)}"] if self.windowed else [])
           + (["softcap"] if self.softcap else []))
 
+    def size_point(self) -> tuple[float, float, float]:
+        """log2 of the bucket's size fields (batch x KV heads, query length, key length), unrounded: where
+        the problem sits between the tuning table's buckets."""
+        return (math.log2(max(1, self.batch * self.heads_kv)), math.log2(max(1, self.seqlen_q)),
+                math.log2(max(1, self.seqlen_k)))
+
+    def at_bucket(self, bucket: str) -> "Problem | None":
+        """This problem at the sizes of ``bucket`` (a ``bucket()`` string), or None when the bucket differs in
+        anything but its sizes (dtypes, head dims, mask, GQA, paging...). Batch x KV heads go to the batch
+        when they divide by the KV heads, else to the heads (batch 1).
+
+        Example
+        -------
+        >>> p.at_bucket(p.bucket()).size_point() == p.size_point()  # p on its bucket's sizes
+        """
+        mine, theirs = self.bucket().split("|"), bucket.split("|")
+        sizes = slice(_BUCKET_BH, _BUCKET_K + 1)
+        if len(mine) != len(theirs) or mine[:sizes.start] + mine[sizes.stop:] != theirs[:sizes.start] + theirs[sizes.stop:]:
+            return None
+        bh, q, k = (int(field.lstrip("bhqk")) for field in theirs[sizes])
+        batch, heads_kv = (bh // self.heads_kv, self.heads_kv) if bh % self.heads_kv == 0 else (1, bh)
+        return dataclasses.replace(self, batch=batch, heads_kv=heads_kv, heads_q=heads_kv * self.gqa_ratio,
+                                   seqlen_q=q, seqlen_k=k, total_q=batch * q)
+
     def __str__(self) -> str:
         dts = "/".join(dtype_name(d) for d in (self.q_dtype, self.k_dtype, self.v_dtype))
         extra = [f"page={self.page_size}"] if self.page_size else []
@@ -105,6 +130,10 @@ class Problem:
         return (f"{dts}->{dtype_name(self.out_dtype)} B={self.batch} Mq={self.seqlen_q} Mk={self.seqlen_k} "
                 f"Hq={self.heads_q} Hkv={self.heads_kv} K={self.head_dim} Kv={self.head_dim_v} "
                 f"bias={self.bias} " + " ".join(extra + [f"on {self.arch}"]))
+
+
+#: positions of the size fields (bh, q, k) in ``Problem.bucket()``'s "|"-separated key
+_BUCKET_BH, _BUCKET_K = 6, 8
 
 
 def _p2(n: int) -> int:

@@ -4,8 +4,9 @@ timing table the selector reads (keyed by device name and software versions).
 Each grid point is one call (``Call``); every fw op that is available and supports it is timed
 through ``memory_efficient_attention(op=...)`` (so dispatch overhead counts), except ops whose own
 estimate is over ``SKIP_FACTOR`` times the best estimate (the reference and math paths on large
-shapes). The table also stores, per op, the median of measured / cost-model time: the selector
-scales the op's model by it where a bucket was not measured.
+shapes). Between the measured buckets the selector scales an op's model by measured / model at the
+nearest measured buckets of the call's kind; the table also stores, per op, the median of measured /
+cost-model time, which scales the op's model for calls of kinds the grid did not measure.
 """
 from __future__ import annotations
 
@@ -98,22 +99,27 @@ def decode_call(b: int, length: int, hq: int, hkv: int, d: int, page: int, kv: s
     return Call(label, (q.view(1, b, hq, d), kc.flatten(0, 1)[None], vc.flatten(0, 1)[None], bias), kwargs)
 
 
-def grid(device: str, quick: bool = False) -> list[Callable[[], Call]]:
+PREFILL_DTYPES = ("bfloat16", "fp8", "fp8_tensor", "i8fp8")
+
+
+def grid(device: str, quick: bool = False, dtypes: tuple[str, ...] | None = None) -> list[Callable[[], Call]]:
     """The tuning grid: prefill (dtypes x head dims x causal x GQA x size; fp8 with per-(batch, head) and
     per-tensor descales) and decode (KV dtype x paging x batch/length). ``quick``: a handful of tiny calls
-    (CPU, tests)."""
+    (CPU, tests); ``dtypes``: only the prefill calls of these ``PREFILL_DTYPES`` (no decode calls)."""
     if quick:
         return [lambda: prefill_call(1, 64, 4, 2, 32, True, "float32", device),
                 lambda: prefill_call(2, 128, 4, 4, 64, False, "float32", device),
                 lambda: decode_call(2, 96, 4, 2, 32, 0, "bf16", device),
                 lambda: decode_call(2, 96, 4, 2, 32, 16, "bf16", device)]
     calls = []
-    for dtype in ("bfloat16", "fp8", "fp8_tensor", "i8fp8"):
+    for dtype in dtypes or PREFILL_DTYPES:
         for d in (64, 128, 256):
             for b, n, h in ((16, 512, 16), (4, 2048, 32), (2, 8192, 16)):
                 for causal in (False, True):
                     for hkv in (h, h // 4):
                         calls.append(lambda a=(b, n, h, hkv, d, causal, dtype): prefill_call(*a, device))
+    if dtypes:
+        return calls
     for b, length, hq, hkv in ((1, 131072, 64, 8), (8, 32768, 32, 8), (64, 4096, 32, 8), (128, 1024, 32, 8),
                                (16, 512, 32, 32)):
         for kv in ("bf16", "fp8", "quantize"):
@@ -161,9 +167,15 @@ def measure(call: Call, device: str, ops: frozenset[str] | None = None) -> dict[
 
 
 def tune(out: str, quick: bool = False, device: str | None = None, ops: frozenset[str] | None = None,
-         merge: str | None = None) -> TuningTable:
-    """Time the grid and write the table to ``out``. ``ops``: measure only these op names; ``merge``: start
-    from the table at that path (its other ops' timings and calibration are kept, the measured ones replaced)."""
+         merge: str | None = None, dtypes: tuple[str, ...] | None = None) -> TuningTable:
+    """Time the grid and write the table to ``out`` (every 10 calls too, so a cut run keeps what it measured).
+    ``ops``: measure only these op names; ``merge``: start from the table at that path (its other ops'
+    timings and calibration are kept, the measured ones replaced); ``dtypes``: only these prefill dtypes.
+
+    Example
+    -------
+    >>> tune("H200_fp8.json", ops=frozenset({"gluon_fp8F"}), dtypes=("fp8_tensor",))  # doctest: +SKIP
+    """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     arch = current_arch(device)
     versions = {"torch": torch.__version__}
@@ -180,7 +192,7 @@ def tune(out: str, quick: bool = False, device: str | None = None, ops: frozense
             table.timings.pop(name, None)
     base_calibration = dict(table.calibration)
     ratios: dict[str, list[float]] = {}
-    points = grid(device, quick)
+    points = grid(device, quick, dtypes)
     for i, make in enumerate(points):
         call = make()
         problem = call.problem()

@@ -4,8 +4,9 @@ The problem object is the domain's: the selector needs only ``problem.arch``
 (an :class:`~registry.arch.Arch`) and ``problem.bucket()`` (a tuning-table key), and
 hands the problem to each op's ``not_supported_reasons`` and ``estimate``.
 
-Ranking: measured time from the tuning table for this device and bucket, else the
-op's cost model (scaled by the table's calibration of that op), else declared PRIORITY (ops with an estimate rank first). On a GPU
+Ranking: measured time from the tuning table for this device and bucket; for a problem between the measured
+buckets, the op's cost model scaled by measured / model at the nearest measured buckets of its kind
+(``nearest_ratio``); else the op's cost model (scaled by the table's calibration of that op), else declared PRIORITY (ops with an estimate rank first). On a GPU
 the estimate is at least the op's host time per call (``Op.host_time``): a small problem runs at the pace its launch
 path is issued, so the op that is fastest for the whole call wins (source "... , host-bound"). Ties break
 on the device estimate, then PRIORITY, then NAME, so the choice is deterministic. ``select`` is memoized on the
@@ -52,7 +53,7 @@ class Verdict:
     unavailable: str | None  # None when the op can run in this process
     reasons: tuple[str, ...]  # why it does not support the problem (empty: supported)
     estimate: float | None  # seconds
-    source: str  # "table" | "calibrated model" | "model" | "priority"; ", host-bound" appended where the host time ruled
+    source: str  # "table" | "model x R from N measured buckets" | "calibrated model" | "model" | "priority"; ", host-bound" appended where the host time ruled
     device_estimate: float | None = None  # seconds on the device alone (equals estimate unless host-bound)
 
     @property
@@ -186,8 +187,7 @@ class Selector:
             reasons.extend(op.not_supported_reasons(problem))
         estimate, source, device = None, "priority", None
         if unavailable is None and not reasons:
-            estimate = self.tables.lookup(problem.arch.name, op.NAME, problem.bucket())
-            source = "table"
+            estimate, source = self._measured_estimate(op, problem)
             if estimate is None:
                 estimate, source = op.estimate(problem), "model"
                 # the tables time forward ops: a backward model stands as measured (no device-wide median)
@@ -202,6 +202,30 @@ class Selector:
                 if host > estimate:
                     estimate, source = host, f"{source}, host-bound"
         return Verdict(op, unavailable, tuple(reasons), estimate, source, device)
+
+    def _measured_estimate(self, op: type[Op], problem: Any) -> tuple[float | None, str]:
+        """The op's time from its tuning-table rows: the row of the problem's own bucket when the problem sits
+        exactly on it (source "table"); else, for problems exposing ``at_bucket`` and ``size_point``, the op's
+        model scaled by measured / model at the nearest measured buckets of the same kind (see
+        ``nearest_ratio``; source "model x R from N measured buckets"); else the own bucket's row as it
+        stands; (None, "") where nothing was measured."""
+        rows = self.tables.rows(problem.arch.name, op.NAME)
+        if not rows:
+            return None, ""
+        bucket = problem.bucket()
+        if not hasattr(problem, "at_bucket"):
+            return rows.get(bucket), "table"
+        if bucket in rows and problem.at_bucket(bucket).size_point() == problem.size_point():
+            return rows[bucket], "table"
+        model = op.estimate(problem)
+        if model is None or not math.isfinite(model):
+            return rows.get(bucket), "table"
+        factor = self.tables.calibration(problem.arch.name, op.NAME, median_fallback=False)
+        fitted = nearest_ratio(op, problem, rows, factor)
+        if fitted is None:
+            return None, ""
+        ratio, used = fitted
+        return model * ratio, f"model x {ratio:.2f} from {used} measured bucket{'s' * (used > 1)}"
 
     @staticmethod
     def _rank(v: Verdict) -> tuple:
@@ -287,6 +311,45 @@ class Selector:
             self._memo.clear()
         self._memo[memo_key] = report.selected
         return report.selected
+
+
+#: measured buckets (at most) whose measured / model ratios set an unmeasured problem's estimate
+NEIGHBOURS = 2
+#: the log2-size distance at which the op's device-wide factor weighs as much as a measured bucket
+PRIOR_DISTANCE = 2.0
+
+
+def nearest_ratio(op: type[Op], problem: Any, rows: dict[str, float],
+                  prior: float | None = None) -> tuple[float, int] | None:
+    """(measured / model ratio, buckets used) for ``problem`` from the op's measured ``rows`` of the same kind.
+
+    A row's bucket is of the same kind when ``problem.at_bucket(bucket)`` gives a problem (the problem at that
+    bucket's sizes; None for other dtypes, masks, head dims...). The ratio is the geometric mean of
+    measured / ``op.estimate`` at the ``NEIGHBOURS`` buckets nearest in ``problem.size_point()`` (log2 sizes),
+    weighted by 1 / (distance + 1/2)^2, and ``prior`` (the op's one device-wide factor, when given) weighted as a
+    bucket at ``PRIOR_DISTANCE``; None when no row is of the same kind.
+
+    Example
+    -------
+    >>> nearest_ratio(op, problem, {"...|q1024|...": 2e-4})  # doctest: +SKIP
+    (1.31, 1)
+    """
+    here = problem.size_point()
+    near = []
+    for bucket, seconds in rows.items():
+        at = problem.at_bucket(bucket)
+        model = op.estimate(at) if at is not None else None
+        if model and math.isfinite(model) and seconds > 0:
+            near.append((math.dist(here, at.size_point()), math.log(seconds / model)))
+    if not near:
+        return None
+    near.sort()
+    near = near[:NEIGHBOURS]
+    used = len(near)
+    if prior:
+        near.append((PRIOR_DISTANCE, math.log(prior)))
+    weights = [1.0 / (d + 0.5) ** 2 for d, _ in near]
+    return math.exp(sum(w * r for w, (_, r) in zip(weights, near)) / sum(weights)), used
 
 
 def _no_op_error(report: Report, forced: bool) -> NoSupportedOpError:

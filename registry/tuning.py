@@ -72,6 +72,13 @@ class TuningTables:
         table = self._by_device.get(device)
         return table.lookup(op_name, bucket) if table else None
 
+    def rows(self, device: str, op_name: str) -> dict[str, float]:
+        """Every measured ``{bucket: seconds}`` of the op on ``device`` (empty when none)."""
+        if self._by_device is None:
+            self._by_device = self._load()
+        table = self._by_device.get(device)
+        return table.timings.get(op_name, {}) if table else {}
+
     def calibration(self, device: str, op_name: str, median_fallback: bool = True) -> float | None:
         """The op's measured/model factor on ``device``; for an op the table has not measured, the median
         factor of the ops it has (cost models share a device-wide bias), so a new op's raw estimate is

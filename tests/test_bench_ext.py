@@ -48,10 +48,10 @@ def test_regret_row_and_summary():
 def test_selector_calls_interleave_dtypes_and_add_backward_rows():
     made = selector.calls("cpu", False)
     kinds = [k for k, _ in made]
-    n_prefill = len(selector.PREFILL_SHAPES) * len(selector.PREFILL_DTYPES)
+    n_prefill = len(selector.PREFILL_SHAPES) * len(selector.DEFAULT_DTYPES)
     assert kinds.count("bw") == len(selector.PREFILL_SHAPES)
     assert len(made) == n_prefill + len(selector.PREFILL_SHAPES) + len(selector.DECODE_CALLS)
-    assert kinds[:len(selector.PREFILL_DTYPES) + 1] == ["fw", "bw"] + ["fw"] * (len(selector.PREFILL_DTYPES) - 1)
+    assert kinds[:len(selector.DEFAULT_DTYPES) + 1] == ["fw", "bw"] + ["fw"] * (len(selector.DEFAULT_DTYPES) - 1)
     assert all(k == "fw" for k, _ in selector.calls("cpu", False, ("fp8_tensor",)))
 
 

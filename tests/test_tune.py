@@ -26,8 +26,11 @@ def test_tune_writes_table_and_selector_uses_it(tmp_path):
         assert measured and all(sources[name] == "table" for name in measured)
         fastest = min(measured, key=lambda n: table.timings[n][call.problem().bucket()])
         assert report.selected.NAME == fastest
-        other = prefill_call(1, 300, 4, 4, 64, False, "float32", "cpu")  # an unmeasured bucket
+        other = prefill_call(1, 300, 4, 4, 64, False, "float32", "cpu")  # between measured buckets of its kind
         srcs = {v.source for v in fmha_ops.explain(*other.args).verdicts if v.ok}
+        assert any(s.startswith("model x ") and s.endswith("from 1 measured bucket") for s in srcs), srcs
+        unmeasured = prefill_call(1, 300, 4, 4, 16, False, "float32", "cpu")  # a head dim the grid lacks
+        srcs = {v.source for v in fmha_ops.explain(*unmeasured.args).verdicts if v.ok}
         assert "calibrated model" in srcs
     finally:
         TUNING_DIRS[1] = saved

@@ -1,0 +1,105 @@
+"""Selector regret computed offline from a tuning table, leave-one-out: each measured grid point is hidden from
+the table in turn and every op measured there is estimated from the rest (``method``: "nearest", the op's model
+scaled by measured / model at the nearest measured buckets of the same kind; "factor", the op's model scaled by
+its one median measured / model factor). regret = t(op ranked first) / t(fastest op measured there) - 1.
+
+    python bench/diagnostics/selector_offline.py [--table fmha_ops/tuning/NVIDIA_H200.json]
+
+Needs no GPU: the points' problems are rebuilt from their bucket keys for the table's device (an sm90 H200).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+
+from registry import Arch, TuningTable  # noqa: E402
+from registry.select import nearest_ratio  # noqa: E402
+
+from fmha_ops.dispatch import REGISTRY  # noqa: E402
+from fmha_ops.problem import Problem  # noqa: E402
+
+TABLE = os.path.join(os.path.dirname(__file__), "..", "..", "fmha_ops", "tuning", "NVIDIA_H200.json")
+H200 = Arch("cuda", (9, 0), name="NVIDIA H200")
+METHODS = ("nearest", "factor")
+
+
+def problem_of(bucket: str, arch: Arch = H200) -> Problem | None:
+    """The problem a tuning-grid bucket key describes (batch 1, all of batch x KV heads as heads); None for a key
+    of another layout (windows, softcap)."""
+    fields = bucket.split("|")
+    if len(fields) != 10:
+        return None
+    dts, dims, bias, g, page, qkv, bh, q, k, grad = fields
+    qd, kd, vd = (getattr(torch, name) for name in dts.split("/"))
+    d, dv = (int(x) for x in dims[1:].split("/"))
+    heads_kv, ratio, mq, mk = int(bh[2:]), int(g[1:]), int(q[1:]), int(k[1:])
+    quantized = qd in (torch.int8, torch.float8_e4m3fn) or kd == torch.float8_e4m3fn
+    return Problem(arch, qd, kd, vd, torch.bfloat16, 1, mq, mk, mq, heads_kv * ratio, heads_kv, d, dv, bias,
+                   True, int(page[1:]), ("tensor",) * 3 if quantized else ("none",) * 3, qkv == "qkv1",
+                   False, False, grad == "grad1", False, False)
+
+
+def estimate(op, problem: Problem, rows: dict[str, float], factor: float | None, method: str) -> float | None:
+    """The op's estimate at ``problem`` from the measured ``rows`` (its own bucket hidden) by ``method``."""
+    model = op.estimate(problem)
+    if model is None or not math.isfinite(model):
+        return None
+    fitted = nearest_ratio(op, problem, rows, factor) if method == "nearest" else None
+    ratio = fitted[0] if fitted else factor
+    return max(model * (ratio or 1.0), op.host_time(problem))
+
+
+def leave_one_out(table: TuningTable, method: str) -> list[dict]:
+    """One row per bucket measured for two or more ops: the op ranked first with that bucket hidden, the fastest
+    measured op, the regret."""
+    buckets = sorted({b for rows in table.timings.values() for b in rows})
+    out = []
+    for bucket in buckets:
+        problem = problem_of(bucket)
+        times = {name: rows[bucket] for name, rows in table.timings.items() if bucket in rows}
+        if problem is None or len(times) < 2:
+            continue
+        ests = {}
+        for name in times:
+            op = REGISTRY.get(name)
+            rows = {b: t for b, t in table.timings[name].items() if b != bucket}
+            ratios = [t / m for b, t in rows.items() if (p := problem_of(b)) and (m := op.estimate(p))]
+            e = estimate(op, problem, rows, statistics.median(ratios) if ratios else None, method)
+            if e is not None:
+                ests[name] = e
+        if len(ests) < 2:
+            continue
+        picked, best = min(ests, key=ests.get), min(times, key=times.get)
+        out.append({"bucket": bucket, "selected": picked, "best": best, "regret": times[picked] / times[best] - 1})
+    return out
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--table", default=TABLE)
+    args = parser.parse_args(argv)
+    table = TuningTable.load(args.table)
+    summary = {}
+    for method in METHODS:
+        rows = leave_one_out(table, method)
+        regrets = [r["regret"] for r in rows]
+        worst = max(rows, key=lambda r: r["regret"])
+        summary[method] = {"points": len(rows), "median": statistics.median(regrets), "worst": worst["regret"],
+                           "misses_over_3pct": sum(r > 0.03 for r in regrets)}
+        for r in sorted(rows, key=lambda r: -r["regret"])[:6]:
+            print(f"{method:8s} {r['regret']:6.1%} {r['selected']:>16s} vs {r['best']:<16s} {r['bucket']}")
+        inner = [r["regret"] for r in rows if "|q2048|" in r["bucket"]]
+        summary[method]["interior_median"], summary[method]["interior_worst"] = statistics.median(inner), max(inner)
+        print(f"{method}: {summary[method]}")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
