@@ -108,6 +108,44 @@ def _check_scalars(softmax_scale, causal) -> None:
     arguments.flag("causal", causal)
 
 
+#: varlen masks built from device cu_seqlens, per call layout: (mask, the two tensors, their versions); reading
+#: device starts on the host is a sync that waits for all queued GPU work. An entry holds its tensors (the mask
+#: reads them on the device anyway), so their ids stay theirs while cached.
+_VARLEN_MASKS: dict = {}
+_VARLEN_MASK_LIMIT = 64
+
+
+def _read_is_a_sync(cu: torch.Tensor) -> bool:
+    """Whether reading ``cu`` on the host waits for the device (a CUDA tensor)."""
+    return cu.is_cuda
+
+
+def _varlen_mask(kind, window: tuple, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q,
+                 max_seqlen_k, q: torch.Tensor, k: torch.Tensor):
+    """``kind.from_cu_seqlens`` on q's device. Device starts are read once per tensor and version: a repeated call
+    with the same two tensors, unchanged (``Tensor._version``, which every torch write bumps), reuses the mask."""
+    key = None
+    if _read_is_a_sync(cu_seqlens_q) and _read_is_a_sync(cu_seqlens_k):
+        key = (kind, window, id(cu_seqlens_q), id(cu_seqlens_k), max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0],
+               q.device)
+        hit = _VARLEN_MASKS.get(key)
+        if hit is not None:
+            mask, held_q, held_k, versions = hit
+            if (held_q is cu_seqlens_q and held_k is cu_seqlens_k
+                    and versions == (cu_seqlens_q._version, cu_seqlens_k._version)):
+                return mask
+    bias = kind.from_cu_seqlens(cu_seqlens_q, cu_seqlens_k, *window, max_seqlen_q=max_seqlen_q,
+                                max_seqlen_k=max_seqlen_k, total_q=q.shape[0], total_k=k.shape[0])
+    if bias.q_seqinfo.seqstart.device != q.device or bias.k_seqinfo.seqstart.device != q.device:
+        bias = bias.to(q.device)  # starts given on the host: read there, the kernels read a device copy
+    if key is not None:
+        if len(_VARLEN_MASKS) >= _VARLEN_MASK_LIMIT:
+            _VARLEN_MASKS.clear()
+        _VARLEN_MASKS[key] = (bias, cu_seqlens_q, cu_seqlens_k,
+                              (cu_seqlens_q._version, cu_seqlens_k._version))
+    return bias
+
+
 def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                            cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, seqused_q=None,
                            seqused_k=None, softmax_scale: float | None = None, causal: bool = False, qv=None,
@@ -117,7 +155,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            deterministic: bool = False, sm_margin: int = 0, return_attn_probs: bool = False):
     """Packed sequences: q (total_q, Hq, D), k/v (total_k, Hkv, D); cu_seqlens_* int32 (nseq + 1,).
     Descales are (nseq, Hkv) or per-tensor. Returns out (total_q, Hq, Dv) [, lse (Hq, total_q)].
-    Reads cu_seqlens on the host (one device sync per distinct tensor); under torch.compile the call is one custom op
+    Reads cu_seqlens on the host (one device sync per tensor and version: repeated calls with the same unchanged
+    cu_seqlens tensors reuse what was read); under torch.compile the call is one custom op
     (``fmha_ops::varlen_attention``) that does so when it runs."""
     _unsupported(seqused_q=(seqused_q, None), seqused_k=(seqused_k, None), qv=(qv, None),
                  attention_chunk=(attention_chunk, 0))
@@ -142,10 +181,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         kind, window = ab.BlockDiagonalMask, ()
     else:
         kind, window = ab.BlockDiagonalLocalAttentionFromBottomRightMask, (None, left, right)
-    bias = kind.from_cu_seqlens(cu_seqlens_q, cu_seqlens_k, *window, max_seqlen_q=max_seqlen_q,
-                                max_seqlen_k=max_seqlen_k, total_q=q.shape[0], total_k=k.shape[0])
-    if bias.q_seqinfo.seqstart.device != q.device or bias.k_seqinfo.seqstart.device != q.device:
-        bias = bias.to(q.device)  # starts given on the host: read there, the kernels read a device copy
+    bias = _varlen_mask(kind, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
     res = _run(q[None], k[None], v[None], bias, softmax_scale, q_descale, k_descale, v_descale, return_attn_probs,
                softcap)
     if return_attn_probs:
