@@ -103,6 +103,8 @@ class Selector:
         self._memo: dict[Hashable, type[Op]] = {}
         #: callers' own memos of what follows from a selection, cleared with the selector's (``derived_memo``)
         self._derived: list[dict] = []
+        #: (device, op NAME, bucket) -> the op's measured points of that bucket's kind (``measured_points``)
+        self._measured = self.derived_memo()
         #: (allowed op NAMEs or None for all, excluded names) set by use_ops for the current context
         self._scope: contextvars.ContextVar[tuple[frozenset | None, frozenset]] = contextvars.ContextVar(
             f"{env_prefix}_scope", default=(None, frozenset()))
@@ -221,7 +223,10 @@ class Selector:
         if model is None or not math.isfinite(model):
             return rows.get(bucket), "table"
         factor = self.tables.calibration(problem.arch.name, op.NAME, median_fallback=False)
-        fitted = nearest_ratio(op, problem, rows, factor)
+        key = (problem.arch.name, op.NAME, bucket)
+        if key not in self._measured:
+            self._measured[key] = measured_points(op, problem, rows)
+        fitted = nearest_ratio(op, problem, rows, factor, self._measured[key])
         if fitted is None:
             return None, ""
         ratio, used = fitted
@@ -319,15 +324,26 @@ NEIGHBOURS = 2
 PRIOR_DISTANCE = 2.0
 
 
-def nearest_ratio(op: type[Op], problem: Any, rows: dict[str, float],
-                  prior: float | None = None) -> tuple[float, int] | None:
+def measured_points(op: type[Op], problem: Any, rows: dict[str, float]) -> list[tuple[tuple, float]]:
+    """(``size_point()``, log(measured / ``op.estimate``)) at each of the op's measured ``rows`` whose bucket is
+    of the problem's kind (``problem.at_bucket(bucket)`` gives a problem: same dtypes, masks, head dims...)."""
+    points = []
+    for bucket, seconds in rows.items():
+        at = problem.at_bucket(bucket)
+        model = op.estimate(at) if at is not None else None
+        if model and math.isfinite(model) and seconds > 0:
+            points.append((at.size_point(), math.log(seconds / model)))
+    return points
+
+
+def nearest_ratio(op: type[Op], problem: Any, rows: dict[str, float], prior: float | None = None,
+                  points: list[tuple[tuple, float]] | None = None) -> tuple[float, int] | None:
     """(measured / model ratio, buckets used) for ``problem`` from the op's measured ``rows`` of the same kind.
 
-    A row's bucket is of the same kind when ``problem.at_bucket(bucket)`` gives a problem (the problem at that
-    bucket's sizes; None for other dtypes, masks, head dims...). The ratio is the geometric mean of
-    measured / ``op.estimate`` at the ``NEIGHBOURS`` buckets nearest in ``problem.size_point()`` (log2 sizes),
-    weighted by 1 / (distance + 1/2)^2, and ``prior`` (the op's one device-wide factor, when given) weighted as a
-    bucket at ``PRIOR_DISTANCE``; None when no row is of the same kind.
+    The ratio is the geometric mean of measured / ``op.estimate`` at the ``NEIGHBOURS`` buckets nearest in
+    ``problem.size_point()`` (log2 sizes), weighted by 1 / (distance + 1/2)^2, and ``prior`` (the op's one
+    device-wide factor, when given) weighted as a bucket at ``PRIOR_DISTANCE``; None when no row is of the same
+    kind. ``points``: ``measured_points(op, problem, rows)`` computed beforehand.
 
     Example
     -------
@@ -335,15 +351,10 @@ def nearest_ratio(op: type[Op], problem: Any, rows: dict[str, float],
     (1.31, 1)
     """
     here = problem.size_point()
-    near = []
-    for bucket, seconds in rows.items():
-        at = problem.at_bucket(bucket)
-        model = op.estimate(at) if at is not None else None
-        if model and math.isfinite(model) and seconds > 0:
-            near.append((math.dist(here, at.size_point()), math.log(seconds / model)))
+    near = sorted((math.dist(here, at), log_ratio)
+                  for at, log_ratio in (measured_points(op, problem, rows) if points is None else points))
     if not near:
         return None
-    near.sort()
     near = near[:NEIGHBOURS]
     used = len(near)
     if prior:
