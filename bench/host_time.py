@@ -38,6 +38,7 @@ from fmha_ops import attn_bias as ab  # noqa: E402
 from fmha_ops.call import make_problem  # noqa: E402
 from fmha_ops.dispatch import SELECTOR  # noqa: E402
 from fmha_ops.inputs import make_inputs  # noqa: E402
+from fmha_ops.ops.sdpa import _SdpaOp  # noqa: E402
 from fmha_ops.testing import normal_qkv  # noqa: E402
 
 COMMAND = "PYTHONPATH=$PWD python bench/host_time.py"
@@ -62,7 +63,7 @@ def _selected(inp, kind="fw", needs_lse=False):
 def _direct(inp, needs_lse=False) -> tuple[str, Call]:
     """(op name, a call of that op without our call path)."""
     op = _selected(inp, needs_lse=needs_lse)
-    if hasattr(op, "kernel"):  # an SDPA op: the aten function it calls, on tensors laid out for it
+    if issubclass(op, _SdpaOp):  # an SDPA op: the aten function it calls, on tensors laid out for it
         causal = inp.bias_kind == ab.CAUSAL or (inp.bias_kind == ab.CAUSAL_BR and inp.query.shape[1] > 1)
         fn, args, kwargs, bmhk = op.kernel(inp, causal, inp.scale)
         q, k, v = (inp.query, inp.key, inp.value) if bmhk else _bhmk(inp.query, inp.key, inp.value)

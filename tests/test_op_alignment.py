@@ -66,6 +66,18 @@ def test_sdpa_efficient_refuses_a_misaligned_key_stride():
     assert REGISTRY.get("sdpa_efficientF").not_supported_reasons(_problem(torch.float16, 64, 64)) == []
 
 
+def test_sdpa_cudnn_refuses_rows_off_16_bytes():
+    """q / k / v sliced from one (B, M, 3 * 64 + 4) bf16 tensor (392-byte rows): cuDNN's TMA loads read them wrong
+    (cosine 0.02 on the H200), so the op refuses, naming the operands; dense ones pass."""
+    packed = torch.randn(3, 128, 1, 3 * 64 + 4, dtype=torch.bfloat16)
+    q, k, v = (packed[..., i * 64:(i + 1) * 64] for i in range(3))
+    op = REGISTRY.get("sdpa_cudnnF")
+    p = dataclasses.replace(make_inputs(q, k, v).problem(), arch=SM90)
+    assert any(r.startswith("query/key/value has a start address or a stride not a multiple of 16 bytes")
+               for r in op.not_supported_reasons(p)), op.not_supported_reasons(p)
+    assert op.not_supported_reasons(_problem(torch.bfloat16, 64, 64)) == []
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("batch, mq, mk", [(0, 4, 64), (1, 0, 64), (1, 4, 0), (2, 0, 0), (1, 1, 0), (0, 1, 1)])
 def test_every_op_answers_for_empty_problems(dtype, batch, mq, mk):
