@@ -197,7 +197,7 @@ def _training_row(q, k, v, causal) -> tuple:
     inp = make_inputs(*grads, causal)
     fw = _selected(inp)
     ours = lambda: torch.autograd.grad(fmha_ops.memory_efficient_attention(*grads, causal), grads, do)  # noqa: E731
-    if hasattr(fw, "kernel"):
+    if issubclass(fw, _SdpaOp):
         fn, args, kwargs, bmhk = fw.kernel(inp, True, inp.scale)
         leaves = [t.detach().clone().requires_grad_() for t in (grads if bmhk else _bhmk(*grads))]
         do_in = do if bmhk else do.transpose(1, 2)
