@@ -92,14 +92,12 @@ class _SdpaOp(AttentionFwOp):
                     q, k, v, attn_mask=mask, dropout_p=inp.p, scale=scale,
                     enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2)
             out = out.masked_fill(empty_rows[None, :, None, None], 0.0)
-        elif not (q.numel() and k.numel()):  # nothing to attend: an empty output, or zeros where no key is visible
-            # (SDPA's front end returned None for batch 0 on CUDA, torch 2.11; the fused functions fault)
-            out = inp.query.new_zeros(inp.query.shape[:3] + inp.value.shape[3:])
-        elif not _is_compiling():
+        elif q.numel() and k.numel() and not _is_compiling():
             fn, args, kwargs, bmhk = cls.kernel(inp, causal, scale)
             out = fn(q.transpose(1, 2), inp.key, inp.value, *args, **kwargs)[0] if bmhk else \
                 fn(q, k, v, *args, **kwargs)[0].transpose(1, 2)
-        else:  # traced calls take the front end, the function torch.compile knows best (it picks the kernel then)
+        else:  # the fused functions fault on empty inputs (SDPA's front end returns the empty / zero output); traced
+            # calls take the front end too, the function torch.compile knows best (it picks the kernel then)
             out = torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, dropout_p=inp.p, is_causal=causal, scale=scale,
                 enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2)
