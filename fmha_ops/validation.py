@@ -208,7 +208,7 @@ def tma_misaligned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[s
 
     Example
     -------
-    >>> q = torch.randn(2, 64, 4, 40, dtype=torch.float16)[..., :32]  # rows 80 bytes apart
+    >>> q = torch.randn(2, 64, 4, 36, dtype=torch.float16)[..., :32]  # heads 72 bytes apart
     >>> k = v = torch.randn(2, 64, 4, 32, dtype=torch.float16)
     >>> tma_misaligned(q, k, v)
     ('query',)
