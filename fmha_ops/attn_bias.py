@@ -337,10 +337,12 @@ def _int32(values: Sequence[int], device) -> torch.Tensor:
     return torch.tensor(list(values), dtype=torch.int32, device=device)
 
 
-@functools.lru_cache(maxsize=64)
 def _padded_starts(device: torch.device, n: int, padding: int) -> torch.Tensor:
-    """int32 [0, padding, ..., n * padding] on ``device``, made once per shape (decode calls reuse it)."""
-    return torch.arange(n + 1, dtype=torch.int32, device=device) * padding
+    """int32 [0, padding, ..., n * padding] on ``device``, a new tensor per call (one launch): a cached one made
+    during a CUDA-graph capture would live in the graph's memory pool."""
+    if padding == 0:
+        return torch.zeros(n + 1, dtype=torch.int32, device=device)
+    return torch.arange(0, (n + 1) * padding, padding, dtype=torch.int32, device=device)
 
 
 @functools.lru_cache(maxsize=256)

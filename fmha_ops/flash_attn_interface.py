@@ -16,7 +16,6 @@ quantizes inside, runs the fp8 forward and returns bf16 gradients to the bf16 te
 from __future__ import annotations
 
 import ast
-import functools
 import os
 from typing import NamedTuple, Optional
 
@@ -188,11 +187,6 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         return res[0][0], res[1][0]
     return res[0]
 
-
-
-@functools.lru_cache(maxsize=64)
-def _identity_table(device: torch.device, batch: int) -> torch.Tensor:
-    return torch.arange(batch, dtype=torch.int32, device=device)[:, None]
 
 
 def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -430,7 +424,7 @@ def kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
         if cache_batch_idx is None:
             if k_cache.shape[0] != batch:
                 raise ValueError(f"k_cache has {k_cache.shape[0]} sequences but q has {batch}; pass cache_batch_idx")
-            page_table = _identity_table(q.device, batch)
+            page_table = torch.arange(batch, dtype=torch.int32, device=q.device)[:, None]  # row b is page b
         else:
             _check_index_tensor("cache_batch_idx", cache_batch_idx, (batch,), (torch.int32, torch.int64), q.device)
             page_table = cache_batch_idx.to(torch.int32)[:, None]
@@ -516,17 +510,12 @@ def _cache_seqlens(cache_seqlens, q: torch.Tensor, most: int) -> torch.Tensor:
         if not 0 <= cache_seqlens <= most:
             raise ValueError(f"cache_seqlens={cache_seqlens} is outside [0, {most}]: the cache's capacity less the "
                              f"appended tokens")
-        return _full_lengths(q.device, batch, cache_seqlens)
+        return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
     if not isinstance(cache_seqlens, torch.Tensor):
         raise TypeError(f"cache_seqlens must be an int or an int32 tensor of shape ({batch},), got "
                         f"{type(cache_seqlens).__name__}")
     _check_index_tensor("cache_seqlens", cache_seqlens, (batch,), (torch.int32,), q.device)
     return cache_seqlens
-
-
-@functools.lru_cache(maxsize=64)
-def _full_lengths(device: torch.device, batch: int, length: int) -> torch.Tensor:
-    return torch.full((batch,), length, dtype=torch.int32, device=device)
 
 
 def _check_index_tensor(name: str, t, shape: tuple, dtypes: tuple, device: torch.device) -> None:

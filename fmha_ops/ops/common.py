@@ -5,7 +5,6 @@ Backends import from here (and from ``base`` / ``cost``), never from each other.
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -42,11 +41,6 @@ def interpreter_reasons(p: Problem) -> list[str]:
 DECODE_MASKS = frozenset({ab.NONE, ab.CAUSAL_BR, ab.PADDED_KEYS, ab.PADDED_KEYS_CAUSAL, ab.PAGED, ab.PAGED_CAUSAL})
 
 
-@functools.lru_cache(maxsize=64)
-def _full_lengths(device: torch.device, batch: int, length: int) -> torch.Tensor:
-    return torch.full((batch,), length, dtype=torch.int32, device=device)
-
-
 def decode_reasons(p: Problem) -> list[str]:
     """What the paged-decode kernels (Triton and Gluon) share: output in the query's dtype or float32, causal
     among several new tokens, per-token (not per-(batch, head)) scales with a paged cache."""
@@ -64,7 +58,8 @@ def decode_views(inp: Inputs):
     """(q (B, Mq, Hq, D), k_cache, v_cache, seqlens, block_table, k_scale, v_scale) for a decode kernel.
 
     Caches are (B, L, Hkv, D) or, paged, (pages, page_size, Hkv, D) views of the call's key / value; seqlens
-    int32 (B,); block_table int32 (B, max_pages) or None; k/v scales float32 per token (shaped like the caches
+    int32 (B,) (the mask's, or for a dense call a new tensor of L per sequence: nothing is cached across calls, so
+    a call captured in a CUDA graph keeps no graph-pool memory alive); block_table int32 (B, max_pages) or None; k/v scales float32 per token (shaped like the caches
     without D, in the caller's layout when given per page; stride 0 where a per-tensor or per-head descale
     repeats) or None. With ``quantize_kv_to_fp8``
     the caches are quantized to the arch's fp8 per token first.
@@ -74,7 +69,7 @@ def decode_views(inp: Inputs):
     per_token = ks is not None and ks.shape == k.shape[:3]  # shaped like the key (pool) without D
     block_table = None
     if bias is None or bias.KIND in (ab.NONE, ab.CAUSAL_BR):  # dense, local windows included
-        seqlens = _full_lengths(q.device, q.shape[0], k.shape[1])
+        seqlens = torch.full((q.shape[0],), k.shape[1], dtype=torch.int32, device=q.device)
     else:
         nseq = len(bias.q_seqinfo.seqstart_py) - 1
         q = q.view(nseq, q.shape[1] // max(nseq, 1), *q.shape[2:])

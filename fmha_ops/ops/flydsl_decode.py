@@ -16,7 +16,6 @@ FlyDSL is imported on the first launch only (its LLVM conflicts with Triton's in
 """
 from __future__ import annotations
 
-import functools
 from typing import ClassVar
 
 import torch
@@ -38,11 +37,6 @@ _BANDWIDTH = {"gfx942": 4.0e12, "gfx950": 6.0e12}
 FIXED_SPLITS = (1, 2, 4, 8, 16, 32, 64)
 
 
-@functools.lru_cache(maxsize=64)
-def _one_page_per_sequence(device: torch.device, batch: int) -> torch.Tensor:
-    return torch.arange(batch, dtype=torch.int32, device=device)[:, None]
-
-
 def flydsl_views(inp: Inputs):
     """``(q, k_cache, v_cache, block_table, seqlens, k_scale, v_scale)`` in the kernels' layout
     (:mod:`fmha_ops.kernels.flydsl.host`), views of the caller's tensors wherever possible.
@@ -53,7 +47,7 @@ def flydsl_views(inp: Inputs):
     """
     q, k, v, seqlens, table, ks, vs = decode_views(inp)
     if table is None:
-        table = _one_page_per_sequence(q.device, k.shape[0])
+        table = torch.arange(k.shape[0], dtype=torch.int32, device=q.device)[:, None]  # sequence b is page b
     elif table.stride(-1) != 1:
         table = table.contiguous()
     if k.stride() != v.stride():
