@@ -164,7 +164,7 @@ def attention_forward_op(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     lse float32 (B, Hq, Mq) (empty when neither the LSE nor a gradient is needed)."""
     call = decode_spec(spec)
     fw = REGISTRY.get(call.fw)
-    misaligned = tma_misaligned(query, key, value) if fw.TMA else ()  # the trace could not see the data pointers
+    misaligned = tma_misaligned(query, key, value) if fw.ALIGNMENT else ()  # the trace could not see the data pointers
     if misaligned:
         query, key, value = (t.clone(memory_format=torch.contiguous_format) if name in misaligned else t
                              for name, t in zip(("query", "key", "value"), (query, key, value)))

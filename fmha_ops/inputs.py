@@ -38,7 +38,7 @@ from . import attn_bias as ab
 from .dtypes import FLOAT_DTYPES
 from .fp8_backward import fp8_dequantized_backward_enabled
 from .problem import Problem
-from .validation import alignment_bits, check_values, descale_kinds, tma_misaligned, validate, value_layout
+from .validation import alignment_bits, check_values, descale_kinds, misaligned_operands, validate, value_layout
 
 
 class Signature(NamedTuple):
@@ -166,12 +166,12 @@ class Inputs:
         return Problem(
             arch=current_arch(q.device), deterministic=torch.are_deterministic_algorithms_enabled(),
             graph_capture=q.is_cuda and torch.cuda.is_current_stream_capturing(),
-            fp8_backward=fp8_dequantized_backward_enabled(), tma_misaligned=tma_misaligned(q, k, v),
+            fp8_backward=fp8_dequantized_backward_enabled(), misaligned=misaligned_operands(q, k, v),
             **self.problem_fields(needs_lse))
 
     def problem_fields(self, needs_lse: bool = False) -> dict:
         """The ``Problem`` fields read from the call's tensors and mask alone (all but ``arch``,
-        ``deterministic``, ``graph_capture``, ``fp8_backward`` and ``tma_misaligned``, which come from the
+        ``deterministic``, ``graph_capture``, ``fp8_backward`` and ``misaligned``, which come from the
         process and the data pointers): what ``torch.compile`` traces."""
         q, k, v = self.query, self.key, self.value
         dims = ab.dense_dims(q, k) if self.attn_bias is None else self.attn_bias.dims(q, k)

@@ -53,7 +53,9 @@ class Problem:
     graph_capture: bool
     fp8_backward: bool = False  # set_fp8_dequantized_backward is on
     v_keys_contiguous: bool = False  # value is keys-contiguous (see fmha_ops.inputs)
-    tma_misaligned: tuple[str, ...] = ()  # inputs a TMA descriptor cannot address (validation.tma_misaligned)
+    #: inputs that break the 16-byte rule of TMA descriptors and vector loads, each with its value
+    #: (validation.misaligned_operands): ops that declare ALIGNMENT refuse them
+    misaligned: tuple[str, ...] = ()
     #: local attention window (the mask's ``window_left`` / ``window_right``; -1 = unbounded): key j is
     #: visible from query i iff the mask kind allows it and i_al - window_left <= j <= i_al + window_right,
     #: i_al = i for top-left kinds, i + Mk - Mq (per sequence) for bottom-right and non-causal kinds

@@ -18,7 +18,8 @@ from .quant import K_SCALE_BLOCK, Q_SCALE_BLOCK
 Inputs = Any  # an fmha_ops.inputs.Inputs (this module sits below it and does not import it)
 
 _DESCALE_ROLES = ("q_descale", "k_descale", "v_descale")
-#: bytes a TMA descriptor needs its start address and its non-unit strides to be a multiple of
+#: bytes a TMA descriptor or a 16-byte vector load needs its start address and its non-unit strides to be a
+#: multiple of
 TMA_ALIGNMENT = 16
 
 
@@ -201,10 +202,41 @@ def value_layout(v: torch.Tensor) -> Any:
     return v.stride()
 
 
+#: the BMHK dims' names in what ``misalignment`` says
+_BMHK_DIMS = ("batch", "sequence", "head", "head-dim")
+
+
+def misalignment(t: torch.Tensor) -> str | None:
+    """What keeps a kernel that needs 16-byte (``TMA_ALIGNMENT``) operands from reading the BMHK tensor ``t`` as
+    stored: its start address, or the first stride (in bytes) of a dim longer than 1, other than a unit stride, that
+    is not a multiple of 16 bytes; None for an empty tensor or one that is aligned.
+
+    Example
+    -------
+    >>> misalignment(torch.randn(2, 200, 1, 196, dtype=torch.float16)[..., :64])
+    'sequence stride 196 elements (392 bytes)'
+    """
+    if not t.numel():
+        return None
+    if t.data_ptr() % TMA_ALIGNMENT:
+        return f"start address {t.data_ptr() % TMA_ALIGNMENT} bytes past a {TMA_ALIGNMENT}-byte boundary"
+    for dim, (size, stride) in enumerate(zip(t.shape, t.stride())):
+        if stride != 1 and size > 1 and stride * t.element_size() % TMA_ALIGNMENT:
+            name = _BMHK_DIMS[dim] if t.dim() == len(_BMHK_DIMS) else f"dim {dim}"
+            return f"{name} stride {stride} elements ({stride * t.element_size()} bytes)"
+    return None
+
+
+def misaligned_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[str, ...]:
+    """One phrase per input that breaks the 16-byte rule (``misalignment``), naming the input and the value, e.g.
+    ``('query sequence stride 196 elements (392 bytes)',)``; empty when all are aligned. The call signature holds
+    the bits this depends on (``alignment_bits``)."""
+    return tuple(f"{name} {why}" for name, t in (("query", q), ("key", k), ("value", v))
+                 if (why := misalignment(t)) is not None)
+
+
 def tma_misaligned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[str, ...]:
-    """Names of the non-empty inputs a TMA descriptor cannot address: the start address or a stride (in bytes)
-    of a dim longer than 1, other than the contiguous one (stride 1), is not a multiple of 16 bytes. The call
-    signature holds these bits (``alignment_bits``).
+    """Names of the inputs ``misalignment`` finds a reason in.
 
     Example
     -------
@@ -213,9 +245,7 @@ def tma_misaligned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[s
     >>> tma_misaligned(q, k, v)
     ('query',)
     """
-    return tuple(name for name, t in (("query", q), ("key", k), ("value", v)) if t.numel() and (
-        t.data_ptr() % TMA_ALIGNMENT or any(stride != 1 and size > 1 and stride * t.element_size() % TMA_ALIGNMENT
-                                            for size, stride in zip(t.shape, t.stride()))))
+    return tuple(name for name, t in (("query", q), ("key", k), ("value", v)) if misalignment(t) is not None)
 
 
 def alignment_bits(t: torch.Tensor) -> int:

@@ -1,7 +1,11 @@
 """GPU: calls some kernels cannot address (head dims off 16-byte vectors, sliced BMK layouts with odd row
 strides or start addresses, tensor biases with odd strides, empty sequences) through the public API, on every
 op that declares them and on the selector's pick, against a float64 reference. Each op's kernels are waited for
-before the next, so a fault (a sticky CUDA error) fails the case that caused it."""
+before the next, so a fault (a sticky CUDA error) fails the case that caused it, naming the op.
+``python -m tests.test_gpu_alignment`` runs each op on each layout in its own process instead (a fault there
+cannot spread to the next op).
+
+"""
 from __future__ import annotations
 
 import pytest
@@ -30,14 +34,20 @@ def check_every_op(q, k, v, bias=None, dtype=torch.float16, bmk=False):
     as4 = (lambda t: t.unsqueeze(2)) if bmk else (lambda t: t)
     ref, _ = reference_attention(make_inputs(as4(q), as4(k), as4(v), bias), torch.float64)
     names = []
+    torch.cuda.synchronize()  # a fault before the ops (the reference, the inputs) is not charged to the first op
     for op in _declaring_ops(as4(q), as4(k), as4(v), bias) + [None]:
-        out = fmha_ops.memory_efficient_attention(q, k, v, bias, op=op)
-        torch.cuda.synchronize()
+        name = op.NAME if op else f"default ({fmha_ops.explain(q, k, v, bias).selected.NAME})"
+        try:
+            out = fmha_ops.memory_efficient_attention(q, k, v, bias, op=op)
+            torch.cuda.synchronize()
+        except torch.AcceleratorError as e:  # a fault of this op's kernels (sticky: later calls fail too)
+            raise AssertionError(f"{name} faulted on q {tuple(q.shape)} strides {q.stride()}, k strides {k.stride()}, "
+                                 f"v strides {v.stride()}: {str(e).splitlines()[0]}") from e
         out = as4(out)
         assert out.shape == ref.shape, (op, out.shape, ref.shape)
         if ref.numel():
             assert error_report(out, ref)["rel"] < TOL[dtype], (op and op.NAME, error_report(out, ref))
-        names.append(op.NAME if op else "default")
+        names.append(name)
     assert fmha_ops.explain(q, k, v, bias).selected is not None
     return names
 

@@ -422,8 +422,9 @@ def test_misaligned_inputs_are_not_given_to_tma_ops():
     q, k, v = qkv(torch.float16)
     qm = torch.cat([torch.zeros(B, MQ, HQ, 4, dtype=torch.float16), q], dim=-1)[..., 4:]
     assert qm.data_ptr() % 16 == 8 and torch.equal(qm, q)
-    assert Inputs(qm, k, v).problem().tma_misaligned == ("query",) and not Inputs(q, k, v).problem().tma_misaligned
-    with pytest.raises(ValueError, match="query has a start address or a stride not a multiple of 16 bytes"):
+    assert Inputs(qm, k, v).problem().misaligned == ("query start address 8 bytes past a 16-byte boundary",)
+    assert not Inputs(q, k, v).problem().misaligned
+    with pytest.raises(ValueError, match="query start address 8 bytes past a 16-byte boundary: not a multiple of 16"):
         fmha_ops.memory_efficient_attention(qm, k, v, op="triton_attnF")
     out = fmha_ops.memory_efficient_attention(qm, k, v)
     torch.testing.assert_close(out, fmha_ops.memory_efficient_attention(q, k, v), atol=2e-3, rtol=2e-3)
@@ -436,12 +437,13 @@ def test_misaligned_strides_are_not_given_to_tma_ops():
     q, k, v = qkv(torch.float16)
     ks = torch.cat([k, torch.zeros(*k.shape[:-1], 4, dtype=k.dtype)], dim=-1)[..., :k.shape[-1]]
     assert ks.data_ptr() % 16 == 0 and torch.equal(ks, k)
-    assert Inputs(q, ks, v).problem().tma_misaligned == ("key",)
+    assert Inputs(q, ks, v).problem().misaligned == (f"key head stride {D + 4} elements ({2 * (D + 4)} bytes)",)
     assert Inputs(q, ks, v).signature() != Inputs(q, k, v).signature()
     q8, k8, v8 = qkv(torch.float16, mk=8)  # keys-contiguous value: (B, Hkv, Dv, 8 keys) rows of 16 bytes
-    assert not Inputs(q8, k8, v8.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)).problem().tma_misaligned
-    assert not Inputs(q[:1].as_strided(q[:1].shape, (3,) + q.stride()[1:]), k[:1], v[:1]).problem().tma_misaligned
-    with pytest.raises(ValueError, match="key has a start address or a stride not a multiple of 16 bytes"):
+    assert not Inputs(q8, k8, v8.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)).problem().misaligned
+    assert not Inputs(q[:1].as_strided(q[:1].shape, (3,) + q.stride()[1:]), k[:1], v[:1]).problem().misaligned
+    with pytest.raises(ValueError, match=r"key head stride 20 elements \(40 bytes\): not a multiple of 16 bytes, "
+                                         r"which this op's TMA descriptors"):
         fmha_ops.memory_efficient_attention(q, ks, v, op="triton_attnF")
     torch.testing.assert_close(fmha_ops.memory_efficient_attention(q, ks, v),
                                fmha_ops.memory_efficient_attention(q, k, v), atol=2e-3, rtol=2e-3)

@@ -61,8 +61,8 @@ def test_sdpa_efficient_refuses_a_misaligned_key_stride():
     wide = torch.randn(3, 128, 1, 68, dtype=torch.float16)
     reasons = REGISTRY.get("sdpa_efficientF").not_supported_reasons(
         _problem(torch.float16, 64, 64, key=wide[..., :64]))
-    assert any(r.startswith("key has a start address or a stride not a multiple of 16 bytes") for r in reasons), \
-        reasons
+    assert any(r.startswith("key sequence stride 68 elements (136 bytes): not a multiple of 16 bytes")
+               for r in reasons), reasons
     assert REGISTRY.get("sdpa_efficientF").not_supported_reasons(_problem(torch.float16, 64, 64)) == []
 
 
@@ -73,9 +73,48 @@ def test_sdpa_cudnn_refuses_rows_off_16_bytes():
     q, k, v = (packed[..., i * 64:(i + 1) * 64] for i in range(3))
     op = REGISTRY.get("sdpa_cudnnF")
     p = dataclasses.replace(make_inputs(q, k, v).problem(), arch=SM90)
-    assert any(r.startswith("query/key/value has a start address or a stride not a multiple of 16 bytes")
+    assert any(r.startswith("query sequence stride 196 elements (392 bytes); key sequence stride 196 elements "
+                            "(392 bytes); value sequence stride 196 elements (392 bytes): not a multiple of 16 bytes")
                for r in op.not_supported_reasons(p)), op.not_supported_reasons(p)
     assert op.not_supported_reasons(_problem(torch.bfloat16, 64, 64)) == []
+
+
+#: ops whose kernels read q / k / v in 16-byte vectors or through TMA on the GPU, by the dtype they run
+_ALIGNED_OPS = {torch.float16: ("sdpa_flashF", "sdpa_cudnnF", "sdpa_efficientF", "triton_attnF", "fa4F", "fa4B"),
+                torch.float8_e4m3fn: ("triton_fp8F", "gluon_fp8F", "gluon_ws_fp8F", "cudnn_fp8F")}
+
+
+@pytest.mark.parametrize("dtype, name", [(d, n) for d, names in _ALIGNED_OPS.items() for n in names])
+@pytest.mark.parametrize("start, pad, why", [
+    (0, 8, "sequence stride {} elements (392 bytes)"),  # 8-byte aligned rows
+    (2, 0, "start address 2 bytes past a 16-byte boundary"),
+])
+def test_ops_with_16_byte_loads_refuse_misaligned_rows(dtype, name, start, pad, why):
+    """q / k / v of 128 bytes each sliced from one (B, M, start + 3 * 128 + pad bytes) tensor, as a fused QKV
+    projection gives them: every op that loads 16-byte vectors or TMA tiles refuses on sm90, naming the input and
+    the value."""
+    es, width = dtype.itemsize, 128 // dtype.itemsize
+    packed = torch.randn(3, 128, 1, (start + 3 * 128 + pad) // 2, dtype=torch.float16).view(dtype)
+    q, k, v = (packed[..., start // es + i * width: start // es + (i + 1) * width] for i in range(3))
+    p = dataclasses.replace(make_inputs(q, k, v).problem(), arch=SM90)
+    if es == 1:  # the fp8 ops take descales
+        p = dataclasses.replace(p, descales=("tensor",) * 3)
+    reasons = REGISTRY.get(name).not_supported_reasons(p)
+    assert any(r.startswith(f"query {why.format(392 // es)}") and "not a multiple of 16 bytes" in r
+               for r in reasons), reasons
+
+
+def test_pointer_kernels_take_misaligned_rows():
+    """SDPA's math path, the reference and the CPU flash kernel read any stride: they serve the calls above."""
+    packed = torch.randn(3, 128, 1, 3 * 64 + 4, dtype=torch.float16)
+    q, k, v = (packed[..., i * 64:(i + 1) * 64] for i in range(3))
+    p = make_inputs(q, k, v).problem()
+    assert p.misaligned and p.arch.kind == "cpu"
+    for name in ("sdpa_flashF", "sdpa_mathF", "torch_referenceF"):
+        assert REGISTRY.get(name).not_supported_reasons(p) == [], name
+    p90 = dataclasses.replace(p, arch=SM90)
+    assert REGISTRY.get("sdpa_mathF").not_supported_reasons(p90) == []
+    assert REGISTRY.get("sdpa_flashF").not_supported_reasons(p90)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])

@@ -20,7 +20,9 @@ Declarations (class attributes; every check below reads only these):
   DETERMINISTIC  bitwise reproducible (checked when torch.use_deterministic_algorithms is on)
   CUDA_GRAPH     capturable in a CUDA graph
   V_KEYS_CONTIGUOUS  accepts a keys-contiguous value (stride 1 along the sequence; fmha_ops.inputs)
-  TMA            moves tiles with TMA descriptors: q/k/v must start at 16-byte aligned addresses, strides too
+  ALIGNMENT      what in the op's kernels needs q/k/v at 16-byte aligned start addresses with every stride but the
+                 unit one a multiple of 16 bytes ("TMA descriptors", "16-byte vector loads"); None: any layout
+                 (``alignment(problem)`` may answer per architecture)
   TRACEABLE      ``apply`` is plain torch that torch.compile traces into the graph (else it runs behind the
                  custom op ``fmha_ops::attention_forward``, see fmha_ops.compiled); implies AUTOGRAD
   WINDOW         local attention windows (Problem.window_left / window_right, with each allowed mask kind)
@@ -41,6 +43,7 @@ from .. import attn_bias as ab
 from ..dtypes import FLOAT_DTYPES, dtype_name
 from ..inputs import Inputs
 from ..problem import Problem
+from ..validation import TMA_ALIGNMENT
 from .cost import BACKWARD_WORK, backward_time
 
 NO_DESCALES = {"q": frozenset({"none"}), "k": frozenset({"none"}), "v": frozenset({"none"})}
@@ -64,7 +67,7 @@ class AttentionOp(Op):
     DETERMINISTIC: ClassVar[bool] = True
     CUDA_GRAPH: ClassVar[bool] = True
     V_KEYS_CONTIGUOUS: ClassVar[bool] = False
-    TMA: ClassVar[bool] = False
+    ALIGNMENT: ClassVar[str | None] = None
     TRACEABLE: ClassVar[bool] = False
     WINDOW: ClassVar[bool] = False
     SOFTCAP: ClassVar[bool] = False
@@ -123,9 +126,10 @@ class AttentionOp(Op):
             r.append("not CUDA-graph capturable (a capture is in progress)")
         if p.v_keys_contiguous and not cls.V_KEYS_CONTIGUOUS:
             r.append("a keys-contiguous value (stride 1 along the sequence) not supported; pass value.contiguous()")
-        if p.tma_misaligned and cls.TMA:
-            r.append(f"{'/'.join(p.tma_misaligned)} has a start address or a stride not a multiple of 16 bytes "
-                     f"(TMA descriptors need both); pass a .contiguous() copy with 16-byte rows")
+        need = cls.alignment(p) if p.misaligned else None
+        if need is not None:
+            r.append(f"{'; '.join(p.misaligned)}: not a multiple of {TMA_ALIGNMENT} bytes, which this op's {need} "
+                     f"need for start addresses and strides; pass .contiguous() copies (rows of 16-byte multiples)")
         if p.windowed and not cls.WINDOW:
             r.append(f"local attention window (window_left={p.window_left}, window_right={p.window_right}) not "
                      f"supported; only unbounded windows (-1)")
@@ -137,6 +141,11 @@ class AttentionOp(Op):
     @classmethod
     def extra_reasons(cls, p: Problem) -> list[str]:
         return []
+
+    @classmethod
+    def alignment(cls, p: Problem) -> str | None:
+        """What needs 16-byte aligned q/k/v for calls like ``p`` (``ALIGNMENT``), or None."""
+        return cls.ALIGNMENT
 
     @classmethod
     def host_time(cls, p: Problem) -> float:

@@ -202,6 +202,8 @@ class CudnnFp8FwOp(OptionalPackage, AttentionFwOp):
     GQA = True
     DESCALES = {r: frozenset({"tensor"}) for r in "qkv"}
     PARTIAL = True
+    #: the graph's fp8 kernels read q / k / v through TMA (cuDNN's fused attention on Hopper and Blackwell)
+    ALIGNMENT = "cuDNN fp8 kernels' TMA loads"
     #: achieved TFLOP/s by head dim on the H200 (the tuning table's long-sequence rates, non-causal, 8k tokens:
     #: 570 / 989 / 967 at D64 / 128 / 256), TB/s, device overhead us (the dequantization launch)
     HEAD_DIM_TFLOPS: ClassVar[dict[int, float]] = {64: 570.0, 128: 990.0, 256: 970.0}

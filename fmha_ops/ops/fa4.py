@@ -156,6 +156,8 @@ class _FA4Op(OptionalPackage):
     SOFTCAP = True
     DETERMINISTIC = True  # passes deterministic=True to FA4 when torch.use_deterministic_algorithms is on
     CUDA_GRAPH = True
+    #: FA4's CuTe DSL kernels take q / k / v (and the gradients) through TMA, their tensors marked 16-byte aligned
+    ALIGNMENT = "TMA descriptors (CuTe DSL)"
     package_reason = staticmethod(fa4_package_reason)
     import_reason = staticmethod(fa4_unavailable_reason)
 

@@ -36,7 +36,7 @@ class GluonFp8FwOp(AttentionFwOp):
     HEAD_DIMS_V = None  # Kv == K
     BIAS_KINDS = frozenset({ab.NONE, ab.CAUSAL_BR})
     GQA = True
-    TMA = True
+    ALIGNMENT = "TMA descriptors"
     PARTIAL = True
     DESCALES: ClassVar[dict[str, frozenset[str]]] = {r: frozenset({"none", "tensor", "head"}) for r in "qkv"}
     #: achieved TFLOP/s on the H200 (fp8, d128, non-causal: 739 at 4x32x4096, 784 at 2x16x16384), for the cost

@@ -96,11 +96,16 @@ class _SdpaOp(AttentionFwOp):
             fn, args, kwargs, bmhk = cls.kernel(inp, causal, scale)
             out = fn(q.transpose(1, 2), inp.key, inp.value, *args, **kwargs)[0] if bmhk else \
                 fn(q, k, v, *args, **kwargs)[0].transpose(1, 2)
-        else:  # the fused functions fault on empty inputs (SDPA's front end returns the empty / zero output); traced
-            # calls take the front end too, the function torch.compile knows best (it picks the kernel then)
+        elif _is_compiling():  # traced calls take SDPA's front end, the function torch.compile knows best (it
+            # picks the kernel then)
             out = torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, dropout_p=inp.p, is_causal=causal, scale=scale,
                 enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2)
+        else:  # empty inputs: the fused functions fault on them and SDPA's front end returned None for batch 0 on
+            # CUDA (torch 2.11); the math composite gives the empty output, or zeros where no key exists, built from
+            # q / k / v so that autograd flows through it
+            out = torch._scaled_dot_product_attention_math(
+                q, k, v, None, inp.p, causal, None, scale=scale, enable_gqa=q.shape[1] != k.shape[1])[0].transpose(1, 2)
         return (out if out.dtype == inp.out_dtype else out.to(inp.out_dtype)), None
 
     @classmethod
@@ -186,7 +191,7 @@ class SdpaCudnnFwOp(_SdpaOp):
     HOST_US = 18.0
     #: cuDNN's fused kernels read q / k / v through TMA; SDPA's front end checks the 16-byte rule, the aten function
     #: called here does not: q / k / v sliced from rows of 196 bf16 elements (392 bytes) gave cosine 0.02 on the H200
-    TMA = True
+    ALIGNMENT = "cuDNN fused kernels' TMA loads"
 
     @classmethod
     def kernel(cls, inp, causal, scale):
@@ -226,6 +231,14 @@ class SdpaFlashFwOp(_SdpaOp):
     RATES = (340.0, 2.5, 8.0)
     CPU_RATES = (0.01, 0.01, 50.0)
     HOST_US = 17.5
+    #: the CUDA FlashAttention-2 kernels copy q / k / v rows to shared memory in 16-byte vectors (cp.async) from
+    #: wherever the strides put them: no check on this path (nor in SDPA's front end), and a row of 196 fp16
+    #: elements (392 bytes) raised "misaligned address" on the H200. The CPU flash kernel takes any stride.
+    ALIGNMENT = "FlashAttention-2 kernels' 16-byte vector loads (cp.async)"
+
+    @classmethod
+    def alignment(cls, p: Problem) -> str | None:
+        return None if p.arch.kind == "cpu" else cls.ALIGNMENT
 
     @classmethod
     def extra_reasons(cls, p: Problem) -> list[str]:
@@ -274,12 +287,14 @@ class SdpaEfficientFwOp(_SdpaOp):
     RATES = (250.0, 2.0, 8.0)
     HOST_US = 18.0
 
+    #: the cutlass kernels load q / k / v in 16-byte vectors (SDPA's front end checks it; the aten function called
+    #: here does not, and a misaligned operand faults on the GPU)
+    ALIGNMENT = "memory-efficient kernels' 16-byte vector loads"
+
     @classmethod
     def extra_reasons(cls, p: Problem) -> list[str]:
-        """The cutlass kernels' operand alignment (SDPA's front end checks it; the aten function called here
-        does not, and a misaligned operand faults on the GPU): head dims K and Kv in whole 16-byte vectors on
-        sm80+ (8 fp16 / bf16 or 4 fp32 elements; 8 fp16 / bf16 elements before), q / k / v start addresses and
-        strides in 16-byte multiples."""
+        """The cutlass kernels' head dims: K and Kv in whole 16-byte vectors on sm80+ (8 fp16 / bf16 or 4 fp32
+        elements; 8 fp16 / bf16 elements before)."""
         r = super().extra_reasons(p)
         vector = _mem_efficient_alignment(p)
         for arg, dim in (("query/key head dim K", p.head_dim), ("value head dim Kv", p.head_dim_v)):
@@ -287,10 +302,6 @@ class SdpaEfficientFwOp(_SdpaOp):
                 r.append(f"{arg}={dim} is not a multiple of {vector} {p.q_dtype} elements "
                          f"({MEM_EFFICIENT_ALIGNMENT_BYTES}-byte vectors the memory-efficient kernels load); "
                          f"supported: multiples of {vector}")
-        if p.tma_misaligned:
-            r.append(f"{'/'.join(p.tma_misaligned)} has a start address or a stride not a multiple of "
-                     f"{MEM_EFFICIENT_ALIGNMENT_BYTES} bytes (the memory-efficient kernels' vector loads need both); "
-                     f"pass a .contiguous() copy with 16-byte rows")
         return r
 
     @classmethod

@@ -58,7 +58,7 @@ class _TritonFwOp(AttentionFwOp):
     GQA = True
     PARTIAL = True
     V_KEYS_CONTIGUOUS = True
-    TMA = True
+    ALIGNMENT = "TMA descriptors"
     WINDOW = True
     SOFTCAP = True
     #: achieved TFLOP/s on the H200 (non-causal, d128), for the cost model; HEAD_DIM_TFLOPS, where set, by head dim
