@@ -287,7 +287,8 @@ for dtype, causal, left in [("fp8", True, True), ("bf16", False, True), ("i8fp8"
              "Out": "tensordesc<bf16[1, 1, 64, 128]>"}
     consts = {"D": 128, "DV": 128, "BLOCK_M": 64, "BLOCK_N": bn, "MASK_LEFT": left, "MASK_RIGHT": causal,
               "BOTTOM_RIGHT": True, "SOFTCAP": True, "VARLEN": False, "V_T": quantized, "P_SHIFT": 8 if quantized else 0,
-              "Q_BLOCKSCALE": False, "K_BLOCKSCALE": False, "V_PER_CHANNEL": False, "WRITE_LSE": True}
+              "Q_BLOCKSCALE": False, "K_BLOCKSCALE": False, "V_PER_CHANNEL": False, "WRITE_LSE": True,
+              "Q_DESCALED": quantized, "K_DESCALED": quantized, "V_DESCALED": quantized}
     sig = {}
     for n in _attn_fwd_kernel.arg_names:
         if n in consts:

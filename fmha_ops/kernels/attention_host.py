@@ -8,29 +8,27 @@ import torch
 import triton
 from triton.runtime import _allocation
 
-_ONES: dict = {}
 
+def descale_args(t: torch.Tensor, B: int, H: int, name: str) -> tuple[torch.Tensor, int, int]:
+    """(tensor, stride_b, stride_h) for a per-tensor (numel 1) or per-(batch, head) (B, H) float32 descale ``t``.
 
-def _ones(device: torch.device) -> torch.Tensor:
-    """A cached float32 one on ``device``: the descale of an absent descale argument."""
-    t = _ONES.get(device)
-    if t is None:
-        t = _ONES[device] = torch.ones(1, dtype=torch.float32, device=device)
-    return t
+    Absent descales are the launcher's business: the Triton forward skips their loads (a constexpr), the Gluon
+    forwards get ``unit_descale``. No device tensor is cached here: under CUDA graphs (torch.compile's
+    mode="reduce-overhead") a tensor kept from the first call would live in the graph's memory pool.
 
-
-def descale_args(t, device, B, H, name):
-    """(tensor, stride_b, stride_h) for a per-tensor or per-(batch, head) float32 descale ``t`` (None: 1).
-
-    Example: ``descale_args(torch.ones(2, 4), "cuda", 2, 4, "k_descale")`` -> (t, 4, 1).
+    Example: ``descale_args(torch.ones(2, 4), 2, 4, "k_descale")`` -> (t, 4, 1).
     """
-    if t is None:
-        return _ones(device), 0, 0
     assert t.dtype == torch.float32, f"{name} must be float32"
     if t.numel() == 1:
         return t.reshape(1), 0, 0
     assert t.shape == (B, H), f"{name} must have numel 1 or shape {(B, H)}, got {tuple(t.shape)}"
     return t, t.stride(0), t.stride(1)
+
+
+def unit_descale(device: torch.device) -> torch.Tensor:
+    """A float32 one (shape (1,)) on ``device``, made per call: the descale of an absent descale argument where a
+    kernel always loads one."""
+    return torch.ones(1, dtype=torch.float32, device=device)
 
 
 def scratch(size: int, align: int, stream) -> torch.Tensor:
@@ -94,9 +92,11 @@ def fp8_forward_args(q, k, v, q_descale, k_descale, v_descale, return_lse: bool,
     if any(s % 16 for t in (q, k) for s in t.stride()[:3]):
         raise ValueError(f"q strides {q.stride()} and k strides {k.stride()} must be multiples of 16 (TMA)")
     device = q.device
-    qd, qd_sb, qd_sh = descale_args(q_descale, device, B, Hkv, "q_descale")
-    kd, kd_sb, kd_sh = descale_args(k_descale, device, B, Hkv, "k_descale")
-    vd, vd_sb, vd_sh = descale_args(v_descale, device, B, Hkv, "v_descale")
+    absent = q_descale is None or k_descale is None or v_descale is None
+    unit = unit_descale(device) if absent else None
+    qd, qd_sb, qd_sh = (unit, 0, 0) if q_descale is None else descale_args(q_descale, B, Hkv, "q_descale")
+    kd, kd_sb, kd_sh = (unit, 0, 0) if k_descale is None else descale_args(k_descale, B, Hkv, "k_descale")
+    vd, vd_sb, vd_sh = (unit, 0, 0) if v_descale is None else descale_args(v_descale, B, Hkv, "v_descale")
     if out_dtype not in FP8_FORWARD_OUT_DTYPES:
         raise TypeError(f"out_dtype {out_dtype} not supported; supported: {FP8_FORWARD_OUT_DTYPES}")
     if out is None:

@@ -109,6 +109,7 @@ def _attn_fwd_kernel(
     MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     VARLEN: tl.constexpr, V_T: tl.constexpr, P_SHIFT: tl.constexpr,
     Q_BLOCKSCALE: tl.constexpr, K_BLOCKSCALE: tl.constexpr, V_PER_CHANNEL: tl.constexpr, WRITE_LSE: tl.constexpr,
+    Q_DESCALED: tl.constexpr, K_DESCALED: tl.constexpr, V_DESCALED: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (sequence, q head).
 
@@ -117,7 +118,8 @@ def _attn_fwd_kernel(
     (MASK_RIGHT; causal: window_right = 0). Key tiles wholly outside that range are not visited; tiles that it
     covers for every row run unmasked. SOFTCAP: scores s become c * tanh(s / c) (``sm_scale_log2`` is then the
     natural scale / c and ``softcap_log2`` = c * log2 e). Dtypes select the path: int8 q (i8fp8: int32 QK^T),
-    ``P_SHIFT`` > 0 (fp8 P for the PV product, scaled by 2**P_SHIFT), else P in v's dtype. VARLEN: sequence b spans rows
+    ``P_SHIFT`` > 0 (fp8 P for the PV product, scaled by 2**P_SHIFT), else P in v's dtype. Q/K/V_DESCALED False:
+    that descale is 1 and its pointer is never read (a placeholder). VARLEN: sequence b spans rows
     [CuQ[b], CuQ[b+1]) of batch 0 (bounds clamped to the tensors' rows) and descriptors are made per head on the
     device; else Q, K, V, Out are host descriptors over (B, H, rows, cols).
     """
@@ -192,14 +194,14 @@ def _attn_fwd_kernel(
         o_desc = Out
 
     if Q_BLOCKSCALE:
-        qd = tl.load(QD + b * qd_sb + hq * qd_sh + m0 // _Q_SCALE_BLOCK)
+        qk_scale = tl.load(QD + b * qd_sb + hq * qd_sh + m0 // _Q_SCALE_BLOCK) * sm_scale_log2
+    elif Q_DESCALED:
+        qk_scale = tl.load(QD + b * qd_sb + hkv * qd_sh) * sm_scale_log2
     else:
-        qd = tl.load(QD + b * qd_sb + hkv * qd_sh)
+        qk_scale = sm_scale_log2
     kd_ptr = KD + b * kd_sb + hkv * kd_sh
-    if K_BLOCKSCALE:
-        qk_scale = qd * sm_scale_log2
-    else:
-        qk_scale = qd * tl.load(kd_ptr) * sm_scale_log2
+    if K_DESCALED and not K_BLOCKSCALE:
+        qk_scale = qk_scale * tl.load(kd_ptr)
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -227,8 +229,10 @@ def _attn_fwd_kernel(
         offs_dv = tl.arange(0, BLOCK_DV)
         vd = tl.load(vd_ptr + offs_dv, mask=offs_dv < DV, other=0.0)
         out = acc * inv_l[:, None] * vd[None, :]
-    else:
+    elif V_DESCALED:
         out = acc * (inv_l * tl.load(vd_ptr))[:, None]
+    else:
+        out = acc * inv_l[:, None]
     out = out.to(o_desc.dtype)
     if VARLEN:
         o_desc.store([q_start + m0, 0], out)
@@ -367,30 +371,31 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
     assert v_transposed or not v_keys, "a keys-contiguous v is read transposed (v_transposed=False impossible)"
     assert not (varlen and v_keys), "a keys-contiguous v is not supported with varlen"
 
-    # descales
+    if out is None:
+        out = torch.empty((B, Mq, Hq, Dv), dtype=out_dtype, device=device)
+    else:
+        assert out.shape == (B, Mq, Hq, Dv) and out.stride(-1) == 1, "out must be (B, Mq, Hq, Dv), last dim contiguous"
+    lse = torch.empty((B, Hq, Mq), dtype=torch.float32, device=device) if return_lse else None
+
+    # descales: an absent one is 1 in the kernel (not loaded), its pointer a placeholder (``out``)
     q_block = q_descale is not None and q_descale.dim() == 3
     k_block = k_descale is not None and k_descale.dim() == 3
     assert not (varlen and (q_block or k_block)), "per-block descales are not supported with varlen"
     if q_block:
         qd, qd_sb, qd_sh = _block_descale_args(q_descale, (B, Hq, cdiv(Mq, Q_SCALE_BLOCK)), Q_SCALE_BLOCK, BM)
     else:
-        qd, qd_sb, qd_sh = descale_args(q_descale, device, nseq, Hkv, "q_descale")
+        qd, qd_sb, qd_sh = (out, 0, 0) if q_descale is None else descale_args(q_descale, nseq, Hkv, "q_descale")
     if k_block:
         kd, kd_sb, kd_sh = _block_descale_args(k_descale, (B, Hkv, cdiv(Mk, K_SCALE_BLOCK)), K_SCALE_BLOCK, BN)
     else:
-        kd, kd_sb, kd_sh = descale_args(k_descale, device, nseq, Hkv, "k_descale")
+        kd, kd_sb, kd_sh = (out, 0, 0) if k_descale is None else descale_args(k_descale, nseq, Hkv, "k_descale")
     v_chan = v_descale is not None and v_descale.dim() == 3
     if v_chan:
         assert v_descale.shape == (nseq, Hkv, Dv) and v_descale.stride(-1) == 1 and v_descale.dtype == torch.float32
         vd, vd_sb, vd_sh = v_descale, v_descale.stride(0), v_descale.stride(1)
     else:
-        vd, vd_sb, vd_sh = descale_args(v_descale, device, nseq, Hkv, "v_descale")
+        vd, vd_sb, vd_sh = (out, 0, 0) if v_descale is None else descale_args(v_descale, nseq, Hkv, "v_descale")
 
-    if out is None:
-        out = torch.empty((B, Mq, Hq, Dv), dtype=out_dtype, device=device)
-    else:
-        assert out.shape == (B, Mq, Hq, Dv) and out.stride(-1) == 1, "out must be (B, Mq, Hq, Dv), last dim contiguous"
-    lse = torch.empty((B, Hq, Mq), dtype=torch.float32, device=device) if return_lse else None
     if out.numel() == 0:
         if lse is not None:
             lse.fill_(float("-inf"))
@@ -437,6 +442,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
         MASK_LEFT=mask_left, MASK_RIGHT=mask_right, BOTTOM_RIGHT=causal_bottom_right, SOFTCAP=softcap > 0,
         VARLEN=varlen,
         V_T=v_transposed, P_SHIFT=shift, Q_BLOCKSCALE=q_block, K_BLOCKSCALE=k_block, V_PER_CHANNEL=v_chan,
-        WRITE_LSE=return_lse, num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
+        WRITE_LSE=return_lse, Q_DESCALED=q_descale is not None, K_DESCALED=k_descale is not None,
+        V_DESCALED=v_descale is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
     )
     return out, lse
