@@ -4,7 +4,8 @@ Tiny shapes, so the host path sets the pace. Per entry point three columns, micr
 ``ours`` (the public function), ``direct`` (the op the selector chose, called without our call path: the aten
 function an SDPA op calls, on tensors already in its layout, and the op's kernel launcher with a prebuilt ``Inputs``
 for ours) and ``SDPA`` (``torch.nn.functional.scaled_dot_product_attention`` on BHMK tensors, where a float call has
-one); merge_attentions' direct is its kernel's launch on CUDA, its torch arithmetic on stacked parts on the CPU.
+one); merge_attentions' direct is its kernel's launch on CUDA, its torch arithmetic on the parts (stacked in the
+call) on the CPU.
 fp8_attention / i8fp8_attention's direct is the same launches ours makes: ``quantize_smooth`` (on CUDA the two
 fused quantization launches), ``make_inputs`` and the forward op's launcher; forward + backward adds the backward
 op's launcher on the dequantized inputs on this thread, so the autograd engine (its node and the hand-over to its
@@ -79,14 +80,14 @@ def _sdpa(q, k, v, causal) -> Call:
 
 def _merge_direct(parts, lses) -> tuple[str, Call]:
     """(backend, merge_attentions' backend called directly): on CUDA the merge kernel's launch on the parts, else
-    its arithmetic in plain torch on stacked parts."""
+    its arithmetic in plain torch on the parts, stacked in the call (the lists are what both calls get)."""
     if parts[0].is_cuda:
         from fmha_ops.kernels.triton.merge import merge_parts
 
         return "triton merge", lambda: merge_parts(parts, lses, parts[0].dtype, True)
-    attn, lse = torch.stack(parts), torch.stack(lses)
 
     def run():
+        attn, lse = torch.stack(parts), torch.stack(lses)
         lse_t = lse.movedim(-1, 2)
         top = lse_t.amax(0)
         w = torch.exp(lse_t - top)

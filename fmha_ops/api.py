@@ -199,11 +199,13 @@ def merge_attentions(
     >>> out, lse = merge_attentions([o for o, _ in parts], [lse for _, lse in parts])
     """
     layout = _merge_layout(attn_split, lse_split, write_lse, output_dtype)
-    direct = None if layout is None else _MERGE_CHECKED.get(layout)
-    if direct is not None:  # a CUDA layout validated before: the kernel's launch
+    path = None if layout is None else _MERGE_CHECKED.get(layout)
+    if path is not None:  # a layout validated before: straight to its path
+        if path == _MERGE_TORCH:
+            return _merge_torch(attn_split, lse_split, output_dtype, write_lse)
         attns = list(attn_split.unbind(0)) if isinstance(attn_split, torch.Tensor) else list(attn_split)
         lses = list(lse_split.unbind(0)) if isinstance(lse_split, torch.Tensor) else list(lse_split)
-        if direct:  # BMHK parts with one stride set, float32 lse: the parts as they lie
+        if path == _MERGE_KERNEL:  # BMHK parts with one stride set, float32 lse: the parts as they lie
             return _merge_kernel()(attns, lses, output_dtype or attns[0].dtype, write_lse)
         return _merge_on_device(attns, lses, output_dtype or attns[0].dtype, write_lse)
     attns, lses = _parts("attn_split", attn_split), _parts("lse_split", lse_split)
@@ -219,39 +221,46 @@ def merge_attentions(
         arguments.dtype("output_dtype", output_dtype, FLOAT_DTYPES)
     if (lp.shape[0], lp.shape[-1], *lp.shape[1:-1]) != tuple(a.shape[:-1]):  # lse (B, [G,] H, M) vs (B, M, [G,] H)
         raise ValueError(f"lse_split {_stacked_shape(lses)} does not match attn_split {_stacked_shape(attns)}")
-    out_dtype = output_dtype or a.dtype
-    if a.is_cuda and not _is_compiling():
-        if layout is not None:
-            if len(_MERGE_CHECKED) >= _MERGE_CHECKED_LIMIT:
-                _MERGE_CHECKED.clear()
-            _MERGE_CHECKED[layout] = _as_they_lie(attns, lses)
-        return _merge_on_device(attns, lses, out_dtype, write_lse)
-    attn = attn_split if isinstance(attn_split, torch.Tensor) else torch.stack(attns)
-    lse = lse_split if isinstance(lse_split, torch.Tensor) else torch.stack(lses)
+    on_device = a.is_cuda and not _is_compiling()
+    if layout is not None:
+        if len(_MERGE_CHECKED) >= _MERGE_CHECKED_LIMIT:
+            _MERGE_CHECKED.clear()
+        _MERGE_CHECKED[layout] = (_MERGE_KERNEL if _as_they_lie(attns, lses) else _MERGE_DEVICE) if on_device \
+            else _MERGE_TORCH
+    if on_device:
+        return _merge_on_device(attns, lses, output_dtype or a.dtype, write_lse)
+    return _merge_torch(attn_split, lse_split, output_dtype, write_lse)
+
+
+def _merge_torch(attn_split, lse_split, output_dtype: torch.dtype | None,
+                 write_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``merge_attentions`` in torch ops on validated arguments (the CPU and traced path): attn (S, B, M, [G,] H, K)
+    and lse (S, B, [G,] H, M), stacked or lists of S parts. The merged lse is the logsumexp over the parts, the
+    parts weigh softmax(lse) over S; rows no part sees (all -inf) come out 0 and -inf. Host lse values are
+    checked (finite or -inf) on the merged lse: NaN and +inf propagate into it."""
+    attn = attn_split if isinstance(attn_split, torch.Tensor) else torch.stack(attn_split)
+    lse = lse_split if isinstance(lse_split, torch.Tensor) else torch.stack(lse_split)
     lse_t = lse.float().movedim(-1, 2)  # (S, B, M, [G,] H)
-    if lse.device.type == "cpu" and not _is_compiling() and bool((torch.isnan(lse_t) | (lse_t == math.inf)).any()):
+    merged = torch.logsumexp(lse_t, dim=0)
+    if (lse.device.type == "cpu" and merged.numel() and not _is_compiling()
+            and not merged.amax().item() < math.inf):
         raise ValueError("lse_split must be finite or -inf (a part that saw no key); it holds NaN or +inf")
-    top = lse_t.amax(dim=0)
-    top_safe = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    w = torch.exp(lse_t - top_safe)  # exp(-inf) = 0
-    total = w.sum(dim=0)
-    out = (w[..., None] * attn.float()).sum(dim=0) / torch.where(total > 0, total, torch.ones_like(total))[..., None]
-    out = out.to(out_dtype)
-    if not write_lse:
-        return out, None
-    merged = (top_safe + torch.log(total)).movedim(1, -1)  # (B, M, [G,] H) -> (B, [G,] H, M)
-    return out, merged
+    weights = torch.softmax(lse_t, dim=0).nan_to_num_(nan=0.0)  # rows with every part -inf: softmax gives NaN
+    out = (weights[..., None] * attn.float()).sum(dim=0).to(output_dtype or attn.dtype)
+    return out, (merged.movedim(1, -1) if write_lse else None)  # (B, M, [G,] H) -> (B, [G,] H, M)
 
 
-#: the CUDA layouts of merge_attentions calls that passed validation (``_merge_layout``) -> whether the kernel takes
-#: the parts as they lie (``_as_they_lie``): repeated calls skip validation (and then the layout conversions)
+#: the layouts of merge_attentions calls that passed validation (``_merge_layout``) -> their path: the merge kernel
+#: on the parts as they lie (``_as_they_lie``), the kernel after layout conversions, or torch ops (CPU): repeated calls
+#: skip validation
 _MERGE_CHECKED: dict = {}
+_MERGE_KERNEL, _MERGE_DEVICE, _MERGE_TORCH = "kernel", "device", "torch"
 _MERGE_CHECKED_LIMIT = 4096
 
 
 def _merge_layout(attn_split, lse_split, write_lse, output_dtype) -> tuple | None:
     """What ``merge_attentions``' validation reads from its arguments (each part's shape, dtype, device and
-    strides, ``write_lse``, ``output_dtype``), for CUDA calls outside a trace; None otherwise."""
+    strides, ``write_lse``, ``output_dtype``), for calls outside a trace; None otherwise."""
     if _is_compiling():
         return None
     if not all(isinstance(x, (torch.Tensor, list, tuple)) for x in (attn_split, lse_split)):
@@ -259,7 +268,7 @@ def _merge_layout(attn_split, lse_split, write_lse, output_dtype) -> tuple | Non
     try:
         parts = (attn_split,) if isinstance(attn_split, torch.Tensor) else tuple(attn_split)
         lse_parts = (lse_split,) if isinstance(lse_split, torch.Tensor) else tuple(lse_split)
-        if not parts or not parts[0].is_cuda:
+        if not parts:
             return None
         layout = (type(attn_split), type(lse_split), write_lse, output_dtype,
                   tuple((t.shape, t.dtype, t.device, t.stride()) for t in parts),

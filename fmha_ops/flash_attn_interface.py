@@ -43,20 +43,21 @@ def _unsupported(**args) -> None:
 
 def _run(q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_lse, softcap=0.0):
     """out in q's dtype (bfloat16 for fp8 inputs), differentiable; with ``return_lse`` also the lse (float32,
-    not differentiable, as FA3 returns it)."""
-    if not return_lse:
-        return memory_efficient_attention(q, k, v, bias, scale=softmax_scale, q_descale=q_descale,
-                                          k_descale=k_descale, v_descale=v_descale, softcap=softcap)
-    layout = plan_key(q, k, v, bias, 0.0, softmax_scale, None, None, True, softcap, q_descale, k_descale, v_descale,
-                      False)
+    not differentiable, as FA3 returns it). A repeated layout runs its plan (the one ``memory_efficient_attention``
+    keeps for the same call without the LSE)."""
+    layout = plan_key(q, k, v, bias, 0.0, softmax_scale, None, None, return_lse, softcap, q_descale, k_descale,
+                      v_descale, False)
     plan = find_plan(layout)
     if plan is not None:
         out, lse = plan(q, k, v, bias, q_descale, k_descale, v_descale)
+    elif not return_lse:
+        return memory_efficient_attention(q, k, v, bias, scale=softmax_scale, q_descale=q_descale,
+                                          k_descale=k_descale, v_descale=v_descale, softcap=softcap)
     else:
         inp = make_inputs(q, k, v, bias, is_partial=True, scale=softmax_scale, q_descale=q_descale,
                           k_descale=k_descale, v_descale=v_descale, softcap=softcap)
         out, lse = run_forward(inp, None, True, layout)
-    return out, lse.detach()
+    return (out, lse.detach()) if return_lse else out
 
 
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
