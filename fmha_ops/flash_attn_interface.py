@@ -331,10 +331,12 @@ def _fast_launcher(fast, q, k_cache, v_cache, cache_seqlens, page_table, k_desca
     return run
 
 
-def _decode_run(op, call: "KVCacheCall", inp, q, v_cache, return_lse):
+def _decode_run(op, call: "KVCacheCall", inp, q, v_cache, return_lse, seqlen_offset: int = 0):
     """``run(q, k_cache, v_cache, k_descale, v_descale, seqlens, page_table)`` -> what ``flash_attn_with_kvcache``
     returns, by ``op``'s ``decode_launcher`` for calls laid out like ``call`` / ``inp`` (validated, ``op`` selected
-    for them); None when the op has no such launcher."""
+    for them), at lengths ``seqlens + seqlen_offset`` (added on the device); None when the op has no such launcher.
+    Per run: the output (``torch.empty_like(q)`` where it has q's shape and dtype) and, only when returned, the
+    LSE are allocated, and the kernels launch."""
     from .ops.common import decode_views
 
     planner = getattr(op, "decode_launcher", None)
@@ -344,14 +346,23 @@ def _decode_run(op, call: "KVCacheCall", inp, q, v_cache, return_lse):
     per_tensor = call.k_descale is not None and decode_views(inp)[5].stride() == (0, 0, 0)
     batch, mq, hq, _ = q.shape
     out_shape, out_dtype, device = q.shape[:3] + (v_cache.shape[3],), inp.out_dtype, q.device
+    like_q = out_shape == q.shape and out_dtype == q.dtype and q.is_contiguous()
+    empty_like = torch.empty_like
+
+    if like_q and not per_tensor and not return_lse:  # the common decode step: one allocation, one launch
+        def run(q, k_cache, v_cache, k_descale, v_descale, cache_seqlens, page_table):
+            out = empty_like(q)
+            launch(q, k_cache, v_cache, k_descale, v_descale, cache_seqlens, page_table, out, None, seqlen_offset)
+            return out
+        return run
 
     def run(q, k_cache, v_cache, k_descale, v_descale, cache_seqlens, page_table):
         if per_tensor:
             k_descale = k_descale.reshape(1, 1, 1).expand(k_cache.shape[:3])
             v_descale = v_descale.reshape(1, 1, 1).expand(v_cache.shape[:3])
-        out = torch.empty(out_shape, dtype=out_dtype, device=device)
-        lse = torch.empty((batch, hq, mq), dtype=torch.float32, device=device)
-        launch(q, k_cache, v_cache, k_descale, v_descale, cache_seqlens, page_table, out, lse)
+        out = empty_like(q) if like_q else torch.empty(out_shape, dtype=out_dtype, device=device)
+        lse = torch.empty((batch, hq, mq), dtype=torch.float32, device=device) if return_lse else None
+        launch(q, k_cache, v_cache, k_descale, v_descale, cache_seqlens, page_table, out, lse, seqlen_offset)
         return (out, lse) if return_lse else out
     return run
 
@@ -370,11 +381,11 @@ _APPEND: dict = SELECTOR.derived_memo()
 def _remember_append(layout, call: "KVCacheCall", q, v_cache, new_tokens: int, softmax_scale, softcap,
                      return_lse) -> None:
     """Keep the plan of appending calls laid out like this one: the append kernel, then the selected decode op's
-    launch on ``cache_seqlens + new_tokens`` (what the full path's mask holds)."""
+    launch on ``cache_seqlens`` with ``new_tokens`` added on the device (what the full path's mask holds)."""
     inp = make_inputs(call.query, call.key, call.value, call.bias, scale=softmax_scale, k_descale=call.k_descale,
                       v_descale=call.v_descale, softcap=softcap, is_partial=return_lse)
     op = SELECTOR.select(layout, lambda: make_problem(inp, return_lse), "fw", None)
-    decode = _decode_run(op, call, inp, q, v_cache, return_lse)
+    decode = _decode_run(op, call, inp, q, v_cache, return_lse, new_tokens)
     if len(_APPEND) >= _FAST_LIMIT:
         _APPEND.clear()
     if decode is None or not (q.is_cuda or _INTERPRET):
@@ -384,7 +395,7 @@ def _remember_append(layout, call: "KVCacheCall", q, v_cache, new_tokens: int, s
 
     def run(q, k_cache, v_cache, k, v, k_descale, v_descale, cache_seqlens, page_table):
         kv_append(k, v, k_cache, v_cache, cache_seqlens, block_table=page_table, k_scale=k_descale, v_scale=v_descale)
-        return decode(q, k_cache, v_cache, k_descale, v_descale, cache_seqlens + new_tokens, page_table)
+        return decode(q, k_cache, v_cache, k_descale, v_descale, cache_seqlens, page_table)
     _APPEND[layout] = run
 
 

@@ -146,6 +146,52 @@ def test_pages_and_splits(page_size, num_splits):
     check(q, kw, k, v, rel=FP16_REL, num_splits=num_splits)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_length_offset_and_no_lse(num_splits):
+    """``seqlen_offset`` adds to every length on the device (lengths + offset clamped to the cache), and
+    ``lse_wanted=False`` writes the same output with no LSE."""
+    from fmha_ops.kernels.triton.decode import paged_decode
+
+    q, kw, k, v = make_case(3, 2, 4, 2, 32, [60, 9, 1], page_size=16, seed=21)
+    lens = kw["seqlens"]
+    want, _, _ = check(q, kw, k, v, rel=FP16_REL, num_splits=num_splits)
+    shifted = dict(kw, seqlens=lens - 2)
+    out, lse = run(q, shifted, num_splits=num_splits, seqlen_offset=2)
+    assert torch.equal(out.cpu(), want)
+    out = torch.full_like(q, float("nan"))
+    o, no_lse = paged_decode(q, out=out, lse_wanted=False, num_splits=num_splits, **kw)
+    assert o is out and no_lse is None and torch.equal(out.cpu(), want)
+    full = dict(kw, seqlens=torch.full_like(lens, kw["block_table"].shape[1] * kw["k_cache"].shape[1]))
+    clamped, _ = run(q, full, num_splits=num_splits, seqlen_offset=5)  # past the capacity: clamped to it
+    assert torch.equal(clamped, run(q, full, num_splits=num_splits)[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gluon_runs(), reason="the Gluon fp8 decoder runs on sm90")
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_gpu_gluon_length_offset_and_no_lse(num_splits):
+    """The Gluon fp8 decoder: ``seqlen_offset`` as the lengths plus that offset, ``store_lse=False`` the same
+    output with the LSE placeholder untouched."""
+    from fmha_ops.kernels.gluon import decode as gd
+    from fmha_ops.kernels.softmax import LOG2E
+    from fmha_ops.kernels.triton.decode import reduce_splits, split_buffers
+
+    q, kw, k, v = make_case(3, 1, 8, 2, 128, [300, 17, 1], page_size=64, dtype=torch.bfloat16,
+                            fp8=torch.float8_e4m3fn, seed=22)
+    want, _, _ = check(q, kw, k, v, rel=1e-2, lse_tol=1e-2, runner=run_gluon, num_splits=num_splits)
+    for offset, store_lse in ((3, True), (0, False)):
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((3, 8, 1), float("nan"), device=q.device) if store_lse else None
+        o_buf, l_buf, o_strides, l_strides = split_buffers(q, num_splits, out, lse)
+        gd.launch(q, kw["k_cache"], kw["v_cache"], kw["k_scale"], kw["v_scale"], kw["seqlens"] - offset,
+                  kw["block_table"], o_buf, l_buf, o_strides, l_strides, kw["scale"] * LOG2E.value, num_splits, 64,
+                  store_lse=store_lse, seqlen_offset=offset)
+        if num_splits > 1:
+            reduce_splits(o_buf, l_buf, out, lse)
+        assert torch.equal(out.cpu(), want), (offset, store_lse)
+        assert not store_lse or not lse.isnan().any()
+
+
 def test_reduce_in_head_dim_chunks():
     """Few output rows: the split reduce runs several programs per row, each on a chunk of the head dims (D=128:
     4 chunks of 32), and matches the single pass."""

@@ -61,12 +61,12 @@ args += [("stride_ksp", "i32", sc[0]), ("stride_kss", "i32", sc[1]), ("stride_ks
          ("stride_ls", "i32", B * HQ if a.partial else 0), ("stride_lb", "i32", HQ), ("stride_lh", "i32", 1), ("stride_lm", "i32", 1),
          ("qk_scale", "fp32", None), ("softcap_log2", "fp32", None), ("NUM_KV_HEADS", "i32", HKV),
          ("NUM_SPLITS", "i32", 64 if a.partial else 1), ("NUM_PAGES", "i32", None), ("CAPACITY", "i32", None),
-         ("WINDOW_LEFT", "i32", None)]
+         ("WINDOW_LEFT", "i32", None), ("SEQ_OFFSET", "i32", None)]
 rows = G
 bm = min(64, max(16, triton.next_power_of_2(rows)))
 const = {"G": G, "MQ": 1, "D": D, "BLOCK_M": bm, "BLOCK_N": a.bn, "PAGE_SIZE": PAGE, "PAGED": True,
          "FP8": bool(a.fp8), "PARTIAL": a.partial, "ASM_CVT": bool(a.fp8), "PDL": False, "WINDOW": False,
-         "SOFTCAP": False}
+         "SOFTCAP": False, "STORE_LSE": True}
 for e in a.extra:
     k, v = e.split("=")
     const[k] = eval(v)

@@ -90,20 +90,21 @@ class GluonFp8DecodeFwOp(AttentionFwOp):
         splits = cls.num_splits(B, k.shape[2], max_len, HQ // k.shape[2] * MQ, D, page_size, _arch(q.device),
                                 gluon.heads_adjacent(k, v))
         out = torch.empty(q.shape, dtype=inp.out_dtype, device=q.device)
-        lse = torch.empty((B, HQ, MQ), dtype=torch.float32, device=q.device)
+        lse = torch.empty((B, HQ, MQ), dtype=torch.float32, device=q.device) if needs_lse else None
         o_buf, l_buf, o_strides, l_strides = split_buffers(q, splits, out, lse)
         pdl = splits > 1 and programmatic_launch(q.device)
         gluon.launch(q, k, v, ks, vs, seqlens, table, o_buf, l_buf, o_strides, l_strides,
-                     inp.softmax_scale * LOG2E.value, splits, page_size, pdl, window_left=window, softcap=inp.softcap)
+                     inp.softmax_scale * LOG2E.value, splits, page_size, pdl, window_left=window, softcap=inp.softcap,
+                     store_lse=needs_lse)
         if splits > 1:
             reduce_splits(o_buf, l_buf, out, lse, pdl)
         return decode_outputs(inp, q, out, lse, needs_lse)
 
     @classmethod
     def decode_launcher(cls, inp, needs_lse, own_workspace: bool = True):
-        """``launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse)`` for calls like ``inp``
-        (same shapes, strides, mask kind and window): tensors as ``decode_views`` lays them out, written into
-        ``out`` / ``lse``; the split count (and, with ``own_workspace``, one split workspace for every launch: one
+        """``launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse, seqlen_offset=0)`` for
+        calls like ``inp`` (same shapes, strides, mask kind and window): tensors as ``decode_views`` lays them out,
+        written into ``out`` / ``lse`` (None: no LSE written), lengths ``seqlens + seqlen_offset``; the split count (and, with ``own_workspace``, one split workspace for every launch: one
         stream at a time) fixed here (``fmha_ops.decode_plan``, the ``flash_attn_with_kvcache`` fast path)."""
         from ..kernels.gluon import decode as gluon
         from ..kernels.softmax import LOG2E
@@ -119,10 +120,11 @@ class GluonFp8DecodeFwOp(AttentionFwOp):
         workspace = split_buffers(q, splits, None, None)[:2] if splits > 1 and own_workspace else None
         pdl = splits > 1 and programmatic_launch(q.device)
 
-        def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, table, out, lse):
+        def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, table, out, lse, seqlen_offset=0):
             o_buf, l_buf, o_strides, l_strides = split_buffers(q, splits, out, lse, workspace)
             gluon.launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, table, o_buf, l_buf, o_strides, l_strides,
-                         scale_log2, splits, page_size, pdl, window_left=window, softcap=softcap)
+                         scale_log2, splits, page_size, pdl, window_left=window, softcap=softcap,
+                         store_lse=lse is not None, seqlen_offset=seqlen_offset)
             if splits > 1:
                 reduce_splits(o_buf, l_buf, out, lse, pdl)
         return launch

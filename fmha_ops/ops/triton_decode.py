@@ -72,14 +72,15 @@ class _DecodeOp(AttentionFwOp):
                                 k.dtype != q.dtype, _arch(q.device))
         out = torch.empty(q.shape, dtype=inp.out_dtype, device=q.device)
         out, lse = paged_decode(q, k, v, seqlens, block_table=table, scale=inp.softmax_scale, k_scale=ks,
-                                v_scale=vs, num_splits=splits, out=out, window_left=window, softcap=inp.softcap)
+                                v_scale=vs, num_splits=splits, out=out, lse_wanted=needs_lse, window_left=window,
+                                softcap=inp.softcap)
         return decode_outputs(inp, q, out, lse, needs_lse)
 
     @classmethod
     def decode_launcher(cls, inp, needs_lse, own_workspace: bool = True):
-        """``launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse)`` for calls like ``inp``
-        (same shapes, strides, mask kind and window): tensors as ``decode_views`` lays them out, written into
-        ``out`` / ``lse``; the split count (and, with ``own_workspace``, one split workspace for every launch: one
+        """``launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse, seqlen_offset=0)`` for
+        calls like ``inp`` (same shapes, strides, mask kind and window): tensors as ``decode_views`` lays them out,
+        written into ``out`` / ``lse`` (None: no LSE written), lengths ``seqlens + seqlen_offset``; the split count (and, with ``own_workspace``, one split workspace for every launch: one
         stream at a time) fixed here (``fmha_ops.decode_plan``, the ``flash_attn_with_kvcache`` fast path)."""
         from ..kernels.triton.decode import paged_decode, split_buffers
 
@@ -90,10 +91,10 @@ class _DecodeOp(AttentionFwOp):
                                 k.dtype != q.dtype, _arch(q.device))
         workspace = split_buffers(q, splits, None, None)[:2] if splits > 1 and own_workspace else None
 
-        def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, table, out, lse):
+        def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, table, out, lse, seqlen_offset=0):
             paged_decode(q, k_cache, v_cache, seqlens, block_table=table, scale=scale, k_scale=k_scale,
-                         v_scale=v_scale, num_splits=splits, out=out, lse=lse, window_left=window, softcap=softcap,
-                         workspace=workspace)
+                         v_scale=v_scale, num_splits=splits, out=out, lse=lse, lse_wanted=lse is not None,
+                         seqlen_offset=seqlen_offset, window_left=window, softcap=softcap, workspace=workspace)
         return launch
 
     @classmethod

@@ -142,12 +142,13 @@ def valid_end(bt_row, start, end, NUM_PAGES, PAGE_SIZE: gl.constexpr, WARPS: gl.
 
 
 @gluon.jit
-def split_range(SEQ, b, split, NUM_SPLITS, CAPACITY, WINDOW_LEFT, MQ: gl.constexpr, BLOCK_N: gl.constexpr,
-                WINDOW: gl.constexpr):
+def split_range(SEQ, SEQ_OFFSET, b, split, NUM_SPLITS, CAPACITY, WINDOW_LEFT, MQ: gl.constexpr,
+                BLOCK_N: gl.constexpr, WINDOW: gl.constexpr):
     """(seqlen, start, end, tiles) of split ``split`` of sequence ``b``: splits of whole BLOCK_N-key tiles, the
-    last ones possibly empty; the length clamped to [0, CAPACITY] (block-table reads stay inside its row). With a
-    WINDOW the splits start at the first tile holding a key the sequence's first query sees."""
-    seqlen = gl.minimum(gl.maximum(gl.load(SEQ + b), 0), CAPACITY)
+    last ones possibly empty; the length SEQ[b] + SEQ_OFFSET clamped to [0, CAPACITY] (block-table reads stay
+    inside its row). With a WINDOW the splits start at the first tile holding a key the sequence's first query
+    sees."""
+    seqlen = gl.minimum(gl.maximum(gl.load(SEQ + b) + SEQ_OFFSET, 0), CAPACITY)
     if WINDOW:
         first = gl.maximum(seqlen - MQ - WINDOW_LEFT, 0) // BLOCK_N * BLOCK_N
     else:
@@ -177,7 +178,7 @@ def _tile_origin(bt_row, b, n, end, kv_rows, sc_layout: gl.constexpr, BLOCK_N: g
         return b.to(gl.int64), b.to(gl.int64), n
 
 
-@gluon.jit(do_not_specialize=["Q_ROWS", "NUM_PAGES", "CAPACITY", "WINDOW_LEFT"])
+@gluon.jit(do_not_specialize=["Q_ROWS", "NUM_PAGES", "CAPACITY", "WINDOW_LEFT", "SEQ_OFFSET"])
 def _decode_fp8_kernel(
     Q, K, V, KS, VS, SEQ, BT, OUT, LSE,
     stride_qb, stride_qm, stride_qh,
@@ -186,10 +187,11 @@ def _decode_fp8_kernel(
     stride_btb,
     stride_os, stride_ob, stride_om, stride_oh,
     stride_ls, stride_lb, stride_lh, stride_lm,
-    qk_scale, softcap_log2, NUM_KV_HEADS, NUM_SPLITS, NUM_PAGES, CAPACITY, Q_ROWS, WINDOW_LEFT,
+    qk_scale, softcap_log2, NUM_KV_HEADS, NUM_SPLITS, NUM_PAGES, CAPACITY, Q_ROWS, WINDOW_LEFT, SEQ_OFFSET,
     G: gl.constexpr, MQ: gl.constexpr, D: gl.constexpr, HEADS: gl.constexpr, WARPS: gl.constexpr,
     BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, PARTIAL: gl.constexpr,
     STAGES: gl.constexpr, PDL: gl.constexpr, SC_VEC: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
+    STORE_LSE: gl.constexpr,
 ):
     STRADDLE: gl.constexpr = PAGED and PAGE_SIZE < BLOCK_N  # a tile spans BLOCK_N / PAGE_SIZE pages
     # HEADS (1 or 2) adjacent KV heads per program: the tile is DT = HEADS * D bytes of each key; query row r
@@ -215,7 +217,8 @@ def _decode_fp8_kernel(
     split = gl.program_id(1)
     b = pid_bh // (NUM_KV_HEADS // HEADS)
     hkv0 = (pid_bh % (NUM_KV_HEADS // HEADS)) * HEADS
-    seqlen, start, end, n_tiles = split_range(SEQ, b, split, NUM_SPLITS, CAPACITY, WINDOW_LEFT, MQ, BLOCK_N, WINDOW)
+    seqlen, start, end, n_tiles = split_range(SEQ, SEQ_OFFSET, b, split, NUM_SPLITS, CAPACITY, WINDOW_LEFT, MQ,
+                                              BLOCK_N, WINDOW)
     K = K + hkv0 * stride_kh  # the program's (first) KV head
     V = V + hkv0 * stride_vh
     bt_row = BT + b * stride_btb
@@ -326,7 +329,8 @@ def _decode_fp8_kernel(
     o = acc * gl.expand_dims(gl.where(seen, unit / gl.where(seen, l_i, 1.0), 0.0), 1)
     lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
     row_ok = rows % RB < Q_ROWS
-    gl.store(LSE + split * stride_ls + b * stride_lb + qh * stride_lh + qi * stride_lm, lse, mask=row_ok)
+    if STORE_LSE:
+        gl.store(LSE + split * stride_ls + b * stride_lb + qh * stride_lh + qi * stride_lm, lse, mask=row_ok)
     # PV's output column n = 8 WARPS a + 8 w + c is tile column (DT / 8) c + (DT / (8 WARPS)) w + a (head col // D,
     # dim col % D): undo that permutation by renaming, then store whole rows (16-byte chunks per thread) instead
     # of the mma layout's scattered 4-byte pieces (one sector per element)
@@ -418,13 +422,14 @@ def vector_scales(k_scale: torch.Tensor, v_scale: torch.Tensor) -> bool:
 
 def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse, out_strides, lse_strides,
            qk_scale_log2: float, num_splits: int, page_size: int | None, pdl: bool = False, *,
-           window_left: int = -1, softcap: float = 0.0) -> None:
+           window_left: int = -1, softcap: float = 0.0, store_lse: bool = True, seqlen_offset: int = 0) -> None:
     """Run the kernel into ``out`` / ``lse`` (the final tensors, or the split workspace with its leading split
     strides in ``out_strides`` / ``lse_strides``, see ``kernels.triton.decode.split_buffers``); arguments as
     ``kernels.triton.decode.paged_decode``'s, ``page_size`` None for a dense cache, the shape one that
     ``takes_shape`` accepts; ``pdl``: a split reduce follows by programmatic dependent launch; ``window_left``
     (-1 = unbounded) and ``softcap`` (0 = off) as ``paged_decode``'s, ``qk_scale_log2`` the softmax scale times
-    log2(e) either way.
+    log2(e) either way; ``store_lse`` False: the one-split decoder writes no LSE (``lse`` is then a placeholder,
+    see ``split_buffers``); ``seqlen_offset``: an int added to every length on the device.
 
     Example
     -------
@@ -450,7 +455,8 @@ def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse
         v_cache.stride(2), *k_scale.stride(), *v_scale.stride(),
         block_table.stride(0) if paged else 0, *out_strides, *lse_strides,
         qk_scale, softcap_log2, hkv, num_splits, k_cache.shape[0], capacity, MQ * (HQ // hkv), max(window_left, 0),
+        seqlen_offset,
         G=HQ // hkv, MQ=MQ, D=D, HEADS=heads, WARPS=warps, BLOCK_N=tiles.block_n, PAGE_SIZE=page_size or 1,
         PAGED=paged, PARTIAL=num_splits > 1, STAGES=tiles.stages, PDL=pdl, SC_VEC=4 if vec else 1,
-        WINDOW=window_left >= 0, SOFTCAP=softcap > 0.0, num_warps=warps,
+        WINDOW=window_left >= 0, SOFTCAP=softcap > 0.0, STORE_LSE=store_lse or num_splits > 1, num_warps=warps,
     )

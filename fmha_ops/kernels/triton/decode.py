@@ -64,7 +64,7 @@ def valid_end(bt_row, start, end, num_pages, PAGE_SIZE: tl.constexpr):
     return tl.minimum(end, tl.maximum(cut * PAGE_SIZE, start))
 
 
-@triton.jit(do_not_specialize=["NUM_PAGES", "CAPACITY", "WINDOW_LEFT"])
+@triton.jit(do_not_specialize=["NUM_PAGES", "CAPACITY", "WINDOW_LEFT", "SEQ_OFFSET"])
 def _decode_kernel(
     Q, K, V, KS, VS, SEQ, BT, OUT, LSE,
     stride_qb, stride_qm, stride_qh,
@@ -76,11 +76,12 @@ def _decode_kernel(
     stride_os, stride_ob, stride_om, stride_oh,
     stride_ls, stride_lb, stride_lh, stride_lm,
     qk_scale, softcap_log2,
-    NUM_KV_HEADS, NUM_SPLITS, NUM_PAGES, CAPACITY, WINDOW_LEFT,
+    NUM_KV_HEADS, NUM_SPLITS, NUM_PAGES, CAPACITY, WINDOW_LEFT, SEQ_OFFSET,
     G: tl.constexpr, MQ: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, FP8: tl.constexpr, PARTIAL: tl.constexpr,
     ASM_CVT: tl.constexpr, PDL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    STORE_LSE: tl.constexpr,
 ):
     if PDL:  # the split reduce may launch now and wait for this grid on the device (programmatic dependent launch)
         gdc_launch_dependents()
@@ -95,8 +96,9 @@ def _decode_kernel(
     qh = hkv * G + rows % G
     offs_d = tl.arange(0, D)
 
-    # lengths outside [0, CAPACITY] are clamped: the block-table reads below stay inside its rows
-    seqlen = tl.minimum(tl.maximum(tl.load(SEQ + b), 0), CAPACITY)
+    # lengths (SEQ[b] + SEQ_OFFSET) outside [0, CAPACITY] are clamped: the block-table reads below stay inside
+    # its rows
+    seqlen = tl.minimum(tl.maximum(tl.load(SEQ + b) + SEQ_OFFSET, 0), CAPACITY)
     if WINDOW:  # the first tile holding a key that the sequence's first query sees
         first = tl.maximum(seqlen - MQ - WINDOW_LEFT, 0) // BLOCK_N * BLOCK_N
     else:
@@ -186,7 +188,8 @@ def _decode_kernel(
         tl.store(o_ptrs, o, mask=row_ok[:, None])
     else:
         tl.store(o_ptrs, o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
-    tl.store(LSE + split * stride_ls + b * stride_lb + qh * stride_lh + qi * stride_lm, lse, mask=row_ok)
+    if STORE_LSE:
+        tl.store(LSE + split * stride_ls + b * stride_lb + qh * stride_lh + qi * stride_lm, lse, mask=row_ok)
 
 
 @triton.jit
@@ -196,7 +199,7 @@ def _reduce_kernel(
     stride_ob, stride_om, stride_oh,
     stride_lb, stride_lh, stride_lm,
     HQ, MQ, NUM_SPLITS,
-    S_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    S_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
     row = tl.program_id(0)  # (b * MQ + i) * HQ + h, the row order of the contiguous partial output
     chunk = tl.program_id(1)  # head dims [chunk * BLOCK_D, (chunk + 1) * BLOCK_D)
@@ -219,8 +222,9 @@ def _reduce_kernel(
     lse = tl.where(total > 0.0, m_safe + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf"))
     tl.store(OUT + b.to(tl.int64) * stride_ob + i * stride_om + h * stride_oh + offs_d,
              o.to(OUT.dtype.element_ty))
-    if chunk == 0:
-        tl.store(LSE + b * stride_lb + h * stride_lh + i * stride_lm, lse)
+    if STORE_LSE:
+        if chunk == 0:
+            tl.store(LSE + b * stride_lb + h * stride_lh + i * stride_lm, lse)
 
 
 @functools.cache
@@ -295,12 +299,15 @@ def default_config(head_dim: int, kv_fp8: bool, page_aligned: bool, rows_per_pro
     return DecodeConfig(32, 4, 2)
 
 
-def split_buffers(q: torch.Tensor, num_splits: int, out: torch.Tensor, lse: torch.Tensor, workspace=None):
+def split_buffers(q: torch.Tensor, num_splits: int, out: torch.Tensor, lse: torch.Tensor | None, workspace=None):
     """(out buffer, lse buffer, out strides, lse strides) a decoder writes: ``out`` / ``lse`` themselves (a
     leading split stride of 0) for one split, else float32 workspaces (num_splits, B, Mq, Hq, D) and
     (num_splits, B, Hq, Mq) whose size depends on static shapes only (``workspace``: such a pair to reuse, from an
-    earlier call's ``split_buffers``)."""
+    earlier call's ``split_buffers``). ``lse`` None: no LSE is wanted; with one split the lse buffer is then
+    ``out`` with strides 0, a placeholder the decoder does not write (``STORE_LSE`` off)."""
     if num_splits == 1:
+        if lse is None:
+            return out, out, (0, *out.stride()[:3]), (0, 0, 0, 0)
         return out, lse, (0, *out.stride()[:3]), (0, *lse.stride())
     if workspace is not None:
         o_buf, l_buf = workspace
@@ -311,23 +318,24 @@ def split_buffers(q: torch.Tensor, num_splits: int, out: torch.Tensor, lse: torc
     return o_buf, l_buf, o_buf.stride()[:4], l_buf.stride()
 
 
-def reduce_splits(o_buf: torch.Tensor, l_buf: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+def reduce_splits(o_buf: torch.Tensor, l_buf: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
                   pdl: bool = False) -> None:
     """Combine the partial outputs ``o_buf`` (S, B, Mq, Hq, D) float32 and their LSEs ``l_buf`` (S, B, Hq, Mq)
-    into ``out`` (B, Mq, Hq, D) and ``lse`` (B, Hq, Mq) with log-sum-exp weights; ``pdl``: the decoder was
-    launched with programmatic dependent launch (``programmatic_launch``)."""
+    into ``out`` (B, Mq, Hq, D) and ``lse`` (B, Hq, Mq) (None: not written) with log-sum-exp weights; ``pdl``: the
+    decoder was launched with programmatic dependent launch (``programmatic_launch``)."""
     num_splits, B, MQ, HQ, D = o_buf.shape
     chunks = _reduce_chunks(B * MQ * HQ, D)
     launch(_reduce_kernel)[(B * MQ * HQ, chunks)](
-        o_buf, l_buf, out, lse, o_buf.stride(0), l_buf.stride(0),
-        out.stride(0), out.stride(1), out.stride(2), *lse.stride(), HQ, MQ, num_splits,
-        S_PAD=next_pow2(num_splits), D=D, BLOCK_D=D // chunks, PDL=pdl, num_warps=4, launch_pdl=pdl,
+        o_buf, l_buf, out, l_buf if lse is None else lse, o_buf.stride(0), l_buf.stride(0),
+        out.stride(0), out.stride(1), out.stride(2), *((0, 0, 0) if lse is None else lse.stride()), HQ, MQ,
+        num_splits, S_PAD=next_pow2(num_splits), D=D, BLOCK_D=D // chunks, PDL=pdl, STORE_LSE=lse is not None,
+        num_warps=4, launch_pdl=pdl,
     )
 
 
 def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float,
-                 k_scale=None, v_scale=None, num_splits: int = 1, out=None, lse=None,
-                 window_left: int = -1, softcap: float = 0.0, workspace=None,
+                 k_scale=None, v_scale=None, num_splits: int = 1, out=None, lse=None, lse_wanted: bool = True,
+                 seqlen_offset: int = 0, window_left: int = -1, softcap: float = 0.0, workspace=None,
                  block_n: int | None = None, num_warps: int | None = None,
                  num_stages: int | None = None):
     """Attention of ``Mq`` new query tokens per sequence against a (paged) KV cache.
@@ -337,7 +345,8 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
     (B, max_pages_per_seq), or dense (B, Lmax, Hkv, D) when ``block_table`` is None; q's dtype,
     or fp8 e4m3 with ``k_scale``/``v_scale`` float32 shaped like the cache without D.
     Separate K/V tensors with their own strides; last dim contiguous.
-    seqlens: int32 (B,) valid keys per sequence, the Mq new ones included. Query i of sequence b
+    seqlens: int32 (B,) valid keys per sequence, the Mq new ones included, plus ``seqlen_offset`` (an int added
+    on the device, e.g. the tokens just appended to lengths counted before the append). Query i of sequence b
     sits at position seqlens[b] - Mq + i and sees keys j <= that position; a row seeing no key
     gets out 0 and lse -inf. Hq must be a multiple of Hkv. With fp8 K/V both dots run in fp16
     (q cast to fp16: |q| must stay below 65504).
@@ -348,9 +357,10 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
     program's keys stop at the first block-table entry of its split that is not in [0, num_pages); no entry
     can make the kernel read outside the caches (``fmha_ops.checks`` validates them on the host instead).
     Returns (out (B, Mq, Hq, D) in q's dtype, lse float32 (B, Hq, Mq) natural log), written into
-    ``out``/``lse`` when given. ``num_splits > 1`` runs the split kernel into a float32 workspace
-    and the reduce kernel (``workspace``: the (partial out, partial lse) pair of ``split_buffers`` to reuse); no
-    host sync, so it can be captured in a CUDA graph. ``block_n`` / ``num_warps`` / ``num_stages`` override fields
+    ``out``/``lse`` when given; with ``lse_wanted=False`` (and no ``lse``) no LSE is written or allocated and lse
+    is None. ``num_splits > 1`` runs the split kernel into a float32 workspace and the reduce kernel
+    (``workspace``: the (partial out, partial lse) pair of ``split_buffers`` to reuse); no host sync, so it can be
+    captured in a CUDA graph. ``block_n`` / ``num_warps`` / ``num_stages`` override fields
     of ``default_config``.
 
     Example
@@ -371,7 +381,7 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
         raise ValueError(f"an {k_cache.dtype} cache needs k_scale and v_scale")
     if out is None:
         out = torch.empty_like(q)
-    if lse is None:
+    if lse is None and lse_wanted:
         lse = torch.empty((B, HQ, MQ), device=q.device, dtype=torch.float32)
     paged = block_table is not None
     page_size = k_cache.shape[1] if paged else 1
@@ -393,10 +403,11 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         *(k_scale.stride() if fp8 else (0, 0, 0)), *(v_scale.stride() if fp8 else (0, 0, 0)),
         block_table.stride(0) if paged else 0, *o_strides, *l_strides,
-        qk_scale, softcap_log2, HKV, num_splits, k_cache.shape[0], capacity, max(window_left, 0),
+        qk_scale, softcap_log2, HKV, num_splits, k_cache.shape[0], capacity, max(window_left, 0), seqlen_offset,
         G=G, MQ=MQ, D=D, BLOCK_M=bm, BLOCK_N=block_n or cfg.block_n, PAGE_SIZE=page_size, PAGED=paged, FP8=fp8,
         PARTIAL=num_splits > 1, ASM_CVT=fp8 and _asm_cvt(q.device), PDL=pdl, WINDOW=window_left >= 0,
-        SOFTCAP=softcap > 0.0, num_warps=num_warps or cfg.num_warps, num_stages=num_stages or cfg.num_stages,
+        SOFTCAP=softcap > 0.0, STORE_LSE=num_splits > 1 or lse is not None, num_warps=num_warps or cfg.num_warps,
+        num_stages=num_stages or cfg.num_stages,
     )
     if num_splits > 1:
         reduce_splits(o_buf, l_buf, out, lse, pdl)
