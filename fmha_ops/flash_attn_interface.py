@@ -289,15 +289,27 @@ def _fast_key(q, k_cache, v_cache, cache_seqlens, page_table, k_descale, v_desca
         return None
     if checks.wanted(q, cache_seqlens, page_table):  # host tensors (always checked) or check mode: the full path
         return None
-    try:
-        return ("flash_attn_with_kvcache", _meta(q), _meta(k_cache), _meta(v_cache), _meta(cache_seqlens),
-                _meta(page_table), _meta(k_descale), _meta(v_descale), softmax_scale, causal, tuple(window_size),
-                softcap, return_lse, _deterministic())
+    if not (_unit_stride(cache_seqlens, 0) and _unit_stride(page_table, 1)):  # the full path makes them so
+        return None
+    try:  # the tensors' metadata inline (no call per tensor: this runs on every decode step)
+        return (q.shape, q.dtype, q.stride(), q.device, k_cache.shape, k_cache.dtype, k_cache.stride(),
+                k_cache.device, v_cache.shape, v_cache.dtype, v_cache.stride(), v_cache.device,
+                cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.device, page_table.shape, page_table.dtype,
+                page_table.stride(), page_table.device,
+                None if k_descale is None else (k_descale.shape, k_descale.dtype, k_descale.stride(), k_descale.device),
+                None if v_descale is None else (v_descale.shape, v_descale.dtype, v_descale.stride(), v_descale.device),
+                softmax_scale, causal, tuple(window_size), softcap, return_lse, _deterministic())
     except (TypeError, AttributeError):  # descales that are not tensors, window_size not a pair: the full path says
         return None
 
 
 _deterministic = torch._C._get_deterministic_algorithms
+
+
+def _unit_stride(t, dim: int) -> bool:
+    """Whether the kernels can read ``t``'s entries along ``dim`` as consecutive ints (they index a length or a
+    page-table row by its position)."""
+    return t.ndim <= dim or t.shape[dim] <= 1 or t.stride(dim) == 1
 
 
 def _fast_launcher(fast, q, k_cache, v_cache, cache_seqlens, page_table, k_descale, v_descale, softmax_scale, causal,
@@ -442,6 +454,10 @@ def kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
             page_table = cache_batch_idx.to(torch.int32)[:, None]
         capacity = page
     cache_seqlens = _cache_seqlens(cache_seqlens, q, capacity - mnew)
+    if not _unit_stride(cache_seqlens, 0):  # the kernels read lengths and page-table rows as consecutive ints
+        cache_seqlens = cache_seqlens.contiguous()
+    if paged and not _unit_stride(page_table, 1):
+        page_table = page_table.contiguous()
     _validate_indices(cache_seqlens, cache_batch_idx, page_table if paged else None, capacity, mnew, k_cache)
     kd, vd = _cache_descales(k_cache, k_descale, v_descale, q.device)
     if k is not None:

@@ -220,3 +220,20 @@ def test_gpu_decode_under_reduce_overhead_without_an_eager_call_first():
         for name, have, want in zip(("bf16", "fp8"), got, step(q, lens)):
             assert error_report(have.float(), want.float())["rel"] < 1e-3, (name, i)
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
+def test_strided_lengths_and_page_table_read_as_their_values():
+    """Lengths and page-table rows given as strided views (every other entry of a wider buffer) decode as their
+    contiguous copies do, on the first call and the repeated one."""
+    B, L, Hkv, D, page = 3, 45, 2, 16, 8
+    _, _, kp, vp, table, *_ = _paged(B, L, Hkv, D, page, seed=13)
+    q = torch.randn(B, 1, 4, D).to(DEVICE, DTYPE)
+    lens = torch.tensor([45, 8, 2], dtype=torch.int32, device=DEVICE)
+    wide_lens = torch.stack([lens, torch.zeros_like(lens)], 1)  # (B, 2): lengths 2 ints apart
+    wide_table = torch.stack([table, torch.full_like(table, -1)], 2).view(B, -1)  # bad pages between
+    strided = dict(cache_seqlens=wide_lens[:, 0], page_table=wide_table[:, ::2])
+    assert strided["cache_seqlens"].stride() == (2,) and strided["page_table"].stride(1) == 2
+    want = fmha_ops.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, page_table=table, causal=True)
+    for attempt in ("first", "repeated"):
+        got = fmha_ops.flash_attn_with_kvcache(q, kp, vp, causal=True, **strided)
+        assert torch.equal(got.cpu(), want.cpu()), attempt
