@@ -217,6 +217,7 @@ COLUMNS = ["shape", "bf16_op", "fp8_op", "bf16_splits", "fp8_splits", "bf16_grap
            "fp8_speedup_graph_clean", "bf16_graph_clean_TBps", "fp8_graph_clean_TBps",
            "fp8_speedup_eager", "fp8_speedup_kernel", "fp8_eager_over_graph", "fp8_plan_eager_over_graph",
            "fp8_speedup_plan_eager", "fp8_api_host_us", "fp8_plan_host_us", "fp8_kernel_host_us", "bf16_api_host_us",
+           "bf16_plan_host_us", "bf16_kernel_host_us",
            "cudnn_TBps", "target_speedup", "target_eager_over_graph", "bf16_graph_ok", "fp8_graph_ok",
            "bf16_rel_vs_cudnn", "fp8_rel_vs_cudnn"]
 
@@ -229,7 +230,8 @@ RECORD = common.Record(
      "fp8_speedup_kernel": "fp8 speedup (kernel)", "fp8_eager_over_graph": "fp8 eager / graph",
      "fp8_plan_eager_TBps": "fp8 plan.run eager", "fp8_api_host_us": "fp8 host us (call)",
      "fp8_plan_host_us": "fp8 host us (plan.run)", "fp8_kernel_host_us": "fp8 host us (kernel)",
-     "cudnn_TBps": "cuDNN bf16"},
+     "bf16_api_host_us": "bf16 host us (call)", "bf16_plan_host_us": "bf16 host us (plan.run)",
+     "bf16_kernel_host_us": "bf16 host us (kernel)", "cudnn_TBps": "cuDNN bf16"},
     "Paged KV (B batch, L keys, p page size), one query token, D=128 and Hq/Hkv = 32/8 unless named; effective TB/s = "
     "K+V bytes (+ fp8 per-token scales) / time; fp8 speedup = bf16 time / fp8 time. graph / eager: "
     "`flash_attn_with_kvcache` replayed from a CUDA graph (do_bench median) / called back to back; kernel: the kernel "

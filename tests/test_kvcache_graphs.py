@@ -183,7 +183,7 @@ def test_gpu_first_calls_leave_no_device_memory_allocated():
         "paged fp8": lambda: fa(q, k8, v8, cache_seqlens=lens, page_table=table, causal=True, **scales),
         "paged append": lambda: fa(q, kp, vp, new, new, cache_seqlens=lens - 1, page_table=table, causal=True),
         "dense int lengths": lambda: fa(q, dense, dense, cache_seqlens=40),
-        "decode op, no mask": lambda: fmha_ops.memory_efficient_attention(q, dense, dense),
+        "decode op, no mask": lambda: fmha_ops.memory_efficient_attention(q, dense, dense, op="triton_decoderF"),
     }
     for name, call in calls.items():
         for attempt in ("first", "repeated"):
