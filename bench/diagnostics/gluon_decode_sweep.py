@@ -18,7 +18,7 @@ import torch  # noqa: E402
 
 from bench import common  # noqa: E402
 
-VARIANTS = [(None, None), (1, 3), (1, 4), (2, 2), (2, 3), (3, 2)]  # (splits, stages); None: the op's choice
+VARIANTS = [(None, None), (1, 3), (1, 4), (2, 2)]  # (splits, stages); None: the op's choice
 
 
 def main() -> None:
