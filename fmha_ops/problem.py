@@ -93,28 +93,29 @@ class Problem:
         ] + ([f"w{_p2(self.window_left + 1)}/{_p2(self.window_right + 1)}"] if self.windowed else [])
           + (["softcap"] if self.softcap else []))
 
-    def size_point(self) -> tuple[float, float, float]:
-        """log2 of the bucket's size fields (batch x KV heads, query length, key length), unrounded: where
-        the problem sits between the tuning table's buckets."""
-        return (math.log2(max(1, self.batch * self.heads_kv)), math.log2(max(1, self.seqlen_q)),
-                math.log2(max(1, self.seqlen_k)))
+    def size_point(self) -> tuple[float, float, float, float]:
+        """log2 of the call's sizes, unrounded: batch x query heads (the work's head count), query length, key
+        length, GQA ratio. Where the problem sits between the tuning table's buckets; the GQA ratio is a size
+        (a ratio the grid does not hold sits between the ratios it does)."""
+        return (math.log2(max(1, self.batch * self.heads_q)), math.log2(max(1, self.seqlen_q)),
+                math.log2(max(1, self.seqlen_k)), math.log2(max(1, self.gqa_ratio)))
 
     def at_bucket(self, bucket: str) -> "Problem | None":
-        """This problem at the sizes of ``bucket`` (a ``bucket()`` string), or None when the bucket differs in
-        anything but its sizes (dtypes, head dims, mask, GQA, paging...). Batch x KV heads go to the batch
-        when they divide by the KV heads, else to the heads (batch 1).
+        """This problem at the sizes of ``bucket`` (a ``bucket()`` string: batch x KV heads, lengths, GQA ratio),
+        or None when the bucket differs in anything else (dtypes, head dims, mask, paging...). Batch x KV heads go
+        to the batch when they divide by the KV heads, else to the heads (batch 1).
 
         Example
         -------
         >>> p.at_bucket(p.bucket()).size_point() == p.size_point()  # p on its bucket's sizes
         """
         mine, theirs = self.bucket().split("|"), bucket.split("|")
-        sizes = slice(_BUCKET_BH, _BUCKET_K + 1)
-        if len(mine) != len(theirs) or mine[:sizes.start] + mine[sizes.stop:] != theirs[:sizes.start] + theirs[sizes.stop:]:
+        if len(mine) != len(theirs) or any(a != b for i, (a, b) in enumerate(zip(mine, theirs))
+                                           if i not in _BUCKET_SIZES):
             return None
-        bh, q, k = (int(field.lstrip("bhqk")) for field in theirs[sizes])
+        ratio, bh, q, k = (int(theirs[i].lstrip("gbhqk")) for i in (_BUCKET_G, _BUCKET_BH, _BUCKET_Q, _BUCKET_K))
         batch, heads_kv = (bh // self.heads_kv, self.heads_kv) if bh % self.heads_kv == 0 else (1, bh)
-        return dataclasses.replace(self, batch=batch, heads_kv=heads_kv, heads_q=heads_kv * self.gqa_ratio,
+        return dataclasses.replace(self, batch=batch, heads_kv=heads_kv, heads_q=heads_kv * ratio,
                                    seqlen_q=q, seqlen_k=k, total_q=batch * q)
 
     def __str__(self) -> str:
@@ -134,8 +135,10 @@ class Problem:
                 f"bias={self.bias} " + " ".join(extra + [f"on {self.arch}"]))
 
 
-#: positions of the size fields (bh, q, k) in ``Problem.bucket()``'s "|"-separated key
-_BUCKET_BH, _BUCKET_K = 6, 8
+#: positions of the size fields (GQA ratio, batch x KV heads, query and key lengths) in ``Problem.bucket()``'s
+#: "|"-separated key
+_BUCKET_G, _BUCKET_BH, _BUCKET_Q, _BUCKET_K = 3, 6, 7, 8
+_BUCKET_SIZES = frozenset({_BUCKET_G, _BUCKET_BH, _BUCKET_Q, _BUCKET_K})
 
 
 def _p2(n: int) -> int:

@@ -106,3 +106,23 @@ def test_leave_one_out_on_the_h200_table_between_buckets():
     nearest, factor = regrets["nearest"], regrets["factor"]
     assert nearest[len(nearest) // 2] <= 0.03 and nearest[-1] <= 0.10
     assert sum(nearest) <= sum(factor) + 1e-9
+
+
+def test_a_gqa_ratio_off_the_grid_sits_between_the_grids_ratios():
+    """A call of GQA ratio 8 (the grid has 1 and 4) takes its neighbours from the buckets of other ratios: the
+    bucket of ratio 4 is a problem of that ratio at the bucket's sizes, nearer than the ratio-1 one; a bucket of
+    another head dim is of another kind."""
+    import selector_offline as offline
+
+    p = replace(offline.problem_of("float8_e4m3fn/float8_e4m3fn/float8_e4m3fn|d64/64|none|g4|p0|qkv0|bh8|q8192"
+                                   "|k8192|grad0"), batch=1, heads_q=32, heads_kv=4, seqlen_q=6000, seqlen_k=6000,
+                total_q=6000)
+    assert p.gqa_ratio == 8 and p.size_point()[3] == 3.0
+    g4 = p.at_bucket("float8_e4m3fn/float8_e4m3fn/float8_e4m3fn|d64/64|none|g4|p0|qkv0|bh8|q8192|k8192|grad0")
+    g1 = p.at_bucket("float8_e4m3fn/float8_e4m3fn/float8_e4m3fn|d64/64|none|g1|p0|qkv0|bh32|q8192|k8192|grad0")
+    assert (g4.heads_kv, g4.heads_q, g4.batch, g4.seqlen_q) == (4, 16, 2, 8192)
+    assert (g1.heads_kv, g1.heads_q, g1.gqa_ratio) == (4, 4, 1)
+    assert math.dist(p.size_point(), g4.size_point()) < math.dist(p.size_point(), g1.size_point())
+    assert p.at_bucket("float8_e4m3fn/float8_e4m3fn/float8_e4m3fn|d128/128|none|g4|p0|qkv0|bh8|q8192|k8192"
+                       "|grad0") is None
+    assert p.at_bucket(p.bucket()).size_point()[3] == 3.0
