@@ -5,9 +5,10 @@ selector picks than the fastest op for that call? regret = t(selected) / t(best)
 
 Forward calls (prefill of every dtype, decode) and, for the bf16 prefill calls, the backward op that a call
 needing gradients gets (every backward op timed on the same forward output and LSE). Each supporting op is
-timed through ``memory_efficient_attention(op=...)`` (backward: its ``apply_bw``) with CUDA events: one untimed
-call first (it JIT-compiles the configuration), then ``do_bench`` over a short window; ops whose own estimate
-is over ``SKIP_FACTOR`` times the best estimate are not timed. ``--budget``: calls left when it runs out are
+timed through ``memory_efficient_attention(op=...)`` (backward: its ``apply_bw``): one untimed call first (it
+JIT-compiles the configuration), then its device time and its host time apart (``fmha_ops.timing.call_times``);
+an op's time per call is the larger of the two (back to back, what a call costs; what the selector ranks
+by). Ops whose own estimate is over ``SKIP_FACTOR`` times the best estimate are not timed. ``--budget``: calls left when it runs out are
 not measured (listed). Prints each call's row as it is measured and the summary last; writes selector.json into --out after
 every call (a run cut short leaves its rows) and, at the end, selector.png (regret per call) and the record bench/results/selector.md (regret per kind of call; not with --quick, --dtypes or
 --no-record). ``--dtypes``: only the prefill calls of these dtypes (no decode calls; default bfloat16, fp8, fp8_tensor and
@@ -36,12 +37,13 @@ from bench.common import (  # noqa: E402
 
 from fmha_ops.dispatch import SELECTOR  # noqa: E402
 from fmha_ops.inputs import make_inputs  # noqa: E402
-from fmha_ops.tune import Call, decode_call, prefill_call, time_call  # noqa: E402
+from fmha_ops.timing import call_times  # noqa: E402
+from fmha_ops.tune import Call, decode_call, prefill_call  # noqa: E402
 
 #: ops estimated slower than this many times the best estimate are not timed (math / reference paths)
 SKIP_FACTOR = 4.0
-#: do_bench windows (ms) after the untimed compiling call
-WARMUP_MS, REP_MS = 2, 10
+#: device time (ms) the timed calls of one op fill, after the untimed compiling call
+REP_MS = 10.0
 PREFILL_DTYPES = ("bfloat16", "fp8", "fp8_tensor", "i8fp8")
 #: the dtypes measured without --dtypes (i8fp8 has one supporting op: no choice to get wrong)
 DEFAULT_DTYPES = ("bfloat16", "fp8", "fp8_tensor")
@@ -79,14 +81,13 @@ def calls(device: str, quick: bool, dtypes: tuple[str, ...] | None = None) -> li
 _RUN = {"compile_only": False}
 
 
-def time_op(fn, device: str) -> float:
-    """Seconds per ``fn()``: one untimed call (JIT compilation, graph building), then the median of a short
-    CUDA-event window (``do_bench``); on a CPU the median of 3 timed calls. With ``--compile-only`` the untimed
-    call alone (returns 1.0)."""
+def time_op(fn, device: str) -> tuple[float, float]:
+    """(device seconds, host seconds) per ``fn()`` (``fmha_ops.timing.call_times``) after one untimed call (JIT
+    compilation, graph building). With ``--compile-only`` the untimed call alone (returns (1.0, 1.0))."""
     fn()
     if _RUN["compile_only"]:
-        return 1.0
-    return time_call(fn, device, WARMUP_MS, REP_MS)
+        return 1.0, 1.0
+    return call_times(fn, device, REP_MS)
 
 
 def contenders(problem, kind: str) -> tuple[type | None, list, dict]:
@@ -103,8 +104,9 @@ def contenders(problem, kind: str) -> tuple[type | None, list, dict]:
     return report.selected, keep, estimates
 
 
-def measure_forward(call: Call, device: str) -> tuple[str, dict[str, float], dict]:
-    """(selected op name, seconds per timed op, estimates per op as ``contenders`` gives) for one forward call."""
+def measure_forward(call: Call, device: str) -> tuple[str, dict[str, tuple[float, float]], dict]:
+    """(selected op name, (device, host) seconds per timed op, estimates per op as ``contenders`` gives) for one
+    forward call."""
     from fmha_ops.api import memory_efficient_attention
 
     selected, ops, estimates = contenders(call.problem(), "fw")
@@ -118,8 +120,9 @@ def measure_forward(call: Call, device: str) -> tuple[str, dict[str, float], dic
     return selected.NAME, times, estimates
 
 
-def measure_backward(call: Call, device: str) -> tuple[str, dict[str, float], dict]:
-    """(selected backward op name, seconds per timed backward op, estimates) for the call with gradients: every
+def measure_backward(call: Call, device: str) -> tuple[str, dict[str, tuple[float, float]], dict]:
+    """(selected backward op name, (device, host) seconds per timed backward op, estimates) for the call with
+    gradients: every
     backward op gets the same output, LSE and output gradient (from the forward the selector picks for a partial
     call)."""
     q, k, v, bias = call.args
@@ -142,18 +145,22 @@ def measure_backward(call: Call, device: str) -> tuple[str, dict[str, float], di
     return selected.NAME, times, estimates
 
 
-def regret_row(label: str, selected: str, times: dict[str, float]) -> dict:
-    """One table row: the selected and the fastest op, their times (us) and the regret (None when the selected
-    op was not timed).
+def regret_row(label: str, selected: str, measured: dict[str, tuple[float, float]]) -> dict:
+    """One table row from (device, host) seconds per op: the selected and the fastest op, their times per call
+    back to back (us; the larger of device and host time) and the regret (None when the selected op was not
+    timed).
 
-    >>> regret_row("c", "a", {"a": 2e-6, "b": 1e-6})["regret"]
-    1.0
+    >>> regret_row("c", "a", {"a": (2e-6, 1e-6), "b": (1e-6, 1.5e-6)})["regret"]
+    0.33333333333333326
     """
+    times = {k: max(v) for k, v in measured.items()}
     best = min(times, key=times.get)
     t_sel = times.get(selected)
     return {"call": label, "selected": selected, "best": best, "t_sel_us": t_sel and t_sel * 1e6,
             "t_best_us": times[best] * 1e6, "regret": (t_sel / times[best] - 1) if t_sel else None,
-            "times_us": {k: v * 1e6 for k, v in times.items()}}
+            "times_us": {k: v * 1e6 for k, v in times.items()},
+            "device_us": {k: v[0] * 1e6 for k, v in measured.items()},
+            "host_us": {k: v[1] * 1e6 for k, v in measured.items()}}
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -191,8 +198,8 @@ def record(rows: list[dict], env: dict, png: str | None = None, skipped: tuple[s
                                      if worst["regret"] else "-")})
     summary = summarize(rows)
     notes = (f"All {len(rows)} calls: median regret {_pct(summary['median_regret'])}, worst "
-             f"{_pct(summary['worst_regret'])}; regret = t(selected) / t(fastest supporting op) - 1, calls between and "
-             "outside the tuned buckets (other lengths, batch sizes, GQA ratios, head dims); backward rows: the "
+             f"{_pct(summary['worst_regret'])}; regret = t(selected) / t(fastest supporting op) - 1, t = max(device, host "
+             "time) per call, calls between and outside the tuned buckets (other lengths, batch sizes, GQA ratios, head dims); backward rows: the "
              "backward op a bf16 call with gradients gets, against every backward op on the same output and LSE.")
     if skipped:
         notes += f" Not measured (time budget): {len(skipped)} calls, from {skipped[0]}."

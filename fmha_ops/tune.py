@@ -4,16 +4,17 @@ timing table the selector reads (keyed by device name and software versions).
 Each grid point is one call (``Call``); every fw op that is available and supports it is timed
 through ``memory_efficient_attention(op=...)`` (so dispatch overhead counts), except ops whose own
 estimate is over ``SKIP_FACTOR`` times the best estimate (the reference and math paths on large
-shapes). Between the measured buckets the selector scales an op's model by measured / model at the
-nearest measured buckets of the call's kind; the table also stores, per op, the median of measured /
-cost-model time, which scales the op's model for calls of kinds the grid did not measure.
+shapes). The table's timings are device times; its ``host`` entry holds each op's host time per call
+(median over the grid; ``timing.call_times`` takes the two apart). Between the measured buckets the
+selector scales an op's model by measured / model at the nearest measured buckets of the call's kind;
+the table also stores, per op, the median of measured / cost-model time, which scales the op's model
+for calls of kinds the grid did not measure.
 """
 from __future__ import annotations
 
 import math
 import statistics
 import sys
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -25,9 +26,10 @@ from . import attn_bias as ab
 from .api import memory_efficient_attention
 from .dispatch import REGISTRY, SELECTOR
 from .inputs import make_inputs
+from .timing import call_times
 
 SKIP_FACTOR = 20.0
-WARMUP_MS, REP_MS = 5, 20  # do_bench windows per op and call (ms)
+REP_MS = 20.0  # device time per op and call (ms) the timed calls fill
 
 
 @dataclass
@@ -130,26 +132,15 @@ def grid(device: str, quick: bool = False, dtypes: tuple[str, ...] | None = None
     return calls
 
 
-def time_call(call: Callable[[], object], device: str, warmup_ms: float = WARMUP_MS,
-              rep_ms: float = REP_MS) -> float:
-    """Median seconds of one call: on a GPU CUDA events over ``do_bench``'s windows (``warmup_ms`` / ``rep_ms``),
-    on a CPU perf_counter over 3 calls after an untimed one."""
-    if device == "cuda":
-        from triton.testing import do_bench
-
-        return float(do_bench(call, warmup=warmup_ms, rep=rep_ms, return_mode="median")) * 1e-3
-    call()
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def time_call(call: Callable[[], object], device: str, rep_ms: float = REP_MS) -> float:
+    """Seconds per call back to back: the larger of the call's device time and its host time
+    (``timing.call_times``), what the selector ranks an op by."""
+    return max(call_times(call, device, rep_ms))
 
 
-def measure(call: Call, device: str, ops: frozenset[str] | None = None) -> dict[str, float]:
-    """Seconds per supporting op for one call (hopeless ops by their own estimate are skipped);
-    ``ops``: time only the ops of these names."""
+def measure(call: Call, device: str, ops: frozenset[str] | None = None) -> dict[str, tuple[float, float]]:
+    """(device seconds, host seconds) per supporting op for one call (``timing.call_times``; hopeless ops by their
+    own estimate are skipped); ``ops``: time only the ops of these names."""
     problem = call.problem()
     verdicts = [SELECTOR.verdict(op, problem) for op in REGISTRY.ops("fw") if ops is None or op.NAME in ops]
     ok = [v for v in verdicts if v.ok]
@@ -160,7 +151,8 @@ def measure(call: Call, device: str, ops: frozenset[str] | None = None) -> dict[
         if models[v.op] is not None and models[v.op] > SKIP_FACTOR * best:
             continue
         try:
-            times[v.op.NAME] = time_call(lambda: memory_efficient_attention(*call.args, op=v.op, **call.kwargs), device)
+            times[v.op.NAME] = call_times(lambda: memory_efficient_attention(*call.args, op=v.op, **call.kwargs),
+                                          device, REP_MS)
         except torch.OutOfMemoryError:
             torch.cuda.empty_cache()
     return times
@@ -190,26 +182,34 @@ def tune(out: str, quick: bool = False, device: str | None = None, ops: frozense
         table = TuningTable.load(merge)
         for name in ops or ():
             table.timings.pop(name, None)
-    base_calibration = dict(table.calibration)
+    base_calibration, base_host = dict(table.calibration), dict(table.host)
     ratios: dict[str, list[float]] = {}
+    hosts: dict[str, list[float]] = {}
+
+    def summarize() -> None:
+        table.calibration = base_calibration | {name: statistics.median(r) for name, r in ratios.items()}
+        if device == "cuda":  # on a CPU the host time is the call's whole time: nothing to rank by apart
+            table.host = base_host | {name: statistics.median(h) for name, h in hosts.items()}
+
     points = grid(device, quick, dtypes)
     for i, make in enumerate(points):
         call = make()
         problem = call.problem()
         times = measure(call, device, ops)
-        for name, seconds in times.items():
+        for name, (seconds, host) in times.items():
             table.record(name, problem.bucket(), seconds)
+            hosts.setdefault(name, []).append(host)
             model = REGISTRY.get(name).estimate(problem)
             if model:
                 ratios.setdefault(name, []).append(seconds / model)
-        best = min(times, key=times.get) if times else "-"
+        best = min(times, key=lambda name: max(times[name])) if times else "-"
         sys.stderr.write(f"\r[{i + 1}/{len(points)}] {call.label:<48} best {best}\033[K")
         del call
         if i % 10 == 9:  # keep what was measured if the run is cut short
-            table.calibration = base_calibration | {name: statistics.median(r) for name, r in ratios.items()}
+            summarize()
             table.save(out)
     sys.stderr.write("\n")
-    table.calibration = base_calibration | {name: statistics.median(r) for name, r in ratios.items()}
+    summarize()
     table.save(out)
     SELECTOR.tables.reload()
     SELECTOR.clear()

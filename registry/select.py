@@ -7,7 +7,7 @@ hands the problem to each op's ``not_supported_reasons`` and ``estimate``.
 Ranking: measured time from the tuning table for this device and bucket; for a problem between the measured
 buckets, the op's cost model scaled by measured / model at the nearest measured buckets of its kind
 (``nearest_ratio``); else the op's cost model (scaled by the table's calibration of that op), else declared PRIORITY (ops with an estimate rank first). On a GPU
-the estimate is at least the op's host time per call (``Op.host_time``): a small problem runs at the pace its launch
+the estimate is at least the op's host time per call (the table's measured one, else ``Op.host_time``): a small problem runs at the pace its launch
 path is issued, so the op that is fastest for the whole call wins (source "... , host-bound"). Ties break
 on the device estimate, then PRIORITY, then NAME, so the choice is deterministic. ``select`` is memoized on the
 caller's hashable signature plus the active overrides, so a repeated call is one
@@ -189,21 +189,37 @@ class Selector:
             reasons.extend(op.not_supported_reasons(problem))
         estimate, source, device = None, "priority", None
         if unavailable is None and not reasons:
-            estimate, source = self._measured_estimate(op, problem)
-            if estimate is None:
-                estimate, source = op.estimate(problem), "model"
-                # the tables time forward ops: a backward model stands as measured (no device-wide median)
-                factor = self.tables.calibration(problem.arch.name, op.NAME, median_fallback=op.KIND == "fw")
-                if estimate is None or not math.isfinite(estimate):
-                    estimate, source = None, "priority"
-                elif factor is not None:
-                    estimate, source = estimate * factor, "calibrated model"
-            device = estimate
-            if estimate is not None and problem.arch.kind != "cpu":
-                host = op.host_time(problem)
-                if host > estimate:
-                    estimate, source = host, f"{source}, host-bound"
+            estimate, source, device = self.estimate(op, problem)
         return Verdict(op, unavailable, tuple(reasons), estimate, source, device)
+
+    def estimate(self, op: type[Op], problem: Any) -> tuple[float | None, str, float | None]:
+        """(seconds the op is ranked by, its source, seconds on the device alone) for a problem the op supports:
+        the tuning table's time or its fit (``_measured_estimate``), else the op's model scaled by the table's
+        calibration, at least the op's host time on a GPU; (None, "priority", None) without an estimate. Needs
+        neither the op's package nor its device (offline regret from a table calls it directly).
+
+        Example
+        -------
+        >>> SELECTOR.estimate(get_op("fa4F"), problem)  # doctest: +SKIP
+        (0.000372, 'model x 1.17 from 2 measured buckets', 0.000372)
+        """
+        estimate, source = self._measured_estimate(op, problem)
+        if estimate is None:
+            estimate, source = op.estimate(problem), "model"
+            # the tables time forward ops: a backward model stands as measured (no device-wide median)
+            factor = self.tables.calibration(problem.arch.name, op.NAME, median_fallback=op.KIND == "fw")
+            if estimate is None or not math.isfinite(estimate):
+                return None, "priority", None
+            if factor is not None:
+                estimate, source = estimate * factor, "calibrated model"
+        device = estimate
+        if problem.arch.kind != "cpu":
+            host = op.host_time(problem)
+            if host > 0:  # the table's measured host time replaces the declared one (0: no host time, graphs)
+                host = self.tables.host_time(problem.arch.name, op.NAME) or host
+            if host > estimate:
+                estimate, source = host, f"{source}, host-bound"
+        return estimate, source, device
 
     def _measured_estimate(self, op: type[Op], problem: Any) -> tuple[float | None, str]:
         """The op's time from its tuning-table rows: the row of the problem's own bucket when the problem sits

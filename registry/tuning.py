@@ -4,9 +4,11 @@ A table is a JSON file::
 
     {"device": "NVIDIA H200", "versions": {"torch": "...", "triton": "..."},
      "timings": {"<op NAME>": {"<bucket>": seconds, ...}, ...},
-     "calibration": {"<op NAME>": measured / cost-model time (median over buckets), ...}}
+     "calibration": {"<op NAME>": measured / cost-model time (median over buckets), ...},
+     "host": {"<op NAME>": host seconds per eager call (median over buckets), ...}}
 
-Buckets are strings the domain package computes from a problem (``problem.bucket()``).
+Buckets are strings the domain package computes from a problem (``problem.bucket()``). Timings are device
+times; ``host`` holds what the host spends per call of the op (tables without it: the ops' declared host times).
 The selector asks ``lookup(device_name, op_name, bucket)`` and, where a bucket was not measured,
 scales the op's cost model by ``calibration(device_name, op_name)``; other devices' tables are ignored.
 """
@@ -24,6 +26,7 @@ class TuningTable:
     versions: dict = field(default_factory=dict)
     timings: dict[str, dict[str, float]] = field(default_factory=dict)
     calibration: dict[str, float] = field(default_factory=dict)
+    host: dict[str, float] = field(default_factory=dict)
 
     def lookup(self, op_name: str, bucket: str) -> float | None:
         return self.timings.get(op_name, {}).get(bucket)
@@ -35,14 +38,14 @@ class TuningTable:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump({"device": self.device, "versions": self.versions, "timings": self.timings,
-                       "calibration": self.calibration}, f, indent=1, sort_keys=True)
+                       "calibration": self.calibration, "host": self.host}, f, indent=1, sort_keys=True)
 
     @classmethod
     def load(cls, path: str) -> "TuningTable":
         with open(path) as f:
             data = json.load(f)
         return cls(device=data["device"], versions=data.get("versions", {}), timings=data.get("timings", {}),
-                   calibration=data.get("calibration", {}))
+                   calibration=data.get("calibration", {}), host=data.get("host", {}))
 
 
 class TuningTables:
@@ -64,6 +67,7 @@ class TuningTables:
                     for op_name, rows in table.timings.items():
                         merged.timings.setdefault(op_name, {}).update(rows)
                     merged.calibration.update(table.calibration)
+                    merged.host.update(table.host)
         return tables
 
     def lookup(self, device: str, op_name: str, bucket: str) -> float | None:
@@ -92,6 +96,13 @@ class TuningTables:
         if op_name in table.calibration or not median_fallback:
             return table.calibration.get(op_name)
         return statistics.median(table.calibration.values())
+
+    def host_time(self, device: str, op_name: str) -> float | None:
+        """The op's measured host seconds per eager call on ``device``; None where no table measured it."""
+        if self._by_device is None:
+            self._by_device = self._load()
+        table = self._by_device.get(device)
+        return table.host.get(op_name) if table else None
 
     def reload(self) -> None:
         self._by_device = None

@@ -159,6 +159,24 @@ def test_gpu_ops_rank_by_the_larger_of_device_and_host_time():
     assert make_selector(cpu_kernel, cpu_library).explain(Prob()).selected is cpu_kernel
 
 
+def test_a_tables_measured_host_time_replaces_the_declared_one(tmp_path):
+    """The table's ``host`` entry (host seconds per call measured through the API) ranks a small call in place of
+    HOST_US; it survives a save / load; ops the table did not time keep their declared host time."""
+    kernel = gpu_op("kernelF", est=lambda p: 5e-6 * p.size, host_us=10.0)
+    library = gpu_op("libraryF", est=lambda p: 8e-6 * p.size, host_us=20.0)
+    declared = make_selector(kernel, library).explain(Prob(arch=H200))
+    assert declared.selected is kernel  # max(5, 10) us vs max(8, 20) us: the declared host times
+    TuningTable("NVIDIA H200", {"torch": "x"}, host={"kernelF": 30e-6}).save(str(tmp_path / "t.json"))
+    tables = TuningTables([str(tmp_path)])
+    assert tables.host_time("NVIDIA H200", "kernelF") == pytest.approx(30e-6)
+    assert tables.host_time("NVIDIA H200", "libraryF") is None and tables.host_time("cpu", "kernelF") is None
+    report = make_selector(kernel, library, tables=tables).explain(Prob(arch=H200))
+    assert report.selected is library  # max(5, 30) us vs max(8, 20) us
+    measured = {v.op: v for v in report.verdicts}
+    assert measured[kernel].estimate == pytest.approx(30e-6) and measured[kernel].source.endswith("host-bound")
+    assert measured[library].estimate == pytest.approx(20e-6)
+
+
 def test_unsupported_and_unavailable_rank_last_and_never_win():
     bad = op("badF", est=1e-9, refuse=("plain",))
     missing = op("missingF", est=1e-9, requires=("fmha_ops_no_such_module_xyz",))

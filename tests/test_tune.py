@@ -44,3 +44,17 @@ def test_decode_call_paged_matches_dense():
     a = fmha_ops.memory_efficient_attention(*dense.args, op="torch_referenceF").float()
     b = fmha_ops.memory_efficient_attention(*paged.args, op="torch_referenceF").float()
     assert torch.allclose(a.view(-1), b.view(-1), atol=1e-2)
+
+
+def test_call_times_on_a_cpu_is_the_median_wall_time_for_both():
+    from fmha_ops.timing import call_times
+
+    calls = []
+    device_s, host_s = call_times(lambda: calls.append(1), "cpu")
+    assert device_s == host_s >= 0 and len(calls) == 4  # one untimed call, three timed
+
+
+def test_tune_on_a_cpu_records_no_host_times(tmp_path):
+    table = tune(str(tmp_path / "cpu.json"), quick=True, device="cpu")
+    assert table.timings and table.host == {}
+    assert json.loads((tmp_path / "cpu.json").read_text())["host"] == {}
