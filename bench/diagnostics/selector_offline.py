@@ -2,15 +2,20 @@
 the table in turn and every op measured there is estimated from the rest (``method``: "nearest", the op's model
 scaled by measured / model at the nearest measured buckets of the same kind; "factor", the op's model scaled by
 its one median measured / model factor). regret = t(op ranked first) / t(fastest op measured there) - 1.
+``--measured selector.json``: also the regret the selector (``Selector.estimate`` on this table) would have on a
+selector bench's measured prefill calls, data the table did not see.
 
-    python bench/diagnostics/selector_offline.py [--table fmha_ops/tuning/NVIDIA_H200.json]
+    python bench/diagnostics/selector_offline.py [--table fmha_ops/tuning/NVIDIA_H200.json] [--measured JSON]
 
 Needs no GPU: the points' problems are rebuilt from their bucket keys for the table's device (an sm90 H200).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import re
+import tempfile
 import os
 import statistics
 import sys
@@ -19,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
-from registry import Arch, TuningTable  # noqa: E402
+from registry import Arch, Selector, TuningTable, TuningTables  # noqa: E402
 from registry.select import nearest_ratio  # noqa: E402
 
 from fmha_ops.dispatch import REGISTRY  # noqa: E402
@@ -46,14 +51,16 @@ def problem_of(bucket: str, arch: Arch = H200) -> Problem | None:
                    False, False, grad == "grad1", False, False)
 
 
-def estimate(op, problem: Problem, rows: dict[str, float], factor: float | None, method: str) -> float | None:
-    """The op's estimate at ``problem`` from the measured ``rows`` (its own bucket hidden) by ``method``."""
+def estimate(op, problem: Problem, rows: dict[str, float], factor: float | None, method: str,
+             host: float | None = None) -> float | None:
+    """The op's estimate at ``problem`` from the measured ``rows`` (its own bucket hidden) by ``method``, at least
+    its host time (``host``: the table's measured one, else the op's declared one)."""
     model = op.estimate(problem)
     if model is None or not math.isfinite(model):
         return None
     fitted = nearest_ratio(op, problem, rows, factor) if method == "nearest" else None
     ratio = fitted[0] if fitted else factor
-    return max(model * (ratio or 1.0), op.host_time(problem))
+    return max(model * (ratio or 1.0), host or op.host_time(problem))
 
 
 def leave_one_out(table: TuningTable, method: str) -> list[dict]:
@@ -71,7 +78,8 @@ def leave_one_out(table: TuningTable, method: str) -> list[dict]:
             op = REGISTRY.get(name)
             rows = {b: t for b, t in table.timings[name].items() if b != bucket}
             ratios = [t / m for b, t in rows.items() if (p := problem_of(b)) and (m := op.estimate(p))]
-            e = estimate(op, problem, rows, statistics.median(ratios) if ratios else None, method)
+            e = estimate(op, problem, rows, statistics.median(ratios) if ratios else None, method,
+                         table.host.get(name))
             if e is not None:
                 ests[name] = e
         if len(ests) < 2:
@@ -81,9 +89,49 @@ def leave_one_out(table: TuningTable, method: str) -> list[dict]:
     return out
 
 
+#: a selector bench prefill label: "prefill <dtype> B<b> N<n> H<hq>/<hkv> D<d>[ causal]"
+_LABEL = re.compile(r"prefill (\S+) B(\d+) N(\d+) H(\d+)/(\d+) D(\d+)( causal)?$")
+#: the selector bench's prefill dtypes: (q/k/v dtype, descale kind)
+_DTYPES = {"bfloat16": (torch.bfloat16, "none"), "float16": (torch.float16, "none"),
+           "fp8": (torch.float8_e4m3fn, "head"), "fp8_tensor": (torch.float8_e4m3fn, "tensor")}
+
+
+def problem_of_label(label: str, arch: Arch = H200) -> Problem | None:
+    """The problem of a selector bench prefill call's label (None for other calls: decode, backward, i8fp8)."""
+    m = _LABEL.match(label)
+    if not m or m.group(1) not in _DTYPES:
+        return None
+    dtype, descale = _DTYPES[m.group(1)]
+    b, n, hq, hkv, d = (int(x) for x in m.groups()[1:6])
+    return Problem(arch, dtype, dtype, dtype, torch.bfloat16, b, n, n, b * n, hq, hkv, d, d,
+                   "causal_bottom_right" if m.group(7) else "none", True, 0, (descale,) * 3, False, False, False,
+                   False, False, False)
+
+
+def held_out(table: TuningTable, measured: list[dict]) -> list[dict]:
+    """One row per measured prefill call of a selector bench JSON (``rows``: label, ``times_us`` per op): the op
+    ``Selector.estimate`` ranks first with ``table``, the fastest measured op, the regret."""
+    with tempfile.TemporaryDirectory() as folder:
+        table.save(os.path.join(folder, "table.json"))
+        selector = Selector(REGISTRY, TuningTables([folder]))
+        out = []
+        for row in measured:
+            problem = problem_of_label(row["call"])
+            times = row["times_us"]
+            if problem is None or len(times) < 2:
+                continue
+            ests = {name: selector.estimate(REGISTRY.get(name), problem)[0] for name in times}
+            ests = {name: e for name, e in ests.items() if e is not None}
+            picked, best = min(ests, key=ests.get), min(times, key=times.get)
+            out.append({"call": row["call"], "selected": picked, "best": best,
+                        "regret": times[picked] / times[best] - 1})
+        return out
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--table", default=TABLE)
+    parser.add_argument("--measured", default=None, help="a selector bench's selector.json (held-out calls)")
     args = parser.parse_args(argv)
     table = TuningTable.load(args.table)
     summary = {}
@@ -98,6 +146,14 @@ def main(argv=None) -> dict:
         inner = [r["regret"] for r in rows if "|q2048|" in r["bucket"]]
         summary[method]["interior_median"], summary[method]["interior_worst"] = statistics.median(inner), max(inner)
         print(f"{method}: {summary[method]}")
+    if args.measured:
+        with open(args.measured) as f:
+            rows = held_out(table, json.load(f)["rows"])
+        for r in rows:
+            print(f"held-out {r['regret']:6.1%} {r['selected']:>16s} vs {r['best']:<16s} {r['call']}")
+        regrets = [r["regret"] for r in rows]
+        summary["held_out"] = {"calls": len(rows), "median": statistics.median(regrets), "worst": max(regrets)}
+        print(f"held-out: {summary['held_out']}")
     return summary
 
 
