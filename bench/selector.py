@@ -1,7 +1,7 @@
 """Selector regret: over calls between and outside the tuned buckets, how much slower is the op the
 selector picks than the fastest op for that call? regret = t(selected) / t(best) - 1.
 
-    python bench/selector.py [--out DIR] [--quick] [--dtypes bfloat16,fp8_tensor] [--budget SECONDS]
+    python bench/selector.py [--out DIR] [--quick] [--dtypes bfloat16,fp8_tensor] [--shapes 0,3] [--budget SECONDS]
 
 Forward calls (prefill of every dtype, decode) and, for the bf16 prefill calls, the backward op that a call
 needing gradients gets (every backward op timed on the same forward output and LSE). Each supporting op is
@@ -12,7 +12,7 @@ by). Ops whose own estimate is over ``SKIP_FACTOR`` times the best estimate are 
 not measured (listed). Prints each call's row as it is measured and the summary last; writes selector.json into --out after
 every call (a run cut short leaves its rows) and, at the end, selector.png (regret per call) and the record bench/results/selector.md (regret per kind of call; not with --quick, --dtypes or
 --no-record). ``--dtypes``: only the prefill calls of these dtypes (no decode calls; default bfloat16, fp8, fp8_tensor and
-the decode calls). ``--compile-only --shard K/N`` in N parallel processes fills the JIT caches beforehand.
+the decode calls); ``--shapes``: only these prefill shapes (indices into ``PREFILL_SHAPES``; no decode calls, no record). ``--compile-only --shard K/N`` in N parallel processes fills the JIT caches beforehand.
 """
 from __future__ import annotations
 
@@ -58,20 +58,22 @@ DECODE_CALLS = ((2, 100000, 64, 8, 64, "bf16"), (48, 6000, 32, 8, 0, "bf16"), (2
 BACKWARD_DTYPE = "bfloat16"
 
 
-def calls(device: str, quick: bool, dtypes: tuple[str, ...] | None = None) -> list[tuple[str, object]]:
+def calls(device: str, quick: bool, dtypes: tuple[str, ...] | None = None,
+          shapes: tuple[int, ...] | None = None) -> list[tuple[str, object]]:
     """``(kind, make)`` pairs, kind "fw" or "bw", ``make()`` building the ``Call``: the prefill shapes of every
-    dtype shape by shape (bf16 ones also as "bw"), then (unless ``dtypes`` is given) the decode calls."""
+    dtype shape by shape (bf16 ones also as "bw"), then (unless ``dtypes`` or ``shapes``, indices into
+    ``PREFILL_SHAPES``, is given) the decode calls."""
     if quick:
         small = (lambda: prefill_call(1, 100, 4, 2, 32, True, "float32", device))
         return [("fw", small), ("bw", small), ("fw", lambda: decode_call(3, 200, 4, 1, 32, 0, "bf16", device))]
     out = []
-    for shape in PREFILL_SHAPES:
+    for shape in PREFILL_SHAPES if shapes is None else [PREFILL_SHAPES[i] for i in shapes]:
         for dtype in dtypes or DEFAULT_DTYPES:
             make = (lambda a=(*shape, dtype): prefill_call(*a, device))
             out.append(("fw", make))
             if dtype == BACKWARD_DTYPE:
                 out.append(("bw", make))
-    if not dtypes:
+    if not dtypes and shapes is None:
         out += [("fw", lambda a=(b, length, hq, hkv, 128, page, kv): decode_call(*a, device))
                 for b, length, hq, hkv, page, kv in DECODE_CALLS]
     return out
@@ -231,6 +233,7 @@ def plot(d: str, rows: list[dict], summary: dict) -> str | None:
 def main(argv=None) -> dict:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--dtypes", default=None, help=f"comma list of {', '.join(PREFILL_DTYPES)}: prefill only")
+    parser.add_argument("--shapes", default=None, help="comma list of indices into PREFILL_SHAPES: prefill only")
     parser.add_argument("--budget", type=float, default=0.0, help="seconds; calls left after it are not measured")
     parser.add_argument("--shard", default="0/1", help="K/N: only every N-th call from the K-th (for --compile-only)")
     parser.add_argument("--compile-only", action="store_true",
@@ -243,7 +246,8 @@ def main(argv=None) -> dict:
     t_start = time.perf_counter()
     rows, skipped = [], []
     d = out_dir(args.out)
-    for i, (kind, make) in enumerate(calls(device, args.quick, dtypes)):
+    shapes = tuple(int(i) for i in args.shapes.split(",")) if args.shapes else None
+    for i, (kind, make) in enumerate(calls(device, args.quick, dtypes, shapes)):
         if i % shards != shard:
             continue
         call = make()
@@ -267,7 +271,7 @@ def main(argv=None) -> dict:
     summary = summarize(rows) | {"not_measured": skipped, "seconds": time.perf_counter() - t_start}
     write_json(d, "selector", rows, {"summary": summary})
     png = plot(d, rows, summary) if rows else None
-    if rows and not (args.no_record or args.quick or dtypes):
+    if rows and not (args.no_record or args.quick or dtypes or shapes):
         print("record:", record(rows, environment(), png, tuple(skipped)))
     if rows:
         print_table(rows, ["call", "selected", "best", "t_sel_us", "t_best_us", "regret"])

@@ -7,8 +7,9 @@ other:
 - host: wall time per call of ``HOST_CALLS`` calls issued back to back (the GPU not waited on), median of
   ``HOST_ROUNDS`` rounds;
 - device: CUDA events around each call while a sleep kernel holds the GPU until the host has issued every timed
-  call (so no launch gap of the host enters a device time), the L2 cache cleared before each call (a cold cache,
-  as a call between other layers sees it); median over the calls.
+  call (so no launch gap of the host enters a device time), the L2 cache evicted before each call by a read of a
+  buffer larger than it (a cold cache, as a call between other layers sees it, holding only clean lines: zeroing
+  a buffer instead leaves dirty lines whose write-back lands in the timed call); median over the calls.
 
 Timing a ~100 us call with per-call events and no hold (``triton.testing.do_bench``) reads device time plus
 whatever part of the host time the cache clear before it does not hide: the same call of the same op read
@@ -25,12 +26,12 @@ from typing import Callable
 HOST_CALLS, HOST_ROUNDS = 8, 5
 #: timed device calls: enough to fill ``rep_ms``, within these bounds
 MIN_DEVICE_CALLS, MAX_DEVICE_CALLS = 5, 50
-#: bytes written before each timed call to evict the inputs from L2 (the H200's L2 is 50 MB; do_bench's 256 MB)
-FLUSH_BYTES = 256 << 20
+#: bytes read before each timed call to evict the inputs from L2 (the H200's L2 is 50 MB; do_bench's 256 MB)
+EVICT_BYTES = 256 << 20
 #: the hold covers the host's issue time of the timed calls this many times over (and is doubled, up to
 #: ``HOLD_RETRIES`` times, when the host still finished after it)
 HOLD_MARGIN, HOLD_RETRIES = 2.0, 3
-#: host seconds to issue one cache clear and two event records, on top of the call's own host time
+#: host seconds to issue one cache eviction and two event records, on top of the call's own host time
 ISSUE_OVERHEAD_S = 20e-6
 
 _CYCLES_PER_S: list[float] = []
@@ -83,7 +84,7 @@ def _host_time(fn, torch) -> float:
 def _device_time(fn, torch, calls: int, hold_s: float) -> float:
     """Median event time of ``calls`` calls issued while a sleep kernel of ``hold_s`` holds the GPU; the hold is
     doubled and the calls retimed while the sleep ended before the host had issued them all."""
-    flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    evict = torch.ones(EVICT_BYTES // 4, dtype=torch.float32, device="cuda")
     for _ in range(HOLD_RETRIES + 1):
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(calls)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(calls)]
@@ -91,7 +92,7 @@ def _device_time(fn, torch, calls: int, hold_s: float) -> float:
         torch.cuda._sleep(int(hold_s * _cycles_per_second(torch)))
         released.record()
         for s, e in zip(starts, ends):
-            flush.zero_()
+            evict.sum()
             s.record()
             fn()
             e.record()

@@ -56,6 +56,9 @@ def test_selector_calls_interleave_dtypes_and_add_backward_rows():
     assert len(made) == n_prefill + len(selector.PREFILL_SHAPES) + len(selector.DECODE_CALLS)
     assert kinds[:len(selector.DEFAULT_DTYPES) + 1] == ["fw", "bw"] + ["fw"] * (len(selector.DEFAULT_DTYPES) - 1)
     assert all(k == "fw" for k, _ in selector.calls("cpu", False, ("fp8_tensor",)))
+    picked = selector.calls("cpu", False, None, (3,))  # one prefill shape, every default dtype, no decode calls
+    assert len(picked) == len(selector.DEFAULT_DTYPES) + 1
+    assert picked[0][1]().label.startswith("prefill bfloat16 B32 N256")
 
 
 def test_selector_quick_run_measures_forward_and_backward(tmp_path):
