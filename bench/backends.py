@@ -6,7 +6,8 @@ to our fp8 kernels and cuDNN's fp8 forward.
 
 TFLOP/s = 4*B*H*N^2*D / t, halved when causal; backward 2.5x that count. Every column is timed through
 ``memory_efficient_attention`` (``op=`` for the single-backend columns, the selector for ``api``) with CUDA
-events (``do_bench`` median of a few calls, after one untimed call that JIT-compiles the configuration).
+events (``do_bench`` median of a few calls, after one untimed call that JIT-compiles the configuration), the columns
+of a group timed in turn in ``ROUNDS`` rounds, each column the median of its rounds.
 Ratios: ``api/best`` = api / max(cuDNN, FA4) (bf16) and api / max(ours, cuDNN fp8) (fp8), where ours is the
 fastest of our fp8 ops that take the call. Columns of a backend that is not installed are empty; shapes left
 when ``--budget`` runs out are listed as not measured. Writes backends.json into --out and, on CUDA (not with
@@ -15,6 +16,7 @@ when ``--budget`` runs out are listed as not measured. Writes backends.json into
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import time
 from typing import Callable
@@ -45,6 +47,10 @@ BACKWARD_FLOPS = 2.5  # backward FLOPs per forward FLOP
 TARGET = 0.97  # api / best
 #: do_bench windows (ms): short, since every configuration is compiled by one untimed call first
 WARMUP_MS, REP_MS = 3, 15
+#: rounds in which the columns of one group (forward, backward, fp8) are timed in turn; each column is the median of
+#: its rounds. Timed once each, one after the other, the api and FA4 backward columns (the same kernels: fa4F's own
+#: autograd) read 0.944x apart at 4x32/32x4096x128 causal on the H200: drift between columns, not selection
+ROUNDS = 3
 OUR_FP8_OPS = ("triton_fp8F", "gluon_fp8F", "gluon_ws_fp8F")
 RATIOS = ("api/best", "api_bw/best", "api_fp8/best")
 
@@ -101,17 +107,30 @@ def _timed(fn: Callable[[], object]) -> float | None:
     return or_none(lambda: _RUN["call"](fn))
 
 
+def _interleaved(fns: dict[str, Callable[[], object] | None]) -> dict[str, float | None]:
+    """Milliseconds per column: ``ROUNDS`` rounds timing every column once in turn (one with ``--compile-only``),
+    the median of each column's rounds; None for a column that is None or failed."""
+    got: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(1 if _RUN["call"] is _compile else ROUNDS):
+        for name, fn in fns.items():
+            ms = _timed(fn) if fn is not None else None
+            if ms:
+                got[name].append(ms)
+    return {name: statistics.median(t) if t else None for name, t in got.items()}
+
+
 def forward_columns(q, k, v, causal: bool) -> dict:
     """bf16 forward TFLOP/s: ``api`` (the selector's op, named in ``api_op``), ``cudnn``, ``fa4``, ``api/best``."""
     b, n, hq, d = q.shape
     bias = _mask(causal)
 
-    def run(op):
-        return attention_tflops(b, hq, n, d, causal,
-                                _timed(lambda: fmha_ops.memory_efficient_attention(q, k, v, bias, op=op)))
+    def call(op):
+        return lambda: fmha_ops.memory_efficient_attention(q, k, v, bias, op=op)
 
-    row = {"api_op": fmha_ops.explain(q, k, v, bias).selected.NAME, "api": run(None), "cudnn": run("sdpa_cudnnF"),
-           "fa4": run("fa4F") if available("fa4F") else None}
+    ms = _interleaved({"api": call(None), "cudnn": call("sdpa_cudnnF"),
+                       "fa4": call("fa4F") if available("fa4F") else None})
+    row = {"api_op": fmha_ops.explain(q, k, v, bias).selected.NAME}
+    row.update({name: attention_tflops(b, hq, n, d, causal, t) for name, t in ms.items()})
     row["api/best"] = ratio(row["api"], row["cudnn"], row["fa4"])
     return row
 
@@ -124,14 +143,16 @@ def backward_columns(q, k, v, causal: bool) -> dict:
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
     grad = torch.randn_like(q)
 
-    def run(op):
-        out = fmha_ops.memory_efficient_attention(qg, kg, vg, bias, op=op)
-        ms = _timed(lambda: torch.autograd.grad(out, (qg, kg, vg), grad, retain_graph=True))
-        flops = attention_tflops(b, hq, n, d, causal, ms)
-        return flops * BACKWARD_FLOPS if flops else None
+    def backward(op):
+        out = or_none(lambda: fmha_ops.memory_efficient_attention(qg, kg, vg, bias, op=op))
+        return None if out is None else (lambda: torch.autograd.grad(out, (qg, kg, vg), grad, retain_graph=True))
 
-    row = {"api_bw": or_none(lambda: run(None)), "cudnn_bw": or_none(lambda: run("sdpa_cudnnF")),
-           "fa4_bw": or_none(lambda: run(("fa4F", "fa4B"))) if available("fa4F") else None}
+    ms = _interleaved({"api_bw": backward(None), "cudnn_bw": backward("sdpa_cudnnF"),
+                       "fa4_bw": backward(("fa4F", "fa4B")) if available("fa4F") else None})
+    row = {}
+    for name, t in ms.items():
+        flops = attention_tflops(b, hq, n, d, causal, t)
+        row[name] = flops * BACKWARD_FLOPS if flops else None
     row["api_bw/best"] = ratio(row["api_bw"], row["cudnn_bw"], row["fa4_bw"])
     return row
 
@@ -147,14 +168,15 @@ def fp8_columns(q, k, v, causal: bool) -> dict:
     (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8_tensor(t) for t in (q, k, v))
     kw = dict(q_descale=qd, k_descale=kd, v_descale=vd)
 
-    def run(op):
-        return attention_tflops(b, hq, n, d, causal,
-                                _timed(lambda: fmha_ops.memory_efficient_attention(q8, k8, v8, bias, op=op, **kw)))
+    def call(op):
+        return lambda: fmha_ops.memory_efficient_attention(q8, k8, v8, bias, op=op, **kw)
 
-    ours = [run(name) for name in OUR_FP8_OPS if available(name)]
+    ms = _interleaved({"api_fp8": call(None), "cudnn_fp8": call("cudnn_fp8F") if available("cudnn_fp8F") else None}
+                      | {name: call(name) for name in OUR_FP8_OPS if available(name)})
+    tflops = {name: attention_tflops(b, hq, n, d, causal, t) for name, t in ms.items()}
+    ours = [tflops[name] for name in OUR_FP8_OPS if tflops.get(name)]
     row = {"api_fp8_op": or_none(lambda: fmha_ops.explain(q8, k8, v8, bias, **kw).selected.NAME),
-           "api_fp8": run(None), "ours_fp8": max((t for t in ours if t), default=None),
-           "cudnn_fp8": run("cudnn_fp8F") if available("cudnn_fp8F") else None}
+           "api_fp8": tflops["api_fp8"], "ours_fp8": max(ours, default=None), "cudnn_fp8": tflops["cudnn_fp8"]}
     row["api_fp8/best"] = ratio(row["api_fp8"], row["ours_fp8"], row["cudnn_fp8"])
     row["api_fp8_out"] = or_none(lambda: attention_tflops(b, hq, n, d, causal, _timed(
         lambda: fmha_ops.memory_efficient_attention(q8, k8, v8, bias, output_dtype=torch.float8_e4m3fn, **kw))))
@@ -176,7 +198,8 @@ def summary_lines(rows: list[dict]) -> list[str]:
 
 def notes(rows: list[dict], skipped: list[str]) -> str:
     """The record's notes: what the columns are, the minimum ratios, and the shapes the budget left out."""
-    text = ("TFLOP/s = 4*B*H*N^2*D / t (halved when causal; backward 2.5x), CUDA events, every column through "
+    text = ("TFLOP/s = 4*B*H*N^2*D / t (halved when causal; backward 2.5x), CUDA events, median of "
+            f"{ROUNDS} interleaved rounds, every column through "
             "`memory_efficient_attention` (`op=` for the single-backend columns). bwd: autograd through the pair "
             "the selector (api), SDPA cuDNN or (fa4F, fa4B) gives; fp8: per-tensor descales, bf16 out, ours = the "
             f"fastest of {', '.join(OUR_FP8_OPS)}; fp8 out: `output_dtype=float8_e4m3fn` (in v's units). "

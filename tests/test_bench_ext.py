@@ -101,3 +101,16 @@ def test_selector_record_groups_calls_and_names_the_unmeasured(tmp_path, monkeyp
     assert [t["kind"] for t in table] == ["prefill bfloat16", "backward bfloat16"]
     assert table[0]["worst"] == "100.0%" and "B1 N8: a vs b" in table[0]["worst_call"]
     assert "Not measured (time budget): 1 calls, from decode bf16 B2." in notes
+
+
+def test_backends_columns_are_the_median_of_interleaved_rounds(monkeypatch):
+    order, ms = [], {"a": iter([3.0, 1.0, 2.0]), "b": iter([5.0, 4.0, 6.0])}
+
+    def fake_time(fn):
+        order.append(fn())
+        return next(ms[order[-1]])
+
+    monkeypatch.setitem(backends._RUN, "call", fake_time)
+    got = backends._interleaved({"a": lambda: "a", "b": lambda: "b", "none": None})
+    assert got == {"a": 2.0, "b": 5.0, "none": None}
+    assert order == ["a", "b"] * backends.ROUNDS  # every column once per round, in turn
