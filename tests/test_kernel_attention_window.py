@@ -8,6 +8,7 @@ top-left (i_al = i); -1 = unbounded. softcap c: scores s become c * tanh(s / c) 
 CPU runs go through the Triton interpreter with small tiles, so windows smaller and larger than a tile, tiles
 wholly outside the window (skipped) and boundary tiles (masked) all occur.
 """
+import dataclasses
 import math
 
 import pytest
@@ -84,15 +85,16 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("one_loop", [False, True])
 @pytest.mark.parametrize("case", CASES)
-def test_forward_window_softcap(case):
+def test_forward_window_softcap(case, one_loop):
     from fmha_ops.kernels.triton.attention_fwd import FwdConfig, attention_forward
 
     B, Mq, Mk, Hq, Hkv, D, causal, br, wl, wr, cap, bm, bn = case
     q, k, v = (_randn(B, m, h, D, seed=i + Mq) for i, (m, h) in enumerate(((Mq, Hq), (Mk, Hkv), (Mk, Hkv))))
     scale = D ** -0.5 * (4.0 if cap else 1.0)  # larger scores, so the cap bends them
     out = torch.full((B, Mq, Hq, D), float("nan"), dtype=q.dtype, device=DEVICE)
-    o, lse = attention_forward(q, k, v, scale=scale, return_lse=True, config=FwdConfig(bm, bn), out=out,
+    o, lse = attention_forward(q, k, v, scale=scale, return_lse=True, config=FwdConfig(bm, bn, one_loop=one_loop), out=out,
                                **_window_kwargs(causal, br, wl, wr, cap))
     vis = visible(Mq, Mk, causal, br, wl, wr)
     ref, ref_lse = reference(*(t.to(REF) for t in (q, k, v)), scale, vis, cap)
@@ -107,8 +109,9 @@ def test_forward_window_softcap(case):
         assert error_report(full, ref)["rel"] > 1e-2
 
 
+@pytest.mark.parametrize("one_loop", [False, True])
 @pytest.mark.parametrize("dtype", ["fp8", "i8fp8"])
-def test_forward_window_quantized(dtype):
+def test_forward_window_quantized(dtype, one_loop):
     """fp8 and int8 q/k take the same window and softcap path (fp16 PV on the CPU: the interpreter's fp8 casts)."""
     from fmha_ops.kernels.triton.attention_fwd import FwdConfig, attention_forward
 
@@ -124,7 +127,7 @@ def test_forward_window_quantized(dtype):
     vq = v.to(fp8)
     kw = _window_kwargs(True, True, 11, -1, 3.0)
     o, _ = attention_forward(qq, kq, vq, scale=D ** -0.5, q_descale=qd, pv_fp8=False, v_transposed=False,
-                             config=FwdConfig(16, 32), **kw)
+                             config=FwdConfig(16, 32, one_loop=one_loop), **kw)
     ref, _ = reference(*(t.to(REF) for t in (qf, kf, vq.float())), D ** -0.5, visible(M, M, True, True, 11, -1), 3.0)
     assert error_report(o, ref)["rel"] < 1e-2, error_report(o, ref)
 
@@ -201,16 +204,19 @@ def test_backward_window_varlen():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("one_loop", [False, True])
 @pytest.mark.parametrize("window,causal,cap", [((255, -1), True, 0.0), ((100, 30), False, 0.0),
                                                ((1000, -1), True, 30.0), ((-1, -1), False, 30.0)])
-def test_gpu_forward_window(dtype, window, causal, cap):
-    from fmha_ops.kernels.triton.attention_fwd import attention_forward
+def test_gpu_forward_window(dtype, window, causal, cap, one_loop):
+    from fmha_ops.kernels.triton.attention_fwd import FwdConfig, attention_forward, default_config
 
     B, M, H, D = 2, 2000, 4, 128
     q, k, v = (torch.randn(B, M, H, D, device="cuda") for _ in range(3))
     qq, kq, vq = (t.to(dtype) for t in (q, k, v))
     scale = D ** -0.5 * 2
-    o, lse = attention_forward(qq, kq, vq, scale=scale, return_lse=True, **_window_kwargs(causal, True, *window, cap))
+    cfg = dataclasses.replace(default_config(D, causal, M, dtype != torch.bfloat16), one_loop=one_loop)
+    o, lse = attention_forward(qq, kq, vq, scale=scale, return_lse=True, config=cfg,
+                               **_window_kwargs(causal, True, *window, cap))
     ref, ref_lse = reference(qq.float(), kq.float(), vq.float(), scale, visible(M, M, causal, True, *window), cap)
     tol = 2e-2 if dtype == torch.bfloat16 else 6e-2
     assert error_report(o, ref)["rel"] < tol, error_report(o, ref)
@@ -278,7 +284,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from fmha_ops.kernels.triton.attention_fwd import _attn_fwd_kernel
 
-for dtype, causal, left in [("fp8", True, True), ("bf16", False, True), ("i8fp8", True, False)]:
+for dtype, causal, left, one_loop in [("fp8", True, True, False), ("bf16", False, True, False),
+                                      ("i8fp8", True, False, False), ("fp8", True, True, True)]:
     qk, v = {"fp8": ("fp8e4nv", "fp8e4nv"), "i8fp8": ("i8", "fp8e4nv"), "bf16": ("bf16", "bf16")}[dtype]
     quantized = dtype != "bf16"
     bn = 128 if quantized else 64
@@ -288,7 +295,7 @@ for dtype, causal, left in [("fp8", True, True), ("bf16", False, True), ("i8fp8"
     consts = {"D": 128, "DV": 128, "BLOCK_M": 64, "BLOCK_N": bn, "MASK_LEFT": left, "MASK_RIGHT": causal,
               "BOTTOM_RIGHT": True, "SOFTCAP": True, "VARLEN": False, "V_T": quantized, "P_SHIFT": 8 if quantized else 0,
               "Q_BLOCKSCALE": False, "K_BLOCKSCALE": False, "V_PER_CHANNEL": False, "WRITE_LSE": True,
-              "Q_DESCALED": quantized, "K_DESCALED": quantized, "V_DESCALED": quantized}
+              "Q_DESCALED": quantized, "K_DESCALED": quantized, "V_DESCALED": quantized, "ONE_LOOP": one_loop}
     sig = {}
     for n in _attn_fwd_kernel.arg_names:
         if n in consts:
@@ -304,7 +311,7 @@ for dtype, causal, left in [("fp8", True, True), ("bf16", False, True), ("i8fp8"
     k = triton.compile(ASTSource(_attn_fwd_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": 4, "num_stages": 3})
     assert "tanh.approx.f32" in k.asm["ptx"], dtype
-    print("compiled", dtype, causal, left)
+    print("compiled", dtype, causal, left, one_loop)
 """
 
 
@@ -319,7 +326,7 @@ def test_forward_softcap_window_compiles_for_sm90():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     r = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and r.stdout.count("compiled") == 3, r.stderr[-3000:]
+    assert r.returncode == 0 and r.stdout.count("compiled") == 4, r.stderr[-3000:]
 
 
 def test_window_arguments_checked():

@@ -56,7 +56,7 @@ def compile_one(dtype="fp8", D=128, causal=False, descale="block", bm=None, bn=N
     consts = {"D": D, "DV": D, "BLOCK_M": bm, "BLOCK_N": bn, "MASK_LEFT": False, "MASK_RIGHT": causal,
               "BOTTOM_RIGHT": True, "SOFTCAP": False, "VARLEN": False, "V_T": quantized, "P_SHIFT": 8 if quantized else 0,
               "Q_BLOCKSCALE": block, "K_BLOCKSCALE": block, "V_PER_CHANNEL": block, "WRITE_LSE": False,
-              "Q_DESCALED": quantized, "K_DESCALED": quantized, "V_DESCALED": quantized}
+              "Q_DESCALED": quantized, "K_DESCALED": quantized, "V_DESCALED": quantized, "ONE_LOOP": False}
     r = compile_sm90(_attn_fwd_kernel, _args(dtype, D, bm, bn), consts, warps=warps, stages=stages, maxnreg=maxnreg,
                      dump=dump)
     row = {"dtype": dtype, "D": D, "causal": causal, "descale": descale if quantized else "-",

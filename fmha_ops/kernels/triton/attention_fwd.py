@@ -57,12 +57,13 @@ def _load(desc, b, h, r, c, R: tl.constexpr, C: tl.constexpr, VARLEN: tl.constex
 
 @triton.jit
 def _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, softcap_log2, k_row0, v_row0, start_n, seqlen_k,
-          lo, hi, offs_m, b, hkv, MASKED: tl.constexpr, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr,
-          SOFTCAP: tl.constexpr, K_BLOCKSCALE: tl.constexpr, V_T: tl.constexpr, P_SHIFT: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, VARLEN: tl.constexpr):
+          lo, hi, offs_m, b, hkv, MASKED, MAY_BE_EMPTY: tl.constexpr, MASK_LEFT: tl.constexpr,
+          MASK_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, K_BLOCKSCALE: tl.constexpr, V_T: tl.constexpr,
+          P_SHIFT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, VARLEN: tl.constexpr):
     """One BLOCK_N step of the online softmax (``softmax_step``); scores are in log2 units after ``qk_scale``
-    (SOFTCAP: ``softcap_log2 * tanh(qk_scale * s)``). MASKED: the sequence end and the [i + lo, i + hi] key range
-    of ``hide_keys`` apply (boundary tiles)."""
+    (SOFTCAP: ``softcap_log2 * tanh(qk_scale * s)``). MASKED (a constexpr, or a runtime flag per tile): the
+    sequence end and the [i + lo, i + hi] key range of ``hide_keys`` apply (boundary tiles). MAY_BE_EMPTY: rows may
+    have seen no key yet (a masked tile ran or may run before this one)."""
     BLOCK_D: tl.constexpr = q.shape[1]
     k = _load(k_desc, b, hkv, k_row0 + start_n, 0, BLOCK_N, BLOCK_D, VARLEN)
     if q.dtype == tl.int8:
@@ -80,9 +81,9 @@ def _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, softcap_log2, k_ro
     if MASKED:
         s = hide_keys(s, offs_m, start_n + tl.arange(0, BLOCK_N), seqlen_k, lo, hi, MASK_LEFT, MASK_RIGHT)
     if SOFTCAP:
-        p, m_i, l_i, alpha = softmax_step(s, None, m_i, l_i, 1.0, 0.0, P_SHIFT, MASKED)
+        p, m_i, l_i, alpha = softmax_step(s, None, m_i, l_i, 1.0, 0.0, P_SHIFT, MAY_BE_EMPTY)
     else:
-        p, m_i, l_i, alpha = softmax_step(s, None, m_i, l_i, qk_scale, OFF, P_SHIFT, MASKED)
+        p, m_i, l_i, alpha = softmax_step(s, None, m_i, l_i, qk_scale, OFF, P_SHIFT, MAY_BE_EMPTY)
     if V_T:
         v = _load(v_desc, b, hkv, 0, v_row0 + start_n, BLOCK_DV, BLOCK_N, VARLEN).T
     else:
@@ -110,6 +111,7 @@ def _attn_fwd_kernel(
     VARLEN: tl.constexpr, V_T: tl.constexpr, P_SHIFT: tl.constexpr,
     Q_BLOCKSCALE: tl.constexpr, K_BLOCKSCALE: tl.constexpr, V_PER_CHANNEL: tl.constexpr, WRITE_LSE: tl.constexpr,
     Q_DESCALED: tl.constexpr, K_DESCALED: tl.constexpr, V_DESCALED: tl.constexpr,
+    ONE_LOOP: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (sequence, q head).
 
@@ -121,7 +123,9 @@ def _attn_fwd_kernel(
     ``P_SHIFT`` > 0 (fp8 P for the PV product, scaled by 2**P_SHIFT), else P in v's dtype. Q/K/V_DESCALED False:
     that descale is 1 and its pointer is never read (a placeholder). VARLEN: sequence b spans rows
     [CuQ[b], CuQ[b+1]) of batch 0 (bounds clamped to the tensors' rows) and descriptors are made per head on the
-    device; else Q, K, V, Out are host descriptors over (B, H, rows, cols).
+    device; else Q, K, V, Out are host descriptors over (B, H, rows, cols). ONE_LOOP: the key tiles run in one loop
+    in key order, masking the boundary ones by a runtime test (one pipeline fill per program); else the unmasked
+    interior and the boundary tiles run in two loops.
     """
     BLOCK_D: tl.constexpr = _pow2(D)
     BLOCK_DV: tl.constexpr = _pow2(DV)
@@ -209,19 +213,26 @@ def _attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     q = _load(q_desc, tensor_b, hq, q_start + m0, 0, BLOCK_M, BLOCK_D, VARLEN)
 
-    # the unmasked interior first, then the boundary tiles (below full_start and from full_end) in one loop: each
-    # loop pays its own pipeline fill, and a window has boundary tiles on both sides
-    for start_n in tl.range(full_start, full_end, BLOCK_N):
-        acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, softcap_log2, k_start, v_start,
-                              start_n, seqlen_k, lo, hi, offs_m, tensor_b, hkv, False, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                              K_BLOCKSCALE, V_T, P_SHIFT, BLOCK_N, BLOCK_DV, VARLEN)
-    n_lower = tl.cdiv(full_start - kv_start, BLOCK_N)
-    n_boundary = n_lower + tl.cdiv(kv_end - full_end, BLOCK_N)
-    for t in tl.range(0, n_boundary):
-        start_n = tl.where(t < n_lower, kv_start + t * BLOCK_N, full_end + (t - n_lower) * BLOCK_N)
-        acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, softcap_log2, k_start, v_start,
-                              start_n, seqlen_k, lo, hi, offs_m, tensor_b, hkv, True, MASK_LEFT, MASK_RIGHT, SOFTCAP,
-                              K_BLOCKSCALE, V_T, P_SHIFT, BLOCK_N, BLOCK_DV, VARLEN)
+    if ONE_LOOP:  # all tiles in key order; the lower boundary comes first, so rows may see no key until later
+        for start_n in tl.range(kv_start, kv_end, BLOCK_N):
+            boundary = (start_n < full_start) | (start_n >= full_end)
+            acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, softcap_log2, k_start, v_start,
+                                  start_n, seqlen_k, lo, hi, offs_m, tensor_b, hkv, boundary, True, MASK_LEFT,
+                                  MASK_RIGHT, SOFTCAP, K_BLOCKSCALE, V_T, P_SHIFT, BLOCK_N, BLOCK_DV, VARLEN)
+    else:
+        # the unmasked interior first, then the boundary tiles (below full_start and from full_end) in one loop:
+        # each loop pays its own pipeline fill, and a window has boundary tiles on both sides
+        for start_n in tl.range(full_start, full_end, BLOCK_N):
+            acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, softcap_log2, k_start, v_start,
+                                  start_n, seqlen_k, lo, hi, offs_m, tensor_b, hkv, False, False, MASK_LEFT,
+                                  MASK_RIGHT, SOFTCAP, K_BLOCKSCALE, V_T, P_SHIFT, BLOCK_N, BLOCK_DV, VARLEN)
+        n_lower = tl.cdiv(full_start - kv_start, BLOCK_N)
+        n_boundary = n_lower + tl.cdiv(kv_end - full_end, BLOCK_N)
+        for t in tl.range(0, n_boundary):
+            start_n = tl.where(t < n_lower, kv_start + t * BLOCK_N, full_end + (t - n_lower) * BLOCK_N)
+            acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, softcap_log2, k_start, v_start,
+                                  start_n, seqlen_k, lo, hi, offs_m, tensor_b, hkv, True, True, MASK_LEFT,
+                                  MASK_RIGHT, SOFTCAP, K_BLOCKSCALE, V_T, P_SHIFT, BLOCK_N, BLOCK_DV, VARLEN)
 
     inv_l = row_inverse(l_i)
     vd_ptr = VD + b * vd_sb + hkv * vd_sh
@@ -262,6 +273,9 @@ class FwdConfig:
     num_stages: int = 3
     #: register cap per thread (None: the compiler's choice)
     maxnreg: int | None = None
+    #: the key tiles in one loop, boundary tiles masked by a runtime test, instead of an unmasked interior loop and
+    #: a boundary loop (each loop fills its own pipeline: a window's program runs few tiles)
+    one_loop: bool = False
 
 
 def default_config(head_dim: int, causal: bool, seqlen_k: int = 0, quantized: bool = False) -> FwdConfig:
@@ -443,6 +457,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
         VARLEN=varlen,
         V_T=v_transposed, P_SHIFT=shift, Q_BLOCKSCALE=q_block, K_BLOCKSCALE=k_block, V_PER_CHANNEL=v_chan,
         WRITE_LSE=return_lse, Q_DESCALED=q_descale is not None, K_DESCALED=k_descale is not None,
-        V_DESCALED=v_descale is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
+        V_DESCALED=v_descale is not None, ONE_LOOP=cfg.one_loop, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        maxnreg=cfg.maxnreg,
     )
     return out, lse
