@@ -94,8 +94,8 @@ def test_forward_window_softcap(case, one_loop):
     q, k, v = (_randn(B, m, h, D, seed=i + Mq) for i, (m, h) in enumerate(((Mq, Hq), (Mk, Hkv), (Mk, Hkv))))
     scale = D ** -0.5 * (4.0 if cap else 1.0)  # larger scores, so the cap bends them
     out = torch.full((B, Mq, Hq, D), float("nan"), dtype=q.dtype, device=DEVICE)
-    o, lse = attention_forward(q, k, v, scale=scale, return_lse=True, config=FwdConfig(bm, bn, one_loop=one_loop), out=out,
-                               **_window_kwargs(causal, br, wl, wr, cap))
+    o, lse = attention_forward(q, k, v, scale=scale, return_lse=True, config=FwdConfig(bm, bn, one_loop=one_loop),
+                               out=out, **_window_kwargs(causal, br, wl, wr, cap))
     vis = visible(Mq, Mk, causal, br, wl, wr)
     ref, ref_lse = reference(*(t.to(REF) for t in (q, k, v)), scale, vis, cap)
     assert not torch.isnan(o).any(), "unwritten output"
