@@ -158,6 +158,14 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     Reads cu_seqlens on the host (one device sync per tensor and version: repeated calls with the same unchanged
     cu_seqlens tensors reuse what was read); under torch.compile the call is one custom op
     (``fmha_ops::varlen_attention``) that does so when it runs."""
+    layout = _varlen_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_size, softcap) if (
+        seqused_q is None and seqused_k is None and qv is None and attention_chunk == 0) else None
+    checked = None if layout is None else _VARLEN_CHECKED.get(layout)
+    if checked is not None:  # these arguments passed the checks below before
+        bias = _varlen_mask(*checked, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
+        res = _run(q[None], k[None], v[None], bias, softmax_scale, q_descale, k_descale, v_descale,
+                   return_attn_probs, softcap)
+        return (res[0][0], res[1][0]) if return_attn_probs else res[0]
     _unsupported(seqused_q=(seqused_q, None), seqused_k=(seqused_k, None), qv=(qv, None),
                  attention_chunk=(attention_chunk, 0))
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -181,12 +189,42 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         kind, window = ab.BlockDiagonalMask, ()
     else:
         kind, window = ab.BlockDiagonalLocalAttentionFromBottomRightMask, (None, left, right)
+    if layout is not None:
+        if len(_VARLEN_CHECKED) >= _VARLEN_CHECKED_LIMIT:
+            _VARLEN_CHECKED.clear()
+        _VARLEN_CHECKED[layout] = (kind, window)
     bias = _varlen_mask(kind, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
     res = _run(q[None], k[None], v[None], bias, softmax_scale, q_descale, k_descale, v_descale, return_attn_probs,
                softcap)
     if return_attn_probs:
         return res[0][0], res[1][0]
     return res[0]
+
+
+#: flash_attn_varlen_func argument layouts that passed its checks (``_varlen_layout``) -> (mask kind, window
+#: arguments): a repeated layout goes straight to the mask and the call's plan
+_VARLEN_CHECKED: dict = {}
+_VARLEN_CHECKED_LIMIT = 4096
+
+
+def _varlen_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_size, softcap) -> tuple | None:
+    """What flash_attn_varlen_func's own checks read from its arguments (tensor types, shapes and devices, the
+    cu_seqlens dtypes, the scalars and the window), for eager calls with plain tensors and Python scalars; None
+    otherwise (the checks then run and name what is wrong)."""
+    if not (type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor and type(cu_seqlens_q) is _Tensor
+            and type(cu_seqlens_k) is _Tensor and type(causal) is bool and type(window_size) is tuple
+            and (softmax_scale is None or type(softmax_scale) is float) and type(softcap) in (float, int)):
+        return None
+    if torch.compiler.is_compiling():
+        return None
+    try:
+        layout = (q.shape, k.shape, v.shape, q.device, cu_seqlens_q.shape, cu_seqlens_q.dtype, cu_seqlens_q.device,
+                  cu_seqlens_k.shape, cu_seqlens_k.dtype, cu_seqlens_k.device, softmax_scale, causal, window_size,
+                  softcap)
+        hash(layout)
+    except TypeError:  # a window_size of unhashable items: the checks name it
+        return None
+    return layout
 
 
 
