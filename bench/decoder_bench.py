@@ -15,7 +15,8 @@ fp8 speedup = bf16 time / fp8 time. Each shape runs in its own subprocess.
 
     python bench/decoder_bench.py [--quick | --shapes NAME,...] [--out DIR] [--no-record]
 
-Writes decode.json/.png to --out and the record bench/results/decode.md (not with --quick or --no-record).
+Writes decode.json/.png to --out and the record bench/results/decode.md (not with --quick or --no-record; with
+--shapes the record holds those shapes).
 """
 from __future__ import annotations
 
@@ -283,7 +284,7 @@ def main():
                                                          "fp8_graph_TBps", "fp8_eager_TBps", "fp8_kernel_TBps",
                                                          "cudnn_TBps"],
                           "TB/s (effective)", "Paged decode through flash_attn_with_kvcache, H200")
-    if not (args.no_record or args.quick or args.shapes):
+    if not (args.no_record or args.quick):
         print("record:", RECORD.write(rows, env, png))
 
 
