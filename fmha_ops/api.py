@@ -26,6 +26,7 @@ from .inputs import Inputs, make_inputs
 OpArg = Any  # an op class, name/alias, or (FwOp, BwOp) tuple
 _is_compiling = torch.compiler.is_compiling
 _grad_enabled = torch._C.is_grad_enabled
+_F32 = torch.float32
 
 
 def memory_efficient_attention(
@@ -70,6 +71,11 @@ def memory_efficient_attention_forward(
 ) -> torch.Tensor:
     """Like ``memory_efficient_attention`` without autograd (inference)."""
     if not (_grad_enabled() and _may_record_graph(query, key, value, attn_bias)):
+        key_ = plan_key(query, key, value, attn_bias, p, scale, op, output_dtype, False, softcap, q_descale,
+                        k_descale, v_descale, quantize_kv_to_fp8)
+        plan = find_plan(key_)  # the plan memory_efficient_attention keeps for this call
+        if plan is not None:
+            return plan(query, key, value, attn_bias, q_descale, k_descale, v_descale)[0]
         return memory_efficient_attention(query, key, value, attn_bias, p, scale, op=op, output_dtype=output_dtype,
                                           q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                                           quantize_kv_to_fp8=quantize_kv_to_fp8, softcap=softcap)
@@ -240,13 +246,16 @@ def _merge_torch(attn_split, lse_split, output_dtype: torch.dtype | None,
     checked (finite or -inf) on the merged lse: NaN and +inf propagate into it."""
     attn = attn_split if isinstance(attn_split, torch.Tensor) else torch.stack(attn_split)
     lse = lse_split if isinstance(lse_split, torch.Tensor) else torch.stack(lse_split)
-    lse_t = lse.float().movedim(-1, 2)  # (S, B, M, [G,] H)
+    lse_t = (lse if lse.dtype == _F32 else lse.float()).movedim(-1, 2)  # (S, B, M, [G,] H)
     merged = torch.logsumexp(lse_t, dim=0)
     if (lse.device.type == "cpu" and merged.numel() and not _is_compiling()
             and not merged.amax().item() < math.inf):
         raise ValueError("lse_split must be finite or -inf (a part that saw no key); it holds NaN or +inf")
     weights = torch.softmax(lse_t, dim=0).nan_to_num_(nan=0.0)  # rows with every part -inf: softmax gives NaN
-    out = (weights[..., None] * attn.float()).sum(dim=0).to(output_dtype or attn.dtype)
+    out = (weights[..., None] * (attn if attn.dtype == _F32 else attn.float())).sum(dim=0)
+    out_dtype = output_dtype or attn.dtype
+    if out_dtype != _F32:
+        out = out.to(out_dtype)
     return out, (merged.movedim(1, -1) if write_lse else None)  # (B, M, [G,] H) -> (B, [G,] H, M)
 
 
@@ -271,8 +280,8 @@ def _merge_layout(attn_split, lse_split, write_lse, output_dtype) -> tuple | Non
         if not parts:
             return None
         layout = (type(attn_split), type(lse_split), write_lse, output_dtype,
-                  tuple((t.shape, t.dtype, t.device, t.stride()) for t in parts),
-                  tuple((t.shape, t.dtype, t.device, t.stride()) for t in lse_parts))
+                  tuple([(t.shape, t.dtype, t.device, t.stride()) for t in parts]),
+                  tuple([(t.shape, t.dtype, t.device, t.stride()) for t in lse_parts]))
         hash(layout)
         return layout
     except (AttributeError, TypeError):  # not tensors, unhashable flags: validation names them
