@@ -7,9 +7,9 @@ for ours) and ``SDPA`` (``torch.nn.functional.scaled_dot_product_attention`` on 
 one); merge_attentions' direct is its kernel's launch on CUDA, its torch arithmetic on the parts (stacked in the
 call) on the CPU.
 fp8_attention / i8fp8_attention's direct is the same launches ours makes: ``quantize_smooth`` (on CUDA the two
-fused quantization launches), ``make_inputs`` and the forward op's launcher; forward + backward adds the backward
-op's launcher on the dequantized inputs on this thread, so the autograd engine (its node and the hand-over to its
-device thread) is in ours only.
+fused quantization launches), ``make_inputs`` and the forward op's launcher; forward + backward runs those and the
+backward op's launcher on the dequantized inputs under the smallest autograd.Function (``_DirectQuantized``), as
+training on the bare kernels must, so both sides pay torch's autograd engine (as the SDPA rows' direct does).
 ``overhead`` is ours - direct; the target is max(25% of direct, 5 us), and on the CPU ours <= 2x SDPA for the tiny
 float32 call. Each cell is the median of ``--rounds`` interleaved rounds of ``--iters`` back-to-back calls
 (``bench.common.host_us``); rows print as measured. The CPU rows run first (one thread), then, where CUDA is
@@ -38,7 +38,7 @@ from bench import common  # noqa: E402
 from fmha_ops import attn_bias as ab  # noqa: E402
 from fmha_ops.call import make_problem  # noqa: E402
 from fmha_ops.dispatch import SELECTOR  # noqa: E402
-from fmha_ops.inputs import make_inputs  # noqa: E402
+from fmha_ops.inputs import Inputs, make_inputs  # noqa: E402
 from fmha_ops.ops.sdpa import _SdpaOp  # noqa: E402
 from fmha_ops.testing import normal_qkv  # noqa: E402
 
@@ -209,9 +209,34 @@ def _training_row(q, k, v, causal) -> tuple:
             lambda: bw.apply_bw(inp, *fw.apply(inp, True), do), None)
 
 
+class _DirectQuantized(torch.autograd.Function):
+    """The direct launches of a differentiable fp8_attention / i8fp8_attention call under the smallest autograd node
+    (what training on the bare kernels needs; the SDPA ops' direct likewise runs torch's autograd): forward
+    ``quantize_smooth`` and the forward op's ``apply``, backward the backward op's ``apply_bw`` at the dequantized
+    inputs. Arguments: the two ops, the q/k dtype, the bottom-right causal mask, the softmax scale, q, k, v (BMHK)."""
+
+    @staticmethod
+    def forward(ctx, fw, bw, qk_dtype, mask, scale, q, k, v):
+        from fmha_ops.quantized import quantize_smooth
+
+        qkv8, descales, deq = quantize_smooth(q, k, v, scale, qk_dtype)
+        out, lse = fw.apply(make_inputs(*qkv8, mask, scale=1.0, output_dtype=q.dtype, is_partial=True, **descales),
+                            True)
+        ctx.save_for_backward(*deq, out, lse)
+        ctx.bw, ctx.mask, ctx.scale = bw, mask, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        qh, kh, vh, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.bw.apply_bw(Inputs(qh, kh, vh, ctx.mask, 0.0, ctx.scale, None, True), out, lse, grad_out)
+        return None, None, None, None, None, dq, dk, dv
+
+
 def _quantized_rows(q, k, v) -> list:
     """fp8_attention / i8fp8_attention forward and forward + backward against quantize_smooth plus the selected
-    forward (and backward) op called directly."""
+    forward op called directly, and for forward + backward those launches and the backward op's under
+    ``_DirectQuantized``."""
     from fmha_ops.quantized import quantize_smooth
 
     rows = []
@@ -223,17 +248,14 @@ def _quantized_rows(q, k, v) -> list:
         qkv8, descales, deq = quantize_smooth(q, k, v, scale, qk_dtype)
         inp = make_inputs(*qkv8, br, scale=1.0, output_dtype=q.dtype, is_partial=True, **descales)
         fw = _selected(inp, needs_lse=True)
-        bw_inp = make_inputs(*deq, br, scale=scale, is_partial=True)
-        bw = _selected(bw_inp, "bw", needs_lse=True)
-        out, lse = fw.apply(inp, True)
+        bw = _selected(make_inputs(*deq, br, scale=scale, is_partial=True), "bw", needs_lse=True)
 
         def direct_fw(fw=fw, qk_dtype=qk_dtype):
             qkv8, descales, _ = quantize_smooth(q, k, v, scale, qk_dtype)
             return fw.apply(make_inputs(*qkv8, br, scale=1.0, output_dtype=q.dtype, is_partial=True, **descales), True)
 
-        def direct_fwbw(bw=bw, direct_fw=direct_fw):
-            o, l = direct_fw()
-            return bw.apply_bw(bw_inp, o, l, do)
+        def direct_fwbw(fw=fw, bw=bw, qk_dtype=qk_dtype):
+            return torch.autograd.grad(_DirectQuantized.apply(fw, bw, qk_dtype, br, scale, *grads), grads, do)
 
         rows.append((f"{fn.__name__} forward", fw.NAME, lambda fn=fn: fn(q, k, v, causal=True), direct_fw, None))
         rows.append((f"{fn.__name__} forward + backward", f"{fw.NAME} + {bw.NAME}",
@@ -331,8 +353,8 @@ def record(rows: list[dict], short: list[dict], env: dict, png: str | None, tag:
     body += ("\n\nHost wall time per call of back-to-back calls, microseconds, median of interleaved rounds. direct: "
              "the selected op without the call path (SDPA ops: the aten function the op calls, on tensors in its "
              "layout; ours: the op's launcher on a prebuilt Inputs; fp8_attention / i8fp8_attention: the quantization "
-             "launches, then the forward op's launcher, and for forward + backward the backward op's launcher "
-             "without autograd). SDPA: torch's eager "
+             "launches, then the forward op's launcher, and for forward + backward those and the backward op's "
+             "launcher under a minimal autograd.Function). SDPA: torch's eager "
              "scaled_dot_product_attention on BHMK tensors. cpu rows: one thread of the host's CPU.")
     if short:
         body += "\n\nfp8 at short sequences through flash_attn_func (TFLOP/s, same run):\n\n" + common.markdown_table(
