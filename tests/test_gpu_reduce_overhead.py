@@ -23,6 +23,7 @@ CALLS = 3
 _SCRIPT = r"""
 import json, sys
 import torch
+import torch._inductor.config
 import fmha_ops
 from fmha_ops import attn_bias as ab
 from fmha_ops.testing import normal_qkv
@@ -30,6 +31,7 @@ from torch._dynamo.utils import counters
 
 B, M, HQ, HKV, D = 2, 200, 4, 2, 64  # a partial last tile (200 = 3 * 64 + 8), GQA 2
 calls = int(sys.argv[1])
+torch._inductor.config.compile_threads = 1  # a few tiny kernels: no compile worker pool to start
 q, k, v = normal_qkv((B, M, HQ, D), (B, M, HKV, D), dtype=torch.bfloat16, device="cuda")
 do = torch.randn_like(q)
 mask = ab.LowerTriangularMask()
