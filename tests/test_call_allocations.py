@@ -5,47 +5,17 @@ selection, plans) and the repeated one (the plan), forward and forward + backwar
 interpreter on a CPU) and the SDPA ops; the GPU counterpart is tests/test_gpu_reduce_overhead.py."""
 from __future__ import annotations
 
-import gc
-import weakref
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fmha_ops
 from fmha_ops import attn_bias as ab
 from fmha_ops.testing import normal_qkv
+from tests.allocations import kept_tensors
 from tests.conftest import DEVICE
 
 DTYPE = torch.float32 if DEVICE == "cpu" else torch.bfloat16
 HALF = torch.float16 if DEVICE == "cpu" else torch.bfloat16  # the Triton interpreter computes bf16 wrong
-
-
-class _Allocations(TorchDispatchMode):
-    """Weak references to every tensor an aten op returns while active (``torch.tensor`` of host values, which
-    dispatches as ``lift_fresh``, is the caller's input, not an allocation of the call)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.made: list[tuple[weakref.ref, str]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func is not torch.ops.aten.lift_fresh.default:
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor):
-                    self.made.append((weakref.ref(t), str(func)))
-        return out
-
-
-def _kept_tensors(call) -> list[str]:
-    """The aten ops whose results outlive ``call()`` once its result is dropped."""
-    mode = _Allocations()
-    with mode:
-        result = call()
-    del result
-    gc.collect()
-    return [op for ref, op in mode.made if ref() is not None]
 
 
 def _calls() -> dict:
@@ -81,4 +51,4 @@ def _calls() -> dict:
 def test_calls_keep_no_tensor_they_allocate(name):
     call = _calls()[name]
     for attempt in ("first", "repeated"):
-        assert _kept_tensors(call) == [], f"{name}, {attempt} call"
+        assert kept_tensors(call) == [], f"{name}, {attempt} call"

@@ -4,48 +4,18 @@ memory pool), an fp8 cache's per-token scales reach the kernel as the caller's t
 and the decode step compiled with ``mode="reduce-overhead"`` replays CUDA graphs with eager's results."""
 from __future__ import annotations
 
-import gc
-import weakref
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fmha_ops
 from fmha_ops.kernels.triton import launch as launch_module
 from fmha_ops.kv_cache import build_fp8_paged_cache, paged_from_dense
 from fmha_ops.testing import error_report
+from tests.allocations import kept_tensors
 from tests.conftest import DEVICE
 
 DTYPE = torch.float16 if DEVICE == "cpu" else torch.bfloat16
 REL = 2e-3 if DEVICE == "cpu" else 8e-3
-
-
-class _Allocations(TorchDispatchMode):
-    """Weak references to every tensor an aten op returns while active (``torch.tensor`` of host values, which
-    dispatches as ``lift_fresh``, is the caller's input, not an allocation of the call)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.made: list[tuple[weakref.ref, str]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func is not torch.ops.aten.lift_fresh.default:
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor):
-                    self.made.append((weakref.ref(t), str(func)))
-        return out
-
-
-def _kept_tensors(call) -> list[str]:
-    """The aten ops whose results outlive ``call()`` once its result is dropped."""
-    mode = _Allocations()
-    with mode:
-        result = call()
-    del result
-    gc.collect()
-    return [op for ref, op in mode.made if ref() is not None]
 
 
 def _paged(B, L, Hkv, D, page_size, seed):
@@ -86,7 +56,7 @@ def test_calls_keep_no_tensor_they_allocate(name):
     nothing allocated behind: no lengths, page tables or sequence starts cached for later calls."""
     call = _calls()[name]
     for attempt in ("first", "repeated"):
-        assert _kept_tensors(call) == [], f"{name}, {attempt} call"
+        assert kept_tensors(call) == [], f"{name}, {attempt} call"
 
 
 def _launched_tensors(monkeypatch) -> list:
