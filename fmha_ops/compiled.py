@@ -33,6 +33,7 @@ from registry import current_arch
 
 from . import attn_bias as ab
 from .dispatch import REGISTRY, SELECTOR
+from .dtypes import FLOAT_DTYPES
 from .fp8_backward import fp8_dequantized_backward_enabled
 from .inputs import Inputs
 from .problem import Problem
@@ -135,7 +136,9 @@ def _plan(device: str, fields: tuple, op: Any, spec: tuple) -> tuple[str, str, b
     fw = SELECTOR.select(key, lambda: problem, "fw", op)
     bw = ""
     if problem.needs_grad and not fw.TRACEABLE:  # autograd of a traced op is torch's own
-        bw = SELECTOR.select(key, lambda: problem, "bw", op if isinstance(op, tuple) else None).NAME
+        # as eager: a forced fw op alone raises unless it carries its own autograd (then any bw op serves)
+        own_autograd = fw.AUTOGRAD and problem.q_dtype in FLOAT_DTYPES and not isinstance(op, tuple)
+        bw = SELECTOR.select(key, lambda: problem, "bw", None if own_autograd else op).NAME
     return CallSpec(fw.NAME, bw, *spec).encode(), fw.NAME, fw.TRACEABLE
 
 

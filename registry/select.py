@@ -153,7 +153,8 @@ class Selector:
         if not (isinstance(op, type) and issubclass(op, Op)):
             raise ValueError(f"op={op!r} is not an op class, op name or (FwOp, BwOp) tuple")
         if op.KIND != kind:
-            raise ValueError(f"op={op.NAME!r} is a {op.KIND} op; a {kind} op is needed here")
+            hint = " (a call that needs gradients takes op=(FwOp, BwOp))" if kind == "bw" else ""
+            raise ValueError(f"op={op.NAME!r} is a {op.KIND} op; a {kind} op is needed here{hint}")
         return op
 
     def set_foreign_ops(self, translate: Callable[[Any, str], type[Op] | None]) -> None:

@@ -161,6 +161,19 @@ def test_trace_time_choice_follows_use_ops():
             q, k, v)
 
 
+def test_forced_forward_op_without_backward_raises_in_eager_and_traced_alike():
+    """A call that needs gradients with a forward op forced alone (one with no autograd of its own) raises the same
+    error eager and traced, naming the (FwOp, BwOp) form; ``(FwOp, None)`` lets the selector pick the backward."""
+    q, k, v = (t.requires_grad_() for t in _qkv(dtype=torch.float16, seed=6))
+    forced = lambda q, k, v: fmha_ops.memory_efficient_attention(q, k, v, CAUSAL, op="triton_attnF")  # noqa: E731
+    for fn in (forced, _compiled(forced)):
+        with pytest.raises(Exception, match=r"'triton_attnF' is a fw op; a bw op is needed here \(a call that needs "
+                                            r"gradients takes op=\(FwOp, BwOp\)\)"):
+            fn(q, k, v)
+    paired = lambda q, k, v: fmha_ops.memory_efficient_attention(q, k, v, CAUSAL, op=("triton_attnF", None))  # noqa
+    _check(paired, *(t.detach() for t in (q, k, v)), grad=True, atol=2e-2)
+
+
 class Block(torch.nn.Module):
     """A pre-norm transformer block: causal GQA attention through fmha_ops, then an MLP."""
 

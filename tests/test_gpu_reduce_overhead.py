@@ -1,6 +1,6 @@
 """torch.compile(mode="reduce-overhead") (CUDA graphs) of the prefill and training calls, compiled in a process that
-made no eager call before: forward and forward + backward of ``memory_efficient_attention(op="triton_attnF")`` and
-of ``fp8_attention``, against eager.
+made no eager call before: forward and forward + backward of ``memory_efficient_attention(op=("triton_attnF",
+"triton_attnB"))`` and of ``fp8_attention``, against eager.
 
 CUDA graph trees run the first calls of a compiled function in the graph's memory pool and fail the capture when a
 tensor allocated there outlives the call without being an output (a device tensor the host path caches on first
@@ -36,7 +36,8 @@ q, k, v = normal_qkv((B, M, HQ, D), (B, M, HKV, D), dtype=torch.bfloat16, device
 do = torch.randn_like(q)
 mask = ab.LowerTriangularMask()
 cases = {
-    "triton_attnF": lambda q, k, v: fmha_ops.memory_efficient_attention(q, k, v, mask, op="triton_attnF"),
+    "triton_attnF": lambda q, k, v: fmha_ops.memory_efficient_attention(q, k, v, mask,
+                                                                        op=("triton_attnF", "triton_attnB")),
     "fp8_attention": lambda q, k, v: fmha_ops.fp8_attention(q, k, v, causal=True),
 }
 
