@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import operator
 from typing import Any, NamedTuple, Optional
 
@@ -86,6 +87,10 @@ def flatten(obj: Any, tensors: list) -> Any:
         return ("dtype", str(obj).replace("torch.", ""))
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return ("value", obj)
+    if type(obj) is ab._SeqLenInfo and obj.seqstart.device.type == "cpu":
+        # host starts (a decode call's packed queries): rebuilt from seqstart_py inside the op, so no CPU tensor
+        # made in the trace becomes a custom-op input (a CUDA graph partition cannot take host storage)
+        return ("host_seqinfo", tuple(obj.seqstart_py))
     if isinstance(obj, (list, tuple)):
         return ("list" if isinstance(obj, list) else "tuple", tuple(flatten(x, tensors) for x in obj))
     if dataclasses.is_dataclass(obj):
@@ -106,11 +111,19 @@ def unflatten(structure: Any, tensors: list) -> Any:
         return getattr(torch, structure[1])
     if tag == "object":
         return getattr(ab, structure[1])(*(unflatten(s, tensors) for s in structure[2]))
+    if tag == "host_seqinfo":
+        return _host_seqinfo(structure[1])
     if tag == "list":
         return [unflatten(s, tensors) for s in structure[1]]
     if tag == "tuple":
         return tuple(unflatten(s, tensors) for s in structure[1])
     return structure[1]
+
+
+@functools.lru_cache(maxsize=256)
+def _host_seqinfo(starts: tuple[int, ...]) -> ab._SeqLenInfo:
+    """The host ``_SeqLenInfo`` with these starts (made once per layout: every decode step reuses it)."""
+    return ab._SeqLenInfo.from_seqlens([b - a for a, b in zip(starts, starts[1:])])
 
 
 _TENSOR_FIELDS = ("query", "key", "value", "layout")  # passed to the custom op as tensors / not needed by ops
