@@ -6,9 +6,11 @@ selector picks than the fastest op for that call? regret = t(selected) / t(best)
 Forward calls (prefill of every dtype, decode) and, for the bf16 prefill calls, the backward op that a call
 needing gradients gets (every backward op timed on the same forward output and LSE). Each supporting op is
 timed through ``memory_efficient_attention(op=...)`` (backward: its ``apply_bw``): one untimed call first (it
-JIT-compiles the configuration), then its device time and its host time apart (``fmha_ops.timing.call_times``);
-an op's time per call is the larger of the two (back to back, what a call costs; what the selector ranks
-by). Ops whose own estimate is over ``SKIP_FACTOR`` times the best estimate are not timed. ``--budget``: calls left when it runs out are
+JIT-compiles the configuration), then the call's ops' host times in interleaved rounds and each op's device time
+(``fmha_ops.timing.op_times``: the median of 9 rounds, each op in turn, so the selected and the fastest op are
+timed under the same state of the host and one pause moves neither); an op's time per call is the larger of the
+two (back to back, what a call costs; what the selector ranks by). Ops whose own estimate is over ``SKIP_FACTOR``
+times the best estimate are not timed. ``--budget``: calls left when it runs out are
 not measured (listed). Prints each call's row as it is measured and the summary last; writes selector.json into --out after
 every call (a run cut short leaves its rows) and, at the end, selector.png (regret per call) and the record bench/results/selector.md (regret per kind of call; not with --quick, --dtypes or
 --no-record). ``--dtypes``: only the prefill calls of these dtypes (no decode calls; default bfloat16, fp8, fp8_tensor and
@@ -21,6 +23,7 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -37,7 +40,7 @@ from bench.common import (  # noqa: E402
 
 from fmha_ops.dispatch import SELECTOR  # noqa: E402
 from fmha_ops.inputs import make_inputs  # noqa: E402
-from fmha_ops.timing import call_times  # noqa: E402
+from fmha_ops.timing import op_times  # noqa: E402
 from fmha_ops.tune import Call, decode_call, prefill_call  # noqa: E402
 
 #: ops estimated slower than this many times the best estimate are not timed (math / reference paths)
@@ -79,17 +82,27 @@ def calls(device: str, quick: bool, dtypes: tuple[str, ...] | None = None,
     return out
 
 
-#: ``--compile-only``: time_op makes its untimed call only (filling the JIT caches a later timed run reads)
+#: ``--compile-only``: each timed op's untimed call only (filling the JIT caches a later timed run reads)
 _RUN = {"compile_only": False}
+#: what an op's first call may raise on a shape it cannot take here: the op is left out of the row
+_SKIPPED = (torch.OutOfMemoryError, NotImplementedError, RuntimeError)
 
 
-def time_op(fn, device: str) -> tuple[float, float]:
-    """(device seconds, host seconds) per ``fn()`` (``fmha_ops.timing.call_times``) after one untimed call (JIT
-    compilation, graph building). With ``--compile-only`` the untimed call alone (returns (1.0, 1.0))."""
-    fn()
+def time_ops(fns: dict, device: str) -> dict[str, tuple[float, float]]:
+    """(device seconds, host seconds) per ``fns[name]()`` (``fmha_ops.timing.op_times``: host times in interleaved
+    rounds) after one untimed call each (JIT compilation, graph building; an op whose call raises is left out).
+    With ``--compile-only`` the untimed calls alone (every op (1.0, 1.0))."""
+    ran = {}
+    for name, fn in fns.items():
+        try:
+            fn()
+            ran[name] = fn
+        except _SKIPPED as e:
+            print(f"  [skip] {name}: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+            torch.cuda.empty_cache() if device == "cuda" else None
     if _RUN["compile_only"]:
-        return 1.0, 1.0
-    return call_times(fn, device, REP_MS)
+        return {name: (1.0, 1.0) for name in ran}
+    return op_times(ran, device, REP_MS)
 
 
 def contenders(problem, kind: str) -> tuple[type | None, list, dict]:
@@ -112,14 +125,8 @@ def measure_forward(call: Call, device: str) -> tuple[str, dict[str, tuple[float
     from fmha_ops.api import memory_efficient_attention
 
     selected, ops, estimates = contenders(call.problem(), "fw")
-    times = {}
-    for op in ops:
-        try:
-            times[op.NAME] = time_op(lambda: memory_efficient_attention(*call.args, op=op, **call.kwargs), device)
-        except (torch.OutOfMemoryError, NotImplementedError, RuntimeError) as e:
-            print(f"  [skip] {op.NAME}: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
-            torch.cuda.empty_cache() if device == "cuda" else None
-    return selected.NAME, times, estimates
+    fns = {op.NAME: partial(memory_efficient_attention, *call.args, op=op, **call.kwargs) for op in ops}
+    return selected.NAME, time_ops(fns, device), estimates
 
 
 def measure_backward(call: Call, device: str) -> tuple[str, dict[str, tuple[float, float]], dict]:
@@ -137,14 +144,8 @@ def measure_backward(call: Call, device: str) -> tuple[str, dict[str, tuple[floa
         out, lse = fw.apply(inp, True)
     grad = torch.randn_like(out)
     selected, ops, estimates = contenders(problem, "bw")
-    times = {}
-    for op in ops:
-        try:
-            times[op.NAME] = time_op(lambda: op.apply_bw(inp, out, lse, grad), device)
-        except (torch.OutOfMemoryError, NotImplementedError, RuntimeError) as e:
-            print(f"  [skip] {op.NAME}: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
-            torch.cuda.empty_cache() if device == "cuda" else None
-    return selected.NAME, times, estimates
+    fns = {op.NAME: partial(op.apply_bw, inp, out, lse, grad) for op in ops}
+    return selected.NAME, time_ops(fns, device), estimates
 
 
 def regret_row(label: str, selected: str, measured: dict[str, tuple[float, float]]) -> dict:
@@ -201,7 +202,7 @@ def record(rows: list[dict], env: dict, png: str | None = None, skipped: tuple[s
     summary = summarize(rows)
     notes = (f"All {len(rows)} calls: median regret {_pct(summary['median_regret'])}, worst "
              f"{_pct(summary['worst_regret'])}; regret = t(selected) / t(fastest supporting op) - 1, t = max(device, host "
-             "time) per call, calls between and outside the tuned buckets (other lengths, batch sizes, GQA ratios, head dims); backward rows: the "
+             "time) per call (host: median of 9 rounds interleaving the call's ops), calls between and outside the tuned buckets (other lengths, batch sizes, GQA ratios, head dims); backward rows: the "
              "backward op a bf16 call with gradients gets, against every backward op on the same output and LSE.")
     if skipped:
         notes += f" Not measured (time budget): {len(skipped)} calls, from {skipped[0]}."

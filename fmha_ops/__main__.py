@@ -5,7 +5,8 @@ and one sample call routed through the selector with the op chosen and its time.
 explain: the selector's verdict for one shape, e.g.
 ``python -m fmha_ops explain --shape 4,4096,32,4096,8,128 --dtype bfloat16 --causal``.
 tune: time every available op on the tuning grid and write this GPU's timing table
-(default ``$FMHA_OPS_TUNING_DIR/<device>.json``, else ``./fmha_ops_tuning/<device>.json``).
+(default ``$FMHA_OPS_TUNING_DIR/<device>.json``, else ``./fmha_ops_tuning/<device>.json``);
+``tune --host-only --out TABLE`` re-times only the table's host rows (seconds, not minutes).
 """
 from __future__ import annotations
 
@@ -104,15 +105,28 @@ def tune(argv: list[str]) -> int:
     p.add_argument("--ops", default=None, help="comma-separated op names: measure only these")
     p.add_argument("--merge", default=None, help="start from this table (JSON); keep its other ops' timings")
     p.add_argument("--dtypes", default=None, help="comma-separated prefill dtypes: only their grid calls")
+    p.add_argument("--host-only", action="store_true",
+                   help="re-time only the host rows (the host grid) of the --merge table (default: --out)")
+    p.add_argument("--budget", type=float, default=0.0, help="seconds; calls left after it are not measured")
+    p.add_argument("--compile-only", action="store_true",
+                   help="run every timed op once, untimed (fills the JIT caches), and write nothing")
+    p.add_argument("--shard", default="0/1", help="K/N: only every N-th call from the K-th (for --compile-only)")
     a = p.parse_args(argv)
     name = current_arch().name.replace(" ", "_")
     out = a.out or os.path.join(os.environ.get("FMHA_OPS_TUNING_DIR") or "fmha_ops_tuning", f"{name}.json")
     ops = frozenset(n.strip() for n in a.ops.split(",") if n.strip()) if a.ops else None
     dtypes = tuple(a.dtypes.split(",")) if a.dtypes else None
-    table = run_tune(out, quick=a.quick, ops=ops, merge=a.merge, dtypes=dtypes)
+    merge = a.merge or (out if a.host_only else None)
+    shard = tuple(int(x) for x in a.shard.split("/"))
+    table = run_tune(out, quick=a.quick, ops=ops, merge=merge, dtypes=dtypes, host_only=a.host_only,
+                     budget=a.budget, compile_only=a.compile_only, shard=shard)
+    if a.compile_only:
+        return 0
     n = sum(len(v) for v in table.timings.values())
-    print(f"wrote {n} timings for {len(table.timings)} ops to {out}; calibration: "
-          + ", ".join(f"{k}={v:.2f}" for k, v in sorted(table.calibration.items())))
+    n_host = sum(len(v) for v in table.host_timings.values())
+    print(f"wrote {n} timings and {n_host} host timings for {len(table.timings)} ops to {out}; calibration: "
+          + ", ".join(f"{k}={v:.2f}" for k, v in sorted(table.calibration.items())) + "; host us: "
+          + ", ".join(f"{k}={v * 1e6:.0f}" for k, v in sorted(table.host.items())))
     return 0
 
 

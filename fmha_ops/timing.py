@@ -1,20 +1,25 @@
-"""Time one call the way the selector ranks ops: its device time and its host time, separately.
+"""Time calls the way the selector ranks ops: their device time and their host time, separately.
 
 The selector ranks a GPU op by max(device time, host time per eager call) (``registry.select``): back to back,
-a call costs whichever of the two is longer. ``call_times`` measures the two apart, so neither leaks into the
-other:
+a call costs whichever of the two is longer. ``op_times`` measures the two apart for the ops of one call, so
+neither leaks into the other:
 
-- host: wall time per call of ``HOST_CALLS`` calls issued back to back (the GPU not waited on), median of
-  ``HOST_ROUNDS`` rounds;
-- device: CUDA events around each call while a sleep kernel holds the GPU until the host has issued every timed
-  call (so no launch gap of the host enters a device time), the L2 cache evicted before each call by a read of a
-  buffer larger than it (a cold cache, as a call between other layers sees it, holding only clean lines: zeroing
-  a buffer instead leaves dirty lines whose write-back lands in the timed call); median over the calls.
+- host (``host_times``): the ops' calls in interleaved rounds: in each of ``HOST_ROUNDS`` rounds every op in turn
+  (the order rotated by one op per round) issues ``HOST_CALLS`` calls back to back, the GPU not waited on; an op's
+  host time is the median over the rounds of its wall time per call. Interleaving puts every op of the call
+  under the same drift of the host (between runs one ~100 us call's host time moved up to 2x on the H200: 100 vs
+  241 us for triton_fp8F), and the median of 9 rounds stands while up to 4 of them are hit by a pause (a garbage
+  collection, a scheduler tick): the order of two ops then follows their own costs, not when each was timed;
+- device (``device_time``): CUDA events around each call while a sleep kernel holds the GPU until the host has
+  issued every timed call (so no launch gap of the host enters a device time), the L2 cache evicted before each
+  call by a read of a buffer larger than it (a cold cache, as a call between other layers sees it, holding only
+  clean lines: zeroing a buffer instead leaves dirty lines whose write-back lands in the timed call); median over
+  the calls.
 
 Timing a ~100 us call with per-call events and no hold (``triton.testing.do_bench``) reads device time plus
 whatever part of the host time the cache clear before it does not hide: the same call of the same op read
 83-131 us across H200 runs, which no cost model can follow.
-On a CPU both are the median wall time of 3 calls after an untimed one.
+On a CPU both are the median wall time of ``CPU_CALLS`` calls (each op called once before).
 """
 from __future__ import annotations
 
@@ -22,8 +27,9 @@ import statistics
 import time
 from typing import Callable
 
-#: back-to-back calls per host-time round, and rounds (the median is taken)
-HOST_CALLS, HOST_ROUNDS = 8, 5
+#: back-to-back calls per host-time round, and interleaved rounds (the median is taken): 9 x 8 calls of a
+#: ~150 us call are ~11 ms per op
+HOST_CALLS, HOST_ROUNDS = 8, 9
 #: timed device calls: enough to fill ``rep_ms``, within these bounds
 MIN_DEVICE_CALLS, MAX_DEVICE_CALLS = 5, 50
 #: bytes read before each timed call to evict the inputs from L2 (the H200's L2 is 50 MB; do_bench's 256 MB)
@@ -33,32 +39,61 @@ EVICT_BYTES = 256 << 20
 HOLD_MARGIN, HOLD_RETRIES = 2.0, 3
 #: host seconds to issue one cache eviction and two event records, on top of the call's own host time
 ISSUE_OVERHEAD_S = 20e-6
+#: timed calls per op on a CPU (the median is taken)
+CPU_CALLS = 3
 
 _CYCLES_PER_S: list[float] = []
 
 
-def call_times(fn: Callable[[], object], device: str, rep_ms: float = 20.0) -> tuple[float, float]:
-    """(device seconds, host seconds) per call of ``fn``; see the module docstring for how each is taken.
+def op_times(fns: dict[str, Callable[[], object]], device: str, rep_ms: float = 20.0,
+             host_only: bool = False) -> dict[str, tuple[float | None, float]]:
+    """(device seconds, host seconds) per call of each of ``fns`` (name -> call), each already called once (JIT
+    compilation, graph building): the host times from interleaved rounds (``host_times``), then each device time
+    (``device_time``; None with ``host_only``). See the module docstring for how each is taken.
 
     Example
     -------
-    >>> device_s, host_s = call_times(lambda: memory_efficient_attention(q, k, v), "cuda")  # doctest: +SKIP
-    >>> per_call = max(device_s, host_s)  # what back-to-back calls cost, what the selector ranks by
+    >>> times = op_times({"a": lambda: memory_efficient_attention(q, k, v, op="a"), ...}, "cuda")  # doctest: +SKIP
+    >>> per_call = {name: max(t) for name, t in times.items()}  # what back-to-back calls cost: the selector's rank
     """
+    host = host_times(fns, device)
     if device != "cuda":
-        fn()
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        t = statistics.median(times)
-        return t, t
+        return {name: (None if host_only else t, t) for name, t in host.items()}
+    return {name: (None if host_only else device_time(fn, rep_ms, host[name]), host[name])
+            for name, fn in fns.items()}
+
+
+def host_times(fns: dict[str, Callable[[], object]], device: str) -> dict[str, float]:
+    """Host seconds per call of each of ``fns``: on CUDA the median over ``HOST_ROUNDS`` interleaved rounds of
+    ``HOST_CALLS`` back-to-back calls (the GPU not waited on inside a round); on a CPU the median wall time of
+    ``CPU_CALLS`` calls."""
+    names = list(fns)
+    if not names or device != "cuda":
+        return {name: statistics.median(_wall(fns[name], 1) for _ in range(CPU_CALLS)) for name in names}
     import torch
 
-    fn()
+    rounds: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(HOST_ROUNDS):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            torch.cuda.synchronize()
+            rounds[name].append(_wall(fns[name], HOST_CALLS))
     torch.cuda.synchronize()
-    host = _host_time(fn, torch)
+    return {name: statistics.median(times) for name, times in rounds.items()}
+
+
+def _wall(fn: Callable[[], object], calls: int) -> float:
+    """Wall seconds per call of ``calls`` back-to-back calls of ``fn``."""
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls
+
+
+def device_time(fn: Callable[[], object], rep_ms: float, host_s: float) -> float:
+    """Device seconds per call of ``fn`` on CUDA (``fn`` already called once; ``host_s``: its host time, which
+    sizes the hold): the median event time of enough calls to fill ``rep_ms``."""
+    import torch
+
     first = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     first[0].record()
     fn()
@@ -66,19 +101,7 @@ def call_times(fn: Callable[[], object], device: str, rep_ms: float = 20.0) -> t
     torch.cuda.synchronize()
     rough = first[0].elapsed_time(first[1]) * 1e-3  # an upper bound on the device time: host gaps included
     calls = max(MIN_DEVICE_CALLS, min(MAX_DEVICE_CALLS, int(rep_ms * 1e-3 / max(rough, 1e-6))))
-    return _device_time(fn, torch, calls, HOLD_MARGIN * calls * (host + ISSUE_OVERHEAD_S)), host
-
-
-def _host_time(fn, torch) -> float:
-    rounds = []
-    for _ in range(HOST_ROUNDS):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(HOST_CALLS):
-            fn()
-        rounds.append((time.perf_counter() - t0) / HOST_CALLS)
-    torch.cuda.synchronize()
-    return statistics.median(rounds)
+    return _device_time(fn, torch, calls, HOLD_MARGIN * calls * (host_s + ISSUE_OVERHEAD_S))
 
 
 def _device_time(fn, torch, calls: int, hold_s: float) -> float:

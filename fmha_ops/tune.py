@@ -4,18 +4,27 @@ timing table the selector reads (keyed by device name and software versions).
 Each grid point is one call (``Call``); every fw op that is available and supports it is timed
 through ``memory_efficient_attention(op=...)`` (so dispatch overhead counts), except ops whose own
 estimate is over ``SKIP_FACTOR`` times the best estimate (the reference and math paths on large
-shapes). The table's timings are device times; its ``host`` entry holds each op's host time per call
-(median over the grid; ``timing.call_times`` takes the two apart). Between the measured buckets the
+shapes). ``timing.op_times`` takes each op's device time and host time per call apart (the host times of a
+call's ops in interleaved rounds). The table's ``timings`` are device times per bucket; ``host_timings`` the
+host times per bucket, ``host`` each op's median over its host rows (the selector's host time for calls of a
+kind without a row). An op's host rows in a table come from one run: host times of the same call moved up to 2x
+between H200 runs, so rows of two runs would rank ops by when each was timed. Between the measured buckets the
 selector scales an op's model by measured / model at the nearest measured buckets of the call's kind;
 the table also stores, per op, the median of measured / cost-model time, which scales the op's model
 for calls of kinds the grid did not measure.
+
+``host_only`` re-times only the host rows, on ``host_grid`` (the calls where host time can decide): the full grid
+is 199 calls of 1-7 ops, each op filling ``REP_MS`` of device time after its first (compiling) call, minutes on
+the H200; the host grid's 79 calls of small sizes take seconds once their kernels are compiled.
 """
 from __future__ import annotations
 
 import math
 import statistics
 import sys
+import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import torch
@@ -26,7 +35,7 @@ from . import attn_bias as ab
 from .api import memory_efficient_attention
 from .dispatch import REGISTRY, SELECTOR
 from .inputs import make_inputs
-from .timing import call_times
+from .timing import op_times
 
 SKIP_FACTOR = 20.0
 REP_MS = 20.0  # device time per op and call (ms) the timed calls fill
@@ -47,12 +56,16 @@ class Call:
         return inp.problem()
 
 
+def _randn(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    """bf16 normal values drawn on the generator's device (a decode call's 300M-element cache: ~5 s on a host
+    core, milliseconds on the GPU)."""
+    return torch.randn(shape, generator=g, device=g.device).to(torch.bfloat16)
+
+
 def prefill_call(b: int, n: int, hq: int, hkv: int, d: int, causal: bool, dtype: str, device: str,
                  seed: int = 0) -> Call:
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    q = torch.randn(b, n, hq, d, generator=g).to(device, torch.bfloat16)
-    k = torch.randn(b, n, hkv, d, generator=g).to(device, torch.bfloat16)
-    v = torch.randn(b, n, hkv, d, generator=g).to(device, torch.bfloat16)
+    g = torch.Generator(device=device).manual_seed(seed)
+    q, k, v = _randn((b, n, hq, d), g), _randn((b, n, hkv, d), g), _randn((b, n, hkv, d), g)
     bias = ab.LowerTriangularFromBottomRightMask() if causal else None
     label = f"prefill {dtype} B{b} N{n} H{hq}/{hkv} D{d}{' causal' if causal else ''}"
     if dtype in ("float16", "bfloat16", "float32"):
@@ -80,10 +93,8 @@ def decode_call(b: int, length: int, hq: int, hkv: int, d: int, page: int, kv: s
                 seed: int = 0) -> Call:
     """One new token per sequence against ``length`` cached keys: dense BMHK (page 0) or paged;
     kv "bf16", "fp8" (a prebuilt fp8 cache) or "quantize" (quantize_kv_to_fp8=True)."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    q = torch.randn(b, 1, hq, d, generator=g).to(device, torch.bfloat16)
-    k = torch.randn(b, length, hkv, d, generator=g).to(device, torch.bfloat16)
-    v = torch.randn(b, length, hkv, d, generator=g).to(device, torch.bfloat16)
+    g = torch.Generator(device=device).manual_seed(seed)
+    q, k, v = _randn((b, 1, hq, d), g), _randn((b, length, hkv, d), g), _randn((b, length, hkv, d), g)
     label = f"decode {kv} B{b} L{length} H{hq}/{hkv} D{d} page{page}"
     kwargs: dict = {"quantize_kv_to_fp8": True} if kv == "quantize" else {}
     if page == 0 and kv != "fp8":
@@ -122,54 +133,157 @@ def grid(device: str, quick: bool = False, dtypes: tuple[str, ...] | None = None
                         calls.append(lambda a=(b, n, h, hkv, d, causal, dtype): prefill_call(*a, device))
     if dtypes:
         return calls
-    for b, length, hq, hkv in ((1, 131072, 64, 8), (8, 32768, 32, 8), (64, 4096, 32, 8), (128, 1024, 32, 8),
-                               (16, 512, 32, 32)):
-        for kv in ("bf16", "fp8", "quantize"):
-            for page in (0, 16, 64, 256):
-                if kv == "fp8" and page == 0:
-                    continue
-                calls.append(lambda a=(b, length, hq, hkv, 128, page, kv): decode_call(*a, device))
+    for b, length, hq, hkv in DECODE_SHAPES:
+        calls += decode_calls(b, length, hq, hkv, device)
     return calls
 
 
-def time_call(call: Callable[[], object], device: str, rep_ms: float = REP_MS) -> float:
-    """Seconds per call back to back: the larger of the call's device time and its host time
-    (``timing.call_times``), what the selector ranks an op by."""
-    return max(call_times(call, device, rep_ms))
+#: the grid's decode shapes: (batch, cached keys, query heads, KV heads), head dim 128
+DECODE_SHAPES = ((1, 131072, 64, 8), (8, 32768, 32, 8), (64, 4096, 32, 8), (128, 1024, 32, 8), (16, 512, 32, 32))
 
 
-def measure(call: Call, device: str, ops: frozenset[str] | None = None) -> dict[str, tuple[float, float]]:
-    """(device seconds, host seconds) per supporting op for one call (``timing.call_times``; hopeless ops by their
-    own estimate are skipped); ``ops``: time only the ops of these names."""
+def decode_calls(b: int, length: int, hq: int, hkv: int, device: str) -> list[Callable[[], Call]]:
+    """One decode shape's calls: KV dtype ("bf16", "fp8", "quantize") x paging (dense, pages of 16 / 64 / 256)."""
+    return [lambda a=(b, length, hq, hkv, 128, page, kv): decode_call(*a, device)
+            for kv in ("bf16", "fp8", "quantize") for page in (0, 16, 64, 256) if not (kv == "fp8" and page == 0)]
+
+
+#: ``host_grid``'s prefill size (batch, length, heads): the grid's smallest, where the fastest op's device time
+#: (41-167 us on the H200) is under the ops' host times (100-241 us); on larger sizes device time decides
+HOST_PREFILL = (16, 512, 16)
+#: ``host_grid``'s prefill dtypes: i8fp8 has one op on CUDA (no choice), and fp8's per-(batch, head) calls share
+#: their buckets with the per-tensor ones, which every fp8 op takes
+HOST_DTYPES = ("bfloat16", "fp8_tensor")
+
+
+def host_grid(device: str, dtypes: tuple[str, ...] | None = None) -> list[Callable[[], Call]]:
+    """The calls ``tune(host_only=True)`` times: every prefill kind of ``HOST_DTYPES`` (head dims x causal x GQA)
+    at ``HOST_PREFILL``, then every decode call of the grid (their device times, 35-270 us, are near their host
+    times; the split count, and so the launches, follows the cache length). ``dtypes``: these prefill dtypes
+    only, no decode calls."""
+    b, n, h = HOST_PREFILL
+    calls = [lambda a=(b, n, h, hkv, d, causal, dtype): prefill_call(*a, device)
+             for dtype in dtypes or HOST_DTYPES for d in (64, 128, 256) for causal in (False, True)
+             for hkv in (h, h // 4)]
+    if dtypes:
+        return calls
+    for shape in DECODE_SHAPES:
+        calls += decode_calls(*shape, device)
+    return calls
+
+
+def measure(call: Call, device: str, ops: frozenset[str] | None = None, host_only: bool = False,
+            compile_only: bool = False) -> dict[str, tuple[float | None, float]]:
+    """(device seconds, host seconds) per supporting op for one call (``timing.op_times``: the ops' host times in
+    interleaved rounds; hopeless ops by their own estimate are skipped, ops that run out of memory dropped);
+    ``ops``: time only the ops of these names; ``host_only``: device seconds None; ``compile_only``: each op's
+    first call only (JIT compilation), nothing timed (empty)."""
     problem = call.problem()
     verdicts = [SELECTOR.verdict(op, problem) for op in REGISTRY.ops("fw") if ops is None or op.NAME in ops]
     ok = [v for v in verdicts if v.ok]
     models = {v.op: v.op.estimate(problem) for v in ok}
     best = min((m for m in models.values() if m is not None), default=math.inf)
-    times = {}
+    fns = {}
     for v in ok:
         if models[v.op] is not None and models[v.op] > SKIP_FACTOR * best:
             continue
+        fn = partial(memory_efficient_attention, *call.args, op=v.op, **call.kwargs)
         try:
-            times[v.op.NAME] = call_times(lambda: memory_efficient_attention(*call.args, op=v.op, **call.kwargs),
-                                          device, REP_MS)
+            fn()  # compiles the configuration
         except torch.OutOfMemoryError:
             torch.cuda.empty_cache()
-    return times
+            continue
+        fns[v.op.NAME] = fn
+    return {} if compile_only else op_times(fns, device, REP_MS, host_only)
+
+
+@dataclass
+class TableUpdate:
+    """What one tune run writes into ``table``: device rows and measured / model ratios, host rows (an op's rows of
+    earlier runs dropped at its first new one: rows of one run), and from them each op's calibration and median
+    host time (``summarize``). ``record_host`` False: no host rows (on a CPU the host time is the call's whole
+    time, nothing to rank by apart)."""
+
+    table: TuningTable
+    record_host: bool
+    ratios: dict[str, list[float]] = field(default_factory=dict)
+    fresh_host: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self._calibration, self._host = dict(self.table.calibration), dict(self.table.host)
+
+    def add(self, problem, times: dict[str, tuple[float | None, float]]) -> None:
+        """Record one call's ``measure`` result (device seconds None: host time only)."""
+        bucket = problem.bucket()
+        for name, (seconds, host) in times.items():
+            if seconds is not None:
+                self.table.record(name, bucket, seconds)
+                model = REGISTRY.get(name).estimate(problem)
+                if model:
+                    self.ratios.setdefault(name, []).append(seconds / model)
+            if self.record_host:
+                if name not in self.fresh_host:
+                    self.table.host_timings.pop(name, None)
+                    self.fresh_host.add(name)
+                self.table.record_host(name, bucket, host)
+
+    def summarize(self) -> None:
+        t = self.table
+        t.calibration = self._calibration | {name: statistics.median(r) for name, r in self.ratios.items()}
+        t.host = self._host | {name: statistics.median(t.host_timings[name].values()) for name in self.fresh_host}
 
 
 def tune(out: str, quick: bool = False, device: str | None = None, ops: frozenset[str] | None = None,
-         merge: str | None = None, dtypes: tuple[str, ...] | None = None) -> TuningTable:
+         merge: str | None = None, dtypes: tuple[str, ...] | None = None, host_only: bool = False,
+         budget: float = 0.0, compile_only: bool = False, shard: tuple[int, int] = (0, 1)) -> TuningTable:
     """Time the grid and write the table to ``out`` (every 10 calls too, so a cut run keeps what it measured).
     ``ops``: measure only these op names; ``merge``: start from the table at that path (its other ops'
-    timings and calibration are kept, the measured ones replaced); ``dtypes``: only these prefill dtypes.
+    timings and calibration are kept, the measured ones replaced); ``dtypes``: only these prefill dtypes;
+    ``host_only``: re-time only the host rows of the ``merge`` table, on ``host_grid`` (``quick``: the quick grid);
+    ``budget``: seconds after which no further call is measured; ``compile_only``: each op's first call only, on
+    every ``shard[1]``-th call from the ``shard[0]``-th (parallel processes filling the JIT caches), nothing written.
 
     Example
     -------
     >>> tune("H200_fp8.json", ops=frozenset({"gluon_fp8F"}), dtypes=("fp8_tensor",))  # doctest: +SKIP
+    >>> tune("H200.json", merge="H200.json", host_only=True, budget=60)  # doctest: +SKIP
     """
+    if host_only and not merge:
+        raise ValueError("host_only re-times the host rows of a table: give merge=<its path>")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    arch = current_arch(device)
+    table = TuningTable.load(merge) if merge else TuningTable(current_arch(device).name, _versions())
+    if merge and not host_only:
+        for name in ops or ():
+            table.timings.pop(name, None)
+    update = TableUpdate(table, record_host=device == "cuda")
+    points = host_grid(device, dtypes) if host_only and not quick else grid(device, quick, dtypes)
+    start, (k, n) = time.perf_counter(), shard
+    for i, make in enumerate(points):
+        if i % n != k:
+            continue
+        if budget and time.perf_counter() - start > budget:
+            sys.stderr.write(f"\ntime budget spent: calls {i + 1}-{len(points)} not measured")
+            break
+        call = make()
+        times = measure(call, device, ops, host_only, compile_only)
+        update.add(call.problem(), times)
+        best = min(times, key=lambda name: max(t or 0.0 for t in times[name])) if times else "-"
+        sys.stderr.write(f"\r[{i + 1}/{len(points)}] {call.label:<48} best {best}\033[K")
+        del call
+        if i % 10 == 9 and not compile_only:  # keep what was measured if the run is cut short
+            update.summarize()
+            table.save(out)
+    sys.stderr.write("\n")
+    if compile_only:
+        return table
+    update.summarize()
+    table.save(out)
+    SELECTOR.tables.reload()
+    SELECTOR.clear()
+    return table
+
+
+def _versions() -> dict[str, str]:
     versions = {"torch": torch.__version__}
     try:
         import triton
@@ -177,40 +291,4 @@ def tune(out: str, quick: bool = False, device: str | None = None, ops: frozense
         versions["triton"] = triton.__version__
     except ImportError:
         pass
-    table = TuningTable(arch.name, versions)
-    if merge:
-        table = TuningTable.load(merge)
-        for name in ops or ():
-            table.timings.pop(name, None)
-    base_calibration, base_host = dict(table.calibration), dict(table.host)
-    ratios: dict[str, list[float]] = {}
-    hosts: dict[str, list[float]] = {}
-
-    def summarize() -> None:
-        table.calibration = base_calibration | {name: statistics.median(r) for name, r in ratios.items()}
-        if device == "cuda":  # on a CPU the host time is the call's whole time: nothing to rank by apart
-            table.host = base_host | {name: statistics.median(h) for name, h in hosts.items()}
-
-    points = grid(device, quick, dtypes)
-    for i, make in enumerate(points):
-        call = make()
-        problem = call.problem()
-        times = measure(call, device, ops)
-        for name, (seconds, host) in times.items():
-            table.record(name, problem.bucket(), seconds)
-            hosts.setdefault(name, []).append(host)
-            model = REGISTRY.get(name).estimate(problem)
-            if model:
-                ratios.setdefault(name, []).append(seconds / model)
-        best = min(times, key=lambda name: max(times[name])) if times else "-"
-        sys.stderr.write(f"\r[{i + 1}/{len(points)}] {call.label:<48} best {best}\033[K")
-        del call
-        if i % 10 == 9:  # keep what was measured if the run is cut short
-            summarize()
-            table.save(out)
-    sys.stderr.write("\n")
-    summarize()
-    table.save(out)
-    SELECTOR.tables.reload()
-    SELECTOR.clear()
-    return table
+    return versions

@@ -5,12 +5,15 @@ A table is a JSON file::
     {"device": "NVIDIA H200", "versions": {"torch": "...", "triton": "..."},
      "timings": {"<op NAME>": {"<bucket>": seconds, ...}, ...},
      "calibration": {"<op NAME>": measured / cost-model time (median over buckets), ...},
-     "host": {"<op NAME>": host seconds per eager call (median over buckets), ...}}
+     "host": {"<op NAME>": host seconds per eager call (median over its host rows), ...},
+     "host_timings": {"<op NAME>": {"<bucket>": host seconds per eager call, ...}, ...}}
 
 Buckets are strings the domain package computes from a problem (``problem.bucket()``). Timings are device
-times; ``host`` holds what the host spends per call of the op (tables without it: the ops' declared host times).
-The selector asks ``lookup(device_name, op_name, bucket)`` and, where a bucket was not measured,
-scales the op's cost model by ``calibration(device_name, op_name)``; other devices' tables are ignored.
+times; ``host_timings`` holds what the host spends per call of the op in each bucket it was timed in (its work
+depends on the call's kind: masks, paging, dtypes), ``host`` one value per op for calls of kinds it has no row of
+(tables without either: the ops' declared host times; tables without ``host_timings``, written before it
+existed, load with none). The selector asks ``lookup(device_name, op_name, bucket)`` and, where a bucket was not
+measured, scales the op's cost model by ``calibration(device_name, op_name)``; other devices' tables are ignored.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ class TuningTable:
     timings: dict[str, dict[str, float]] = field(default_factory=dict)
     calibration: dict[str, float] = field(default_factory=dict)
     host: dict[str, float] = field(default_factory=dict)
+    host_timings: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def lookup(self, op_name: str, bucket: str) -> float | None:
         return self.timings.get(op_name, {}).get(bucket)
@@ -34,18 +38,23 @@ class TuningTable:
     def record(self, op_name: str, bucket: str, seconds: float) -> None:
         self.timings.setdefault(op_name, {})[bucket] = float(seconds)
 
+    def record_host(self, op_name: str, bucket: str, seconds: float) -> None:
+        self.host_timings.setdefault(op_name, {})[bucket] = float(seconds)
+
     def save(self, path: str) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump({"device": self.device, "versions": self.versions, "timings": self.timings,
-                       "calibration": self.calibration, "host": self.host}, f, indent=1, sort_keys=True)
+                       "calibration": self.calibration, "host": self.host, "host_timings": self.host_timings},
+                      f, indent=1, sort_keys=True)
 
     @classmethod
     def load(cls, path: str) -> "TuningTable":
         with open(path) as f:
             data = json.load(f)
         return cls(device=data["device"], versions=data.get("versions", {}), timings=data.get("timings", {}),
-                   calibration=data.get("calibration", {}), host=data.get("host", {}))
+                   calibration=data.get("calibration", {}), host=data.get("host", {}),
+                   host_timings=data.get("host_timings", {}))
 
 
 class TuningTables:
@@ -68,29 +77,35 @@ class TuningTables:
                         merged.timings.setdefault(op_name, {}).update(rows)
                     merged.calibration.update(table.calibration)
                     merged.host.update(table.host)
+                    for op_name, rows in table.host_timings.items():
+                        merged.host_timings.setdefault(op_name, {}).update(rows)
         return tables
 
     def lookup(self, device: str, op_name: str, bucket: str) -> float | None:
-        if self._by_device is None:
-            self._by_device = self._load()
-        table = self._by_device.get(device)
+        table = self._table(device)
         return table.lookup(op_name, bucket) if table else None
 
     def rows(self, device: str, op_name: str) -> dict[str, float]:
         """Every measured ``{bucket: seconds}`` of the op on ``device`` (empty when none)."""
+        table = self._table(device)
+        return table.timings.get(op_name, {}) if table else {}
+
+    def host_rows(self, device: str, op_name: str) -> dict[str, float]:
+        """Every measured ``{bucket: host seconds per eager call}`` of the op on ``device`` (empty when none)."""
+        table = self._table(device)
+        return table.host_timings.get(op_name, {}) if table else {}
+
+    def _table(self, device: str) -> TuningTable | None:
         if self._by_device is None:
             self._by_device = self._load()
-        table = self._by_device.get(device)
-        return table.timings.get(op_name, {}) if table else {}
+        return self._by_device.get(device)
 
     def calibration(self, device: str, op_name: str, median_fallback: bool = True) -> float | None:
         """The op's measured/model factor on ``device``; for an op the table has not measured, the median
         factor of the ops it has (cost models share a device-wide bias), so a new op's raw estimate is
         not compared with its neighbours' corrected ones; None there without ``median_fallback`` (ops of a
         kind the table does not time, whose models come from their own measurements)."""
-        if self._by_device is None:
-            self._by_device = self._load()
-        table = self._by_device.get(device)
+        table = self._table(device)
         if not table or not table.calibration:
             return None
         if op_name in table.calibration or not median_fallback:
@@ -98,10 +113,9 @@ class TuningTables:
         return statistics.median(table.calibration.values())
 
     def host_time(self, device: str, op_name: str) -> float | None:
-        """The op's measured host seconds per eager call on ``device``; None where no table measured it."""
-        if self._by_device is None:
-            self._by_device = self._load()
-        table = self._by_device.get(device)
+        """The op's one measured host seconds per eager call on ``device`` (the fallback for calls of a kind it has
+        no host row of); None where no table measured it."""
+        table = self._table(device)
         return table.host.get(op_name) if table else None
 
     def reload(self) -> None:

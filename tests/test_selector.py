@@ -538,3 +538,21 @@ def test_backward_models_take_no_median_calibration(tmp_path):
     tables = TuningTables([str(tmp_path)])
     assert tables.calibration("cpu", "a") == 2.0 and tables.calibration("cpu", "new") == 3.0
     assert tables.calibration("cpu", "new", median_fallback=False) is None
+
+
+def test_host_bound_estimates_within_the_tie_margin_go_to_the_least_device_time():
+    """Two host-bound ops predicted within TIE_MARGIN: the one with less device time wins whichever host time
+    came out lower (its source says so); outside the margin the lower estimate wins; device-bound rankings, where
+    estimate and device time agree, are unchanged."""
+    from registry.select import TIE_MARGIN
+
+    light = gpu_op("lightF", est=5e-6, host_us=100.0)  # 100 us host-bound, 5 us on the device
+    heavy = gpu_op("heavyF", est=60e-6, host_us=100.0 / (1 + TIE_MARGIN / 2))  # ~97.6 us host-bound, 60 us device
+    r = make_selector(heavy, light).explain(Prob(arch=H200))
+    assert [v.op for v in r.verdicts] == [light, heavy]
+    assert r.verdicts[0].source.startswith("model, host-bound; tie within 5% of heavyF's estimate")
+    assert make_selector(heavy, light).select("k", lambda: Prob(arch=H200)) is light
+    cheap = gpu_op("cheapF", est=60e-6, host_us=100.0 / (1 + 2 * TIE_MARGIN))  # ~91 us: outside the margin
+    assert make_selector(cheap, light).explain(Prob(arch=H200)).selected is cheap
+    a, b = op("aF", est=1.00e-3), op("bF", est=1.02e-3)  # device-bound (CPU): the lower estimate
+    assert make_selector(b, a).explain(Prob()).selected is a

@@ -2,6 +2,7 @@
 buckets of the problem's kind (registry.select.nearest_ratio), against one device-wide factor per op."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -126,3 +127,54 @@ def test_a_gqa_ratio_off_the_grid_sits_between_the_grids_ratios():
     assert p.at_bucket("float8_e4m3fn/float8_e4m3fn/float8_e4m3fn|d128/128|none|g4|p0|qkv0|bh8|q8192|k8192"
                        "|grad0") is None
     assert p.at_bucket(p.bucket()).size_point()[3] == 3.0
+
+
+H200 = Arch("cuda", (9, 0), name="NVIDIA H200")
+
+
+def _launch_op(host_us: float):
+    """A GPU op whose device time is negligible: its estimate is its host time."""
+    from .test_selector import gpu_op
+
+    return gpu_op("launchF", est=lambda p: p.size * 1e-12, host_us=host_us)
+
+
+def test_host_rows_per_bucket_nearest_of_the_kind_then_the_op_median_then_declared(tmp_path):
+    """The host time a GPU op is ranked by: its host row of the problem's kind nearest in size, else the op's one
+    measured host time (the median of its rows), else the declared one; an op declaring none (a graph capture)
+    has none whatever the table holds."""
+    launch = _launch_op(50.0)
+    TuningTable("NVIDIA H200", {}, host={"launchF": 80e-6},
+                host_timings={"launchF": {"plain|s1024": 30e-6, "plain|s32768": 60e-6}}).save(str(tmp_path / "t.json"))
+    tables = TuningTables([str(tmp_path)])
+    assert tables.host_rows("NVIDIA H200", "launchF") == {"plain|s1024": 30e-6, "plain|s32768": 60e-6}
+    sel = make_selector(launch, tables=tables)
+
+    def ranked(problem):
+        v = sel.explain(problem).verdicts[0]
+        return v.estimate, v.source
+
+    assert ranked(SizedProb(1024, arch=H200)) == (pytest.approx(30e-6), "model, host-bound")
+    assert ranked(SizedProb(2000, arch=H200))[0] == pytest.approx(30e-6)  # log2 distance 1 against 4
+    assert ranked(SizedProb(20000, arch=H200))[0] == pytest.approx(60e-6)
+    assert ranked(SizedProb(4096, arch=H200, flavor="other"))[0] == pytest.approx(80e-6)  # no row of its kind
+    assert ranked(PlainProb(1024, arch=H200))[0] == pytest.approx(30e-6)  # no size protocol: its own bucket's row
+    assert ranked(PlainProb(4096, arch=H200))[0] == pytest.approx(80e-6)
+    assert make_selector(launch).explain(SizedProb(1024, arch=H200)).verdicts[0].estimate == pytest.approx(50e-6)
+    graphed = _launch_op(0.0)
+    graphed_sel = make_selector(graphed, tables=tables)
+    assert graphed_sel.explain(SizedProb(1024, arch=H200)).verdicts[0].source == "model"
+
+
+def test_a_table_without_host_rows_loads_and_ranks_by_the_op_median(tmp_path):
+    """A table written before host rows existed (no "host_timings" key) loads with none; its per-op host time
+    ranks the op; saving it again writes the key."""
+    (tmp_path / "t.json").write_text(json.dumps({"device": "NVIDIA H200", "versions": {}, "timings": {},
+                                                 "calibration": {}, "host": {"launchF": 70e-6}}))
+    table = TuningTable.load(str(tmp_path / "t.json"))
+    assert table.host_timings == {} and table.host == {"launchF": 70e-6}
+    sel = make_selector(_launch_op(50.0), tables=TuningTables([str(tmp_path)]))
+    assert sel.explain(SizedProb(1024, arch=H200)).verdicts[0].estimate == pytest.approx(70e-6)
+    table.record_host("launchF", "plain|s1024", 40e-6)
+    table.save(str(tmp_path / "t.json"))
+    assert json.loads((tmp_path / "t.json").read_text())["host_timings"] == {"launchF": {"plain|s1024": 40e-6}}

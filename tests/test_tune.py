@@ -1,11 +1,13 @@
 """`python -m fmha_ops tune` on the CPU: it writes a table the selector then reads."""
 import json
 
+import pytest
 import torch
 
 import fmha_ops
 from fmha_ops.dispatch import SELECTOR, TUNING_DIRS
-from fmha_ops.tune import decode_call, prefill_call, tune
+from fmha_ops.tune import TableUpdate, decode_call, prefill_call, tune
+from registry import TuningTable
 
 
 def test_tune_writes_table_and_selector_uses_it(tmp_path):
@@ -46,15 +48,93 @@ def test_decode_call_paged_matches_dense():
     assert torch.allclose(a.view(-1), b.view(-1), atol=1e-2)
 
 
-def test_call_times_on_a_cpu_is_the_median_wall_time_for_both():
-    from fmha_ops.timing import call_times
+def test_op_times_on_a_cpu_is_the_median_wall_time_for_both():
+    from fmha_ops.timing import CPU_CALLS, op_times
 
     calls = []
-    device_s, host_s = call_times(lambda: calls.append(1), "cpu")
-    assert device_s == host_s >= 0 and len(calls) == 4  # one untimed call, three timed
+    times = op_times({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, "cpu")
+    assert set(times) == {"a", "b"} and all(d == h >= 0 for d, h in times.values())
+    assert calls.count("a") == calls.count("b") == CPU_CALLS
+    assert all(d is None for d, _ in op_times({"a": lambda: None}, "cpu", host_only=True).values())
+
+
+def test_host_times_interleave_the_ops_in_rotated_rounds(monkeypatch):
+    """On CUDA every round times each op in turn (first op rotated by one per round), HOST_CALLS calls each, and an
+    op's host time is the median over the rounds: one slow round (a pause) does not move it."""
+    from fmha_ops import timing
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)  # the timed functions launch nothing
+    order, ticks = [], iter(range(1000))
+    clock = {"t": 0.0}
+
+    def fn(name):
+        def call():
+            order.append(name)
+            clock["t"] += 1.0 if next(ticks) != 5 else 100.0  # one call of one round pauses
+        return call
+
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock["t"])
+    host = timing.host_times({"a": fn("a"), "b": fn("b"), "c": fn("c")}, "cuda")
+    n = timing.HOST_CALLS
+    firsts = [order[i] for i in range(0, len(order), n)]
+    assert len(order) == 3 * n * timing.HOST_ROUNDS
+    assert firsts[:6] == ["a", "b", "c", "b", "c", "a"]
+    assert host == {"a": pytest.approx(1.0), "b": pytest.approx(1.0), "c": pytest.approx(1.0)}
 
 
 def test_tune_on_a_cpu_records_no_host_times(tmp_path):
     table = tune(str(tmp_path / "cpu.json"), quick=True, device="cpu")
-    assert table.timings and table.host == {}
-    assert json.loads((tmp_path / "cpu.json").read_text())["host"] == {}
+    assert table.timings and table.host == {} and table.host_timings == {}
+    data = json.loads((tmp_path / "cpu.json").read_text())
+    assert data["host"] == {} and data["host_timings"] == {}
+
+
+def test_table_update_writes_host_rows_per_bucket_from_one_run():
+    """Host rows per (op, bucket); the op's median over its rows is its fallback; an op's rows of an earlier run
+    are dropped at its first new row, other ops' rows and medians kept; a host-only result leaves device rows and
+    calibration as they were."""
+    old = TuningTable("NVIDIA H200", {}, {"triton_attnF": {"old": 1e-3}}, {"triton_attnF": 1.5},
+                      host={"triton_attnF": 9e-5, "sdpa_flashF": 2e-5},
+                      host_timings={"triton_attnF": {"old": 9e-5}, "sdpa_flashF": {"old": 2e-5}})
+    update = TableUpdate(old, record_host=True)
+    small = prefill_call(1, 64, 4, 2, 32, True, "float32", "cpu").problem()
+    large = prefill_call(2, 128, 4, 4, 64, False, "float32", "cpu").problem()
+    update.add(small, {"triton_attnF": (None, 1e-4)})
+    update.add(large, {"triton_attnF": (None, 3e-4)})
+    update.summarize()
+    assert old.host_timings["triton_attnF"] == {small.bucket(): 1e-4, large.bucket(): 3e-4}
+    assert old.host["triton_attnF"] == pytest.approx(2e-4)
+    assert old.host_timings["sdpa_flashF"] == {"old": 2e-5} and old.host["sdpa_flashF"] == 2e-5
+    assert old.timings == {"triton_attnF": {"old": 1e-3}} and old.calibration == {"triton_attnF": 1.5}
+
+
+def test_host_only_tune_keeps_device_rows_and_needs_a_table(tmp_path):
+    path = str(tmp_path / "cpu.json")
+    first = tune(path, quick=True, device="cpu")
+    again = tune(path, quick=True, device="cpu", merge=path, host_only=True)
+    assert again.timings == first.timings and again.calibration == first.calibration
+    with pytest.raises(ValueError, match="merge"):
+        tune(path, device="cpu", host_only=True)
+
+
+def test_tune_compile_only_runs_its_shard_and_writes_nothing(tmp_path, capsys):
+    tune(str(tmp_path / "cpu.json"), quick=True, device="cpu", compile_only=True, shard=(1, 2))
+    assert not (tmp_path / "cpu.json").exists()
+    err = capsys.readouterr().err
+    assert "[2/4]" in err and "[4/4]" in err and "[1/4]" not in err
+
+
+def test_tune_budget_leaves_the_calls_after_it_unmeasured(tmp_path, capsys):
+    table = tune(str(tmp_path / "cpu.json"), quick=True, device="cpu", budget=1e-9)
+    assert table.timings == {} and json.loads((tmp_path / "cpu.json").read_text())["timings"] == {}
+    assert "calls 1-4 not measured" in capsys.readouterr().err
+
+
+def test_host_grid_is_the_small_prefill_kinds_and_the_decode_calls():
+    from fmha_ops.tune import DECODE_SHAPES, HOST_DTYPES, HOST_PREFILL, host_grid
+
+    made = host_grid("cpu")
+    assert len(made) == len(HOST_DTYPES) * 12 + len(DECODE_SHAPES) * 11
+    first = made[0]()
+    assert first.label == f"prefill {HOST_DTYPES[0]} B{HOST_PREFILL[0]} N{HOST_PREFILL[1]} H16/16 D64"
+    assert all(m().label.startswith("prefill fp8_tensor") for m in host_grid("cpu", ("fp8_tensor",))[:2])

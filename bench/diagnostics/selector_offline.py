@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 
 from registry import Arch, Selector, TuningTable, TuningTables  # noqa: E402
-from registry.select import nearest_ratio  # noqa: E402
+from registry.select import host_points, nearest_host, nearest_ratio  # noqa: E402
 
 from fmha_ops.dispatch import REGISTRY  # noqa: E402
 from fmha_ops.problem import Problem  # noqa: E402
@@ -51,16 +51,23 @@ def problem_of(bucket: str, arch: Arch = H200) -> Problem | None:
                    False, False, grad == "grad1", False, False)
 
 
+def host_time(table: TuningTable, op, problem: Problem, hidden: str | None = None) -> float:
+    """The op's host seconds at ``problem`` as the selector takes them: its host row of the problem's kind nearest
+    in size (the row of bucket ``hidden`` left out), else its one measured host time, else its declared one."""
+    rows = {b: t for b, t in table.host_timings.get(op.NAME, {}).items() if b != hidden}
+    return nearest_host(problem, host_points(problem, rows)) or table.host.get(op.NAME) or op.host_time(problem)
+
+
 def estimate(op, problem: Problem, rows: dict[str, float], factor: float | None, method: str,
-             host: float | None = None) -> float | None:
+             host: float) -> float | None:
     """The op's estimate at ``problem`` from the measured ``rows`` (its own bucket hidden) by ``method``, at least
-    its host time (``host``: the table's measured one, else the op's declared one)."""
+    its host time ``host`` (``host_time``)."""
     model = op.estimate(problem)
     if model is None or not math.isfinite(model):
         return None
     fitted = nearest_ratio(op, problem, rows, factor) if method == "nearest" else None
     ratio = fitted[0] if fitted else factor
-    return max(model * (ratio or 1.0), host or op.host_time(problem))
+    return max(model * (ratio or 1.0), host)
 
 
 def leave_one_out(table: TuningTable, method: str) -> list[dict]:
@@ -70,10 +77,12 @@ def leave_one_out(table: TuningTable, method: str) -> list[dict]:
     out = []
     for bucket in buckets:
         problem = problem_of(bucket)
+        if problem is None:
+            continue
         # what a call costs back to back: the device time, at least the op's measured host time
-        times = {name: max(rows[bucket], table.host.get(name, 0.0)) for name, rows in table.timings.items()
-                 if bucket in rows}
-        if problem is None or len(times) < 2:
+        times = {name: max(rows[bucket], host_time(table, REGISTRY.get(name), problem))
+                 for name, rows in table.timings.items() if bucket in rows}
+        if len(times) < 2:
             continue
         ests = {}
         for name in times:
@@ -81,7 +90,7 @@ def leave_one_out(table: TuningTable, method: str) -> list[dict]:
             rows = {b: t for b, t in table.timings[name].items() if b != bucket}
             ratios = [t / m for b, t in rows.items() if (p := problem_of(b)) and (m := op.estimate(p))]
             e = estimate(op, problem, rows, statistics.median(ratios) if ratios else None, method,
-                         table.host.get(name))
+                         host_time(table, op, problem, hidden=bucket))
             if e is not None:
                 ests[name] = e
         if len(ests) < 2:
