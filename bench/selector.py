@@ -40,7 +40,7 @@ from bench.common import (  # noqa: E402
 
 from fmha_ops.dispatch import SELECTOR  # noqa: E402
 from fmha_ops.inputs import make_inputs  # noqa: E402
-from fmha_ops.timing import op_times  # noqa: E402
+from fmha_ops.timing import called_once, op_times  # noqa: E402
 from fmha_ops.tune import Call, decode_call, prefill_call  # noqa: E402
 
 #: ops estimated slower than this many times the best estimate are not timed (math / reference paths)
@@ -92,17 +92,14 @@ def time_ops(fns: dict, device: str) -> dict[str, tuple[float, float]]:
     """(device seconds, host seconds) per ``fns[name]()`` (``fmha_ops.timing.op_times``: host times in interleaved
     rounds) after one untimed call each (JIT compilation, graph building; an op whose call raises is left out).
     With ``--compile-only`` the untimed calls alone (every op (1.0, 1.0))."""
-    ran = {}
-    for name, fn in fns.items():
-        try:
-            fn()
-            ran[name] = fn
-        except _SKIPPED as e:
-            print(f"  [skip] {name}: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
-            torch.cuda.empty_cache() if device == "cuda" else None
+    ran = called_once(fns, _SKIPPED, _print_skip)
     if _RUN["compile_only"]:
         return {name: (1.0, 1.0) for name in ran}
     return op_times(ran, device, REP_MS)
+
+
+def _print_skip(name: str, e: BaseException) -> None:
+    print(f"  [skip] {name}: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
 
 
 def contenders(problem, kind: str) -> tuple[type | None, list, dict]:

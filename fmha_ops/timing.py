@@ -45,6 +45,26 @@ CPU_CALLS = 3
 _CYCLES_PER_S: list[float] = []
 
 
+def called_once(fns: dict[str, Callable[[], object]], skip: tuple[type[BaseException], ...] = (),
+                report: Callable[[str, BaseException], object] | None = None) -> dict[str, Callable[[], object]]:
+    """The ``fns`` (name -> call) after their first call (JIT compilation, graph building: what ``op_times`` needs
+    done), less those whose call raised one of ``skip`` (``report(name, error)`` told; CUDA's cached memory freed)."""
+    ran = {}
+    for name, fn in fns.items():
+        try:
+            fn()
+        except skip as e:
+            if report is not None:
+                report(name, e)
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            continue
+        ran[name] = fn
+    return ran
+
+
 def op_times(fns: dict[str, Callable[[], object]], device: str, rep_ms: float = 20.0,
              host_only: bool = False) -> dict[str, tuple[float | None, float]]:
     """(device seconds, host seconds) per call of each of ``fns`` (name -> call), each already called once (JIT

@@ -35,7 +35,7 @@ from . import attn_bias as ab
 from .api import memory_efficient_attention
 from .dispatch import REGISTRY, SELECTOR
 from .inputs import make_inputs
-from .timing import op_times
+from .timing import called_once, op_times
 
 SKIP_FACTOR = 20.0
 REP_MS = 20.0  # device time per op and call (ms) the timed calls fill
@@ -183,17 +183,9 @@ def measure(call: Call, device: str, ops: frozenset[str] | None = None, host_onl
     ok = [v for v in verdicts if v.ok]
     models = {v.op: v.op.estimate(problem) for v in ok}
     best = min((m for m in models.values() if m is not None), default=math.inf)
-    fns = {}
-    for v in ok:
-        if models[v.op] is not None and models[v.op] > SKIP_FACTOR * best:
-            continue
-        fn = partial(memory_efficient_attention, *call.args, op=v.op, **call.kwargs)
-        try:
-            fn()  # compiles the configuration
-        except torch.OutOfMemoryError:
-            torch.cuda.empty_cache()
-            continue
-        fns[v.op.NAME] = fn
+    fns = called_once({v.op.NAME: partial(memory_efficient_attention, *call.args, op=v.op, **call.kwargs)
+                       for v in ok if models[v.op] is None or models[v.op] <= SKIP_FACTOR * best},
+                      (torch.OutOfMemoryError,))
     return {} if compile_only else op_times(fns, device, REP_MS, host_only)
 
 

@@ -138,3 +138,17 @@ def test_host_grid_is_the_small_prefill_kinds_and_the_decode_calls():
     first = made[0]()
     assert first.label == f"prefill {HOST_DTYPES[0]} B{HOST_PREFILL[0]} N{HOST_PREFILL[1]} H16/16 D64"
     assert all(m().label.startswith("prefill fp8_tensor") for m in host_grid("cpu", ("fp8_tensor",))[:2])
+
+
+def test_called_once_leaves_out_the_calls_that_raise_what_it_skips():
+    from fmha_ops.timing import called_once
+
+    def oom():
+        raise torch.OutOfMemoryError("out of memory")
+
+    seen = []
+    ran = called_once({"ok": lambda: seen.append("ok"), "oom": oom}, (torch.OutOfMemoryError,),
+                      lambda name, e: seen.append(name))
+    assert list(ran) == ["ok"] and seen == ["ok", "oom"]
+    with pytest.raises(ZeroDivisionError):
+        called_once({"bad": lambda: 1 / 0}, (torch.OutOfMemoryError,))
