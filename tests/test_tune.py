@@ -152,3 +152,15 @@ def test_called_once_leaves_out_the_calls_that_raise_what_it_skips():
     assert list(ran) == ["ok"] and seen == ["ok", "oom"]
     with pytest.raises(ZeroDivisionError):
         called_once({"bad": lambda: 1 / 0}, (torch.OutOfMemoryError,))
+
+
+def test_cli_host_only_refreshes_the_out_table_in_place(tmp_path, capsys):
+    from fmha_ops.__main__ import main
+
+    path = str(tmp_path / "cpu.json")
+    assert main(["tune", "--quick", "--out", path]) == 0
+    before = json.loads((tmp_path / "cpu.json").read_text())
+    assert main(["tune", "--quick", "--host-only", "--budget", "60", "--out", path]) == 0
+    after = json.loads((tmp_path / "cpu.json").read_text())
+    assert after["timings"] == before["timings"] and "host timings" in capsys.readouterr().out
+    assert main(["tune", "--quick", "--host-only", "--compile-only", "--shard", "0/2", "--out", path]) == 0
