@@ -14,8 +14,10 @@ the table also stores, per op, the median of measured / cost-model time, which s
 for calls of kinds the grid did not measure.
 
 ``host_only`` re-times only the host rows, on ``host_grid`` (the calls where host time can decide): the full grid
-is 199 calls of 1-7 ops, each op filling ``REP_MS`` of device time after its first (compiling) call, minutes on
-the H200; the host grid's 79 calls of small sizes take seconds once their kernels are compiled.
+is 199 calls of 1-7 ops (~580 op timings), each filling ``REP_MS`` of device time after the op's first call,
+which JIT-compiles a new configuration (1-3 s; FA4 ~2 s): far over a few minutes on a bare H200. The host grid's
+79 calls of small sizes (~220 op timings, each 9 x 8 calls of ~100 us) take tens of seconds once their kernels
+are compiled (``compile_only`` shards fill the caches in parallel processes).
 """
 from __future__ import annotations
 
@@ -151,9 +153,10 @@ def decode_calls(b: int, length: int, hq: int, hkv: int, device: str) -> list[Ca
 #: ``host_grid``'s prefill size (batch, length, heads): the grid's smallest, where the fastest op's device time
 #: (41-167 us on the H200) is under the ops' host times (100-241 us); on larger sizes device time decides
 HOST_PREFILL = (16, 512, 16)
-#: ``host_grid``'s prefill dtypes: i8fp8 has one op on CUDA (no choice), and fp8's per-(batch, head) calls share
-#: their buckets with the per-tensor ones, which every fp8 op takes
-HOST_DTYPES = ("bfloat16", "fp8_tensor")
+#: ``host_grid``'s prefill dtypes, first the one whose host-bound calls missed most (fp8: 62-71% regret ranked by one
+#: host time per op); i8fp8 has one op on CUDA (no choice), and fp8's per-(batch, head) calls share their buckets
+#: with the per-tensor ones, which every fp8 op takes
+HOST_DTYPES = ("fp8_tensor", "bfloat16")
 
 
 def host_grid(device: str, dtypes: tuple[str, ...] | None = None) -> list[Callable[[], Call]]:

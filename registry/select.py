@@ -432,8 +432,9 @@ def host_points(problem: Any, rows: dict[str, float]) -> list[tuple[tuple, float
 
 def nearest_host(problem: Any, points: list[tuple[tuple, float]]) -> float | None:
     """Host seconds of the one of ``points`` (``host_points``) nearest to ``problem.size_point()`` (ties: the lower
-    time); None without points. An op's host work follows the call's kind (masks, paging, a quantize step) and
-    hardly its sizes, so the nearest row of the kind stands for the problem as it is.
+    time); None without points. An op's host work follows the call's kind (masks, paging, a quantize step) more
+    than its sizes (where it does follow them, as a decoder's split count and so its launches follow the cache
+    length, the nearest row is the one measured at sizes most like the problem's).
 
     Example
     -------
