@@ -42,11 +42,14 @@ class TuningTable:
         self.host_timings.setdefault(op_name, {})[bucket] = float(seconds)
 
     def save(self, path: str) -> None:
+        """Write the table to ``path`` whole or not at all (a temporary file renamed over it: a run killed while
+        saving leaves the previous table)."""
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
+        with open(path + ".tmp", "w") as f:
             json.dump({"device": self.device, "versions": self.versions, "timings": self.timings,
                        "calibration": self.calibration, "host": self.host, "host_timings": self.host_timings},
                       f, indent=1, sort_keys=True)
+        os.replace(path + ".tmp", path)
 
     @classmethod
     def load(cls, path: str) -> "TuningTable":

@@ -178,3 +178,4 @@ def test_a_table_without_host_rows_loads_and_ranks_by_the_op_median(tmp_path):
     table.record_host("launchF", "plain|s1024", 40e-6)
     table.save(str(tmp_path / "t.json"))
     assert json.loads((tmp_path / "t.json").read_text())["host_timings"] == {"launchF": {"plain|s1024": 40e-6}}
+    assert os.listdir(tmp_path) == ["t.json"]  # written through a temporary file renamed over it
