@@ -115,6 +115,8 @@ def decode_call(b: int, length: int, hq: int, hkv: int, d: int, page: int, kv: s
 
 
 PREFILL_DTYPES = ("bfloat16", "fp8", "fp8_tensor", "i8fp8")
+#: the grid's decode shapes: (batch, cached keys, query heads, KV heads), head dim 128
+DECODE_SHAPES = ((1, 131072, 64, 8), (8, 32768, 32, 8), (64, 4096, 32, 8), (128, 1024, 32, 8), (16, 512, 32, 32))
 
 
 def grid(device: str, quick: bool = False, dtypes: tuple[str, ...] | None = None) -> list[Callable[[], Call]]:
@@ -140,10 +142,6 @@ def grid(device: str, quick: bool = False, dtypes: tuple[str, ...] | None = None
     return calls
 
 
-#: the grid's decode shapes: (batch, cached keys, query heads, KV heads), head dim 128
-DECODE_SHAPES = ((1, 131072, 64, 8), (8, 32768, 32, 8), (64, 4096, 32, 8), (128, 1024, 32, 8), (16, 512, 32, 32))
-
-
 def decode_calls(b: int, length: int, hq: int, hkv: int, device: str) -> list[Callable[[], Call]]:
     """One decode shape's calls: KV dtype ("bf16", "fp8", "quantize") x paging (dense, pages of 16 / 64 / 256)."""
     return [lambda a=(b, length, hq, hkv, 128, page, kv): decode_call(*a, device)
@@ -161,8 +159,8 @@ HOST_DTYPES = ("fp8_tensor", "bfloat16")
 
 def host_grid(device: str, dtypes: tuple[str, ...] | None = None) -> list[Callable[[], Call]]:
     """The calls ``tune(host_only=True)`` times: every prefill kind of ``HOST_DTYPES`` (head dims x causal x GQA)
-    at ``HOST_PREFILL``, then every decode call of the grid (their device times, 35-270 us, are near their host
-    times; the split count, and so the launches, follows the cache length). ``dtypes``: these prefill dtypes
+    at ``HOST_PREFILL``, then every decode call of the grid (their device times, 35-270 us for their K/V bytes at
+    ~4 TB/s, are near their host times; the split count, and so the launches, follows the cache length). ``dtypes``: these prefill dtypes
     only, no decode calls."""
     b, n, h = HOST_PREFILL
     calls = [lambda a=(b, n, h, hkv, d, causal, dtype): prefill_call(*a, device)
