@@ -4,7 +4,7 @@ Tensors are BMHK (batch, seqlen, heads, headdim); BMGHK (batch, seqlen, groups, 
 key/value expanded over heads for MQA/GQA) and BMK (single head) are accepted and returned in the
 same layout. Quantized calls pass float32 descales as keyword arguments (see ``fmha_ops.inputs``).
 Validation runs once per call layout; a repeated call runs the launch plan its first call left
-(``fmha_ops.call.plan_key`` / ``PLANS``): one key of cheap attributes, one dict lookup, the op's launch.
+(``fmha_ops.call.find_plan`` / ``PLANS``): one key of cheap attributes, one dict lookup, the op's launch.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from registry import Op, Report
 
 from . import arguments
 from . import attn_bias as ab
-from .call import find_plan, make_problem, no_grad, plan_key, run_forward
+from .call import find_plan, make_problem, no_grad, run_forward
 from .dispatch import REGISTRY, SELECTOR
 from .dtypes import FLOAT_DTYPES
 from .inputs import Inputs, make_inputs
@@ -52,9 +52,8 @@ def memory_efficient_attention(
     >>> o8 = memory_efficient_attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
     ...                                 output_dtype=torch.float8_e4m3fn)  # attention = o8.float() * vd
     """
-    key_ = plan_key(query, key, value, attn_bias, p, scale, op, output_dtype, False, softcap, q_descale, k_descale,
-                    v_descale, quantize_kv_to_fp8)
-    plan = find_plan(key_)
+    key_, plan = find_plan(query, key, value, attn_bias, p, scale, op, output_dtype, False, softcap, q_descale,
+                           k_descale, v_descale, quantize_kv_to_fp8)
     if plan is not None:
         return plan(query, key, value, attn_bias, q_descale, k_descale, v_descale)[0]
     inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, output_dtype=output_dtype,
@@ -71,9 +70,8 @@ def memory_efficient_attention_forward(
 ) -> torch.Tensor:
     """Like ``memory_efficient_attention`` without autograd (inference)."""
     if not (_grad_enabled() and _may_record_graph(query, key, value, attn_bias)):
-        key_ = plan_key(query, key, value, attn_bias, p, scale, op, output_dtype, False, softcap, q_descale,
-                        k_descale, v_descale, quantize_kv_to_fp8)
-        plan = find_plan(key_)  # the plan memory_efficient_attention keeps for this call
+        _, plan = find_plan(query, key, value, attn_bias, p, scale, op, output_dtype, False, softcap, q_descale,
+                            k_descale, v_descale, quantize_kv_to_fp8)  # the plan memory_efficient_attention keeps
         if plan is not None:
             return plan(query, key, value, attn_bias, q_descale, k_descale, v_descale)[0]
         return memory_efficient_attention(query, key, value, attn_bias, p, scale, op=op, output_dtype=output_dtype,
@@ -107,9 +105,8 @@ def memory_efficient_attention_partial(
     """
     _no_dropout(p, "memory_efficient_attention_partial")
     output_dtype = output_dtype or torch.float32
-    key_ = plan_key(query, key, value, attn_bias, p, scale, op, output_dtype, True, softcap, q_descale, k_descale,
-                    v_descale, quantize_kv_to_fp8)
-    plan = find_plan(key_)
+    key_, plan = find_plan(query, key, value, attn_bias, p, scale, op, output_dtype, True, softcap, q_descale,
+                           k_descale, v_descale, quantize_kv_to_fp8)
     if plan is not None:  # plans exist only for calls that need no gradient (the full path refuses the rest)
         return plan(query, key, value, attn_bias, q_descale, k_descale, v_descale)
     inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, output_dtype=output_dtype,

@@ -5,23 +5,24 @@ dict lookup on a repeated signature; validation and the ``Problem`` only on a mi
 needs gradients and the forward op does not differentiate itself, a backward op is selected too and the pair runs
 under ``_Attention``. Under ``torch.compile`` the traced twin in ``fmha_ops.compiled`` runs instead.
 
-Repeated calls skip even that: ``plan_key`` turns the user's arguments into one tuple of cheap attributes
+Repeated calls skip even that: ``find_plan`` turns the user's arguments into one tuple of cheap attributes
 (shapes, dtypes, devices, strides, grad mode, the mask's signature, the scalars, the selector's scope and the
-process switches), and ``PLANS`` maps it to the launch plan built on the first call of that layout (the selected
-op's ``AttentionFwOp.launcher``): no ``Inputs``, no signature, no selector lookup, no validation. Calls whose
+process switches) and looks it up in ``PLANS``, which maps it to the launch plan built on the first call of that
+layout (the selected op's ``AttentionFwOp.launcher``): no ``Inputs``, no signature, no selector lookup, no
+validation. Calls whose
 values need per-call checks (host descales, masks with index tables, check mode) and non-BMHK layouts always take
 the full path.
 
 Example
 -------
->>> key = plan_key(q, k, v, mask, 0.0, None, None, None, False, 0.0, None, None, None, False)
->>> plan = find_plan(key)   # None until one full call of this layout ran
+>>> key, plan = find_plan(q, k, v, mask, 0.0, None, None, None, False, 0.0, None, None, None, False)
 >>> out, lse = plan(q, k, v, mask, None, None, None) if plan else run_forward(make_inputs(q, k, v, mask), None,
-...                                                                            False, key)
+...                                                                            False, key)  # plan: None until
+...                                                                            # one full call of this layout ran
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -32,6 +33,8 @@ from .inputs import BMHK, Inputs, checks_values
 from .problem import Problem
 
 OpArg = Any  # an op class, name/alias, or (FwOp, BwOp) tuple
+#: a launch plan: run(query, key, value, attn_bias, q_descale, k_descale, v_descale) -> (out, lse | None)
+Plan = Callable[..., tuple]
 _is_compiling = torch.compiler.is_compiling
 
 
@@ -67,7 +70,7 @@ def make_problem(inp: Inputs, needs_lse: bool) -> Problem:
     return inp.problem(needs_lse)
 
 
-#: launch plans of repeated calls: ``plan_key`` -> run(query, key, value, attn_bias, q_descale, k_descale,
+#: launch plans of repeated calls: ``find_plan``'s key -> run(query, key, value, attn_bias, q_descale, k_descale,
 #: v_descale) -> (out, lse), as ``run_forward`` returns them; cleared with the selector's memo
 PLANS: dict = SELECTOR.derived_memo()
 PLAN_LIMIT = 1 << 12  # distinct call layouts kept before the plans are dropped (varlen-like workloads)
@@ -78,36 +81,39 @@ _fp8_backward = fp8_backward.enabled_now
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
 
 
-def plan_key(query, key, value, attn_bias, p, scale, op, output_dtype, is_partial, softcap, q_descale, k_descale,
-             v_descale, quantize_kv) -> tuple | None:
-    """The layout of a call as the public functions take it: a tuple (hashable where the arguments are) of
-    everything validation, selection and the launch read from the arguments and the process (all but the tensors'
-    values), or None when the call cannot have a plan (a trace, non-tensor arguments, a mask without a signature,
-    checked descales).
+def find_plan(query, key, value, attn_bias, p, scale, op, output_dtype, is_partial, softcap, q_descale, k_descale,
+              v_descale, quantize_kv) -> tuple[tuple | None, Plan | None]:
+    """(the call's plan key, the plan kept under it or None), for the arguments as the public functions take them.
 
-    Example: ``plan_key(q, k, v, None, 0.0, None, None, None, False, 0.0, None, None, None, False)``.
+    The key is one tuple of everything validation, selection and the launch read from the arguments and the
+    process (all but the tensors' values); it is None when the call cannot have a plan: a trace (``PLANS`` is not
+    read, so compiled graphs hold no guard on it), non-tensor or unhashable arguments, a mask without a signature
+    (the full path converts or names them), checked descales. Key and lookup are one function: the hot path of
+    every repeated call.
+
+    Example: ``key, plan = find_plan(q, k, v, None, 0.0, None, None, None, False, 0.0, None, None, None, False)``.
     """
     if _is_compiling():
-        return None
+        return None, None
     try:
         descales = None
         if q_descale is not None or k_descale is not None or v_descale is not None:
             if checks.checks_enabled():  # device descales are read back per call: the full path does that
-                return None
+                return None, None
             descales = tuple(None if d is None else (d.shape, d.dtype, d.device, d.stride())
                              for d in (q_descale, k_descale, v_descale))
         # strides: True for a contiguous tensor (they follow from its shape but for size-1 dims, which the call
         # signature does not key either), else the tuple
-        return (query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype, query.device, key.device,
+        key_ = (query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype, query.device, key.device,
                 value.device, query.is_contiguous() or query.stride(), key.is_contiguous() or key.stride(),
                 value.is_contiguous() or value.stride(),
                 _grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad),
-                None if attn_bias is None else attn_bias.signature(),
-                (p, scale, op, output_dtype, is_partial, softcap, quantize_kv, descales, _deterministic(), _scope(),
-                 _fp8_backward()),
+                None if attn_bias is None else attn_bias.signature(), p, scale, op, output_dtype, is_partial,
+                softcap, quantize_kv, descales, _deterministic(), _scope(), _fp8_backward(),
                 query.is_cuda and ((query.data_ptr() | key.data_ptr() | value.data_ptr()) & 15, _capturing()))
-    except (AttributeError, TypeError):  # not tensors, a mask of another library or a mask class: the full path
-        return None  # converts or names it
+        return key_, PLANS.get(key_)
+    except (AttributeError, TypeError):  # not tensors, a mask of another library or a mask class, an unhashable
+        return None, None  # argument: the full path converts or names it, and keeps no plan
 
 
 def run_forward(inp: Inputs, op: OpArg, needs_lse: bool,
@@ -115,8 +121,8 @@ def run_forward(inp: Inputs, op: OpArg, needs_lse: bool,
     """Select the forward op for ``inp`` (and the backward op when autograd needs one) and run it.
 
     Returns out (B, Mq, Hq, Kv) in ``inp.out_dtype`` and lse float32 (B, Hq, Mq) (None unless ``needs_lse``
-    or a backward op is attached). ``plan_key``: the call's ``plan_key``; the launch plan of this call is kept
-    under it in ``PLANS`` when the call can have one. Example:
+    or a backward op is attached). ``plan_key``: the call's key from ``find_plan``; the launch plan of this call is
+    kept under it in ``PLANS`` when the call can have one. Example:
     ``out, _ = run_forward(make_inputs(q, k, v), None, False)``.
     """
     if _is_compiling():
@@ -127,34 +133,11 @@ def run_forward(inp: Inputs, op: OpArg, needs_lse: bool,
     if sig.needs_grad and not (fw.AUTOGRAD and inp.query.dtype in FLOAT_DTYPES):
         bw = SELECTOR.select(sig, lambda: make_problem(inp, needs_lse), "bw", op)
     result = fw.apply(inp, needs_lse) if bw is None else _Attention.apply(fw, bw, inp, inp.query, inp.key, inp.value)
-    if plan_key is not None and _plannable(inp) and _hashable(plan_key):
+    if plan_key is not None and _plannable(inp):
         if len(PLANS) >= PLAN_LIMIT:
             PLANS.clear()
         PLANS[plan_key] = fw.launcher(inp, needs_lse) if bw is None else _autograd_plan(fw, bw, inp)
     return result
-
-
-def _hashable(key: tuple) -> bool:
-    try:
-        hash(key)
-    except TypeError:
-        return False
-    return True
-
-
-def find_plan(key: tuple | None):
-    """The plan kept under ``key`` (a ``plan_key``), or None: no key (a trace: the dict is not read, so compiled
-    graphs hold no guard on it), no plan yet, or an unhashable argument (the full path names it, and ``plan_key``
-    then keeps no plan).
-
-    Example: ``plan = find_plan(plan_key(q, k, v, None, 0.0, None, None, None, False, 0.0, None, None, None, False))``.
-    """
-    if key is None:
-        return None
-    try:
-        return PLANS.get(key)
-    except TypeError:
-        return None
 
 
 def _plannable(inp: Inputs) -> bool:

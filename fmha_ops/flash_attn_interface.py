@@ -24,7 +24,7 @@ import torch
 from . import attn_bias as ab
 from . import arguments, checks, compiled, kv_cache
 from .api import memory_efficient_attention
-from .call import find_plan, make_problem, plan_key, run_forward
+from .call import find_plan, make_problem, run_forward
 from .dispatch import SELECTOR
 from .dtypes import FLOAT_DTYPES
 from .inputs import make_inputs
@@ -45,9 +45,8 @@ def _run(q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_l
     """out in q's dtype (bfloat16 for fp8 inputs), differentiable; with ``return_lse`` also the lse (float32,
     not differentiable, as FA3 returns it). A repeated layout runs its plan (the one ``memory_efficient_attention``
     keeps for the same call without the LSE)."""
-    layout = plan_key(q, k, v, bias, 0.0, softmax_scale, None, None, return_lse, softcap, q_descale, k_descale,
-                      v_descale, False)
-    plan = find_plan(layout)
+    layout, plan = find_plan(q, k, v, bias, 0.0, softmax_scale, None, None, return_lse, softcap, q_descale,
+                             k_descale, v_descale, False)
     if plan is not None:
         out, lse = plan(q, k, v, bias, q_descale, k_descale, v_descale)
     elif not return_lse:

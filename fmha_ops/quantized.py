@@ -29,7 +29,7 @@ from registry import current_arch, fp8_dtype
 
 from . import attn_bias as ab
 from . import arguments, compiled
-from .call import PLAN_LIMIT, find_plan, make_problem, plan_key, run_forward
+from .call import PLAN_LIMIT, find_plan, make_problem, run_forward
 from .dispatch import SELECTOR
 from .dtypes import FLOAT_DTYPES
 from .inputs import Inputs, make_inputs
@@ -80,8 +80,7 @@ def quantized_forward(qk_dtype: torch.dtype, bias, scale: float | None, op, quer
     kernel_scale = query.shape[-1] ** -0.5 if scale is None else scale
     (q8, k8, v8), descales, dequantized = quantize_smooth(query, key, value, kernel_scale, qk_dtype)
     qd, kd, vd = descales["q_descale"], descales["k_descale"], descales["v_descale"]
-    layout = plan_key(q8, k8, v8, bias, 0.0, 1.0, op, query.dtype, True, 0.0, qd, kd, vd, False)
-    plan = find_plan(layout)
+    layout, plan = find_plan(q8, k8, v8, bias, 0.0, 1.0, op, query.dtype, True, 0.0, qd, kd, vd, False)
     if plan is not None:
         out, lse = plan(q8, k8, v8, bias, qd, kd, vd)
     else:
@@ -90,13 +89,13 @@ def quantized_forward(qk_dtype: torch.dtype, bias, scale: float | None, op, quer
     return out, lse, dequantized
 
 
-#: the backward op of ``quantized_backward`` per layout of the dequantized inputs (a ``plan_key``)
+#: the backward op of ``quantized_backward`` per layout of the dequantized inputs (``find_plan``'s key)
 _BACKWARD_OPS: dict = SELECTOR.derived_memo()
 
 
 def quantized_backward(bias, scale: float | None, qh, kh, vh, out, lse, grad_out):
     """(dq, dk, dv) by the selected bf16/fp16 backward op at the dequantized inputs (straight-through)."""
-    layout = plan_key(qh, kh, vh, bias, 0.0, scale, None, None, True, 0.0, None, None, None, False)
+    layout, _ = find_plan(qh, kh, vh, bias, 0.0, scale, None, None, True, 0.0, None, None, None, False)
     bw = _BACKWARD_OPS.get(layout)
     if bw is not None:  # these tensors come from the forward's quantization: validated when first selected
         inp = Inputs(qh, kh, vh, bias, 0.0, scale, None, True)

@@ -160,7 +160,7 @@ def test_strided_views_get_plans_of_their_own():
     assert torch.equal(fmha_ops.memory_efficient_attention(*dense, CAUSAL), want)
     for _ in range(2):
         assert torch.equal(fmha_ops.memory_efficient_attention(q, k, v, CAUSAL), want)
-    assert call.plan_key(q, k, v, CAUSAL, *([None] * 10)) != call.plan_key(*dense, CAUSAL, *([None] * 10))
+    assert call.find_plan(q, k, v, CAUSAL, *([None] * 10))[0] != call.find_plan(*dense, CAUSAL, *([None] * 10))[0]
 
 
 def test_calls_with_per_call_checks_keep_the_full_path(counted):
@@ -196,15 +196,16 @@ def test_a_plan_holds_no_tensor_of_its_first_call():
     assert all(r() is None for r in refs)
 
 
-def test_plan_key_refuses_what_it_cannot_key():
+def test_find_plan_refuses_what_it_cannot_key():
     q, k, v = _qkv()
     args = (None, 0.0, None, None, None, False, 0.0, None, None, None, False)
-    assert call.plan_key(q, k, v, *args) is not None
-    assert call.plan_key(q, k.tolist(), v, *args) is None  # not a tensor: the full path names it
-    assert call.plan_key(q, k, v, object(), *args[1:]) is None  # a foreign mask: converted on the full path
+    assert call.find_plan(q, k, v, *args)[0] is not None
+    assert call.find_plan(q, k.tolist(), v, *args) == (None, None)  # not a tensor: the full path names it
+    assert call.find_plan(q, k, v, object(), *args[1:]) == (None, None)  # a foreign mask: converted on the full path
+    assert call.find_plan(q, k, v, None, 0.0, [0.5], *args[3:]) == (None, None)  # unhashable: the full path says
     with fmha_ops.checks.check_inputs():
-        assert call.plan_key(q, k, v, None, 0.0, None, None, None, False, 0.0, torch.ones(1), None, None,
-                             False) is None
+        assert call.find_plan(q, k, v, None, 0.0, None, None, None, False, 0.0, torch.ones(1), None, None,
+                              False) == (None, None)
 
 
 
