@@ -20,10 +20,17 @@ Writes host_time_<cpu|gpu>.json and .png into --out and the table to bench/resul
 host_time_cpu.md (not with --quick or --no-record).
 
     PYTHONPATH=$PWD python bench/host_time.py [--device all|cpu|cuda] [--iters 300] [--rounds 7] [--out DIR]
+        [--profile [N]]
+
+``--profile`` then prints, for each row outside its target, where ours and direct spend their host time: the
+``PROFILE_TOP`` functions with the most own time under cProfile over N calls of each (torch's C functions by name,
+so a slower kernel launch and Python work on the call path show apart).
 """
 from __future__ import annotations
 
+import cProfile
 import os
+import pstats
 import statistics
 import sys
 from typing import Callable
@@ -309,6 +316,34 @@ def short_sequence_rows() -> list[dict]:
     return rows
 
 
+PROFILE_TOP = 12  # functions printed per profiled call
+
+
+def profile(rows, results: list[dict], calls: int) -> None:
+    """For each row outside its target: the ``PROFILE_TOP`` functions with the most own time in ``calls`` calls of
+    ours and of direct (cProfile, after the measurement), in microseconds per call of the row (own and
+    cumulative) with their calls per row call. cProfile adds its overhead per Python call: compare the two
+    listings' entries, not their totals with the table."""
+    for (label, _, ours, direct, _), r in zip(rows, results):
+        if r["within_target"] and r["sdpa_target"] is not False:
+            continue
+        for name, fn in (("ours", ours), ("direct", direct)):
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(calls):
+                fn()
+            if r["device"] == "cuda":
+                torch.cuda.synchronize()
+            prof.disable()
+            stats = pstats.Stats(prof).stats  # (file, line, function) -> (primitive calls, calls, own, cumulative, _)
+            top = sorted(stats.items(), key=lambda item: -item[1][2])[:PROFILE_TOP]
+            print(f"--- profile {r['device']} {label}: {name} (us per call: own, cumulative; calls per call)")
+            for (file, line, function), (_, n, own, cumulative, _) in top:
+                where = function if file == "~" else f"{os.path.basename(file)}:{line}({function})"
+                print(f"  {own / calls * 1e6:8.2f} {cumulative / calls * 1e6:8.2f} {n / calls:6.2f}  {where}")
+        print(flush=True)
+
+
 COLUMNS = ["device", "call", "op", "ours_us", "direct_us", "overhead_us", "within_target", "sdpa_us", "ours_over_sdpa",
            "sdpa_target"]
 LABELS = ["device", "entry point", "op", "ours (us)", "direct (us)", "ours - direct (us)", "<= max(25%, 5 us)",
@@ -322,6 +357,9 @@ def main() -> None:
     p.add_argument("--device", choices=("all", "cpu", "cuda"), default="all",
                    help="all: the CPU rows, then the GPU rows where CUDA is present")
     p.add_argument("--no-short-sequences", action="store_true", help="leave out the fp8 short-sequence table")
+    p.add_argument("--profile", type=int, nargs="?", const=200, default=0, metavar="N",
+                   help="after the table, cProfile N calls (default 200) of ours and direct for each row outside "
+                        "its target")
     args = p.parse_args()
     devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
     devices = [d for d in devices if d == "cpu" or torch.cuda.is_available()]
@@ -330,7 +368,11 @@ def main() -> None:
     rows = []
     for device in devices:
         torch.set_num_threads(1 if device == "cpu" else threads)  # the tiny CPU call runs on one thread
-        rows += measure(cases(device), iters, rounds, device)
+        calls = cases(device)
+        results = measure(calls, iters, rounds, device)
+        if args.profile:
+            profile(calls, results, args.profile)
+        rows += results
     torch.set_num_threads(threads)
     common.print_table(rows, COLUMNS)
     short = short_sequence_rows() if "cuda" in devices and not args.no_short_sequences else []

@@ -18,7 +18,7 @@ from registry import Op, Report
 
 from . import arguments
 from . import attn_bias as ab
-from .call import find_plan, make_problem, no_grad, run_forward
+from .call import KEY_NEEDS_GRAD, find_plan, make_problem, no_grad, run_forward
 from .dispatch import REGISTRY, SELECTOR
 from .dtypes import FLOAT_DTYPES
 from .inputs import Inputs, make_inputs
@@ -69,11 +69,11 @@ def memory_efficient_attention_forward(
     v_descale: torch.Tensor | None = None, quantize_kv_to_fp8: bool = False, softcap: float = 0.0,
 ) -> torch.Tensor:
     """Like ``memory_efficient_attention`` without autograd (inference)."""
+    key_, plan = find_plan(query, key, value, attn_bias, p, scale, op, output_dtype, False, softcap, q_descale,
+                           k_descale, v_descale, quantize_kv_to_fp8)
+    if plan is not None and not key_[KEY_NEEDS_GRAD]:  # memory_efficient_attention's plan, recording no graph (a
+        return plan(query, key, value, attn_bias, q_descale, k_descale, v_descale)[0]  # plan has no tensor bias)
     if not (_grad_enabled() and _may_record_graph(query, key, value, attn_bias)):
-        _, plan = find_plan(query, key, value, attn_bias, p, scale, op, output_dtype, False, softcap, q_descale,
-                            k_descale, v_descale, quantize_kv_to_fp8)  # the plan memory_efficient_attention keeps
-        if plan is not None:
-            return plan(query, key, value, attn_bias, q_descale, k_descale, v_descale)[0]
         return memory_efficient_attention(query, key, value, attn_bias, p, scale, op=op, output_dtype=output_dtype,
                                           q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                                           quantize_kv_to_fp8=quantize_kv_to_fp8, softcap=softcap)
@@ -201,13 +201,11 @@ def merge_attentions(
     >>> parts = [memory_efficient_attention_partial(q, k[:, s], v[:, s]) for s in (slice(0, 512), slice(512, None))]
     >>> out, lse = merge_attentions([o for o, _ in parts], [lse for _, lse in parts])
     """
-    layout = _merge_layout(attn_split, lse_split, write_lse, output_dtype)
-    path = None if layout is None else _MERGE_CHECKED.get(layout)
+    layout, path = _merge_path(attn_split, lse_split, write_lse, output_dtype)
     if path is not None:  # a layout validated before: straight to its path
         if path == _MERGE_TORCH:
             return _merge_torch(attn_split, lse_split, output_dtype, write_lse)
-        attns = list(attn_split.unbind(0)) if isinstance(attn_split, torch.Tensor) else list(attn_split)
-        lses = list(lse_split.unbind(0)) if isinstance(lse_split, torch.Tensor) else list(lse_split)
+        attns, lses = _part_list(attn_split), _part_list(lse_split)
         if path == _MERGE_KERNEL:  # BMHK parts with one stride set, float32 lse: the parts as they lie
             return _merge_kernel()(attns, lses, output_dtype or attns[0].dtype, write_lse)
         return _merge_on_device(attns, lses, output_dtype or attns[0].dtype, write_lse)
@@ -256,7 +254,7 @@ def _merge_torch(attn_split, lse_split, output_dtype: torch.dtype | None,
     return out, (merged.movedim(1, -1) if write_lse else None)  # (B, M, [G,] H) -> (B, [G,] H, M)
 
 
-#: the layouts of merge_attentions calls that passed validation (``_merge_layout``) -> their path: the merge kernel
+#: the layouts of merge_attentions calls that passed validation (``_merge_path``) -> their path: the merge kernel
 #: on the parts as they lie (``_as_they_lie``), the kernel after layout conversions, or torch ops (CPU): repeated calls
 #: skip validation
 _MERGE_CHECKED: dict = {}
@@ -264,25 +262,35 @@ _MERGE_KERNEL, _MERGE_DEVICE, _MERGE_TORCH = "kernel", "device", "torch"
 _MERGE_CHECKED_LIMIT = 4096
 
 
-def _merge_layout(attn_split, lse_split, write_lse, output_dtype) -> tuple | None:
-    """What ``merge_attentions``' validation reads from its arguments (each part's shape, dtype, device and
-    strides, ``write_lse``, ``output_dtype``), for calls outside a trace; None otherwise."""
-    if _is_compiling():
-        return None
-    if not all(isinstance(x, (torch.Tensor, list, tuple)) for x in (attn_split, lse_split)):
-        return None
+def _merge_path(attn_split, lse_split, write_lse, output_dtype) -> tuple[tuple | None, str | None]:
+    """(the layout of a ``merge_attentions`` call, the path kept for it or None): the layout is what validation reads
+    from the arguments (each part's shape, dtype, device and strides, ``write_lse``, ``output_dtype``), for calls
+    outside a trace with a tensor or a list / tuple of tensors; None otherwise (validation then names what is
+    wrong)."""
+    if _is_compiling() or not (isinstance(attn_split, _SPLITS) and isinstance(lse_split, _SPLITS)):
+        return None, None
+    parts = (attn_split,) if isinstance(attn_split, torch.Tensor) else attn_split
+    lse_parts = (lse_split,) if isinstance(lse_split, torch.Tensor) else lse_split
+    if not parts:
+        return None, None
     try:
-        parts = (attn_split,) if isinstance(attn_split, torch.Tensor) else tuple(attn_split)
-        lse_parts = (lse_split,) if isinstance(lse_split, torch.Tensor) else tuple(lse_split)
-        if not parts:
-            return None
         layout = (type(attn_split), type(lse_split), write_lse, output_dtype,
                   tuple([(t.shape, t.dtype, t.device, t.stride()) for t in parts]),
                   tuple([(t.shape, t.dtype, t.device, t.stride()) for t in lse_parts]))
-        hash(layout)
-        return layout
+        return layout, _MERGE_CHECKED.get(layout)
     except (AttributeError, TypeError):  # not tensors, unhashable flags: validation names them
-        return None
+        return None, None
+
+
+_SPLITS = (torch.Tensor, list, tuple)  # what merge_attentions takes as parts
+
+
+def _part_list(split) -> list[torch.Tensor]:
+    """The S parts of a validated split (a tensor (S, ...), or a list / tuple of S tensors) as a list (what the
+    merge kernel takes; a list is passed as it is)."""
+    if type(split) is list:
+        return split
+    return list(split.unbind(0)) if isinstance(split, torch.Tensor) else list(split)
 
 
 def _as_they_lie(attns: list[torch.Tensor], lses: list[torch.Tensor]) -> bool:

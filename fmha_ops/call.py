@@ -81,6 +81,10 @@ _fp8_backward = fp8_backward.enabled_now
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
 
 
+#: ``find_plan``'s key starts with whether autograd records the call (q, k or v requires grad in grad mode)
+KEY_NEEDS_GRAD = 0
+
+
 def find_plan(query, key, value, attn_bias, p, scale, op, output_dtype, is_partial, softcap, q_descale, k_descale,
               v_descale, quantize_kv) -> tuple[tuple | None, Plan | None]:
     """(the call's plan key, the plan kept under it or None), for the arguments as the public functions take them.
@@ -100,17 +104,16 @@ def find_plan(query, key, value, attn_bias, p, scale, op, output_dtype, is_parti
         if q_descale is not None or k_descale is not None or v_descale is not None:
             if checks.checks_enabled():  # device descales are read back per call: the full path does that
                 return None, None
-            descales = tuple(None if d is None else (d.shape, d.dtype, d.device, d.stride())
-                             for d in (q_descale, k_descale, v_descale))
+            descales = tuple([None if d is None else (d.shape, d.dtype, d.device, d.stride())
+                              for d in (q_descale, k_descale, v_descale)])
         # strides: True for a contiguous tensor (they follow from its shape but for size-1 dims, which the call
         # signature does not key either), else the tuple
-        key_ = (query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype, query.device, key.device,
+        key_ = (_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad),
+                query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype, query.device, key.device,
                 value.device, query.is_contiguous() or query.stride(), key.is_contiguous() or key.stride(),
-                value.is_contiguous() or value.stride(),
-                _grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad),
-                None if attn_bias is None else attn_bias.signature(), p, scale, op, output_dtype, is_partial,
-                softcap, quantize_kv, descales, _deterministic(), _scope(), _fp8_backward(),
-                query.is_cuda and ((query.data_ptr() | key.data_ptr() | value.data_ptr()) & 15, _capturing()))
+                value.is_contiguous() or value.stride(), None if attn_bias is None else attn_bias.signature(), p,
+                scale, op, output_dtype, is_partial, softcap, quantize_kv, descales, _deterministic(), _scope(),
+                _fp8_backward(), query.is_cuda and ((query.data_ptr() | key.data_ptr() | value.data_ptr()) & 15, _capturing()))
         return key_, PLANS.get(key_)
     except (AttributeError, TypeError):  # not tensors, a mask of another library or a mask class, an unhashable
         return None, None  # argument: the full path converts or names it, and keeps no plan

@@ -98,8 +98,9 @@ def wanted(*tensors: torch.Tensor) -> bool:
     """Whether ``validate_indices`` would check any of these tensors (cheap: no tensor work)."""
     if torch.compiler.is_compiling():
         return False
-    if any(t.device.type == "cpu" for t in tensors):
-        return True
+    for t in tensors:  # a loop on ``is_cpu``: this runs on every decode step
+        if t.is_cpu:
+            return True
     return device_checks_wanted()
 
 

@@ -157,9 +157,9 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     Reads cu_seqlens on the host (one device sync per tensor and version: repeated calls with the same unchanged
     cu_seqlens tensors reuse what was read); under torch.compile the call is one custom op
     (``fmha_ops::varlen_attention``) that does so when it runs."""
-    layout = _varlen_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_size, softcap) if (
-        seqused_q is None and seqused_k is None and qv is None and attention_chunk == 0) else None
-    checked = None if layout is None else _VARLEN_CHECKED.get(layout)
+    layout, checked = _varlen_checked(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_size,
+                                      softcap) if (seqused_q is None and seqused_k is None and qv is None
+                                                   and attention_chunk == 0) else (None, None)
     if checked is not None:  # these arguments passed the checks below before
         bias = _varlen_mask(*checked, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
         res = _run(q[None], k[None], v[None], bias, softmax_scale, q_descale, k_descale, v_descale,
@@ -200,31 +200,30 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     return res[0]
 
 
-#: flash_attn_varlen_func argument layouts that passed its checks (``_varlen_layout``) -> (mask kind, window
+#: flash_attn_varlen_func argument layouts that passed its checks (``_varlen_checked``) -> (mask kind, window
 #: arguments): a repeated layout goes straight to the mask and the call's plan
 _VARLEN_CHECKED: dict = {}
 _VARLEN_CHECKED_LIMIT = 4096
 
 
-def _varlen_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_size, softcap) -> tuple | None:
-    """What flash_attn_varlen_func's own checks read from its arguments (tensor types, shapes and devices, the
+def _varlen_checked(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_size,
+                    softcap) -> tuple[tuple | None, tuple | None]:
+    """(the layout of a flash_attn_varlen_func call, the (mask kind, window arguments) kept for it or None): the
+    layout is what the function's own checks read from its arguments (tensor types, shapes and devices, the
     cu_seqlens dtypes, the scalars and the window), for eager calls with plain tensors and Python scalars; None
     otherwise (the checks then run and name what is wrong)."""
     if not (type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor and type(cu_seqlens_q) is _Tensor
             and type(cu_seqlens_k) is _Tensor and type(causal) is bool and type(window_size) is tuple
             and (softmax_scale is None or type(softmax_scale) is float) and type(softcap) in (float, int)):
-        return None
+        return None, None
     if torch.compiler.is_compiling():
-        return None
+        return None, None
+    layout = (q.shape, k.shape, v.shape, q.device, cu_seqlens_q.shape, cu_seqlens_q.dtype, cu_seqlens_q.device,
+              cu_seqlens_k.shape, cu_seqlens_k.dtype, cu_seqlens_k.device, softmax_scale, causal, window_size, softcap)
     try:
-        layout = (q.shape, k.shape, v.shape, q.device, cu_seqlens_q.shape, cu_seqlens_q.dtype, cu_seqlens_q.device,
-                  cu_seqlens_k.shape, cu_seqlens_k.dtype, cu_seqlens_k.device, softmax_scale, causal, window_size,
-                  softcap)
-        hash(layout)
+        return layout, _VARLEN_CHECKED.get(layout)
     except TypeError:  # a window_size of unhashable items: the checks name it
-        return None
-    return layout
-
+        return None, None
 
 
 def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -275,18 +274,17 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         fast = _fast_key(q, k_cache, v_cache, cache_seqlens, page_table, k_descale, v_descale, softmax_scale, causal,
                          window_size, softcap, return_softmax_lse)
         if k is None and fast is not None:
-            layout = fast + (SELECTOR.current_scope(),)
-            launcher = _DECODE_RUNS.get(layout)
+            launcher = _DECODE_RUNS.get(fast)
             if launcher is None:  # the layout's first call (or the first after SELECTOR.clear()): select, plan
                 launcher = _fast_launcher(fast, q, k_cache, v_cache, cache_seqlens, page_table, k_descale, v_descale,
                                           softmax_scale, causal, window_size, softcap, return_softmax_lse)
                 if len(_DECODE_RUNS) >= _FAST_LIMIT:
                     _DECODE_RUNS.clear()
-                _DECODE_RUNS[layout] = launcher or False
+                _DECODE_RUNS[fast] = launcher or False
             if launcher:
                 return launcher(q, k_cache, v_cache, k_descale, v_descale, cache_seqlens, page_table)
         elif fast is not None and type(k) is torch.Tensor and type(v) is torch.Tensor:
-            appending = fast + (_meta(k), _meta(v), SELECTOR.current_scope())
+            appending = fast + (_meta(k), _meta(v))
             plan = _APPEND.get(appending)
             if plan:
                 return plan(q, k_cache, v_cache, k, v, k_descale, v_descale, cache_seqlens, page_table)
@@ -318,8 +316,8 @@ def _meta(t) -> tuple | None:
 def _fast_key(q, k_cache, v_cache, cache_seqlens, page_table, k_descale, v_descale, softmax_scale, causal,
               window_size, softcap, return_lse):
     """The layout of a paged decode call without append on device tensors (everything its validation, selection
-    and launch depend on but the tensors' values), or None when the call must take the full path: autograd, check
-    mode (``fmha_ops.checks``), host tensors, non-tensor arguments."""
+    and launch depend on but the tensors' values, and the ``use_ops`` scope), or None when the call must take the
+    full path: autograd, check mode (``fmha_ops.checks``), host tensors, non-tensor arguments."""
     if not (type(q) is torch.Tensor and type(k_cache) is torch.Tensor and type(v_cache) is torch.Tensor):
         return None
     if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
@@ -335,12 +333,13 @@ def _fast_key(q, k_cache, v_cache, cache_seqlens, page_table, k_descale, v_desca
                 page_table.stride(), page_table.device,
                 None if k_descale is None else (k_descale.shape, k_descale.dtype, k_descale.stride(), k_descale.device),
                 None if v_descale is None else (v_descale.shape, v_descale.dtype, v_descale.stride(), v_descale.device),
-                softmax_scale, causal, tuple(window_size), softcap, return_lse, _deterministic())
+                softmax_scale, causal, tuple(window_size), softcap, return_lse, _deterministic(), _scope())
     except (TypeError, AttributeError):  # descales that are not tensors, window_size not a pair: the full path says
         return None
 
 
 _deterministic = torch._C._get_deterministic_algorithms
+_scope = SELECTOR.current_scope
 
 
 def _unit_stride(t, dim: int) -> bool:
@@ -416,14 +415,14 @@ def _decode_run(op, call: "KVCacheCall", inp, q, v_cache, return_lse, seqlen_off
     return run
 
 
-#: the fast path's launchers by layout (``_fast_key`` + the ``use_ops`` scope): no selection per call; False where
-#: the selected op has no decode launcher; cleared with the selector's memo
+#: the fast path's launchers by layout (``_fast_key``): no selection per call; False where the selected op has no
+#: decode launcher; cleared with the selector's memo
 _DECODE_RUNS: dict = SELECTOR.derived_memo()
 
-#: the fast path of repeated paged decode calls that append: ``_fast_key`` + the new tokens' layout + the
-#: ``use_ops`` scope -> run(q, k_cache, v_cache, k, v, k_descale, v_descale, cache_seqlens, page_table), built after
-#: the call's full path (which validated it, appended and ran the decode), or False where the selected op has no
-#: decode launcher; cleared with the selector's memo
+#: the fast path of repeated paged decode calls that append: ``_fast_key`` + the new tokens' layout -> run(q,
+#: k_cache, v_cache, k, v, k_descale, v_descale, cache_seqlens, page_table), built after the call's full path (which
+#: validated it, appended and ran the decode), or False where the selected op has no decode launcher; cleared with
+#: the selector's memo
 _APPEND: dict = SELECTOR.derived_memo()
 
 

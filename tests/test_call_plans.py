@@ -129,6 +129,33 @@ def test_forward_records_no_graph_whatever_requires_grad():
         q = q.detach()
 
 
+def test_forward_never_runs_a_differentiable_plan():
+    q, k, v = _qkv(m=7)
+    q.requires_grad_()
+    for _ in range(2):  # memory_efficient_attention's full path, then its plan: a graph-recording plan exists
+        assert fmha_ops.memory_efficient_attention(q, k, v, CAUSAL).grad_fn is not None
+    for _ in range(2):
+        out = fmha_ops.memory_efficient_attention_forward(q, k, v, CAUSAL)
+        assert out.grad_fn is None and not out.requires_grad
+    assert torch.equal(out, fmha_ops.memory_efficient_attention(q.detach(), k, v, CAUSAL))
+
+
+def test_merge_attentions_repeated_layout_matches_and_still_validates():
+    q, k, v = _qkv(m=9, mk=20, hq=4, hkv=2)
+    parts = [fmha_ops.memory_efficient_attention_partial(q, k[:, s], v[:, s]) for s in (slice(0, 8), slice(8, None))]
+    outs, lses = [o for o, _ in parts], [lse for _, lse in parts]
+    first = fmha_ops.merge_attentions(outs, lses)
+    for attn_split, lse_split in ((outs, lses), (tuple(outs), tuple(lses)), (torch.stack(outs), torch.stack(lses))):
+        for _ in range(2):  # the full path, then the layout's validated path
+            again = fmha_ops.merge_attentions(attn_split, lse_split)
+            assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert len(outs) == 2  # the caller's list is read, never changed
+    with pytest.raises(ValueError, match="does not match attn_split"):
+        fmha_ops.merge_attentions(outs, [lse[:, :, :5] for lse in lses])
+    with pytest.raises(TypeError, match="must be a tensor or a non-empty list of tensors"):
+        fmha_ops.merge_attentions(outs, [lse.tolist() for lse in lses])
+
+
 def test_a_plan_never_serves_another_scope_or_layout(monkeypatch):
     q, k, v = _qkv()
     fmha_ops.memory_efficient_attention(q, k, v, CAUSAL)
