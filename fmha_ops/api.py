@@ -236,22 +236,27 @@ def merge_attentions(
 def _merge_torch(attn_split, lse_split, output_dtype: torch.dtype | None,
                  write_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``merge_attentions`` in torch ops on validated arguments (the CPU and traced path): attn (S, B, M, [G,] H, K)
-    and lse (S, B, [G,] H, M), stacked or lists of S parts. The merged lse is the logsumexp over the parts, the
-    parts weigh softmax(lse) over S; rows no part sees (all -inf) come out 0 and -inf. Host lse values are
-    checked (finite or -inf) on the merged lse: NaN and +inf propagate into it."""
+    and lse (S, B, [G,] H, M), stacked or lists of S parts. The merged lse is the log-sum-exp over the parts, shifted
+    by their maximum (``torch.logsumexp`` takes several times the host time on tiny calls), and the parts weigh
+    exp(lse - merged); rows no part sees (all -inf) come out 0 and -inf. Host lse values are checked (finite or
+    -inf) on the merged lse: NaN and +inf propagate into it."""
     attn = attn_split if isinstance(attn_split, torch.Tensor) else torch.stack(attn_split)
     lse = lse_split if isinstance(lse_split, torch.Tensor) else torch.stack(lse_split)
-    lse_t = (lse if lse.dtype == _F32 else lse.float()).movedim(-1, 2)  # (S, B, M, [G,] H)
-    merged = torch.logsumexp(lse_t, dim=0)
+    if lse.dtype != _F32:
+        lse = lse.float()
+    shift = lse.amax(dim=0).nan_to_num_(neginf=0.0)  # (B, [G,] H, M); 0 for rows every part leaves at -inf
+    weights = torch.exp(lse - shift)
+    total = weights.sum(dim=0)  # >= 1 where a part saw keys (its maximum contributes exp(0)), else 0
+    merged = torch.log(total).add_(shift)
     if (lse.device.type == "cpu" and merged.numel() and not _is_compiling()
             and not merged.amax().item() < math.inf):
         raise ValueError("lse_split must be finite or -inf (a part that saw no key); it holds NaN or +inf")
-    weights = torch.softmax(lse_t, dim=0).nan_to_num_(nan=0.0)  # rows with every part -inf: softmax gives NaN
+    weights = weights.div_(total.clamp_min_(1.0)).movedim(-1, 2)  # (S, B, M, [G,] H); rows no part sees: 0
     out = (weights[..., None] * (attn if attn.dtype == _F32 else attn.float())).sum(dim=0)
     out_dtype = output_dtype or attn.dtype
     if out_dtype != _F32:
         out = out.to(out_dtype)
-    return out, (merged.movedim(1, -1) if write_lse else None)  # (B, M, [G,] H) -> (B, [G,] H, M)
+    return out, (merged if write_lse else None)
 
 
 #: the layouts of merge_attentions calls that passed validation (``_merge_path``) -> their path: the merge kernel

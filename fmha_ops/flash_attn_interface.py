@@ -277,7 +277,8 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             launcher = _DECODE_RUNS.get(fast)
             if launcher is None:  # the layout's first call (or the first after SELECTOR.clear()): select, plan
                 launcher = _fast_launcher(fast, q, k_cache, v_cache, cache_seqlens, page_table, k_descale, v_descale,
-                                          softmax_scale, causal, window_size, softcap, return_softmax_lse)
+                                          softmax_scale, causal, window_size, softcap, return_softmax_lse) \
+                    if _unit_index_strides(cache_seqlens, page_table) else None
                 if len(_DECODE_RUNS) >= _FAST_LIMIT:
                     _DECODE_RUNS.clear()
                 _DECODE_RUNS[fast] = launcher or False
@@ -288,8 +289,8 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             plan = _APPEND.get(appending)
             if plan:
                 return plan(q, k_cache, v_cache, k, v, k_descale, v_descale, cache_seqlens, page_table)
-            if plan is False:  # this layout's op has no decode launcher: the full path, nothing to remember
-                appending = None
+            if plan is False or not (plan or _unit_index_strides(cache_seqlens, page_table)):
+                appending = None  # this layout's op has no decode launcher, or its indices' strides: the full path
     call = kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, q_descale, k_descale,
                         v_descale, softmax_scale, causal, window_size)
     batch, mq = q.shape[:2]
@@ -324,13 +325,11 @@ def _fast_key(q, k_cache, v_cache, cache_seqlens, page_table, k_descale, v_desca
         return None
     if checks.wanted(q, cache_seqlens, page_table):  # host tensors (always checked) or check mode: the full path
         return None
-    if not (_unit_stride(cache_seqlens, 0) and _unit_stride(page_table, 1)):  # the full path makes them so
-        return None
     try:  # the tensors' metadata inline (no call per tensor: this runs on every decode step)
         return (q.shape, q.dtype, q.stride(), q.device, k_cache.shape, k_cache.dtype, k_cache.stride(),
                 k_cache.device, v_cache.shape, v_cache.dtype, v_cache.stride(), v_cache.device,
-                cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.device, page_table.shape, page_table.dtype,
-                page_table.stride(), page_table.device,
+                cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.stride(), cache_seqlens.device,
+                page_table.shape, page_table.dtype, page_table.stride(), page_table.device,
                 None if k_descale is None else (k_descale.shape, k_descale.dtype, k_descale.stride(), k_descale.device),
                 None if v_descale is None else (v_descale.shape, v_descale.dtype, v_descale.stride(), v_descale.device),
                 softmax_scale, causal, tuple(window_size), softcap, return_lse, _deterministic(), _scope())
@@ -340,6 +339,12 @@ def _fast_key(q, k_cache, v_cache, cache_seqlens, page_table, k_descale, v_desca
 
 _deterministic = torch._C._get_deterministic_algorithms
 _scope = SELECTOR.current_scope
+
+
+def _unit_index_strides(cache_seqlens, page_table) -> bool:
+    """Whether the kernels can read these lengths and page-table rows where they lie (the full path makes them
+    contiguous otherwise): checked once per fast-path layout, whose key holds both tensors' strides."""
+    return _unit_stride(cache_seqlens, 0) and _unit_stride(page_table, 1)
 
 
 def _unit_stride(t, dim: int) -> bool:

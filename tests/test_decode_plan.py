@@ -154,6 +154,39 @@ def test_fast_path_matches_the_full_path(monkeypatch, fp8, per_tensor):
                                          **kw)
 
 
+def test_fast_path_leaves_strided_indices_to_the_full_path(monkeypatch):
+    """Lengths and page-table rows given as strided views (the kernels read them as consecutive ints) keep the full
+    path, which makes them contiguous, on every call: the fast path's layout is marked so once, and the results
+    equal those of contiguous indices (decode alone and with an append)."""
+    from fmha_ops import checks
+    from fmha_ops import flash_attn_interface as fa
+
+    k_cache, v_cache, _, table = _cache(seed=11)
+    lens = torch.tensor([1, 17, 30], dtype=torch.int32, device=DEVICE)
+    strided = dict(cache_seqlens=torch.stack([lens, lens], 1)[:, 0],
+                   page_table=torch.stack([table, table], 2).view(table.shape[0], -1)[:, ::2])
+    assert strided["cache_seqlens"].stride() == (2,) and strided["page_table"].stride(1) == 2
+    q = torch.randn(3, 1, 4, 16).to(DEVICE, DTYPE)
+    new = [torch.randn(3, 1, 2, 16).to(DEVICE, DTYPE) for _ in range(2)]
+    monkeypatch.setattr(checks, "wanted", lambda *t: False)
+    with fmha_ops.use_ops("triton_splitKF"):
+        want = fmha_ops.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, page_table=table,
+                                                causal=True)
+        fa._DECODE_RUNS.clear()
+        for _ in range(2):
+            got = fmha_ops.flash_attn_with_kvcache(q, k_cache, v_cache, causal=True, **strided)
+            assert torch.equal(got, want)
+        assert list(fa._DECODE_RUNS.values()) == [False]
+        caches = [[c.clone() for c in (k_cache, v_cache)] for _ in range(3)]
+        want = fmha_ops.flash_attn_with_kvcache(q, *caches[0], k=new[0], v=new[1], cache_seqlens=lens,
+                                                page_table=table, causal=True)
+        fa._APPEND.clear()
+        for cache in caches[1:]:
+            got = fmha_ops.flash_attn_with_kvcache(q, *cache, k=new[0], v=new[1], causal=True, **strided)
+            assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(cache, caches[0]))
+        assert not fa._APPEND
+
+
 def test_split_workspace_reused_across_runs(monkeypatch):
     """A split-K plan owns one workspace: runs after runs (new queries, new lengths) still match the full path."""
     from fmha_ops.ops.triton_decode import TritonSplitKFwOp
