@@ -9,16 +9,15 @@ Repeated calls skip even that: ``find_plan`` turns the user's arguments into one
 (shapes, dtypes, devices, strides, grad mode, the mask's signature, the scalars, the selector's scope and the
 process switches) and looks it up in ``PLANS``, which maps it to the launch plan built on the first call of that
 layout (the selected op's ``AttentionFwOp.launcher``): no ``Inputs``, no signature, no selector lookup, no
-validation. Calls whose
-values need per-call checks (host descales, masks with index tables, check mode) and non-BMHK layouts always take
-the full path.
+validation. Calls whose values need per-call checks (host descales, masks with index tables, check mode) and
+non-BMHK layouts always take the full path.
 
 Example
 -------
 >>> key, plan = find_plan(q, k, v, mask, 0.0, None, None, None, False, 0.0, None, None, None, False)
+>>> # plan: None until one full call of this layout ran
 >>> out, lse = plan(q, k, v, mask, None, None, None) if plan else run_forward(make_inputs(q, k, v, mask), None,
-...                                                                            False, key)  # plan: None until
-...                                                                            # one full call of this layout ran
+...                                                                            False, key)
 """
 from __future__ import annotations
 

@@ -289,7 +289,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             plan = _APPEND.get(appending)
             if plan:
                 return plan(q, k_cache, v_cache, k, v, k_descale, v_descale, cache_seqlens, page_table)
-            if plan is False or not (plan or _unit_index_strides(cache_seqlens, page_table)):
+            if plan is False or not _unit_index_strides(cache_seqlens, page_table):
                 appending = None  # this layout's op has no decode launcher, or its indices' strides: the full path
     call = kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, q_descale, k_descale,
                         v_descale, softmax_scale, causal, window_size)
