@@ -336,7 +336,8 @@ def profile(rows, results: list[dict], calls: int) -> None:
                 torch.cuda.synchronize()
             prof.disable()
             stats = pstats.Stats(prof).stats  # (file, line, function) -> (primitive calls, calls, own, cumulative, _)
-            top = sorted(stats.items(), key=lambda item: -item[1][2])[:PROFILE_TOP]
+            top = sorted((item for item in stats.items() if "_lsprof" not in item[0][2]),  # not the profiler's own
+                         key=lambda item: -item[1][2])[:PROFILE_TOP]
             print(f"--- profile {r['device']} {label}: {name} (us per call: own, cumulative; calls per call)")
             for (file, line, function), (_, n, own, cumulative, _) in top:
                 where = function if file == "~" else f"{os.path.basename(file)}:{line}({function})"

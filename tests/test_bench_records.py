@@ -62,3 +62,18 @@ def test_window_bench_parses_its_arguments():
     done = subprocess.run([sys.executable, os.path.join(root, "bench", "attention_window_bench.py"), "--help"],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": root})
     assert done.returncode == 0 and "--window" in done.stdout and "--no-record" in done.stdout, done.stderr[-2000:]
+
+
+def test_host_time_profile_lists_both_calls_of_rows_outside_their_target(capsys):
+    from bench import host_time
+
+    calls = []
+    rows = [("slow row", "op", lambda: calls.append("ours"), lambda: calls.append("direct"), None),
+            ("fast row", "op", lambda: calls.append("other"), lambda: calls.append("other"), None)]
+    results = [{"device": "cpu", "within_target": False, "sdpa_target": None},
+               {"device": "cpu", "within_target": True, "sdpa_target": None}]
+    host_time.profile(rows, results, 4)
+    printed = capsys.readouterr().out
+    assert calls == ["ours"] * 4 + ["direct"] * 4  # rows within their target are not profiled
+    assert "profile cpu slow row: ours" in printed and "profile cpu slow row: direct" in printed
+    assert "fast row" not in printed and "<method 'append' of 'list' objects>" in printed
