@@ -1,20 +1,22 @@
-"""Selector regret: over calls between and outside the tuned buckets, how much slower is the op the
-selector picks than the fastest op for that call? regret = t(selected) / t(best) - 1.
+"""Selector regret: over calls between and outside the tuned buckets, how much slower is the op the selector picks than
+the fastest op for that call? regret = t(selected) / t(best) - 1.
 
-    python bench/selector.py [--out DIR] [--quick] [--dtypes bfloat16,fp8_tensor] [--shapes 0,3] [--budget SECONDS]
+python bench/selector.py [--out DIR] [--quick] [--dtypes bfloat16,fp8_tensor] [--shapes 0,3] [--budget SECONDS]
 
-Forward calls (prefill of every dtype, decode) and, for the bf16 prefill calls, the backward op that a call
-needing gradients gets (every backward op timed on the same forward output and LSE). Each supporting op is
-timed through ``memory_efficient_attention(op=...)`` (backward: its ``apply_bw``): one untimed call first (it
-JIT-compiles the configuration), then the call's ops' host times in interleaved rounds and each op's device time
-(``fmha_ops.timing.op_times``: the median of 9 rounds, each op in turn, so the selected and the fastest op are
-timed under the same state of the host and one pause moves neither); an op's time per call is the larger of the
-two (back to back, what a call costs; what the selector ranks by). Ops whose own estimate is over ``SKIP_FACTOR``
-times the best estimate are not timed. ``--budget``: calls left when it runs out are
-not measured (listed). Prints each call's row as it is measured and the summary last; writes selector.json into --out after
-every call (a run cut short leaves its rows) and, at the end, selector.png (regret per call) and the record bench/results/selector.md (regret per kind of call; not with --quick, --dtypes or
---no-record). ``--dtypes``: only the prefill calls of these dtypes (no decode calls; default bfloat16, fp8, fp8_tensor and
-the decode calls); ``--shapes``: only these prefill shapes (indices into ``PREFILL_SHAPES``; no decode calls, no record). ``--compile-only --shard K/N`` in N parallel processes fills the JIT caches beforehand.
+Forward calls (prefill of every dtype, decode) and, for the bf16 prefill calls, the backward op that a call needing
+gradients gets (every backward op timed on the same forward output and LSE). Each supporting op is timed through
+``memory_efficient_attention(op=...)`` (backward: its ``apply_bw``): one untimed call first (it JIT-compiles the
+configuration), then the call's ops' host times in interleaved rounds and each op's device time
+(``fmha_ops.timing.op_times``: the median of 9 rounds, each op in turn, so the selected and the fastest op are timed
+under the same state of the host and one pause moves neither); an op's time per call is the larger of the two (back
+to back, what a call costs; what the selector ranks by). Ops whose own estimate is over ``SKIP_FACTOR`` times the
+best estimate are not timed. ``--budget``: calls left when it runs out are not measured (listed). Prints each call's
+row as it is measured and the summary last; writes selector.json into --out after every call (a run cut short leaves
+its rows) and, at the end, selector.png (regret per call) and the record bench/results/selector.md (regret per kind
+of call; not with --quick, --dtypes or --no-record). ``--dtypes``: only the prefill calls of these dtypes (no decode
+calls; default bfloat16, fp8, fp8_tensor and the decode calls); ``--shapes``: only these prefill shapes (indices
+into ``PREFILL_SHAPES``; no decode calls, no record). ``--compile-only --shard K/N`` in N parallel processes fills
+the JIT caches beforehand.
 """
 from __future__ import annotations
 
@@ -198,9 +200,10 @@ def record(rows: list[dict], env: dict, png: str | None = None, skipped: tuple[s
                                      if worst["regret"] else "-")})
     summary = summarize(rows)
     notes = (f"All {len(rows)} calls: median regret {_pct(summary['median_regret'])}, worst "
-             f"{_pct(summary['worst_regret'])}; regret = t(selected) / t(fastest supporting op) - 1, t = max(device, host "
-             "time) per call (host: median of 9 rounds interleaving the call's ops), calls between and outside the tuned buckets (other lengths, batch sizes, GQA ratios, head dims); backward rows: the "
-             "backward op a bf16 call with gradients gets, against every backward op on the same output and LSE.")
+             f"{_pct(summary['worst_regret'])}; regret = t(selected) / t(fastest supporting op) - 1, t = max(device, "
+             "host time) per call (host: median of 9 rounds interleaving the call's ops), calls between and outside "
+             "the tuned buckets (other lengths, batch sizes, GQA ratios, head dims); backward rows: the backward op a "
+             "bf16 call with gradients gets, against every backward op on the same output and LSE.")
     if skipped:
         notes += f" Not measured (time budget): {len(skipped)} calls, from {skipped[0]}."
     return RECORD.write(table, env, png, notes)

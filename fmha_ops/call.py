@@ -112,7 +112,8 @@ def find_plan(query, key, value, attn_bias, p, scale, op, output_dtype, is_parti
                 value.device, query.is_contiguous() or query.stride(), key.is_contiguous() or key.stride(),
                 value.is_contiguous() or value.stride(), None if attn_bias is None else attn_bias.signature(), p,
                 scale, op, output_dtype, is_partial, softcap, quantize_kv, descales, _deterministic(), _scope(),
-                _fp8_backward(), query.is_cuda and ((query.data_ptr() | key.data_ptr() | value.data_ptr()) & 15, _capturing()))
+                _fp8_backward(),
+                query.is_cuda and ((query.data_ptr() | key.data_ptr() | value.data_ptr()) & 15, _capturing()))
         return key_, PLANS.get(key_)
     except (AttributeError, TypeError):  # not tensors, a mask of another library or a mask class, an unhashable
         return None, None  # argument: the full path converts or names it, and keeps no plan
