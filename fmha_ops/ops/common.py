@@ -216,3 +216,50 @@ def import_failure(module: str) -> str | None:
     except Exception as e:  # noqa: BLE001
         return f"{module} failed to import: {type(e).__name__}: {e}"
     return None
+
+
+# ---- FlashAttention-convention arguments (FA3, FA4) -------------------------------------------------
+
+def window_size(bias_kind: str, window_left: int, window_right: int) -> tuple[bool, tuple[int | None, int | None]]:
+    """FlashAttention's ``(causal, window_size)`` for a mask kind and our window fields (-1 = unbounded).
+
+    FlashAttention (3 and 4) aligns windows bottom-right: key j is visible from query i iff
+    i + Mk - Mq - left <= j <= i + Mk - Mq + right, and ``causal`` sets right = 0. Our bottom-right and
+    non-causal kinds align the same way; the top-left kinds reach a FlashAttention op only with Mq == Mk, where
+    the alignments agree. A causal kind's right bound is at most 0, so only its left bound passes.
+
+    >>> window_size("causal_bottom_right", 128, -1)
+    (True, (128, None))
+    >>> window_size("none", -1, -1)
+    (False, (None, None))
+    """
+    left = window_left if window_left >= 0 else None
+    if bias_kind in ab.CAUSAL_KINDS:
+        return True, (left, None)
+    return False, (left, window_right if window_right >= 0 else None)
+
+
+def window_fields(inp: Inputs) -> tuple[int, int]:
+    """The call mask's ``(window_left, window_right)`` (-1 = unbounded; no mask: both -1)."""
+    bias = inp.attn_bias
+    return getattr(bias, "window_left", -1), getattr(bias, "window_right", -1)
+
+
+def varlen_args(inp: Inputs) -> dict:
+    """FlashAttention's varlen keywords for a ``BlockDiagonal*`` mask: int32 cumulative starts on the device and
+    the longest query / key sequence."""
+    b = inp.attn_bias
+    return dict(cu_seqlens_q=b.q_seqinfo.seqstart, cu_seqlens_k=b.k_seqinfo.seqstart,
+                max_seqlen_q=b.q_seqinfo.max_seqlen, max_seqlen_k=b.k_seqinfo.max_seqlen)
+
+
+def kv_head_descales(inp: Inputs) -> dict:
+    """FlashAttention's fp8 descales ``{q,k,v}_descale``: float32 (sequences, Hkv), per-tensor ones broadcast as
+    stride-0 views (masks with sequence lengths: one row per sequence); {} without descales."""
+    if inp.q_descale is None:
+        return {}
+    info = getattr(inp.attn_bias, "q_seqinfo", None)
+    rows = inp.query.shape[0] if info is None else len(info.seqstart_py) - 1
+    shape = (rows, inp.key.shape[2])
+    return {f"{r}_descale": d.reshape(()).expand(shape) if d.numel() == 1 else d
+            for r, d in (("q", inp.q_descale), ("k", inp.k_descale), ("v", inp.v_descale))}

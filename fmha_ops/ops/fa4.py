@@ -36,7 +36,8 @@ from ..dispatch import register
 from ..inputs import Inputs
 from ..problem import Problem
 from .base import AttentionBwOp, AttentionFwOp
-from .common import OptionalPackage, dequantized_qkv, import_failure, installed_version
+from .common import (OptionalPackage, dequantized_qkv, import_failure, installed_version, kv_head_descales, varlen_args,
+                     window_fields, window_size)
 from .cost import attention_time, backward_time
 
 #: the release whose interface this adapter calls (its backward entry point is module-level, not public)
@@ -97,53 +98,6 @@ def backward_reasons(p: Problem) -> list[str]:
     return []
 
 
-def window_size(bias_kind: str, window_left: int, window_right: int) -> tuple[bool, tuple[int | None, int | None]]:
-    """FA4's ``(causal, window_size)`` for a mask kind and our window fields (-1 = unbounded).
-
-    FA4 aligns windows bottom-right: key j is visible from query i iff
-    i + Mk - Mq - left <= j <= i + Mk - Mq + right, and ``causal`` sets right = 0. Our bottom-right and
-    non-causal kinds align the same way; the top-left kinds reach here only with Mq == Mk (``mask_reasons``),
-    where the alignments agree. A causal kind's right bound is at most 0, so only its left bound passes.
-
-    >>> window_size("causal_bottom_right", 128, -1)
-    (True, (128, None))
-    >>> window_size("none", -1, -1)
-    (False, (None, None))
-    """
-    left = window_left if window_left >= 0 else None
-    if bias_kind in ab.CAUSAL_KINDS:
-        return True, (left, None)
-    return False, (left, window_right if window_right >= 0 else None)
-
-
-def _window_fields(inp: Inputs) -> tuple[int, int]:
-    bias = inp.attn_bias
-    return getattr(bias, "window_left", -1), getattr(bias, "window_right", -1)
-
-
-def _softcap(inp: Inputs) -> float:
-    """The call's score cap (``Inputs.softcap``; 0 = off), FA4's ``softcap`` with the same definition:
-    scores become softcap * tanh(softmax_scale * q.k / softcap) before the softmax."""
-    return getattr(inp, "softcap", 0.0)
-
-
-def _varlen_args(inp: Inputs) -> dict:
-    b = inp.attn_bias
-    return dict(cu_seqlens_q=b.q_seqinfo.seqstart, cu_seqlens_k=b.k_seqinfo.seqstart,
-                max_seqlen_q=b.q_seqinfo.max_seqlen, max_seqlen_k=b.k_seqinfo.max_seqlen)
-
-
-def _fp8_descales(inp: Inputs) -> dict:
-    """FA4's (B, Hkv) fp8 descales (per-tensor ones broadcast; varlen: one row per sequence)."""
-    if inp.q_descale is None:
-        return {}
-    varlen = inp.bias_kind in ab.VARLEN_KINDS
-    rows = len(inp.attn_bias.q_seqinfo.seqstart_py) - 1 if varlen else inp.query.shape[0]
-    shape = (rows, inp.key.shape[2])
-    return {f"{r}_descale": d.reshape(()).expand(shape) if d.numel() == 1 else d
-            for r, d in (("q", inp.q_descale), ("k", inp.k_descale), ("v", inp.v_descale))}
-
-
 class _FA4Op(OptionalPackage):
     """Declarations shared by the forward and backward ops."""
 
@@ -192,22 +146,22 @@ class FA4FwOp(_FA4Op, AttentionFwOp):
 
     @classmethod
     def apply(cls, inp: Inputs, needs_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        causal, window = window_size(inp.bias_kind, *_window_fields(inp))
+        causal, window = window_size(inp.bias_kind, *window_fields(inp))
         varlen = inp.bias_kind in ab.VARLEN_KINDS
         q, k, v = (t[0] for t in (inp.query, inp.key, inp.value)) if varlen else (inp.query, inp.key, inp.value)
-        seqlens = _varlen_args(inp) if varlen else {}
+        seqlens = varlen_args(inp) if varlen else {}
         if inp.q_descale is not None:  # fp8 (sm100): the module-level forward takes descales, no autograd
             from flash_attn.cute.interface import _flash_attn_fwd
 
-            out, lse = _flash_attn_fwd(q, k, v, softmax_scale=inp.softmax_scale, causal=causal, softcap=_softcap(inp),
+            out, lse = _flash_attn_fwd(q, k, v, softmax_scale=inp.softmax_scale, causal=causal, softcap=inp.softcap,
                                        window_size_left=window[0], window_size_right=window[1],
-                                       return_lse=needs_lse, **seqlens, **_fp8_descales(inp))[:2]
+                                       return_lse=needs_lse, **seqlens, **kv_head_descales(inp))[:2]
         else:
             from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
 
             fn = flash_attn_varlen_func if varlen else flash_attn_func
             out, lse = fn(q, k, v, softmax_scale=inp.softmax_scale, causal=causal, window_size=window,
-                          softcap=_softcap(inp), deterministic=torch.are_deterministic_algorithms_enabled(),
+                          softcap=inp.softcap, deterministic=torch.are_deterministic_algorithms_enabled(),
                           return_lse=needs_lse, **seqlens)
         if not needs_lse:
             lse = None
@@ -250,11 +204,11 @@ class FA4BwOp(_FA4Op, AttentionBwOp):
         if q.dtype not in (torch.bfloat16, torch.float16):
             q, k, v = (t.to(torch.bfloat16) for t in dequantized_qkv(inp))
         out, grad_out = out.to(q.dtype), grad_out.to(q.dtype)
-        causal, (left, right) = window_size(inp.bias_kind, *_window_fields(inp))
-        kwargs = dict(softmax_scale=inp.softmax_scale, causal=causal, softcap=_softcap(inp), window_size_left=left,
+        causal, (left, right) = window_size(inp.bias_kind, *window_fields(inp))
+        kwargs = dict(softmax_scale=inp.softmax_scale, causal=causal, softcap=inp.softcap, window_size_left=left,
                       window_size_right=right, deterministic=torch.are_deterministic_algorithms_enabled())
         if inp.bias_kind in ab.VARLEN_KINDS:
-            dq, dk, dv = _flash_attn_bwd(q[0], k[0], v[0], out[0], grad_out[0], lse[0], **_varlen_args(inp), **kwargs)
+            dq, dk, dv = _flash_attn_bwd(q[0], k[0], v[0], out[0], grad_out[0], lse[0], **varlen_args(inp), **kwargs)
             return dq[None], dk[None], dv[None]
         return _flash_attn_bwd(q, k, v, out, grad_out, lse, **kwargs)[:3]
 

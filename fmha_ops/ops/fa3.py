@@ -1,0 +1,318 @@
+"""FlashAttention-3 (Hopper) forward and backward ops, used when a FlashAttention-3 build is installed.
+
+Two builds are found, the first importable one wins:
+
+* ``flash_attn_interface`` (+ ``flash_attn_config``): upstream FlashAttention-3 built from its ``hopper/``
+  directory: forward and backward, paged KV, local windows, fp16 (unless its build flags disable them);
+* ``fa3_fwd_interface`` (+ ``fa3_fwd_config``): the ``fa3-fwd`` wheel (``pip install 'fmha-ops[fa3]'``), the same
+  forward kernels prebuilt for sm90, without backward, paged KV, local windows or fp16.
+
+Each build ships a config module whose ``CONFIG["build_flags"]`` says what it was compiled without
+(``FLASHATTENTION_DISABLE_<FEATURE>``); the ops declare exactly that (``BUILD``), and a call needing a feature
+the build lacks is refused with the flag named. What FA3 takes beyond that, on sm90:
+
+==============  ============================================================================================
+dtypes          bf16 (fp16 where built); fp8 e4m3 q/k/v with (B, Hkv) float32 descales (per-tensor ones are
+                broadcast), bf16 out
+head dims       K up to 256 (multiples of 8; fp8: of 16), rounded up to the kernel's 64/96/128/192/256;
+                Kv != K where K is in 129..192 and Kv in 97..128 (DeepSeek-V3's 192/128), or bf16 with
+                K <= 64 and Kv <= 512
+masks           none; bottom-right causal (top-left causal where Mq == Mk); varlen ``BlockDiagonal``, non-causal
+                or bottom-right causal; decode on a contiguous (padded keys) or paged cache with per-sequence
+                lengths, uniform query lengths; local windows; softcap
+GQA / LSE       yes / natural log (B, Hq, Mq) (varlen: (Hq, total))
+==============  ============================================================================================
+
+The forward returns the LSE, so a call that needs gradients pairs it with a selected backward op (``fa3B``
+where the build has one). Not taken: dropout, dense tensor biases, gappy keys, per-token KV scales (the fp8-KV
+decoders take those), bf16 queries over an fp8 cache, keys-contiguous values.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import importlib.util
+from typing import ClassVar, Mapping
+
+import torch
+
+from .. import attn_bias as ab
+from ..dispatch import register
+from ..inputs import Inputs
+from ..problem import Problem
+from .base import AttentionBwOp, AttentionFwOp
+from .common import (OptionalPackage, decode_outputs, decode_views, decode_window, dequantized_qkv, import_failure,
+                     kv_head_descales, varlen_args, window_fields, window_size)
+from .cost import attention_time, backward_time
+
+_BF16, _FP16, _FP8 = (torch.bfloat16,) * 3, (torch.float16,) * 3, (torch.float8_e4m3fn,) * 3
+#: the head dims FA3 compiles kernels for; a call's K is rounded up to the next one the build has
+KERNEL_HEAD_DIMS = (64, 96, 128, 192, 256)
+#: Kv != K pairs FA3 has kernels for: K in (128, 192] with Kv in (96, 128], and (bf16) K <= 64 with Kv <= 512
+WIDE_K, WIDE_K_V = (128, 192), (96, 128)
+NARROW_K, NARROW_K_MAX_V = 64, 512
+_DENSE = frozenset({ab.NONE, ab.CAUSAL, ab.CAUSAL_BR})
+_VARLEN = frozenset({ab.BLOCK_DIAGONAL, ab.BLOCK_DIAGONAL_CAUSAL_BR})
+_PADDED = frozenset({ab.PADDED_KEYS, ab.PADDED_KEYS_CAUSAL})
+_PAGED = frozenset({ab.PAGED, ab.PAGED_CAUSAL})
+
+
+@dataclasses.dataclass(frozen=True)
+class FA3Build:
+    """The FlashAttention-3 build found in this environment (nothing imported but its pure-Python config).
+
+    ``module``: the interface module (None: none installed), ``package``: what installs it, ``flags``: the
+    config's ``build_flags`` (``FLASHATTENTION_DISABLE_<FEATURE>`` -> bool; empty: a build without a config,
+    taken as upstream's default, everything built).
+
+    Example
+    -------
+    >>> FA3Build("fa3_fwd_interface", "fa3-fwd", {"FLASHATTENTION_DISABLE_BACKWARD": True}).has("BACKWARD")
+    False
+    """
+
+    module: str | None
+    package: str
+    flags: Mapping[str, bool]
+
+    def has(self, feature: str) -> bool:
+        """Whether the build was compiled with ``feature`` (a ``FLASHATTENTION_DISABLE_<feature>`` flag unset)."""
+        return not self.flags.get(f"FLASHATTENTION_DISABLE_{feature}", False)
+
+    def missing(self, feature: str, what: str) -> list[str]:
+        """A reason naming ``what`` and the flag when the build lacks ``feature``, else none."""
+        if self.has(feature):
+            return []
+        return [f"{what} not supported by this FlashAttention-3 build ({self.package}: "
+                f"FLASHATTENTION_DISABLE_{feature})"]
+
+    @property
+    def max_head_dim(self) -> int:
+        dims = [d for d in KERNEL_HEAD_DIMS if self.has(f"HDIM{d}")]
+        return max(dims, default=0)
+
+
+#: (interface module, config module, what installs it), the first one found wins
+BUILDS = (("flash_attn_interface", "flash_attn_config", "FlashAttention-3 built from flash-attention's hopper/"),
+          ("fa3_fwd_interface", "fa3_fwd_config", "fa3-fwd"))
+
+
+def find_build() -> FA3Build:
+    """The installed FlashAttention-3 build (``BUILDS`` order), or ``FA3Build(None, ...)`` when none is."""
+    for module, config, package in BUILDS:
+        if importlib.util.find_spec(module) is None:
+            continue
+        flags: Mapping[str, bool] = {}
+        if importlib.util.find_spec(config) is not None:
+            flags = dict(importlib.import_module(config).CONFIG.get("build_flags", {}))
+        return FA3Build(module, package, flags)
+    return FA3Build(None, "fa3-fwd", {})
+
+
+BUILD = find_build()
+
+
+def fa3_package_reason() -> str | None:
+    """None when a FlashAttention-3 build is installed, else why not (no import, no GPU needed)."""
+    if BUILD.module is not None:
+        return None
+    return ("FlashAttention-3 is not installed (pip install 'fmha-ops[fa3]' for the fa3-fwd forward build, or build "
+            "flash-attention's hopper/ for flash_attn_interface)")
+
+
+@functools.lru_cache(maxsize=1)
+def interface():
+    """The imported FA3 interface module (loads its CUDA extension)."""
+    return importlib.import_module(BUILD.module)
+
+
+def fa3_import_reason() -> str | None:
+    return import_failure(BUILD.module)
+
+
+def head_dim_reasons(p: Problem) -> list[str]:
+    """FA3's head-dim rules beyond the declared ranges: the build's largest kernel, fp8's 16-byte rows, and the
+    Kv != K pairs it has kernels for."""
+    r = []
+    k, kv = p.head_dim, p.head_dim_v
+    if k > BUILD.max_head_dim:
+        r.append(f"head dim K={k} above this build's largest kernel ({BUILD.max_head_dim})")
+    if p.q_dtype == torch.float8_e4m3fn and (k % 16 or kv % 16):
+        r.append(f"fp8 head dims K={k}, Kv={kv} must be multiples of 16")
+    if kv != k:
+        wide = WIDE_K[0] < k <= WIDE_K[1] and WIDE_K_V[0] < kv <= WIDE_K_V[1]
+        narrow = k <= NARROW_K and kv <= NARROW_K_MAX_V and p.q_dtype == torch.bfloat16
+        if not (wide or narrow):
+            r.append(f"value head dim Kv={kv} with K={k} not supported; supported: K in {WIDE_K[0] + 1}..{WIDE_K[1]} "
+                     f"with Kv in {WIDE_K_V[0] + 1}..{WIDE_K_V[1]}, or bf16 K <= {NARROW_K} with Kv <= {NARROW_K_MAX_V}")
+        elif not BUILD.has("HDIMDIFF192" if wide else "HDIMDIFF64"):
+            r.append(f"Kv={kv} != K={k} not supported by this FlashAttention-3 build ({BUILD.package})")
+    return r
+
+
+def mask_reasons(p: Problem) -> list[str]:
+    """Masks FA3 cannot express beyond its declared kinds: top-left causal with Mq != Mk (FA3's causal is
+    bottom-right), and ragged query lengths over a KV cache."""
+    r = []
+    if p.bias == ab.CAUSAL and p.seqlen_q != p.seqlen_k:
+        r.append(f"top-left causal with Mq={p.seqlen_q} != Mk={p.seqlen_k} not supported "
+                 f"(FA3's causal mask is bottom-right aligned)")
+    if p.bias in _PADDED | _PAGED and not p.q_uniform:
+        r.append("query sequences of different lengths over a KV cache not supported (uniform lengths only)")
+    return r
+
+
+def build_reasons(p: Problem) -> list[str]:
+    """Features of the call the installed build was compiled without."""
+    r = []
+    if p.bias in _PAGED:
+        r += BUILD.missing("PAGEDKV", "a paged KV cache")
+    if p.bias in _VARLEN:
+        r += BUILD.missing("VARLEN", "variable-length sequences")
+    if p.windowed:
+        r += BUILD.missing("LOCAL", "local attention windows")
+    if p.softcap:
+        r += BUILD.missing("SOFTCAP", "softcap")
+    if p.q_dtype == torch.float16:
+        r += BUILD.missing("FP16", "float16")
+    if p.q_dtype == torch.float8_e4m3fn:
+        r += BUILD.missing("FP8", "fp8")
+    return r
+
+
+def _built(features: Mapping[str, frozenset], default: frozenset = frozenset()) -> frozenset:
+    """``default`` joined with the values of every feature the build has."""
+    out = default
+    for feature, values in features.items():
+        if BUILD.has(feature):
+            out = out | values
+    return out
+
+
+class _FA3Op(OptionalPackage):
+    """Declarations shared by the forward and backward ops (read off ``BUILD``)."""
+
+    ARCHS = ("cuda>=9.0,<10.0",)
+    DTYPES = _built({"FP16": frozenset({_FP16}), "FP8": frozenset({_FP8})}, frozenset({_BF16}))
+    HEAD_DIMS = range(8, 257, 8)
+    HEAD_DIMS_V = range(8, NARROW_K_MAX_V + 1, 8)
+    GQA = True
+    PARTIAL = True
+    SOFTCAP = BUILD.has("SOFTCAP")
+    WINDOW = BUILD.has("LOCAL")
+    DESCALES = {r: frozenset({"none", "tensor", "head"}) for r in "qkv"}
+    CUDA_GRAPH = True
+    #: FA3 loads q / k / v through TMA descriptors (16-byte aligned starts and strides)
+    ALIGNMENT = "TMA descriptors (FlashAttention-3)"
+    package_reason = staticmethod(fa3_package_reason)
+    import_reason = staticmethod(fa3_import_reason)
+
+
+@register
+class FA3FwOp(_FA3Op, AttentionFwOp):
+    """FlashAttention-3 forward: bf16 (fp16) and fp8 with (B, Hkv) descales, dense, varlen and KV-cache decode."""
+
+    NAME = "fa3F"
+    OUT_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})  # FA3 writes bf16 for fp8; cast
+    BIAS_KINDS = _DENSE | _PADDED | _built({"VARLEN": _VARLEN, "PAGEDKV": _PAGED})
+    PAGE_SIZES = range(1, 1 << 24) if BUILD.has("PAGEDKV") else ()
+    #: achieved (TFLOP/s, TB/s, device overhead us) on the H200 for the cost model, per input dtype family
+    #: (HARDWARE.md, D128 at 4096+ tokens: bf16 658-697, fp8 845-933 TFLOP/s)
+    RATES: ClassVar[dict[str, tuple[float, float, float]]] = {"bf16": (670.0, 3.5, 6.0), "fp8": (880.0, 3.5, 6.0)}
+    #: the interface's custom op and the C++ argument checks, per call
+    HOST_US = 35.0
+
+    @classmethod
+    def extra_reasons(cls, p: Problem) -> list[str]:
+        return head_dim_reasons(p) + mask_reasons(p) + build_reasons(p)
+
+    @classmethod
+    def apply(cls, inp: Inputs, needs_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        kind = inp.bias_kind
+        if kind in _PADDED | _PAGED:
+            return _decode(inp, needs_lse)
+        causal, (left, right) = window_size(kind, *window_fields(inp))
+        kwargs = dict(softmax_scale=inp.softmax_scale, causal=causal, window_size_left=-1 if left is None else left,
+                      window_size_right=-1 if right is None else right, softcap=inp.softcap,
+                      **kv_head_descales(inp))
+        fa3 = interface()
+        if kind in _VARLEN:
+            out, lse = fa3._flash_attn_forward(inp.query[0], inp.key[0], inp.value[0], **varlen_args(inp),
+                                               **kwargs)[:2]
+            out, lse = out[None], lse[None]
+        else:
+            out, lse = fa3._flash_attn_forward(inp.query, inp.key, inp.value, **kwargs)[:2]
+        if out.dtype != inp.out_dtype:
+            out = out.to(inp.out_dtype)
+        return out, (lse if needs_lse else None)
+
+    @classmethod
+    def estimate(cls, p: Problem) -> float:
+        return attention_time(p, *cls.RATES["fp8" if p.q_dtype == torch.float8_e4m3fn else "bf16"])
+
+
+def _decode(inp: Inputs, needs_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A decode-mask call through FA3's KV-cache path: per-sequence lengths (``seqused_k``), the page table."""
+    q, k_cache, v_cache, seqlens, block_table, _, _ = decode_views(inp)
+    left = decode_window(inp)
+    out, lse = interface()._flash_attn_forward(
+        q, k_cache, v_cache, seqused_k=seqlens, page_table=block_table, softmax_scale=inp.softmax_scale,
+        causal=inp.bias_kind in ab.CAUSAL_KINDS, window_size_left=left, softcap=inp.softcap, num_splits=0,
+        **kv_head_descales(inp))[:2]
+    if out.dtype != inp.out_dtype:
+        out = out.to(inp.out_dtype)
+    return decode_outputs(inp, q, out, lse, needs_lse)
+
+
+@register
+class FA3BwOp(_FA3Op, AttentionBwOp):
+    """FlashAttention-3 backward (builds with a backward: upstream's ``flash_attn_interface``) on bf16/fp16 values,
+    given any forward's output and natural-log LSE; fp8 forward inputs are differentiated at their dequantized
+    values (cast to bf16) under ``set_fp8_dequantized_backward(True)``."""
+
+    NAME = "fa3B"
+    OUT_DTYPES = FA3FwOp.OUT_DTYPES
+    HEAD_DIMS_V = None  # the backward is declared for Kv == K only
+    BIAS_KINDS = _DENSE | _built({"VARLEN": _VARLEN})
+    #: achieved TFLOP/s of the backward's work by head dim (FA3's paper on the H100: ~450-550 bf16)
+    RATES: ClassVar[dict[int, float]] = {64: 450.0, 128: 520.0, 256: 400.0}
+    TBPS, OVERHEAD_US = 2.5, 30.0
+    HOST_US = 45.0
+
+    @classmethod
+    def available(cls) -> str | None:
+        if BUILD.module is not None and not BUILD.has("BACKWARD"):
+            return f"this FlashAttention-3 build ({BUILD.package}) has no backward (FLASHATTENTION_DISABLE_BACKWARD)"
+        return super().available()
+
+    @classmethod
+    def extra_reasons(cls, p: Problem) -> list[str]:
+        return [r for r in head_dim_reasons(p) if not r.startswith("fp8")] + mask_reasons(p) + build_reasons(p)
+
+    @classmethod
+    def apply_bw(cls, inp: Inputs, out: torch.Tensor, lse: torch.Tensor,
+                 grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = inp.query, inp.key, inp.value
+        if q.dtype not in (torch.bfloat16, torch.float16):
+            q, k, v = (t.to(torch.bfloat16) for t in dequantized_qkv(inp))
+        out, grad_out = out.to(q.dtype), grad_out.to(q.dtype)
+        causal, (left, right) = window_size(inp.bias_kind, *window_fields(inp))
+        varlen = inp.bias_kind in _VARLEN
+        if varlen:
+            q, k, v, out, grad_out, lse = q[0], k[0], v[0], out[0], grad_out[0], lse[0]
+            seq = varlen_args(inp)
+            lens = (seq["cu_seqlens_q"], seq["cu_seqlens_k"], None, None, seq["max_seqlen_q"], seq["max_seqlen_k"])
+        else:
+            lens = (None,) * 6
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        interface()._flash_attn_backward(grad_out, q, k, v, out, lse, *lens, dq, dk, dv, inp.softmax_scale, causal,
+                                         -1 if left is None else left, -1 if right is None else right, inp.softcap,
+                                         torch.are_deterministic_algorithms_enabled())
+        if varlen:
+            return dq[None], dk[None], dv[None]
+        return dq, dk, dv
+
+    @classmethod
+    def estimate(cls, p: Problem) -> float:
+        return backward_time(p, cls.RATES, cls.TBPS, cls.OVERHEAD_US)
