@@ -23,6 +23,9 @@ from .problem import Problem
 from .quantized import fp8_attention, i8fp8_attention
 from registry import NoSupportedOpError
 
+#: ``with fmha_ops.autotune():`` (or ``FMHA_OPS_AUTOTUNE=1``): the first call of each new problem times the ops that
+#: could run it on the call's own tensors and runs the fastest; measurements persist in ``FMHA_OPS_CACHE_DIR``
+autotune = SELECTOR.autotune
 ALL_FW_OPS = REGISTRY.ops("fw")
 ALL_BW_OPS = REGISTRY.ops("bw")
 
@@ -35,7 +38,7 @@ __all__ = [
     "BlockDiagonalPaddedKeysMask", "BlockDiagonalCausalWithOffsetPaddedKeysMask", "PagedBlockDiagonalPaddedKeysMask",
     "PagedBlockDiagonalCausalWithOffsetPaddedKeysMask", "flash_attn_func", "flash_attn_varlen_func",
     "flash_attn_with_kvcache", "set_fp8_dequantized_backward", "check_inputs", "fp8_attention", "i8fp8_attention",
-    "plan_kvcache", "PagedDecodePlan",
+    "plan_kvcache", "PagedDecodePlan", "autotune",
 ]
 
 

@@ -29,6 +29,7 @@ from . import checks, compiled, fp8_backward
 from .dispatch import SELECTOR
 from .dtypes import FLOAT_DTYPES
 from .inputs import BMHK, Inputs, checks_values
+from .measure import forward_measure
 from .problem import Problem
 
 OpArg = Any  # an op class, name/alias, or (FwOp, BwOp) tuple
@@ -131,7 +132,8 @@ def run_forward(inp: Inputs, op: OpArg, needs_lse: bool,
     if _is_compiling():
         return compiled.run_forward(inp, op, needs_lse)
     sig = inp.signature()
-    fw = SELECTOR.select(sig, lambda: make_problem(inp, needs_lse), "fw", op)
+    fw = SELECTOR.select(sig, lambda: make_problem(inp, needs_lse), "fw", op,
+                         None if sig.needs_grad else forward_measure(inp, needs_lse))
     bw = None
     if sig.needs_grad and not (fw.AUTOGRAD and inp.query.dtype in FLOAT_DTYPES):
         bw = SELECTOR.select(sig, lambda: make_problem(inp, needs_lse), "bw", op)

@@ -28,6 +28,7 @@ from . import flash_attn_interface as fa
 from .call import make_problem
 from .dispatch import SELECTOR
 from .inputs import make_inputs
+from .measure import forward_measure
 
 __all__ = ["PagedDecodePlan", "plan_kvcache"]
 
@@ -143,7 +144,8 @@ def plan_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     inp = make_inputs(call.query, call.key, call.value, call.bias, scale=softmax_scale, k_descale=call.k_descale,
                       v_descale=call.v_descale, softcap=softcap, is_partial=return_softmax_lse)
     sig = inp.signature()
-    op = SELECTOR.select(sig, lambda: make_problem(inp, return_softmax_lse), "fw", None)
+    op = SELECTOR.select(sig, lambda: make_problem(inp, return_softmax_lse), "fw", None,
+                         forward_measure(inp, return_softmax_lse))
     batch, mq, hq, _ = q.shape
     out = torch.empty(q.shape[:3] + (v_cache.shape[3],), dtype=inp.out_dtype, device=q.device)
     lse = torch.empty((batch, hq, mq), dtype=torch.float32, device=q.device)

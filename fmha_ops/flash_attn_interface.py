@@ -28,6 +28,7 @@ from .call import find_plan, make_problem, run_forward
 from .dispatch import SELECTOR
 from .dtypes import FLOAT_DTYPES
 from .inputs import make_inputs
+from .measure import forward_measure
 from .fp8_backward import set_fp8_dequantized_backward
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # the append kernel runs on CPU tensors
@@ -370,7 +371,7 @@ def _fast_launcher(fast, q, k_cache, v_cache, cache_seqlens, page_table, k_desca
         built.append((call, inp))
         return make_problem(inp, return_lse)
 
-    op = SELECTOR.select(fast, problem, "fw", None)
+    op = SELECTOR.select(fast, problem, "fw", None, lambda o: forward_measure(built[0][1], return_lse)(o))
     try:
         return _FAST[op, fast]
     except KeyError:

@@ -159,3 +159,38 @@ def _cycles_per_second(torch) -> float:
         torch.cuda.synchronize()
         _CYCLES_PER_S.append(cycles / (start.elapsed_time(end) * 1e-3))
     return _CYCLES_PER_S[0]
+
+
+#: autotune's timing of one op on a caller's inputs: untimed calls first (JIT compilation, graph and workspace
+#: caches), then rounds of back-to-back calls; the median round counts. 2 + 5 x 3 calls: ~17 ms for a 1 ms call
+WARM_CALLS, TUNE_ROUNDS, TUNE_CALLS = 2, 5, 3
+
+
+def call_seconds(fn: Callable[[], object], device: str) -> float:
+    """Seconds per call of ``fn`` called back to back, as a caller's loop sees it: the larger of the host's time to
+    issue a call and the device's time to run it. Each of ``TUNE_ROUNDS`` rounds starts on an idle device and is
+    timed from the first call's issue to the last call's completion (CUDA events; on a CPU the wall clock), over
+    ``TUNE_CALLS`` calls; the median round counts. ``fn`` is called ``WARM_CALLS`` times first.
+
+    Example
+    -------
+    >>> call_seconds(lambda: memory_efficient_attention(q, k, v, op="fa3F"), "cuda")  # doctest: +SKIP
+    0.000412
+    """
+    for _ in range(WARM_CALLS):
+        fn()
+    if device != "cuda":
+        return statistics.median(_wall(fn, TUNE_CALLS) for _ in range(TUNE_ROUNDS))
+    import torch
+
+    rounds = []
+    for _ in range(TUNE_ROUNDS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(TUNE_CALLS):
+            fn()
+        end.record()
+        end.synchronize()
+        rounds.append(start.elapsed_time(end) * 1e-3 / TUNE_CALLS)
+    return statistics.median(rounds)

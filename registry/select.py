@@ -15,6 +15,14 @@ PRIORITY, then NAME, so the choice is deterministic and a host-bound ranking doe
 ``select`` is memoized on the caller's hashable signature plus the active overrides, so a repeated call is one
 dict lookup.
 
+Autotune (``with selector.autotune():`` or ``FMHA_OPS_AUTOTUNE=1``, the convention of
+``torch.backends.cudnn.benchmark``): on a memo miss, when the caller passes ``measure`` (``op -> seconds`` on the
+call's own inputs) and nothing forces an op, every op that supports the problem and has no measurement for it yet is
+timed, the seconds are kept per (device, problem) in ``measured`` (in memory and in ``FMHA_OPS_CACHE_DIR``, see
+``registry.measured``), and measured ops rank by those seconds (source "measured here") ahead of any model.
+Callers skip ``measure`` where a measurement cannot run (a CUDA-graph capture, a torch.compile trace): the table
+decides there.
+
 Overrides, strongest first:
 - ``op=`` argument: an op class, a name or alias, or an xformers-style ``(FwOp, BwOp)`` tuple (other
   libraries' op values too, through the translation given to ``set_foreign_ops``);
@@ -35,6 +43,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterable, Iterator
 
+from .measured import MeasuredTimes
 from .op import Op
 from .registry import Registry
 from .tuning import TuningTables
@@ -49,6 +58,10 @@ MEMO_LIMIT = 1 << 16  # memoized signatures before the memo is cleared
 #: target), and the tie goes to the op that is also faster wherever the host runs ahead (other layers' kernels
 #: in the queue, CUDA graphs), instead of to whichever host time came out lower this run.
 TIE_MARGIN = 0.05
+#: autotune times the ops estimated within this factor of the fastest estimate (and those without one): the worst
+#: miss of the estimates off the H200's tuning grid was 1.5x, so an op predicted 3x slower is not a contender, and
+#: timing it (a float32 reference at 16K tokens, say) could cost seconds and memory the call does not have
+AUTOTUNE_SPAN = 3.0
 
 
 class NoSupportedOpError(ValueError):
@@ -115,18 +128,26 @@ class Selector:
         self._measured = self.derived_memo()
         #: (device, op NAME, bucket) -> the op's host rows of that bucket's kind (``host_points``)
         self._host_points = self.derived_memo()
-        #: (allowed op NAMEs or None for all, excluded names) set by use_ops for the current context
-        self._scope: contextvars.ContextVar[tuple[frozenset | None, frozenset]] = contextvars.ContextVar(
-            f"{env_prefix}_scope", default=(None, frozenset()))
-        #: the ``use_ops`` restriction of the current context, hashable: part of any key a caller memoizes a
-        #: selection under
+        #: (allowed op NAMEs or None for all, excluded names, autotune on / off / None: as the environment says) set
+        #: by use_ops / autotune for the current context
+        self._scope: contextvars.ContextVar[tuple[frozenset | None, frozenset, bool | None]] = contextvars.ContextVar(
+            f"{env_prefix}_scope", default=(None, frozenset(), None))
+        #: the ``use_ops`` restriction and autotune switch of the current context, hashable: part of any key a caller
+        #: memoizes a selection under
         self.current_scope = self._scope.get
+        #: seconds measured per op at callers' exact problems (autotune); its folder is set by ``refresh_env``
+        self.measured = MeasuredTimes(None)
         self.refresh_env()
 
     # ---- overrides -------------------------------------------------------------------
     def refresh_env(self) -> None:
-        """Re-read FORCE / DISABLE / LOG from the environment and drop the memo."""
+        """Re-read FORCE / DISABLE / LOG / AUTOTUNE / CACHE_DIR from the environment and drop the memo."""
         p = self._env_prefix
+        self._env_autotune = os.environ.get(f"{p}_AUTOTUNE", "") not in ("", "0")
+        folder = os.environ.get(f"{p}_CACHE_DIR") or os.path.join(
+            os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), p.lower())
+        if folder != self.measured.folder:
+            self.measured = MeasuredTimes(folder)
         self._env_force = tuple(n.strip() for n in os.environ.get(f"{p}_FORCE", "").split(",") if n.strip())
         self._env_disable = frozenset(n.strip() for n in os.environ.get(f"{p}_DISABLE", "").split(",") if n.strip())
         self._log = os.environ.get(f"{p}_LOG", "") not in ("", "0")
@@ -177,15 +198,38 @@ class Selector:
     def use_ops(self, *ops: type[Op] | str, exclude: Iterable[type[Op] | str] = ()) -> Iterator[None]:
         """Restrict selection to ``ops`` (any kind; one op per kind forces it) and/or exclude some.
         Nested blocks narrow the enclosing one: allowed sets intersect, exclusions add up."""
-        outer_include, outer_exclude = self._scope.get()
+        outer_include, outer_exclude, tuning = self._scope.get()
         include = frozenset(self._name(o) for o in ops) or None
         if outer_include is not None:
             include = outer_include if include is None else include & outer_include
-        token = self._scope.set((include, outer_exclude | frozenset(self._name(o) for o in exclude)))
+        token = self._scope.set((include, outer_exclude | frozenset(self._name(o) for o in exclude), tuning))
         try:
             yield
         finally:
             self._scope.reset(token)
+
+    @contextlib.contextmanager
+    def autotune(self, enabled: bool = True) -> Iterator[None]:
+        """Within the block (context-local), measure the ops of each new call problem and pick the fastest measured
+        one (see the module docstring); ``enabled=False`` turns it off inside an enclosing block or under
+        ``FMHA_OPS_AUTOTUNE=1``.
+
+        Example
+        -------
+        >>> with SELECTOR.autotune():  # doctest: +SKIP
+        ...     out = memory_efficient_attention(q, k, v)  # first call of this problem: every op timed once
+        """
+        include, exclude, _ = self._scope.get()
+        token = self._scope.set((include, exclude, enabled))
+        try:
+            yield
+        finally:
+            self._scope.reset(token)
+
+    def autotuning(self) -> bool:
+        """Whether autotune is on in the current context (its ``autotune`` block, else ``FMHA_OPS_AUTOTUNE``)."""
+        tuning = self._scope.get()[2]
+        return self._env_autotune if tuning is None else tuning
 
     def _name(self, op: type[Op] | str) -> str:
         return (self.registry.get(op) if isinstance(op, str) else op).NAME
@@ -214,6 +258,10 @@ class Selector:
         >>> SELECTOR.estimate(get_op("fa4F"), problem)  # doctest: +SKIP
         (0.000372, 'model x 1.17 from 2 measured buckets', 0.000372)
         """
+        if self.autotuning():
+            here = self.measured.times(problem.arch.name, f"{op.KIND} {problem}").get(op.NAME)
+            if here is not None:
+                return here, "measured here", here
         estimate, source = self._measured_estimate(op, problem)
         if estimate is None:
             estimate, source = op.estimate(problem), "model"
@@ -282,7 +330,7 @@ class Selector:
 
     def _candidates(self, kind: str) -> tuple[list[type[Op]], str]:
         """Ops of ``kind`` allowed by the context and the environment, and a note on the restriction."""
-        include, exclude = self._scope.get()
+        include, exclude, _ = self._scope.get()
         ops = self.registry.ops(kind)
         note = []
         forced_env = [self.registry.get(n) for n in self._env_force]
@@ -354,9 +402,27 @@ class Selector:
             out.append(v)
         return out
 
+    def _measure(self, problem: Any, kind: str, measure: Callable[[type[Op]], float | None]) -> None:
+        """Time, with ``measure``, each contender for ``problem`` (an op that supports it, estimated within
+        ``AUTOTUNE_SPAN`` of the fastest estimate) that has no measurement for it yet, and keep the seconds in
+        ``measured``; nothing when the context leaves fewer than two ops to choose from."""
+        verdicts = [v for v in (self.verdict(o, problem) for o in self._candidates(kind)[0]) if v.ok]
+        if len(verdicts) < 2:
+            return
+        fastest = min((v.estimate for v in verdicts if v.estimate is not None), default=None)
+        ops = [v.op for v in verdicts if v.estimate is None or fastest is None or v.estimate <= AUTOTUNE_SPAN * fastest]
+        name = f"{kind} {problem}"
+        have = self.measured.times(problem.arch.name, name)
+        times = {o.NAME: t for o in ops if o.NAME not in have
+                 and (t := measure(o)) is not None and math.isfinite(t) and t > 0}
+        if times:
+            self.measured.record(problem.arch.name, name, times)
+
     # ---- the hot path ----------------------------------------------------------------------
-    def select(self, key: Hashable, make_problem: Callable[[], Any], kind: str = "fw", op: OpLike = None) -> type[Op]:
-        """The op for a call whose signature is ``key``; ``make_problem()`` runs only on a memo miss."""
+    def select(self, key: Hashable, make_problem: Callable[[], Any], kind: str = "fw", op: OpLike = None,
+               measure: Callable[[type[Op]], float | None] | None = None) -> type[Op]:
+        """The op for a call whose signature is ``key``; ``make_problem()`` runs only on a memo miss. ``measure(op)``:
+        seconds per call of ``op`` on the call's own inputs (None: it could not run), used under autotune."""
         memo_key = (kind, op, self._scope.get(), key)
         try:
             return self._memo[memo_key]
@@ -367,6 +433,8 @@ class Selector:
             self.resolve(op, kind)
             raise
         problem = make_problem()
+        if measure is not None and op is None and self.autotuning():
+            self._measure(problem, kind, measure)
         report = self.explain(problem, kind, op)
         if report.selected is None:
             raise _no_op_error(report, op is not None)

@@ -1,0 +1,146 @@
+"""Autotune on the CPU's own ops: it times the contenders at the call's exact problem, picks the measured fastest,
+persists and reloads the seconds, ignores a corrupt or foreign file, never overrides a forced op and never times
+under a torch.compile trace."""
+import json
+import os
+
+import pytest
+import torch
+
+import fmha_ops
+from fmha_ops import measure
+from fmha_ops.dispatch import SELECTOR
+from registry import select
+from registry.measured import MeasuredTimes
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty autotune folder, every op on the CPU a contender (the span would leave only sdpa_flashF)."""
+    monkeypatch.setenv("FMHA_OPS_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("FMHA_OPS_AUTOTUNE", raising=False)
+    monkeypatch.setattr(select, "AUTOTUNE_SPAN", 1e9)
+    SELECTOR.refresh_env()
+    yield tmp_path
+    monkeypatch.undo()
+    SELECTOR.refresh_env()
+
+
+@pytest.fixture
+def timed(monkeypatch):
+    """The ops timed through the public calls, in order (each still runs once, then reports 1 ms)."""
+    names = []
+
+    def fake(fn, device):
+        fn()
+        names.append(device)
+        return 1e-3
+    monkeypatch.setattr(measure, "call_seconds", fake)
+    return names
+
+
+def qkv(seed=0, m=33):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, m, 4, 16, generator=g) for _ in range(3)]
+
+
+def problem_of(q, k, v, bias=None):
+    inp = fmha_ops.make_inputs(q, k, v, bias)
+    inp.validate()
+    return inp.problem(False)
+
+
+def test_picks_the_measured_fastest_and_explain_says_measured_here(cache):
+    p = problem_of(*qkv())
+    times = {"sdpa_mathF": 1e-6, "sdpa_flashF": 1e-3, "torch_referenceF": 5e-3}
+    assert SELECTOR.select(("at-1",), lambda: p, "fw").NAME == "sdpa_flashF"  # the model's choice
+    with fmha_ops.autotune():
+        asked = []
+        chosen = SELECTOR.select(("at-1",), lambda: p, "fw", None, lambda op: asked.append(op.NAME) or times[op.NAME])
+        report = SELECTOR.explain(p, "fw")
+    assert chosen.NAME == "sdpa_mathF" and sorted(asked) == sorted(times)
+    assert report.selected.NAME == "sdpa_mathF"
+    assert all(v.source == "measured here" for v in report.verdicts if v.ok), str(report)
+    assert SELECTOR.select(("at-1",), lambda: p, "fw").NAME == "sdpa_flashF", "outside the block the model decides"
+
+
+def test_measurements_persist_and_reload_without_timing_again(cache):
+    p = problem_of(*qkv(1))
+    times = {"sdpa_mathF": 2e-6, "sdpa_flashF": 3e-6, "torch_referenceF": 1e-3}
+    with fmha_ops.autotune():
+        SELECTOR.select(("at-2",), lambda: p, "fw", None, lambda op: times[op.NAME])
+    files = os.listdir(cache)
+    assert files == [f"autotune-{p.arch.name}.json"], files  # one file per device, no temporary left behind
+    data = json.loads((cache / files[0]).read_text())
+    assert data["device"] == p.arch.name and data["problems"][f"fw {p}"]["sdpa_mathF"] == 2e-6
+    SELECTOR.measured.clear()
+    SELECTOR.clear()
+
+    def never(op):
+        raise AssertionError(f"{op.NAME} timed again")
+    with fmha_ops.autotune():
+        assert SELECTOR.select(("at-2",), lambda: p, "fw", None, never).NAME == "sdpa_mathF"
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"format": 1, "device": "another GPU", "problems": {}}),
+                                     json.dumps({"format": 1, "device": "cpu", "problems": {"x": {"a": -1}}}),
+                                     json.dumps([1, 2])])
+def test_a_corrupt_or_foreign_file_is_ignored_with_a_warning(tmp_path, content):
+    store = MeasuredTimes(str(tmp_path))
+    with open(store.path("cpu"), "w") as f:
+        f.write(content)
+    with pytest.warns(UserWarning, match="fmha_ops autotune: ignoring"):
+        assert store.times("cpu", "fw anything") == {}
+    store.record("cpu", "fw p", {"sdpa_mathF": 1e-3})
+    assert MeasuredTimes(str(tmp_path)).times("cpu", "fw p") == {"sdpa_mathF": 1e-3}, "the bad file is replaced"
+
+
+def test_the_public_call_times_each_new_problem_once(cache, timed):
+    q, k, v = qkv(2)
+    with fmha_ops.autotune():
+        out = fmha_ops.memory_efficient_attention(q, k, v, fmha_ops.LowerTriangularMask())
+        first = len(timed)
+        fmha_ops.memory_efficient_attention(q, k, v, fmha_ops.LowerTriangularMask())
+        fmha_ops.memory_efficient_attention_forward(q, k, v, fmha_ops.LowerTriangularMask())
+    assert first == 3 and len(timed) == 3, timed
+    ref = fmha_ops.memory_efficient_attention(q, k, v, fmha_ops.LowerTriangularMask(), op="torch_referenceF")
+    assert torch.allclose(out, ref, atol=1e-5)
+    assert "measured here" not in str(fmha_ops.explain(q, k, v, fmha_ops.LowerTriangularMask()))
+    with fmha_ops.autotune():
+        assert "measured here" in str(fmha_ops.explain(q, k, v, fmha_ops.LowerTriangularMask()))
+
+
+def test_forced_ops_are_never_timed_or_overridden(cache, timed):
+    q, k, v = qkv(3)
+    with fmha_ops.autotune():
+        fmha_ops.memory_efficient_attention(q, k, v, op="sdpa_mathF")
+        with fmha_ops.use_ops("torch_referenceF"):
+            fmha_ops.memory_efficient_attention(q, k, v)
+    assert timed == []
+
+
+def test_the_environment_switch_and_a_block_that_turns_it_off(cache, timed, monkeypatch):
+    q, k, v = qkv(4)
+    monkeypatch.setenv("FMHA_OPS_AUTOTUNE", "1")
+    SELECTOR.refresh_env()
+    with fmha_ops.autotune(False):
+        fmha_ops.memory_efficient_attention(q, k, v)
+    assert timed == []
+    fmha_ops.memory_efficient_attention(q, k, v)
+    assert len(timed) == 3
+
+
+def test_nothing_is_timed_under_a_torch_compile_trace(cache, timed):
+    q, k, v = qkv(5)
+    fn = torch.compile(lambda q, k, v: fmha_ops.memory_efficient_attention(q, k, v), backend="eager", fullgraph=True)
+    with fmha_ops.autotune():
+        out = fn(q, k, v)
+    assert timed == []
+    assert torch.allclose(out, fmha_ops.memory_efficient_attention(q, k, v, op="torch_referenceF"), atol=1e-5)
+
+
+def test_calls_that_need_gradients_keep_the_estimates(cache, timed):
+    q, k, v = (t.requires_grad_() for t in qkv(6))
+    with fmha_ops.autotune():
+        fmha_ops.memory_efficient_attention(q, k, v).sum().backward()
+    assert timed == [] and q.grad is not None

@@ -1,0 +1,165 @@
+"""GPU checks of the FlashAttention-3 ops against the float32 reference (H200: pytest -m gpu).
+
+Each test skips, with the op's own reason, where no FlashAttention-3 build is installed (``fmha-ops[fa3]``)."""
+import pytest
+import torch
+
+import fmha_ops
+from fmha_ops import attn_bias as ab
+from fmha_ops.ops.fa3 import BUILD, FA3BwOp, FA3FwOp
+from fmha_ops.quant import quantize_qkv_fp8
+from fmha_ops.testing import error_report, transformer_like
+from tests.test_gpu_ext_ops import needs, per_tensor, ref
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+def qkv(b, mq, mk, hq, hkv, d, dv=None, seed=0, dtype=torch.bfloat16):
+    q, k, v = transformer_like((b, mq, hq, d), (b, mk, hkv, d), device=DEV, seed=seed)
+    if dv is not None:
+        v = torch.randn(b, mk, hkv, dv, device=DEV, generator=torch.Generator(DEV).manual_seed(seed))
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+@needs(FA3FwOp)
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("mq,mk,hkv,bias", [
+    (1000, 1000, 8, None), (333, 333, 2, ab.LowerTriangularMask()),
+    (17, 1000, 1, ab.LowerTriangularFromBottomRightMask()), (1, 1000, 8, ab.LowerTriangularFromBottomRightMask()),
+    (1000, 17, 2, None), (3000, 3000, 1, ab.LowerTriangularMask())])
+def test_fa3_bf16_forward_matches_reference(d, mq, mk, hkv, bias):
+    q, k, v = qkv(2, mq, mk, 8, hkv, d, seed=d + mq)
+    out = fmha_ops.memory_efficient_attention(q, k, v, bias, op="fa3F")
+    assert out.dtype == torch.bfloat16 and out.shape == (2, mq, 8, d)
+    rep = error_report(out, ref(q, k, v, bias))
+    assert rep["cos"] > 0.9999 and rep["rel"] < 1e-2, rep
+
+
+@needs(FA3FwOp)
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("mq,mk,hkv,bias", [
+    (1000, 1000, 4, None), (1000, 1000, 16, ab.LowerTriangularFromBottomRightMask()),
+    (17, 1000, 4, ab.LowerTriangularFromBottomRightMask()), (1, 333, 1, None), (3000, 3000, 2, ab.LowerTriangularMask())])
+@pytest.mark.parametrize("granularity", ["head", "tensor"])
+def test_fa3_fp8_forward_matches_reference_on_the_same_quantized_inputs(d, mq, mk, hkv, bias, granularity):
+    q, k, v = qkv(2, mq, mk, 16, hkv, d, seed=d + mq)
+    if granularity == "head":
+        q8, k8, v8, qd, kd, vd = quantize_qkv_fp8(q, k, v)
+        kw = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    else:
+        (q8, k8, v8), kw = per_tensor(q, k, v)
+    out = fmha_ops.memory_efficient_attention(q8, k8, v8, bias, op="fa3F", **kw)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, mq, 16, d)
+    rep = error_report(out, ref(q8, k8, v8, bias, **kw))
+    assert rep["cos"] > 0.999 and rep["rel"] < 5e-2, rep
+
+
+@needs(FA3FwOp)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_fa3_value_head_dim_of_its_own(dtype):
+    q, k, v = qkv(2, 777, 777, 16, 4, 192, dv=128, seed=5)
+    kw = {}
+    if dtype != torch.bfloat16:
+        q, k, v, qd, kd, vd = quantize_qkv_fp8(q, k, v)
+        kw = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    bias = ab.LowerTriangularFromBottomRightMask()
+    out = fmha_ops.memory_efficient_attention(q, k, v, bias, op="fa3F", **kw)
+    assert out.shape == (2, 777, 16, 128)
+    rep = error_report(out, ref(q, k, v, bias, **kw))
+    assert rep["cos"] > 0.999, rep
+
+
+@needs(FA3FwOp)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_fa3_varlen_and_lse(causal, dtype):
+    mask = ab.BlockDiagonalMask.from_seqlens([17, 1000, 1, 333], [40, 1000, 7, 333], device=DEV)
+    if causal:
+        mask = mask.make_causal_from_bottomright()
+    q, k, v = qkv(1, 1351, 1380, 8, 2, 128, seed=3)
+    kw = {}
+    if dtype != torch.bfloat16:
+        (q, k, v), kw = per_tensor(q, k, v)
+    out, lse = fmha_ops.memory_efficient_attention_partial(q, k, v, mask, op="fa3F", **kw)
+    r_out, r_lse = fmha_ops.memory_efficient_attention_partial(q, k, v, mask, op="torch_referenceF", **kw)
+    rep = error_report(out, r_out)
+    assert rep["cos"] > (0.9999 if dtype == torch.bfloat16 else 0.999), rep
+    assert lse.shape == r_lse.shape and torch.allclose(lse, r_lse, atol=5e-2, rtol=1e-2)
+
+
+@needs(FA3FwOp)
+def test_fa3_flash_attn_func_fp8_with_kv_head_descales_and_softcap():
+    q, k, v = qkv(2, 1000, 1000, 16, 4, 128, seed=9)
+    q8, k8, v8, qd, kd, vd = quantize_qkv_fp8(q, k, v)
+    kw = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    with fmha_ops.use_ops("fa3F"):
+        out = fmha_ops.flash_attn_func(q8, k8, v8, causal=True, softcap=30.0, **kw)
+    with fmha_ops.use_ops("torch_referenceF"):
+        want = fmha_ops.flash_attn_func(q8, k8, v8, causal=True, softcap=30.0, **kw)
+    rep = error_report(out, want)
+    assert rep["cos"] > 0.999, rep
+
+
+@needs(FA3FwOp)
+@pytest.mark.parametrize("seqlens,mq,hkv,d", [([1, 17, 1000, 4096], 1, 8, 128), ([5, 300], 4, 2, 64),
+                                              ([2049] * 3, 1, 1, 256)])
+def test_fa3_decode_on_a_contiguous_cache_with_append(seqlens, mq, hkv, d):
+    b, cap = len(seqlens), max(seqlens) + 64
+    g = torch.Generator(DEV).manual_seed(sum(seqlens))
+    k_cache = torch.randn(b, cap, hkv, d, device=DEV, generator=g, dtype=torch.bfloat16)
+    v_cache = torch.randn(b, cap, hkv, d, device=DEV, generator=g, dtype=torch.bfloat16)
+    q = torch.randn(b, mq, 4 * hkv, d, device=DEV, generator=g, dtype=torch.bfloat16)
+    k_new = torch.randn(b, mq, hkv, d, device=DEV, generator=g, dtype=torch.bfloat16)
+    v_new = torch.randn_like(k_new)
+    lens = torch.tensor(seqlens, dtype=torch.int32, device=DEV)
+    outs = {}
+    for op in ("fa3F", "torch_referenceF"):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        with fmha_ops.use_ops(op):
+            outs[op] = fmha_ops.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=lens, causal=True)
+    rep = error_report(outs["fa3F"], outs["torch_referenceF"])
+    assert rep["cos"] > 0.9999, rep
+
+
+@pytest.mark.skipif(not BUILD.has("PAGEDKV") or FA3FwOp.available() is not None,
+                    reason=f"FlashAttention-3 with a paged KV cache is not installed ({BUILD.package})")
+def test_fa3_decode_on_a_paged_cache():
+    b, hkv, d, page = 3, 2, 128, 64
+    lens = [100, 1, 700]
+    pages = torch.randperm(3 * 12, device=DEV).to(torch.int32).view(3, 12)
+    k_pool = torch.randn(36, page, hkv, d, device=DEV, dtype=torch.bfloat16)
+    v_pool = torch.randn_like(k_pool)
+    q = torch.randn(b, 1, 8, d, device=DEV, dtype=torch.bfloat16)
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    outs = {}
+    for op in ("fa3F", "torch_referenceF"):
+        with fmha_ops.use_ops(op):
+            outs[op] = fmha_ops.flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=seq, page_table=pages,
+                                                        causal=True)
+    assert error_report(outs["fa3F"], outs["torch_referenceF"])["cos"] > 0.9999
+
+
+@needs(FA3BwOp)
+@pytest.mark.parametrize("bias", [None, ab.LowerTriangularFromBottomRightMask()])
+def test_fa3_backward_matches_reference(bias):
+    q, k, v = (t.requires_grad_() for t in qkv(2, 1000, 1000, 8, 2, 128, seed=4))
+    out = fmha_ops.memory_efficient_attention(q, k, v, bias, op=("fa3F", "fa3B"))
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
+    expected = torch.autograd.grad(ref(qr, kr, vr, bias), (qr, kr, vr), g.float())
+    for name, got, want in zip("qkv", grads, expected):
+        assert error_report(got, want)["cos"] > 0.999, name
+
+
+@needs(FA3FwOp)
+def test_fa3_forward_captures_in_a_cuda_graph():
+    q, k, v = qkv(2, 512, 512, 8, 2, 128, seed=6)
+    fmha_ops.memory_efficient_attention(q, k, v, op="fa3F")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fmha_ops.memory_efficient_attention(q, k, v, op="fa3F")
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    assert error_report(out, ref(q, k, v))["cos"] > 0.9999
