@@ -2,6 +2,7 @@
 the fastest op for that call? regret = t(selected) / t(best) - 1.
 
 python bench/selector.py [--out DIR] [--quick] [--dtypes bfloat16,fp8_tensor] [--shapes 0,3] [--budget SECONDS]
+                         [--autotune] [--anchors]
 
 Forward calls (prefill of every dtype, decode) and, for the bf16 prefill calls, the backward op that a call needing
 gradients gets (every backward op timed on the same forward output and LSE). Each supporting op is timed through
@@ -16,10 +17,16 @@ its rows) and, at the end, selector.png (regret per call) and the record bench/r
 of call; not with --quick, --dtypes or --no-record). ``--dtypes``: only the prefill calls of these dtypes (no decode
 calls; default bfloat16, fp8, fp8_tensor and the decode calls); ``--shapes``: only these prefill shapes (indices
 into ``PREFILL_SHAPES``; no decode calls, no record). ``--compile-only --shard K/N`` in N parallel processes fills
-the JIT caches beforehand.
+the JIT caches beforehand. ``--autotune``: each forward call is first made once under ``fmha_ops.autotune()`` (its
+contenders timed at the call's shape, in a fresh cache folder), and the selected op is the one autotune picks for
+the calls after it (the record: bench/results/selector_autotune.md). ``--anchors``: the forward benchmark's anchor
+shapes (``ANCHOR_SHAPES``, on and near the tuning grid) instead, every prefill dtype, no backward or decode calls
+(the record: bench/results/selector_anchors.md): there regret is how far the public call falls short of the fastest
+op forced through it.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import statistics
@@ -57,6 +64,10 @@ DEFAULT_DTYPES = ("bfloat16", "fp8", "fp8_tensor")
 #: between the tuning grid's buckets (lengths 512 / 2048 / 8192, batch x KV heads 8..256) and outside them
 PREFILL_SHAPES = ((8, 768, 16, 16, 128, False), (1, 6000, 32, 4, 64, False), (3, 3000, 32, 8, 128, True),
                   (32, 256, 16, 16, 64, True), (6, 1500, 24, 8, 128, False))
+#: the shapes of the forward anchors in HARDWARE.md / BENCHMARKS.md (B, N, Hq, Hkv, D, causal)
+ANCHOR_SHAPES = ((4, 4096, 32, 32, 128, False), (4, 4096, 32, 32, 128, True), (2, 16384, 16, 16, 128, True),
+                 (1, 16384, 64, 8, 128, False), (4, 4096, 16, 16, 256, False), (3, 3000, 24, 8, 128, True),
+                 (1, 9001, 40, 8, 128, False), (8, 1000, 16, 16, 128, False))
 DECODE_CALLS = ((2, 100000, 64, 8, 64, "bf16"), (48, 6000, 32, 8, 0, "bf16"), (200, 700, 32, 8, 64, "fp8"),
                 (32, 3000, 32, 8, 0, "quantize"))
 #: the dtype whose prefill calls also measure the backward selection
@@ -64,10 +75,13 @@ BACKWARD_DTYPE = "bfloat16"
 
 
 def calls(device: str, quick: bool, dtypes: tuple[str, ...] | None = None,
-          shapes: tuple[int, ...] | None = None) -> list[tuple[str, object]]:
+          shapes: tuple[int, ...] | None = None, anchors: bool = False) -> list[tuple[str, object]]:
     """``(kind, make)`` pairs, kind "fw" or "bw", ``make()`` building the ``Call``: the prefill shapes of every
     dtype shape by shape (bf16 ones also as "bw"), then (unless ``dtypes`` or ``shapes``, indices into
-    ``PREFILL_SHAPES``, is given) the decode calls."""
+    ``PREFILL_SHAPES``, is given) the decode calls; ``anchors``: the forward calls of ``ANCHOR_SHAPES`` only."""
+    if anchors:
+        return [("fw", lambda a=(*shape, dtype): prefill_call(*a, device))
+                for shape in ANCHOR_SHAPES for dtype in dtypes or DEFAULT_DTYPES]
     if quick:
         small = (lambda: prefill_call(1, 100, 4, 2, 32, True, "float32", device))
         return [("fw", small), ("bw", small), ("fw", lambda: decode_call(3, 200, 4, 1, 32, 0, "bf16", device))]
@@ -84,8 +98,9 @@ def calls(device: str, quick: bool, dtypes: tuple[str, ...] | None = None,
     return out
 
 
-#: ``--compile-only``: each timed op's untimed call only (filling the JIT caches a later timed run reads)
-_RUN = {"compile_only": False}
+#: ``--compile-only``: each timed op's untimed call only (filling the JIT caches a later timed run reads);
+#: ``--autotune``: the forward selection is autotune's
+_RUN = {"compile_only": False, "autotune": False, "anchors": False}
 #: what an op's first call may raise on a shape it cannot take here: the op is left out of the row
 _SKIPPED = (torch.OutOfMemoryError, NotImplementedError, RuntimeError)
 
@@ -123,7 +138,12 @@ def measure_forward(call: Call, device: str) -> tuple[str, dict[str, tuple[float
     forward call."""
     from fmha_ops.api import memory_efficient_attention
 
-    selected, ops, estimates = contenders(call.problem(), "fw")
+    if _RUN["autotune"]:
+        with SELECTOR.autotune():
+            memory_efficient_attention(*call.args, **call.kwargs)  # the first call: autotune times the contenders
+            selected, ops, estimates = contenders(call.problem(), "fw")
+    else:
+        selected, ops, estimates = contenders(call.problem(), "fw")
     fns = {op.NAME: partial(memory_efficient_attention, *call.args, op=op, **call.kwargs) for op in ops}
     return selected.NAME, time_ops(fns, device), estimates
 
@@ -177,6 +197,13 @@ RECORD = Record(
     "selector", "Selector regret", "PYTHONPATH=$PWD python bench/selector.py",
     {"kind": "kind of call", "calls": "calls", "median": "median regret", "worst": "worst regret",
      "worst_call": "worst call: selected vs fastest"})
+#: the same table for the selection under ``--autotune`` and for the anchor shapes
+MODE_RECORDS = {
+    "autotune": dataclasses.replace(RECORD, name="selector_autotune", title="Selector regret under autotune",
+                                    command=RECORD.command + " --autotune"),
+    "anchors": dataclasses.replace(RECORD, name="selector_anchors", title="The public call at the anchor shapes",
+                                   command=RECORD.command + " --anchors"),
+}
 
 
 def _pct(x: float | None) -> str:
@@ -206,7 +233,11 @@ def record(rows: list[dict], env: dict, png: str | None = None, skipped: tuple[s
              "bf16 call with gradients gets, against every backward op on the same output and LSE.")
     if skipped:
         notes += f" Not measured (time budget): {len(skipped)} calls, from {skipped[0]}."
-    return RECORD.write(table, env, png, notes)
+    if _RUN["autotune"]:
+        notes += (" Forward calls selected under fmha_ops.autotune(): each call made once first (its contenders "
+                  "timed at its shape), the selection is the one for the calls after it.")
+    mode = "autotune" if _RUN["autotune"] else "anchors" if _RUN["anchors"] else None
+    return MODE_RECORDS.get(mode, RECORD).write(table, env, png, notes)
 
 
 def plot(d: str, rows: list[dict], summary: dict) -> str | None:
@@ -237,10 +268,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--shapes", default=None, help="comma list of indices into PREFILL_SHAPES: prefill only")
     parser.add_argument("--budget", type=float, default=0.0, help="seconds; calls left after it are not measured")
     parser.add_argument("--shard", default="0/1", help="K/N: only every N-th call from the K-th (for --compile-only)")
+    parser.add_argument("--autotune", action="store_true",
+                        help="select forward ops under fmha_ops.autotune() (one call each first; FMHA_OPS_CACHE_DIR)")
+    parser.add_argument("--anchors", action="store_true", help="the anchor shapes' forward calls instead")
     parser.add_argument("--compile-only", action="store_true",
                         help="run every timed op once, untimed (fills the JIT caches), and write nothing")
     args = parser.parse_args(argv)
-    _RUN["compile_only"] = args.compile_only
+    _RUN.update(compile_only=args.compile_only, autotune=args.autotune, anchors=args.anchors)
     shard, shards = (int(x) for x in args.shard.split("/"))
     dtypes = tuple(args.dtypes.split(",")) if args.dtypes else None
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -248,7 +282,7 @@ def main(argv=None) -> dict:
     rows, skipped = [], []
     d = out_dir(args.out)
     shapes = tuple(int(i) for i in args.shapes.split(",")) if args.shapes else None
-    for i, (kind, make) in enumerate(calls(device, args.quick, dtypes, shapes)):
+    for i, (kind, make) in enumerate(calls(device, args.quick, dtypes, shapes, args.anchors)):
         if i % shards != shard:
             continue
         call = make()

@@ -23,6 +23,7 @@ float32 reference. fp8 forwards are differentiated at the dequantized values by 
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import threading
 from typing import Any, ClassVar
@@ -166,6 +167,8 @@ class GraphCache:
         if graph is None:
             with self._lock:
                 if device not in self._handles:
+                    if not self._handles:
+                        atexit.register(self.release)
                     with torch.cuda.device(device):
                         self._handles[device] = (cudnn.create_handle(), _Constants(device))
                 graph = self._graphs.get(key)
@@ -182,6 +185,17 @@ class GraphCache:
 
     def __len__(self) -> int:
         return len(self._graphs)
+
+    def release(self) -> None:
+        """Drop every built graph and destroy the cuDNN handles. Run at exit: graphs still alive when the interpreter
+        shuts down make the frontend's nanobind bindings print "leaked" lines into the user's stderr."""
+        import cudnn
+
+        with self._lock:
+            self._graphs.clear()
+            for handle, _ in self._handles.values():
+                cudnn.destroy_handle(handle)
+            self._handles.clear()
 
 
 GRAPHS = GraphCache()

@@ -27,6 +27,7 @@ keys-contiguous values, Kv != K. The first call of each configuration JIT-compil
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import ClassVar
 
 import torch
@@ -98,6 +99,16 @@ def backward_reasons(p: Problem) -> list[str]:
     return []
 
 
+@functools.lru_cache(maxsize=1)
+def quiet_compiles() -> None:
+    """Silence the one warning FA4 4.0.0b36's CuTe DSL compile prints for each new configuration ("Argument aux_data
+    (position 17) cannot be converted to a JitArgument ..."): FA4 passes its own ``AuxData`` (score-mod tensors,
+    None here) to ``cute.compile``, which warns and then runs it as a Python object, as FA4 intends. Nothing a caller
+    passes changes it; the filter matches that message only, and is added once, on FA4's first call."""
+    warnings.filterwarnings("ignore", message=r"Argument aux_data \(position \d+\) cannot be converted to a JitArgument",
+                            category=UserWarning)
+
+
 class _FA4Op(OptionalPackage):
     """Declarations shared by the forward and backward ops."""
 
@@ -146,6 +157,7 @@ class FA4FwOp(_FA4Op, AttentionFwOp):
 
     @classmethod
     def apply(cls, inp: Inputs, needs_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        quiet_compiles()
         causal, window = window_size(inp.bias_kind, *window_fields(inp))
         varlen = inp.bias_kind in ab.VARLEN_KINDS
         q, k, v = (t[0] for t in (inp.query, inp.key, inp.value)) if varlen else (inp.query, inp.key, inp.value)
@@ -200,6 +212,7 @@ class FA4BwOp(_FA4Op, AttentionBwOp):
                  grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         from flash_attn.cute.interface import _flash_attn_bwd
 
+        quiet_compiles()
         q, k, v = inp.query, inp.key, inp.value
         if q.dtype not in (torch.bfloat16, torch.float16):
             q, k, v = (t.to(torch.bfloat16) for t in dequantized_qkv(inp))
