@@ -163,3 +163,28 @@ def test_fa3_forward_captures_in_a_cuda_graph():
     q.copy_(torch.randn_like(q))
     graph.replay()
     assert error_report(out, ref(q, k, v))["cos"] > 0.9999
+
+
+@needs(FA3FwOp)
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_fa3_planned_decode_steps_follow_the_lengths(return_lse):
+    b, cap, hkv, d = 4, 3000, 2, 128
+    g = torch.Generator(DEV).manual_seed(11)
+    k_cache = torch.randn(b, cap, hkv, d, device=DEV, generator=g, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(b, 1, 16, d, device=DEV, generator=g, dtype=torch.bfloat16)
+    lens = torch.tensor([1, 17, 1000, 2999], dtype=torch.int32, device=DEV)
+    with fmha_ops.use_ops("fa3F"):
+        plan = fmha_ops.plan_kvcache(q, k_cache, v_cache, cache_seqlens=lens, causal=True,
+                                     return_softmax_lse=return_lse)
+    assert plan.op.NAME == "fa3F"
+    for step in range(2):
+        got = plan.run(q)
+        with fmha_ops.use_ops("torch_referenceF"):
+            want = fmha_ops.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, causal=True,
+                                                    return_softmax_lse=return_lse)
+        got, want = (got, want) if return_lse else ((got,), (want,))
+        assert error_report(got[0], want[0])["cos"] > 0.9999
+        if return_lse:
+            assert torch.allclose(got[1], want[1], atol=2e-2)
+        lens += 1

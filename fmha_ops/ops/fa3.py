@@ -248,6 +248,27 @@ class FA3FwOp(_FA3Op, AttentionFwOp):
         return out, (lse if needs_lse else None)
 
     @classmethod
+    def decode_launcher(cls, inp: Inputs, needs_lse: bool, own_workspace: bool = True):
+        """``launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse, seqlen_offset=0)`` for
+        decode calls like ``inp`` (``fmha_ops.decode_plan``, the ``flash_attn_with_kvcache`` fast path): FA3's
+        KV-cache forward on q (B, Mq, Hq, D) and the caches as ``decode_views`` lays them out, at lengths
+        ``seqlens + seqlen_offset`` (added on the device), its output copied into ``out`` and, when given, ``lse``.
+        FA3 sizes its own splits and workspace per call (``own_workspace`` is not needed); k/v scales are None (the
+        op takes no per-token scales)."""
+        kwargs = dict(softmax_scale=inp.softmax_scale, causal=inp.bias_kind in ab.CAUSAL_KINDS,
+                      window_size_left=decode_window(inp), softcap=inp.softcap, num_splits=0)
+        forward = interface()._flash_attn_forward
+
+        def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, table, out, lse, seqlen_offset=0):
+            if seqlen_offset:
+                seqlens = seqlens + seqlen_offset
+            o, row_lse = forward(q, k_cache, v_cache, seqused_k=seqlens, page_table=table, **kwargs)[:2]
+            out.copy_(o.view(out.shape))
+            if lse is not None:
+                lse.copy_(row_lse)
+        return launch
+
+    @classmethod
     def estimate(cls, p: Problem) -> float:
         return attention_time(p, *cls.RATES["fp8" if p.q_dtype == torch.float8_e4m3fn else "bf16"])
 
