@@ -145,7 +145,7 @@ def plan_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                       v_descale=call.v_descale, softcap=softcap, is_partial=return_softmax_lse)
     sig = inp.signature()
     op = SELECTOR.select(sig, lambda: make_problem(inp, return_softmax_lse), "fw", None,
-                         forward_measure(inp, return_softmax_lse))
+                         forward_measure(inp, return_softmax_lse, "decode"))
     batch, mq, hq, _ = q.shape
     out = torch.empty(q.shape[:3] + (v_cache.shape[3],), dtype=inp.out_dtype, device=q.device)
     lse = torch.empty((batch, hq, mq), dtype=torch.float32, device=q.device)

@@ -23,6 +23,7 @@ On a CPU both are the median wall time of ``CPU_CALLS`` calls (each op called on
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Callable
@@ -162,35 +163,40 @@ def _cycles_per_second(torch) -> float:
 
 
 #: autotune's timing of one op on a caller's inputs: untimed calls first (JIT compilation, graph and workspace
-#: caches), then rounds of back-to-back calls; the median round counts. 2 + 5 x 3 calls: ~17 ms for a 1 ms call
-WARM_CALLS, TUNE_ROUNDS, TUNE_CALLS = 2, 5, 3
+#: caches), then ``TUNE_ROUNDS`` rounds of back-to-back calls, as many per round as fill ``TUNE_ROUND_S`` (within
+#: ``TUNE_CALLS``); the median round counts. A 1 ms call: 2 + 5 x 3 calls (~17 ms); a 100 us call: 2 + 5 x 20
+#: (~10 ms): one round of a host-bound call averages over enough calls that a scheduler tick does not decide it
+WARM_CALLS, TUNE_ROUNDS, TUNE_CALLS, TUNE_ROUND_S = 2, 5, (3, 32), 2e-3
 
 
 def call_seconds(fn: Callable[[], object], device: str) -> float:
     """Seconds per call of ``fn`` called back to back, as a caller's loop sees it: the larger of the host's time to
     issue a call and the device's time to run it. Each of ``TUNE_ROUNDS`` rounds starts on an idle device and is
-    timed from the first call's issue to the last call's completion (CUDA events; on a CPU the wall clock), over
-    ``TUNE_CALLS`` calls; the median round counts. ``fn`` is called ``WARM_CALLS`` times first.
+    timed from the first call's issue to the last call's completion (CUDA events; on a CPU the wall clock); the
+    median round counts. ``fn`` is called ``WARM_CALLS`` times first; the second of those sizes the rounds.
 
     Example
     -------
     >>> call_seconds(lambda: memory_efficient_attention(q, k, v, op="fa3F"), "cuda")  # doctest: +SKIP
     0.000412
     """
-    for _ in range(WARM_CALLS):
-        fn()
+    fn()
     if device != "cuda":
-        return statistics.median(_wall(fn, TUNE_CALLS) for _ in range(TUNE_ROUNDS))
+        single = _wall(fn, 1)
+        calls = max(TUNE_CALLS[0], min(TUNE_CALLS[1], math.ceil(TUNE_ROUND_S / max(single, 1e-9))))
+        return statistics.median(_wall(fn, calls) for _ in range(TUNE_ROUNDS))
     import torch
 
-    rounds = []
-    for _ in range(TUNE_ROUNDS):
+    def round_seconds(calls: int) -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         start.record()
-        for _ in range(TUNE_CALLS):
+        for _ in range(calls):
             fn()
         end.record()
         end.synchronize()
-        rounds.append(start.elapsed_time(end) * 1e-3 / TUNE_CALLS)
-    return statistics.median(rounds)
+        return start.elapsed_time(end) * 1e-3 / calls
+
+    single = round_seconds(1)
+    calls = max(TUNE_CALLS[0], min(TUNE_CALLS[1], math.ceil(TUNE_ROUND_S / max(single, 1e-9))))
+    return statistics.median(round_seconds(calls) for _ in range(TUNE_ROUNDS))

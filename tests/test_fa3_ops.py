@@ -93,6 +93,9 @@ def test_the_fa3_fwd_wheel_refuses_what_it_was_built_without(fa3_fwd_build):
     paged = ab.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([1, 1], 64, [9, 64]).make_paged(
         torch.arange(4, dtype=torch.int32).view(2, 2), 32)
     assert "FLASHATTENTION_DISABLE_PAGEDKV" in reasons(FA3FwOp, problem(H200, b=1, mq=2, mk=128, bias=paged))
+    whole = ab.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([1, 1], 64, [9, 64]).make_paged(
+        torch.arange(2, dtype=torch.int32).view(2, 1), 64)
+    assert reasons(FA3FwOp, problem(H200, b=1, mq=2, mk=128, bias=whole)) == "", "a contiguous cache as one page"
     assert reasons(FA3FwOp, problem(H200, d=128)) == ""
     why = FA3BwOp.available()
     assert "has no backward (FLASHATTENTION_DISABLE_BACKWARD)" in why and "fa3-fwd" in why

@@ -56,6 +56,8 @@ _DENSE = frozenset({ab.NONE, ab.CAUSAL, ab.CAUSAL_BR})
 _VARLEN = frozenset({ab.BLOCK_DIAGONAL, ab.BLOCK_DIAGONAL_CAUSAL_BR})
 _PADDED = frozenset({ab.PADDED_KEYS, ab.PADDED_KEYS_CAUSAL})
 _PAGED = frozenset({ab.PAGED, ab.PAGED_CAUSAL})
+#: key splits of a prefill call: none, as FA3's flash_attn_func (its split heuristic is for KV-cache decode)
+PREFILL_SPLITS = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,14 +123,37 @@ def fa3_package_reason() -> str | None:
             "flash-attention's hopper/ for flash_attn_interface)")
 
 
+#: the keyword arguments of FA3's C++ forward this adapter passes (checked against the installed op's schema)
+FWD_ARGUMENTS = frozenset({"q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "max_seqlen_q", "max_seqlen_k",
+                           "page_table", "kv_batch_idx", "q_descale", "k_descale", "v_descale", "softmax_scale",
+                           "is_causal", "window_size_left", "window_size_right", "softcap", "num_splits"})
+
+
 @functools.lru_cache(maxsize=1)
 def interface():
     """The imported FA3 interface module (loads its CUDA extension)."""
     return importlib.import_module(BUILD.module)
 
 
+@functools.lru_cache(maxsize=1)
+def forward_kernel():
+    """FA3's C++ forward, ``torch.ops.<its namespace>.fwd``, called directly with keywords: the interface's Python
+    custom op around it cost 104 us of host time per call on the H200's host (bench/diagnostics/fa3_adapter.py),
+    more than the kernel of an 8x1000 call."""
+    module = interface()
+    namespace = getattr(module, "fa3_fwd_cuda", None) or getattr(module, "flash_attn_3_cuda")
+    return namespace.fwd
+
+
 def fa3_import_reason() -> str | None:
-    return import_failure(BUILD.module)
+    failed = import_failure(BUILD.module)
+    if failed:
+        return failed
+    names = {a.name for a in forward_kernel().default._schema.arguments}
+    if not FWD_ARGUMENTS <= names:
+        return (f"the installed FlashAttention-3 forward takes no {sorted(FWD_ARGUMENTS - names)} (this adapter calls "
+                f"the fwd op of fa3-fwd 0.0.3 / FlashAttention-3 3.0)")
+    return None
 
 
 def head_dim_reasons(p: Problem) -> list[str]:
@@ -163,11 +188,17 @@ def mask_reasons(p: Problem) -> list[str]:
     return r
 
 
+def one_page_per_sequence(p: Problem) -> bool:
+    """A paged mask whose pages are whole cache rows (a contiguous cache indexed per sequence, as
+    ``flash_attn_with_kvcache`` lays out a dense cache): FA3's dense KV-cache path with ``kv_batch_idx`` takes it."""
+    return p.page_size == p.seqlen_k
+
+
 def build_reasons(p: Problem) -> list[str]:
     """Features of the call the installed build was compiled without."""
     r = []
-    if p.bias in _PAGED:
-        r += BUILD.missing("PAGEDKV", "a paged KV cache")
+    if p.bias in _PAGED and not one_page_per_sequence(p):
+        r += BUILD.missing("PAGEDKV", "a paged KV cache (pages shorter than the cache)")
     if p.bias in _VARLEN:
         r += BUILD.missing("VARLEN", "variable-length sequences")
     if p.windowed:
@@ -215,8 +246,9 @@ class FA3FwOp(_FA3Op, AttentionFwOp):
 
     NAME = "fa3F"
     OUT_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})  # FA3 writes bf16 for fp8; cast
-    BIAS_KINDS = _DENSE | _PADDED | _built({"VARLEN": _VARLEN, "PAGEDKV": _PAGED})
-    PAGE_SIZES = range(1, 1 << 24) if BUILD.has("PAGEDKV") else ()
+    BIAS_KINDS = _DENSE | _PADDED | _PAGED | _built({"VARLEN": _VARLEN})
+    #: any page size with a paged build; without one, pages as long as the cache (``one_page_per_sequence``)
+    PAGE_SIZES = range(1, 1 << 24)
     #: achieved (TFLOP/s, TB/s, device overhead us) on the H200 for the cost model, per input dtype family
     #: (HARDWARE.md, D128 at 4096+ tokens: bf16 658-697, fp8 845-933 TFLOP/s)
     RATES: ClassVar[dict[str, tuple[float, float, float]]] = {"bf16": (670.0, 3.5, 6.0), "fp8": (880.0, 3.5, 6.0)}
@@ -233,16 +265,15 @@ class FA3FwOp(_FA3Op, AttentionFwOp):
         if kind in _PADDED | _PAGED:
             return _decode(inp, needs_lse)
         causal, (left, right) = window_size(kind, *window_fields(inp))
-        kwargs = dict(softmax_scale=inp.softmax_scale, causal=causal, window_size_left=-1 if left is None else left,
-                      window_size_right=-1 if right is None else right, softcap=inp.softcap,
-                      **kv_head_descales(inp))
-        fa3 = interface()
+        kwargs = dict(softmax_scale=inp.softmax_scale, is_causal=causal,
+                      window_size_left=-1 if left is None else left, window_size_right=-1 if right is None else right,
+                      softcap=inp.softcap, num_splits=PREFILL_SPLITS, **kv_head_descales(inp))
+        fwd = forward_kernel()
         if kind in _VARLEN:
-            out, lse = fa3._flash_attn_forward(inp.query[0], inp.key[0], inp.value[0], **varlen_args(inp),
-                                               **kwargs)[:2]
+            out, lse = fwd(q=inp.query[0], k=inp.key[0], v=inp.value[0], **varlen_args(inp), **kwargs)[:2]
             out, lse = out[None], lse[None]
         else:
-            out, lse = fa3._flash_attn_forward(inp.query, inp.key, inp.value, **kwargs)[:2]
+            out, lse = fwd(q=inp.query, k=inp.key, v=inp.value, **kwargs)[:2]
         if out.dtype != inp.out_dtype:
             out = out.to(inp.out_dtype)
         return out, (lse if needs_lse else None)
@@ -255,14 +286,15 @@ class FA3FwOp(_FA3Op, AttentionFwOp):
         ``seqlens + seqlen_offset`` (added on the device), its output copied into ``out`` and, when given, ``lse``.
         FA3 sizes its own splits and workspace per call (``own_workspace`` is not needed); k/v scales are None (the
         op takes no per-token scales)."""
-        kwargs = dict(softmax_scale=inp.softmax_scale, causal=inp.bias_kind in ab.CAUSAL_KINDS,
-                      window_size_left=decode_window(inp), softcap=inp.softcap, num_splits=0)
-        forward = interface()._flash_attn_forward
+        kwargs = _decode_kwargs(inp)
+        whole_rows = _whole_rows(inp)
+        fwd = forward_kernel()
 
         def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, table, out, lse, seqlen_offset=0):
             if seqlen_offset:
                 seqlens = seqlens + seqlen_offset
-            o, row_lse = forward(q, k_cache, v_cache, seqused_k=seqlens, page_table=table, **kwargs)[:2]
+            o, row_lse = fwd(q=q, k=k_cache, v=v_cache, seqused_k=seqlens, **_cache_index(table, whole_rows),
+                             **kwargs)[:2]
             out.copy_(o.view(out.shape))
             if lse is not None:
                 lse.copy_(row_lse)
@@ -276,14 +308,35 @@ class FA3FwOp(_FA3Op, AttentionFwOp):
 def _decode(inp: Inputs, needs_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A decode-mask call through FA3's KV-cache path: per-sequence lengths (``seqused_k``), the page table."""
     q, k_cache, v_cache, seqlens, block_table, _, _ = decode_views(inp)
-    left = decode_window(inp)
-    out, lse = interface()._flash_attn_forward(
-        q, k_cache, v_cache, seqused_k=seqlens, page_table=block_table, softmax_scale=inp.softmax_scale,
-        causal=inp.bias_kind in ab.CAUSAL_KINDS, window_size_left=left, softcap=inp.softcap, num_splits=0,
-        **kv_head_descales(inp))[:2]
+    out, lse = forward_kernel()(q=q, k=k_cache, v=v_cache, seqused_k=seqlens,
+                                **_cache_index(block_table, _whole_rows(inp)),
+                                **_decode_kwargs(inp), **kv_head_descales(inp))[:2]
     if out.dtype != inp.out_dtype:
         out = out.to(inp.out_dtype)
     return decode_outputs(inp, q, out, lse, needs_lse)
+
+
+def _decode_kwargs(inp: Inputs) -> dict:
+    """FA3's KV-cache keywords of a decode-mask call: causal (bottom-right per sequence), the window's left bound,
+    softcap, and FA3's own split heuristic (``num_splits=0``, as its ``flash_attn_with_kvcache``)."""
+    return dict(softmax_scale=inp.softmax_scale, is_causal=inp.bias_kind in ab.CAUSAL_KINDS,
+                window_size_left=decode_window(inp), softcap=inp.softcap, num_splits=0)
+
+
+def _whole_rows(inp: Inputs) -> bool:
+    """A paged call with one page per sequence (``one_page_per_sequence``): its pages are cache rows."""
+    bias = inp.attn_bias
+    return inp.bias_kind in _PAGED and bias.page_size == bias.k_seqinfo.padding
+
+
+def _cache_index(block_table: torch.Tensor | None, whole_rows: bool) -> dict:
+    """How FA3 finds each sequence's keys: a page table, or (pages as long as the cache) the cache row of each
+    sequence (``kv_batch_idx``, int32 (B,))."""
+    if block_table is None:
+        return {}
+    if whole_rows:
+        return {"kv_batch_idx": block_table[:, 0]}
+    return {"page_table": block_table}
 
 
 @register
