@@ -226,11 +226,14 @@ def record(rows: list[dict], env: dict, png: str | None = None, skipped: tuple[s
                       "worst_call": (f"{worst['call'].split(' ', 2)[-1]}: {worst['selected']} vs {worst['best']}"
                                      if worst["regret"] else "-")})
     summary = summarize(rows)
+    calls = ("the forward anchors (on and near the tuning grid: lengths 1000-16384, GQA 1-8, head dims 128 and 256), "
+             "every op forced through memory_efficient_attention" if _RUN["anchors"] else
+             "calls between and outside the tuned buckets (other lengths, batch sizes, GQA ratios, head dims); "
+             "backward rows: the backward op a bf16 call with gradients gets, against every backward op on the same "
+             "output and LSE")
     notes = (f"All {len(rows)} calls: median regret {_pct(summary['median_regret'])}, worst "
              f"{_pct(summary['worst_regret'])}; regret = t(selected) / t(fastest supporting op) - 1, t = max(device, "
-             "host time) per call (host: median of 9 rounds interleaving the call's ops), calls between and outside "
-             "the tuned buckets (other lengths, batch sizes, GQA ratios, head dims); backward rows: the backward op a "
-             "bf16 call with gradients gets, against every backward op on the same output and LSE.")
+             f"host time) per call (host: median of 9 rounds interleaving the call's ops); {calls}.")
     if skipped:
         notes += f" Not measured (time budget): {len(skipped)} calls, from {skipped[0]}."
     if _RUN["autotune"]:
