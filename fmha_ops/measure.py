@@ -30,7 +30,8 @@ def forward_measure(inp: Inputs, needs_lse: bool, route: str = "apply") -> Calla
 
     Example
     -------
-    >>> SELECTOR.select(sig, lambda: make_problem(inp, False), "fw", None, forward_measure(inp, False))  # doctest: +SKIP
+    >>> measure = forward_measure(inp, False, "plan")
+    >>> SELECTOR.select(sig, lambda: make_problem(inp, False), "fw", None, measure)  # doctest: +SKIP
     """
     device = inp.query.device.type
 

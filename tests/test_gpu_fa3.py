@@ -40,7 +40,8 @@ def test_fa3_bf16_forward_matches_reference(d, mq, mk, hkv, bias):
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("mq,mk,hkv,bias", [
     (1000, 1000, 4, None), (1000, 1000, 16, ab.LowerTriangularFromBottomRightMask()),
-    (17, 1000, 4, ab.LowerTriangularFromBottomRightMask()), (1, 333, 1, None), (3000, 3000, 2, ab.LowerTriangularMask())])
+    (17, 1000, 4, ab.LowerTriangularFromBottomRightMask()), (1, 333, 1, None),
+    (3000, 3000, 2, ab.LowerTriangularMask())])
 @pytest.mark.parametrize("granularity", ["head", "tensor"])
 def test_fa3_fp8_forward_matches_reference_on_the_same_quantized_inputs(d, mq, mk, hkv, bias, granularity):
     q, k, v = qkv(2, mq, mk, 16, hkv, d, seed=d + mq)

@@ -176,6 +176,15 @@ def dequantized_qkv(inp: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return dequantize(q, descales[0], kinds[0], Q_SCALE_BLOCK), kf, vf
 
 
+def half_backward_operands(inp: Inputs, out: torch.Tensor, grad_out: torch.Tensor):
+    """(q, k, v, out, grad_out) for a bf16/fp16 backward kernel: the call's half-precision tensors as they are, fp8
+    ones dequantized (times their descales) and cast to bf16; out and grad_out in q's dtype."""
+    q, k, v = inp.query, inp.key, inp.value
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        q, k, v = (t.to(torch.bfloat16) for t in dequantized_qkv(inp))
+    return q, k, v, out.to(q.dtype), grad_out.to(q.dtype)
+
+
 # ---- ops backed by an optional pip package ------------------------------------------------------------
 
 class OptionalPackage:

@@ -42,8 +42,8 @@ from ..dispatch import register
 from ..inputs import Inputs
 from ..problem import Problem
 from .base import AttentionBwOp, AttentionFwOp
-from .common import (OptionalPackage, decode_outputs, decode_views, decode_window, dequantized_qkv, import_failure,
-                     kv_head_descales, varlen_args, window_fields, window_size)
+from .common import (OptionalPackage, decode_outputs, decode_views, decode_window, half_backward_operands,
+                     import_failure, kv_head_descales, varlen_args, window_fields, window_size)
 from .cost import attention_time, backward_time
 
 _BF16, _FP16, _FP8 = (torch.bfloat16,) * 3, (torch.float16,) * 3, (torch.float8_e4m3fn,) * 3
@@ -170,7 +170,8 @@ def head_dim_reasons(p: Problem) -> list[str]:
         narrow = k <= NARROW_K and kv <= NARROW_K_MAX_V and p.q_dtype == torch.bfloat16
         if not (wide or narrow):
             r.append(f"value head dim Kv={kv} with K={k} not supported; supported: K in {WIDE_K[0] + 1}..{WIDE_K[1]} "
-                     f"with Kv in {WIDE_K_V[0] + 1}..{WIDE_K_V[1]}, or bf16 K <= {NARROW_K} with Kv <= {NARROW_K_MAX_V}")
+                     f"with Kv in {WIDE_K_V[0] + 1}..{WIDE_K_V[1]}, or bf16 K <= {NARROW_K} with "
+                     f"Kv <= {NARROW_K_MAX_V}")
         elif not BUILD.has("HDIMDIFF192" if wide else "HDIMDIFF64"):
             r.append(f"Kv={kv} != K={k} not supported by this FlashAttention-3 build ({BUILD.package})")
     return r
@@ -367,10 +368,7 @@ class FA3BwOp(_FA3Op, AttentionBwOp):
     @classmethod
     def apply_bw(cls, inp: Inputs, out: torch.Tensor, lse: torch.Tensor,
                  grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = inp.query, inp.key, inp.value
-        if q.dtype not in (torch.bfloat16, torch.float16):
-            q, k, v = (t.to(torch.bfloat16) for t in dequantized_qkv(inp))
-        out, grad_out = out.to(q.dtype), grad_out.to(q.dtype)
+        q, k, v, out, grad_out = half_backward_operands(inp, out, grad_out)
         causal, (left, right) = window_size(inp.bias_kind, *window_fields(inp))
         varlen = inp.bias_kind in _VARLEN
         if varlen:

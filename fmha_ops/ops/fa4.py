@@ -37,8 +37,8 @@ from ..dispatch import register
 from ..inputs import Inputs
 from ..problem import Problem
 from .base import AttentionBwOp, AttentionFwOp
-from .common import (OptionalPackage, dequantized_qkv, import_failure, installed_version, kv_head_descales, varlen_args,
-                     window_fields, window_size)
+from .common import (OptionalPackage, half_backward_operands, import_failure, installed_version, kv_head_descales,
+                     varlen_args, window_fields, window_size)
 from .cost import attention_time, backward_time
 
 #: the release whose interface this adapter calls (its backward entry point is module-level, not public)
@@ -105,8 +105,8 @@ def quiet_compiles() -> None:
     (position 17) cannot be converted to a JitArgument ..."): FA4 passes its own ``AuxData`` (score-mod tensors,
     None here) to ``cute.compile``, which warns and then runs it as a Python object, as FA4 intends. Nothing a caller
     passes changes it; the filter matches that message only, and is added once, on FA4's first call."""
-    warnings.filterwarnings("ignore", message=r"Argument aux_data \(position \d+\) cannot be converted to a JitArgument",
-                            category=UserWarning)
+    warnings.filterwarnings("ignore", category=UserWarning,
+                            message=r"Argument aux_data \(position \d+\) cannot be converted to a JitArgument")
 
 
 class _FA4Op(OptionalPackage):
@@ -213,10 +213,7 @@ class FA4BwOp(_FA4Op, AttentionBwOp):
         from flash_attn.cute.interface import _flash_attn_bwd
 
         quiet_compiles()
-        q, k, v = inp.query, inp.key, inp.value
-        if q.dtype not in (torch.bfloat16, torch.float16):
-            q, k, v = (t.to(torch.bfloat16) for t in dequantized_qkv(inp))
-        out, grad_out = out.to(q.dtype), grad_out.to(q.dtype)
+        q, k, v, out, grad_out = half_backward_operands(inp, out, grad_out)
         causal, (left, right) = window_size(inp.bias_kind, *window_fields(inp))
         kwargs = dict(softmax_scale=inp.softmax_scale, causal=causal, softcap=inp.softcap, window_size_left=left,
                       window_size_right=right, deterministic=torch.are_deterministic_algorithms_enabled())
