@@ -133,7 +133,7 @@ def run_forward(inp: Inputs, op: OpArg, needs_lse: bool,
         return compiled.run_forward(inp, op, needs_lse)
     sig = inp.signature()
     fw = SELECTOR.select(sig, lambda: make_problem(inp, needs_lse), "fw", op,
-                         None if sig.needs_grad else lambda o: _measure(inp, needs_lse, plan_key)(o))
+                         None if sig.needs_grad else lambda ops: _measure(inp, needs_lse, plan_key)(ops))
     bw = None
     if sig.needs_grad and not (fw.AUTOGRAD and inp.query.dtype in FLOAT_DTYPES):
         bw = SELECTOR.select(sig, lambda: make_problem(inp, needs_lse), "bw", op)
@@ -146,7 +146,7 @@ def run_forward(inp: Inputs, op: OpArg, needs_lse: bool,
 
 
 def _measure(inp: Inputs, needs_lse: bool, plan_key: tuple | None):
-    """Autotune's ``measure(op)`` for this call (built only on a selector memo miss under autotune): repeated calls
+    """Autotune's ``measure(ops)`` for this call (built only on a selector memo miss under autotune): repeated calls
     that keep a launch plan are timed through it."""
     return forward_measure(inp, needs_lse, "plan" if plan_key is not None and _plannable(inp) else "apply")
 

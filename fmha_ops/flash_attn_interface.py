@@ -371,7 +371,7 @@ def _fast_launcher(fast, q, k_cache, v_cache, cache_seqlens, page_table, k_desca
         built.append((call, inp))
         return make_problem(inp, return_lse)
 
-    op = SELECTOR.select(fast, problem, "fw", None, lambda o: forward_measure(built[0][1], return_lse, "decode")(o))
+    op = SELECTOR.select(fast, problem, "fw", None, lambda ops: forward_measure(built[0][1], return_lse, "decode")(ops))
     try:
         return _FAST[op, fast]
     except KeyError:

@@ -14,16 +14,17 @@ from typing import Callable
 import torch
 
 from .inputs import Inputs
-from .timing import call_seconds
+from .timing import calls_seconds
 
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
 
 
-def forward_measure(inp: Inputs, needs_lse: bool, route: str = "apply") -> Callable[[type], float | None]:
-    """``measure(op)`` -> seconds per back-to-back forward call of ``op`` on ``inp`` (validated; no gradients), or
-    None where it cannot be timed (a CUDA-graph capture) or the op raised (warned, naming the op and the error).
+def forward_measure(inp: Inputs, needs_lse: bool, route: str = "apply") -> Callable[[list], dict[str, float]]:
+    """``measure(ops)`` -> {op name: seconds per back-to-back forward call on ``inp``} (validated; no gradients),
+    the ops' rounds interleaved (``timing.calls_seconds``); {} where nothing can be timed (a CUDA-graph capture). An
+    op that raises is left out, with a warning naming it and the error (the selector ranks it by its estimate).
 
-    ``route``: how the caller's repeated calls will run the op, so that is what is timed: ``"apply"`` (the full
+    ``route``: how the caller's repeated calls will run an op, so that is what is timed: ``"apply"`` (the full
     path: ``op.apply``), ``"plan"`` (the launch plan of a repeated call, ``op.launcher``) or ``"decode"`` (a planned
     decode step, ``op.decode_launcher`` where the op has one). A plan skips host work ``apply`` redoes per call
     (for a Triton op ~50 us): timing ``apply`` would rank such ops behind ops without that work.
@@ -35,16 +36,21 @@ def forward_measure(inp: Inputs, needs_lse: bool, route: str = "apply") -> Calla
     """
     device = inp.query.device.type
 
-    def measure(op) -> float | None:
+    def measure(ops) -> dict[str, float]:
         if device == "cuda" and _capturing():
-            return None
-        try:
-            with torch.no_grad():
-                return call_seconds(_repeated_call(op, inp, needs_lse, route), device)
-        except Exception as e:  # noqa: BLE001  (a supported op that fails here is reported, not chosen by time)
-            warnings.warn(f"fmha_ops autotune: {op.NAME} raised while timed, so it is ranked by its estimate: "
-                          f"{type(e).__name__}: {e}", stacklevel=2)
-            return None
+            return {}
+        with torch.no_grad():
+            fns = {}
+            for op in ops:
+                try:
+                    fn = _repeated_call(op, inp, needs_lse, route)
+                    fn()  # the first call compiles and raises what the op cannot do here
+                except Exception as e:  # noqa: BLE001  (reported, and the op ranked by its estimate)
+                    warnings.warn(f"fmha_ops autotune: {op.NAME} raised while timed, so it is ranked by its "
+                                  f"estimate: {type(e).__name__}: {e}", stacklevel=2)
+                    continue
+                fns[op.NAME] = fn
+            return calls_seconds(fns, device) if fns else {}
     return measure
 
 

@@ -162,41 +162,48 @@ def _cycles_per_second(torch) -> float:
     return _CYCLES_PER_S[0]
 
 
-#: autotune's timing of one op on a caller's inputs: untimed calls first (JIT compilation, graph and workspace
-#: caches), then ``TUNE_ROUNDS`` rounds of back-to-back calls, as many per round as fill ``TUNE_ROUND_S`` (within
-#: ``TUNE_CALLS``); the median round counts. A 1 ms call: 2 + 5 x 3 calls (~17 ms); a 100 us call: 2 + 5 x 20
-#: (~10 ms): one round of a host-bound call averages over enough calls that a scheduler tick does not decide it
+#: autotune's timing of a call's ops on the caller's inputs: untimed calls first (JIT compilation, graph and
+#: workspace caches), then ``TUNE_ROUNDS`` rounds, each op in turn (the order rotated by one op per round) making as
+#: many back-to-back calls as fill ``TUNE_ROUND_S`` (within ``TUNE_CALLS``); an op's median round counts. A 1 ms call:
+#: 2 + 5 x 3 calls (~17 ms); a 100 us call: 2 + 5 x 20 (~10 ms), enough that a scheduler tick does not decide it
 WARM_CALLS, TUNE_ROUNDS, TUNE_CALLS, TUNE_ROUND_S = 2, 5, (3, 32), 2e-3
 
 
-def call_seconds(fn: Callable[[], object], device: str) -> float:
-    """Seconds per call of ``fn`` called back to back, as a caller's loop sees it: the larger of the host's time to
-    issue a call and the device's time to run it. Each of ``TUNE_ROUNDS`` rounds starts on an idle device and is
-    timed from the first call's issue to the last call's completion (CUDA events; on a CPU the wall clock); the
-    median round counts. ``fn`` is called ``WARM_CALLS`` times first; the second of those sizes the rounds.
+def calls_seconds(fns: dict[str, Callable[[], object]], device: str) -> dict[str, float]:
+    """Seconds per call of each of ``fns`` (name -> call) called back to back, as a caller's loop sees it: the larger
+    of the host's time to issue a call and the device's time to run it. Each round of an op starts on an idle device
+    and is timed from its first call's issue to its last call's completion (CUDA events; on a CPU the wall clock);
+    rounds interleave the ops, so a drift of the host moves them all. Each op is called ``WARM_CALLS`` times first;
+    the second of those sizes its rounds.
 
     Example
     -------
-    >>> call_seconds(lambda: memory_efficient_attention(q, k, v, op="fa3F"), "cuda")  # doctest: +SKIP
-    0.000412
+    >>> calls_seconds({"fa3F": lambda: memory_efficient_attention(q, k, v, op="fa3F"), ...}, "cuda")  # doctest: +SKIP
+    {'fa3F': 0.000412, ...}
     """
-    fn()
-    if device != "cuda":
-        single = _wall(fn, 1)
-        calls = max(TUNE_CALLS[0], min(TUNE_CALLS[1], math.ceil(TUNE_ROUND_S / max(single, 1e-9))))
-        return statistics.median(_wall(fn, calls) for _ in range(TUNE_ROUNDS))
-    import torch
+    if device == "cuda":
+        import torch
 
-    def round_seconds(calls: int) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) * 1e-3 / calls
+        def round_seconds(fn, calls: int) -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) * 1e-3 / calls
+    else:
+        def round_seconds(fn, calls: int) -> float:
+            return _wall(fn, calls)
 
-    single = round_seconds(1)
-    calls = max(TUNE_CALLS[0], min(TUNE_CALLS[1], math.ceil(TUNE_ROUND_S / max(single, 1e-9))))
-    return statistics.median(round_seconds(calls) for _ in range(TUNE_ROUNDS))
+    sizes = {}
+    for name, fn in fns.items():
+        fn()
+        sizes[name] = max(TUNE_CALLS[0], min(TUNE_CALLS[1], math.ceil(TUNE_ROUND_S / max(round_seconds(fn, 1), 1e-9))))
+    names = list(fns)
+    rounds: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(TUNE_ROUNDS):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            rounds[name].append(round_seconds(fns[name], sizes[name]))
+    return {name: statistics.median(times) for name, times in rounds.items()}

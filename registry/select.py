@@ -16,7 +16,7 @@ PRIORITY, then NAME, so the choice is deterministic and a host-bound ranking doe
 dict lookup.
 
 Autotune (``with selector.autotune():`` or ``FMHA_OPS_AUTOTUNE=1``, the convention of
-``torch.backends.cudnn.benchmark``): on a memo miss, when the caller passes ``measure`` (``op -> seconds`` on the
+``torch.backends.cudnn.benchmark``): on a memo miss, when the caller passes ``measure`` (ops -> {name: seconds} on the
 call's own inputs) and nothing forces an op, every op that supports the problem and has no measurement for it yet is
 timed, the seconds are kept per (device, problem) in ``measured`` (in memory and in ``FMHA_OPS_CACHE_DIR``, see
 ``registry.measured``), and measured ops rank by those seconds (source "measured here") ahead of any model.
@@ -402,7 +402,7 @@ class Selector:
             out.append(v)
         return out
 
-    def _measure(self, problem: Any, kind: str, measure: Callable[[type[Op]], float | None]) -> None:
+    def _measure(self, problem: Any, kind: str, measure: Callable[[list[type[Op]]], dict[str, float]]) -> None:
         """Time, with ``measure``, each contender for ``problem`` (an op that supports it, estimated within
         ``AUTOTUNE_SPAN`` of the fastest estimate) that has no measurement for it yet, and keep the seconds in
         ``measured``; nothing when the context leaves fewer than two ops to choose from."""
@@ -413,16 +413,16 @@ class Selector:
         ops = [v.op for v in verdicts if v.estimate is None or fastest is None or v.estimate <= AUTOTUNE_SPAN * fastest]
         name = f"{kind} {problem}"
         have = self.measured.times(problem.arch.name, name)
-        times = {o.NAME: t for o in ops if o.NAME not in have
-                 and (t := measure(o)) is not None and math.isfinite(t) and t > 0}
+        missing = [o for o in ops if o.NAME not in have]
+        times = {name: t for name, t in (measure(missing) if missing else {}).items() if math.isfinite(t) and t > 0}
         if times:
             self.measured.record(problem.arch.name, name, times)
 
     # ---- the hot path ----------------------------------------------------------------------
     def select(self, key: Hashable, make_problem: Callable[[], Any], kind: str = "fw", op: OpLike = None,
-               measure: Callable[[type[Op]], float | None] | None = None) -> type[Op]:
-        """The op for a call whose signature is ``key``; ``make_problem()`` runs only on a memo miss. ``measure(op)``:
-        seconds per call of ``op`` on the call's own inputs (None: it could not run), used under autotune."""
+               measure: Callable[[list[type[Op]]], dict[str, float]] | None = None) -> type[Op]:
+        """The op for a call whose signature is ``key``; ``make_problem()`` runs only on a memo miss. ``measure(ops)``:
+        {op name: seconds per call on the call's own inputs} for the ops it could time, used under autotune."""
         memo_key = (kind, op, self._scope.get(), key)
         try:
             return self._memo[memo_key]

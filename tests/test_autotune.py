@@ -28,14 +28,15 @@ def cache(tmp_path, monkeypatch):
 
 @pytest.fixture
 def timed(monkeypatch):
-    """The ops timed through the public calls, in order (each still runs once, then reports 1 ms)."""
+    """The ops timed through the public calls (each still runs once, then reports 1 ms)."""
     names = []
 
-    def fake(fn, device):
-        fn()
-        names.append(device)
-        return 1e-3
-    monkeypatch.setattr(measure, "call_seconds", fake)
+    def fake(fns, device):
+        for fn in fns.values():
+            fn()
+        names.extend(fns)
+        return {name: 1e-3 for name in fns}
+    monkeypatch.setattr(measure, "calls_seconds", fake)
     return names
 
 
@@ -56,7 +57,8 @@ def test_picks_the_measured_fastest_and_explain_says_measured_here(cache):
     assert SELECTOR.select(("at-1",), lambda: p, "fw").NAME == "sdpa_flashF"  # the model's choice
     with fmha_ops.autotune():
         asked = []
-        chosen = SELECTOR.select(("at-1",), lambda: p, "fw", None, lambda op: asked.append(op.NAME) or times[op.NAME])
+        chosen = SELECTOR.select(("at-1",), lambda: p, "fw", None,
+                                 lambda ops: {o.NAME: times[o.NAME] for o in ops if not asked.append(o.NAME)})
         report = SELECTOR.explain(p, "fw")
     assert chosen.NAME == "sdpa_mathF" and sorted(asked) == sorted(times)
     assert report.selected.NAME == "sdpa_mathF"
@@ -68,7 +70,7 @@ def test_measurements_persist_and_reload_without_timing_again(cache):
     p = problem_of(*qkv(1))
     times = {"sdpa_mathF": 2e-6, "sdpa_flashF": 3e-6, "torch_referenceF": 1e-3}
     with fmha_ops.autotune():
-        SELECTOR.select(("at-2",), lambda: p, "fw", None, lambda op: times[op.NAME])
+        SELECTOR.select(("at-2",), lambda: p, "fw", None, lambda ops: {o.NAME: times[o.NAME] for o in ops})
     files = os.listdir(cache)
     assert files == [f"autotune-{p.arch.name}.json"], files  # one file per device, no temporary left behind
     data = json.loads((cache / files[0]).read_text())
@@ -76,8 +78,8 @@ def test_measurements_persist_and_reload_without_timing_again(cache):
     SELECTOR.measured.clear()
     SELECTOR.clear()
 
-    def never(op):
-        raise AssertionError(f"{op.NAME} timed again")
+    def never(ops):
+        raise AssertionError(f"{[o.NAME for o in ops]} timed again")
     with fmha_ops.autotune():
         assert SELECTOR.select(("at-2",), lambda: p, "fw", None, never).NAME == "sdpa_mathF"
 
@@ -102,7 +104,7 @@ def test_the_public_call_times_each_new_problem_once(cache, timed):
         first = len(timed)
         fmha_ops.memory_efficient_attention(q, k, v, fmha_ops.LowerTriangularMask())
         fmha_ops.memory_efficient_attention_forward(q, k, v, fmha_ops.LowerTriangularMask())
-    assert first == 3 and len(timed) == 3, timed
+    assert first == 3 and len(timed) == 3 and set(timed) == {"sdpa_flashF", "sdpa_mathF", "torch_referenceF"}, timed
     ref = fmha_ops.memory_efficient_attention(q, k, v, fmha_ops.LowerTriangularMask(), op="torch_referenceF")
     assert torch.allclose(out, ref, atol=1e-5)
     assert "measured here" not in str(fmha_ops.explain(q, k, v, fmha_ops.LowerTriangularMask()))
@@ -144,3 +146,16 @@ def test_calls_that_need_gradients_keep_the_estimates(cache, timed):
     with fmha_ops.autotune():
         fmha_ops.memory_efficient_attention(q, k, v).sum().backward()
     assert timed == [] and q.grad is not None
+
+
+def test_the_timing_interleaves_the_ops_and_sizes_rounds_by_their_cost():
+    from fmha_ops import timing
+
+    order = []
+    fns = {"slow": lambda: order.append("slow") or sum(range(20000)), "fast": lambda: order.append("fast")}
+    seconds = timing.calls_seconds(fns, "cpu")
+    assert seconds["slow"] > seconds["fast"] > 0
+    timed = order[4:]  # after each op's warm and sizing calls
+    switches = sum(a != b for a, b in zip(timed, timed[1:]))
+    assert switches >= timing.TUNE_ROUNDS, "rounds alternate between the ops"
+    assert order.count("fast") > order.count("slow"), "a cheaper call gets more calls per round"
