@@ -2,7 +2,7 @@
 the fastest op for that call? regret = t(selected) / t(best) - 1.
 
 python bench/selector.py [--out DIR] [--quick] [--dtypes bfloat16,fp8_tensor] [--shapes 0,3] [--budget SECONDS]
-                         [--autotune] [--anchors]
+                         [--modes table,autotune,anchors]
 
 Forward calls (prefill of every dtype, decode) and, for the bf16 prefill calls, the backward op that a call needing
 gradients gets (every backward op timed on the same forward output and LSE). Each supporting op is timed through
@@ -13,22 +13,23 @@ under the same state of the host and one pause moves neither); an op's time per 
 to back, what a call costs; what the selector ranks by). Ops whose own estimate is over ``SKIP_FACTOR`` times the
 best estimate are not timed. ``--budget``: calls left when it runs out are not measured (listed). Prints each call's
 row as it is measured and the summary last; writes selector.json into --out after every call (a run cut short leaves
-its rows) and, at the end, selector.png (regret per call) and the record bench/results/selector.md (regret per kind
-of call; not with --quick, --dtypes or --no-record). ``--dtypes``: only the prefill calls of these dtypes (no decode
+its rows) and, at the end, selector.png (regret per call) and the record bench/results/selector.md (regret per
+selection mode and kind of call; not with --quick, --dtypes, --shapes or --no-record). ``--dtypes``: only the prefill calls of these dtypes (no decode
 calls; default bfloat16, fp8, fp8_tensor and the decode calls); ``--shapes``: only these prefill shapes (indices
 into ``PREFILL_SHAPES``; no decode calls, no record). ``--compile-only --shard K/N`` in N parallel processes fills
-the JIT caches beforehand. ``--autotune``: each forward call is first made once under ``fmha_ops.autotune()`` (its
-contenders timed at the call's shape, in a fresh cache folder), and the selected op is the one autotune picks for
-the calls after it (the record: bench/results/selector_autotune.md). ``--anchors``: the forward benchmark's anchor
-shapes (``ANCHOR_SHAPES``, on and near the tuning grid) instead, every prefill dtype, no backward or decode calls
-(the record: bench/results/selector_anchors.md): there regret is how far the public call falls short of the fastest
-op forced through it.
+the JIT caches beforehand.
+
+``--modes`` (each measured in turn, default all three): ``table``, the selection from the tuning table and cost
+models; ``autotune``, the same calls, each forward call first made once under ``fmha_ops.autotune()`` (its
+contenders timed at its shape, in a fresh cache folder) and the selection the one for the calls after it;
+``anchors``, the forward benchmark's anchor shapes (``ANCHOR_SHAPES``, on and near the tuning grid), every prefill
+dtype, selected from the table: how far the public call falls short of the fastest op forced through it.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
+import tempfile
 import statistics
 import sys
 import time
@@ -99,8 +100,9 @@ def calls(device: str, quick: bool, dtypes: tuple[str, ...] | None = None,
 
 
 #: ``--compile-only``: each timed op's untimed call only (filling the JIT caches a later timed run reads);
-#: ``--autotune``: the forward selection is autotune's
-_RUN = {"compile_only": False, "autotune": False, "anchors": False}
+#: ``autotune``: the mode being measured makes the forward selection under autotune
+_RUN = {"compile_only": False, "autotune": False}
+MODES = ("table", "autotune", "anchors")
 #: what an op's first call may raise on a shape it cannot take here: the op is left out of the row
 _SKIPPED = (torch.OutOfMemoryError, NotImplementedError, RuntimeError)
 
@@ -195,56 +197,47 @@ def summarize(rows: list[dict]) -> dict:
 
 RECORD = Record(
     "selector", "Selector regret", "PYTHONPATH=$PWD python bench/selector.py",
-    {"kind": "kind of call", "calls": "calls", "median": "median regret", "worst": "worst regret",
-     "worst_call": "worst call: selected vs fastest"})
-#: the same table for the selection under ``--autotune`` and for the anchor shapes
-MODE_RECORDS = {
-    "autotune": dataclasses.replace(RECORD, name="selector_autotune", title="Selector regret under autotune",
-                                    command=RECORD.command + " --autotune"),
-    "anchors": dataclasses.replace(RECORD, name="selector_anchors", title="The public call at the anchor shapes",
-                                   command=RECORD.command + " --anchors"),
-}
+    {"mode": "calls / selection", "kind": "kind of call", "calls": "calls", "median": "median regret",
+     "worst": "worst regret", "worst_call": "worst call: selected vs fastest"})
+#: what each mode's rows are, for the record's table
+MODE_LABELS = {"table": "off the grid / table", "autotune": "off the grid / autotune", "anchors": "anchors / table"}
 
 
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.1%}"
 
 
-def record(rows: list[dict], env: dict, png: str | None = None, skipped: tuple[str, ...] = ()) -> str:
-    """Write bench/results/selector.md: regret per kind of call (the label's first two words) from main's rows;
-    ``skipped``: the calls the time budget left out."""
-    groups: dict[str, list[dict]] = {}
-    for r in rows:
-        groups.setdefault(" ".join(r["call"].split()[:2]), []).append(r)
+def record(runs: dict[str, list[dict]], env: dict, png: str | None = None, skipped: tuple[str, ...] = ()) -> str:
+    """Write bench/results/selector.md: regret per mode (``MODES``) and kind of call (the label's first two words)
+    from ``runs`` (mode -> rows); ``skipped``: the calls the time budget left out."""
     table = []
-    for name, members in groups.items():
-        regrets = [r["regret"] for r in members if r["regret"] is not None]
-        worst = max(members, key=lambda r: -1 if r["regret"] is None else r["regret"])
-        table.append({"kind": name, "calls": len(members),
-                      "median": _pct(statistics.median(regrets)) if regrets else "-",
-                      "worst": _pct(worst["regret"]),
-                      "worst_call": (f"{worst['call'].split(' ', 2)[-1]}: {worst['selected']} vs {worst['best']}"
-                                     if worst["regret"] else "-")})
-    summary = summarize(rows)
-    calls = ("the forward anchors (on and near the tuning grid: lengths 1000-16384, GQA 1-8, head dims 128 and 256), "
-             "every op forced through memory_efficient_attention" if _RUN["anchors"] else
-             "calls between and outside the tuned buckets (other lengths, batch sizes, GQA ratios, head dims); "
-             "backward rows: the backward op a bf16 call with gradients gets, against every backward op on the same "
-             "output and LSE")
-    notes = (f"All {len(rows)} calls: median regret {_pct(summary['median_regret'])}, worst "
-             f"{_pct(summary['worst_regret'])}; regret = t(selected) / t(fastest supporting op) - 1, t = max(device, "
-             f"host time) per call (host: median of 9 rounds interleaving the call's ops); {calls}.")
+    for mode, rows in runs.items():
+        groups: dict[str, list[dict]] = {}
+        for r in rows:
+            groups.setdefault(" ".join(r["call"].split()[:2]), []).append(r)
+        for name, members in groups.items():
+            regrets = [r["regret"] for r in members if r["regret"] is not None]
+            worst = max(members, key=lambda r: -1 if r["regret"] is None else r["regret"])
+            table.append({"mode": MODE_LABELS[mode], "kind": name, "calls": len(members),
+                          "median": _pct(statistics.median(regrets)) if regrets else "-",
+                          "worst": _pct(worst["regret"]),
+                          "worst_call": (f"{worst['call'].split(' ', 2)[-1]}: {worst['selected']} vs {worst['best']}"
+                                         if worst["regret"] else "-")})
+    overall = "; ".join(f"{MODE_LABELS[m]}: median {_pct(s['median_regret'])}, worst {_pct(s['worst_regret'])}"
+                        for m, s in ((m, summarize(rows)) for m, rows in runs.items()))
+    notes = (f"{overall}. Regret = t(selected) / t(fastest supporting op) - 1, t = max(device, host time) per call "
+             "(host: median of 9 rounds interleaving the call's ops). Off the grid: calls between and outside the "
+             "tuned buckets (other lengths, batch sizes, GQA ratios, head dims), decode included; backward rows: the "
+             "backward op a bf16 call with gradients gets, against every backward op on the same output and LSE. "
+             "Autotune: each forward call made once under fmha_ops.autotune() first. Anchors: the forward anchors "
+             "(1000-16384 tokens, GQA 1-8, head dims 128 and 256), every op forced through the public call.")
     if skipped:
         notes += f" Not measured (time budget): {len(skipped)} calls, from {skipped[0]}."
-    if _RUN["autotune"]:
-        notes += (" Forward calls selected under fmha_ops.autotune(): each call made once first (its contenders "
-                  "timed at its shape), the selection is the one for the calls after it.")
-    mode = "autotune" if _RUN["autotune"] else "anchors" if _RUN["anchors"] else None
-    return MODE_RECORDS.get(mode, RECORD).write(table, env, png, notes)
+    return RECORD.write(table, env, png, notes)
 
 
-def plot(d: str, rows: list[dict], summary: dict) -> str | None:
-    """selector.png: regret per call (bars), in ``d``; None without matplotlib."""
+def plot(d: str, runs: dict[str, list[dict]]) -> str | None:
+    """selector.png: regret per call (bars), one panel per mode, in ``d``; None without matplotlib."""
     try:
         import matplotlib
 
@@ -252,40 +245,32 @@ def plot(d: str, rows: list[dict], summary: dict) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    ax.bar(range(len(rows)), [100 * (r["regret"] or 0) for r in rows])
-    ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels([r["call"] for r in rows], rotation=75, ha="right", fontsize=6)
-    ax.set_ylabel("regret (%)")
-    ax.set_title(f"selector regret: median {_pct(summary['median_regret'])}, worst {_pct(summary['worst_regret'])}")
+    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 4.0 * len(runs)), squeeze=False)
+    for ax, (mode, rows) in zip(axes[:, 0], runs.items()):
+        summary = summarize(rows)
+        ax.bar(range(len(rows)), [100 * (r["regret"] or 0) for r in rows])
+        ax.set_xticks(range(len(rows)))
+        ax.set_xticklabels([r["call"] for r in rows], rotation=75, ha="right", fontsize=6)
+        ax.set_ylabel("regret (%)")
+        ax.set_title(f"{MODE_LABELS[mode]}: median {_pct(summary['median_regret'])}, "
+                     f"worst {_pct(summary['worst_regret'])}", fontsize=9)
     fig.tight_layout()
     path = os.path.join(d, "selector.png")
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
-def main(argv=None) -> dict:
-    parser = base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--dtypes", default=None, help=f"comma list of {', '.join(PREFILL_DTYPES)}: prefill only")
-    parser.add_argument("--shapes", default=None, help="comma list of indices into PREFILL_SHAPES: prefill only")
-    parser.add_argument("--budget", type=float, default=0.0, help="seconds; calls left after it are not measured")
-    parser.add_argument("--shard", default="0/1", help="K/N: only every N-th call from the K-th (for --compile-only)")
-    parser.add_argument("--autotune", action="store_true",
-                        help="select forward ops under fmha_ops.autotune() (one call each first; FMHA_OPS_CACHE_DIR)")
-    parser.add_argument("--anchors", action="store_true", help="the anchor shapes' forward calls instead")
-    parser.add_argument("--compile-only", action="store_true",
-                        help="run every timed op once, untimed (fills the JIT caches), and write nothing")
-    args = parser.parse_args(argv)
-    _RUN.update(compile_only=args.compile_only, autotune=args.autotune, anchors=args.anchors)
-    shard, shards = (int(x) for x in args.shard.split("/"))
+def measure_mode(mode: str, args, device: str, d: str) -> tuple[list[dict], list[str]]:
+    """(rows, calls left unmeasured by the budget) of one mode; rows also written to selector_<mode>.json in ``d``
+    after every call (a run cut by a time limit leaves its rows)."""
+    _RUN["autotune"] = mode == "autotune"
     dtypes = tuple(args.dtypes.split(",")) if args.dtypes else None
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shapes = tuple(int(i) for i in args.shapes.split(",")) if args.shapes else None
+    shard, shards = (int(x) for x in args.shard.split("/"))
     t_start = time.perf_counter()
     rows, skipped = [], []
-    d = out_dir(args.out)
-    shapes = tuple(int(i) for i in args.shapes.split(",")) if args.shapes else None
-    for i, (kind, make) in enumerate(calls(device, args.quick, dtypes, shapes, args.anchors)):
+    for i, (kind, make) in enumerate(calls(device, args.quick, dtypes, shapes, mode == "anchors")):
         if i % shards != shard:
             continue
         call = make()
@@ -299,24 +284,52 @@ def main(argv=None) -> dict:
         if times:
             rows.append(regret_row(label, selected, times) | {"estimates": estimates})
             r = rows[-1]
-            print(f"{label}: {selected} vs {r['best']} regret {_pct(r['regret'])} "
+            print(f"[{mode}] {label}: {selected} vs {r['best']} regret {_pct(r['regret'])} "
                   f"[{time.perf_counter() - t_start:.0f} s]", flush=True)
-            # written after every call, so a run cut by a time limit leaves its record so far
-            write_json(d, "selector", rows, {"summary": summarize(rows) | {"partial": True}})
+            write_json(d, f"selector_{mode}", rows, {"summary": summarize(rows) | {"partial": True}})
         del call
+    if not args.compile_only:
+        write_json(d, f"selector_{mode}", rows, {"summary": summarize(rows) | {"not_measured": skipped}})
+    return rows, skipped
+
+
+def main(argv=None) -> dict:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--dtypes", default=None, help=f"comma list of {', '.join(PREFILL_DTYPES)}: prefill only")
+    parser.add_argument("--shapes", default=None, help="comma list of indices into PREFILL_SHAPES: prefill only")
+    parser.add_argument("--budget", type=float, default=0.0,
+                        help="seconds per mode; calls left after it are not measured")
+    parser.add_argument("--shard", default="0/1", help="K/N: only every N-th call from the K-th (for --compile-only)")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="run every timed op once, untimed (fills the JIT caches), and write nothing")
+    args = parser.parse_args(argv)
+    _RUN["compile_only"] = args.compile_only
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        parser.error(f"--modes {','.join(unknown)}: not a mode; modes: {', '.join(MODES)}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    d = out_dir(args.out)
+    runs, skipped = {}, []
+    with tempfile.TemporaryDirectory() as cache:  # autotune starts from no measurement
+        os.environ["FMHA_OPS_CACHE_DIR"] = cache
+        SELECTOR.refresh_env()
+        for mode in modes:
+            runs[mode], left = measure_mode(mode, args, device, d)
+            skipped += left
     if args.compile_only:
-        return {"rows": [], "summary": {"seconds": time.perf_counter() - t_start}}
-    summary = summarize(rows) | {"not_measured": skipped, "seconds": time.perf_counter() - t_start}
-    write_json(d, "selector", rows, {"summary": summary})
-    png = plot(d, rows, summary) if rows else None
-    if rows and not (args.no_record or args.quick or dtypes or shapes):
-        print("record:", record(rows, environment(), png, tuple(skipped)))
-    if rows:
+        return {"runs": {}}
+    runs = {mode: rows for mode, rows in runs.items() if rows}
+    png = plot(d, runs) if runs else None
+    if runs and not (args.no_record or args.quick or args.dtypes or args.shapes):
+        print("record:", record(runs, environment(), png, tuple(skipped)))
+    for mode, rows in runs.items():
+        summary = summarize(rows)
         print_table(rows, ["call", "selected", "best", "t_sel_us", "t_best_us", "regret"])
-    print(f"median regret {_pct(summary['median_regret'])}, worst {_pct(summary['worst_regret'])} "
-          f"({summary['calls'] - summary['unmeasured_selected']} calls, {len(skipped)} not measured, "
-          f"{summary['seconds']:.0f} s); targets <= 3% / <= 10%", flush=True)
-    return {"rows": rows, "summary": summary}
+        print(f"{mode}: median regret {_pct(summary['median_regret'])}, worst {_pct(summary['worst_regret'])} "
+              f"({summary['calls'] - summary['unmeasured_selected']} calls); targets <= 3% / <= 10%", flush=True)
+    return {"runs": runs, "skipped": skipped}
 
 
 if __name__ == "__main__":

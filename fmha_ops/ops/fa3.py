@@ -44,7 +44,7 @@ from ..problem import Problem
 from .base import AttentionBwOp, AttentionFwOp
 from .common import (OptionalPackage, decode_outputs, decode_views, decode_window, half_backward_operands,
                      import_failure, kv_head_descales, varlen_args, window_fields, window_size)
-from .cost import attention_time, backward_time
+from .cost import attention_time, backward_time, head_dim_rate
 
 _BF16, _FP16, _FP8 = (torch.bfloat16,) * 3, (torch.float16,) * 3, (torch.float8_e4m3fn,) * 3
 #: the head dims FA3 compiles kernels for; a call's K is rounded up to the next one the build has
@@ -250,9 +250,18 @@ class FA3FwOp(_FA3Op, AttentionFwOp):
     BIAS_KINDS = _DENSE | _PADDED | _PAGED | _built({"VARLEN": _VARLEN})
     #: any page size with a paged build; without one, pages as long as the cache (``one_page_per_sequence``)
     PAGE_SIZES = range(1, 1 << 24)
-    #: achieved (TFLOP/s, TB/s, device overhead us) on the H200 for the cost model, per input dtype family
-    #: (HARDWARE.md, D128 at 4096+ tokens: bf16 658-697, fp8 845-933 TFLOP/s)
-    RATES: ClassVar[dict[str, tuple[float, float, float]]] = {"bf16": (670.0, 3.5, 6.0), "fp8": (880.0, 3.5, 6.0)}
+    #: achieved TFLOP/s on the H200 at 8192 tokens by (dtype family, causal) and head dim (the tuning grid's fa3F
+    #: rows, medians over GQA 1 and 4); shorter calls pay ``LATENCY_US`` and, causal, the diagonal tiles' waste
+    RATES: ClassVar[dict[tuple[str, bool], dict[int, float]]] = {
+        ("bf16", False): {64: 527.0, 128: 674.0, 256: 725.0}, ("bf16", True): {64: 515.0, 128: 645.0, 256: 680.0},
+        ("fp8", False): {64: 625.0, 128: 930.0, 256: 1145.0}, ("fp8", True): {64: 600.0, 128: 880.0, 256: 1105.0}}
+    #: fixed time of a call on the device (launch, prologue, the last wave's tail): the grid's 512- and 2048-token
+    #: rows sit ~20 us above their work at the 8192-token rates
+    LATENCY_US = 20.0
+    #: the key tile of FA3's causal kernels: a causal call computes (1 + CAUSAL_TILE / Mk) x its visible half
+    CAUSAL_TILE = 128
+    #: achieved TB/s of its KV-cache (decode) calls
+    TBPS = 3.5
     #: the interface's custom op and the C++ argument checks, per call
     HOST_US = 35.0
 
@@ -303,7 +312,11 @@ class FA3FwOp(_FA3Op, AttentionFwOp):
 
     @classmethod
     def estimate(cls, p: Problem) -> float:
-        return attention_time(p, *cls.RATES["fp8" if p.q_dtype == torch.float8_e4m3fn else "bf16"])
+        family = "fp8" if p.q_dtype == torch.float8_e4m3fn else "bf16"
+        tflops = head_dim_rate(cls.RATES[family, p.causal], max(p.head_dim, p.head_dim_v))
+        if p.causal:
+            tflops /= 1.0 + cls.CAUSAL_TILE / max(p.seqlen_k, 1)
+        return attention_time(p, tflops, cls.TBPS, cls.LATENCY_US)
 
 
 def _decode(inp: Inputs, needs_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
