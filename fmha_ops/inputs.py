@@ -234,6 +234,8 @@ def make_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, att
             if d is not None and not isinstance(d, torch.Tensor):
                 raise TypeError(f"{name} must be a float32 tensor (numel 1 for one scale; see fmha_ops.inputs for "
                                 f"the per-head / block / token shapes), got {type(d).__name__} {d!r}"[:300])
+    if sinks is not None and not isinstance(sinks, _Tensor):
+        raise TypeError(f"sinks must be a float32 tensor of shape (num_query_heads,), got {type(sinks).__name__}")
     ndim = query.ndim
     if ndim == 4 and key.ndim == 4 and value.ndim == 4:
         pass

@@ -6,8 +6,8 @@ Importing this module registers, with transformers' ``AttentionInterface`` and `
   (no repeated KV heads), the layer's scaling, sliding window, softcap, dropout in training, GPT-OSS's sinks
   (``s_aux``) and a value head dim of its own (DeepSeek-V3's K=192 / Kv=128, unpadded);
 * ``"fmha_ops_fp8"`` / ``"fmha_ops_i8fp8"``: the same with q/k/v quantized inside: calls that need gradients go
-  through ``fp8_attention`` / ``i8fp8_attention`` where those take the mask (causal or none, no padding, window or
-  sinks), inference prefill through the fp8 (or int8 q/k + fp8 v) forward with the call's mask; decode steps
+  through ``fp8_attention`` / ``i8fp8_attention`` where those take the mask (causal or none; no padding, window,
+  softcap or dropout), inference prefill through the fp8 (or int8 q/k + fp8 v) forward with the call's mask; decode steps
   (at most ``DECODE_QUERIES`` new tokens) and the rest run in the model's dtype.
 
 The mask function hands the attention function a structured mask, never a dense bias where the mask is one of
@@ -146,13 +146,13 @@ def _packed(q, k, v, keys: torch.Tensor, causal: bool, window: int | None, optio
 
 def _quantized(q, k, v, mask, options: dict, kind: str) -> torch.Tensor:
     """The quantized variants' prefill: ``fp8_attention`` / ``i8fp8_attention`` when gradients are needed and
-    they take the call (causal or no mask, no window, sinks or padding), else q/k/v quantized here and the
+    they take the call (causal or no mask: no window, softcap, dropout or padding), else q/k/v quantized here and the
     quantized forward with the call's mask and sinks (no gradients: inference)."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         plain = mask is None or type(mask) is ab.LowerTriangularFromBottomRightMask
-        if plain and options["sinks"] is None and not options["softcap"] and not options["p"]:
+        if plain and not options["softcap"] and not options["p"]:
             fn = fp8_attention if kind == "fp8" else i8fp8_attention
-            return fn(q, k, v, causal=mask is not None, softmax_scale=options["scale"])
+            return fn(q, k, v, causal=mask is not None, softmax_scale=options["scale"], sinks=options["sinks"])
         return memory_efficient_attention(q, k, v, mask, **options)
     with torch.no_grad():
         if kind == "fp8":

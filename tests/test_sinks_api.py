@@ -1,0 +1,158 @@
+"""``sinks=`` and value head dims of their own through the public entry points (CPU: the reference and the Triton
+ops under the interpreter, float16), against a float64 reference; the ops' declarations; validation errors."""
+import math
+
+import pytest
+import torch
+
+import fmha_ops
+from fmha_ops import LowerTriangularFromBottomRightMask, memory_efficient_attention
+from fmha_ops.testing import error_report
+from tests.conftest import DEVICE
+from tests.test_kernel_sinks import reference
+
+TRITON_PAIR = ("triton_attnF", "triton_attnB")
+
+
+def _inputs(b=2, mq=17, mk=17, hq=4, hkv=2, d=48, dv=32, dtype=torch.float16, seed=0, grad=False):
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(b, mq, hq, d, generator=g), torch.randn(b, mk, hkv, d, generator=g)
+    v, sinks = torch.randn(b, mk, hkv, dv, generator=g), torch.randn(hq, generator=g) * 2.0
+    q, k, v = (t.to(DEVICE, dtype).requires_grad_(grad) for t in (q, k, v))
+    return q, k, v, sinks.to(DEVICE).requires_grad_(grad)
+
+
+@pytest.mark.parametrize("op", ["torch_referenceF", TRITON_PAIR, ("triton_attnF", "torch_referenceB")])
+def test_memory_efficient_attention_sinks_and_gradients(op):
+    """Output and the gradients of q, k, v (K=48, Kv=32) and the sinks against float64 autograd."""
+    q, k, v, sinks = _inputs(grad=True)
+    out = memory_efficient_attention(q, k, v, LowerTriangularFromBottomRightMask(), op=op, sinks=sinks)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v, sinks), grad)
+    leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v, sinks)]
+    ref, _ = reference(*leaves[:3], q.shape[-1] ** -0.5, True, leaves[3])
+    want = torch.autograd.grad(ref, leaves, grad.double())
+    assert error_report(out, ref)["rel"] < 2e-3
+    for name, g, w in zip(("dq", "dk", "dv", "dsinks"), got, want):
+        assert error_report(g, w)["rel"] < 3e-3, name
+
+
+def test_partial_lse_includes_the_sinks_and_rows_without_keys():
+    """The partial call's LSE holds the sink; a row without keys (top-left causal, Mq > Mk) gets out 0, lse = sink."""
+    q, k, v, sinks = _inputs(mq=5, mk=3)
+    out, lse = fmha_ops.memory_efficient_attention_partial(q, k, v, LowerTriangularFromBottomRightMask(),
+                                                           op="triton_attnF", sinks=sinks,
+                                                           output_dtype=torch.float16)
+    ref, ref_lse = reference(q, k, v, q.shape[-1] ** -0.5, True, sinks)
+    assert (lse.double() - ref_lse).abs().max().item() < 1e-4
+    assert error_report(out, ref)["rel"] < 2e-3
+    assert not out[:, 0].any() and torch.allclose(lse[:, :, 0], sinks.expand(2, -1))
+
+
+def test_flash_attn_func_and_varlen_sinks():
+    q, k, v, sinks = _inputs(b=1, mq=20, mk=20)
+    want, _ = reference(q, k, v, q.shape[-1] ** -0.5, True, sinks)
+    out = fmha_ops.flash_attn_func(q, k, v, causal=True, sinks=sinks)
+    assert error_report(out, want)["rel"] < 2e-3
+    cu = torch.tensor([0, 7, 20], dtype=torch.int32, device=DEVICE)
+    packed = fmha_ops.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 13, 13, causal=True, sinks=sinks)
+    for a, b in ((0, 7), (7, 20)):
+        ref, _ = reference(q[:, a:b], k[:, a:b], v[:, a:b], q.shape[-1] ** -0.5, True, sinks)
+        assert error_report(packed[a:b], ref[0])["rel"] < 2e-3
+
+
+@pytest.mark.parametrize("op", [None, "triton_decoderF", "triton_splitKF"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_decode_sinks_value_dim(paged, op):
+    """flash_attn_with_kvcache (appending, then decoding) and plan_kvcache with sinks, K=48 and Kv=32 caches; the
+    selector's op, or a Triton decoder forced."""
+    if op is None:
+        _kvcache_decode(paged)
+    else:
+        with fmha_ops.use_ops(op):
+            _kvcache_decode(paged)
+
+
+def _kvcache_decode(paged):
+    from fmha_ops.kv_cache import paged_from_dense
+
+    b, length, hq, hkv, d, dv = 2, 32, 4, 2, 48, 32
+    q, k, v, sinks = _inputs(b=b, mq=1, mk=length, hq=hq, hkv=hkv, d=d, dv=dv, seed=3)
+    lengths = torch.tensor([20, 9], dtype=torch.int32, device=DEVICE)
+    table = None
+    k_cache, v_cache = k.clone(), v.clone()
+    if paged:
+        (k_cache, v_cache), table = paged_from_dense([k, v], 8)
+    new_k, new_v = k[:, :1] * 0.5, v[:, :1] * 0.5
+    out = fmha_ops.flash_attn_with_kvcache(q, k_cache, v_cache, new_k, new_v, cache_seqlens=lengths, page_table=table,
+                                           causal=True, sinks=sinks)
+    assert out.shape == (b, 1, hq, dv)
+    plan = fmha_ops.plan_kvcache(q, k_cache, v_cache, cache_seqlens=lengths + 1, page_table=table, causal=True,
+                                 sinks=sinks)
+    planned = plan.run(q).clone()
+    other = plan.run(q, sinks=sinks * 0.0 - 30.0)  # another layer's sinks: here, almost none
+    for i, n in enumerate(lengths.tolist()):
+        kk = torch.cat([k[i:i + 1, :n], new_k[i:i + 1]], 1)
+        vv = torch.cat([v[i:i + 1, :n], new_v[i:i + 1]], 1)
+        ref, _ = reference(q[i:i + 1], kk, vv, d ** -0.5, True, sinks)
+        assert error_report(out[i:i + 1], ref)["rel"] < 2e-3
+        assert error_report(planned[i:i + 1], ref)["rel"] < 2e-3
+        without, _ = reference(q[i:i + 1], kk, vv, d ** -0.5, True, None)
+        assert error_report(other[i:i + 1], without)["rel"] < 2e-3
+    with pytest.raises(ValueError, match="sinks"):
+        fmha_ops.plan_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, page_table=table, causal=True).run(
+            q, sinks=sinks)
+
+
+@pytest.mark.parametrize("fn", ["fp8_attention", "i8fp8_attention"])
+def test_quantized_training_sinks_gradient(fn):
+    q, k, v, sinks = _inputs(b=1, mq=33, mk=33, d=32, dv=32, grad=True)
+    out = getattr(fmha_ops, fn)(q, k, v, causal=True, sinks=sinks)
+    out.float().square().sum().backward()
+    leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v, sinks)]
+    ref, _ = reference(*leaves[:3], q.shape[-1] ** -0.5, True, leaves[3])
+    ref.square().sum().backward()
+    assert error_report(out, ref)["cos"] > 0.995
+    assert error_report(sinks.grad, leaves[3].grad)["cos"] > 0.99
+
+
+def test_declarations():
+    """Ops that take sinks declare them; SDPA refuses them with the reason; the decoders take Kv != K."""
+    q, k, v, sinks = _inputs(dtype=torch.float32)
+    report = fmha_ops.explain(q, k, v, LowerTriangularFromBottomRightMask(), sinks=sinks)
+    text = str(report)
+    assert "attention sinks (sinks=) not supported" in text
+    assert report.selected is not None and report.selected.SINKS
+    for name in ("torch_referenceF", "torch_referenceB", "triton_attnF", "triton_fp8F", "triton_i8fp8F",
+                 "triton_attnB", "triton_decoderF", "triton_splitKF"):
+        assert fmha_ops.get_op(name).SINKS, name
+    assert not fmha_ops.get_op("sdpa_mathF").SINKS
+    assert 128 in fmha_ops.get_op("triton_splitKF").HEAD_DIMS_V and 192 in fmha_ops.get_op("triton_splitKF").HEAD_DIMS
+    assert 192 in fmha_ops.get_op("triton_attnB").HEAD_DIMS
+
+
+@pytest.mark.parametrize("bad, error", [
+    (torch.zeros(4, dtype=torch.float16), "float32"),
+    (torch.zeros(3), r"expected \(4,\)"),
+    ([0.0] * 4, "tensor"),
+])
+def test_sinks_validated(bad, error):
+    q, k, v, _ = _inputs(dtype=torch.float32)
+    with pytest.raises((ValueError, TypeError), match=error):
+        memory_efficient_attention(q, k, v, sinks=bad)
+
+
+def test_sinks_equal_an_extra_zero_value_key():
+    """A sink is a key whose score is the sink and whose value row is 0: the same output from the reference."""
+    q, k, v, sinks = _inputs(b=1, mq=6, mk=6, hq=2, hkv=2, d=16, dv=16, dtype=torch.float32)
+    scale = 0.25
+    out = memory_efficient_attention(q, k, v, scale=scale, sinks=sinks, op="torch_referenceF")
+    # an extra key per head with q . k_extra * scale == sink: k_extra = sink / (scale * |q|^2) q, per query row
+    extra = []
+    for i in range(q.shape[1]):
+        kx = (sinks[None, :, None] / (scale * q[:, i].square().sum(-1, keepdim=True))) * q[:, i]  # (1, H, D)
+        o = memory_efficient_attention(q[:, i:i + 1], torch.cat([k, kx[:, None]], 1),
+                                       torch.cat([v, torch.zeros_like(v[:, :1])], 1), scale=scale)
+        extra.append(o)
+    assert torch.allclose(out, torch.cat(extra, 1), atol=1e-5)
+    assert math.isfinite(out.sum().item())
