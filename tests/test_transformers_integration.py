@@ -32,7 +32,9 @@ def _config(arch: str):
         return Gemma3TextConfig(**{**SMALL, "num_hidden_layers": 3}, head_dim=16, sliding_window=5,
                                 layer_types=["sliding_attention", "sliding_attention", "full_attention"])
     if arch == "gpt-oss":
-        return GptOssConfig(**SMALL, head_dim=16, sliding_window=5, num_local_experts=4, num_experts_per_tok=2,
+        # max_position_embeddings: the default's, which its YaRN rope scaling is consistent with
+        return GptOssConfig(**{**SMALL, "max_position_embeddings": 131072}, head_dim=16, sliding_window=5,
+                            num_local_experts=4, num_experts_per_tok=2,
                             layer_types=["sliding_attention", "full_attention"])
     if arch == "deepseek-v3":
         return DeepseekV3Config(**{**SMALL, "num_key_value_heads": 4}, q_lora_rank=32, kv_lora_rank=32,
