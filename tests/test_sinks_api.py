@@ -156,3 +156,78 @@ def test_sinks_equal_an_extra_zero_value_key():
         extra.append(o)
     assert torch.allclose(out, torch.cat(extra, 1), atol=1e-5)
     assert math.isfinite(out.sum().item())
+
+
+def test_compiled_call_gives_the_sinks_gradient():
+    """Under torch.compile the op runs behind fmha_ops::attention_forward; its autograd gives the sinks' gradient."""
+    q, k, v, sinks = _inputs(b=1, mq=9, mk=9, d=16, dv=16, dtype=torch.float32, grad=True)
+
+    def fn(q, k, v, s):
+        return memory_efficient_attention(q, k, v, LowerTriangularFromBottomRightMask(), sinks=s,
+                                          op=("torch_referenceF", "torch_referenceB"))
+    out = torch.compile(fn, backend="aot_eager", fullgraph=True)(q, k, v, sinks)
+    got = torch.autograd.grad(out.sum(), (q, sinks))
+    want = torch.autograd.grad(fn(q, k, v, sinks).sum(), (q, sinks))
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, atol=1e-5)
+
+
+GPU_OPS = ["triton_attnF", ("triton_attnF", "triton_attnB"), "fa4F", ("triton_attnF", "fa4B"), "triton_fp8F"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", GPU_OPS)
+@pytest.mark.parametrize("window", [None, 128])
+def test_gpu_ops_with_sinks(op, window):
+    """GPT-OSS attention (64 / 8 heads of dim 64, bf16, causal, full or a 128-key window) with sinks through each op
+    that declares them, against the float32 reference; with a backward op: the gradients, the sinks' included."""
+    fw = op[0] if isinstance(op, tuple) else op
+    reason = fmha_ops.get_op(fw).available() or (isinstance(op, tuple) and fmha_ops.get_op(op[1]).available())
+    if reason:
+        pytest.skip(reason)
+    grad = isinstance(op, tuple)
+    q, k, v, sinks = _inputs(b=2, mq=1000, mk=1000, hq=64, hkv=8, d=64, dv=64, dtype=torch.bfloat16, grad=grad)
+    mask = LowerTriangularFromBottomRightMask()
+    mask = mask if window is None else mask.make_local_attention(window)
+    if fw == "triton_fp8F":
+        from fmha_ops.quant import quantize_qkv_fp8
+
+        q8, k8, v8, qd, kd, vd = quantize_qkv_fp8(q, k, v)
+        out = memory_efficient_attention(q8, k8, v8, mask, q_descale=qd, k_descale=kd, v_descale=vd, op=op,
+                                         sinks=sinks)
+    else:
+        out = memory_efficient_attention(q, k, v, mask, op=op, sinks=sinks)
+    leaves = [t.detach().float().requires_grad_(grad) for t in (q, k, v, sinks)]
+    ref = memory_efficient_attention(*leaves[:3], mask, sinks=leaves[3], op="torch_referenceF")
+    assert error_report(out, ref)["rel"] < (4e-2 if fw == "triton_fp8F" else 1e-2)
+    if grad:
+        g = torch.randn_like(out)
+        got = torch.autograd.grad(out, (q, k, v, sinks), g)
+        want = torch.autograd.grad(ref, leaves, g.float())
+        for name, a, b in zip(("dq", "dk", "dv", "dsinks"), got, want):
+            assert error_report(a, b)["rel"] < 2e-2, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", [None, "triton_attnF", ("triton_attnF", "triton_attnB"), "fa3F", "fa4F"])
+def test_gpu_value_head_dim_192_128(op):
+    """DeepSeek-V3 heads (K=192, Kv=128, bf16, causal) through the selector and the ops that declare Kv != K."""
+    names = [] if op is None else list(op) if isinstance(op, tuple) else [op]
+    for name in names:
+        if name not in [o.NAME for o in fmha_ops.ALL_FW_OPS + fmha_ops.ALL_BW_OPS]:
+            pytest.skip(f"{name} is not registered here")
+        reason = fmha_ops.get_op(name).available()
+        if reason:
+            pytest.skip(reason)
+    grad = op is None or isinstance(op, tuple)
+    q, k, v, _ = _inputs(b=2, mq=1000, mk=1000, hq=16, hkv=16, d=192, dv=128, dtype=torch.bfloat16, grad=grad)
+    mask = LowerTriangularFromBottomRightMask()
+    out = memory_efficient_attention(q, k, v, mask, op=op)
+    leaves = [t.detach().float().requires_grad_(grad) for t in (q, k, v)]
+    ref = memory_efficient_attention(*leaves, mask, op="torch_referenceF")
+    assert out.shape == (2, 1000, 16, 128) and error_report(out, ref)["rel"] < 1e-2
+    if grad:
+        g = torch.randn_like(out)
+        for name, a, b in zip("qkv", torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, leaves,
+                                                                                                    g.float())):
+            assert error_report(a, b)["rel"] < 2e-2, name

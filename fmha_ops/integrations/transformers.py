@@ -27,6 +27,8 @@ Example
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import (AttentionMaskInterface, bidirectional_mask_function, causal_mask_function,
@@ -106,17 +108,26 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
                    p=dropout if module.training else 0.0)
     if attention_mask is not None and attention_mask.dim() == 2:  # the padding of mask_function
         return _packed(q, k, v, attention_mask.bool(), causal, window, options, quantize), None
-    if attention_mask is not None:  # a dense additive bias (B, 1, Mq, Mk): expanded over the heads
-        bias = attention_mask.to(q.dtype).expand(q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+    if attention_mask is not None:  # a dense mask (B, 1, Mq, Mk): an additive bias, or the allowed pairs (bool)
+        if attention_mask.dtype == torch.bool:
+            attention_mask = torch.zeros(attention_mask.shape, dtype=q.dtype, device=q.device).masked_fill(
+                ~attention_mask, torch.finfo(q.dtype).min)
+        bias = attention_mask.to(q.dtype)[..., :k.shape[1]].expand(q.shape[0], q.shape[2], q.shape[1], k.shape[1])
         return memory_efficient_attention(q, k, v, bias, **options), None
     mask = None
     if causal:
-        mask = ab.LowerTriangularFromBottomRightMask()
-        if window is not None and window < k.shape[1]:
-            mask = mask.make_local_attention(window)
+        mask = _causal_mask(window if window is not None and window < k.shape[1] else None)
     if quantize is not None and q.shape[1] > DECODE_QUERIES:
         return _quantized(q, k, v, mask, options, quantize), None
     return memory_efficient_attention(q, k, v, mask, **options), None
+
+
+@functools.lru_cache(maxsize=None)
+def _causal_mask(window: int | None) -> ab.AttentionBias:
+    """The bottom-right causal mask, local with a ``window``-key window (None: none); one instance per window, so
+    repeated calls reuse its cached signature."""
+    mask = ab.LowerTriangularFromBottomRightMask()
+    return mask if window is None else mask.make_local_attention(window)
 
 
 def _packed(q, k, v, keys: torch.Tensor, causal: bool, window: int | None, options: dict,
