@@ -134,11 +134,13 @@ def memory_efficient_attention_partial(
 def memory_efficient_attention_forward_requires_grad(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_bias: Any = None, p: float = 0.0,
     scale: float | None = None, *, op: OpArg = None, output_dtype: torch.dtype | None = None, softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """xformers' low-level forward: (out, lse) for a later ``memory_efficient_attention_backward``.
 
     out (B, Mq, Hq, Kv) in ``output_dtype`` (default: query's dtype); lse float32 (B, Hq, Mq) (BMGHK:
-    (B, G, H, Mq); BMK: (B, 1, Mq)). No autograd graph is recorded. Dropout is refused (``p`` must be 0).
+    (B, G, H, Mq); BMK: (B, 1, Mq)), the ``sinks`` included. No autograd graph is recorded. Dropout is refused
+    (``p`` must be 0).
 
     Example
     -------
@@ -147,7 +149,8 @@ def memory_efficient_attention_forward_requires_grad(
     ...                                                  LowerTriangularMask())
     """
     _no_dropout(p, "memory_efficient_attention_forward_requires_grad")
-    inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, output_dtype=output_dtype, softcap=softcap)
+    inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, output_dtype=output_dtype, softcap=softcap,
+                      sinks=sinks)
     with no_grad():
         out, lse = run_forward(inp, op, True)
     return inp.layout(out), _lse_layout(inp, lse)
@@ -156,19 +159,20 @@ def memory_efficient_attention_forward_requires_grad(
 def memory_efficient_attention_backward(
     grad: torch.Tensor, output: torch.Tensor, lse: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
     value: torch.Tensor, attn_bias: Any = None, p: float = 0.0, scale: float | None = None, *, op: OpArg = None,
-    softcap: float = 0.0,
+    softcap: float = 0.0, sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """xformers' low-level backward: (dq, dk, dv) shaped like query, key, value.
 
     ``output`` and ``lse`` come from ``memory_efficient_attention_forward_requires_grad`` on the same
-    inputs; ``grad`` is d(loss)/d(output). BMHK or BMK tensors (for GQA pass key / value with Hkv heads
+    inputs (``sinks`` too: the LSE includes them, and a backward op that takes them is selected; their own
+    gradient is ``fmha_ops.sinks.sink_grad(output, grad, lse, sinks)``); ``grad`` is d(loss)/d(output). BMHK or BMK tensors (for GQA pass key / value with Hkv heads
     in BMHK). ``op``: a backward op, or an (FwOp, BwOp) tuple. Dropout is refused (``p`` must be 0).
     """
     _no_dropout(p, "memory_efficient_attention_backward")
     if query.ndim == 5:
         raise ValueError("memory_efficient_attention_backward takes BMHK (B, M, H, K) or BMK tensors, got a 5-D "
                          "query; for GQA pass key / value with their Hkv heads in BMHK")
-    inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, softcap=softcap)
+    inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, softcap=softcap, sinks=sinks)
     out, grad = (t[:, :, None] if inp.layout.bmk and t.ndim == 3 else t for t in (output, grad))
     lse = lse[:, None] if inp.layout.bmk and lse.ndim == 2 else lse
     b, mq, hq, _ = inp.query.shape

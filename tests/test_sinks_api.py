@@ -231,3 +231,21 @@ def test_gpu_value_head_dim_192_128(op):
         for name, a, b in zip("qkv", torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, leaves,
                                                                                                     g.float())):
             assert error_report(a, b)["rel"] < 2e-2, name
+
+
+def test_low_level_forward_backward_with_sinks():
+    """xformers' low-level pair with sinks: the LSE includes them, the backward gives the autograd gradients, and
+    sink_grad the sinks'."""
+    from fmha_ops.sinks import sink_grad
+
+    q, k, v, sinks = _inputs(dtype=torch.float32)
+    mask = LowerTriangularFromBottomRightMask()
+    out, lse = fmha_ops.memory_efficient_attention_forward_requires_grad(q, k, v, mask, sinks=sinks)
+    grad = torch.randn_like(out)
+    dq, dk, dv = fmha_ops.memory_efficient_attention_backward(grad, out, lse, q, k, v, mask, sinks=sinks)
+    leaves = [t.double().requires_grad_(True) for t in (q, k, v, sinks)]
+    ref, ref_lse = reference(*leaves[:3], q.shape[-1] ** -0.5, True, leaves[3])
+    want = torch.autograd.grad(ref, leaves, grad.double())
+    assert (lse.double() - ref_lse).abs().max().item() < 1e-5
+    for name, g, w in zip(("dq", "dk", "dv", "dsinks"), (dq, dk, dv, sink_grad(out, grad, lse, sinks)), want):
+        assert error_report(g, w)["rel"] < 1e-5, name
