@@ -134,22 +134,22 @@ def test_gpt_oss_sinks_get_gradients():
         assert torch.allclose(grads[1][name], g, atol=1e-5, rtol=1e-4), name
 
 
-def test_mask_function_structure():
+def test_structured_mask():
     """No padding -> None; left padding -> the key slots' padding; an unknown mask function -> a dense bias."""
     from transformers.masking_utils import causal_mask_function, or_masks, sliding_window_causal_mask_function
 
     mask = torch.ones(2, 6, dtype=torch.bool)
-    assert fmha_hf.mask_function(2, 6, 6, attention_mask=mask, mask_function=causal_mask_function) is None
-    assert fmha_hf.mask_function(2, 6, 6, attention_mask=mask,
+    assert fmha_hf.structured_mask(2, 6, 6, attention_mask=mask, mask_function=causal_mask_function) is None
+    assert fmha_hf.structured_mask(2, 6, 6, attention_mask=mask,
                                  mask_function=sliding_window_causal_mask_function(3)) is None
     mask[1, :2] = False
-    padding = fmha_hf.mask_function(2, 6, 6, attention_mask=mask, mask_function=causal_mask_function)
+    padding = fmha_hf.structured_mask(2, 6, 6, attention_mask=mask, mask_function=causal_mask_function)
     assert padding.shape == (2, 6) and padding.dtype == torch.bool and padding.sum().item() == 10
-    static = fmha_hf.mask_function(2, 1, 16, q_offset=6, attention_mask=torch.ones(2, 7, dtype=torch.bool),
+    static = fmha_hf.structured_mask(2, 1, 16, q_offset=6, attention_mask=torch.ones(2, 7, dtype=torch.bool),
                                    mask_function=causal_mask_function)  # a static cache's empty slots: left out
     assert static.shape == (2, 7) and bool(static.all())
     custom = or_masks(causal_mask_function, lambda b, h, q, kv: kv == 0)
-    dense = fmha_hf.mask_function(2, 6, 6, attention_mask=None, mask_function=custom, dtype=torch.float32)
+    dense = fmha_hf.structured_mask(2, 6, 6, attention_mask=None, mask_function=custom, dtype=torch.float32)
     assert dense.shape == (2, 1, 6, 6) and dense.dtype == torch.float32 and (dense[:, :, :, 0] == 0).all()
 
 

@@ -47,8 +47,8 @@ DECODE_QUERIES = 16
 _is_compiling = torch.compiler.is_compiling
 
 
-def mask_function(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-                  mask_function=causal_mask_function, attention_mask: torch.Tensor | None = None, **kwargs):
+def structured_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                    mask_function=causal_mask_function, attention_mask: torch.Tensor | None = None, **kwargs):
     """transformers' mask interface for the fmha_ops implementations (``AttentionMaskInterface``).
 
     Returns None (no padded key: the layer's causal flag and window say the rest); or the padding: bool
@@ -97,16 +97,17 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
               sliding_window: int | None = None, softcap: float | None = None, s_aux: torch.Tensor | None = None,
               quantize: str | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention interface for ``"fmha_ops"``: query (B, Hq, Mq, K), key (B, Hkv, Mk, K), value
-    (B, Hkv, Mk, Kv) -> (out (B, Mq, Hq, Kv), None). ``attention_mask``: what ``mask_function`` returned.
+    (B, Hkv, Mk, Kv) -> (out (B, Mq, Hq, Kv), None). ``attention_mask``: what ``structured_mask`` returned.
     ``s_aux``: GPT-OSS's sinks (Hq,) in any float dtype (used as float32, differentiable). ``quantize``: "fp8" /
     "i8fp8" for the quantized variants."""
-    causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else causal
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # BMHK views
     sinks = None if s_aux is None else s_aux.float()
     window = sliding_window if causal and sliding_window is not None and sliding_window > 0 else None
     options = dict(scale=scaling, softcap=softcap or 0.0, sinks=sinks,
                    p=dropout if module.training else 0.0)
-    if attention_mask is not None and attention_mask.dim() == 2:  # the padding of mask_function
+    if attention_mask is not None and attention_mask.dim() == 2:  # the padding of structured_mask
         return _packed(q, k, v, attention_mask.bool(), causal, window, options, quantize), None
     if attention_mask is not None:  # a dense mask (B, 1, Mq, Mk): an additive bias, or the allowed pairs (bool)
         if attention_mask.dtype == torch.bool:
@@ -133,7 +134,7 @@ def _causal_mask(window: int | None) -> ab.AttentionBias:
 def _packed(q, k, v, keys: torch.Tensor, causal: bool, window: int | None, options: dict,
             quantize: str | None) -> torch.Tensor:
     """A padded call as variable-length sequences: each sequence's query tokens and key tokens (``keys``: bool
-    (B, slots) from ``mask_function``, the queries its last Mq slots) gathered into one packed batch (bottom-right
+    (B, slots) from ``structured_mask``, the queries its last Mq slots) gathered into one packed batch (bottom-right
     causal, or bidirectional, per sequence), the outputs scattered back (0 at padded query positions)."""
     b, mq, hq, _ = q.shape
     mk = k.shape[1]
@@ -191,7 +192,7 @@ def register() -> None:
     this module does it)."""
     for name, kind in IMPLEMENTATIONS.items():
         AttentionInterface.register(name, attention if kind is None else _variant(kind))
-        AttentionMaskInterface.register(name, mask_function)
+        AttentionMaskInterface.register(name, structured_mask)
 
 
 register()
