@@ -249,3 +249,33 @@ def test_low_level_forward_backward_with_sinks():
     assert (lse.double() - ref_lse).abs().max().item() < 1e-5
     for name, g, w in zip(("dq", "dk", "dv", "dsinks"), (dq, dk, dv, sink_grad(out, grad, lse, sinks)), want):
         assert error_report(g, w)["rel"] < 1e-5, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["gluon_fp8_decodeF", "triton_splitKF", "triton_decoderF"])
+@pytest.mark.parametrize("lengths", [(4096, 1, 1000, 4095), (64, 64, 64, 64)])
+def test_gpu_fp8_kv_decode_sinks(op, lengths):
+    """GPT-OSS decode on an fp8 paged cache with sinks (the Gluon decoder through its split reduce, the Triton
+    decoders) against the float32 reference on the dequantized cache; planned runs with another layer's sinks."""
+    from fmha_ops.kv_cache import build_fp8_paged_cache
+
+    reason = fmha_ops.get_op(op).available()
+    if reason:
+        pytest.skip(reason)
+    b, hq, hkv, d = len(lengths), 64, 8, 64
+    q, k, v, sinks = _inputs(b=b, mq=1, mk=max(lengths), hq=hq, hkv=hkv, d=d, dv=d, dtype=torch.bfloat16, seed=7)
+    kc, vc, ks, vs, table = build_fp8_paged_cache(k, v, 64)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    with fmha_ops.use_ops(op):
+        out = fmha_ops.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, page_table=table, k_descale=ks,
+                                               v_descale=vs, causal=True, sinks=sinks)
+        plan = fmha_ops.plan_kvcache(q, kc, vc, cache_seqlens=seqlens, page_table=table, k_descale=ks,
+                                     v_descale=vs, causal=True, sinks=sinks)
+        planned = plan.run(q, sinks=sinks + 1.0).clone()
+    assert plan.op.NAME == op
+    kd = (kc.float() * ks[..., None])[table.long()].reshape(b, -1, hkv, d)
+    vd = (vc.float() * vs[..., None])[table.long()].reshape(b, -1, hkv, d)
+    for i, n in enumerate(lengths):
+        for got, s in ((out, sinks), (planned, sinks + 1.0)):
+            ref, _ = reference(q[i:i + 1].float(), kd[i:i + 1, :n], vd[i:i + 1, :n], d ** -0.5, True, s)
+            assert error_report(got[i:i + 1], ref)["rel"] < 2e-2
