@@ -279,3 +279,32 @@ def test_gpu_fp8_kv_decode_sinks(op, lengths):
         for got, s in ((out, sinks), (planned, sinks + 1.0)):
             ref, _ = reference(q[i:i + 1].float(), kd[i:i + 1, :n], vd[i:i + 1, :n], d ** -0.5, True, s)
             assert error_report(got[i:i + 1], ref)["rel"] < 2e-2
+
+
+def test_kv_cache_helpers_value_dim():
+    """The KV-cache builders and the append kernel with Kv=32 != K=48, bf16-like (float16) and fp8 caches."""
+    from fmha_ops.kernels.triton.kv_append import kv_append
+    from fmha_ops.kv_cache import append_to_cache, build_fp8_paged_cache, dense_from_paged
+
+    _, k, v, _ = _inputs(b=2, mk=40, d=48, dv=32, seed=5)
+    kc, vc, ks, vs, table = build_fp8_paged_cache(k, v, 16)
+    assert kc.shape[-1] == 48 and vc.shape[-1] == 32
+    back = dense_from_paged(vc.float() * vs[..., None], table, 40)
+    assert error_report(back, v)["rel"] < 0.05
+    new_k, new_v = k[:, :2] * 2, v[:, :2] * 2
+    lengths = torch.tensor([5, 30], dtype=torch.int32, device=DEVICE)
+    for fp8 in (False, True):
+        caches = [t.clone() for t in ((kc, vc, ks, vs) if fp8 else (k, v))]
+        want = [t.clone() for t in caches]
+        scales = dict(k_scale=caches[2], v_scale=caches[3]) if fp8 else {}
+        kv_append(new_k, new_v, caches[0], caches[1], lengths, block_table=table if fp8 else None, **scales)
+        append_to_cache(new_k, new_v, want[0], want[1], lengths, block_table=table if fp8 else None,
+                        **(dict(k_scale=want[2], v_scale=want[3]) if fp8 else {}))
+        if not fp8:
+            assert all(torch.equal(got, ref) for got, ref in zip(caches, want))
+            continue
+        # fp8: the interpreter rounds float32 -> fp8 casts its own way (HARDWARE.md); compare dequantized values
+        for cache, scale, ref_cache, ref_scale in ((caches[0], caches[2], want[0], want[2]),
+                                                   (caches[1], caches[3], want[1], want[3])):
+            got = cache.float() * scale[..., None]
+            assert error_report(got, ref_cache.float() * ref_scale[..., None])["rel"] < 0.05
