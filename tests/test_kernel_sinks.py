@@ -78,7 +78,7 @@ def test_backward_with_sinks(shape):
     b, mq, mk, hq, hkv, d, dv, causal = shape
     q, k, v, sinks = _qkv(b, mq, mk, hq, hkv, d, dv, torch.float16, seed=1)
     out, lse = attention_forward(q, k, v, scale=d ** -0.5, causal=causal, return_lse=True, sinks=sinks)
-    grad = torch.randn_like(out)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out)
     dq, dk, dv_ = attention_backward(grad, q, k, v, out, lse, scale=d ** -0.5, causal=causal)
     leaves = [t.double().requires_grad_(True) for t in (q, k, v, sinks)]
     ref, _ = reference(*leaves[:3], d ** -0.5, causal, leaves[3])
@@ -86,7 +86,8 @@ def test_backward_with_sinks(shape):
     for name, got, ref_grad in zip(("dq", "dk", "dv", "dsinks"), (dq, dk, dv_, sink_grad(out, grad, lse, sinks)),
                                    want):
         rep = error_report(got, ref_grad)
-        assert rep["rel"] < 2e-3, (name, rep)
+        # dsinks sums rows of dO . O of both signs: the float16 output's rounding weighs more against the sum
+        assert rep["rel"] < (1e-2 if name == "dsinks" else 2e-3) and rep["cos"] > 0.9999, (name, rep)
 
 
 @pytest.mark.parametrize("splits,page", [(1, None), (3, None), (2, 8)])

@@ -27,14 +27,15 @@ def test_memory_efficient_attention_sinks_and_gradients(op):
     """Output and the gradients of q, k, v (K=48, Kv=32) and the sinks against float64 autograd."""
     q, k, v, sinks = _inputs(grad=True)
     out = memory_efficient_attention(q, k, v, LowerTriangularFromBottomRightMask(), op=op, sinks=sinks)
-    grad = torch.randn_like(out)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out)
     got = torch.autograd.grad(out, (q, k, v, sinks), grad)
     leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v, sinks)]
     ref, _ = reference(*leaves[:3], q.shape[-1] ** -0.5, True, leaves[3])
     want = torch.autograd.grad(ref, leaves, grad.double())
     assert error_report(out, ref)["rel"] < 2e-3
     for name, g, w in zip(("dq", "dk", "dv", "dsinks"), got, want):
-        assert error_report(g, w)["rel"] < 3e-3, name
+        rep = error_report(g, w)  # dsinks: a sum of both signs over rows, float16 rounding weighs more
+        assert rep["rel"] < (1e-2 if name == "dsinks" else 3e-3) and rep["cos"] > 0.9999, (name, rep)
 
 
 def test_partial_lse_includes_the_sinks_and_rows_without_keys():
@@ -241,7 +242,7 @@ def test_low_level_forward_backward_with_sinks():
     q, k, v, sinks = _inputs(dtype=torch.float32)
     mask = LowerTriangularFromBottomRightMask()
     out, lse = fmha_ops.memory_efficient_attention_forward_requires_grad(q, k, v, mask, sinks=sinks)
-    grad = torch.randn_like(out)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out)
     dq, dk, dv = fmha_ops.memory_efficient_attention_backward(grad, out, lse, q, k, v, mask, sinks=sinks)
     leaves = [t.double().requires_grad_(True) for t in (q, k, v, sinks)]
     ref, ref_lse = reference(*leaves[:3], q.shape[-1] ** -0.5, True, leaves[3])
