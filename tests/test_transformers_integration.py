@@ -1,7 +1,8 @@
 """``attn_implementation="fmha_ops"`` in Hugging Face transformers: tiny random-weight models built from each
 architecture's config (no download), against ``attn_implementation="eager"`` with the same weights.
 
-Checked per architecture (Llama, Qwen 3, Mistral with a sliding window, Gemma 3 with sliding and full layers,
+Checked per architecture (Llama, Qwen 3, Mistral with a sliding window, Gemma 2 with softcap, Gemma 3 with sliding
+and full layers,
 GPT-OSS with sinks and windows, DeepSeek-V3 with q/k head dim 24 and value head dim 16): float32 logits of a
 left-padded batch (at the tokens, not the padding), and greedy ``generate()`` token-identical with the dynamic
 cache (and the static one for Llama). ``gpu``: the same in bfloat16 on the H200, where the Triton / FA4 ops run.
@@ -19,8 +20,8 @@ SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_
 
 
 def _config(arch: str):
-    from transformers import (DeepseekV3Config, Gemma3TextConfig, GptOssConfig, LlamaConfig, MistralConfig,
-                              Qwen3Config)
+    from transformers import (DeepseekV3Config, Gemma2Config, Gemma3TextConfig, GptOssConfig, LlamaConfig,
+                              MistralConfig, Qwen3Config)
 
     if arch == "llama":
         return LlamaConfig(**SMALL)
@@ -31,6 +32,9 @@ def _config(arch: str):
     if arch == "gemma3":
         return Gemma3TextConfig(**{**SMALL, "num_hidden_layers": 3}, head_dim=16, sliding_window=5,
                                 layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    if arch == "gemma2":  # attention softcap (Gemma 3 has none) and a query scale of its own
+        return Gemma2Config(**SMALL, head_dim=16, sliding_window=5, attn_logit_softcapping=5.0,
+                            query_pre_attn_scalar=24)
     if arch == "gpt-oss":
         # max_position_embeddings: the default's, which its YaRN rope scaling is consistent with
         return GptOssConfig(**{**SMALL, "max_position_embeddings": 131072}, head_dim=16, sliding_window=5,
@@ -44,7 +48,7 @@ def _config(arch: str):
     raise ValueError(arch)
 
 
-ARCHS = ["llama", "qwen3", "mistral", "gemma3", "gpt-oss", "deepseek-v3"]
+ARCHS = ["llama", "qwen3", "mistral", "gemma2", "gemma3", "gpt-oss", "deepseek-v3"]
 
 
 def _models(arch: str, dtype=torch.float32, device=DEVICE):
