@@ -18,11 +18,15 @@ Implementations: ``fmha_ops`` and ``fmha_ops_fp8`` (``fmha_ops.integrations.tran
 ``<out>/models.json``.
 
     python bench/models_bench.py [--quick] [--model llama3-8b gpt-oss-20b] [--batch 1 32] [--context 2048 16384]
-                                 [--impl fmha_ops sdpa ...] [--layers N] [--out DIR] [--no-record]
+                                 [--impl fmha_ops sdpa ...] [--layers N] [--merge] [--out DIR] [--no-record]
+
+``--merge`` keeps the rows of ``<out>/models.json`` that this run does not measure again, so the grid can be run in
+parts (one model or batch per command) into one record.
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import statistics
 import sys
@@ -158,6 +162,7 @@ def main() -> None:
     p.add_argument("--impl", nargs="+", default=IMPLEMENTATIONS)
     p.add_argument("--layers", type=int, default=None, help="layers per model (default: LAYERS)")
     p.add_argument("--steps", type=int, default=16, help="timed decode steps")
+    p.add_argument("--merge", action="store_true", help="keep <out>/models.json's rows this run does not redo")
     args = p.parse_args()
     if args.quick:
         args.batch, args.context, args.steps = [1], [2048], 8
@@ -181,12 +186,25 @@ def main() -> None:
                     torch.cuda.empty_cache()
         del model
         torch.cuda.empty_cache()
+    out = out_dir(args.out)
+    if args.merge:
+        rows = merged(os.path.join(out, "models.json"), rows)
     columns = list(RECORD.columns)
     print_table(rows, columns)
-    out = out_dir(args.out)
     write_json(out, "models", rows)
     if not args.no_record:
         RECORD.write(rows, environment())
+
+
+def merged(path: str, rows: list[dict]) -> list[dict]:
+    """The rows of an earlier run's JSON at ``path`` that ``rows`` do not redo (same model, batch, context and
+    implementation), then ``rows``."""
+    if not os.path.exists(path):
+        return rows
+    with open(path) as f:
+        earlier = json.load(f)["rows"]
+    keys = {(r["model"], r["batch"], r["context"], r["impl"]) for r in rows}
+    return [r for r in earlier if (r["model"], r["batch"], r["context"], r["impl"]) not in keys] + rows
 
 
 if __name__ == "__main__":
