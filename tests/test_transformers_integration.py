@@ -209,3 +209,21 @@ def test_quantized_variants_prefill(arch, implementation):
         got = model(input_ids=ids, attention_mask=mask).logits[mask.bool()]
     cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0).item()
     assert cos > 0.99 and ((got - want).norm() / want.norm()).item() < 0.1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("padded", [False, True])
+def test_gpu_static_cache_compiled_generate(padded):
+    """generate() with the static cache under transformers' default torch.compile (inductor, reduce-overhead) on
+    the H200, bf16: decode-step logits near eager's on the same tokens."""
+    eager, ours = _models("llama", torch.bfloat16, "cuda")
+    ids, mask = _left_padded_batch("cuda")
+    if not padded:
+        ids, mask = ids[:1], mask[:1]
+    gen = ours.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                        cache_implementation="static", output_logits=True, return_dict_in_generate=True)
+    steps = torch.stack(gen.logits, 1).float()
+    full_mask = torch.cat([mask, torch.ones_like(gen.sequences[:, mask.shape[1]:])], 1)
+    with torch.no_grad():
+        want = eager(input_ids=gen.sequences, attention_mask=full_mask).logits.float()[:, mask.shape[1] - 1:-1]
+    assert ((steps - want).norm() / want.norm()).item() < 2e-2
