@@ -16,7 +16,8 @@ RESULTS = os.path.join(BENCH, "results")
 HEADER = os.path.join(BENCH, "findings.md")
 PAGE = os.path.join(BENCH, "..", "BENCHMARKS.md")
 ORDER = ("attention_fwd", "attention_window", "attention_bwd", "backends", "decode", "host_time", "host_time_cpu",
-         "train_convergence_graph", "train_convergence", "context_parallel", "selector", "accuracy", "quantize")
+         "train_convergence_graph", "train_convergence", "context_parallel", "selector", "accuracy", "quantize",
+         "model_features", "models")
 ENV_PREFIX = "Environment: "
 
 

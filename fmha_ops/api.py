@@ -27,6 +27,8 @@ OpArg = Any  # an op class, name/alias, or (FwOp, BwOp) tuple
 _is_compiling = torch.compiler.is_compiling
 _grad_enabled = torch._C.is_grad_enabled
 _F32 = torch.float32
+#: calls with sinks take the full path (their plans would key and pass the sinks: fmha_ops.call's plan cache)
+_NO_PLAN = (None, None)
 
 
 def memory_efficient_attention(
@@ -34,6 +36,7 @@ def memory_efficient_attention(
     scale: float | None = None, *, op: OpArg = None, output_dtype: torch.dtype | None = None,
     q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None, quantize_kv_to_fp8: bool = False, softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention ``softmax(q @ k^T * scale + bias) @ v``; differentiable when the chosen ops allow.
 
@@ -42,6 +45,8 @@ def memory_efficient_attention(
     or an xformers / MSLK op class, name or (FwOp, BwOp) tuple (``fmha_ops.ops.aliases``). ``attn_bias``:
     a mask from ``fmha_ops.attn_bias``, an xformers mask, or an additive tensor (B, Hq, Mq, Mk).
     ``softcap`` > 0 caps the scores: softcap * tanh(score / softcap) (Gemma 2; not in xformers).
+    ``sinks``: float32 (Hq,) attention sinks (GPT-OSS's learned per-head logits, transformers' ``s_aux``), each
+    joining its head's softmax denominators (``fmha_ops.sinks``); differentiable (autograd gives their gradient).
     Returns (B, Mq, Hq, Kv) in ``output_dtype`` (default: query's dtype; bfloat16 for fp8/int8 inputs).
     ``output_dtype=torch.float8_e4m3fn`` (fp8 e4m3fn inputs, for fp8 pipelines): the output in the value's fp8
     units, i.e. attention = out.float() * v_descale (it cannot saturate: attention averages value rows).
@@ -53,12 +58,12 @@ def memory_efficient_attention(
     ...                                 output_dtype=torch.float8_e4m3fn)  # attention = o8.float() * vd
     """
     key_, plan = find_plan(query, key, value, attn_bias, p, scale, op, output_dtype, False, softcap, q_descale,
-                           k_descale, v_descale, quantize_kv_to_fp8)
+                           k_descale, v_descale, quantize_kv_to_fp8) if sinks is None else _NO_PLAN
     if plan is not None:
         return plan(query, key, value, attn_bias, q_descale, k_descale, v_descale)[0]
     inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, output_dtype=output_dtype,
                       q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                      quantize_kv_to_fp8=quantize_kv_to_fp8, softcap=softcap)
+                      quantize_kv_to_fp8=quantize_kv_to_fp8, softcap=softcap, sinks=sinks)
     return inp.layout(run_forward(inp, op, False, key_)[0])
 
 
@@ -67,20 +72,22 @@ def memory_efficient_attention_forward(
     scale: float | None = None, *, op: OpArg = None, output_dtype: torch.dtype | None = None,
     q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None, quantize_kv_to_fp8: bool = False, softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Like ``memory_efficient_attention`` without autograd (inference)."""
     key_, plan = find_plan(query, key, value, attn_bias, p, scale, op, output_dtype, False, softcap, q_descale,
-                           k_descale, v_descale, quantize_kv_to_fp8)
+                           k_descale, v_descale, quantize_kv_to_fp8) if sinks is None else _NO_PLAN
     if plan is not None and not key_[KEY_NEEDS_GRAD]:  # memory_efficient_attention's plan, recording no graph (a
         return plan(query, key, value, attn_bias, q_descale, k_descale, v_descale)[0]  # plan has no tensor bias)
-    if not (_grad_enabled() and _may_record_graph(query, key, value, attn_bias)):
+    if not (_grad_enabled() and (_may_record_graph(query, key, value, attn_bias)
+                                 or getattr(sinks, "requires_grad", False))):
         return memory_efficient_attention(query, key, value, attn_bias, p, scale, op=op, output_dtype=output_dtype,
                                           q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                                          quantize_kv_to_fp8=quantize_kv_to_fp8, softcap=softcap)
+                                          quantize_kv_to_fp8=quantize_kv_to_fp8, softcap=softcap, sinks=sinks)
     with no_grad():
         return memory_efficient_attention(query, key, value, attn_bias, p, scale, op=op, output_dtype=output_dtype,
                                           q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                                          quantize_kv_to_fp8=quantize_kv_to_fp8, softcap=softcap)
+                                          quantize_kv_to_fp8=quantize_kv_to_fp8, softcap=softcap, sinks=sinks)
 
 
 def _may_record_graph(query, key, value, attn_bias) -> bool:
@@ -96,22 +103,24 @@ def memory_efficient_attention_partial(
     scale: float | None = None, *, op: OpArg = None, output_dtype: torch.dtype | None = None,
     q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None, quantize_kv_to_fp8: bool = False, softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over a slice of the keys, with its log-sum-exp for ``merge_attentions``.
 
     Returns out (B, Mq, Hq, Kv) (default dtype float32, as xformers) and lse float32 (B, Hq, Mq)
-    (BMGHK inputs: (B, G, H, Mq)), natural log; rows that see no key have lse -inf and out 0.
+    (BMGHK inputs: (B, G, H, Mq)), natural log; rows that see no key have lse -inf and out 0. With ``sinks`` the
+    LSE includes them (a row without keys: the sink): give them to one part only before ``merge_attentions``.
     Dropout is refused (``p`` must be 0), as in xformers: the parts could not be merged exactly.
     """
     _no_dropout(p, "memory_efficient_attention_partial")
     output_dtype = output_dtype or torch.float32
     key_, plan = find_plan(query, key, value, attn_bias, p, scale, op, output_dtype, True, softcap, q_descale,
-                           k_descale, v_descale, quantize_kv_to_fp8)
+                           k_descale, v_descale, quantize_kv_to_fp8) if sinks is None else _NO_PLAN
     if plan is not None:  # plans exist only for calls that need no gradient (the full path refuses the rest)
         return plan(query, key, value, attn_bias, q_descale, k_descale, v_descale)
     inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, output_dtype=output_dtype,
                       is_partial=True, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                      quantize_kv_to_fp8=quantize_kv_to_fp8, softcap=softcap)
+                      quantize_kv_to_fp8=quantize_kv_to_fp8, softcap=softcap, sinks=sinks)
     if inp.needs_grad():
         grads = [n for n, t in (("query", query), ("key", key), ("value", value)) if t.requires_grad]
         raise NotImplementedError(f"memory_efficient_attention_partial returns no gradients, but {'/'.join(grads)} "
@@ -125,11 +134,13 @@ def memory_efficient_attention_partial(
 def memory_efficient_attention_forward_requires_grad(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_bias: Any = None, p: float = 0.0,
     scale: float | None = None, *, op: OpArg = None, output_dtype: torch.dtype | None = None, softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """xformers' low-level forward: (out, lse) for a later ``memory_efficient_attention_backward``.
 
     out (B, Mq, Hq, Kv) in ``output_dtype`` (default: query's dtype); lse float32 (B, Hq, Mq) (BMGHK:
-    (B, G, H, Mq); BMK: (B, 1, Mq)). No autograd graph is recorded. Dropout is refused (``p`` must be 0).
+    (B, G, H, Mq); BMK: (B, 1, Mq)), the ``sinks`` included. No autograd graph is recorded. Dropout is refused
+    (``p`` must be 0).
 
     Example
     -------
@@ -138,7 +149,8 @@ def memory_efficient_attention_forward_requires_grad(
     ...                                                  LowerTriangularMask())
     """
     _no_dropout(p, "memory_efficient_attention_forward_requires_grad")
-    inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, output_dtype=output_dtype, softcap=softcap)
+    inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, output_dtype=output_dtype, softcap=softcap,
+                      sinks=sinks)
     with no_grad():
         out, lse = run_forward(inp, op, True)
     return inp.layout(out), _lse_layout(inp, lse)
@@ -147,19 +159,20 @@ def memory_efficient_attention_forward_requires_grad(
 def memory_efficient_attention_backward(
     grad: torch.Tensor, output: torch.Tensor, lse: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
     value: torch.Tensor, attn_bias: Any = None, p: float = 0.0, scale: float | None = None, *, op: OpArg = None,
-    softcap: float = 0.0,
+    softcap: float = 0.0, sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """xformers' low-level backward: (dq, dk, dv) shaped like query, key, value.
 
     ``output`` and ``lse`` come from ``memory_efficient_attention_forward_requires_grad`` on the same
-    inputs; ``grad`` is d(loss)/d(output). BMHK or BMK tensors (for GQA pass key / value with Hkv heads
+    inputs (``sinks`` too: the LSE includes them, and a backward op that takes them is selected; their own
+    gradient is ``fmha_ops.sinks.sink_grad(output, grad, lse, sinks)``); ``grad`` is d(loss)/d(output). BMHK or BMK tensors (for GQA pass key / value with Hkv heads
     in BMHK). ``op``: a backward op, or an (FwOp, BwOp) tuple. Dropout is refused (``p`` must be 0).
     """
     _no_dropout(p, "memory_efficient_attention_backward")
     if query.ndim == 5:
         raise ValueError("memory_efficient_attention_backward takes BMHK (B, M, H, K) or BMK tensors, got a 5-D "
                          "query; for GQA pass key / value with their Hkv heads in BMHK")
-    inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, softcap=softcap)
+    inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, softcap=softcap, sinks=sinks)
     out, grad = (t[:, :, None] if inp.layout.bmk and t.ndim == 3 else t for t in (output, grad))
     lse = lse[:, None] if inp.layout.bmk and lse.ndim == 2 else lse
     b, mq, hq, _ = inp.query.shape
@@ -359,14 +372,14 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_bi
             scale: float | None = None, *, op: OpArg = None, output_dtype: torch.dtype | None = None,
             q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
             v_descale: torch.Tensor | None = None, quantize_kv_to_fp8: bool = False, partial: bool = False,
-            kind: str = "fw") -> Report:
+            kind: str = "fw", softcap: float = 0.0, sinks: torch.Tensor | None = None) -> Report:
     """For one call: every registered op of ``kind`` ("fw"/"bw") with availability, reasons, estimate
     and its source, ranked; ``.selected`` is the op the call would use (None if none can)."""
     arguments.choice("kind", kind, ("fw", "bw"))
     partial = arguments.flag("partial", partial)
     inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, output_dtype=output_dtype, is_partial=partial,
                       q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                      quantize_kv_to_fp8=quantize_kv_to_fp8)
+                      quantize_kv_to_fp8=quantize_kv_to_fp8, softcap=softcap, sinks=sinks)
     inp.validate()
     return SELECTOR.explain(inp.problem(needs_lse=partial), kind, op)
 

@@ -31,6 +31,7 @@ from .dtypes import FLOAT_DTYPES
 from .inputs import BMHK, Inputs, checks_values
 from .measure import forward_measure
 from .problem import Problem
+from .sinks import sink_grad
 
 OpArg = Any  # an op class, name/alias, or (FwOp, BwOp) tuple
 #: a launch plan: run(query, key, value, attn_bias, q_descale, k_descale, v_descale) -> (out, lse | None)
@@ -137,7 +138,8 @@ def run_forward(inp: Inputs, op: OpArg, needs_lse: bool,
     bw = None
     if sig.needs_grad and not (fw.AUTOGRAD and inp.query.dtype in FLOAT_DTYPES):
         bw = SELECTOR.select(sig, lambda: make_problem(inp, needs_lse), "bw", op)
-    result = fw.apply(inp, needs_lse) if bw is None else _Attention.apply(fw, bw, inp, inp.query, inp.key, inp.value)
+    result = (fw.apply(inp, needs_lse) if bw is None
+              else _Attention.apply(fw, bw, inp, inp.query, inp.key, inp.value, inp.sinks))
     if plan_key is not None and _plannable(inp):
         if len(PLANS) >= PLAN_LIMIT:
             PLANS.clear()
@@ -166,18 +168,19 @@ def _autograd_plan(fw, bw, inp: Inputs):
     fields = (inp.p, inp.scale, inp.output_dtype, inp.is_partial)
     quantize_kv, softcap = inp.quantize_kv_to_fp8, inp.softcap
 
-    def run(query, key, value, attn_bias, q_descale, k_descale, v_descale):
+    def run(query, key, value, attn_bias, q_descale, k_descale, v_descale, sinks=None):
         call = Inputs(query, key, value, attn_bias, *fields, q_descale, k_descale, v_descale, quantize_kv, BMHK,
-                      softcap)
-        return _Attention.apply(fw, bw, call, query, key, value)
+                      softcap, sinks)
+        return _Attention.apply(fw, bw, call, query, key, value, sinks)
     return run
 
 
 class _Attention(torch.autograd.Function):
-    """Autograd for a forward op without native autograd, paired with a backward op."""
+    """Autograd for a forward op without native autograd, paired with a backward op; the sinks' gradient (when
+    they require one) from the output and the sink-inclusive LSE (``sinks.sink_grad``)."""
 
     @staticmethod
-    def forward(ctx, fw, bw, inp: Inputs, query, key, value):
+    def forward(ctx, fw, bw, inp: Inputs, query, key, value, sinks=None):
         out, lse = fw.apply(inp, True)
         ctx.bw, ctx.inp = bw, inp
         ctx.save_for_backward(out, lse)
@@ -187,5 +190,8 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
         out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.bw.apply_bw(ctx.inp, out, lse, grad_out.contiguous())
-        return None, None, None, dq, dk, dv
+        grad_out = grad_out.contiguous()
+        dq, dk, dv = ctx.bw.apply_bw(ctx.inp, out, lse, grad_out)
+        sinks = ctx.inp.sinks
+        dsinks = sink_grad(out, grad_out, lse, sinks) if sinks is not None and ctx.needs_input_grad[6] else None
+        return None, None, None, dq, dk, dv, dsinks

@@ -38,6 +38,7 @@ from .dtypes import FLOAT_DTYPES
 from .fp8_backward import fp8_dequantized_backward_enabled
 from .inputs import Inputs
 from .problem import Problem
+from .sinks import sink_grad
 from .validation import tma_misaligned
 
 _F32 = torch.float32
@@ -228,13 +229,18 @@ def _attention_backward_fake(grad_out, query, key, value, out, lse, tensors, spe
 def _forward_setup(ctx, inputs, output):
     query, key, value, tensors, spec = inputs
     ctx.spec, ctx.n_tensors = spec, len(tensors)
+    sinks = dict(decode_spec(spec).fields).get("sinks")
+    ctx.sinks_index = sinks[1] if sinks is not None and sinks[0] == "tensor" else None
     ctx.save_for_backward(query, key, value, *output, *tensors)
 
 
 def _forward_backward(ctx, grad_out, _grad_lse):
     query, key, value, out, lse, *tensors = ctx.saved_tensors
     dq, dk, dv = torch.ops.fmha_ops.attention_backward(grad_out, query, key, value, out, lse, tensors, ctx.spec)
-    return dq, dk, dv, [None] * ctx.n_tensors, None
+    grads = [None] * ctx.n_tensors
+    if ctx.sinks_index is not None:  # the sinks' gradient, from the output and the sink-inclusive LSE
+        grads[ctx.sinks_index] = sink_grad(out, grad_out, lse, tensors[ctx.sinks_index])
+    return dq, dk, dv, grads, None
 
 
 attention_forward_op.register_autograd(_forward_backward, setup_context=_forward_setup)

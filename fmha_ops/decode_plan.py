@@ -29,6 +29,7 @@ from .call import make_problem
 from .dispatch import SELECTOR
 from .inputs import make_inputs
 from .measure import forward_measure
+from .sinks import validate_sinks
 
 __all__ = ["PagedDecodePlan", "plan_kvcache"]
 
@@ -37,25 +38,28 @@ class PagedDecodePlan:
     """A planned ``flash_attn_with_kvcache`` call (``plan_kvcache`` builds it): ``run`` launches the selected op's
     kernels on new queries (and optionally other caches of the same layout).
 
-    Attributes: ``op`` (the selected op class), ``out`` (B, Mq, Hq, D) and, with ``return_softmax_lse``, ``lse``
+    Attributes: ``op`` (the selected op class), ``out`` (B, Mq, Hq, Dv) and, with ``return_softmax_lse``, ``lse``
     float32 (B, Hq, Mq): the buffers ``run`` writes unless given others.
     """
 
-    def __init__(self, op, launch, template, cache, descales, index, out, lse, return_lse: bool) -> None:
+    def __init__(self, op, launch, template, cache, descales, index, out, lse, return_lse: bool,
+                 sinks: torch.Tensor | None = None) -> None:
         self.op, self.out, self.lse = op, out, lse if return_lse else None
         self._lse = lse  # written by every run (the kernels write an LSE), returned only when planned
         self._launch, self._return_lse = launch, return_lse
         self._cache, self._descales, self._index = cache, descales, index
+        self._sinks = sinks
         q = template
         self._q_meta = (q.shape, q.dtype, q.device)
         self._cache_meta = tuple(_meta(t) for t in cache)
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
             k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None, *,
-            out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+            out: torch.Tensor | None = None, lse: torch.Tensor | None = None, sinks: torch.Tensor | None = None):
         """Attention of ``q`` (B, Mq, Hq, D), the planned shape, dtype and device, against the planned cache (or
         ``k_cache`` / ``v_cache`` with their ``k_descale`` / ``v_descale``, each of the planned shape, dtype,
-        strides and device) at the lengths and page table the plan holds.
+        strides and device) at the lengths and page table the plan holds; with the planned sinks, or ``sinks``
+        (float32 (Hq,) on q's device: another layer's) when the plan was made with sinks.
 
         Returns out (B, Mq, Hq, D) [, softmax_lse float32 (B, Hq, Mq) when planned with ``return_softmax_lse``]:
         ``out`` / ``lse`` when given (contiguous, of those shapes), else the plan's buffers, which the next run
@@ -74,8 +78,19 @@ class PagedDecodePlan:
                                                                                                      v_descale)
         out = self.out if out is None else _check_out("out", out, self.out)
         lse_buf = self._lse if lse is None else _check_out("lse", lse, self.lse)
-        self._launch(q, k, v, ks, vs, *self._index, out, lse_buf)
+        if sinks is None and self._sinks is None:
+            self._launch(q, k, v, ks, vs, *self._index, out, lse_buf)
+        else:
+            self._launch(q, k, v, ks, vs, *self._index, out, lse_buf, sinks=self._swapped_sinks(sinks))
         return (out, lse_buf) if self._return_lse else out
+
+    def _swapped_sinks(self, sinks):
+        if sinks is None:
+            return self._sinks
+        if self._sinks is None:
+            raise ValueError("sinks are given but the plan was made without them (plan_kvcache(..., sinks=...))")
+        validate_sinks(sinks, self._sinks.shape[0], self._sinks.device)
+        return sinks.detach().contiguous()
 
     def _swapped(self, k_cache, v_cache):
         for name, t, want in (("k_cache", k_cache, self._cache_meta[0]), ("v_cache", v_cache, self._cache_meta[1])):
@@ -119,7 +134,7 @@ def plan_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  cache_batch_idx: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
                  v_descale: torch.Tensor | None = None, softmax_scale: float | None = None, causal: bool = False,
                  window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                 return_softmax_lse: bool = False) -> PagedDecodePlan:
+                 return_softmax_lse: bool = False, sinks: torch.Tensor | None = None) -> PagedDecodePlan:
     """Plan ``flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=..., ...)`` for repeated calls.
 
     Arguments as ``flash_attn_with_kvcache`` takes them (``q`` fixes the query's shape, dtype and device; its
@@ -127,7 +142,8 @@ def plan_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     ``page_table`` int32 (B, max_pages) / ``cache_batch_idx`` are kept by the plan: update their values in place
     between runs (an int ``cache_seqlens`` plans fixed lengths: every sequence holds that many tokens). Validates once (raising as
     ``flash_attn_with_kvcache`` would), selects the op once (``PagedDecodePlan.op``) and allocates the output (and
-    for split-K decoders the split workspace) once.
+    for split-K decoders the split workspace) once. ``sinks``: float32 (Hq,) attention sinks (``fmha_ops.sinks``),
+    kept by the plan (their values read at every run; ``run(q, sinks=...)`` passes another layer's).
 
     Returns
     -------
@@ -142,7 +158,7 @@ def plan_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     call = fa.kvcache_call(q, k_cache, v_cache, None, None, cache_seqlens, cache_batch_idx, page_table, None,
                            k_descale, v_descale, softmax_scale, causal, window_size)
     inp = make_inputs(call.query, call.key, call.value, call.bias, scale=softmax_scale, k_descale=call.k_descale,
-                      v_descale=call.v_descale, softcap=softcap, is_partial=return_softmax_lse)
+                      v_descale=call.v_descale, softcap=softcap, is_partial=return_softmax_lse, sinks=sinks)
     sig = inp.signature()
     op = SELECTOR.select(sig, lambda: make_problem(inp, return_softmax_lse), "fw", None,
                          forward_measure(inp, return_softmax_lse, "decode"))
@@ -159,17 +175,19 @@ def plan_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     else:
         launch = _apply_launcher(op, inp, batch, mq, return_softmax_lse)
         index, descales = (None, None), (call.k_descale, call.v_descale)
-    return PagedDecodePlan(op, launch, q, (k_cache, v_cache), descales, index, out, lse, return_softmax_lse)
+    return PagedDecodePlan(op, launch, q, (k_cache, v_cache), descales, index, out, lse, return_softmax_lse,
+                           None if sinks is None else sinks.detach().contiguous())
 
 
 def _apply_launcher(op, inp, batch: int, mq: int, needs_lse: bool):
     """``launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, table, out, lse)`` through ``op.apply`` on the
     planned call with these tensors, its own mask's lengths and table (ops without a decode launcher of their own,
     e.g. the reference op on a CPU)."""
-    def launch(q, k_cache, v_cache, k_scale, v_scale, _seqlens, _table, out, lse):
+    def launch(q, k_cache, v_cache, k_scale, v_scale, _seqlens, _table, out, lse, sinks=None):
         pool = (1, k_cache.shape[0] * k_cache.shape[1])
         call = replace(inp, query=q.reshape(1, batch * mq, *q.shape[2:]), key=k_cache.reshape(pool + k_cache.shape[2:]),
-                       value=v_cache.reshape(pool + v_cache.shape[2:]), k_descale=k_scale, v_descale=v_scale)
+                       value=v_cache.reshape(pool + v_cache.shape[2:]), k_descale=k_scale, v_descale=v_scale,
+                       sinks=inp.sinks if sinks is None else sinks)
         o, lse_packed = op.apply(call, needs_lse)
         out.copy_(o.view(out.shape))
         if lse is not None and lse_packed is not None:

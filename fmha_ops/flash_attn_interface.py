@@ -42,20 +42,20 @@ def _unsupported(**args) -> None:
             raise NotImplementedError(f"{name}={value!r} is not implemented by fmha_ops (only {name}={default!r})")
 
 
-def _run(q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_lse, softcap=0.0):
+def _run(q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_lse, softcap=0.0, sinks=None):
     """out in q's dtype (bfloat16 for fp8 inputs), differentiable; with ``return_lse`` also the lse (float32,
     not differentiable, as FA3 returns it). A repeated layout runs its plan (the one ``memory_efficient_attention``
-    keeps for the same call without the LSE)."""
+    keeps for the same call without the LSE); calls with ``sinks`` take the full path."""
     layout, plan = find_plan(q, k, v, bias, 0.0, softmax_scale, None, None, return_lse, softcap, q_descale,
-                             k_descale, v_descale, False)
+                             k_descale, v_descale, False) if sinks is None else (None, None)
     if plan is not None:
         out, lse = plan(q, k, v, bias, q_descale, k_descale, v_descale)
     elif not return_lse:
         return memory_efficient_attention(q, k, v, bias, scale=softmax_scale, q_descale=q_descale,
-                                          k_descale=k_descale, v_descale=v_descale, softcap=softcap)
+                                          k_descale=k_descale, v_descale=v_descale, softcap=softcap, sinks=sinks)
     else:
         inp = make_inputs(q, k, v, bias, is_partial=True, scale=softmax_scale, q_descale=q_descale,
-                          k_descale=k_descale, v_descale=v_descale, softcap=softcap)
+                          k_descale=k_descale, v_descale=v_descale, softcap=softcap, sinks=sinks)
         out, lse = run_forward(inp, None, True, layout)
     return (out, lse.detach()) if return_lse else out
 
@@ -65,9 +65,10 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
                     k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None,
                     window_size: tuple[int, int] = (-1, -1), attention_chunk: int = 0, softcap: float = 0.0,
                     num_splits: int = 1, pack_gqa=None, deterministic: bool = False, sm_margin: int = 0,
-                    return_attn_probs: bool = False):
+                    return_attn_probs: bool = False, sinks: torch.Tensor | None = None):
     """q (B, Mq, Hq, D), k (B, Mk, Hkv, D), v (B, Mk, Hkv, Dv) -> out (B, Mq, Hq, Dv)
-    [, softmax_lse float32 (B, Hq, Mq) when ``return_attn_probs``]."""
+    [, softmax_lse float32 (B, Hq, Mq) when ``return_attn_probs``]. ``sinks``: float32 (Hq,) attention sinks
+    (``fmha_ops.sinks``; FA4's ``learnable_sink``), differentiable; the LSE includes them."""
     if qv is not None or attention_chunk != 0:
         _unsupported(qv=(qv, None), attention_chunk=(attention_chunk, 0))
     if not (type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor and q.ndim == 4 and k.ndim == 4
@@ -84,7 +85,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
             bias = _CAUSAL if left < 0 else ab.LowerTriangularFromBottomRightLocalAttentionMask(left + 1)
         else:
             bias = None if (left, right) == (-1, -1) else ab.LocalAttentionFromBottomRightMask(left, right)
-    return _run(q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_attn_probs, softcap)
+    return _run(q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_attn_probs, softcap, sinks)
 
 
 _Tensor = torch.Tensor
@@ -152,9 +153,11 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
                            v_descale: torch.Tensor | None = None, window_size: tuple[int, int] = (-1, -1),
                            attention_chunk: int = 0, softcap: float = 0.0, num_splits: int = 1, pack_gqa=None,
-                           deterministic: bool = False, sm_margin: int = 0, return_attn_probs: bool = False):
+                           deterministic: bool = False, sm_margin: int = 0, return_attn_probs: bool = False,
+                           sinks: torch.Tensor | None = None):
     """Packed sequences: q (total_q, Hq, D), k/v (total_k, Hkv, D); cu_seqlens_* int32 (nseq + 1,).
-    Descales are (nseq, Hkv) or per-tensor. Returns out (total_q, Hq, Dv) [, lse (Hq, total_q)].
+    Descales are (nseq, Hkv) or per-tensor. ``sinks``: float32 (Hq,) attention sinks, differentiable (not under
+    torch.compile). Returns out (total_q, Hq, Dv) [, lse (Hq, total_q)].
     Reads cu_seqlens on the host (one device sync per tensor and version: repeated calls with the same unchanged
     cu_seqlens tensors reuse what was read); under torch.compile the call is one custom op
     (``fmha_ops::varlen_attention``) that does so when it runs."""
@@ -164,7 +167,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     if checked is not None:  # these arguments passed the checks below before
         bias = _varlen_mask(*checked, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
         res = _run(q[None], k[None], v[None], bias, softmax_scale, q_descale, k_descale, v_descale,
-                   return_attn_probs, softcap)
+                   return_attn_probs, softcap, sinks)
         return (res[0][0], res[1][0]) if return_attn_probs else res[0]
     _unsupported(seqused_q=(seqused_q, None), seqused_k=(seqused_k, None), qv=(qv, None),
                  attention_chunk=(attention_chunk, 0))
@@ -173,9 +176,10 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     _check_scalars(softmax_scale, causal)
     left, right = _window(window_size, causal)
     if torch.compiler.is_compiling():  # cu_seqlens are data to a trace: the call runs behind a custom op
-        if (left, right) != (-1, -1) or softcap:
-            raise NotImplementedError(f"window_size={tuple(window_size)} / softcap={softcap} are not implemented for "
-                                      f"flash_attn_varlen_func under torch.compile (eager calls take them)")
+        if (left, right) != (-1, -1) or softcap or sinks is not None:
+            raise NotImplementedError(f"window_size={tuple(window_size)} / softcap={softcap} / sinks are not "
+                                      f"implemented for flash_attn_varlen_func under torch.compile (eager calls "
+                                      f"take them)")
         return _traced_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                         softmax_scale, causal, (q_descale, k_descale, v_descale), return_attn_probs)
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
@@ -195,7 +199,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         _VARLEN_CHECKED[layout] = (kind, window)
     bias = _varlen_mask(kind, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
     res = _run(q[None], k[None], v[None], bias, softmax_scale, q_descale, k_descale, v_descale, return_attn_probs,
-               softcap)
+               softcap, sinks)
     if return_attn_probs:
         return res[0][0], res[1][0]
     return res[0]
@@ -237,7 +241,8 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             softmax_scale: float | None = None, causal: bool = False,
                             window_size: tuple[int, int] = (-1, -1), attention_chunk: int = 0, softcap: float = 0.0,
                             rotary_interleaved: bool = True, scheduler_metadata=None, num_splits: int = 0,
-                            pack_gqa=None, sm_margin: int = 0, return_softmax_lse: bool = False):
+                            pack_gqa=None, sm_margin: int = 0, return_softmax_lse: bool = False,
+                            sinks: torch.Tensor | None = None):
     """Decode against a KV cache, appending new tokens first (FA3 semantics).
 
     q (B, Mq, Hq, D) bf16/fp16 with Mq new tokens per sequence. Cache: dense (B_cache, L, Hkv, D)
@@ -247,8 +252,9 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     contiguous: ``kv_cache.keys_contiguous``) or per tensor (numel 1, no append). ``cache_seqlens`` int32 (B,)
     (or an int): tokens already in the cache. If ``k``/``v`` (B, Mnew, Hkv, D) are given they are written at
     ``cache_seqlens`` (quantized per token into an fp8 cache) and attended too. ``causal`` aligns the
-    queries to the end of each sequence. No host sync: capturable in a CUDA graph.
-    Returns out (B, Mq, Hq, D) [, softmax_lse float32 (B, Hq, Mq)].
+    queries to the end of each sequence. No host sync: capturable in a CUDA graph. ``sinks``: float32 (Hq,)
+    attention sinks (GPT-OSS; the LSE includes them). The value cache may have a head dim Dv of its own.
+    Returns out (B, Mq, Hq, Dv) [, softmax_lse float32 (B, Hq, Mq)].
 
     Index tensors on the GPU are not read back: an out-of-range ``cache_seqlens`` is clamped to the cache, a
     ``page_table`` / ``cache_batch_idx`` entry that is not a page (row) of the cache ends that sequence's keys
@@ -270,7 +276,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                      cu_seqlens_k_new=(cu_seqlens_k_new, None), rotary_seqlens=(rotary_seqlens, None),
                      attention_chunk=(attention_chunk, 0))
     appending = None
-    if cache_batch_idx is None and q_descale is None and type(cache_seqlens) is torch.Tensor \
+    if cache_batch_idx is None and q_descale is None and sinks is None and type(cache_seqlens) is torch.Tensor \
             and type(page_table) is torch.Tensor and not torch.compiler.is_compiling():
         fast = _fast_key(q, k_cache, v_cache, cache_seqlens, page_table, k_descale, v_descale, softmax_scale, causal,
                          window_size, softcap, return_softmax_lse)
@@ -296,7 +302,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                         v_descale, softmax_scale, causal, window_size)
     batch, mq = q.shape[:2]
     res = _run(call.query, call.key, call.value, call.bias, softmax_scale, None, call.k_descale, call.v_descale,
-               return_softmax_lse, softcap)
+               return_softmax_lse, softcap, sinks)
     if appending is not None:
         _remember_append(appending, call, q, v_cache, k.shape[1], softmax_scale, softcap, return_softmax_lse)
     if return_softmax_lse:

@@ -62,6 +62,7 @@ class Signature(NamedTuple):
     capturing: bool  # a CUDA graph capture is in progress
     fp8_backward: bool
     softcap: float
+    sinks: Any  # (dtype, shape, device) of the sinks, or None
 
 
 class OutputLayout(NamedTuple):
@@ -114,6 +115,7 @@ class Inputs:
     quantize_kv_to_fp8: bool = False
     layout: OutputLayout = field(default=BMHK, repr=False, compare=False)
     softcap: float = 0.0  # > 0: scores become softcap * tanh(scale * q.k / softcap) (Gemma 2 / FA3); 0 = off
+    sinks: torch.Tensor | None = None  # float32 (Hq,) attention sinks (fmha_ops.sinks), or None
 
     @property
     def softmax_scale(self) -> float:
@@ -132,7 +134,8 @@ class Inputs:
     def needs_grad(self) -> bool:
         """Autograd needs this call's gradients (w.r.t. query, key, value or a tensor attn_bias)."""
         return torch.is_grad_enabled() and (
-            self.query.requires_grad or self.key.requires_grad or self.value.requires_grad or self.bias_needs_grad())
+            self.query.requires_grad or self.key.requires_grad or self.value.requires_grad or self.bias_needs_grad()
+            or (self.sinks is not None and self.sinks.requires_grad))
 
     def bias_needs_grad(self) -> bool:
         """The mask carries a tensor bias that autograd differentiates."""
@@ -143,10 +146,11 @@ class Inputs:
         """The memo key of this call (``Signature``)."""
         q, k, v = self.query, self.key, self.value
         bias = self.attn_bias
-        qd, kd, vd = self.q_descale, self.k_descale, self.v_descale
+        qd, kd, vd, sinks = self.q_descale, self.k_descale, self.v_descale, self.sinks
         return _new_tuple(Signature, (
             _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
-                bias is not None and bias.tensor_bias is not None and bias.tensor_bias.requires_grad)),
+                bias is not None and bias.tensor_bias is not None and bias.tensor_bias.requires_grad)
+                or (sinks is not None and sinks.requires_grad)),
             (q.dtype, k.dtype, v.dtype), (q.shape, k.shape, v.shape), (q.device, k.device, v.device),
             (q.stride()[-1], k.stride()[-1]), "last" if v.stride()[-1] == 1 else value_layout(v),
             None if bias is None else bias.signature(), (alignment_bits(q) | alignment_bits(k) | alignment_bits(v)) & 15,
@@ -154,7 +158,7 @@ class Inputs:
             (_tensor_signature(qd), _tensor_signature(kd), _tensor_signature(vd)),
             self.p, self.scale, self.output_dtype, self.is_partial, self.quantize_kv_to_fp8,
             _deterministic(), q.is_cuda and torch.cuda.is_current_stream_capturing(),
-            fp8_dequantized_backward_enabled(), self.softcap))
+            fp8_dequantized_backward_enabled(), self.softcap, _tensor_signature(sinks)))
 
     def validate(self) -> None:
         """Raise ValueError naming the argument, the value and what is supported (``fmha_ops.validation``)."""
@@ -184,14 +188,15 @@ class Inputs:
             needs_grad=self.needs_grad(), v_keys_contiguous=value_layout(v) == "keys",
             window_left=self.attn_bias.window_left if self.attn_bias is not None else -1,
             window_right=self.attn_bias.window_right if self.attn_bias is not None else -1,
-            softcap=self.softcap > 0.0, bias_grad=self.bias_needs_grad())
+            softcap=self.softcap > 0.0, bias_grad=self.bias_needs_grad(), sinks=self.sinks is not None)
 
 
 def make_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_bias: Any = None, *,
                 p: float = 0.0, scale: float | None = None, output_dtype: torch.dtype | None = None,
                 is_partial: bool = False, q_descale: torch.Tensor | None = None,
                 k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None,
-                quantize_kv_to_fp8: bool = False, softcap: float = 0.0) -> Inputs:
+                quantize_kv_to_fp8: bool = False, softcap: float = 0.0,
+                sinks: torch.Tensor | None = None) -> Inputs:
     """The ``Inputs`` of one call, as the public functions take it.
 
     Parameters
@@ -202,7 +207,7 @@ def make_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, att
     attn_bias : AttentionBias, an xformers mask object, a tensor, or None
         xformers masks are converted to ours (``attn_bias.from_xformers``); a tensor is an additive bias
         (``attn_bias.TensorBias``) broadcastable to (B, Hq, Mq, Mk) (BMGHK: (B, G, H, Mq, Mk); BMK: (B, Mq, Mk)).
-    p, scale, output_dtype, q_descale, k_descale, v_descale, quantize_kv_to_fp8, softcap
+    p, scale, output_dtype, q_descale, k_descale, v_descale, quantize_kv_to_fp8, softcap, sinks
         As ``memory_efficient_attention`` takes them. ``is_partial``: the call returns its LSE.
 
     Returns
@@ -229,6 +234,8 @@ def make_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, att
             if d is not None and not isinstance(d, torch.Tensor):
                 raise TypeError(f"{name} must be a float32 tensor (numel 1 for one scale; see fmha_ops.inputs for "
                                 f"the per-head / block / token shapes), got {type(d).__name__} {d!r}"[:300])
+    if sinks is not None and not isinstance(sinks, _Tensor):
+        raise TypeError(f"sinks must be a float32 tensor of shape (num_query_heads,), got {type(sinks).__name__}")
     ndim = query.ndim
     if ndim == 4 and key.ndim == 4 and value.ndim == 4:
         pass
@@ -262,7 +269,7 @@ def make_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, att
         if attn_bias.tensor_bias is not None and layout is not BMHK:
             attn_bias = _fold_tensor_bias(attn_bias, layout)
     inp = Inputs(query, key, value, attn_bias, p, scale, output_dtype, is_partial, q_descale, k_descale, v_descale,
-                 quantize_kv_to_fp8, layout, softcap)
+                 quantize_kv_to_fp8, layout, softcap, sinks)
     if descaled or (attn_bias is not None and checks_values(type(attn_bias))):
         check_values(inp)
     return inp

@@ -159,10 +159,10 @@ def dense_from_paged(pages: torch.Tensor, block_table: torch.Tensor, length: int
 def build_fp8_paged_cache(k: torch.Tensor, v: torch.Tensor, page_size: int,
                           dtype: torch.dtype = torch.float8_e4m3fn, *, num_pages: int | None = None,
                           generator: torch.Generator | None = None):
-    """Quantize dense bf16/fp16 K/V (B, L, Hkv, D) once and page them.
+    """Quantize dense bf16/fp16 K (B, L, Hkv, D) and V (B, L, Hkv, Dv) once and page them (Dv may differ from D).
 
     Returns (k_cache, v_cache, k_scale, v_scale, block_table): caches (num_pages, page_size,
-    Hkv, D) in ``dtype``, scales float32 (num_pages, page_size, Hkv) with the slots of each page contiguous per
+    Hkv, D) and (..., Dv) in ``dtype``, scales float32 (num_pages, page_size, Hkv) with the slots of each page contiguous per
     head (``keys_contiguous``), block_table int32.
 
     Example
@@ -173,8 +173,8 @@ def build_fp8_paged_cache(k: torch.Tensor, v: torch.Tensor, page_size: int,
     ((4, 64, 8, 128), (4, 64, 8), (2, 2))
     """
     arguments.tensor("k", k, ndim=4, dtypes=_FLOAT_INPUTS, layout="(B, L, Hkv, D)")
-    arguments.tensor("v", v, ndim=4, dtypes=_FLOAT_INPUTS, layout="(B, L, Hkv, D)")
-    arguments.shape("v", v, tuple(k.shape), "(k's shape)")
+    arguments.tensor("v", v, ndim=4, dtypes=_FLOAT_INPUTS, layout="(B, L, Hkv, Dv)")
+    arguments.shape("v", v, tuple(k.shape[:3]) + (v.shape[3],), "(k's (B, L, Hkv))")
     arguments.dtype("dtype", dtype, arguments.FP8)
     (k8, ks), (v8, vs) = quantize_fp8(k, dtype), quantize_fp8(v, dtype)  # paging copies: lay the scales out after
     (kc, vc, kss, vss), bt = paged_from_dense([k8.view(torch.uint8), v8.view(torch.uint8), ks, vs],

@@ -63,6 +63,7 @@ class Problem:
     window_right: int = -1
     softcap: bool = False  # scores are capped: s * tanh(score / s) before the softmax (``Inputs.softcap``)
     bias_grad: bool = False  # autograd differentiates a tensor attn_bias
+    sinks: bool = False  # attention sinks join the softmax denominators (fmha_ops.sinks)
 
     @property
     def causal(self) -> bool:
@@ -91,7 +92,7 @@ class Problem:
             f"qkv{int(self.quantize_kv)}", f"bh{_p2(self.batch * self.heads_kv)}", f"q{_p2(self.seqlen_q)}",
             f"k{_p2(self.seqlen_k)}", f"grad{int(self.needs_grad)}",
         ] + ([f"w{_p2(self.window_left + 1)}/{_p2(self.window_right + 1)}"] if self.windowed else [])
-          + (["softcap"] if self.softcap else []))
+          + (["softcap"] if self.softcap else []) + (["sinks"] if self.sinks else []))
 
     def size_point(self) -> tuple[float, float, float, float]:
         """log2 of the call's sizes, unrounded: batch x query heads (the work's head count), query length, key
@@ -130,6 +131,7 @@ class Problem:
         extra += [f"window=({self.window_left}, {self.window_right})"] if self.windowed else []
         extra += ["softcap"] if self.softcap else []
         extra += ["bias_grad"] if self.bias_grad else []
+        extra += ["sinks"] if self.sinks else []
         return (f"{dts}->{dtype_name(self.out_dtype)} B={self.batch} Mq={self.seqlen_q} Mk={self.seqlen_k} "
                 f"Hq={self.heads_q} Hkv={self.heads_kv} K={self.head_dim} Kv={self.head_dim_v} "
                 f"bias={self.bias} " + " ".join(extra + [f"on {self.arch}"]))

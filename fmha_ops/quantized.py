@@ -33,6 +33,7 @@ from .call import PLAN_LIMIT, find_plan, make_problem, run_forward
 from .dispatch import SELECTOR
 from .dtypes import FLOAT_DTYPES
 from .inputs import Inputs, make_inputs
+from .sinks import sink_grad, validate_sinks
 from .quant import (
     K_SCALE_BLOCK,
     Q_SCALE_BLOCK,
@@ -74,17 +75,19 @@ def quantize_smooth(q, k, v, scale: float, qk_dtype: torch.dtype):
     return (q8, k8, v8), {"q_descale": qd, "k_descale": kd, "v_descale": vd}, (qh, kh, vh)
 
 
-def quantized_forward(qk_dtype: torch.dtype, bias, scale: float | None, op, query, key, value):
+def quantized_forward(qk_dtype: torch.dtype, bias, scale: float | None, op, query, key, value, sinks=None):
     """``quantize_smooth`` then the selected quantized forward op: (out in query's dtype, lse float32
-    (B, Hq, Mq), (qh, kh, vh) the dequantized inputs the backward differentiates at)."""
+    (B, Hq, Mq), the sinks included, (qh, kh, vh) the dequantized inputs the backward differentiates at)."""
     kernel_scale = query.shape[-1] ** -0.5 if scale is None else scale
     (q8, k8, v8), descales, dequantized = quantize_smooth(query, key, value, kernel_scale, qk_dtype)
     qd, kd, vd = descales["q_descale"], descales["k_descale"], descales["v_descale"]
-    layout, plan = find_plan(q8, k8, v8, bias, 0.0, 1.0, op, query.dtype, True, 0.0, qd, kd, vd, False)
+    layout, plan = find_plan(q8, k8, v8, bias, 0.0, 1.0, op, query.dtype, True, 0.0, qd, kd, vd, False) \
+        if sinks is None else (None, None)
     if plan is not None:
         out, lse = plan(q8, k8, v8, bias, qd, kd, vd)
     else:
-        inp = make_inputs(q8, k8, v8, bias, scale=1.0, output_dtype=query.dtype, is_partial=True, **descales)
+        inp = make_inputs(q8, k8, v8, bias, scale=1.0, output_dtype=query.dtype, is_partial=True, sinks=sinks,
+                          **descales)
         out, lse = run_forward(inp, op, True, layout)
     return out, lse, dequantized
 
@@ -93,14 +96,16 @@ def quantized_forward(qk_dtype: torch.dtype, bias, scale: float | None, op, quer
 _BACKWARD_OPS: dict = SELECTOR.derived_memo()
 
 
-def quantized_backward(bias, scale: float | None, qh, kh, vh, out, lse, grad_out):
-    """(dq, dk, dv) by the selected bf16/fp16 backward op at the dequantized inputs (straight-through)."""
-    layout, _ = find_plan(qh, kh, vh, bias, 0.0, scale, None, None, True, 0.0, None, None, None, False)
+def quantized_backward(bias, scale: float | None, qh, kh, vh, out, lse, grad_out, sinks=None):
+    """(dq, dk, dv) by the selected bf16/fp16 backward op at the dequantized inputs (straight-through); with
+    ``sinks`` a backward op that takes the sink-inclusive LSE."""
+    layout, _ = find_plan(qh, kh, vh, bias, 0.0, scale, None, None, True, 0.0, None, None, None, False) \
+        if sinks is None else (None, None)
     bw = _BACKWARD_OPS.get(layout)
     if bw is not None:  # these tensors come from the forward's quantization: validated when first selected
         inp = Inputs(qh, kh, vh, bias, 0.0, scale, None, True)
     else:
-        inp = make_inputs(qh, kh, vh, bias, scale=scale, is_partial=True)
+        inp = make_inputs(qh, kh, vh, bias, scale=scale, is_partial=True, sinks=sinks)
         bw = SELECTOR.select(("quantized backward", inp.signature()), lambda: make_problem(inp, True), "bw")
         if layout is not None:
             if len(_BACKWARD_OPS) >= PLAN_LIMIT:
@@ -111,16 +116,18 @@ def quantized_backward(bias, scale: float | None, qh, kh, vh, out, lse, grad_out
 
 class _QuantizedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qk_dtype, bias, scale, op, query, key, value):
-        out, lse, dequantized = quantized_forward(qk_dtype, bias, scale, op, query, key, value)
+    def forward(ctx, qk_dtype, bias, scale, op, query, key, value, sinks=None):
+        out, lse, dequantized = quantized_forward(qk_dtype, bias, scale, op, query, key, value, sinks)
         ctx.save_for_backward(*dequantized, out, lse)
-        ctx.bias, ctx.scale = bias, scale
+        ctx.bias, ctx.scale, ctx.sinks = bias, scale, sinks
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        dq, dk, dv = quantized_backward(ctx.bias, ctx.scale, *ctx.saved_tensors, grad_out)
-        return None, None, None, None, dq, dk, dv
+        qh, kh, vh, out, lse = ctx.saved_tensors
+        dq, dk, dv = quantized_backward(ctx.bias, ctx.scale, qh, kh, vh, out, lse, grad_out, ctx.sinks)
+        dsinks = sink_grad(out, grad_out, lse, ctx.sinks) if ctx.needs_input_grad[7] else None
+        return None, None, None, None, dq, dk, dv, dsinks
 
 
 _Tensor = torch.Tensor
@@ -156,41 +163,48 @@ def _causal(causal: bool):
     return _BOTTOM_RIGHT_CAUSAL if causal else None
 
 
-def _quantized_attention(qk_kind: str, causal: bool, scale: float | None, op, q, k, v) -> torch.Tensor:
+def _quantized_attention(qk_kind: str, causal: bool, scale: float | None, op, q, k, v, sinks=None) -> torch.Tensor:
     _check_call(q, k, v, causal, scale)
+    if sinks is not None:
+        validate_sinks(sinks, q.shape[2], q.device)
     if torch.compiler.is_compiling():
+        if sinks is not None:
+            raise NotImplementedError("sinks are not implemented for fp8_attention / i8fp8_attention under "
+                                      "torch.compile (eager calls take them)")
         return _traced_quantized_attention(qk_kind, causal, scale, op, q, k, v)
     qk_dtype = torch.int8 if qk_kind == "int8" else fp8_dtype(current_arch(q.device))
-    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
-        return quantized_forward(qk_dtype, _causal(causal), scale, op, q, k, v)[0]  # no autograd node to record
-    return _QuantizedAttention.apply(qk_dtype, _causal(causal), scale, op, q, k, v)
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                         or (sinks is not None and sinks.requires_grad))):
+        return quantized_forward(qk_dtype, _causal(causal), scale, op, q, k, v, sinks)[0]  # no autograd node
+    return _QuantizedAttention.apply(qk_dtype, _causal(causal), scale, op, q, k, v, sinks)
 
 
 def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                  softmax_scale: float | None = None, *, op=None) -> torch.Tensor:
+                  softmax_scale: float | None = None, *, op=None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention through fp8: q/k per block of 128 tokens and head, v per channel (``quantize_smooth``).
 
     q (B, Mq, Hq, D), k / v (B, Mk, Hkv, D) bfloat16 / float16 -> out (B, Mq, Hq, D) in q's dtype;
     differentiable (straight-through: a bf16 backward at the dequantized values). ``causal`` is
-    bottom-right aligned; ``op`` forces the forward op.
+    bottom-right aligned; ``op`` forces the forward op. ``sinks``: float32 (Hq,) attention sinks
+    (``fmha_ops.sinks``), differentiable; eager calls only (torch.compile raises).
 
     Example
     -------
     >>> out = fp8_attention(q, k, v, causal=True)
     >>> out.float().sum().backward()
     """
-    return _quantized_attention("fp8", causal, softmax_scale, op, q, k, v)
+    return _quantized_attention("fp8", causal, softmax_scale, op, q, k, v, sinks)
 
 
 def i8fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                    softmax_scale: float | None = None, *, op=None) -> torch.Tensor:
+                    softmax_scale: float | None = None, *, op=None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Like ``fp8_attention`` with int8 q/k (per-block scales, smooth-K) and fp8 v (per channel).
 
     Example
     -------
     >>> out = i8fp8_attention(q, k, v, causal=True)
     """
-    return _quantized_attention("int8", causal, softmax_scale, op, q, k, v)
+    return _quantized_attention("int8", causal, softmax_scale, op, q, k, v, sinks)
 
 
 # ---- under torch.compile: one custom op ----------------------------------------------------------------

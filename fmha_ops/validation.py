@@ -14,6 +14,7 @@ from . import attn_bias as ab
 from . import arguments, checks
 from .dtypes import FLOAT_DTYPES, FP8_DTYPES, dtype_name
 from .quant import K_SCALE_BLOCK, Q_SCALE_BLOCK
+from .sinks import validate_sinks
 
 Inputs = Any  # an fmha_ops.inputs.Inputs (this module sits below it and does not import it)
 
@@ -61,6 +62,8 @@ def validate(inp: Inputs) -> None:
     if inp.output_dtype is not None:
         _validate_output_dtype(inp)
     arguments.flag("quantize_kv_to_fp8", inp.quantize_kv_to_fp8)
+    if inp.sinks is not None:
+        validate_sinks(inp.sinks, q.shape[2], q.device)
     if inp.attn_bias is not None:
         inp.attn_bias.validate(q, k)
 

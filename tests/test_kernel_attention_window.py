@@ -295,14 +295,15 @@ for dtype, causal, left, one_loop in [("fp8", True, True, False), ("bf16", False
     consts = {"D": 128, "DV": 128, "BLOCK_M": 64, "BLOCK_N": bn, "MASK_LEFT": left, "MASK_RIGHT": causal,
               "BOTTOM_RIGHT": True, "SOFTCAP": True, "VARLEN": False, "V_T": quantized, "P_SHIFT": 8 if quantized else 0,
               "Q_BLOCKSCALE": False, "K_BLOCKSCALE": False, "V_PER_CHANNEL": False, "WRITE_LSE": True,
-              "Q_DESCALED": quantized, "K_DESCALED": quantized, "V_DESCALED": quantized, "ONE_LOOP": one_loop}
+              "Q_DESCALED": quantized, "K_DESCALED": quantized, "V_DESCALED": quantized, "ONE_LOOP": one_loop,
+              "SINKS": not one_loop}
     sig = {}
     for n in _attn_fwd_kernel.arg_names:
         if n in consts:
             sig[n] = "constexpr"
         elif n in descs:
             sig[n] = descs[n]
-        elif n in ("Lse", "QD", "KD", "VD", "CuQ", "CuK", "CuVT"):
+        elif n in ("Lse", "QD", "KD", "VD", "CuQ", "CuK", "CuVT", "Sinks"):
             sig[n] = "*fp32"
         elif n in ("sm_scale_log2", "softcap_log2"):
             sig[n] = "fp32"
@@ -317,7 +318,8 @@ for dtype, causal, left, one_loop in [("fp8", True, True, False), ("bf16", False
 
 def test_forward_softcap_window_compiles_for_sm90():
     """The interpreter runs what the compiler may reject (a constexpr rebound in a branch): compile softcap +
-    window / causal kernels (fp8, bf16, i8fp8) for sm90 ahead of time, in a process without the interpreter."""
+    window / causal kernels (fp8, bf16, i8fp8; with sinks but the one-loop one) for sm90 ahead of time, in a
+    process without the interpreter."""
     import os
     import subprocess
     import sys

@@ -11,6 +11,11 @@ Online softmax over key tiles (per row: running max ``m``, running sum ``l``, ac
     acc = acc * alpha[:, None] + p @ v
     ...
     out = acc * row_inverse(l)[:, None];  lse = natural_lse(m, l, P_SHIFT)
+
+Attention sinks (GPT-OSS: one learned logit per query head that joins every row's softmax denominator and has
+no value row) enter once, after the last tile: ``m, l, alpha = add_sink(m, l, sink * LOG2E, P_SHIFT)``, then
+``acc * alpha`` as for a tile. The probabilities of the keys stay relative to the keys' own max until then, so a
+large sink does not push them below fp8's normal range.
 """
 from __future__ import annotations
 
@@ -111,6 +116,18 @@ def softmax_step(s, keep, m_i, l_i, qk_scale, OFF: tl.constexpr, P_SHIFT: tl.con
     alpha = tl.math.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
     return p, m_new, l_i, alpha
+
+
+@triton.jit
+def add_sink(m_i, l_i, sink_log2, P_SHIFT: tl.constexpr):
+    """(m, l, alpha) of rows once their sink logit ``sink_log2`` (log2 units, one per row or a scalar) joins the
+    denominator: the running max becomes max(m, sink), the sum gains 2**(sink - m + P_SHIFT) (P's scale), and
+    alpha rescales the accumulator to the new max. Rows that saw no key (m = -inf) get l = 2**P_SHIFT, alpha 0:
+    out 0 and lse = the sink. A sink of -inf adds nothing."""
+    m_new = tl.maximum(m_i, sink_log2)
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_sub)
+    return m_new, l_i * alpha + tl.math.exp2(sink_log2 - m_sub + P_SHIFT), alpha
 
 
 @triton.jit

@@ -27,6 +27,9 @@ Declarations (class attributes; every check below reads only these):
                  custom op ``fmha_ops::attention_forward``, see fmha_ops.compiled); implies AUTOGRAD
   WINDOW         local attention windows (Problem.window_left / window_right, with each allowed mask kind)
   SOFTCAP        score capping (Problem.softcap: s * tanh(score / s) before the softmax)
+  SINKS          attention sinks (Problem.sinks: a float32 logit per query head in every softmax denominator,
+                 fmha_ops.sinks); a backward op declaring it takes the sink-inclusive LSE (the sinks' own gradient
+                 is computed apart, ``sinks.sink_grad``)
   HOST_US        host time of one eager call on the H200's host, microseconds (the selector ranks a GPU op by
                  max(estimate, host time); not counted during a CUDA graph capture, whose replays skip the host)
 Ops add op-specific reasons in ``extra_reasons``.
@@ -71,6 +74,7 @@ class AttentionOp(Op):
     TRACEABLE: ClassVar[bool] = False
     WINDOW: ClassVar[bool] = False
     SOFTCAP: ClassVar[bool] = False
+    SINKS: ClassVar[bool] = False
     BACKWARD_RATES: ClassVar[dict[int, float] | None] = None
     BACKWARD_OVERHEAD_US: ClassVar[float] = 0.0
 
@@ -135,6 +139,8 @@ class AttentionOp(Op):
                      f"supported; only unbounded windows (-1)")
         if p.softcap and not cls.SOFTCAP:
             r.append("softcap > 0 not supported; only softcap=0")
+        if p.sinks and not cls.SINKS:
+            r.append("attention sinks (sinks=) not supported; only sinks=None")
         r.extend(cls.extra_reasons(p))
         return r
 
@@ -189,9 +195,9 @@ class AttentionFwOp(AttentionOp):
         fields = (inp.p, inp.scale, inp.output_dtype, inp.is_partial)
         quantize_kv, layout, softcap, apply = inp.quantize_kv_to_fp8, inp.layout, inp.softcap, cls.apply
 
-        def run(query, key, value, attn_bias, q_descale, k_descale, v_descale):
+        def run(query, key, value, attn_bias, q_descale, k_descale, v_descale, sinks=None):
             return apply(Inputs(query, key, value, attn_bias, *fields, q_descale, k_descale, v_descale, quantize_kv,
-                                layout, softcap), needs_lse)
+                                layout, softcap, sinks), needs_lse)
         return run
 
 

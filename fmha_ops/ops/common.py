@@ -127,6 +127,11 @@ def _token_scale(d: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     return d
 
 
+def sink_arg(inp: Inputs) -> torch.Tensor | None:
+    """The call's sinks as the kernels read them (float32 (Hq,), contiguous), or None."""
+    return None if inp.sinks is None else inp.sinks.detach().contiguous()
+
+
 # ---- dequantization ------------------------------------------------------------------------------
 
 def dequantize(x: torch.Tensor, descale: torch.Tensor | None, kind: str, block: int = 0) -> torch.Tensor:

@@ -150,10 +150,18 @@ class FA4FwOp(_FA4Op, AttentionFwOp):
     #: FA4's Python interface per call: back to back, its calls at B8 N768 H16 D128 (39 GFLOP) take 1.23x cuDNN's and
     #: at 8x1000 (66 GFLOP) 0.97x: the time barely falls with the work below ~100 us
     HOST_US = 95.0
+    #: FA4's ``learnable_sink`` (bfloat16 (Hq,): our float32 sinks are rounded to it); its autograd gives no sink
+    #: gradient here, so calls whose sinks need one pair another forward with fa4B
+    SINKS = True
 
     @classmethod
     def extra_reasons(cls, p: Problem) -> list[str]:
-        return arch_reasons(p) + mask_reasons(p) + (backward_reasons(p) if p.needs_grad else [])
+        r = arch_reasons(p) + mask_reasons(p) + (backward_reasons(p) if p.needs_grad else [])
+        if p.sinks and p.needs_grad:
+            r.append("sinks with gradients not supported (FA4's autograd gives no sink gradient); fa4B takes them")
+        if p.sinks and p.q_dtype not in (torch.bfloat16, torch.float16):
+            r.append("sinks with fp8 inputs not supported")
+        return r
 
     @classmethod
     def apply(cls, inp: Inputs, needs_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -172,9 +180,10 @@ class FA4FwOp(_FA4Op, AttentionFwOp):
             from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
 
             fn = flash_attn_varlen_func if varlen else flash_attn_func
+            sinks = {} if inp.sinks is None else {"learnable_sink": inp.sinks.detach().to(torch.bfloat16)}
             out, lse = fn(q, k, v, softmax_scale=inp.softmax_scale, causal=causal, window_size=window,
                           softcap=inp.softcap, deterministic=torch.are_deterministic_algorithms_enabled(),
-                          return_lse=needs_lse, **seqlens)
+                          return_lse=needs_lse, **seqlens, **sinks)
         if not needs_lse:
             lse = None
         if out.dtype != inp.out_dtype:
@@ -202,6 +211,7 @@ class FA4BwOp(_FA4Op, AttentionBwOp):
     TBPS = 2.5
     OVERHEAD_US = BACKWARD_OVERHEAD_US
     HOST_US = 60.0  # FA4's Python interface per call
+    SINKS = True  # P recomputed from the given, sink-inclusive LSE (the sinks' gradient: fmha_ops.sinks.sink_grad)
 
     @classmethod
     def extra_reasons(cls, p: Problem) -> list[str]:

@@ -5,7 +5,8 @@ for the call with ``quantize_kv_to_fp8=True``), through the decode masks, plain 
 and ``flash_attn_with_kvcache``; one-warp programs (two at D256) whose fp8 K and V reach mma.sync operands by
 16-byte shared loads. Split-K with the Triton reduce kernel when the wave model asks for splits. sm90 only
 (measured and tuned there); Gluon kernels do not run in the Triton interpreter, so the op never runs on a CPU.
-Local windows (the masks' ``window_left``; key tiles left of the window are not read) and softcap.
+Local windows (the masks' ``window_left``; key tiles left of the window are not read), softcap, and attention
+sinks, which the reduce adds (``MIN_SINK_SPLITS``: a call with sinks always takes the split path).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from registry.arch import sm_count
 from ..dispatch import register
 from ..problem import Problem
 from .base import AttentionFwOp
-from .common import DECODE_MASKS, decode_keys, decode_outputs, decode_reasons, decode_views, decode_window
+from .common import DECODE_MASKS, decode_keys, decode_outputs, decode_reasons, decode_views, decode_window, sink_arg
 from .cost import attention_bytes
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -27,6 +28,8 @@ _KV_DESCALES = frozenset({"none", "token", "tensor", "head"})
 #: fp8-KV bytes weight of the cost model (1.7-1.9x its bf16 decode on the H200); the Triton decode ops weigh
 #: their fp8 kernel at 0.72, so this op ranks first wherever both take a call
 FP8_KV_BYTES = 0.55
+#: splits of a call with sinks: the Gluon kernel's epilogue has no sink, the split reduce adds it once
+MIN_SINK_SPLITS = 2
 
 
 @register
@@ -51,6 +54,7 @@ class GluonFp8DecodeFwOp(AttentionFwOp):
     PARTIAL = True
     WINDOW = True
     SOFTCAP = True
+    SINKS = True  # through the split reduce (MIN_SINK_SPLITS)
 
     @classmethod
     def extra_reasons(cls, p: Problem) -> list[str]:
@@ -89,6 +93,8 @@ class GluonFp8DecodeFwOp(AttentionFwOp):
         max_len = decode_keys(k.shape[1] * (table.shape[1] if table is not None else 1), window, MQ)
         splits = cls.num_splits(B, k.shape[2], max_len, HQ // k.shape[2] * MQ, D, page_size, _arch(q.device),
                                 gluon.heads_adjacent(k, v))
+        if inp.sinks is not None:
+            splits = max(splits, MIN_SINK_SPLITS)
         out = torch.empty(q.shape, dtype=inp.out_dtype, device=q.device)
         lse = torch.empty((B, HQ, MQ), dtype=torch.float32, device=q.device) if needs_lse else None
         o_buf, l_buf, o_strides, l_strides = split_buffers(q, splits, out, lse)
@@ -97,13 +103,13 @@ class GluonFp8DecodeFwOp(AttentionFwOp):
                      inp.softmax_scale * LOG2E.value, splits, page_size, pdl, window_left=window, softcap=inp.softcap,
                      store_lse=needs_lse)
         if splits > 1:
-            reduce_splits(o_buf, l_buf, out, lse, pdl)
+            reduce_splits(o_buf, l_buf, out, lse, pdl, sink_arg(inp))
         return decode_outputs(inp, q, out, lse, needs_lse)
 
     @classmethod
     def decode_launcher(cls, inp, needs_lse, own_workspace: bool = True):
-        """``launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse, seqlen_offset=0)`` for
-        calls like ``inp`` (same shapes, strides, mask kind and window): tensors as ``decode_views`` lays them out,
+        """``launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse, seqlen_offset=0,
+        sinks=None)`` for calls like ``inp`` (a plan for calls with sinks takes the split path) (same shapes, strides, mask kind and window): tensors as ``decode_views`` lays them out,
         written into ``out`` / ``lse`` (None: no LSE written), lengths ``seqlens + seqlen_offset``; the split count (and, with ``own_workspace``, one split workspace for every launch: one
         stream at a time) fixed here (``fmha_ops.decode_plan``, the ``flash_attn_with_kvcache`` fast path)."""
         from ..kernels.gluon import decode as gluon
@@ -117,16 +123,18 @@ class GluonFp8DecodeFwOp(AttentionFwOp):
         max_len = decode_keys(k.shape[1] * (table.shape[1] if table is not None else 1), window, MQ)
         splits = cls.num_splits(B, k.shape[2], max_len, HQ // k.shape[2] * MQ, D, page_size, _arch(q.device),
                                 gluon.heads_adjacent(k, v))
+        if inp.sinks is not None:
+            splits = max(splits, MIN_SINK_SPLITS)
         workspace = split_buffers(q, splits, None, None)[:2] if splits > 1 and own_workspace else None
         pdl = splits > 1 and programmatic_launch(q.device)
 
-        def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, table, out, lse, seqlen_offset=0):
+        def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, table, out, lse, seqlen_offset=0, sinks=None):
             o_buf, l_buf, o_strides, l_strides = split_buffers(q, splits, out, lse, workspace)
             gluon.launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, table, o_buf, l_buf, o_strides, l_strides,
                          scale_log2, splits, page_size, pdl, window_left=window, softcap=softcap,
                          store_lse=lse is not None, seqlen_offset=seqlen_offset)
             if splits > 1:
-                reduce_splits(o_buf, l_buf, out, lse, pdl)
+                reduce_splits(o_buf, l_buf, out, lse, pdl, sinks)
         return launch
 
     @classmethod

@@ -35,8 +35,8 @@ def reference_attention(inp: Inputs, compute_dtype: torch.dtype = torch.float32
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, Mq, Hq, Kv) in ``compute_dtype``, lse (B, Hq, Mq) float32, natural log).
 
-    Every mask kind, its window, a tensor bias and softcap (scores s -> c * tanh(s / c), then the bias).
-    Rows that see no key: out 0, lse -inf.
+    Every mask kind, its window, a tensor bias and softcap (scores s -> c * tanh(s / c), then the bias); sinks
+    (``fmha_ops.sinks``) join each row's log-sum-exp. Rows that see no key: out 0, lse -inf (with sinks: the sink).
 
     Example
     -------
@@ -93,6 +93,8 @@ def _attend(q, k, v, seg: ab.Segment, bias: torch.Tensor | None, inp: Inputs) ->
             lse = torch.logsumexp(s.masked_fill(dead[..., None], 0.0), dim=-1).masked_fill(dead, -math.inf)
         else:
             lse = s.new_full((h, r1 - r0), -math.inf)
+        if inp.sinks is not None:  # the sink joins the denominator (a row without keys: lse = the sink)
+            lse = torch.logaddexp(lse, inp.sinks.to(s.dtype)[:, None].expand_as(lse))
         probs = torch.exp(s - lse.masked_fill(lse == -math.inf, 0.0)[..., None])
         if inp.p > 0.0:
             probs = torch.nn.functional.dropout(probs, inp.p)
@@ -124,6 +126,7 @@ class ReferenceFwOp(AttentionFwOp):
     CUDA_GRAPH = False  # loops over sequences on the host
     WINDOW = True
     SOFTCAP = True
+    SINKS = True
     PRIORITY = -100
 
     @classmethod
@@ -166,6 +169,7 @@ class ReferenceBwOp(AttentionBwOp):
     CUDA_GRAPH = False
     WINDOW = True
     SOFTCAP = True
+    SINKS = True  # the given LSE includes them: this call's share exp(l - lse) leaves them out as a merge would
     PRIORITY = -100
 
     @classmethod

@@ -19,7 +19,7 @@ from ..dtypes import FP8_DTYPES
 from ..inputs import Inputs
 from ..problem import Problem
 from .base import AttentionBwOp, AttentionFwOp
-from .common import TRITON_ARCHS, dequantized_qkv, interpreter_reasons
+from .common import TRITON_ARCHS, dequantized_qkv, interpreter_reasons, sink_arg
 from .cost import attention_time, backward_time, head_dim_rate
 
 _HEAD_DIMS = range(16, 257, 16)
@@ -61,6 +61,7 @@ class _TritonFwOp(AttentionFwOp):
     ALIGNMENT = "TMA descriptors"
     WINDOW = True
     SOFTCAP = True
+    SINKS = True
     #: achieved TFLOP/s on the H200 (non-causal, d128), for the cost model; HEAD_DIM_TFLOPS, where set, by head dim
     TFLOPS: ClassVar[float]
     HEAD_DIM_TFLOPS: ClassVar[dict[int, float] | None] = None
@@ -82,7 +83,7 @@ class _TritonFwOp(AttentionFwOp):
 
         return attention_forward(inp.query, inp.key, inp.value, scale=inp.softmax_scale, q_descale=inp.q_descale,
                                  k_descale=inp.k_descale, v_descale=inp.v_descale, out_dtype=inp.out_dtype,
-                                 return_lse=needs_lse, **mask_args(inp))
+                                 return_lse=needs_lse, sinks=sink_arg(inp), **mask_args(inp))
 
     @classmethod
     def estimate(cls, p: Problem) -> float:
@@ -145,13 +146,14 @@ class TritonBwOp(AttentionBwOp):
     REQUIRES = ("triton",)
     DTYPES = TritonFwOp.DTYPES | TritonFp8FwOp.DTYPES | TritonI8Fp8FwOp.DTYPES
     OUT_DTYPES = _OUT
-    HEAD_DIMS = (16, 32, 64, 128, 256)
-    HEAD_DIMS_V = HEAD_DIMS
+    HEAD_DIMS = _HEAD_DIMS
+    HEAD_DIMS_V = _HEAD_DIMS
     BIAS_KINDS = _BIAS
     GQA = True
     PARTIAL = True
     WINDOW = True
     SOFTCAP = True
+    SINKS = True  # dq / dk / dv from the sink-inclusive LSE (the sinks' gradient: fmha_ops.sinks.sink_grad)
     DESCALES = {r: kinds | {"none"} for r, kinds in TritonI8Fp8FwOp.DESCALES.items()}
     HOST_US = 100.0  # three launches
     #: achieved TFLOP/s of the backward's work by head dim on the H200 (346 at D64, 408-427 at D128, 237 at D256 on

@@ -23,7 +23,7 @@ from ..dtypes import FP8_DTYPES
 from ..problem import Problem
 from .base import AttentionFwOp
 from .common import (DECODE_MASKS, TRITON_ARCHS, decode_keys, decode_outputs, decode_reasons, decode_views,
-                     decode_window, interpreter_reasons)
+                     decode_window, interpreter_reasons, sink_arg)
 from .cost import attention_bytes
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -35,7 +35,8 @@ class _DecodeOp(AttentionFwOp):
     REQUIRES = ("triton",)
     DTYPES = frozenset([(h, h, h) for h in _HALF] + [(h, f, f) for h in _HALF for f in FP8_DTYPES])
     OUT_DTYPES = frozenset(_HALF + (torch.float32,))
-    HEAD_DIMS = (16, 32, 64, 128, 256)
+    HEAD_DIMS = range(16, 257, 16)  # tiles padded to the next power of two
+    HEAD_DIMS_V = range(16, 257, 16)  # a value head dim of its own (DeepSeek-V3: K=192, Kv=128)
     BIAS_KINDS = DECODE_MASKS
     GQA = True
     PAGE_SIZES = range(1, 1 << 24)  # a dense cache runs as one page of its full length
@@ -47,6 +48,7 @@ class _DecodeOp(AttentionFwOp):
     PARTIAL = True
     WINDOW = True
     SOFTCAP = True
+    SINKS = True  # the single pass adds them in its epilogue, the split reduce once
     SPLIT_K: ClassVar[bool]
 
     @classmethod
@@ -70,15 +72,16 @@ class _DecodeOp(AttentionFwOp):
         max_len = decode_keys(k.shape[1] * (table.shape[1] if table is not None else 1), window, q.shape[1])
         splits = cls.num_splits(q.shape[0], k.shape[2], max_len, q.shape[2] // k.shape[2] * q.shape[1], q.shape[3],
                                 k.dtype != q.dtype, _arch(q.device))
-        out = torch.empty(q.shape, dtype=inp.out_dtype, device=q.device)
+        out = torch.empty((*q.shape[:3], v.shape[3]), dtype=inp.out_dtype, device=q.device)
         out, lse = paged_decode(q, k, v, seqlens, block_table=table, scale=inp.softmax_scale, k_scale=ks,
                                 v_scale=vs, num_splits=splits, out=out, lse_wanted=needs_lse, window_left=window,
-                                softcap=inp.softcap)
+                                softcap=inp.softcap, sinks=sink_arg(inp))
         return decode_outputs(inp, q, out, lse, needs_lse)
 
     @classmethod
     def decode_launcher(cls, inp, needs_lse, own_workspace: bool = True):
-        """``launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse, seqlen_offset=0)`` for
+        """``launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse, seqlen_offset=0,
+        sinks=None)`` for
         calls like ``inp`` (same shapes, strides, mask kind and window): tensors as ``decode_views`` lays them out,
         written into ``out`` / ``lse`` (None: no LSE written), lengths ``seqlens + seqlen_offset``; the split count (and, with ``own_workspace``, one split workspace for every launch: one
         stream at a time) fixed here (``fmha_ops.decode_plan``, the ``flash_attn_with_kvcache`` fast path)."""
@@ -89,12 +92,14 @@ class _DecodeOp(AttentionFwOp):
         max_len = decode_keys(k.shape[1] * (table.shape[1] if table is not None else 1), window, q.shape[1])
         splits = cls.num_splits(q.shape[0], k.shape[2], max_len, q.shape[2] // k.shape[2] * q.shape[1], q.shape[3],
                                 k.dtype != q.dtype, _arch(q.device))
-        workspace = split_buffers(q, splits, None, None)[:2] if splits > 1 and own_workspace else None
+        workspace = (split_buffers(q, splits, None, None, head_dim_v=v.shape[3])[:2] if splits > 1 and own_workspace
+                     else None)
 
-        def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, table, out, lse, seqlen_offset=0):
+        def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, table, out, lse, seqlen_offset=0, sinks=None):
             paged_decode(q, k_cache, v_cache, seqlens, block_table=table, scale=scale, k_scale=k_scale,
                          v_scale=v_scale, num_splits=splits, out=out, lse=lse, lse_wanted=lse is not None,
-                         seqlen_offset=seqlen_offset, window_left=window, softcap=softcap, workspace=workspace)
+                         seqlen_offset=seqlen_offset, window_left=window, softcap=softcap, workspace=workspace,
+                         sinks=sinks)
         return launch
 
     @classmethod

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from fmha_ops.kernels.softmax import LOG2E, tanh, visible
-from fmha_ops.kernels.triton.launch import cdiv, launch
+from fmha_ops.kernels.triton.launch import cdiv, launch, next_pow2, pow2_width
 
 
 @dataclass(frozen=True)
@@ -104,23 +104,28 @@ def _bwd_preprocess(o_ptr, do_ptr, delta_ptr, M,
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM_V)
-    ok = offs_m < M
-    o = tl.load(o_ptr + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_d[None, :], mask=ok[:, None], other=0.0)
-    do = tl.load(do_ptr + b * s_dob + h * s_doh + offs_m[:, None] * s_dom + offs_d[None, :], mask=ok[:, None],
-                 other=0.0)
+    offs_d = tl.arange(0, pow2_width(HEAD_DIM_V))
+    ok = (offs_m < M)[:, None] & (offs_d < HEAD_DIM_V)[None, :]
+    o = tl.load(o_ptr + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_d[None, :], mask=ok, other=0.0)
+    do = tl.load(do_ptr + b * s_dob + h * s_doh + offs_m[:, None] * s_dom + offs_d[None, :], mask=ok, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    tl.store(delta_ptr + b * s_eb + h * s_eh + offs_m, delta, mask=ok)
+    tl.store(delta_ptr + b * s_eb + h * s_eh + offs_m, delta, mask=offs_m < M)
 
 
 @triton.jit
-def _load_rows(base, rows, stride, cols, n_rows, MASKED: tl.constexpr):
-    """Tile base[rows, cols] (row stride ``stride``); MASKED: rows >= n_rows read as 0."""
-    if MASKED:
-        ok = rows < n_rows
-        return tl.load(base + rows[:, None] * stride + cols[None, :], mask=ok[:, None], other=0.0)
+def _load_rows(base, rows, stride, cols, n_rows, N_COLS: tl.constexpr, MASKED: tl.constexpr):
+    """Tile base[rows, cols] (row stride ``stride``); MASKED: rows >= n_rows read as 0; ``cols`` past a head dim
+    ``N_COLS`` below the tile's power-of-two width read as 0 (a compile-time switch: no mask at 64, 128...)."""
+    PAD: tl.constexpr = cols.shape[0] != N_COLS
+    ptrs = base + rows[:, None] * stride + cols[None, :]
+    if MASKED and PAD:
+        return tl.load(ptrs, mask=(rows < n_rows)[:, None] & (cols < N_COLS)[None, :], other=0.0)
+    elif MASKED:
+        return tl.load(ptrs, mask=(rows < n_rows)[:, None], other=0.0)
+    elif PAD:
+        return tl.load(ptrs, mask=(cols < N_COLS)[None, :], other=0.0)
     else:
-        return tl.load(base + rows[:, None] * stride + cols[None, :])
+        return tl.load(ptrs)
 
 
 @triton.jit
@@ -133,12 +138,12 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, s_qm, s_dom
     MASKED: bounds masks on the loads; with DIAG also the key range [i + d_lo, i + d_hi] of query i (its
     MASK_LEFT / MASK_RIGHT sides)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_dv = tl.arange(0, HEAD_DIM_V)
+    offs_d = tl.arange(0, pow2_width(HEAD_DIM))
+    offs_dv = tl.arange(0, pow2_width(HEAD_DIM_V))
     for start_m in tl.range(lo, hi, BLOCK_M, num_stages=NUM_STAGES):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = _load_rows(q_base, offs_m, s_qm, offs_d, q_len, MASKED)
-        do = _load_rows(do_base, offs_m, s_dom, offs_dv, q_len, MASKED)
+        q = _load_rows(q_base, offs_m, s_qm, offs_d, q_len, HEAD_DIM, MASKED)
+        do = _load_rows(do_base, offs_m, s_dom, offs_dv, q_len, HEAD_DIM_V, MASKED)
         if MASKED:
             ok = offs_m < q_len
             delta = tl.load(delta_base + offs_m, mask=ok, other=0.0)
@@ -186,13 +191,15 @@ def _query_blocks(start_n, q_len, d_lo, d_hi, MASK_LEFT: tl.constexpr, MASK_RIGH
 def _store_kv_grads(dk, dv, dk_ptr, dv_ptr, b, hk, k_start, start_n, k_len,
                     s_dkb, s_dkm, s_dkh, s_dvb, s_dvm, s_dvh,
                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr):
-    """Store one key block's dK (already scaled) and dV rows, masked at the sequence end."""
+    """Store one key block's dK (already scaled) and dV rows, masked at the sequence end and the head dims."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, pow2_width(HEAD_DIM))
+    offs_dv = tl.arange(0, pow2_width(HEAD_DIM_V))
     n_ok = offs_n < k_len
-    tl.store(dk_ptr + b * s_dkb + hk * s_dkh + (k_start + offs_n[:, None]) * s_dkm + tl.arange(0, HEAD_DIM)[None, :],
-             dk.to(dk_ptr.dtype.element_ty), mask=n_ok[:, None])
-    tl.store(dv_ptr + b * s_dvb + hk * s_dvh + (k_start + offs_n[:, None]) * s_dvm + tl.arange(0, HEAD_DIM_V)[None, :],
-             dv.to(dv_ptr.dtype.element_ty), mask=n_ok[:, None])
+    tl.store(dk_ptr + b * s_dkb + hk * s_dkh + (k_start + offs_n[:, None]) * s_dkm + offs_d[None, :],
+             dk.to(dk_ptr.dtype.element_ty), mask=n_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+    tl.store(dv_ptr + b * s_dvb + hk * s_dvh + (k_start + offs_n[:, None]) * s_dvm + offs_dv[None, :],
+             dv.to(dv_ptr.dtype.element_ty), mask=n_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :])
 
 
 @triton.jit
@@ -214,15 +221,15 @@ def _bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, c
         return
     b = b.to(tl.int64)
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_dv = tl.arange(0, HEAD_DIM_V)
+    offs_d = tl.arange(0, pow2_width(HEAD_DIM))
+    offs_dv = tl.arange(0, pow2_width(HEAD_DIM_V))
     n_ok = offs_n < k_len
     k = tl.load(k_ptr + b * s_kb + hk * s_kh + (k_start + offs_n[:, None]) * s_km + offs_d[None, :],
-                mask=n_ok[:, None], other=0.0)
+                mask=n_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
     v = tl.load(v_ptr + b * s_vb + hk * s_vh + (k_start + offs_n[:, None]) * s_vm + offs_dv[None, :],
-                mask=n_ok[:, None], other=0.0)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM_V], dtype=tl.float32)
+                mask=n_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :], other=0.0)
+    dk = tl.zeros([BLOCK_N, pow2_width(HEAD_DIM)], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, pow2_width(HEAD_DIM_V)], dtype=tl.float32)
     diag = k_len - q_len if BOTTOM_RIGHT else 0
     d_lo = diag - window_left  # query i sees keys [i + d_lo, i + d_hi]
     d_hi = diag + window_right
@@ -275,12 +282,12 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, s_km, s_vm,
     """Accumulate dQ of one query block over key blocks [lo, hi). MASKED: bounds masks and the key range
     [i + d_lo, i + d_hi] of query i (its MASK_LEFT / MASK_RIGHT sides)."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_dv = tl.arange(0, HEAD_DIM_V)
+    offs_d = tl.arange(0, pow2_width(HEAD_DIM))
+    offs_dv = tl.arange(0, pow2_width(HEAD_DIM_V))
     for start_n in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_rows(k_base, offs_n, s_km, offs_d, k_len, MASKED)
-        v = _load_rows(v_base, offs_n, s_vm, offs_dv, k_len, MASKED)
+        k = _load_rows(k_base, offs_n, s_km, offs_d, k_len, HEAD_DIM, MASKED)
+        v = _load_rows(v_base, offs_n, s_vm, offs_dv, k_len, HEAD_DIM_V, MASKED)
         p, t = _probs(tl.dot(q, tl.trans(k)), lse2[:, None], qk_scale, softcap_log2, SOFTCAP)
         if MASKED:
             p = tl.where(visible(offs_m, offs_n, k_len, d_lo, d_hi, MASK_LEFT, MASK_RIGHT), p, 0.0)
@@ -314,13 +321,14 @@ def _bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_q_ptr, c
     b = b.to(tl.int64)
     hk = h // GROUP
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_dv = tl.arange(0, HEAD_DIM_V)
+    offs_d = tl.arange(0, pow2_width(HEAD_DIM))
+    offs_dv = tl.arange(0, pow2_width(HEAD_DIM_V))
     ok = offs_m < q_len
+    q_ok = ok[:, None] & (offs_d < HEAD_DIM)[None, :]
     q = tl.load(q_ptr + b * s_qb + h * s_qh + (q_start + offs_m[:, None]) * s_qm + offs_d[None, :],
-                mask=ok[:, None], other=0.0)
+                mask=q_ok, other=0.0)
     do = tl.load(do_ptr + b * s_dob + h * s_doh + (q_start + offs_m[:, None]) * s_dom + offs_dv[None, :],
-                 mask=ok[:, None], other=0.0)
+                 mask=ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :], other=0.0)
     lse2 = _load_lse2(lse_ptr + b * s_lb + h * s_lh + (q_start + offs_m) * s_lm, ok)
     delta = tl.load(delta_ptr + b * s_eb + h * s_eh + q_start + offs_m, mask=ok, other=0.0)
     k_base = k_ptr + b * s_kb + hk * s_kh + k_start * s_km
@@ -336,7 +344,7 @@ def _bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_q_ptr, c
     else:
         kv_end = k_len
         full_end = k_len // BLOCK_N * BLOCK_N
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    dq = tl.zeros([BLOCK_M, pow2_width(HEAD_DIM)], dtype=tl.float32)
     if MASK_LEFT:
         kv_start = tl.minimum(tl.maximum(start_m + d_lo, 0), kv_end) // BLOCK_N * BLOCK_N
         full_start = tl.minimum(tl.cdiv(tl.maximum(start_m + BLOCK_M - 1 + d_lo, 0), BLOCK_N) * BLOCK_N, kv_end)
@@ -354,7 +362,7 @@ def _bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_q_ptr, c
                    True, MASK_LEFT, MASK_RIGHT, SOFTCAP)
     dq = dq * sm_scale
     tl.store(dq_ptr + b * s_dqb + h * s_dqh + (q_start + offs_m[:, None]) * s_dqm + offs_d[None, :],
-             dq.to(dq_ptr.dtype.element_ty), mask=ok[:, None])
+             dq.to(dq_ptr.dtype.element_ty), mask=q_ok)
 
 
 def attention_backward(do, q, k, v, out, lse, *, scale: float, causal: bool = False, causal_bottom_right: bool = True,
@@ -365,7 +373,8 @@ def attention_backward(do, q, k, v, out, lse, *, scale: float, causal: bool = Fa
 
     Layout BMHK: ``q``, ``do``, ``out`` (B, Mq, Hq, D) / (B, Mq, Hq, Dv); ``k`` (B, Mk, Hkv, D);
     ``v`` (B, Mk, Hkv, Dv); bf16 or fp16, last dim contiguous, other strides arbitrary.
-    D, Dv in {16, 32, 64, 128, 256}; Hq a multiple of Hkv (GQA/MQA: dk/dv summed over each group).
+    D, Dv multiples of 16 up to 256 (tiles of the next power of two; K=192 / Kv=128 as DeepSeek-V3); Hq a multiple
+    of Hkv (GQA/MQA: dk/dv summed over each group).
     ``lse``: float32 natural-log row logsumexp of the scaled scores, (B, Hq, Mq); rows with
     ``lse = -inf`` (no visible key) get zero gradient.
     Varlen: B == 1, int32 ``cu_seqlens_q``/``cu_seqlens_k`` of length nseq + 1, lse (1, Hq, total_q).
@@ -383,8 +392,8 @@ def attention_backward(do, q, k, v, out, lse, *, scale: float, causal: bool = Fa
     """
     B, Mq, Hq, D = q.shape
     _, Mk, Hkv, Dv = v.shape
-    assert Hq % Hkv == 0 and D in DEFAULT_CONFIGS and Dv in DEFAULT_CONFIGS
-    cfg = config or default_config(max(D, Dv), causal)
+    assert Hq % Hkv == 0 and D % 16 == 0 and Dv % 16 == 0 and 0 < D <= 256 and 0 < Dv <= 256, (D, Dv)
+    cfg = config or default_config(next_pow2(max(D, Dv)), causal)
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv

@@ -24,19 +24,13 @@ import triton
 import triton.language as tl
 
 from fmha_ops.kernels.attention_host import descale_args, ensure_allocator
-from fmha_ops.kernels.softmax import LOG2E, hide_keys, natural_lse, p_shift, row_inverse, softmax_step, tanh
-from fmha_ops.kernels.triton.launch import cdiv, host_descriptor, launch, next_pow2
+from fmha_ops.kernels.softmax import LOG2E, add_sink, hide_keys, natural_lse, p_shift, row_inverse, softmax_step, tanh
+from fmha_ops.kernels.triton.launch import cdiv, host_descriptor, launch, next_pow2, pow2_width
 from fmha_ops.kernels.triton.transpose_v import transpose_v
 from fmha_ops.quant import K_SCALE_BLOCK, Q_SCALE_BLOCK
 
 _Q_SCALE_BLOCK = tl.constexpr(Q_SCALE_BLOCK)
 _K_SCALE_BLOCK = tl.constexpr(K_SCALE_BLOCK)
-
-
-@triton.constexpr_function
-def _pow2(n):
-    """The tile width for a head dim: the smallest power of two >= n."""
-    return triton.next_power_of_2(n)
 
 
 @triton.jit
@@ -99,7 +93,7 @@ def _tile(acc, l_i, m_i, q, k_desc, v_desc, kd_ptr, qk_scale, softcap_log2, k_ro
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, Out, Lse, QD, KD, VD, CuQ, CuK, CuVT, sm_scale_log2, softcap_log2,
+    Q, K, V, Out, Lse, QD, KD, VD, CuQ, CuK, CuVT, Sinks, sm_scale_log2, softcap_log2,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_km, stride_kh,
     stride_vb, stride_vm, stride_vh,
@@ -111,7 +105,7 @@ def _attn_fwd_kernel(
     VARLEN: tl.constexpr, V_T: tl.constexpr, P_SHIFT: tl.constexpr,
     Q_BLOCKSCALE: tl.constexpr, K_BLOCKSCALE: tl.constexpr, V_PER_CHANNEL: tl.constexpr, WRITE_LSE: tl.constexpr,
     Q_DESCALED: tl.constexpr, K_DESCALED: tl.constexpr, V_DESCALED: tl.constexpr,
-    ONE_LOOP: tl.constexpr,
+    ONE_LOOP: tl.constexpr, SINKS: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (sequence, q head).
 
@@ -125,10 +119,11 @@ def _attn_fwd_kernel(
     [CuQ[b], CuQ[b+1]) of batch 0 (bounds clamped to the tensors' rows) and descriptors are made per head on the
     device; else Q, K, V, Out are host descriptors over (B, H, rows, cols). ONE_LOOP: the key tiles run in one loop
     in key order, masking the boundary ones by a runtime test (one pipeline fill per program); else the unmasked
-    interior and the boundary tiles run in two loops.
+    interior and the boundary tiles run in two loops. SINKS: ``Sinks[hq]`` (float32, natural log) joins every row's
+    denominator after the last tile (``add_sink``); the LSE includes it.
     """
-    BLOCK_D: tl.constexpr = _pow2(D)
-    BLOCK_DV: tl.constexpr = _pow2(DV)
+    BLOCK_D: tl.constexpr = pow2_width(D)
+    BLOCK_DV: tl.constexpr = pow2_width(DV)
     pid_m = tl.program_id(0)
     if MASK_RIGHT:  # the last query blocks see the most keys: start them first
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -234,6 +229,9 @@ def _attn_fwd_kernel(
                                   start_n, seqlen_k, lo, hi, offs_m, tensor_b, hkv, True, True, MASK_LEFT,
                                   MASK_RIGHT, SOFTCAP, K_BLOCKSCALE, V_T, P_SHIFT, BLOCK_N, BLOCK_DV, VARLEN)
 
+    if SINKS:
+        m_i, l_i, alpha = add_sink(m_i, l_i, tl.load(Sinks + hq) * LOG2E, P_SHIFT)
+        acc = acc * alpha[:, None]
     inv_l = row_inverse(l_i)
     vd_ptr = VD + b * vd_sb + hkv * vd_sh
     if V_PER_CHANNEL:
@@ -324,7 +322,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
                       q_descale=None, k_descale=None, v_descale=None,
                       window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
                       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                      out_dtype=None, return_lse=False, pv_fp8: bool = True,
+                      out_dtype=None, return_lse=False, pv_fp8: bool = True, sinks=None,
                       v_transposed: bool | None = None, config: FwdConfig | None = None, out=None):
     """Attention forward, BMHK layout.
 
@@ -344,6 +342,9 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
     Local window (-1 = unbounded): key j is also visible only if i_al - window_left <= j <= i_al + window_right,
     i_al = i + Mk - Mq (per sequence) unless the mask is causal top-left (i_al = i); key tiles outside the window
     are skipped. ``softcap`` > 0: scores s become softcap * tanh(s / softcap) before the softmax (Gemma 2).
+    ``sinks``: float32 (Hq,) attention sinks (GPT-OSS), one logit per query head in the scaled scores' natural
+    units (not capped), added to every row's softmax denominator without a value row; the LSE includes it, and a
+    row that sees no key gets out 0 and lse = its sink.
     Returns (out (B, Mq, Hq, Dv), lse float32 natural log (B, Hq, Mq) or None).
     Options: pv_fp8=False runs PV in fp16 for fp8 v (more accurate, slower); v_transposed (default: True for fp8
     v on CUDA) copies a last-dim-contiguous V to (B, Hkv, Dv, Mk) first; ``config`` overrides ``default_config``;
@@ -365,6 +366,8 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
     assert D % 16 == 0 and Dv % 16 == 0 and D <= 256 and Dv <= 256, "head dims must be multiples of 16, <= 256"
     assert window_left >= -1 and window_right >= -1, "window sizes are >= 0, or -1 for unbounded"
     assert softcap >= 0.0 and softcap != float("inf"), "softcap must be finite and >= 0 (0 = off)"
+    assert sinks is None or (sinks.shape == (Hq,) and sinks.dtype == torch.float32 and sinks.stride(0) == 1), \
+        "sinks must be float32 (Hq,), contiguous"
     qk_int8 = q.dtype == torch.int8
     fp8_v = v.dtype in _FP8
     if qk_int8:
@@ -452,7 +455,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
     launch(_attn_fwd_kernel)[grid](
         *qkvo, lse if lse is not None else qd, qd, kd, vd,
         cu_seqlens_q if varlen else qd, cu_seqlens_k if varlen else qd, cu_vt if varlen and v_transposed else qd,
-        scale_log2, softcap_log2,
+        qd if sinks is None else sinks, scale_log2, softcap_log2,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         *v_strides,
@@ -464,7 +467,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, causal_bot
         VARLEN=varlen,
         V_T=v_transposed, P_SHIFT=shift, Q_BLOCKSCALE=q_block, K_BLOCKSCALE=k_block, V_PER_CHANNEL=v_chan,
         WRITE_LSE=return_lse, Q_DESCALED=q_descale is not None, K_DESCALED=k_descale is not None,
-        V_DESCALED=v_descale is not None, ONE_LOOP=cfg.one_loop, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        V_DESCALED=v_descale is not None, ONE_LOOP=cfg.one_loop, SINKS=sinks is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         maxnreg=cfg.maxnreg,
     )
     return out, lse

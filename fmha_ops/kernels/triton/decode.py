@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from fmha_ops.kernels.softmax import LN2, LOG2E, tanh
-from fmha_ops.kernels.triton.launch import cdiv, launch, next_pow2
+from fmha_ops.kernels.softmax import LN2, LOG2E, add_sink, tanh
+from fmha_ops.kernels.triton.launch import cdiv, launch, next_pow2, pow2_width
 
 SCAN = tl.constexpr(512)  # block-table entries checked per step of a program's prologue (``valid_end``)
 
@@ -66,7 +66,7 @@ def valid_end(bt_row, start, end, num_pages, PAGE_SIZE: tl.constexpr):
 
 @triton.jit(do_not_specialize=["NUM_PAGES", "CAPACITY", "WINDOW_LEFT", "SEQ_OFFSET"])
 def _decode_kernel(
-    Q, K, V, KS, VS, SEQ, BT, OUT, LSE,
+    Q, K, V, KS, VS, SEQ, BT, OUT, LSE, SINKS,
     stride_qb, stride_qm, stride_qh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
@@ -77,12 +77,18 @@ def _decode_kernel(
     stride_ls, stride_lb, stride_lh, stride_lm,
     qk_scale, softcap_log2,
     NUM_KV_HEADS, NUM_SPLITS, NUM_PAGES, CAPACITY, WINDOW_LEFT, SEQ_OFFSET,
-    G: tl.constexpr, MQ: tl.constexpr, D: tl.constexpr,
+    G: tl.constexpr, MQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, FP8: tl.constexpr, PARTIAL: tl.constexpr,
     ASM_CVT: tl.constexpr, PDL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    STORE_LSE: tl.constexpr,
+    STORE_LSE: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
+    """One program: the rows (query heads x new tokens) of one KV head over one key split. D / DV: the q/k and the
+    value head dims, each padded to a power of two in registers (loads past it read 0, stores stop at it).
+    HAS_SINKS (one split only, not PARTIAL): the head's sink logit ``SINKS[qh]`` joins each row's denominator
+    after the last tile; with splits the reduce adds it, once."""
+    BLOCK_D: tl.constexpr = pow2_width(D)
+    BLOCK_DV: tl.constexpr = pow2_width(DV)
     if PDL:  # the split reduce may launch now and wait for this grid on the device (programmatic dependent launch)
         gdc_launch_dependents()
     pid_bh = tl.program_id(0)
@@ -94,7 +100,10 @@ def _decode_kernel(
     row_ok = rows < G * MQ
     qi = rows // G
     qh = hkv * G + rows % G
-    offs_d = tl.arange(0, D)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_ok = offs_d < D
+    dv_ok = offs_dv < DV
 
     # lengths (SEQ[b] + SEQ_OFFSET) outside [0, CAPACITY] are clamped: the block-table reads below stay inside
     # its rows
@@ -114,14 +123,14 @@ def _decode_kernel(
     last_key = seqlen - MQ + qi
 
     q = tl.load(Q + b.to(tl.int64) * stride_qb + qi[:, None] * stride_qm + qh[:, None] * stride_qh
-                + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+                + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if FP8:
         # e4m3 -> fp16 is one packed cvt on sm89+, -> bf16 takes three: run both dots in fp16
         q = q.to(tl.float16)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
     k_head = K + hkv * stride_kh
     v_head = V + hkv * stride_vh
@@ -148,9 +157,9 @@ def _decode_kernel(
             page = b.to(tl.int64)
             slot = offs_n
         k = tl.load(k_head + (page * stride_kp + slot * stride_ks)[:, None] + offs_d[None, :],
-                    mask=kv_ok[:, None], other=0.0)
-        v = tl.load(v_head + (page * stride_vp + slot * stride_vs)[:, None] + offs_d[None, :],
-                    mask=kv_ok[:, None], other=0.0)
+                    mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(v_head + (page * stride_vp + slot * stride_vs)[:, None] + offs_dv[None, :],
+                    mask=kv_ok[:, None] & dv_ok[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k.to(q.dtype)))
         if FP8:
             ks = tl.load(KS + page * stride_ksp + slot * stride_kss + hkv * stride_ksh, mask=kv_ok, other=0.0)
@@ -179,28 +188,34 @@ def _decode_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
         m_i = m_new
 
+    if HAS_SINKS:
+        m_i, l_i, alpha = add_sink(m_i, l_i, tl.load(SINKS + qh, mask=row_ok, other=0.0) * LOG2E, 0)
+        acc = acc * alpha[:, None]
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
     o_ptrs = (OUT + split.to(tl.int64) * stride_os + b.to(tl.int64) * stride_ob + qi[:, None] * stride_om
-              + qh[:, None] * stride_oh + offs_d[None, :])
+              + qh[:, None] * stride_oh + offs_dv[None, :])
     if PARTIAL:
-        tl.store(o_ptrs, o, mask=row_ok[:, None])
+        tl.store(o_ptrs, o, mask=row_ok[:, None] & dv_ok[None, :])
     else:
-        tl.store(o_ptrs, o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(o_ptrs, o.to(OUT.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
     if STORE_LSE:
         tl.store(LSE + split * stride_ls + b * stride_lb + qh * stride_lh + qi * stride_lm, lse, mask=row_ok)
 
 
 @triton.jit
 def _reduce_kernel(
-    PO, PL, OUT, LSE,
+    PO, PL, OUT, LSE, SINKS,
     stride_pos, stride_pls,
     stride_ob, stride_om, stride_oh,
     stride_lb, stride_lh, stride_lm,
     HQ, MQ, NUM_SPLITS,
     S_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr, STORE_LSE: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
+    """One output row's dims [chunk * BLOCK_D, ...) (those < D): the splits' partial outputs weighted by
+    exp(lse_split - lse); HAS_SINKS: the head's sink logit ``SINKS[h]`` joins the denominator here, once."""
     row = tl.program_id(0)  # (b * MQ + i) * HQ + h, the row order of the contiguous partial output
     chunk = tl.program_id(1)  # head dims [chunk * BLOCK_D, (chunk + 1) * BLOCK_D)
     h = row % HQ
@@ -208,20 +223,26 @@ def _reduce_kernel(
     b = row // (HQ * MQ)
     offs_s = tl.arange(0, S_PAD)
     offs_d = chunk * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
     s_ok = offs_s < NUM_SPLITS
     if PDL:  # launched early (programmatic dependent launch): wait until the decoder's partials are written
         gdc_wait()
     pl = tl.load(PL + offs_s * stride_pls + (b * HQ + h) * MQ + i, mask=s_ok, other=float("-inf"))
     m = tl.max(pl, 0)
+    if HAS_SINKS:
+        sink = tl.load(SINKS + h)
+        m = tl.maximum(m, sink)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp(pl - m_safe)
     total = tl.sum(w, 0)
+    if HAS_SINKS:
+        total += tl.exp(sink - m_safe)
     po = tl.load(PO + offs_s[:, None] * stride_pos + row.to(tl.int64) * D + offs_d[None, :],
-                 mask=s_ok[:, None], other=0.0)
+                 mask=s_ok[:, None] & d_ok[None, :], other=0.0)
     o = tl.sum(po * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
     lse = tl.where(total > 0.0, m_safe + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf"))
     tl.store(OUT + b.to(tl.int64) * stride_ob + i * stride_om + h * stride_oh + offs_d,
-             o.to(OUT.dtype.element_ty))
+             o.to(OUT.dtype.element_ty), mask=d_ok)
     if STORE_LSE:
         if chunk == 0:
             tl.store(LSE + b * stride_lb + h * stride_lh + i * stride_lm, lse)
@@ -299,9 +320,11 @@ def default_config(head_dim: int, kv_fp8: bool, page_aligned: bool, rows_per_pro
     return DecodeConfig(32, 4, 2)
 
 
-def split_buffers(q: torch.Tensor, num_splits: int, out: torch.Tensor, lse: torch.Tensor | None, workspace=None):
+def split_buffers(q: torch.Tensor, num_splits: int, out: torch.Tensor, lse: torch.Tensor | None, workspace=None,
+                  head_dim_v: int | None = None):
     """(out buffer, lse buffer, out strides, lse strides) a decoder writes: ``out`` / ``lse`` themselves (a
-    leading split stride of 0) for one split, else float32 workspaces (num_splits, B, Mq, Hq, D) and
+    leading split stride of 0) for one split, else float32 workspaces (num_splits, B, Mq, Hq, Dv) (``head_dim_v``,
+    default q's head dim) and
     (num_splits, B, Hq, Mq) whose size depends on static shapes only (``workspace``: such a pair to reuse, from an
     earlier call's ``split_buffers``). ``lse`` None: no LSE is wanted; with one split the lse buffer is then
     ``out`` with strides 0, a placeholder the decoder does not write (``STORE_LSE`` off)."""
@@ -313,23 +336,25 @@ def split_buffers(q: torch.Tensor, num_splits: int, out: torch.Tensor, lse: torc
         o_buf, l_buf = workspace
     else:
         B, MQ, HQ, D = q.shape
-        o_buf = torch.empty((num_splits, B, MQ, HQ, D), device=q.device, dtype=torch.float32)
+        o_buf = torch.empty((num_splits, B, MQ, HQ, head_dim_v or D), device=q.device, dtype=torch.float32)
         l_buf = torch.empty((num_splits, B, HQ, MQ), device=q.device, dtype=torch.float32)
     return o_buf, l_buf, o_buf.stride()[:4], l_buf.stride()
 
 
 def reduce_splits(o_buf: torch.Tensor, l_buf: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
-                  pdl: bool = False) -> None:
-    """Combine the partial outputs ``o_buf`` (S, B, Mq, Hq, D) float32 and their LSEs ``l_buf`` (S, B, Hq, Mq)
-    into ``out`` (B, Mq, Hq, D) and ``lse`` (B, Hq, Mq) (None: not written) with log-sum-exp weights; ``pdl``: the
-    decoder was launched with programmatic dependent launch (``programmatic_launch``)."""
+                  pdl: bool = False, sinks: torch.Tensor | None = None) -> None:
+    """Combine the partial outputs ``o_buf`` (S, B, Mq, Hq, Dv) float32 and their LSEs ``l_buf`` (S, B, Hq, Mq)
+    into ``out`` (B, Mq, Hq, Dv) and ``lse`` (B, Hq, Mq) (None: not written) with log-sum-exp weights; ``pdl``: the
+    decoder was launched with programmatic dependent launch (``programmatic_launch``); ``sinks``: float32 (Hq,)
+    sink logits, each joining its head's denominators once (the splits' partials leave them out)."""
     num_splits, B, MQ, HQ, D = o_buf.shape
     chunks = _reduce_chunks(B * MQ * HQ, D)
     launch(_reduce_kernel)[(B * MQ * HQ, chunks)](
-        o_buf, l_buf, out, l_buf if lse is None else lse, o_buf.stride(0), l_buf.stride(0),
+        o_buf, l_buf, out, l_buf if lse is None else lse, l_buf if sinks is None else sinks,
+        o_buf.stride(0), l_buf.stride(0),
         out.stride(0), out.stride(1), out.stride(2), *((0, 0, 0) if lse is None else lse.stride()), HQ, MQ,
-        num_splits, S_PAD=next_pow2(num_splits), D=D, BLOCK_D=D // chunks, PDL=pdl, STORE_LSE=lse is not None,
-        num_warps=4, launch_pdl=pdl,
+        num_splits, S_PAD=next_pow2(num_splits), D=D, BLOCK_D=next_pow2(cdiv(D, chunks)), PDL=pdl,
+        STORE_LSE=lse is not None, HAS_SINKS=sinks is not None, num_warps=4, launch_pdl=pdl,
     )
 
 
@@ -337,12 +362,13 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
                  k_scale=None, v_scale=None, num_splits: int = 1, out=None, lse=None, lse_wanted: bool = True,
                  seqlen_offset: int = 0, window_left: int = -1, softcap: float = 0.0, workspace=None,
                  block_n: int | None = None, num_warps: int | None = None,
-                 num_stages: int | None = None):
+                 num_stages: int | None = None, sinks=None):
     """Attention of ``Mq`` new query tokens per sequence against a (paged) KV cache.
 
-    q: (B, Mq, Hq, D) bf16/fp16, Mq in 1..16, last dim contiguous; D a power of two >= 16.
-    k_cache, v_cache: paged (num_pages, page_size, Hkv, D) with ``block_table`` int32
-    (B, max_pages_per_seq), or dense (B, Lmax, Hkv, D) when ``block_table`` is None; q's dtype,
+    q: (B, Mq, Hq, D) bf16/fp16, Mq in 1..16, last dim contiguous; D a multiple of 16 up to 256.
+    k_cache, v_cache: paged (num_pages, page_size, Hkv, D) and (..., Dv) with ``block_table`` int32
+    (B, max_pages_per_seq), or dense (B, Lmax, Hkv, D) / (..., Dv) when ``block_table`` is None (Dv: the value
+    head dim, a multiple of 16 up to 256, may differ from D); q's dtype,
     or fp8 e4m3 with ``k_scale``/``v_scale`` float32 shaped like the cache without D.
     Separate K/V tensors with their own strides; last dim contiguous.
     seqlens: int32 (B,) valid keys per sequence, the Mq new ones included, plus ``seqlen_offset`` (an int added
@@ -352,11 +378,13 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
     (q cast to fp16: |q| must stay below 65504).
     ``window_left`` >= 0: query i also sees only keys j >= seqlens[b] - Mq + i - window_left (local attention;
     -1 = unbounded); key tiles left of every query's window are skipped. ``softcap`` > 0: scores s (scaled
-    by ``scale``) become softcap * tanh(s / softcap) before the softmax; 0 = off.
+    by ``scale``) become softcap * tanh(s / softcap) before the softmax; 0 = off. ``sinks``: float32 (Hq,)
+    attention sinks (GPT-OSS), each query head's logit joining its rows' denominators once (with splits: in the
+    reduce); the LSE includes it.
     Index guards: lengths are clamped to [0, capacity] (max_pages_per_seq * page_size, or Lmax), and a
     program's keys stop at the first block-table entry of its split that is not in [0, num_pages); no entry
     can make the kernel read outside the caches (``fmha_ops.checks`` validates them on the host instead).
-    Returns (out (B, Mq, Hq, D) in q's dtype, lse float32 (B, Hq, Mq) natural log), written into
+    Returns (out (B, Mq, Hq, Dv) in q's dtype, lse float32 (B, Hq, Mq) natural log), written into
     ``out``/``lse`` when given; with ``lse_wanted=False`` (and no ``lse``) no LSE is written or allocated and lse
     is None. ``num_splits > 1`` runs the split kernel into a float32 workspace and the reduce kernel
     (``workspace``: the (partial out, partial lse) pair of ``split_buffers`` to reuse); no host sync, so it can be
@@ -369,46 +397,50 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
     ...                         num_splits=4)  # doctest: +SKIP
     """
     B, MQ, HQ, D = q.shape
-    HKV = k_cache.shape[2]
+    HKV, DV = k_cache.shape[2], v_cache.shape[3]
     G = HQ // HKV
     fp8 = k_cache.dtype != q.dtype
-    if G * HKV != HQ or k_cache.shape != v_cache.shape[:3] + k_cache.shape[3:]:
+    if G * HKV != HQ or k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[3] != D:
         raise ValueError(f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}: the "
-                         f"caches must agree in (pages, slots, heads) and q's heads be a multiple of theirs")
+                         f"caches must agree in (pages, slots, heads), k_cache's head dim be q's and q's heads be a "
+                         f"multiple of theirs")
+    if sinks is not None and (sinks.shape != (HQ,) or sinks.dtype != torch.float32 or sinks.stride(0) != 1):
+        raise ValueError(f"sinks must be float32 ({HQ},) contiguous, got {sinks.dtype} {tuple(sinks.shape)}")
     if q.stride(3) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("q, k_cache and v_cache must be contiguous in their last dim")
     if fp8 and (k_scale is None or v_scale is None):
         raise ValueError(f"an {k_cache.dtype} cache needs k_scale and v_scale")
     if out is None:
-        out = torch.empty_like(q)
+        out = q.new_empty((B, MQ, HQ, DV))
     if lse is None and lse_wanted:
         lse = torch.empty((B, HQ, MQ), device=q.device, dtype=torch.float32)
     paged = block_table is not None
     page_size = k_cache.shape[1] if paged else 1
     capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
-    o_buf, l_buf, o_strides, l_strides = split_buffers(q, num_splits, out, lse, workspace)
+    o_buf, l_buf, o_strides, l_strides = split_buffers(q, num_splits, out, lse, workspace, DV)
     pdl = num_splits > 1 and programmatic_launch(q.device)
     if window_left < -1 or not softcap >= 0.0 or softcap == float("inf"):
         raise ValueError(f"window_left={window_left} must be >= -1 (-1 = unbounded) and softcap={softcap} finite "
                          f"and >= 0 (0 = off)")
     rows = G * MQ
     bm = block_m(rows)
-    cfg = default_config(D, fp8, not paged or page_size % 64 == 0, bm)
+    cfg = default_config(next_pow2(max(D, DV)), fp8, not paged or page_size % 64 == 0, bm)
     qk_scale, softcap_log2 = (scale / softcap, softcap * LOG2E.value) if softcap else (scale * LOG2E.value, 0.0)
     launch(_decode_kernel)[(B * HKV, num_splits, cdiv(rows, bm))](
         q, k_cache, v_cache, k_scale if fp8 else k_cache, v_scale if fp8 else v_cache, seqlens,
-        block_table if paged else seqlens, o_buf, l_buf,
+        block_table if paged else seqlens, o_buf, l_buf, l_buf if sinks is None else sinks,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         *(k_scale.stride() if fp8 else (0, 0, 0)), *(v_scale.stride() if fp8 else (0, 0, 0)),
         block_table.stride(0) if paged else 0, *o_strides, *l_strides,
         qk_scale, softcap_log2, HKV, num_splits, k_cache.shape[0], capacity, max(window_left, 0), seqlen_offset,
-        G=G, MQ=MQ, D=D, BLOCK_M=bm, BLOCK_N=block_n or cfg.block_n, PAGE_SIZE=page_size, PAGED=paged, FP8=fp8,
+        G=G, MQ=MQ, D=D, DV=DV, BLOCK_M=bm, BLOCK_N=block_n or cfg.block_n, PAGE_SIZE=page_size, PAGED=paged, FP8=fp8,
         PARTIAL=num_splits > 1, ASM_CVT=fp8 and _asm_cvt(q.device), PDL=pdl, WINDOW=window_left >= 0,
-        SOFTCAP=softcap > 0.0, STORE_LSE=num_splits > 1 or lse is not None, num_warps=num_warps or cfg.num_warps,
+        SOFTCAP=softcap > 0.0, STORE_LSE=num_splits > 1 or lse is not None,
+        HAS_SINKS=sinks is not None and num_splits == 1, num_warps=num_warps or cfg.num_warps,
         num_stages=num_stages or cfg.num_stages,
     )
     if num_splits > 1:
-        reduce_splits(o_buf, l_buf, out, lse, pdl)
+        reduce_splits(o_buf, l_buf, out, lse, pdl, sinks)
     return out, lse

@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fmha_ops.kernels.triton.launch import launch, next_pow2
+from fmha_ops.kernels.triton.launch import launch, pow2_width
 
 
 @triton.jit
@@ -34,15 +34,17 @@ def _kv_append_kernel(
     stride_vsp, stride_vss, stride_vsh,
     stride_btb,
     MNEW, NUM_PAGES, CAPACITY,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, FP8: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, FP8: tl.constexpr,
     FP8_MAX: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     b = pid // MNEW
     t = pid % MNEW
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.arange(0, pow2_width(D))
     d_ok = offs_d < D
+    offs_dv = tl.arange(0, pow2_width(DV))
+    dv_ok = offs_dv < DV
     pos = tl.load(CSEQ + b) + t
     # a position outside [0, CAPACITY) or on a block-table entry outside [0, NUM_PAGES) is not written
     ok = (pos >= 0) & (pos < CAPACITY)
@@ -55,23 +57,23 @@ def _kv_append_kernel(
         page = b.to(tl.int64)
         slot = pos
     k = tl.load(KN + b.to(tl.int64) * stride_knb + t * stride_knm + h * stride_knh + offs_d, mask=d_ok, other=0.0)
-    v = tl.load(VN + b.to(tl.int64) * stride_vnb + t * stride_vnm + h * stride_vnh + offs_d, mask=d_ok, other=0.0)
+    v = tl.load(VN + b.to(tl.int64) * stride_vnb + t * stride_vnm + h * stride_vnh + offs_dv, mask=dv_ok, other=0.0)
     _store_row(k, KC + page * stride_kcp + slot * stride_kcs + h * stride_kch + offs_d,
                KS + page * stride_ksp + slot * stride_kss + h * stride_ksh, ok, d_ok, FP8, FP8_MAX)
-    _store_row(v, VC + page * stride_vcp + slot * stride_vcs + h * stride_vch + offs_d,
-               VS + page * stride_vsp + slot * stride_vss + h * stride_vsh, ok, d_ok, FP8, FP8_MAX)
+    _store_row(v, VC + page * stride_vcp + slot * stride_vcs + h * stride_vch + offs_dv,
+               VS + page * stride_vsp + slot * stride_vss + h * stride_vsh, ok, dv_ok, FP8, FP8_MAX)
 
 
 def kv_append(k_new, v_new, k_cache, v_cache, cache_seqlens, *, block_table=None, k_scale=None,
               v_scale=None) -> None:
-    """Write k_new/v_new (B, Mnew, Hkv, D) into the cache at positions cache_seqlens[b] + 0..Mnew-1.
+    """Write k_new (B, Mnew, Hkv, D) / v_new (B, Mnew, Hkv, Dv) into the cache at positions cache_seqlens[b] + 0..Mnew-1.
 
     Caches as in ``paged_decode``: paged (num_pages, page_size, Hkv, D) through ``block_table``
     int32 (B, max_pages_per_seq), or dense (B, Lmax, Hkv, D). An fp8 e4m3 cache gets each
     (token, head) row quantized with a symmetric scale amax / fp8_max (1 for an all-zero row),
     written to ``k_scale``/``v_scale`` float32 (cache shape without D), as
     ``fmha_ops.kv_cache.quantize_kv_fp8`` does. cache_seqlens: int32 (B,) lengths before the
-    append. Any head dim D (the row is padded to a power of two in registers); last dims contiguous.
+    append. Any head dims D and Dv (the value's may differ from the key's; each row is padded to a power of two in registers); last dims contiguous.
     Index guards: a position outside [0, capacity) (max_pages_per_seq * page_size, or Lmax), or one
     whose block-table entry is not in [0, num_pages), is skipped, so nothing is written outside the
     cache (``fmha_ops.checks`` validates the indices on the host instead, on request).
@@ -84,9 +86,11 @@ def kv_append(k_new, v_new, k_cache, v_cache, cache_seqlens, *, block_table=None
     fp8 = k_cache.element_size() == 1
     if any(t.stride(3) != 1 for t in (k_new, v_new, k_cache, v_cache)):
         raise ValueError("k_new, v_new, k_cache and v_cache must be contiguous in their last dim")
-    if v_new.shape != k_new.shape or k_cache.shape[2:] != (HKV, D) or v_cache.shape != k_cache.shape:
+    DV = v_new.shape[3]
+    if (v_new.shape[:3] != k_new.shape[:3] or k_cache.shape[2:] != (HKV, D)
+            or v_cache.shape != k_cache.shape[:3] + (DV,)):
         raise ValueError(f"k_new {tuple(k_new.shape)}, v_new {tuple(v_new.shape)}: each new token needs the "
-                         f"cache's {k_cache.shape[2]} heads of dim {k_cache.shape[3]} (k_cache "
+                         f"caches' {k_cache.shape[2]} heads of their head dims (k_cache "
                          f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)})")
     if fp8 and (k_scale is None or v_scale is None):
         raise ValueError(f"appending to an {k_cache.dtype} cache needs per-token k_scale and v_scale")
@@ -100,6 +104,6 @@ def kv_append(k_new, v_new, k_cache, v_cache, cache_seqlens, *, block_table=None
         *k_new.stride()[:3], *v_new.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
         *(k_scale.stride() if fp8 else (0, 0, 0)), *(v_scale.stride() if fp8 else (0, 0, 0)),
         block_table.stride(0) if paged else 0, MNEW, k_cache.shape[0], capacity,
-        D=D, BLOCK_D=next_pow2(D), PAGE_SIZE=k_cache.shape[1] if paged else 1, PAGED=paged, FP8=fp8,
+        D=D, DV=DV, PAGE_SIZE=k_cache.shape[1] if paged else 1, PAGED=paged, FP8=fp8,
         FP8_MAX=float(torch.finfo(k_cache.dtype).max) if fp8 else 0.0, num_warps=1,
     )

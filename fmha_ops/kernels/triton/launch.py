@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
+import triton
 from triton import knobs
 from triton.runtime import _allocation
 from triton.runtime.driver import driver
@@ -267,3 +268,9 @@ def launch(fn) -> CachedKernel:
     if k is None:
         k = _KERNELS[fn] = CachedKernel(fn)
     return k
+
+
+@triton.constexpr_function
+def pow2_width(n):
+    """Inside a kernel: the tile width for a head dim ``n`` (a constexpr), the smallest power of two >= n."""
+    return triton.next_power_of_2(n)

@@ -1,0 +1,211 @@
+"""Whole models through Hugging Face transformers on the H200: prefill and decode tokens/s by attn_implementation.
+
+Two models built from configs with random bf16 weights (no download), layers reduced to fit: a Llama-3-8B-shaped
+one (hidden 4096, 32 query / 8 KV heads of dim 128, MLP 14336) and a GPT-OSS-20B-shaped one (hidden 2880, 64 / 8
+heads of dim 64 with sinks, alternating 128-token sliding-window and full layers, 32 experts top-4). Each
+(model, batch, context) runs every implementation in the same process on the same weights:
+
+* prefill: one forward over batch x context tokens (``logits_to_keep=1``, filling a dynamic cache);
+  tokens/s = batch x context / median time;
+* decode: one-token steps against that cache (greedy inputs, the cache growing by ``--steps`` tokens);
+  tokens/s = batch / median step time;
+* attention: the time inside the implementation's attention function (CUDA events around each call, summed per
+  forward), in a separate pass so that the whole-step times carry no event overhead; ``attn %`` is its share.
+
+Implementations: ``fmha_ops`` and ``fmha_ops_fp8`` (``fmha_ops.integrations.transformers``), ``sdpa``,
+``flex_attention``, and ``flash_attention_4`` where flash-attn-4 is installed; one that cannot run a model
+(GPT-OSS takes no ``sdpa`` in transformers) gives empty cells. Writes ``bench/results/models.md`` and
+``<out>/models.json``.
+
+    python bench/models_bench.py [--quick] [--model llama3-8b gpt-oss-20b] [--batch 1 32] [--context 2048 16384]
+                                 [--impl fmha_ops sdpa ...] [--layers N] [--merge] [--out DIR] [--no-record]
+
+``--merge`` keeps the rows of ``<out>/models.json`` that this run does not measure again, so the grid can be run in
+parts (one model or batch per command) into one record.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import Record, base_parser, environment, or_none, out_dir, print_table, write_json  # noqa: E402
+
+IMPLEMENTATIONS = ["fmha_ops", "fmha_ops_fp8", "sdpa", "flex_attention", "flash_attention_4"]
+#: layers kept per model (the attention's share of a step does not depend on the depth); vocabulary cut to 32k
+#: (the LM head runs on the last token only: ``logits_to_keep=1``)
+LAYERS = {"llama3-8b": 4, "gpt-oss-20b": 4}
+VOCAB = 32000
+PREFILL_REPS = 3
+WARMUP_STEPS = 3
+
+
+def make_config(name: str, layers: int):
+    """The transformers config of a model shape, ``layers`` deep."""
+    from transformers import GptOssConfig, LlamaConfig
+
+    if name == "llama3-8b":
+        return LlamaConfig(vocab_size=VOCAB, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
+                           num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                           max_position_embeddings=32768, rope_theta=500000.0)
+    if name == "gpt-oss-20b":
+        return GptOssConfig(vocab_size=VOCAB, hidden_size=2880, intermediate_size=2880, num_hidden_layers=layers,
+                            num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+                            num_experts_per_tok=4, sliding_window=128,
+                            layer_types=["sliding_attention", "full_attention"] * (layers // 2)
+                            + ["sliding_attention"] * (layers % 2))
+    raise ValueError(f"unknown model {name!r}; choose from {sorted(LAYERS)}")
+
+
+@contextlib.contextmanager
+def attention_timer(implementation: str):
+    """Within the block, every call of ``implementation``'s attention function records CUDA events around it;
+    yields a function returning the summed milliseconds (synchronizing) and resetting the events."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    mapping = ALL_ATTENTION_FUNCTIONS._global_mapping
+    inner = mapping[implementation]
+    events: list = []
+
+    def timed(*args, **kwargs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = inner(*args, **kwargs)
+        end.record()
+        events.append((start, end))
+        return result
+
+    def total_ms() -> float:
+        torch.cuda.synchronize()
+        ms = sum(a.elapsed_time(b) for a, b in events)
+        events.clear()
+        return ms
+
+    mapping[implementation] = timed
+    try:
+        yield total_ms
+    finally:
+        mapping[implementation] = inner
+
+
+def _cuda_ms(fn) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def run_one(model, batch: int, context: int, steps: int, implementation: str) -> dict:
+    """Prefill and decode timings of ``model`` (its attention set to ``implementation``)."""
+    from transformers import DynamicCache
+
+    model.set_attn_implementation(implementation)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(3, VOCAB, (batch, context), device="cuda", generator=g)
+    step_ids = torch.randint(3, VOCAB, (batch, 1), device="cuda", generator=g)
+
+    def prefill():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return cache
+
+    with torch.no_grad():
+        prefill()  # warm-up (compiles flex_attention, Triton kernels)
+        prefill_ms = statistics.median(_cuda_ms(prefill) for _ in range(PREFILL_REPS))
+        with attention_timer(implementation) as attn_ms:
+            prefill()
+            prefill_attn = attn_ms()
+        cache = prefill()
+        for _ in range(WARMUP_STEPS):
+            model(input_ids=step_ids, past_key_values=cache, use_cache=True)
+        step_ms = statistics.median(_cuda_ms(lambda: model(input_ids=step_ids, past_key_values=cache,
+                                                           use_cache=True)) for _ in range(steps))
+        with attention_timer(implementation) as attn_ms:
+            for _ in range(steps):
+                model(input_ids=step_ids, past_key_values=cache, use_cache=True)
+            decode_attn = attn_ms() / steps
+    del cache
+    torch.cuda.empty_cache()
+    return {"prefill_tok_s": batch * context / (prefill_ms * 1e-3), "prefill_ms": prefill_ms,
+            "prefill_attn_ms": prefill_attn, "prefill_attn_pct": 100.0 * prefill_attn / prefill_ms,
+            "decode_tok_s": batch / (step_ms * 1e-3), "decode_ms": step_ms, "decode_attn_ms": decode_attn,
+            "decode_attn_pct": 100.0 * decode_attn / step_ms}
+
+
+COMMAND = "python bench/models_bench.py"
+RECORD = Record(
+    "models", "Models through transformers: prefill and decode tokens/s by attn_implementation", COMMAND,
+    {"model": "model (layers)", "batch": "batch", "context": "context", "impl": "attn_implementation",
+     "prefill_tok_s": "prefill tok/s", "prefill_attn_pct": "prefill attn %", "decode_tok_s": "decode tok/s",
+     "decode_ms": "decode step ms", "decode_attn_ms": "decode attn ms", "decode_attn_pct": "decode attn %"},
+    "Random bf16 weights from configs, layers reduced (the attention's share does not depend on depth), vocabulary "
+    "32k with logits for the last token only. Prefill: one forward over batch x context tokens into a dynamic "
+    "cache, median of 3. Decode: one-token steps against that cache (eager, no CUDA graphs), median step. attn: "
+    "CUDA-event time inside the attention function, measured in a separate pass. Same process, same weights for "
+    "every implementation; empty cells: the implementation cannot run the model (GPT-OSS takes no sdpa) or is not "
+    "installed.")
+
+
+def main() -> None:
+    p = base_parser(__doc__.splitlines()[0])
+    p.add_argument("--model", nargs="+", default=list(LAYERS))
+    p.add_argument("--batch", nargs="+", type=int, default=[1, 32])
+    p.add_argument("--context", nargs="+", type=int, default=[2048, 16384])
+    p.add_argument("--impl", nargs="+", default=IMPLEMENTATIONS)
+    p.add_argument("--layers", type=int, default=None, help="layers per model (default: LAYERS)")
+    p.add_argument("--steps", type=int, default=16, help="timed decode steps")
+    p.add_argument("--merge", action="store_true", help="keep <out>/models.json's rows this run does not redo")
+    args = p.parse_args()
+    if args.quick:
+        args.batch, args.context, args.steps = [1], [2048], 8
+    import fmha_ops.integrations.transformers  # noqa: F401  (registers fmha_ops, fmha_ops_fp8)
+    from transformers import AutoModelForCausalLM
+
+    rows = []
+    for name in args.model:
+        layers = args.layers or LAYERS[name]
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(make_config(name, layers), dtype=torch.bfloat16,
+                                                 attn_implementation="sdpa" if name == "llama3-8b" else "eager")
+        model = model.cuda().eval()
+        for batch in args.batch:
+            for context in args.context:
+                for impl in args.impl:
+                    print(f"{name} L{layers} B{batch} context {context}: {impl}", flush=True)
+                    res = or_none(lambda: run_one(model, batch, context, args.steps, impl)) or {}
+                    rows.append({"model": f"{name} ({layers})", "batch": batch, "context": context, "impl": impl,
+                                 **res})
+                    torch.cuda.empty_cache()
+        del model
+        torch.cuda.empty_cache()
+    out = out_dir(args.out)
+    if args.merge:
+        rows = merged(os.path.join(out, "models.json"), rows)
+    columns = list(RECORD.columns)
+    print_table(rows, columns)
+    write_json(out, "models", rows)
+    if not args.no_record:
+        RECORD.write(rows, environment())
+
+
+def merged(path: str, rows: list[dict]) -> list[dict]:
+    """The rows of an earlier run's JSON at ``path`` that ``rows`` do not redo (same model, batch, context and
+    implementation), then ``rows``."""
+    if not os.path.exists(path):
+        return rows
+    with open(path) as f:
+        earlier = json.load(f)["rows"]
+    keys = {(r["model"], r["batch"], r["context"], r["impl"]) for r in rows}
+    return [r for r in earlier if (r["model"], r["batch"], r["context"], r["impl"]) not in keys] + rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""Hugging Face transformers models on fmha_ops: ``attn_implementation="fmha_ops"`` after one import.
+
+Importing this module registers, with transformers' ``AttentionInterface`` and ``AttentionMaskInterface``:
+
+* ``"fmha_ops"``: attention through ``memory_efficient_attention`` (the selector picks the op), with GQA as is
+  (no repeated KV heads), the layer's scaling, sliding window, softcap, dropout in training, GPT-OSS's sinks
+  (``s_aux``) and a value head dim of its own (DeepSeek-V3's K=192 / Kv=128, unpadded);
+* ``"fmha_ops_fp8"`` / ``"fmha_ops_i8fp8"``: the same with q/k/v quantized inside: calls that need gradients go
+  through ``fp8_attention`` / ``i8fp8_attention`` where those take the mask (causal or none; no padding, window,
+  softcap or dropout), inference prefill through the fp8 (or int8 q/k + fp8 v) forward with the call's mask; decode steps
+  (at most ``DECODE_QUERIES`` new tokens) and the rest run in the model's dtype.
+
+The mask function hands the attention function a structured mask, never a dense bias where the mask is one of
+transformers' own (causal, bidirectional, sliding window, with or without padding): ``None`` when no key is
+padded (causal / window then come from the layer), else the key slots that hold tokens up to the last query, a
+bool (B, slots) tensor like the 2D attention mask it comes from (so that generate's precomputed masks go back
+through transformers' mask code unchanged); the attention packs the valid tokens into variable-length sequences
+(``BlockDiagonalCausalFromBottomRightMask``, windowed ones for sliding layers) and scatters the outputs back
+(padded query rows get 0). Masks transformers composes from other functions (packed sequences, image-token
+overlays) are materialized as a dense additive bias, as SDPA takes them.
+
+Example
+-------
+>>> import fmha_ops.integrations.transformers  # registers "fmha_ops", "fmha_ops_fp8", "fmha_ops_i8fp8"
+>>> model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="fmha_ops")  # doctest: +SKIP
+>>> model.generate(**inputs)  # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import (AttentionMaskInterface, bidirectional_mask_function, causal_mask_function,
+                                        prepare_padding_mask, sdpa_mask)
+
+from .. import attn_bias as ab
+from ..api import memory_efficient_attention
+from ..quant import quantize_i8fp8, quantize_qkv_fp8
+from ..quantized import fp8_attention, i8fp8_attention
+
+#: the attn_implementation names this module registers, and the quantization each applies inside
+IMPLEMENTATIONS = {"fmha_ops": None, "fmha_ops_fp8": "fp8", "fmha_ops_i8fp8": "i8fp8"}
+#: calls with at most this many new tokens per sequence are decode steps: the quantized variants leave them in
+#: the model's dtype (quantizing the whole cache per step costs more than the fp8 kernel saves)
+DECODE_QUERIES = 16
+_is_compiling = torch.compiler.is_compiling
+
+
+def structured_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                    mask_function=causal_mask_function, attention_mask: torch.Tensor | None = None, **kwargs):
+    """transformers' mask interface for the fmha_ops implementations (``AttentionMaskInterface``).
+
+    Returns None (no padded key: the layer's causal flag and window say the rest); or the padding: bool
+    (B, slots), slot j (key j of the layer's keys) holding a token, the slots ending with the last query's (a
+    static cache's later, empty slots left out; the queries are the last q_length slots); or, for mask functions
+    other than transformers' causal / bidirectional / sliding-window ones, a dense float additive bias
+    (B, 1, q_length, kv_length) in ``kwargs["dtype"]``.
+    """
+    if not _structured(mask_function) or kwargs.get("use_vmap", False):
+        allowed = sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                            kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                            allow_is_causal_skip=False, device=kwargs.get("device", "cpu"),
+                            use_vmap=kwargs.get("use_vmap", False))
+        dtype = kwargs.get("dtype", torch.float32)
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(dtype).min)
+    if attention_mask is None and q_offset + q_length == kv_offset + kv_length:
+        return None
+    device = kwargs.get("device", attention_mask.device if attention_mask is not None else "cpu")
+    end = q_offset + q_length  # absolute position after the last query
+    if attention_mask is None:
+        padding = torch.ones((batch_size, end), dtype=torch.bool, device=device)
+    else:
+        padding = prepare_padding_mask(attention_mask.bool(), end - kv_offset, kv_offset)
+    keys = padding[:, kv_offset:end]
+    if not _is_compiling() and keys.shape[1] == kv_length and bool(keys.all()):
+        return None
+    return keys
+
+
+def _structured(fn) -> bool:
+    """Whether ``fn`` is one of the mask functions a causal / window / padding structure describes: transformers'
+    causal or bidirectional function, or its sliding-window causal one (``and_masks`` of the window overlay and
+    causal)."""
+    if fn is causal_mask_function or fn is bidirectional_mask_function:
+        return True
+    parts = [c.cell_contents for c in (getattr(fn, "__closure__", None) or ())]
+    inner = [p for group in parts if isinstance(group, tuple) for p in group]
+    return (getattr(fn, "__qualname__", "") == "and_masks.<locals>.and_mask" and len(inner) == 2
+            and causal_mask_function in inner
+            and any(getattr(p, "__qualname__", "") == "sliding_window_overlay.<locals>.inner_mask" for p in inner))
+
+
+def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask, scaling: float | None = None, dropout: float = 0.0,
+              sliding_window: int | None = None, softcap: float | None = None, s_aux: torch.Tensor | None = None,
+              quantize: str | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface for ``"fmha_ops"``: query (B, Hq, Mq, K), key (B, Hkv, Mk, K), value
+    (B, Hkv, Mk, Kv) -> (out (B, Mq, Hq, Kv), None). ``attention_mask``: what ``structured_mask`` returned.
+    ``s_aux``: GPT-OSS's sinks (Hq,) in any float dtype (used as float32, differentiable). ``quantize``: "fp8" /
+    "i8fp8" for the quantized variants."""
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else causal
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # BMHK views
+    sinks = None if s_aux is None else s_aux.float()
+    window = sliding_window if causal and sliding_window is not None and sliding_window > 0 else None
+    options = dict(scale=scaling, softcap=softcap or 0.0, sinks=sinks,
+                   p=dropout if module.training else 0.0)
+    if attention_mask is not None and attention_mask.dim() == 2:  # the padding of structured_mask
+        return _packed(q, k, v, attention_mask.bool(), causal, window, options, quantize), None
+    if attention_mask is not None:  # a dense mask (B, 1, Mq, Mk): an additive bias, or the allowed pairs (bool)
+        if attention_mask.dtype == torch.bool:
+            attention_mask = torch.zeros(attention_mask.shape, dtype=q.dtype, device=q.device).masked_fill(
+                ~attention_mask, torch.finfo(q.dtype).min)
+        bias = attention_mask.to(q.dtype)[..., :k.shape[1]].expand(q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+        return memory_efficient_attention(q, k, v, bias, **options), None
+    mask = None
+    if causal:
+        mask = _causal_mask(window if window is not None and window < k.shape[1] else None)
+    if quantize is not None and q.shape[1] > DECODE_QUERIES:
+        return _quantized(q, k, v, mask, options, quantize), None
+    return memory_efficient_attention(q, k, v, mask, **options), None
+
+
+@functools.lru_cache(maxsize=None)
+def _causal_mask(window: int | None) -> ab.AttentionBias:
+    """The bottom-right causal mask, local with a ``window``-key window (None: none); one instance per window, so
+    repeated calls reuse its cached signature."""
+    mask = ab.LowerTriangularFromBottomRightMask()
+    return mask if window is None else mask.make_local_attention(window)
+
+
+def _packed(q, k, v, keys: torch.Tensor, causal: bool, window: int | None, options: dict,
+            quantize: str | None) -> torch.Tensor:
+    """A padded call as variable-length sequences: each sequence's query tokens and key tokens (``keys``: bool
+    (B, slots) from ``structured_mask``, the queries its last Mq slots) gathered into one packed batch (bottom-right
+    causal, or bidirectional, per sequence), the outputs scattered back (0 at padded query positions)."""
+    b, mq, hq, _ = q.shape
+    mk = k.shape[1]
+    queries = keys[:, -mq:]
+    keys = torch.nn.functional.pad(keys, (0, mk - keys.shape[1]))  # slots past the last query: no token
+    q_rows = queries.reshape(-1).nonzero().squeeze(1)
+    k_rows = keys.reshape(-1).nonzero().squeeze(1)
+    q_lens, k_lens = queries.sum(1).tolist(), keys.sum(1).tolist()
+    qp = q.reshape(b * mq, hq, q.shape[3]).index_select(0, q_rows)[None]
+    kp = k.reshape(b * mk, *k.shape[2:]).index_select(0, k_rows)[None]
+    vp = v.reshape(b * mk, *v.shape[2:]).index_select(0, k_rows)[None]
+    mask = ab.BlockDiagonalMask.from_seqlens(q_lens, k_lens)
+    if causal:
+        mask = (mask.make_local_attention_from_bottomright(window) if window is not None
+                else mask.make_causal_from_bottomright())
+    out = _quantized(qp, kp, vp, mask, options, quantize) if quantize and mq > DECODE_QUERIES else \
+        memory_efficient_attention(qp, kp, vp, mask, **options)
+    full = out.new_zeros((b * mq, hq, out.shape[3]))
+    return full.index_copy(0, q_rows, out[0]).view(b, mq, hq, out.shape[3])
+
+
+def _quantized(q, k, v, mask, options: dict, kind: str) -> torch.Tensor:
+    """The quantized variants' prefill: ``fp8_attention`` / ``i8fp8_attention`` when gradients are needed and
+    they take the call (causal or no mask: no window, softcap, dropout or padding), else q/k/v quantized here and the
+    quantized forward with the call's mask and sinks (no gradients: inference)."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        plain = mask is None or type(mask) is ab.LowerTriangularFromBottomRightMask
+        if plain and not options["softcap"] and not options["p"]:
+            fn = fp8_attention if kind == "fp8" else i8fp8_attention
+            return fn(q, k, v, causal=mask is not None, softmax_scale=options["scale"], sinks=options["sinks"])
+        return memory_efficient_attention(q, k, v, mask, **options)
+    with torch.no_grad():
+        if kind == "fp8":
+            q8, k8, v8, qd, kd, vd = quantize_qkv_fp8(q, k, v)
+            if isinstance(mask, ab.BlockDiagonalMask):  # packed sequences: one descale per sequence
+                nseq = len(mask.q_seqinfo.seqstart_py) - 1
+                qd, kd, vd = (d.expand(nseq, d.shape[1]).contiguous() for d in (qd, kd, vd))
+            return memory_efficient_attention(q8, k8, v8, mask, q_descale=qd, k_descale=kd, v_descale=vd,
+                                              output_dtype=q.dtype, scale=options["scale"],
+                                              softcap=options["softcap"], sinks=options["sinks"])
+        x = quantize_i8fp8(q, k, v, scale=options["scale"], qk_granularity="tensor", v_granularity="tensor")
+        return memory_efficient_attention(x.q, x.k, x.v, mask, q_descale=x.q_descale, k_descale=x.k_descale,
+                                          v_descale=x.v_descale, scale=x.softmax_scale, output_dtype=q.dtype,
+                                          softcap=options["softcap"], sinks=options["sinks"])
+
+
+def _variant(kind: str | None):
+    def fn(module, query, key, value, attention_mask, **kwargs):
+        return attention(module, query, key, value, attention_mask, quantize=kind, **kwargs)
+    return fn
+
+
+def register() -> None:
+    """Register the attention and mask functions of ``IMPLEMENTATIONS`` with transformers (idempotent; importing
+    this module does it)."""
+    for name, kind in IMPLEMENTATIONS.items():
+        AttentionInterface.register(name, attention if kind is None else _variant(kind))
+        AttentionMaskInterface.register(name, structured_mask)
+
+
+register()

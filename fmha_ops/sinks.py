@@ -1,0 +1,46 @@
+"""Attention sinks: one learned float32 logit per query head that joins every softmax denominator (GPT-OSS).
+
+With sinks s_h the attention of query row i of head h is
+
+    lse_i = log(sum_j exp(score_ij) + exp(s_h)),    out_i = sum_j exp(score_ij - lse_i) v_j
+
+(scores after the softmax scale, the softcap and the mask; the sink is neither scaled nor capped, and has no value
+row). A row that sees no key gets out 0 and lse s_h. The LSE the ops return includes the sink, so a backward that
+recomputes P = exp(score - lse) needs nothing more for dq / dk / dv, and the sinks' own gradient is
+``sink_grad``. transformers passes them as ``s_aux``, FlashAttention-4 as ``learnable_sink``.
+A helper any layer may import; it imports no attention layer.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def validate_sinks(sinks, heads_q: int, device: torch.device) -> None:
+    """Raise TypeError / ValueError unless ``sinks`` is a float32 tensor of shape (heads_q,) on ``device``."""
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a float32 tensor of shape (num_query_heads,) = ({heads_q},), got "
+                        f"{type(sinks).__name__}")
+    if sinks.dtype != torch.float32:
+        raise ValueError(f"sinks must be float32 (one logit per query head), got {sinks.dtype}")
+    if tuple(sinks.shape) != (heads_q,):
+        raise ValueError(f"sinks has shape {tuple(sinks.shape)}; expected ({heads_q},), one per query head")
+    if sinks.device != device:
+        raise ValueError(f"sinks is on {sinks.device} but query is on {device}")
+
+
+def sink_grad(out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Gradient of the loss w.r.t. the sink logits: dsink_h = -sum over rows of exp(sink_h - lse) (dO . O).
+
+    A sink joins each row's denominator without a value row, so d out_i / d sink = -exp(sink - lse_i) out_i.
+    out, grad_out (B, Mq, Hq, Kv); lse float32 (B, Hq, Mq) natural log, the sink included; sinks float32 (Hq,).
+    Returns float32 (Hq,).
+
+    Example
+    -------
+    >>> out, lse = torch.zeros(1, 3, 2, 4), torch.zeros(1, 2, 3)
+    >>> sink_grad(out, torch.ones_like(out), lse, torch.zeros(2)).tolist()
+    [-0.0, -0.0]
+    """
+    delta = (grad_out.float() * out.float()).sum(-1).transpose(1, 2)  # (B, Hq, Mq)
+    weight = torch.exp(sinks.float()[None, :, None] - lse.float())
+    return -(torch.where(torch.isfinite(lse), weight, 0.0) * delta).sum((0, 2))
