@@ -132,31 +132,37 @@ _COMPILE_CHECK = """
 import dataclasses, sys
 from fmha_ops.kernels.gluon import attention_fwd_ws as ws
 head_dim, causal, consumers, v_transpose = int(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[3]), sys.argv[4] == "1"
-cfg = ws.WsFwdConfig(block_n=128 if head_dim <= 128 else 64, v_transpose=v_transpose, key_order=v_transpose)
+persistent, qk_int8 = sys.argv[5] == "1", sys.argv[6] == "1"
+cfg = ws.WsFwdConfig(block_n=128 if head_dim <= 128 else 64, v_transpose=v_transpose, key_order=v_transpose,
+                     persistent=persistent)
 if consumers == 1:
     cfg = dataclasses.replace(cfg, consumers=1, maxnreg=ws.SINGLE_CONSUMER_MAXNREG[head_dim])
 elif consumers == 3:
     cfg = dataclasses.replace(cfg, consumers=3, block_n=64, maxnreg=ws.THREE_CONSUMER_MAXNREG,
                               consumer_regs=ws.THREE_CONSUMER_REGS)
-kernel = ws.compile_sm90(head_dim, causal=causal, write_lse=True, config=cfg)
+kernel = ws.compile_sm90(head_dim, causal=causal, write_lse=True, config=cfg, qk_int8=qk_int8)
 assert "wgmma" in kernel.asm["ptx"] and kernel.asm["cubin"]
+assert ("wgmma.mma_async.sync.aligned.m64n" in kernel.asm["ptx"]) and (".s32.s8.s8" in kernel.asm["ptx"]) == qk_int8
 assert kernel.metadata.num_warps == 4 * (consumers + 1), kernel.metadata.num_warps  # + the producer's warpgroup
 print("compiled")
 """
 
 
-@pytest.mark.parametrize("head_dim,causal,consumers,v_transpose",
-                         [(128, True, 2, False), (64, False, 1, False), (64, True, 3, False), (256, True, 2, True)])
-def test_ws_kernel_compiles_for_sm90(head_dim, causal, consumers, v_transpose):
-    """Ahead-of-time sm90 compile (no GPU): Gluon front end, Triton passes and ptxas accept the kernel. In a
-    child process without ``TRITON_INTERPRET`` (interpreted helpers cannot be called from a compiled kernel)."""
+@pytest.mark.parametrize("head_dim,causal,consumers,v_transpose,persistent,qk_int8",
+                         [(128, True, 2, False, False, False), (64, False, 1, False, False, False),
+                          (64, True, 3, False, False, False), (256, True, 2, True, False, False),
+                          (128, True, 2, False, True, True)])
+def test_ws_kernel_compiles_for_sm90(head_dim, causal, consumers, v_transpose, persistent, qk_int8):
+    """Ahead-of-time sm90 compile (no GPU): Gluon front end, Triton passes and ptxas accept the kernel (the
+    persistent grid's tile loop, int8 q / k on the s8 wgmma). In a child process without ``TRITON_INTERPRET``
+    (interpreted helpers cannot be called from a compiled kernel)."""
     import os
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", _COMPILE_CHECK, str(head_dim), str(int(causal)), str(consumers),
-                          str(int(v_transpose))],
+                          str(int(v_transpose)), str(int(persistent)), str(int(qk_int8))],
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
 
@@ -214,18 +220,23 @@ def test_gpu_gluon_fwd(shape, descale):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("descale", ["head", "tensor"])
-@pytest.mark.parametrize("consumers,v_transpose,key_order",
-                         [(2, False, False), (2, True, False), (2, True, True), (2, False, True), (1, True, True),
-                          (1, False, False), (3, False, False)])
-def test_gpu_gluon_ws_fwd(shape, descale, consumers, v_transpose, key_order):
+@pytest.mark.parametrize("consumers,v_transpose,key_order,persistent",
+                         [(2, False, False, False), (2, True, False, False), (2, True, True, False),
+                          (2, False, True, False), (1, True, True, False), (1, False, False, False),
+                          (3, False, False, False), (2, False, False, True), (2, False, True, True),
+                          (1, True, True, True), (1, False, True, True), (3, False, False, True)],
+                         ids=lambda v: str(v))
+def test_gpu_gluon_ws_fwd(shape, descale, consumers, v_transpose, key_order, persistent):
     """The warp-specialized kernel: ping-pong (2 or 3 consumer warpgroups) and single-consumer schedules, V^T
     from ``transpose_v`` or transposed in shared memory by the producer warpgroup, keys in order or in the S
-    accumulator's order."""
+    accumulator's order, one CTA per tile or a persistent grid (each CTA several tiles, rings and turns running
+    on across them)."""
     import functools
 
     from fmha_ops.kernels.gluon import attention_fwd_ws as ws
 
-    cfg = ws.WsFwdConfig(block_n=128 if shape[5] <= 128 else 64, v_transpose=v_transpose, key_order=key_order)
+    cfg = ws.WsFwdConfig(block_n=128 if shape[5] <= 128 else 64, v_transpose=v_transpose, key_order=key_order,
+                         persistent=persistent)
     if consumers == 1:
         cfg = dataclasses.replace(cfg, consumers=1, maxnreg=ws.SINGLE_CONSUMER_MAXNREG[shape[5]])
     elif consumers == 3:
@@ -234,6 +245,34 @@ def test_gpu_gluon_ws_fwd(shape, descale, consumers, v_transpose, key_order):
         cfg = dataclasses.replace(cfg, consumers=3, block_n=64, maxnreg=ws.THREE_CONSUMER_MAXNREG,
                                   consumer_regs=ws.THREE_CONSUMER_REGS)
     _check_fp8_forward(functools.partial(ws.attention_forward, config=cfg), shape, descale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES + [(2, 3000, 3000, 8, 1, 128, True)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("schedule", ["default", "persistent", "persistent_key_order"])
+def test_gpu_gluon_ws_i8fp8(shape, schedule):
+    """i8fp8 (int8 q / k with (B, Hkv) descales, s8 wgmma into int32; fp8 v) through the same kernel body,
+    against the float64 reference of the dequantized inputs, on fresh normal inputs."""
+    from fmha_ops.kernels.gluon import attention_fwd_ws as ws
+    from fmha_ops.quant import quantize_i8fp8
+
+    B, Mq, Mk, Hq, Hkv, D, causal = shape
+    q, k, v = _inputs("normal", B, Mq, Mk, Hq, Hkv, D, D, torch.bfloat16, seed=Mq * 7 + Mk)
+    i8 = quantize_i8fp8(q, k, v, qk_granularity="head", v_granularity="tensor")
+    cfg = None
+    if schedule != "default":
+        cfg = ws.WsFwdConfig(block_n=128 if D <= 128 else 64, persistent=True,
+                             key_order=schedule == "persistent_key_order")
+    ref, ref_lse = reference(_dq(i8.q, i8.q_descale, Hq // Hkv).double(), _dq(i8.k, i8.k_descale).double(),
+                             _dq(i8.v, i8.v_descale).double(), 1.0, causal, dtype=torch.float64)
+    o, lse = ws.attention_forward(i8.q, i8.k, i8.v, scale=1.0, causal=causal, q_descale=i8.q_descale,
+                                  k_descale=i8.k_descale, v_descale=i8.v_descale, return_lse=True, config=cfg,
+                                  out=_poisoned(B, Mq, Hq, D, torch.bfloat16))
+    e = error_report(o, ref)
+    print(f"\n{shape} i8fp8 {schedule}: {e}")
+    assert not torch.isnan(o).any(), "unwritten or NaN output"
+    assert e["rel"] < 4e-2 and e["cos"] > 0.999, e
+    _check_lse(lse, ref_lse, 2e-2)
 
 
 @pytest.mark.gpu

@@ -138,9 +138,17 @@ def kernels_for(B, Hq, Hkv, N, D, causal, names, variants, seed=0, inputs="norma
     out["ws"] = (lambda: W.attention_forward(q8, k8, v8, **kw), fp8_in)
     for name, cfg in variants.items():
         out[f"ws:{name}"] = (lambda cfg=cfg: W.attention_forward(q8, k8, v8, config=cfg, **kw), fp8_in)
+    if "ws_i8" in names:  # int8 q / k, (B, Hkv) descales; fp8 v per tensor
+        j8 = quantize_i8fp8(q, k, v, qk_granularity="head", v_granularity="tensor")
+        j8_in = (j8.q, j8.k, j8.v, j8.q_descale, j8.k_descale, j8.v_descale, j8.softmax_scale)
+        jkw = {"scale": j8.softmax_scale, "causal": causal, "q_descale": j8.q_descale, "k_descale": j8.k_descale,
+               "v_descale": j8.v_descale}
+        out["ws_i8"] = (lambda: W.attention_forward(j8.q, j8.k, j8.v, **jkw), j8_in)
+        for name, cfg in variants.items():
+            out[f"ws_i8:{name}"] = (lambda cfg=cfg: W.attention_forward(j8.q, j8.k, j8.v, config=cfg, **jkw), j8_in)
     out["api_fp8"] = (lambda: fmha_ops.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd,
                                                        v_descale=vd), fp8_in)
-    keep = {n: c for n, c in out.items() if n in names or n.startswith("ws:")}
+    keep = {n: c for n, c in out.items() if n in names or n.startswith(("ws:", "ws_i8:"))}
     return keep, (q, k, v)
 
 
@@ -179,13 +187,15 @@ def time_shape(key, names, variants):
             print(f"  {key} {name} FAILED:\n{traceback.format_exc()[-1500:]}", flush=True)
             row[name] = None
     fa3 = row.get("fa3_fp8")
-    ours = [n for n in row if (n.startswith("ws") or n in ("triton_fp8", "api_fp8")) and row.get(n)]
+    ours = [n for n in row if (n in ("ws", "triton_fp8", "api_fp8") or n.startswith("ws:")) and row.get(n)]
     if ours:
         best = max(ours, key=lambda n: row[n])
         row["best"] = best
         row["best/fa3_fp8"] = row[best] / fa3 if fa3 else None
-    if row.get("triton_i8fp8") and fa3:
-        row["i8/fa3_fp8"] = row["triton_i8fp8"] / fa3
+    i8 = [n for n in row if (n.startswith("ws_i8") or n == "triton_i8fp8") and row.get(n)]
+    if i8 and fa3:
+        row["best_i8"] = max(i8, key=lambda n: row[n])
+        row["i8/fa3_fp8"] = row[row["best_i8"]] / fa3
     print("ROW", json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()
                              if not k.startswith("err:")}), flush=True)
     print("ERR", key, json.dumps({k[4:]: {m: round(x, 6) for m, x in v.items() if m != "nan"}
@@ -310,8 +320,11 @@ def main():
         result["ncu"] = run_ncu(args.ncu_shapes.split(","), args.ncu_kernels.split(","), variants, out)
     with open(os.path.join(out, "fa3_profile.json"), "w") as fh:
         json.dump(result, fh, indent=1)
-    cols = ["shape", *[n for n in names if n != "ws"], "ws", *[f"ws:{n}" for n in variants], "best", "best/fa3_fp8",
-            "i8/fa3_fp8"]
+    cols = ["shape", *[n for n in names if n not in ("ws", "ws_i8")], "ws", *[f"ws:{n}" for n in variants], "best",
+            "best/fa3_fp8"]
+    if "ws_i8" in names:
+        cols += ["ws_i8", *[f"ws_i8:{n}" for n in variants]]
+    cols += ["best_i8", "i8/fa3_fp8"]
     print_table(result["rows"], cols)
 
 
