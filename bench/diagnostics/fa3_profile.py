@@ -81,6 +81,10 @@ NCU_METRICS = [
     "dram__bytes_write.sum",
     "sm__warps_active.avg.pct_of_peak_sustained_active",
 ]
+#: what the log line of each profiled kernel shows
+NCU_SUMMARY = ("gpu__time_duration.sum", "smsp__inst_executed.sum",
+               "smsp__issue_active.avg.pct_of_peak_sustained_active", "sm__inst_executed_pipe_tensor_op_gmma.sum", "sm__inst_executed_pipe_fma.sum",
+               "sm__inst_executed_pipe_alu.sum")
 NCU_SECTIONS = ["SpeedOfLight", "WarpStateStats", "LaunchStats", "ComputeWorkloadAnalysis", "InstructionStats"]
 
 
@@ -278,11 +282,7 @@ def run_ncu(keys, names, variants, out):
                 print(f"ncu {tag}: no rows (rc {r.returncode}): {r.stderr[-1500:]} {r.stdout[-800:]}", flush=True)
             for kname, m in results[tag].items():
                 short = {k.split("/")[-1]: v for k, v in m.items()}
-                print(f"NCU {tag} {kname}: " + "; ".join(
-                    f"{k}={short.get(k)}" for k in ("gpu__time_duration.sum", "smsp__inst_executed.sum",
-                                                    "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
-                                                    "smsp__issue_active.avg.pct_of_peak_sustained_active",
-                                                    "launch__grid_size", "launch__registers_per_thread")), flush=True)
+                print(f"NCU {tag} {kname}: " + "; ".join(f"{k}={short.get(k)}" for k in NCU_SUMMARY), flush=True)
     with open(os.path.join(out, "fa3_ncu.json"), "w") as fh:
         json.dump(results, fh, indent=1)
     return results

@@ -47,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..attention_host import fp8_forward_args
-from ..softmax import LOG2E, natural_lse, p_shift, row_inverse
+from ..softmax import LOG2E, hide_keys, natural_lse, p_shift, row_inverse
 from ..triton.launch import cdiv
 from ..triton.transpose_v import transpose_v
 from .attention_common import (
@@ -94,14 +94,18 @@ def _box(tile, CHANNELS_LAST: gl.constexpr = True):
 
 
 @gluon.jit
-def _load_k(k_desc, k_smem, k_ready, k_empty, kv, b, hkv, n0, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-            STAGES: gl.constexpr):
-    """Keys [n0, n0 + BLOCK_N) of (b, hkv) into ring slot ``kv % STAGES`` once every consumer freed it (a fresh
-    mbarrier has completed the phase before its first, so the first round passes at once)."""
+def _load_k(k_desc, kb_desc, k_smem, kb_smem, k_ready, k_empty, kv, b, hkv, n0, BLOCK_A: gl.constexpr,
+            BLOCK_B: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+    """Keys [n0, n0 + BLOCK_A + BLOCK_B) of (b, hkv) into ring slot ``kv % STAGES`` (the last ``BLOCK_B`` into
+    ``kb_smem``) once every consumer freed it (a fresh mbarrier has completed the phase before its first, so the
+    first round passes at once)."""
     slot = kv % STAGES
     mbarrier.wait(k_empty.index(slot), ((kv // STAGES) & 1) ^ 1)
-    mbarrier.expect(k_ready.index(slot), BLOCK_N * HEAD_D)
+    mbarrier.expect(k_ready.index(slot), (BLOCK_A + BLOCK_B) * HEAD_D)
     tma.async_copy_global_to_shared(k_desc, [b, n0, hkv, 0], k_ready.index(slot), _box(k_smem.index(slot)))
+    if BLOCK_B > 0:
+        tma.async_copy_global_to_shared(kb_desc, [b, n0 + BLOCK_A, hkv, 0], k_ready.index(slot),
+                                        _box(kb_smem.index(slot)))
 
 
 @gluon.jit
@@ -155,17 +159,20 @@ def _tile_coords(t, n_m, Hq, GROUP, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, v_raw, q_bars, q_empty, k_ready, v_ready, k_empty,
-              v_empty, raw_ready, n_m, n_total, Mq, Mk, Hq, GROUP, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-              STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, V_TRANSPOSE: gl.constexpr,
-              KEY_ORDER: gl.constexpr):
+def _producer(q_desc, k_desc, kb_desc, v_desc, vb_desc, q_smem, k_smem, kb_smem, v_smem, vb_smem, v_raw, q_bars,
+              q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready, n_m, n_total, Mq, Mk, Hq, GROUP,
+              BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+              CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, V_TRANSPOSE: gl.constexpr, KEY_ORDER: gl.constexpr):
     """For each tile of this CTA: its Q tiles once the consumers are done with the previous ones, then K_j, V_j
     for every key tile, each into its ring slot once all consumers freed it (``kv`` counts key tiles over the
     CTA's tiles: the rings run on across tiles, so the next tile's loads overlap this one's last GEMMs).
 
     ``V_TRANSPOSE``: v arrives as stored (keys x channels) and this partition (a warpgroup) transposes each tile
-    in shared memory, loading tile j + 1 before it transposes tile j; otherwise V^T tiles arrive by TMA."""
+    in shared memory, loading tile j + 1 before it transposes tile j; otherwise V^T tiles arrive by TMA.
+    ``BLOCK_B`` > 0 (a key tile in two parts, not with ``V_TRANSPOSE``): the last ``BLOCK_B`` keys of each K and
+    V^T tile go to ``kb_smem`` / ``vb_smem`` through their own descriptors, under the same barriers."""
     BLOCK_M: gl.constexpr = CONSUMERS * WG_ROWS
+    BLOCK_A: gl.constexpr = BLOCK_N - BLOCK_B
     kv = 0
     i = 0
     for t in range(gl.program_id(0), n_total, gl.num_programs(0)):
@@ -178,24 +185,29 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, v_raw, q_bars, q_e
             tma.async_copy_global_to_shared(q_desc, [b, m0 + c * WG_ROWS, hq, 0], q_bars.index(c),
                                             _box(q_smem.index(c)))
         if V_TRANSPOSE:
-            _load_k(k_desc, k_smem, k_ready, k_empty, kv, b, hkv, 0, BLOCK_N, HEAD_D, STAGES)
+            _load_k(k_desc, kb_desc, k_smem, kb_smem, k_ready, k_empty, kv, b, hkv, 0, BLOCK_A, BLOCK_B, HEAD_D,
+                    STAGES)
             _load_v_rows(v_desc, v_raw, raw_ready, kv, b, hkv, 0, BLOCK_N, HEAD_D, STAGES)
             for j in range(n_tiles):
                 if j + 1 < n_tiles:
-                    _load_k(k_desc, k_smem, k_ready, k_empty, kv + j + 1, b, hkv, (j + 1) * BLOCK_N, BLOCK_N,
-                            HEAD_D, STAGES)
+                    _load_k(k_desc, kb_desc, k_smem, kb_smem, k_ready, k_empty, kv + j + 1, b, hkv,
+                            (j + 1) * BLOCK_N, BLOCK_A, BLOCK_B, HEAD_D, STAGES)
                     _load_v_rows(v_desc, v_raw, raw_ready, kv + j + 1, b, hkv, (j + 1) * BLOCK_N, BLOCK_N, HEAD_D,
                                  STAGES)
                 _transpose_v_tile(v_raw, v_smem, raw_ready, v_ready, v_empty, kv + j, BLOCK_N, HEAD_D, STAGES,
                                   KEY_ORDER, gl.num_warps())
         else:
             for j in range(n_tiles):
-                _load_k(k_desc, k_smem, k_ready, k_empty, kv + j, b, hkv, j * BLOCK_N, BLOCK_N, HEAD_D, STAGES)
+                _load_k(k_desc, kb_desc, k_smem, kb_smem, k_ready, k_empty, kv + j, b, hkv, j * BLOCK_N, BLOCK_A,
+                        BLOCK_B, HEAD_D, STAGES)
                 slot = (kv + j) % STAGES
                 mbarrier.wait(v_empty.index(slot), (((kv + j) // STAGES) & 1) ^ 1)
                 mbarrier.expect(v_ready.index(slot), BLOCK_N * HEAD_D)
                 tma.async_copy_global_to_shared(v_desc, [b, hkv, 0, j * BLOCK_N], v_ready.index(slot),
                                                 _box(v_smem.index(slot), False))
+                if BLOCK_B > 0:
+                    tma.async_copy_global_to_shared(vb_desc, [b, hkv, 0, j * BLOCK_N + BLOCK_A], v_ready.index(slot),
+                                                    _box(vb_smem.index(slot), False))
         kv += n_tiles
         i += 1
 
@@ -229,14 +241,45 @@ def _pv_operand(p, p_layout: gl.constexpr, BLOCK_N: gl.constexpr, KEY_ORDER: gl.
 
 
 @gluon.jit
-def _consumer_tile(C: gl.constexpr, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
-                   turn_bars, qk_scale, m0, n_tiles, kv, turn, i, Mq, Mk,
-                   HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-                   CAUSAL: gl.constexpr, P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr, QK_INT8: gl.constexpr):
+def _split_tile_softmax(s_a, s_b, m_i, l_i, qk_scale, start_n, full_end, seqlen_k, hi, offs_m,
+                        CAUSAL: gl.constexpr, P_SHIFT: gl.constexpr, BLOCK_A: gl.constexpr, BLOCK_B: gl.constexpr,
+                        OFF: gl.constexpr):
+    """``tile_softmax`` of one S tile held in two accumulators, keys [start_n, + BLOCK_A) in ``s_a`` ([64,
+    BLOCK_A]) and the next ``BLOCK_B`` in ``s_b``: one row max and one row sum over both, the same arithmetic
+    as ``softmax_step`` (one FMA and one exp2 per score). Returns (p_a, p_b, m, l, alpha)."""
+    a_layout: gl.constexpr = acc_layout(WG_WARPS, BLOCK_A)
+    b_layout: gl.constexpr = acc_layout(WG_WARPS, BLOCK_B)
+    a_row: gl.constexpr = gl.SliceLayout(1, a_layout)
+    b_row: gl.constexpr = gl.SliceLayout(1, b_layout)
+    if start_n >= full_end:
+        cols_a = start_n + gl.arange(0, BLOCK_A, layout=gl.SliceLayout(0, a_layout))
+        s_a = hide_keys(s_a, offs_m, cols_a, seqlen_k, 0, hi, False, CAUSAL)
+        cols_b = start_n + BLOCK_A + gl.arange(0, BLOCK_B, layout=gl.SliceLayout(0, b_layout))
+        s_b = hide_keys(s_b, gl.convert_layout(offs_m, b_row), cols_b, seqlen_k, 0, hi, False, CAUSAL)
+    row_max = gl.maximum(gl.max(s_a, 1), gl.convert_layout(gl.max(s_b, 1), a_row))
+    m_new = gl.maximum(m_i, (row_max - OFF) * qk_scale)
+    m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet: avoid inf - inf
+    bias = m_sub + (OFF * qk_scale - P_SHIFT)
+    p_a = gl.exp2(s_a * qk_scale - gl.expand_dims(bias, 1))
+    p_b = gl.exp2(s_b * qk_scale - gl.expand_dims(gl.convert_layout(bias, b_row), 1))
+    alpha = gl.exp2(m_i - m_sub)
+    l_i = l_i * alpha + gl.sum(p_a, 1) + gl.convert_layout(gl.sum(p_b, 1), a_row)
+    return p_a, p_b, m_new, l_i, alpha
+
+
+@gluon.jit
+def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_bars, q_empty, k_ready, v_ready,
+                   k_empty, v_empty, turn_bars, qk_scale, m0, n_tiles, kv, turn, i, Mq, Mk,
+                   HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr, STAGES: gl.constexpr,
+                   CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr,
+                   QK_INT8: gl.constexpr):
     """The online softmax of rows ``m0 + C * WG_ROWS ..`` over their ``n_tiles`` key tiles, the ``i``-th tile of
     this CTA; ``kv`` and ``turn`` are the ring position and the turn count it starts at. ``QK_INT8``: int8 q / k,
-    S accumulated in int32 (s8 wgmma) and read as ``int_scores``. Returns (acc, m, l, offs_m)."""
-    s_layout: gl.constexpr = acc_layout(WG_WARPS, BLOCK_N)
+    S accumulated in int32 (s8 wgmma) and read as ``int_scores``. ``BLOCK_B`` > 0: each key tile is two parts,
+    ``BLOCK_N - BLOCK_B`` keys then ``BLOCK_B`` (tiles of 192 keys as 128 + 64: Gluon tensors are powers of
+    two), two S wgmmas and two P V wgmmas per tile, one softmax over both. Returns (acc, m, l, offs_m)."""
+    BLOCK_A: gl.constexpr = BLOCK_N - BLOCK_B
+    s_layout: gl.constexpr = acc_layout(WG_WARPS, BLOCK_A)
     o_layout: gl.constexpr = acc_layout(WG_WARPS, HEAD_D)
     p_layout: gl.constexpr = p_operand_layout(WG_WARPS, HEAD_D)
     s_row: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -248,7 +291,10 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, v_smem, q_bars, q_empty, k_r
     offs_m = row0 + gl.arange(0, WG_ROWS, layout=s_row)
     m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, layout=s_row)
     l_i = gl.zeros([WG_ROWS], gl.float32, layout=s_row)
-    s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.int32 if QK_INT8 else gl.float32, layout=s_layout)
+    s_dtype: gl.constexpr = gl.int32 if QK_INT8 else gl.float32
+    s_zero = gl.zeros([WG_ROWS, BLOCK_A], s_dtype, layout=s_layout)
+    if BLOCK_B > 0:
+        sb_zero = gl.zeros([WG_ROWS, BLOCK_B], s_dtype, layout=acc_layout(WG_WARPS, BLOCK_B))
     OFF: gl.constexpr = INT_OFF if QK_INT8 else 0.0
     acc = gl.zeros([WG_ROWS, HEAD_D], gl.float32, layout=o_layout)
     q_tile = q_smem.index(C)
@@ -259,30 +305,57 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, v_smem, q_bars, q_empty, k_r
     mbarrier.wait(k_ready.index(ks), (kv // STAGES) & 1)
     _take_turn(turn_bars, turn, C, CONSUMERS)
     s_tok = warpgroup_mma(q_tile, k_smem.index(ks).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if BLOCK_B > 0:
+        sb_tok = warpgroup_mma(q_tile, kb_smem.index(ks).permute((1, 0)), sb_zero, use_acc=False, is_async=True)
     _pass_turn(turn_bars, C, CONSUMERS)
-    s = warpgroup_mma_wait(0, deps=(s_tok, ))
+    if BLOCK_B > 0:
+        s, s_b = warpgroup_mma_wait(0, deps=(s_tok, sb_tok))
+    else:
+        s = warpgroup_mma_wait(0, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(ks), count=1)
     if QK_INT8:
         s = int_scores(s)
-    p, m_i, l_i, alpha = tile_softmax(s, m_i, l_i, qk_scale, 0, full_end, Mk, diag, offs_m, CAUSAL, P_SHIFT,
-                                      BLOCK_N, s_layout, OFF)
+        if BLOCK_B > 0:
+            s_b = int_scores(s_b)
+    if BLOCK_B > 0:
+        p, p_b, m_i, l_i, alpha = _split_tile_softmax(s, s_b, m_i, l_i, qk_scale, 0, full_end, Mk, diag, offs_m,
+                                                      CAUSAL, P_SHIFT, BLOCK_A, BLOCK_B, OFF)
+    else:
+        p, m_i, l_i, alpha = tile_softmax(s, m_i, l_i, qk_scale, 0, full_end, Mk, diag, offs_m, CAUSAL, P_SHIFT,
+                                          BLOCK_N, s_layout, OFF)
 
     for j in range(n_tiles - 1):
-        p8 = _pv_operand(p, p_layout, BLOCK_N, KEY_ORDER)
+        p8 = _pv_operand(p, p_layout, BLOCK_A, KEY_ORDER)
+        if BLOCK_B > 0:
+            p8_b = _pv_operand(p_b, p_layout, BLOCK_B, KEY_ORDER)
         ks = (kv + j + 1) % STAGES
         vs = (kv + j) % STAGES
         mbarrier.wait(k_ready.index(ks), ((kv + j + 1) // STAGES) & 1)
         mbarrier.wait(v_ready.index(vs), ((kv + j) // STAGES) & 1)
         _take_turn(turn_bars, turn + j + 1, C, CONSUMERS)
         s_tok = warpgroup_mma(q_tile, k_smem.index(ks).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if BLOCK_B > 0:
+            sb_tok = warpgroup_mma(q_tile, kb_smem.index(ks).permute((1, 0)), sb_zero, use_acc=False,
+                                   is_async=True)
         o_tok = warpgroup_mma(p8, v_smem.index(vs).permute((1, 0)), acc, is_async=True)
+        if BLOCK_B > 0:
+            o_tok = warpgroup_mma(p8_b, vb_smem.index(vs).permute((1, 0)), o_tok, is_async=True)
         _pass_turn(turn_bars, C, CONSUMERS)
-        s = warpgroup_mma_wait(1, deps=(s_tok, ))
+        if BLOCK_B > 0:  # the two S parts done, the two P V parts may still run
+            s, s_b = warpgroup_mma_wait(2, deps=(s_tok, sb_tok))
+        else:
+            s = warpgroup_mma_wait(1, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(ks), count=1)
         if QK_INT8:
             s = int_scores(s)
-        p, m_i, l_i, alpha = tile_softmax(s, m_i, l_i, qk_scale, (j + 1) * BLOCK_N, full_end, Mk, diag, offs_m,
-                                          CAUSAL, P_SHIFT, BLOCK_N, s_layout, OFF)
+            if BLOCK_B > 0:
+                s_b = int_scores(s_b)
+        if BLOCK_B > 0:
+            p, p_b, m_i, l_i, alpha = _split_tile_softmax(s, s_b, m_i, l_i, qk_scale, (j + 1) * BLOCK_N, full_end,
+                                                          Mk, diag, offs_m, CAUSAL, P_SHIFT, BLOCK_A, BLOCK_B, OFF)
+        else:
+            p, m_i, l_i, alpha = tile_softmax(s, m_i, l_i, qk_scale, (j + 1) * BLOCK_N, full_end, Mk, diag,
+                                              offs_m, CAUSAL, P_SHIFT, BLOCK_N, s_layout, OFF)
         acc = warpgroup_mma_wait(0, deps=(o_tok, ))
         mbarrier.arrive(v_empty.index(vs), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row), 1)
@@ -291,10 +364,14 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, v_smem, q_bars, q_empty, k_r
 
     last = kv + n_tiles - 1
     vs = last % STAGES
-    p8 = _pv_operand(p, p_layout, BLOCK_N, KEY_ORDER)
+    p8 = _pv_operand(p, p_layout, BLOCK_A, KEY_ORDER)
+    if BLOCK_B > 0:
+        p8_b = _pv_operand(p_b, p_layout, BLOCK_B, KEY_ORDER)
     mbarrier.wait(v_ready.index(vs), (last // STAGES) & 1)
     _take_turn(turn_bars, turn + n_tiles, C, CONSUMERS)
     o_tok = warpgroup_mma(p8, v_smem.index(vs).permute((1, 0)), acc, is_async=True)
+    if BLOCK_B > 0:
+        o_tok = warpgroup_mma(p8_b, vb_smem.index(vs).permute((1, 0)), o_tok, is_async=True)
     _pass_turn(turn_bars, C, CONSUMERS)
     acc = warpgroup_mma_wait(0, deps=(o_tok, ))
     mbarrier.arrive(v_empty.index(vs), count=1)
@@ -302,10 +379,11 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, v_smem, q_bars, q_empty, k_r
 
 
 @gluon.jit
-def _consumer(C: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
-              turn_bars, o_desc, Lse, QD, KD, VD, sm_scale_log2, stride_lb, stride_lh,
+def _consumer(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, o_smem, q_bars, q_empty, k_ready, v_ready,
+              k_empty, v_empty, turn_bars, o_desc, Lse, QD, KD, VD, sm_scale_log2, stride_lb, stride_lh,
               qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh, n_m, n_total, Mq, Mk, Hq, GROUP,
-              HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+              HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr, STAGES: gl.constexpr,
+              CONSUMERS: gl.constexpr,
               CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr,
               OUT_FP8: gl.constexpr, QK_INT8: gl.constexpr):
     """Consumer ``C`` over this CTA's tiles: the rows ``C * WG_ROWS ..`` of each, their output through ``o_smem``
@@ -323,10 +401,10 @@ def _consumer(C: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, 
         qk_scale, vd = head_descales(QD, KD, VD, b, hkv, qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh, sm_scale_log2)
         if OUT_FP8:  # an fp8 output stays in v's units (attention = out * v_descale)
             vd = vd * 0.0 + 1.0
-        acc, m_i, l_i, offs_m = _consumer_tile(C, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready, k_empty,
-                                               v_empty, turn_bars, qk_scale, m0, n_tiles, kv, turn, i, Mq, Mk,
-                                               HEAD_D, BLOCK_N, STAGES, CONSUMERS, CAUSAL, P_SHIFT, KEY_ORDER,
-                                               QK_INT8)
+        acc, m_i, l_i, offs_m = _consumer_tile(C, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_bars, q_empty,
+                                               k_ready, v_ready, k_empty, v_empty, turn_bars, qk_scale, m0, n_tiles,
+                                               kv, turn, i, Mq, Mk, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS,
+                                               CAUSAL, P_SHIFT, KEY_ORDER, QK_INT8)
         inv = gl.convert_layout(row_inverse(l_i) * vd, gl.SliceLayout(1, o_layout))
         tma.store_wait(pendings=0)  # the previous tile's store has read o_tile
         gl.thread_barrier()
@@ -345,20 +423,30 @@ def _consumer(C: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, 
 
 @gluon.jit
 def _attn_fwd_ws_kernel(
-    q_desc, k_desc, v_desc, o_desc, Lse, QD, KD, VD, sm_scale_log2,
+    q_desc, k_desc, kb_desc, v_desc, vb_desc, o_desc, Lse, QD, KD, VD, sm_scale_log2,
     stride_lb, stride_lh, qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh,
     n_m, n_total, Mq, Mk, Hq, GROUP,
-    HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CAUSAL: gl.constexpr,
-    WRITE_LSE: gl.constexpr, P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr, V_TRANSPOSE: gl.constexpr,
-    OUT_FP8: gl.constexpr, PERSISTENT: gl.constexpr, QK_INT8: gl.constexpr,
+    HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr, STAGES: gl.constexpr,
+    CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr,
+    V_TRANSPOSE: gl.constexpr, OUT_FP8: gl.constexpr, PERSISTENT: gl.constexpr, QK_INT8: gl.constexpr,
 ):
     """Tiles ``program_id(0)``, + ``num_programs(0)``, .. of the ``n_total`` (batch, head, ``CONSUMERS * WG_ROWS``-row
-    block) tiles (``_tile_coords``): one per CTA with a grid of ``n_total``, several with a persistent grid."""
+    block) tiles (``_tile_coords``): one per CTA with a grid of ``n_total``, several with a persistent grid.
+    ``BLOCK_B`` > 0: key tiles of ``BLOCK_N`` keys in two parts (``_consumer_tile``), the second read through
+    ``kb_desc`` / ``vb_desc``; otherwise those are unused copies of ``k_desc`` / ``v_desc``."""
+    BLOCK_A: gl.constexpr = BLOCK_N - BLOCK_B
     qk_dtype: gl.constexpr = gl.int8 if QK_INT8 else gl.float8e4nv  # (8-bit tiles share the fp8 tiles' swizzle)
     q_smem = gl.allocate_shared_memory(qk_dtype, [CONSUMERS, WG_ROWS, HEAD_D], fp8_tile_layout(WG_ROWS, HEAD_D))
-    k_smem = gl.allocate_shared_memory(qk_dtype, [STAGES, BLOCK_N, HEAD_D], fp8_tile_layout(BLOCK_N, HEAD_D))
-    v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_D, BLOCK_N], fp8_tile_layout(HEAD_D, BLOCK_N))
+    k_smem = gl.allocate_shared_memory(qk_dtype, [STAGES, BLOCK_A, HEAD_D], fp8_tile_layout(BLOCK_A, HEAD_D))
+    v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_D, BLOCK_A], fp8_tile_layout(HEAD_D, BLOCK_A))
+    if BLOCK_B > 0:
+        kb_smem = gl.allocate_shared_memory(qk_dtype, [STAGES, BLOCK_B, HEAD_D], fp8_tile_layout(BLOCK_B, HEAD_D))
+        vb_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_D, BLOCK_B],
+                                            fp8_tile_layout(HEAD_D, BLOCK_B))
+    else:
+        kb_smem = k_smem
+        vb_smem = v_smem
     o_dtype: gl.constexpr = gl.float8e4nv if OUT_FP8 else gl.bfloat16
     o_layout: gl.constexpr = out_tile_layout(WG_ROWS, HEAD_D, o_dtype)
     if V_TRANSPOSE:  # raw v tiles (keys x channels) in V_CHUNK-channel boxes
@@ -366,7 +454,7 @@ def _attn_fwd_ws_kernel(
                                           fp8_tile_layout(BLOCK_N, V_CHUNK))
         # one tile per CTA: the output tiles reuse the raw ring where it is large enough (a consumer stores its
         # tile after its last PV wgmma, which waited for the last V^T tile, so every raw load and read is over)
-        if not PERSISTENT and STAGES * BLOCK_N >= CONSUMERS * WG_ROWS * o_dtype.primitive_bitwidth // 8:
+        if not PERSISTENT and STAGES * BLOCK_A >= CONSUMERS * WG_ROWS * o_dtype.primitive_bitwidth // 8:
             o_smem = v_raw._reinterpret(o_dtype, [CONSUMERS, WG_ROWS, HEAD_D], o_layout)
         else:
             o_smem = gl.allocate_shared_memory(o_dtype, [CONSUMERS, WG_ROWS, HEAD_D], o_layout)
@@ -395,45 +483,45 @@ def _attn_fwd_ws_kernel(
     # constexprs travel as arguments of each partition function (a tuple built here would make them tensors)
     if CONSUMERS == 3:
         gl.warp_specialize([
-            (_consumer, (0, q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
-                         turn_bars, o_desc, Lse, QD, KD, VD, sm_scale_log2, stride_lb, stride_lh, qd_sb, qd_sh, kd_sb,
-                         kd_sh, vd_sb, vd_sh, n_m, n_total, Mq, Mk, Hq, GROUP, HEAD_D, BLOCK_N, STAGES, CONSUMERS,
-                         CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8)),
-            (_consumer, (1, q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
-                         turn_bars, o_desc, Lse, QD, KD, VD, sm_scale_log2, stride_lb, stride_lh, qd_sb, qd_sh, kd_sb,
-                         kd_sh, vd_sb, vd_sh, n_m, n_total, Mq, Mk, Hq, GROUP, HEAD_D, BLOCK_N, STAGES, CONSUMERS,
-                         CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8)),
-            (_consumer, (2, q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
-                         turn_bars, o_desc, Lse, QD, KD, VD, sm_scale_log2, stride_lb, stride_lh, qd_sb, qd_sh, kd_sb,
-                         kd_sh, vd_sb, vd_sh, n_m, n_total, Mq, Mk, Hq, GROUP, HEAD_D, BLOCK_N, STAGES, CONSUMERS,
-                         CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, v_raw, q_bars, q_empty, k_ready, v_ready,
-                         k_empty, v_empty, raw_ready, n_m, n_total, Mq, Mk, Hq, GROUP, BLOCK_N, HEAD_D, STAGES,
-                         CONSUMERS, CAUSAL, V_TRANSPOSE, KEY_ORDER)),
+            (_consumer, (0, q_smem, k_smem, kb_smem, v_smem, vb_smem, o_smem, q_bars, q_empty, k_ready, v_ready,
+                         k_empty, v_empty, turn_bars, o_desc, Lse, QD, KD, VD, sm_scale_log2, stride_lb, stride_lh,
+                         qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh, n_m, n_total, Mq, Mk, Hq, GROUP, HEAD_D, BLOCK_N,
+                         BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8)),
+            (_consumer, (1, q_smem, k_smem, kb_smem, v_smem, vb_smem, o_smem, q_bars, q_empty, k_ready, v_ready,
+                         k_empty, v_empty, turn_bars, o_desc, Lse, QD, KD, VD, sm_scale_log2, stride_lb, stride_lh,
+                         qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh, n_m, n_total, Mq, Mk, Hq, GROUP, HEAD_D, BLOCK_N,
+                         BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8)),
+            (_consumer, (2, q_smem, k_smem, kb_smem, v_smem, vb_smem, o_smem, q_bars, q_empty, k_ready, v_ready,
+                         k_empty, v_empty, turn_bars, o_desc, Lse, QD, KD, VD, sm_scale_log2, stride_lb, stride_lh,
+                         qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh, n_m, n_total, Mq, Mk, Hq, GROUP, HEAD_D, BLOCK_N,
+                         BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8)),
+            (_producer, (q_desc, k_desc, kb_desc, v_desc, vb_desc, q_smem, k_smem, kb_smem, v_smem, vb_smem, v_raw,
+                         q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready, n_m, n_total, Mq, Mk, Hq,
+                         GROUP, BLOCK_N, BLOCK_B, HEAD_D, STAGES, CONSUMERS, CAUSAL, V_TRANSPOSE, KEY_ORDER)),
         ], [WG_WARPS, WG_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     elif CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (0, q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
-                         turn_bars, o_desc, Lse, QD, KD, VD, sm_scale_log2, stride_lb, stride_lh, qd_sb, qd_sh, kd_sb,
-                         kd_sh, vd_sb, vd_sh, n_m, n_total, Mq, Mk, Hq, GROUP, HEAD_D, BLOCK_N, STAGES, CONSUMERS,
-                         CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8)),
-            (_consumer, (1, q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
-                         turn_bars, o_desc, Lse, QD, KD, VD, sm_scale_log2, stride_lb, stride_lh, qd_sb, qd_sh, kd_sb,
-                         kd_sh, vd_sb, vd_sh, n_m, n_total, Mq, Mk, Hq, GROUP, HEAD_D, BLOCK_N, STAGES, CONSUMERS,
-                         CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, v_raw, q_bars, q_empty, k_ready, v_ready,
-                         k_empty, v_empty, raw_ready, n_m, n_total, Mq, Mk, Hq, GROUP, BLOCK_N, HEAD_D, STAGES,
-                         CONSUMERS, CAUSAL, V_TRANSPOSE, KEY_ORDER)),
+            (_consumer, (0, q_smem, k_smem, kb_smem, v_smem, vb_smem, o_smem, q_bars, q_empty, k_ready, v_ready,
+                         k_empty, v_empty, turn_bars, o_desc, Lse, QD, KD, VD, sm_scale_log2, stride_lb, stride_lh,
+                         qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh, n_m, n_total, Mq, Mk, Hq, GROUP, HEAD_D, BLOCK_N,
+                         BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8)),
+            (_consumer, (1, q_smem, k_smem, kb_smem, v_smem, vb_smem, o_smem, q_bars, q_empty, k_ready, v_ready,
+                         k_empty, v_empty, turn_bars, o_desc, Lse, QD, KD, VD, sm_scale_log2, stride_lb, stride_lh,
+                         qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh, n_m, n_total, Mq, Mk, Hq, GROUP, HEAD_D, BLOCK_N,
+                         BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8)),
+            (_producer, (q_desc, k_desc, kb_desc, v_desc, vb_desc, q_smem, k_smem, kb_smem, v_smem, vb_smem, v_raw,
+                         q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready, n_m, n_total, Mq, Mk, Hq,
+                         GROUP, BLOCK_N, BLOCK_B, HEAD_D, STAGES, CONSUMERS, CAUSAL, V_TRANSPOSE, KEY_ORDER)),
         ], [WG_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (0, q_smem, k_smem, v_smem, o_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
-                         turn_bars, o_desc, Lse, QD, KD, VD, sm_scale_log2, stride_lb, stride_lh, qd_sb, qd_sh, kd_sb,
-                         kd_sh, vd_sb, vd_sh, n_m, n_total, Mq, Mk, Hq, GROUP, HEAD_D, BLOCK_N, STAGES, CONSUMERS,
-                         CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, v_raw, q_bars, q_empty, k_ready, v_ready,
-                         k_empty, v_empty, raw_ready, n_m, n_total, Mq, Mk, Hq, GROUP, BLOCK_N, HEAD_D, STAGES,
-                         CONSUMERS, CAUSAL, V_TRANSPOSE, KEY_ORDER)),
+            (_consumer, (0, q_smem, k_smem, kb_smem, v_smem, vb_smem, o_smem, q_bars, q_empty, k_ready, v_ready,
+                         k_empty, v_empty, turn_bars, o_desc, Lse, QD, KD, VD, sm_scale_log2, stride_lb, stride_lh,
+                         qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh, n_m, n_total, Mq, Mk, Hq, GROUP, HEAD_D, BLOCK_N,
+                         BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8)),
+            (_producer, (q_desc, k_desc, kb_desc, v_desc, vb_desc, q_smem, k_smem, kb_smem, v_smem, vb_smem, v_raw,
+                         q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready, n_m, n_total, Mq, Mk, Hq,
+                         GROUP, BLOCK_N, BLOCK_B, HEAD_D, STAGES, CONSUMERS, CAUSAL, V_TRANSPOSE, KEY_ORDER)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
     for c in gl.static_range(CONSUMERS):
@@ -455,7 +543,8 @@ class WsFwdConfig:
     #: consumer warpgroups per CTA (64 query rows each), taking turns at the tensor cores: 2 or 3 in one CTA per
     #: SM (``maxnreg`` 168 / 128), 1 runs two CTAs per SM
     consumers: int = 2
-    #: keys per tile
+    #: keys per tile: a power of two, or (two-part tiles, V^T from ``transpose_v``) a power of two plus a smaller
+    #: one such as 192 = 128 + 64 (FA3 takes 224 at D128 fp8; 256 spills here)
     block_n: int = 128
     #: K / V ring depth
     stages: int = 2
@@ -474,6 +563,12 @@ class WsFwdConfig:
     #: a persistent grid: ``ctas_per_sm`` CTAs per SM each walk tiles t, t + grid, .. (the rings and turns run on
     #: across tiles, so one tile's loads and epilogue overlap its neighbour's GEMMs); False: one CTA per tile
     persistent: bool = False
+
+    @property
+    def block_b(self) -> int:
+        """Keys of a key tile's second part: 0 when ``block_n`` is a power of two, else ``block_n`` less the
+        largest power of two below it (192 = 128 + 64)."""
+        return self.block_n - (1 << (self.block_n.bit_length() - 1))
 
     @property
     def ctas_per_sm(self) -> int:
@@ -571,28 +666,39 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=
     cfg = config or default_config(D, causal, Mk)
     if cfg.consumers not in (1, 2, 3) or cfg.stages < 2:
         raise ValueError(f"config {cfg}: consumers must be 1, 2 or 3 and stages >= 2")
+    block_b = cfg.block_b
+    if block_b and (block_b & (block_b - 1) or block_b < 16 or cfg.v_transpose):
+        raise ValueError(f"config {cfg}: block_n must be a power of two or one plus a smaller one >= 16 (e.g. 192), "
+                         "the latter with v_transpose=False")
     prep = fp8_forward_args(q, k, v, q_descale, k_descale, v_descale, return_lse, out, HEAD_DIMS, out_dtype,
                             int8_qk=True)
     if prep.done:
         return prep.out, prep.lse
     out, lse = prep.out, prep.lse
     v_transpose = cfg.v_transpose and _tma_ready(v)
+    block_a = cfg.block_n - block_b
+    k_desc = _descriptor(k, block_a, D)
     if v_transpose:
-        v_desc = _descriptor(v, cfg.block_n, V_CHUNK.value)
+        v_desc = vb_desc = _descriptor(v, cfg.block_n, V_CHUNK.value)
     else:
         vt, _ = transpose_v(v, key_order=cfg.key_order)
-        v_desc = _descriptor(vt if cfg.key_order else vt[..., :Mk], D, cfg.block_n, channels_last=False)
+        vt = vt if cfg.key_order else vt[..., :Mk]
+        v_desc = vb_desc = _descriptor(vt, D, block_a, channels_last=False)
+        if block_b:
+            vb_desc = _descriptor(vt, D, block_b, channels_last=False)
     n_m = cdiv(Mq, cfg.consumers * WG_ROWS.value)
     n_total = n_m * B * Hq
     grid = min(n_total, _sm_count(q.device) * cfg.ctas_per_sm) if cfg.persistent else n_total
     producer_warps = WG_WARPS.value if v_transpose else 1
     producer_regs = TRANSPOSER_REGS if v_transpose else PRODUCER_REGS.value
     _attn_fwd_ws_kernel[(grid,)](
-        _descriptor(q, WG_ROWS.value, D), _descriptor(k, cfg.block_n, D), v_desc, _descriptor(out, WG_ROWS.value, D),
+        _descriptor(q, WG_ROWS.value, D), k_desc, _descriptor(k, block_b, D) if block_b else k_desc, v_desc, vb_desc,
+        _descriptor(out, WG_ROWS.value, D),
         lse if lse is not None else prep.qd, prep.qd, prep.kd, prep.vd, scale * LOG2E.value,
         lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0, *prep.descale_strides,
         n_m, n_total, Mq, Mk, Hq, Hq // Hkv,
-        HEAD_D=D, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CONSUMERS=cfg.consumers, CONSUMER_REGS=cfg.consumer_regs,
+        HEAD_D=D, BLOCK_N=cfg.block_n, BLOCK_B=block_b, STAGES=cfg.stages, CONSUMERS=cfg.consumers,
+        CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_WARPS=producer_warps, PRODUCER_REGS=producer_regs, CAUSAL=causal, WRITE_LSE=return_lse,
         P_SHIFT=_P_SHIFT, KEY_ORDER=cfg.key_order, V_TRANSPOSE=v_transpose, OUT_FP8=out.dtype == torch.float8_e4m3fn,
         PERSISTENT=cfg.persistent, QK_INT8=q.dtype == torch.int8, num_warps=WG_WARPS.value, maxnreg=cfg.maxnreg,
@@ -617,7 +723,8 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, write_lse: bool = Fa
     from triton.experimental.gluon._runtime import GluonASTSource
 
     cfg = config or default_config(head_dim, causal)
-    const = {"HEAD_D": head_dim, "BLOCK_N": cfg.block_n, "STAGES": cfg.stages, "CONSUMERS": cfg.consumers,
+    const = {"HEAD_D": head_dim, "BLOCK_N": cfg.block_n, "BLOCK_B": cfg.block_b, "STAGES": cfg.stages,
+             "CONSUMERS": cfg.consumers,
              "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_WARPS": cfg.producer_warps,
              "PRODUCER_REGS": cfg.producer_regs, "CAUSAL": causal, "WRITE_LSE": write_lse, "P_SHIFT": _P_SHIFT,
              "KEY_ORDER": cfg.key_order, "V_TRANSPOSE": cfg.v_transpose, "OUT_FP8": out_fp8,
@@ -628,11 +735,14 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, write_lse: bool = Fa
         name = {gl.float8e4nv: "fp8e4nv", gl.int8: "i8", gl.bfloat16: "bf16"}[dtype]
         return f"tensordesc<{name}{list(shape)},{layout!r}>"
 
+    block_a, block_b = cfg.block_n - cfg.block_b, cfg.block_b or cfg.block_n
     v = (desc(cfg.block_n, V_CHUNK.value, gl.float8e4nv) if cfg.v_transpose
-         else desc(head_dim, cfg.block_n, gl.float8e4nv, False))
+         else desc(head_dim, block_a, gl.float8e4nv, False))
+    vb = v if cfg.v_transpose else desc(head_dim, block_b, gl.float8e4nv, False)
     qk = gl.int8 if qk_int8 else gl.float8e4nv
-    sig = {"q_desc": desc(WG_ROWS.value, head_dim, qk), "k_desc": desc(cfg.block_n, head_dim, qk),
-           "v_desc": v, "o_desc": desc(WG_ROWS.value, head_dim, gl.float8e4nv if out_fp8 else gl.bfloat16),
+    sig = {"q_desc": desc(WG_ROWS.value, head_dim, qk), "k_desc": desc(block_a, head_dim, qk),
+           "kb_desc": desc(block_b, head_dim, qk), "v_desc": v, "vb_desc": vb,
+           "o_desc": desc(WG_ROWS.value, head_dim, gl.float8e4nv if out_fp8 else gl.bfloat16),
            "Lse": "*fp32", "QD": "*fp32", "KD": "*fp32", "VD": "*fp32", "sm_scale_log2": "fp32",
            **dict.fromkeys(_INT_ARGS, "i32"), **dict.fromkeys(const, "constexpr")}
     src = GluonASTSource(_attn_fwd_ws_kernel, sig, constexprs={(list(sig).index(n),): v for n, v in const.items()})

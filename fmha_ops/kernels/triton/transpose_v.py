@@ -63,8 +63,8 @@ def transpose_v(v: torch.Tensor, cu_seqlens_k=None, max_seqlen_k=None, key_order
 
     Keys become the contiguous dim. Without varlen L = Mk rounded up to 16, padding written with zeros. With varlen
     (B == 1, cu_seqlens_k int32 (nseq + 1,) on v's device, max_seqlen_k a host int) each sequence starts at a
-    multiple of 16 in VT; cu_vt (nseq + 1,) int32 holds those starts; padding is unwritten. Sequence bounds are clamped to V's rows
-    (as the attention kernels clamp them), so no cu_seqlens_k makes the copy leave VT.
+    multiple of 16 in VT; cu_vt (nseq + 1,) int32 holds those starts; padding is unwritten. Sequence bounds are
+    clamped to V's rows (as the attention kernels clamp them), so no cu_seqlens_k makes the copy leave VT.
 
     ``key_order`` (no varlen): L = Mk rounded up to 32, and within each group of 32
     keys key 16 h + 8 g + 2 c + e sits at column 16 h + 4 c + 2 g + e (h, g, e in {0, 1}, c in 0..3): the order in
