@@ -83,8 +83,8 @@ NCU_METRICS = [
 ]
 #: what the log line of each profiled kernel shows
 NCU_SUMMARY = ("gpu__time_duration.sum", "smsp__inst_executed.sum",
-               "smsp__issue_active.avg.pct_of_peak_sustained_active", "sm__inst_executed_pipe_tensor_op_gmma.sum", "sm__inst_executed_pipe_fma.sum",
-               "sm__inst_executed_pipe_alu.sum")
+               "smsp__issue_active.avg.pct_of_peak_sustained_active", "sm__inst_executed_pipe_tensor_op_gmma.sum",
+               "sm__inst_executed_pipe_fma.sum", "sm__inst_executed_pipe_alu.sum")
 NCU_SECTIONS = ["SpeedOfLight", "WarpStateStats", "LaunchStats", "ComputeWorkloadAnalysis", "InstructionStats"]
 
 
