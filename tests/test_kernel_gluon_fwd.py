@@ -145,6 +145,8 @@ kernel = ws.compile_sm90(head_dim, causal=causal, write_lse=True, config=cfg, qk
 assert "wgmma" in kernel.asm["ptx"] and kernel.asm["cubin"]
 assert ("wgmma.mma_async.sync.aligned.m64n" in kernel.asm["ptx"]) and (".s32.s8.s8" in kernel.asm["ptx"]) == qk_int8
 assert kernel.metadata.num_warps == 4 * (consumers + 1), kernel.metadata.num_warps  # + the producer's warpgroup
+# the persistent grid's CTAs per SM come from this estimate: it must not undercount
+assert cfg.shared_bytes(head_dim) >= kernel.metadata.shared, (cfg.shared_bytes(head_dim), kernel.metadata.shared)
 print("compiled")
 """
 

@@ -8,7 +8,7 @@ wgmma, int32 accumulators; ``QK_INT8``, the same kernel body), v fp8.
 
 A tile is ``CONSUMERS * WG_ROWS`` query rows of one (batch, query head); tiles are numbered with a head's row
 blocks consecutive (``_tile_coords``). CTA p runs tiles p, p + grid, ..: with a grid of one CTA per tile each runs
-one, with a persistent grid (``WsFwdConfig.persistent``: ``ctas_per_sm`` CTAs per SM) each runs several and the
+one, with a persistent grid (``WsFwdConfig.persistent``: ``ctas_per_sm()`` CTAs per SM) each runs several and the
 rings, turns and Q buffers run on from one tile to the next. q, k, v (or V^T), out are read and written through
 host TMA descriptors of the whole 4-D tensors ([1, rows, 1, D] boxes; V^T [1, 1, D, keys]), so a CTA changes
 (batch, head) by its coordinates alone.
@@ -560,7 +560,7 @@ class WsFwdConfig:
     #: the producer warpgroup transposes V tiles in shared memory (v is read as stored, no ``transpose_v``
     #: launch, no V^T copy in global memory); False reads V^T made by ``transpose_v``
     v_transpose: bool = False
-    #: a persistent grid: ``ctas_per_sm`` CTAs per SM each walk tiles t, t + grid, .. (the rings and turns run on
+    #: a persistent grid: ``ctas_per_sm()`` CTAs per SM each walk tiles t, t + grid, .. (the rings and turns run on
     #: across tiles, so one tile's loads and epilogue overlap its neighbour's GEMMs); False: one CTA per tile
     persistent: bool = False
 
@@ -570,13 +570,21 @@ class WsFwdConfig:
         largest power of two below it (192 = 128 + 64)."""
         return self.block_n - (1 << (self.block_n.bit_length() - 1))
 
-    @property
-    def ctas_per_sm(self) -> int:
-        """CTAs resident per SM: what the register budget (``maxnreg`` for every thread of the CTA's warpgroups)
-        allows."""
+    def shared_bytes(self, head_dim: int, out_bytes: int = 2) -> int:
+        """Shared memory of one persistent CTA (8-bit Q, K and V^T tiles, raw V tiles when ``v_transpose``, the
+        output tiles of ``out_bytes`` per element, one slack KiB for barriers and alignment)."""
+        rows = self.consumers * WG_ROWS.value
+        ring = self.stages * self.block_n * head_dim
+        return rows * head_dim * (1 + out_bytes) + ring * (3 if self.v_transpose else 2) + SMEM_SLACK
+
+    def ctas_per_sm(self, head_dim: int, out_bytes: int = 2) -> int:
+        """CTAs resident per SM in a persistent grid: what both the register budget (``maxnreg`` for every thread
+        of the CTA's warpgroups) and shared memory (``shared_bytes``) allow. A persistent CTA never exits early,
+        so a grid of more CTAs than fit would leave the extra ones waiting for the others' last tile."""
         warps = WG_WARPS.value * self.consumers + self.producer_warps
         threads = -(-warps // WG_WARPS.value) * WG_WARPS.value * 32
-        return max(1, 65536 // (self.maxnreg * threads))
+        by_smem = SMEM_PER_SM // (self.shared_bytes(head_dim, out_bytes) + SMEM_PER_CTA_RESERVED)
+        return max(1, min(65536 // (self.maxnreg * threads), by_smem))
 
     @property
     def producer_warps(self) -> int:
@@ -589,6 +597,11 @@ class WsFwdConfig:
         return TRANSPOSER_REGS if self.v_transpose else PRODUCER_REGS.value
 
 
+#: shared memory of an sm90 SM, the driver's reservation per CTA, and what ``WsFwdConfig.shared_bytes`` adds for
+#: barriers and alignment
+SMEM_PER_SM = 233472
+SMEM_PER_CTA_RESERVED = 1024
+SMEM_SLACK = 1024
 #: ``maxnreg`` and consumer registers of three-consumer schedules: four warpgroups in 65536 registers
 THREE_CONSUMER_MAXNREG = 128
 THREE_CONSUMER_REGS = 160
@@ -688,7 +701,10 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=
             vb_desc = _descriptor(vt, D, block_b, channels_last=False)
     n_m = cdiv(Mq, cfg.consumers * WG_ROWS.value)
     n_total = n_m * B * Hq
-    grid = min(n_total, _sm_count(q.device) * cfg.ctas_per_sm) if cfg.persistent else n_total
+    if cfg.persistent:
+        grid = min(n_total, _sm_count(q.device) * cfg.ctas_per_sm(D, out.element_size()))
+    else:
+        grid = n_total
     producer_warps = WG_WARPS.value if v_transpose else 1
     producer_regs = TRANSPOSER_REGS if v_transpose else PRODUCER_REGS.value
     _attn_fwd_ws_kernel[(grid,)](
