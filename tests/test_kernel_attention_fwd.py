@@ -130,6 +130,7 @@ def test_transpose_v():
     vt, cu = transpose_v(v)
     assert vt.shape == (2, 2, 80, 48) and cu is None
     assert torch.equal(vt[..., :37].float(), v.permute(0, 2, 3, 1).float())
+    assert not vt[..., 37:].float().any()  # dense padding: zeros (16-byte stores whatever Mk is)
     cuk = torch.tensor([0, 5, 5, 22, 37], dtype=torch.int32, device=DEVICE)
     vt, cu = transpose_v(v[:1], cuk, 17)
     assert cu.tolist() == [0, 16, 16, 48, 64]

@@ -63,10 +63,11 @@ FP8_FORWARD_OUT_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
 
 def fp8_forward_args(q, k, v, q_descale, k_descale, v_descale, return_lse: bool, out, head_dims,
-                     out_dtype: torch.dtype = torch.bfloat16) -> Fp8ForwardArgs:
+                     out_dtype: torch.dtype = torch.bfloat16, int8_qk: bool = False) -> Fp8ForwardArgs:
     """Check the fp8 forward inputs of the Hopper launchers and allocate their outputs.
 
-    q (B, Mq, Hq, D), k / v (B, Mk, Hkv, D): ``float8_e4m3fn``, last dim contiguous, q / k strides multiples of
+    q (B, Mq, Hq, D), k / v (B, Mk, Hkv, D): ``float8_e4m3fn`` (``int8_qk``: q and k both ``int8`` or both fp8,
+    v fp8), last dim contiguous, q / k strides multiples of
     16 elements (TMA), D in ``head_dims``, Hq % Hkv == 0; descales as ``descale_args`` takes them; ``out`` None
     or an ``out_dtype`` (B, Mq, Hq, D) tensor with a contiguous last dim and 16-element-aligned strides;
     ``out_dtype`` one of ``FP8_FORWARD_OUT_DTYPES``. Empty problems (no query, no key) are finished here:
@@ -74,9 +75,12 @@ def fp8_forward_args(q, k, v, q_descale, k_descale, v_descale, return_lse: bool,
 
     Example: ``fp8_forward_args(q, k, v, None, None, None, True, None, (64, 128, 256)).lse.shape`` -> (B, Hq, Mq).
     """
+    qk_int8 = int8_qk and q.dtype == torch.int8
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dtype != torch.float8_e4m3fn:
-            raise TypeError(f"{name} has dtype {t.dtype}; supported: torch.float8_e4m3fn")
+        want = torch.int8 if qk_int8 and name != "v" else torch.float8_e4m3fn
+        if t.dtype != want:
+            allowed = "torch.float8_e4m3fn" + (" (q and k: both that or both torch.int8)" if int8_qk else "")
+            raise TypeError(f"{name} has dtype {t.dtype}; supported: {allowed}")
         if t.dim() != 4 or t.stride(-1) != 1:
             raise ValueError(f"{name} must be 4-D (B, M, H, D) with a contiguous last dim, got shape "
                              f"{tuple(t.shape)} strides {t.stride()}")

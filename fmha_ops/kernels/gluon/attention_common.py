@@ -1,6 +1,7 @@
 """Pieces shared by the Gluon fp8 attention forwards for Hopper (``attention_fwd.py``, ``attention_fwd_ws.py``):
-register and shared-memory layouts, the per-(batch, head) TMA descriptors, descales, the key-tile extent, the
-masked / unmasked softmax of one S tile, the epilogue, and the host-side argument list of both kernels.
+register and shared-memory layouts, descales, the key-tile extent, the masked / unmasked softmax of one S tile
+(int8 scores too), and, for the pipelined kernel, its per-(batch, head) device-side TMA descriptors, epilogue and
+host-side argument list (the warp-specialized kernel takes host descriptors of whole tensors instead).
 
 Conventions (both kernels): q (B, Mq, Hq, D), k and v (B, Mk, Hkv, D) fp8 e4m3fn with the last dim contiguous;
 V reaches the kernel either as V^T (B, Hkv, D, L) from ``transpose_v`` (keys contiguous: the K-major B operand
@@ -106,16 +107,31 @@ def unmasked_end(row0, Mq, Mk, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
 
 @gluon.jit
 def tile_softmax(s, m_i, l_i, qk_scale, start_n, full_end, seqlen_k, hi, offs_m,
-                 CAUSAL: gl.constexpr, P_SHIFT: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-    """``softmax_step`` on one S tile (raw scores), with the key/causal masks only on tiles at or past
-    ``full_end`` (partial or diagonal); returns (p fp32 scaled by 2**P_SHIFT, m, l, alpha)."""
+                 CAUSAL: gl.constexpr, P_SHIFT: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
+                 OFF: gl.constexpr = 0.0):
+    """``softmax_step`` on one S tile (raw scores, ``OFF`` added: ``int_scores``'s offset, else 0), with the
+    key/causal masks only on tiles at or past ``full_end`` (partial or diagonal); returns (p fp32 scaled by
+    2**P_SHIFT, m, l, alpha)."""
     if start_n >= full_end:
         cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         s = hide_keys(s, offs_m, cols, seqlen_k, 0, hi, False, CAUSAL)
-        p, m_i, l_i, alpha = softmax_step(s, None, m_i, l_i, qk_scale, 0.0, P_SHIFT, True)
+        p, m_i, l_i, alpha = softmax_step(s, None, m_i, l_i, qk_scale, OFF, P_SHIFT, True)
     else:
-        p, m_i, l_i, alpha = softmax_step(s, None, m_i, l_i, qk_scale, 0.0, P_SHIFT, False)
+        p, m_i, l_i, alpha = softmax_step(s, None, m_i, l_i, qk_scale, OFF, P_SHIFT, False)
     return p, m_i, l_i, alpha
+
+
+#: int32 scores plus 0x4B400000 (1.5 * 2**23), bitcast, are the float32 INT_OFF + s exactly for |s| < 2**22
+INT_BIAS = gl.constexpr(0x4B400000)
+INT_OFF = gl.constexpr(12582912.0)
+
+
+@gluon.jit
+def int_scores(s):
+    """int32 scores (int8 QK^T) as float32 ``INT_OFF + s``: one integer add per score instead of a conversion;
+    the softmax's scaling FMA removes the offset (``tile_softmax(..., OFF=INT_OFF)``). |s| <= 128 * 128 * 256
+    = 2**22 at D 256."""
+    return (s + INT_BIAS).to(gl.float32, bitcast=True)
 
 
 @gluon.jit
@@ -145,7 +161,7 @@ def store_output(acc, m_i, l_i, out_scale, o_smem, o_desc, row0, lse_ptr, offs_m
 
 
 def launch_args(q, k, v_arg, v_strides, v_len, out, lse, prep, scale):
-    """Positional arguments of both kernels after their tensor pointers' leading five (Q, K, V, Out, Lse), in
+    """Positional arguments of the pipelined kernel after its tensor pointers' leading five (Q, K, V, Out, Lse), in
     kernel order: descale pointers, ``scale * log2(e)``, ``v_len``, strides, descale strides, Mq, Mk, Hq, group.
 
     ``v_strides``: (batch, key, head) of v (``V_BMHK`` kernels) or (batch, head, channel) of V^T.
@@ -165,14 +181,14 @@ def launch_args(q, k, v_arg, v_strides, v_len, out, lse, prep, scale):
             Mq, Mk, Hq, Hq // Hkv)
 
 
-#: int32 scalar arguments of both kernels (their names in kernel order), for ahead-of-time compiles
+#: int32 scalar arguments of the pipelined kernel (their names in kernel order), for ahead-of-time compiles
 INT_ARGS = ("v_len", "stride_qb", "stride_qm", "stride_qh", "stride_kb", "stride_km", "stride_kh", "stride_vb",
             "stride_v1", "stride_v2", "stride_ob", "stride_om", "stride_oh", "stride_lb", "stride_lh",
             "qd_sb", "qd_sh", "kd_sb", "kd_sh", "vd_sb", "vd_sh", "Mq", "Mk", "Hq", "GROUP")
 
 
 def compile_for_sm90(kernel, constexprs: dict, num_warps: int, maxnreg: int | None = None, out_fp8: bool = False):
-    """Compile one of the Gluon fp8 forward kernels ahead of time for sm90 (no GPU needed); returns the
+    """Compile the pipelined Gluon fp8 forward kernel ahead of time for sm90 (no GPU needed); returns the
     CompiledKernel (asm: ttgir, ptx, cubin). ``constexprs`` maps the kernel's constexpr names to values;
     ``out_fp8``: an fp8 e4m3 output instead of bf16."""
     import triton

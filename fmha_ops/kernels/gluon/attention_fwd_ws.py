@@ -1,21 +1,29 @@
-"""Warp-specialized fp8 attention forward for Hopper (sm90) in Gluon: a TMA producer and one to three consumer
+"""Warp-specialized 8-bit attention forward for Hopper (sm90) in Gluon: a TMA producer and one to three consumer
 warpgroups that ping-pong their softmax against each other's wgmmas.
 
 Shapes, dtypes, layouts: those of ``kernels/gluon/attention_common.py`` (q, k, v (B, M, H, D) fp8 e4m3fn with the
 last dim contiguous, descales per tensor or per (batch, kv head), bf16 out or fp8 out in v's units, float32
-natural-log LSE (B, Hq, Mq), bottom-right causal, any Mq / Mk).
+natural-log LSE (B, Hq, Mq), bottom-right causal, any Mq / Mk); i8fp8: q and k int8 instead (QK^T on the s8
+wgmma, int32 accumulators; ``QK_INT8``, the same kernel body), v fp8.
 
-One CTA owns ``CONSUMERS * BLOCK_M`` query rows of one (batch, query head):
+A tile is ``CONSUMERS * WG_ROWS`` query rows of one (batch, query head); tiles are numbered with a head's row
+blocks consecutive (``_tile_coords``). CTA p runs tiles p, p + grid, ..: with a grid of one CTA per tile each runs
+one, with a persistent grid (``WsFwdConfig.persistent``: ``ctas_per_sm()`` CTAs per SM) each runs several and the
+rings, turns and Q buffers run on from one tile to the next. q, k, v (or V^T), out are read and written through
+host TMA descriptors of the whole 4-D tensors ([1, rows, 1, D] boxes; V^T [1, 1, D, keys]), so a CTA changes
+(batch, head) by its coordinates alone.
 
-* the producer partition loads each consumer's Q tile once, then streams K and V^T tiles through
-  ``STAGES``-deep shared-memory rings (TMA; ``*_ready`` mbarriers count the bytes, ``*_empty`` mbarriers take
-  one arrival per consumer, so every consumer reads every tile). V^T comes either from ``transpose_v`` (a
-  separate launch; the producer is one warp) or, with ``v_transpose``, from v itself: the producer is a
-  warpgroup that loads raw key x channel tiles and writes them transposed (and, with ``key_order``, with the keys
-  of each 16-key group in the S accumulator's order) into the V^T ring;
+* the producer partition loads each consumer's Q tile once that consumer released the previous one, then streams
+  K and V^T tiles through ``STAGES``-deep shared-memory rings (TMA; ``*_ready`` mbarriers count the bytes,
+  ``*_empty`` mbarriers take one arrival per consumer, so every consumer reads every tile). V^T comes either from
+  ``transpose_v`` (a separate launch; the producer is one warp) or, with ``v_transpose``, from v itself: the
+  producer is a warpgroup that loads raw key x channel tiles and writes them transposed (and, with ``key_order``,
+  with the keys of each 16-key group in the S accumulator's order) into the V^T ring;
 * each consumer partition (one warpgroup, BLOCK_M = 64 rows) runs, per key tile j: issue S_{j+1} = Q K_{j+1}^T
   and O += P_j V_j as async wgmmas, wait for S_{j+1} only, release its K slot, softmax(S_{j+1}) while P_j V_j
-  still runs, wait for it, release its V slot, rescale O (the intra-warpgroup overlap);
+  still runs, wait for it, release its V slot, rescale O (the intra-warpgroup overlap); it releases its Q tile
+  after the tile's last S, and stores O by TMA, waiting for that store only before it writes its output buffer
+  again (the next tile's epilogue);
 * with two or three consumers, "turn" mbarriers order the wgmma issue: consumer c issues its pair, then hands
   the turn to consumer c + 1 (round robin), so one warpgroup's softmax runs under the others' GEMMs (ping-pong).
 
@@ -38,22 +46,19 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ..attention_host import ensure_allocator, fp8_forward_args
-from ..softmax import p_shift
-from ..triton.launch import cdiv, launch
+from ..attention_host import fp8_forward_args
+from ..softmax import LOG2E, hide_keys, natural_lse, p_shift, row_inverse
+from ..triton.launch import cdiv
 from ..triton.transpose_v import transpose_v
 from .attention_common import (
     acc_layout,
-    compile_for_sm90,
     fp8_tile_layout,
+    INT_OFF,
     head_descales,
-    head_descriptors,
+    int_scores,
     key_tiles,
-    launch_args,
-    out_factor,
     out_tile_layout,
     p_operand_layout,
-    store_output,
     tile_softmax,
     unmasked_end,
 )
@@ -70,39 +75,61 @@ PRODUCER_REGS = gl.constexpr(24)
 V_CHUNK = gl.constexpr(64)
 
 
-@gluon.jit
-def _load_k(k_desc, k_smem, k_ready, k_empty, j, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-            STAGES: gl.constexpr):
-    """K tile ``j`` into its ring slot once every consumer freed it (a fresh mbarrier has completed the phase
-    before its first, so the first round passes at once)."""
-    slot = j % STAGES
-    mbarrier.wait(k_empty.index(slot), ((j // STAGES) & 1) ^ 1)
-    mbarrier.expect(k_ready.index(slot), BLOCK_N * HEAD_D)
-    tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+def _box_layout(rows, cols, dtype, channels_last):
+    """(shape, NVMMA layout) of the 4-D TMA box that one [rows, cols] shared tile is: [1, rows, 1, cols] of a
+    (B, M, H, D) tensor (``channels_last``) or [1, 1, rows, cols] of V^T (B, H, D, L). The host descriptor and
+    the kernel's view of the tile take the same layout (the 2-D tile's swizzle, leading unit dims added)."""
+    shape = [1, rows, 1, cols] if channels_last else [1, 1, rows, cols]
+    return shape, gl.NVMMASharedLayout.get_default_for(shape, dtype)
+
+
+box_layout = gluon.constexpr_function(_box_layout)
 
 
 @gluon.jit
-def _load_v_rows(v_desc, v_raw, raw_ready, j, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+def _box(tile, CHANNELS_LAST: gl.constexpr = True):
+    """A 2-D shared tile seen as the 4-D box of its host descriptor (``box_layout``): the same bytes."""
+    box: gl.constexpr = box_layout(tile.shape[0], tile.shape[1], tile.dtype, CHANNELS_LAST)
+    return tile._reinterpret(tile.dtype, box[0], box[1])
+
+
+@gluon.jit
+def _load_k(k_desc, kb_desc, k_smem, kb_smem, k_ready, k_empty, kv, b, hkv, n0, BLOCK_A: gl.constexpr,
+            BLOCK_B: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+    """Keys [n0, n0 + BLOCK_A + BLOCK_B) of (b, hkv) into ring slot ``kv % STAGES`` (the last ``BLOCK_B`` into
+    ``kb_smem``) once every consumer freed it (a fresh mbarrier has completed the phase before its first, so the
+    first round passes at once)."""
+    slot = kv % STAGES
+    mbarrier.wait(k_empty.index(slot), ((kv // STAGES) & 1) ^ 1)
+    mbarrier.expect(k_ready.index(slot), (BLOCK_A + BLOCK_B) * HEAD_D)
+    tma.async_copy_global_to_shared(k_desc, [b, n0, hkv, 0], k_ready.index(slot), _box(k_smem.index(slot)))
+    if BLOCK_B > 0:
+        tma.async_copy_global_to_shared(kb_desc, [b, n0 + BLOCK_A, hkv, 0], k_ready.index(slot),
+                                        _box(kb_smem.index(slot)))
+
+
+@gluon.jit
+def _load_v_rows(v_desc, v_raw, raw_ready, kv, b, hkv, n0, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                  STAGES: gl.constexpr):
-    """Keys [j * BLOCK_N, +BLOCK_N) of v (as stored: keys x channels) into raw slot ``j % STAGES``, in
+    """Keys [n0, n0 + BLOCK_N) of v (as stored: keys x channels) into raw slot ``kv % STAGES``, in
     ``V_CHUNK``-channel boxes."""
-    slot = j % STAGES
+    slot = kv % STAGES
     mbarrier.expect(raw_ready.index(slot), BLOCK_N * HEAD_D)
     for c in gl.static_range(HEAD_D // V_CHUNK):
-        tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, c * V_CHUNK], raw_ready.index(slot),
-                                        v_raw.index(slot * (HEAD_D // V_CHUNK) + c))
+        tma.async_copy_global_to_shared(v_desc, [b, n0, hkv, c * V_CHUNK], raw_ready.index(slot),
+                                        _box(v_raw.index(slot * (HEAD_D // V_CHUNK) + c)))
 
 
 @gluon.jit
-def _transpose_v_tile(v_raw, v_smem, raw_ready, v_ready, v_empty, j, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+def _transpose_v_tile(v_raw, v_smem, raw_ready, v_ready, v_empty, kv, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                       STAGES: gl.constexpr, KEY_ORDER: gl.constexpr, num_warps: gl.constexpr):
-    """V tile ``j`` from its raw slot (keys x channels) into V^T slot ``j % STAGES`` (channels x keys, the
-    K-major B operand of the fp8 PV wgmma), through registers, once every consumer freed that slot.
+    """V tile from raw slot ``kv % STAGES`` (keys x channels) into V^T slot ``kv % STAGES`` (channels x keys,
+    the K-major B operand of the fp8 PV wgmma), through registers, once every consumer freed that slot.
 
     ``KEY_ORDER``: within each 16-key group key 8 g + 2 c + e goes to column 4 c + 2 g + e (the order of
     ``transpose_v(key_order=True)``); each thread holds 16 whole keys, so the reorder stays in its registers."""
-    slot = j % STAGES
-    phase = (j // STAGES) & 1
+    slot = kv % STAGES
+    phase = (kv // STAGES) & 1
     # each thread moves 16 keys x 4 channels: 4-byte rows in, 16-byte key runs out
     raw_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[16, 4], threads_per_warp=[2, 16],
                                                 warps_per_cta=[num_warps, 1], order=[0, 1])
@@ -120,32 +147,69 @@ def _transpose_v_tile(v_raw, v_smem, raw_ready, v_ready, v_empty, j, BLOCK_N: gl
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, v_raw, q_bars, k_ready, v_ready, k_empty, v_empty,
-              raw_ready, m0, n_tiles, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-              CONSUMERS: gl.constexpr, V_TRANSPOSE: gl.constexpr, KEY_ORDER: gl.constexpr):
-    """Q tiles once, then K_j, V_j for every key tile, each into its ring slot once all consumers freed it.
+def _tile_coords(t, n_m, Hq, GROUP, CAUSAL: gl.constexpr):
+    """(b, hq, hkv, m-block) of tile ``t``: the m-blocks of one (batch, head) are consecutive tiles (CTAs working
+    at once share K / V through L2); under causal masking the longest rows come first."""
+    bh = t // n_m
+    pid_m = t % n_m
+    if CAUSAL:
+        pid_m = n_m - 1 - pid_m
+    hq = bh % Hq
+    return bh // Hq, hq, hq // GROUP, pid_m
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, kb_desc, v_desc, vb_desc, q_smem, k_smem, kb_smem, v_smem, vb_smem, v_raw, q_bars,
+              q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready, n_m, n_total, Mq, Mk, Hq, GROUP,
+              BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+              CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, V_TRANSPOSE: gl.constexpr, KEY_ORDER: gl.constexpr):
+    """For each tile of this CTA: its Q tiles once the consumers are done with the previous ones, then K_j, V_j
+    for every key tile, each into its ring slot once all consumers freed it (``kv`` counts key tiles over the
+    CTA's tiles: the rings run on across tiles, so the next tile's loads overlap this one's last GEMMs).
 
     ``V_TRANSPOSE``: v arrives as stored (keys x channels) and this partition (a warpgroup) transposes each tile
-    in shared memory, loading tile j + 1 before it transposes tile j; otherwise V^T tiles arrive by TMA."""
-    for c in gl.static_range(CONSUMERS):
-        mbarrier.expect(q_bars.index(c), WG_ROWS * HEAD_D)
-        tma.async_copy_global_to_shared(q_desc, [m0 + c * WG_ROWS, 0], q_bars.index(c), q_smem.index(c))
-    if V_TRANSPOSE:
-        _load_k(k_desc, k_smem, k_ready, k_empty, 0, BLOCK_N, HEAD_D, STAGES)
-        _load_v_rows(v_desc, v_raw, raw_ready, 0, BLOCK_N, HEAD_D, STAGES)
-        for j in range(n_tiles):
-            if j + 1 < n_tiles:
-                _load_k(k_desc, k_smem, k_ready, k_empty, j + 1, BLOCK_N, HEAD_D, STAGES)
-                _load_v_rows(v_desc, v_raw, raw_ready, j + 1, BLOCK_N, HEAD_D, STAGES)
-            _transpose_v_tile(v_raw, v_smem, raw_ready, v_ready, v_empty, j, BLOCK_N, HEAD_D, STAGES, KEY_ORDER,
-                              gl.num_warps())
-    else:
-        for j in range(n_tiles):
-            _load_k(k_desc, k_smem, k_ready, k_empty, j, BLOCK_N, HEAD_D, STAGES)
-            slot = j % STAGES
-            mbarrier.wait(v_empty.index(slot), ((j // STAGES) & 1) ^ 1)
-            mbarrier.expect(v_ready.index(slot), BLOCK_N * HEAD_D)
-            tma.async_copy_global_to_shared(v_desc, [0, j * BLOCK_N], v_ready.index(slot), v_smem.index(slot))
+    in shared memory, loading tile j + 1 before it transposes tile j; otherwise V^T tiles arrive by TMA.
+    ``BLOCK_B`` > 0 (a key tile in two parts, not with ``V_TRANSPOSE``): the last ``BLOCK_B`` keys of each K and
+    V^T tile go to ``kb_smem`` / ``vb_smem`` through their own descriptors, under the same barriers."""
+    BLOCK_M: gl.constexpr = CONSUMERS * WG_ROWS
+    BLOCK_A: gl.constexpr = BLOCK_N - BLOCK_B
+    kv = 0
+    i = 0
+    for t in range(gl.program_id(0), n_total, gl.num_programs(0)):
+        b, hq, hkv, pid_m = _tile_coords(t, n_m, Hq, GROUP, CAUSAL)
+        m0 = pid_m * BLOCK_M
+        n_tiles = key_tiles(m0, BLOCK_M, Mq, Mk, BLOCK_N, CAUSAL)
+        for c in gl.static_range(CONSUMERS):
+            mbarrier.wait(q_empty.index(c), (i & 1) ^ 1)
+            mbarrier.expect(q_bars.index(c), WG_ROWS * HEAD_D)
+            tma.async_copy_global_to_shared(q_desc, [b, m0 + c * WG_ROWS, hq, 0], q_bars.index(c),
+                                            _box(q_smem.index(c)))
+        if V_TRANSPOSE:
+            _load_k(k_desc, kb_desc, k_smem, kb_smem, k_ready, k_empty, kv, b, hkv, 0, BLOCK_A, BLOCK_B, HEAD_D,
+                    STAGES)
+            _load_v_rows(v_desc, v_raw, raw_ready, kv, b, hkv, 0, BLOCK_N, HEAD_D, STAGES)
+            for j in range(n_tiles):
+                if j + 1 < n_tiles:
+                    _load_k(k_desc, kb_desc, k_smem, kb_smem, k_ready, k_empty, kv + j + 1, b, hkv,
+                            (j + 1) * BLOCK_N, BLOCK_A, BLOCK_B, HEAD_D, STAGES)
+                    _load_v_rows(v_desc, v_raw, raw_ready, kv + j + 1, b, hkv, (j + 1) * BLOCK_N, BLOCK_N, HEAD_D,
+                                 STAGES)
+                _transpose_v_tile(v_raw, v_smem, raw_ready, v_ready, v_empty, kv + j, BLOCK_N, HEAD_D, STAGES,
+                                  KEY_ORDER, gl.num_warps())
+        else:
+            for j in range(n_tiles):
+                _load_k(k_desc, kb_desc, k_smem, kb_smem, k_ready, k_empty, kv + j, b, hkv, j * BLOCK_N, BLOCK_A,
+                        BLOCK_B, HEAD_D, STAGES)
+                slot = (kv + j) % STAGES
+                mbarrier.wait(v_empty.index(slot), (((kv + j) // STAGES) & 1) ^ 1)
+                mbarrier.expect(v_ready.index(slot), BLOCK_N * HEAD_D)
+                tma.async_copy_global_to_shared(v_desc, [b, hkv, 0, j * BLOCK_N], v_ready.index(slot),
+                                                _box(v_smem.index(slot), False))
+                if BLOCK_B > 0:
+                    tma.async_copy_global_to_shared(vb_desc, [b, hkv, 0, j * BLOCK_N + BLOCK_A], v_ready.index(slot),
+                                                    _box(vb_smem.index(slot), False))
+        kv += n_tiles
+        i += 1
 
 
 @gluon.jit
@@ -177,12 +241,45 @@ def _pv_operand(p, p_layout: gl.constexpr, BLOCK_N: gl.constexpr, KEY_ORDER: gl.
 
 
 @gluon.jit
-def _consumer(C: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, v_ready, k_empty, v_empty,
-              turn_bars, o_desc, lse_ptr, qk_scale, out_scale, m0, n_tiles, Mq, Mk,
-              HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-              CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr):
-    """Rows ``m0 + C * WG_ROWS ..`` of the output: the online softmax over all ``n_tiles`` key tiles."""
-    s_layout: gl.constexpr = acc_layout(WG_WARPS, BLOCK_N)
+def _split_tile_softmax(s_a, s_b, m_i, l_i, qk_scale, start_n, full_end, seqlen_k, hi, offs_m,
+                        CAUSAL: gl.constexpr, P_SHIFT: gl.constexpr, BLOCK_A: gl.constexpr, BLOCK_B: gl.constexpr,
+                        OFF: gl.constexpr):
+    """``tile_softmax`` of one S tile held in two accumulators, keys [start_n, + BLOCK_A) in ``s_a`` ([64,
+    BLOCK_A]) and the next ``BLOCK_B`` in ``s_b``: one row max and one row sum over both, the same arithmetic
+    as ``softmax_step`` (one FMA and one exp2 per score). Returns (p_a, p_b, m, l, alpha)."""
+    a_layout: gl.constexpr = acc_layout(WG_WARPS, BLOCK_A)
+    b_layout: gl.constexpr = acc_layout(WG_WARPS, BLOCK_B)
+    a_row: gl.constexpr = gl.SliceLayout(1, a_layout)
+    b_row: gl.constexpr = gl.SliceLayout(1, b_layout)
+    if start_n >= full_end:
+        cols_a = start_n + gl.arange(0, BLOCK_A, layout=gl.SliceLayout(0, a_layout))
+        s_a = hide_keys(s_a, offs_m, cols_a, seqlen_k, 0, hi, False, CAUSAL)
+        cols_b = start_n + BLOCK_A + gl.arange(0, BLOCK_B, layout=gl.SliceLayout(0, b_layout))
+        s_b = hide_keys(s_b, gl.convert_layout(offs_m, b_row), cols_b, seqlen_k, 0, hi, False, CAUSAL)
+    row_max = gl.maximum(gl.max(s_a, 1), gl.convert_layout(gl.max(s_b, 1), a_row))
+    m_new = gl.maximum(m_i, (row_max - OFF) * qk_scale)
+    m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet: avoid inf - inf
+    bias = m_sub + (OFF * qk_scale - P_SHIFT)
+    p_a = gl.exp2(s_a * qk_scale - gl.expand_dims(bias, 1))
+    p_b = gl.exp2(s_b * qk_scale - gl.expand_dims(gl.convert_layout(bias, b_row), 1))
+    alpha = gl.exp2(m_i - m_sub)
+    l_i = l_i * alpha + gl.sum(p_a, 1) + gl.convert_layout(gl.sum(p_b, 1), a_row)
+    return p_a, p_b, m_new, l_i, alpha
+
+
+@gluon.jit
+def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_bars, q_empty, k_ready, v_ready,
+                   k_empty, v_empty, turn_bars, qk_scale, m0, n_tiles, kv, turn, i, Mq, Mk,
+                   HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr, STAGES: gl.constexpr,
+                   CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr,
+                   QK_INT8: gl.constexpr):
+    """The online softmax of rows ``m0 + C * WG_ROWS ..`` over their ``n_tiles`` key tiles, the ``i``-th tile of
+    this CTA; ``kv`` and ``turn`` are the ring position and the turn count it starts at. ``QK_INT8``: int8 q / k,
+    S accumulated in int32 (s8 wgmma) and read as ``int_scores``. ``BLOCK_B`` > 0: each key tile is two parts,
+    ``BLOCK_N - BLOCK_B`` keys then ``BLOCK_B`` (tiles of 192 keys as 128 + 64: Gluon tensors are powers of
+    two), two S wgmmas and two P V wgmmas per tile, one softmax over both. Returns (acc, m, l, offs_m)."""
+    BLOCK_A: gl.constexpr = BLOCK_N - BLOCK_B
+    s_layout: gl.constexpr = acc_layout(WG_WARPS, BLOCK_A)
     o_layout: gl.constexpr = acc_layout(WG_WARPS, HEAD_D)
     p_layout: gl.constexpr = p_operand_layout(WG_WARPS, HEAD_D)
     s_row: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -194,96 +291,170 @@ def _consumer(C: gl.constexpr, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, 
     offs_m = row0 + gl.arange(0, WG_ROWS, layout=s_row)
     m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, layout=s_row)
     l_i = gl.zeros([WG_ROWS], gl.float32, layout=s_row)
-    s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    s_dtype: gl.constexpr = gl.int32 if QK_INT8 else gl.float32
+    s_zero = gl.zeros([WG_ROWS, BLOCK_A], s_dtype, layout=s_layout)
+    if BLOCK_B > 0:
+        sb_zero = gl.zeros([WG_ROWS, BLOCK_B], s_dtype, layout=acc_layout(WG_WARPS, BLOCK_B))
+    OFF: gl.constexpr = INT_OFF if QK_INT8 else 0.0
     acc = gl.zeros([WG_ROWS, HEAD_D], gl.float32, layout=o_layout)
     q_tile = q_smem.index(C)
 
     # S_0 alone (nothing to overlap with yet)
-    mbarrier.wait(q_bars.index(C), 0)
-    mbarrier.wait(k_ready.index(0), 0)
-    _take_turn(turn_bars, 0, C, CONSUMERS)
-    s_tok = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    ks = kv % STAGES
+    mbarrier.wait(q_bars.index(C), i & 1)
+    mbarrier.wait(k_ready.index(ks), (kv // STAGES) & 1)
+    _take_turn(turn_bars, turn, C, CONSUMERS)
+    s_tok = warpgroup_mma(q_tile, k_smem.index(ks).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if BLOCK_B > 0:
+        sb_tok = warpgroup_mma(q_tile, kb_smem.index(ks).permute((1, 0)), sb_zero, use_acc=False, is_async=True)
     _pass_turn(turn_bars, C, CONSUMERS)
-    s = warpgroup_mma_wait(0, deps=(s_tok, ))
-    mbarrier.arrive(k_empty.index(0), count=1)
-    p, m_i, l_i, alpha = tile_softmax(s, m_i, l_i, qk_scale, 0, full_end, Mk, diag, offs_m, CAUSAL, P_SHIFT,
-                                      BLOCK_N, s_layout)
+    if BLOCK_B > 0:
+        s, s_b = warpgroup_mma_wait(0, deps=(s_tok, sb_tok))
+    else:
+        s = warpgroup_mma_wait(0, deps=(s_tok, ))
+    mbarrier.arrive(k_empty.index(ks), count=1)
+    if QK_INT8:
+        s = int_scores(s)
+        if BLOCK_B > 0:
+            s_b = int_scores(s_b)
+    if BLOCK_B > 0:
+        p, p_b, m_i, l_i, alpha = _split_tile_softmax(s, s_b, m_i, l_i, qk_scale, 0, full_end, Mk, diag, offs_m,
+                                                      CAUSAL, P_SHIFT, BLOCK_A, BLOCK_B, OFF)
+    else:
+        p, m_i, l_i, alpha = tile_softmax(s, m_i, l_i, qk_scale, 0, full_end, Mk, diag, offs_m, CAUSAL, P_SHIFT,
+                                          BLOCK_N, s_layout, OFF)
 
     for j in range(n_tiles - 1):
-        p8 = _pv_operand(p, p_layout, BLOCK_N, KEY_ORDER)
-        ks = (j + 1) % STAGES
-        vs = j % STAGES
-        mbarrier.wait(k_ready.index(ks), ((j + 1) // STAGES) & 1)
-        mbarrier.wait(v_ready.index(vs), (j // STAGES) & 1)
-        _take_turn(turn_bars, j + 1, C, CONSUMERS)
+        p8 = _pv_operand(p, p_layout, BLOCK_A, KEY_ORDER)
+        if BLOCK_B > 0:
+            p8_b = _pv_operand(p_b, p_layout, BLOCK_B, KEY_ORDER)
+        ks = (kv + j + 1) % STAGES
+        vs = (kv + j) % STAGES
+        mbarrier.wait(k_ready.index(ks), ((kv + j + 1) // STAGES) & 1)
+        mbarrier.wait(v_ready.index(vs), ((kv + j) // STAGES) & 1)
+        _take_turn(turn_bars, turn + j + 1, C, CONSUMERS)
         s_tok = warpgroup_mma(q_tile, k_smem.index(ks).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if BLOCK_B > 0:
+            sb_tok = warpgroup_mma(q_tile, kb_smem.index(ks).permute((1, 0)), sb_zero, use_acc=False,
+                                   is_async=True)
         o_tok = warpgroup_mma(p8, v_smem.index(vs).permute((1, 0)), acc, is_async=True)
+        if BLOCK_B > 0:
+            o_tok = warpgroup_mma(p8_b, vb_smem.index(vs).permute((1, 0)), o_tok, is_async=True)
         _pass_turn(turn_bars, C, CONSUMERS)
-        s = warpgroup_mma_wait(1, deps=(s_tok, ))
+        if BLOCK_B > 0:  # the two S parts done, the two P V parts may still run
+            s, s_b = warpgroup_mma_wait(2, deps=(s_tok, sb_tok))
+        else:
+            s = warpgroup_mma_wait(1, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(ks), count=1)
-        p, m_i, l_i, alpha = tile_softmax(s, m_i, l_i, qk_scale, (j + 1) * BLOCK_N, full_end, Mk, diag, offs_m,
-                                          CAUSAL, P_SHIFT, BLOCK_N, s_layout)
+        if QK_INT8:
+            s = int_scores(s)
+            if BLOCK_B > 0:
+                s_b = int_scores(s_b)
+        if BLOCK_B > 0:
+            p, p_b, m_i, l_i, alpha = _split_tile_softmax(s, s_b, m_i, l_i, qk_scale, (j + 1) * BLOCK_N, full_end,
+                                                          Mk, diag, offs_m, CAUSAL, P_SHIFT, BLOCK_A, BLOCK_B, OFF)
+        else:
+            p, m_i, l_i, alpha = tile_softmax(s, m_i, l_i, qk_scale, (j + 1) * BLOCK_N, full_end, Mk, diag,
+                                              offs_m, CAUSAL, P_SHIFT, BLOCK_N, s_layout, OFF)
         acc = warpgroup_mma_wait(0, deps=(o_tok, ))
         mbarrier.arrive(v_empty.index(vs), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row), 1)
+    # every S of this tile is done: the producer may load the next tile's Q while the last P V and the epilogue run
+    mbarrier.arrive(q_empty.index(C), count=1)
 
-    last = n_tiles - 1
+    last = kv + n_tiles - 1
     vs = last % STAGES
-    p8 = _pv_operand(p, p_layout, BLOCK_N, KEY_ORDER)
+    p8 = _pv_operand(p, p_layout, BLOCK_A, KEY_ORDER)
+    if BLOCK_B > 0:
+        p8_b = _pv_operand(p_b, p_layout, BLOCK_B, KEY_ORDER)
     mbarrier.wait(v_ready.index(vs), (last // STAGES) & 1)
-    _take_turn(turn_bars, n_tiles, C, CONSUMERS)
+    _take_turn(turn_bars, turn + n_tiles, C, CONSUMERS)
     o_tok = warpgroup_mma(p8, v_smem.index(vs).permute((1, 0)), acc, is_async=True)
+    if BLOCK_B > 0:
+        o_tok = warpgroup_mma(p8_b, vb_smem.index(vs).permute((1, 0)), o_tok, is_async=True)
     _pass_turn(turn_bars, C, CONSUMERS)
     acc = warpgroup_mma_wait(0, deps=(o_tok, ))
     mbarrier.arrive(v_empty.index(vs), count=1)
+    return acc, m_i, l_i, offs_m
 
-    store_output(acc, m_i, l_i, out_scale, o_smem.index(C), o_desc, row0, lse_ptr, offs_m, Mq, WRITE_LSE, P_SHIFT,
-                 o_layout)
+
+@gluon.jit
+def _consumer(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, o_smem, q_bars, q_empty, k_ready, v_ready,
+              k_empty, v_empty, turn_bars, o_desc, Lse, QD, KD, VD, sm_scale_log2, stride_lb, stride_lh,
+              qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh, n_m, n_total, Mq, Mk, Hq, GROUP,
+              HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr, STAGES: gl.constexpr,
+              CONSUMERS: gl.constexpr,
+              CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr,
+              OUT_FP8: gl.constexpr, QK_INT8: gl.constexpr):
+    """Consumer ``C`` over this CTA's tiles: the rows ``C * WG_ROWS ..`` of each, their output through ``o_smem``
+    and a TMA store that runs on while the next tile starts (waited for before ``o_smem`` is written again)."""
+    BLOCK_M: gl.constexpr = CONSUMERS * WG_ROWS
+    o_layout: gl.constexpr = acc_layout(WG_WARPS, HEAD_D)
+    o_tile = o_smem.index(C)
+    kv = 0
+    turn = 0
+    i = 0
+    for t in range(gl.program_id(0), n_total, gl.num_programs(0)):
+        b, hq, hkv, pid_m = _tile_coords(t, n_m, Hq, GROUP, CAUSAL)
+        m0 = pid_m * BLOCK_M
+        n_tiles = key_tiles(m0, BLOCK_M, Mq, Mk, BLOCK_N, CAUSAL)
+        qk_scale, vd = head_descales(QD, KD, VD, b, hkv, qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh, sm_scale_log2)
+        if OUT_FP8:  # an fp8 output stays in v's units (attention = out * v_descale)
+            vd = vd * 0.0 + 1.0
+        acc, m_i, l_i, offs_m = _consumer_tile(C, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_bars, q_empty,
+                                               k_ready, v_ready, k_empty, v_empty, turn_bars, qk_scale, m0, n_tiles,
+                                               kv, turn, i, Mq, Mk, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS,
+                                               CAUSAL, P_SHIFT, KEY_ORDER, QK_INT8)
+        inv = gl.convert_layout(row_inverse(l_i) * vd, gl.SliceLayout(1, o_layout))
+        tma.store_wait(pendings=0)  # the previous tile's store has read o_tile
+        gl.thread_barrier()
+        o_tile.store((acc * gl.expand_dims(inv, 1)).to(o_tile.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(o_desc, [b, m0 + C * WG_ROWS, hq, 0], _box(o_tile))
+        if WRITE_LSE:
+            lse_ptr = Lse + b.to(gl.int64) * stride_lb + hq.to(gl.int64) * stride_lh
+            gl.store(lse_ptr + offs_m, natural_lse(m_i, l_i, P_SHIFT), mask=offs_m < Mq)
+        kv += n_tiles
+        turn += n_tiles + 1
+        i += 1
+    tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def _attn_fwd_ws_kernel(
-    Q, K, V, Out, Lse, QD, KD, VD, sm_scale_log2, v_len,
-    stride_qb, stride_qm, stride_qh,
-    stride_kb, stride_km, stride_kh,
-    stride_vb, stride_v1, stride_v2,
-    stride_ob, stride_om, stride_oh,
-    stride_lb, stride_lh,
-    qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh,
-    Mq, Mk, Hq, GROUP,
-    HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CAUSAL: gl.constexpr,
-    WRITE_LSE: gl.constexpr, P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr, V_TRANSPOSE: gl.constexpr,
+    q_desc, k_desc, kb_desc, v_desc, vb_desc, o_desc, Lse, QD, KD, VD, sm_scale_log2,
+    stride_lb, stride_lh, qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh,
+    n_m, n_total, Mq, Mk, Hq, GROUP,
+    HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr, STAGES: gl.constexpr,
+    CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr,
+    V_TRANSPOSE: gl.constexpr, OUT_FP8: gl.constexpr, PERSISTENT: gl.constexpr, QK_INT8: gl.constexpr,
 ):
-    BLOCK_M: gl.constexpr = CONSUMERS * WG_ROWS
-    pid_m = gl.program_id(0)
-    if CAUSAL:  # longest rows first
-        pid_m = gl.num_programs(0) - 1 - pid_m
-    bh = gl.program_id(1)
-    b = bh // Hq
-    hq = bh % Hq
-    hkv = hq // GROUP
-    m0 = pid_m * BLOCK_M
-    b64 = b.to(gl.int64)
-    n_tiles = key_tiles(m0, BLOCK_M, Mq, Mk, BLOCK_N, CAUSAL)
-    # V^T in key order has its padding written (zeros) and keys moved within their 32-key group, so all v_len
-    # columns are read; otherwise v_len is Mk so the unwritten padding reads as zeros
-    q_desc, k_desc, v_desc, o_desc = head_descriptors(
-        Q, K, V, Out, b64, hq, hkv, stride_qb, stride_qm, stride_qh, stride_kb, stride_km, stride_kh,
-        stride_vb, stride_v1, stride_v2, stride_ob, stride_om, stride_oh, Mq, Mk, v_len,
-        WG_ROWS, BLOCK_N, HEAD_D, BLOCK_N, V_CHUNK, V_TRANSPOSE)
-
-    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [CONSUMERS, WG_ROWS, HEAD_D], fp8_tile_layout(WG_ROWS, HEAD_D))
-    k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, HEAD_D], fp8_tile_layout(BLOCK_N, HEAD_D))
-    v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_D, BLOCK_N], fp8_tile_layout(HEAD_D, BLOCK_N))
-    o_dtype: gl.constexpr = Out.dtype.element_ty
+    """Tiles ``program_id(0)``, + ``num_programs(0)``, .. of the ``n_total`` (batch, head, ``CONSUMERS * WG_ROWS``-row
+    block) tiles (``_tile_coords``): one per CTA with a grid of ``n_total``, several with a persistent grid.
+    ``BLOCK_B`` > 0: key tiles of ``BLOCK_N`` keys in two parts (``_consumer_tile``), the second read through
+    ``kb_desc`` / ``vb_desc``; otherwise those are unused copies of ``k_desc`` / ``v_desc``."""
+    BLOCK_A: gl.constexpr = BLOCK_N - BLOCK_B
+    qk_dtype: gl.constexpr = gl.int8 if QK_INT8 else gl.float8e4nv  # (8-bit tiles share the fp8 tiles' swizzle)
+    q_smem = gl.allocate_shared_memory(qk_dtype, [CONSUMERS, WG_ROWS, HEAD_D], fp8_tile_layout(WG_ROWS, HEAD_D))
+    k_smem = gl.allocate_shared_memory(qk_dtype, [STAGES, BLOCK_A, HEAD_D], fp8_tile_layout(BLOCK_A, HEAD_D))
+    v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_D, BLOCK_A], fp8_tile_layout(HEAD_D, BLOCK_A))
+    if BLOCK_B > 0:
+        kb_smem = gl.allocate_shared_memory(qk_dtype, [STAGES, BLOCK_B, HEAD_D], fp8_tile_layout(BLOCK_B, HEAD_D))
+        vb_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_D, BLOCK_B],
+                                            fp8_tile_layout(HEAD_D, BLOCK_B))
+    else:
+        kb_smem = k_smem
+        vb_smem = v_smem
+    o_dtype: gl.constexpr = gl.float8e4nv if OUT_FP8 else gl.bfloat16
     o_layout: gl.constexpr = out_tile_layout(WG_ROWS, HEAD_D, o_dtype)
     if V_TRANSPOSE:  # raw v tiles (keys x channels) in V_CHUNK-channel boxes
         v_raw = gl.allocate_shared_memory(gl.float8e4nv, [STAGES * (HEAD_D // V_CHUNK), BLOCK_N, V_CHUNK],
                                           fp8_tile_layout(BLOCK_N, V_CHUNK))
-        # the output tiles reuse the raw ring where it is large enough: a consumer stores its tile after its last
-        # PV wgmma, which waited for the last V^T tile, so every raw load and read is over by then
-        if STAGES * BLOCK_N >= CONSUMERS * WG_ROWS * o_dtype.primitive_bitwidth // 8:
+        # one tile per CTA: the output tiles reuse the raw ring where it is large enough (a consumer stores its
+        # tile after its last PV wgmma, which waited for the last V^T tile, so every raw load and read is over)
+        if not PERSISTENT and STAGES * BLOCK_A >= CONSUMERS * WG_ROWS * o_dtype.primitive_bitwidth // 8:
             o_smem = v_raw._reinterpret(o_dtype, [CONSUMERS, WG_ROWS, HEAD_D], o_layout)
         else:
             o_smem = gl.allocate_shared_memory(o_dtype, [CONSUMERS, WG_ROWS, HEAD_D], o_layout)
@@ -291,6 +462,7 @@ def _attn_fwd_ws_kernel(
         v_raw = v_smem
         o_smem = gl.allocate_shared_memory(o_dtype, [CONSUMERS, WG_ROWS, HEAD_D], o_layout)
     q_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -299,64 +471,69 @@ def _attn_fwd_ws_kernel(
     turn_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(CONSUMERS):
         mbarrier.init(q_bars.index(c), count=1)
+        mbarrier.init(q_empty.index(c), count=1)
+        mbarrier.init(turn_bars.index(c), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=CONSUMERS)
         mbarrier.init(v_empty.index(i), count=CONSUMERS)
         mbarrier.init(raw_ready.index(i), count=1)
-    for c in gl.static_range(CONSUMERS):
-        mbarrier.init(turn_bars.index(c), count=1)
-
-    qk_scale, vd = head_descales(QD, KD, VD, b, hkv, qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh, sm_scale_log2)
-    vd = out_factor(vd, Out)
-    lse_ptr = Lse + b64 * stride_lb + hq.to(gl.int64) * stride_lh
 
     # constexprs travel as arguments of each partition function (a tuple built here would make them tensors)
     if CONSUMERS == 3:
         gl.warp_specialize([
-            (_consumer, (0, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                         o_desc, lse_ptr, qk_scale, vd, m0, n_tiles, Mq, Mk, HEAD_D, BLOCK_N, STAGES, CONSUMERS,
-                         CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER)),
-            (_consumer, (1, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                         o_desc, lse_ptr, qk_scale, vd, m0, n_tiles, Mq, Mk, HEAD_D, BLOCK_N, STAGES, CONSUMERS,
-                         CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER)),
-            (_consumer, (2, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                         o_desc, lse_ptr, qk_scale, vd, m0, n_tiles, Mq, Mk, HEAD_D, BLOCK_N, STAGES, CONSUMERS,
-                         CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, v_raw, q_bars, k_ready, v_ready, k_empty,
-                         v_empty, raw_ready, m0, n_tiles, BLOCK_N, HEAD_D, STAGES, CONSUMERS, V_TRANSPOSE, KEY_ORDER)),
+            (_consumer, (0, q_smem, k_smem, kb_smem, v_smem, vb_smem, o_smem, q_bars, q_empty, k_ready, v_ready,
+                         k_empty, v_empty, turn_bars, o_desc, Lse, QD, KD, VD, sm_scale_log2, stride_lb, stride_lh,
+                         qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh, n_m, n_total, Mq, Mk, Hq, GROUP, HEAD_D, BLOCK_N,
+                         BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8)),
+            (_consumer, (1, q_smem, k_smem, kb_smem, v_smem, vb_smem, o_smem, q_bars, q_empty, k_ready, v_ready,
+                         k_empty, v_empty, turn_bars, o_desc, Lse, QD, KD, VD, sm_scale_log2, stride_lb, stride_lh,
+                         qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh, n_m, n_total, Mq, Mk, Hq, GROUP, HEAD_D, BLOCK_N,
+                         BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8)),
+            (_consumer, (2, q_smem, k_smem, kb_smem, v_smem, vb_smem, o_smem, q_bars, q_empty, k_ready, v_ready,
+                         k_empty, v_empty, turn_bars, o_desc, Lse, QD, KD, VD, sm_scale_log2, stride_lb, stride_lh,
+                         qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh, n_m, n_total, Mq, Mk, Hq, GROUP, HEAD_D, BLOCK_N,
+                         BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8)),
+            (_producer, (q_desc, k_desc, kb_desc, v_desc, vb_desc, q_smem, k_smem, kb_smem, v_smem, vb_smem, v_raw,
+                         q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready, n_m, n_total, Mq, Mk, Hq,
+                         GROUP, BLOCK_N, BLOCK_B, HEAD_D, STAGES, CONSUMERS, CAUSAL, V_TRANSPOSE, KEY_ORDER)),
         ], [WG_WARPS, WG_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     elif CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (0, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                         o_desc, lse_ptr, qk_scale, vd, m0, n_tiles, Mq, Mk, HEAD_D, BLOCK_N, STAGES, CONSUMERS,
-                         CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER)),
-            (_consumer, (1, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                         o_desc, lse_ptr, qk_scale, vd, m0, n_tiles, Mq, Mk, HEAD_D, BLOCK_N, STAGES, CONSUMERS,
-                         CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, v_raw, q_bars, k_ready, v_ready, k_empty,
-                         v_empty, raw_ready, m0, n_tiles, BLOCK_N, HEAD_D, STAGES, CONSUMERS, V_TRANSPOSE, KEY_ORDER)),
+            (_consumer, (0, q_smem, k_smem, kb_smem, v_smem, vb_smem, o_smem, q_bars, q_empty, k_ready, v_ready,
+                         k_empty, v_empty, turn_bars, o_desc, Lse, QD, KD, VD, sm_scale_log2, stride_lb, stride_lh,
+                         qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh, n_m, n_total, Mq, Mk, Hq, GROUP, HEAD_D, BLOCK_N,
+                         BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8)),
+            (_consumer, (1, q_smem, k_smem, kb_smem, v_smem, vb_smem, o_smem, q_bars, q_empty, k_ready, v_ready,
+                         k_empty, v_empty, turn_bars, o_desc, Lse, QD, KD, VD, sm_scale_log2, stride_lb, stride_lh,
+                         qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh, n_m, n_total, Mq, Mk, Hq, GROUP, HEAD_D, BLOCK_N,
+                         BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8)),
+            (_producer, (q_desc, k_desc, kb_desc, v_desc, vb_desc, q_smem, k_smem, kb_smem, v_smem, vb_smem, v_raw,
+                         q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready, n_m, n_total, Mq, Mk, Hq,
+                         GROUP, BLOCK_N, BLOCK_B, HEAD_D, STAGES, CONSUMERS, CAUSAL, V_TRANSPOSE, KEY_ORDER)),
         ], [WG_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (0, q_smem, k_smem, v_smem, o_smem, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                         o_desc, lse_ptr, qk_scale, vd, m0, n_tiles, Mq, Mk, HEAD_D, BLOCK_N, STAGES, CONSUMERS,
-                         CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, v_raw, q_bars, k_ready, v_ready, k_empty,
-                         v_empty, raw_ready, m0, n_tiles, BLOCK_N, HEAD_D, STAGES, CONSUMERS, V_TRANSPOSE, KEY_ORDER)),
+            (_consumer, (0, q_smem, k_smem, kb_smem, v_smem, vb_smem, o_smem, q_bars, q_empty, k_ready, v_ready,
+                         k_empty, v_empty, turn_bars, o_desc, Lse, QD, KD, VD, sm_scale_log2, stride_lb, stride_lh,
+                         qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh, n_m, n_total, Mq, Mk, Hq, GROUP, HEAD_D, BLOCK_N,
+                         BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8)),
+            (_producer, (q_desc, k_desc, kb_desc, v_desc, vb_desc, q_smem, k_smem, kb_smem, v_smem, vb_smem, v_raw,
+                         q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready, n_m, n_total, Mq, Mk, Hq,
+                         GROUP, BLOCK_N, BLOCK_B, HEAD_D, STAGES, CONSUMERS, CAUSAL, V_TRANSPOSE, KEY_ORDER)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
     for c in gl.static_range(CONSUMERS):
         mbarrier.invalidate(q_bars.index(c))
+        mbarrier.invalidate(q_empty.index(c))
+        mbarrier.invalidate(turn_bars.index(c))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(k_ready.index(i))
         mbarrier.invalidate(v_ready.index(i))
         mbarrier.invalidate(k_empty.index(i))
         mbarrier.invalidate(v_empty.index(i))
         mbarrier.invalidate(raw_ready.index(i))
-    for c in gl.static_range(CONSUMERS):
-        mbarrier.invalidate(turn_bars.index(c))
 
 
 @dataclass(frozen=True)
@@ -366,7 +543,8 @@ class WsFwdConfig:
     #: consumer warpgroups per CTA (64 query rows each), taking turns at the tensor cores: 2 or 3 in one CTA per
     #: SM (``maxnreg`` 168 / 128), 1 runs two CTAs per SM
     consumers: int = 2
-    #: keys per tile
+    #: keys per tile: a power of two, or (two-part tiles, V^T from ``transpose_v``) a power of two plus a smaller
+    #: one such as 192 = 128 + 64 (FA3 takes 224 at D128 fp8; 256 spills here)
     block_n: int = 128
     #: K / V ring depth
     stages: int = 2
@@ -376,11 +554,37 @@ class WsFwdConfig:
     consumer_regs: int = 240
     #: V^T's keys in the S accumulator's order (``transpose_v(key_order=True)``): P feeds the PV wgmma from its
     #: own registers; False converts P's layout through warp shuffles (H200, D128: 721-802 TFLOP/s against
-    #: 440-717 in key order, whose byte-permuting transpose costs more than the shuffles it saves)
+    #: 440-717 in key order, measured while ``transpose_v(key_order=True)`` still wrote single bytes; its stores
+    #: are 16 bytes wide now, so that comparison is due again)
     key_order: bool = False
     #: the producer warpgroup transposes V tiles in shared memory (v is read as stored, no ``transpose_v``
     #: launch, no V^T copy in global memory); False reads V^T made by ``transpose_v``
     v_transpose: bool = False
+    #: a persistent grid: ``ctas_per_sm()`` CTAs per SM each walk tiles t, t + grid, .. (the rings and turns run on
+    #: across tiles, so one tile's loads and epilogue overlap its neighbour's GEMMs); False: one CTA per tile
+    persistent: bool = False
+
+    @property
+    def block_b(self) -> int:
+        """Keys of a key tile's second part: 0 when ``block_n`` is a power of two, else ``block_n`` less the
+        largest power of two below it (192 = 128 + 64)."""
+        return self.block_n - (1 << (self.block_n.bit_length() - 1))
+
+    def shared_bytes(self, head_dim: int, out_bytes: int = 2) -> int:
+        """Shared memory of one persistent CTA (8-bit Q, K and V^T tiles, raw V tiles when ``v_transpose``, the
+        output tiles of ``out_bytes`` per element, one slack KiB for barriers and alignment)."""
+        rows = self.consumers * WG_ROWS.value
+        ring = self.stages * self.block_n * head_dim
+        return rows * head_dim * (1 + out_bytes) + ring * (3 if self.v_transpose else 2) + SMEM_SLACK
+
+    def ctas_per_sm(self, head_dim: int, out_bytes: int = 2) -> int:
+        """CTAs resident per SM in a persistent grid: what both the register budget (``maxnreg`` for every thread
+        of the CTA's warpgroups) and shared memory (``shared_bytes``) allow. A persistent CTA never exits early,
+        so a grid of more CTAs than fit would leave the extra ones waiting for the others' last tile."""
+        warps = WG_WARPS.value * self.consumers + self.producer_warps
+        threads = -(-warps // WG_WARPS.value) * WG_WARPS.value * 32
+        by_smem = SMEM_PER_SM // (self.shared_bytes(head_dim, out_bytes) + SMEM_PER_CTA_RESERVED)
+        return max(1, min(65536 // (self.maxnreg * threads), by_smem))
 
     @property
     def producer_warps(self) -> int:
@@ -393,6 +597,11 @@ class WsFwdConfig:
         return TRANSPOSER_REGS if self.v_transpose else PRODUCER_REGS.value
 
 
+#: shared memory of an sm90 SM, the driver's reservation per CTA, and what ``WsFwdConfig.shared_bytes`` adds for
+#: barriers and alignment
+SMEM_PER_SM = 233472
+SMEM_PER_CTA_RESERVED = 1024
+SMEM_SLACK = 1024
 #: ``maxnreg`` and consumer registers of three-consumer schedules: four warpgroups in 65536 registers
 THREE_CONSUMER_MAXNREG = 128
 THREE_CONSUMER_REGS = 160
@@ -428,6 +637,27 @@ def _tma_ready(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and all(s % 16 == 0 for s in t.stride()[:3])
 
 
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    """Multiprocessors of ``device`` (cached)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _descriptor(t: torch.Tensor, rows: int, cols: int, channels_last: bool = True):
+    """Host TMA descriptor of a 4-D tensor (B, M, H, D) in [1, rows, 1, cols] boxes (``channels_last``) or of V^T
+    (B, H, D, L) in [1, 1, rows, cols] boxes, with ``box_layout``'s shared layout."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    dtype = {torch.float8_e4m3fn: gl.float8e4nv, torch.int8: gl.int8, torch.bfloat16: gl.bfloat16}[t.dtype]
+    shape, layout = _box_layout(rows, cols, dtype, channels_last)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), shape, layout)
+
+
 def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=None, k_descale=None,
                       v_descale=None, return_lse: bool = False, config: WsFwdConfig | None = None, out=None,
                       out_dtype: torch.dtype = torch.bfloat16):
@@ -449,40 +679,88 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=
     cfg = config or default_config(D, causal, Mk)
     if cfg.consumers not in (1, 2, 3) or cfg.stages < 2:
         raise ValueError(f"config {cfg}: consumers must be 1, 2 or 3 and stages >= 2")
-    prep = fp8_forward_args(q, k, v, q_descale, k_descale, v_descale, return_lse, out, HEAD_DIMS, out_dtype)
+    block_b = cfg.block_b
+    if block_b and (block_b & (block_b - 1) or block_b < 16 or cfg.v_transpose):
+        raise ValueError(f"config {cfg}: block_n must be a power of two or one plus a smaller one >= 16 (e.g. 192), "
+                         "the latter with v_transpose=False")
+    prep = fp8_forward_args(q, k, v, q_descale, k_descale, v_descale, return_lse, out, HEAD_DIMS, out_dtype,
+                            int8_qk=True)
     if prep.done:
         return prep.out, prep.lse
     out, lse = prep.out, prep.lse
-    ensure_allocator()
     v_transpose = cfg.v_transpose and _tma_ready(v)
+    block_a = cfg.block_n - block_b
+    k_desc = _descriptor(k, block_a, D)
     if v_transpose:
-        v_arg, v_strides, v_len = v, (v.stride(0), v.stride(1), v.stride(2)), Mk
+        v_desc = vb_desc = _descriptor(v, cfg.block_n, V_CHUNK.value)
     else:
-        v_arg, _ = transpose_v(v, key_order=cfg.key_order)
-        v_strides, v_len = v_arg.stride()[:3], v_arg.shape[3] if cfg.key_order else Mk
+        vt, _ = transpose_v(v, key_order=cfg.key_order)
+        vt = vt if cfg.key_order else vt[..., :Mk]
+        v_desc = vb_desc = _descriptor(vt, D, block_a, channels_last=False)
+        if block_b:
+            vb_desc = _descriptor(vt, D, block_b, channels_last=False)
+    n_m = cdiv(Mq, cfg.consumers * WG_ROWS.value)
+    n_total = n_m * B * Hq
+    if cfg.persistent:
+        grid = min(n_total, _sm_count(q.device) * cfg.ctas_per_sm(D, out.element_size()))
+    else:
+        grid = n_total
     producer_warps = WG_WARPS.value if v_transpose else 1
     producer_regs = TRANSPOSER_REGS if v_transpose else PRODUCER_REGS.value
-    launch(_attn_fwd_ws_kernel)[(cdiv(Mq, cfg.consumers * WG_ROWS.value), B * Hq)](
-        q, k, v_arg, out, lse if lse is not None else prep.qd,
-        *launch_args(q, k, v_arg, v_strides, v_len, out, lse, prep, scale),
-        HEAD_D=D, BLOCK_N=cfg.block_n, STAGES=cfg.stages, CONSUMERS=cfg.consumers, CONSUMER_REGS=cfg.consumer_regs,
+    _attn_fwd_ws_kernel[(grid,)](
+        _descriptor(q, WG_ROWS.value, D), k_desc, _descriptor(k, block_b, D) if block_b else k_desc, v_desc, vb_desc,
+        _descriptor(out, WG_ROWS.value, D),
+        lse if lse is not None else prep.qd, prep.qd, prep.kd, prep.vd, scale * LOG2E.value,
+        lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0, *prep.descale_strides,
+        n_m, n_total, Mq, Mk, Hq, Hq // Hkv,
+        HEAD_D=D, BLOCK_N=cfg.block_n, BLOCK_B=block_b, STAGES=cfg.stages, CONSUMERS=cfg.consumers,
+        CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_WARPS=producer_warps, PRODUCER_REGS=producer_regs, CAUSAL=causal, WRITE_LSE=return_lse,
-        P_SHIFT=_P_SHIFT, KEY_ORDER=cfg.key_order, V_TRANSPOSE=v_transpose, num_warps=WG_WARPS.value,
-        maxnreg=cfg.maxnreg,
+        P_SHIFT=_P_SHIFT, KEY_ORDER=cfg.key_order, V_TRANSPOSE=v_transpose, OUT_FP8=out.dtype == torch.float8_e4m3fn,
+        PERSISTENT=cfg.persistent, QK_INT8=q.dtype == torch.int8, num_warps=WG_WARPS.value, maxnreg=cfg.maxnreg,
     )
     return out, lse
 
 
+#: int32 scalar arguments of the kernel (their names in kernel order), for ahead-of-time compiles
+_INT_ARGS = ("stride_lb", "stride_lh", "qd_sb", "qd_sh", "kd_sb", "kd_sh", "vd_sb", "vd_sh", "n_m", "n_total", "Mq",
+             "Mk", "Hq", "GROUP")
+
+
 def compile_sm90(head_dim: int = 128, causal: bool = False, write_lse: bool = False,
-                 config: WsFwdConfig | None = None, out_fp8: bool = False):
+                 config: WsFwdConfig | None = None, out_fp8: bool = False, qk_int8: bool = False):
     """Compile the kernel ahead of time for sm90 (no GPU needed); returns the CompiledKernel (asm: ttgir, ptx,
     cubin).
 
     Example: ``"wgmma" in compile_sm90(128, causal=True).asm["ptx"]`` -> True.
     """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
     cfg = config or default_config(head_dim, causal)
-    const = {"HEAD_D": head_dim, "BLOCK_N": cfg.block_n, "STAGES": cfg.stages, "CONSUMERS": cfg.consumers,
+    const = {"HEAD_D": head_dim, "BLOCK_N": cfg.block_n, "BLOCK_B": cfg.block_b, "STAGES": cfg.stages,
+             "CONSUMERS": cfg.consumers,
              "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_WARPS": cfg.producer_warps,
              "PRODUCER_REGS": cfg.producer_regs, "CAUSAL": causal, "WRITE_LSE": write_lse, "P_SHIFT": _P_SHIFT,
-             "KEY_ORDER": cfg.key_order, "V_TRANSPOSE": cfg.v_transpose}
-    return compile_for_sm90(_attn_fwd_ws_kernel, const, WG_WARPS.value, cfg.maxnreg, out_fp8=out_fp8)
+             "KEY_ORDER": cfg.key_order, "V_TRANSPOSE": cfg.v_transpose, "OUT_FP8": out_fp8,
+             "PERSISTENT": cfg.persistent, "QK_INT8": qk_int8}
+
+    def desc(rows, cols, dtype, channels_last=True):
+        shape, layout = _box_layout(rows, cols, dtype, channels_last)
+        name = {gl.float8e4nv: "fp8e4nv", gl.int8: "i8", gl.bfloat16: "bf16"}[dtype]
+        return f"tensordesc<{name}{list(shape)},{layout!r}>"
+
+    block_a, block_b = cfg.block_n - cfg.block_b, cfg.block_b or cfg.block_n
+    v = (desc(cfg.block_n, V_CHUNK.value, gl.float8e4nv) if cfg.v_transpose
+         else desc(head_dim, block_a, gl.float8e4nv, False))
+    vb = v if cfg.v_transpose else desc(head_dim, block_b, gl.float8e4nv, False)
+    qk = gl.int8 if qk_int8 else gl.float8e4nv
+    sig = {"q_desc": desc(WG_ROWS.value, head_dim, qk), "k_desc": desc(block_a, head_dim, qk),
+           "kb_desc": desc(block_b, head_dim, qk), "v_desc": v, "vb_desc": vb,
+           "o_desc": desc(WG_ROWS.value, head_dim, gl.float8e4nv if out_fp8 else gl.bfloat16),
+           "Lse": "*fp32", "QD": "*fp32", "KD": "*fp32", "VD": "*fp32", "sm_scale_log2": "fp32",
+           **dict.fromkeys(_INT_ARGS, "i32"), **dict.fromkeys(const, "constexpr")}
+    src = GluonASTSource(_attn_fwd_ws_kernel, sig, constexprs={(list(sig).index(n),): v for n, v in const.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": WG_WARPS.value, "maxnreg": cfg.maxnreg})
