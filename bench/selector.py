@@ -80,12 +80,14 @@ def calls(device: str, quick: bool, dtypes: tuple[str, ...] | None = None,
     """``(kind, make)`` pairs, kind "fw" or "bw", ``make()`` building the ``Call``: the prefill shapes of every
     dtype shape by shape (bf16 ones also as "bw"), then (unless ``dtypes`` or ``shapes``, indices into
     ``PREFILL_SHAPES``, is given) the decode calls; ``anchors``: the forward calls of ``ANCHOR_SHAPES`` only."""
+    if quick:
+        small = (lambda: prefill_call(1, 100, 4, 2, 32, True, "float32", device))
+        if anchors:
+            return [("fw", small)]
+        return [("fw", small), ("bw", small), ("fw", lambda: decode_call(3, 200, 4, 1, 32, 0, "bf16", device))]
     if anchors:
         return [("fw", lambda a=(*shape, dtype): prefill_call(*a, device))
                 for shape in ANCHOR_SHAPES for dtype in dtypes or DEFAULT_DTYPES]
-    if quick:
-        small = (lambda: prefill_call(1, 100, 4, 2, 32, True, "float32", device))
-        return [("fw", small), ("bw", small), ("fw", lambda: decode_call(3, 200, 4, 1, 32, 0, "bf16", device))]
     out = []
     for shape in PREFILL_SHAPES if shapes is None else [PREFILL_SHAPES[i] for i in shapes]:
         for dtype in dtypes or DEFAULT_DTYPES:
@@ -312,12 +314,20 @@ def main(argv=None) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     d = out_dir(args.out)
     runs, skipped = {}, []
+    previous = os.environ.get("FMHA_OPS_CACHE_DIR")
     with tempfile.TemporaryDirectory() as cache:  # autotune starts from no measurement
         os.environ["FMHA_OPS_CACHE_DIR"] = cache
         SELECTOR.refresh_env()
-        for mode in modes:
-            runs[mode], left = measure_mode(mode, args, device, d)
-            skipped += left
+        try:
+            for mode in modes:
+                runs[mode], left = measure_mode(mode, args, device, d)
+                skipped += left
+        finally:
+            if previous is None:
+                os.environ.pop("FMHA_OPS_CACHE_DIR")
+            else:
+                os.environ["FMHA_OPS_CACHE_DIR"] = previous
+            SELECTOR.refresh_env()
     if args.compile_only:
         return {"runs": {}}
     runs = {mode: rows for mode, rows in runs.items() if rows}

@@ -61,18 +61,21 @@ def test_selector_calls_interleave_dtypes_and_add_backward_rows():
     assert picked[0][1]().label.startswith("prefill bfloat16 B32 N256")
 
 
-def test_selector_quick_run_measures_forward_and_backward(tmp_path):
+def test_selector_quick_run_measures_forward_and_backward_in_every_mode(tmp_path):
     res = selector.main(["--quick", "--no-record", "--out", str(tmp_path)])
-    calls = [r["call"] for r in res["rows"]]
+    assert list(res["runs"]) == list(selector.MODES)
+    calls = [r["call"] for r in res["runs"]["table"]]
     assert any(c.startswith("backward ") for c in calls) and any(c.startswith("prefill ") for c in calls)
-    for r in res["rows"]:
-        assert r["selected"] in r["times_us"] and r["regret"] is not None and r["regret"] >= 0
-    assert os.path.exists(tmp_path / "selector.json")
+    for rows in res["runs"].values():
+        for r in rows:
+            assert r["selected"] in r["times_us"] and r["regret"] is not None and r["regret"] >= 0
+    for mode in selector.MODES:
+        assert os.path.exists(tmp_path / f"selector_{mode}.json")
 
 
 def test_selector_budget_leaves_calls_unmeasured(tmp_path):
-    res = selector.main(["--quick", "--no-record", "--out", str(tmp_path), "--budget", "1e-9"])
-    assert res["rows"] == [] and len(res["summary"]["not_measured"]) == 3
+    res = selector.main(["--quick", "--no-record", "--out", str(tmp_path), "--budget", "1e-9", "--modes", "table"])
+    assert res["runs"] == {} and len(res["skipped"]) == 3
 
 
 def test_measure_backward_times_every_supporting_backward_op():
@@ -85,7 +88,7 @@ def test_measure_backward_times_every_supporting_backward_op():
 
 def test_selector_compile_only_shards_the_calls_and_writes_nothing(tmp_path):
     res = selector.main(["--quick", "--compile-only", "--shard", "1/2", "--out", str(tmp_path)])
-    assert res["rows"] == [] and not os.path.exists(tmp_path / "selector.json")
+    assert res["runs"] == {} and not any(name.endswith(".json") for name in os.listdir(tmp_path))
 
 
 def test_selector_record_groups_calls_and_names_the_unmeasured(tmp_path, monkeypatch):
@@ -97,9 +100,12 @@ def test_selector_record_groups_calls_and_names_the_unmeasured(tmp_path, monkeyp
     monkeypatch.setattr(selector, "RECORD", Capture)
     rows = [selector.regret_row("prefill bfloat16 B1 N8", "a", {"a": (2e-6, 0.0), "b": (1e-6, 0.0)}),
             selector.regret_row("backward bfloat16 B1 N8", "a", {"a": (1e-6, 0.0)})]
-    table, notes = selector.record(rows, {}, None, ("decode bf16 B2",))
-    assert [t["kind"] for t in table] == ["prefill bfloat16", "backward bfloat16"]
+    table, notes = selector.record({"table": rows, "anchors": rows[:1]}, {}, None, ("decode bf16 B2",))
+    assert [(t["mode"], t["kind"]) for t in table] == [("off the grid / table", "prefill bfloat16"),
+                                                       ("off the grid / table", "backward bfloat16"),
+                                                       ("anchors / table", "prefill bfloat16")]
     assert table[0]["worst"] == "100.0%" and "B1 N8: a vs b" in table[0]["worst_call"]
+    assert "off the grid / table: median 50.0%, worst 100.0%" in notes
     assert "Not measured (time budget): 1 calls, from decode bf16 B2." in notes
 
 
