@@ -159,7 +159,8 @@ KV_SHAPE = (4, 512, 8, 2, 128, 64)  # B, cache length, Hq, Hkv, D, page size: on
 def _kvcache_rows(device) -> list:
     """flash_attn_with_kvcache paged decode (bf16 cache, with a one-token append, fp8 cache) against the selected
     decode op's launch (``decode_launcher``) on prebuilt outputs, after the append kernel where the call appends."""
-    from fmha_ops.flash_attn_interface import flash_attn_with_kvcache, kvcache_call
+    from fmha_ops.flash_attn_interface import flash_attn_with_kvcache
+    from fmha_ops.kvcache_call import kvcache_call
     from fmha_ops.kernels.triton.kv_append import kv_append
     from fmha_ops.kv_cache import build_fp8_paged_cache, paged_from_dense
 

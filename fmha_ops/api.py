@@ -3,8 +3,8 @@
 Tensors are BMHK (batch, seqlen, heads, headdim); BMGHK (batch, seqlen, groups, heads, headdim, with
 key/value expanded over heads for MQA/GQA) and BMK (single head) are accepted and returned in the
 same layout. Quantized calls pass float32 descales as keyword arguments (see ``fmha_ops.inputs``).
-Validation runs once per call layout; a repeated call runs the launch plan its first call left
-(``fmha_ops.call.find_plan`` / ``PLANS``): one key of cheap attributes, one dict lookup, the op's launch.
+Validation runs once per call signature; a repeated call runs the plan its first call left in the plan cache
+(``fmha_ops.plans``): one key, one lookup, the op's launch.
 """
 from __future__ import annotations
 
@@ -18,10 +18,11 @@ from registry import Op, Report
 
 from . import arguments
 from . import attn_bias as ab
-from .call import KEY_NEEDS_GRAD, find_plan, make_problem, no_grad, run_forward
+from .call import make_problem, no_grad, run_forward
 from .dispatch import REGISTRY, SELECTOR
 from .dtypes import FLOAT_DTYPES
-from .inputs import Inputs, make_inputs
+from .inputs import BMHK, Inputs, checks_values, make_inputs
+from .plans import PLANS, Plan, call_key
 
 OpArg = Any  # an op class, name/alias, or (FwOp, BwOp) tuple
 _is_compiling = torch.compiler.is_compiling
@@ -57,10 +58,11 @@ def memory_efficient_attention(
     >>> o8 = memory_efficient_attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
     ...                                 output_dtype=torch.float8_e4m3fn)  # attention = o8.float() * vd
     """
-    key_, plan = find_plan(query, key, value, attn_bias, p, scale, op, output_dtype, False, softcap, q_descale,
-                           k_descale, v_descale, quantize_kv_to_fp8) if sinks is None else _NO_PLAN
+    key_ = call_key(memory_efficient_attention, (query, key, value, attn_bias, p, scale, op, output_dtype, q_descale,
+                                                 k_descale, v_descale, quantize_kv_to_fp8, softcap))
+    plan = PLANS.get(key_)
     if plan is not None:
-        return plan(query, key, value, attn_bias, q_descale, k_descale, v_descale)[0]
+        return plan.run(query, key, value, attn_bias, q_descale, k_descale, v_descale)[0]
     inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, output_dtype=output_dtype,
                       q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                       quantize_kv_to_fp8=quantize_kv_to_fp8, softcap=softcap, sinks=sinks)
@@ -75,19 +77,26 @@ def memory_efficient_attention_forward(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Like ``memory_efficient_attention`` without autograd (inference)."""
-    key_, plan = find_plan(query, key, value, attn_bias, p, scale, op, output_dtype, False, softcap, q_descale,
-                           k_descale, v_descale, quantize_kv_to_fp8) if sinks is None else _NO_PLAN
-    if plan is not None and not key_[KEY_NEEDS_GRAD]:  # memory_efficient_attention's plan, recording no graph (a
-        return plan(query, key, value, attn_bias, q_descale, k_descale, v_descale)[0]  # plan has no tensor bias)
-    if not (_grad_enabled() and (_may_record_graph(query, key, value, attn_bias)
-                                 or getattr(sinks, "requires_grad", False))):
-        return memory_efficient_attention(query, key, value, attn_bias, p, scale, op=op, output_dtype=output_dtype,
-                                          q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                                          quantize_kv_to_fp8=quantize_kv_to_fp8, softcap=softcap, sinks=sinks)
-    with no_grad():
-        return memory_efficient_attention(query, key, value, attn_bias, p, scale, op=op, output_dtype=output_dtype,
-                                          q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                                          quantize_kv_to_fp8=quantize_kv_to_fp8, softcap=softcap, sinks=sinks)
+    key_ = call_key(memory_efficient_attention_forward, (query, key, value, attn_bias, p, scale, op, output_dtype,
+                                                         q_descale, k_descale, v_descale, quantize_kv_to_fp8, softcap))
+    plan = PLANS.get(key_)
+    if plan is not None:
+        return plan.run(query, key, value, attn_bias, q_descale, k_descale, v_descale)[0]
+    inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, output_dtype=output_dtype,
+                      q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                      quantize_kv_to_fp8=quantize_kv_to_fp8, softcap=softcap)
+    if not (_grad_enabled() and _may_record_graph(query, key, value, attn_bias)):
+        return inp.layout(run_forward(inp, op, False, key_)[0])
+    with no_grad():  # the plan of this call switches autograd off around its launch too
+        return inp.layout(run_forward(inp, op, False, key_, _without_grad)[0])
+
+
+def _without_grad(launch):
+    """A launch plan run with autograd switched off (a call in grad mode whose inputs require grad)."""
+    def run(*args):
+        with no_grad():
+            return launch(*args)
+    return run
 
 
 def _may_record_graph(query, key, value, attn_bias) -> bool:
@@ -112,12 +121,13 @@ def memory_efficient_attention_partial(
     LSE includes them (a row without keys: the sink): give them to one part only before ``merge_attentions``.
     Dropout is refused (``p`` must be 0), as in xformers: the parts could not be merged exactly.
     """
+    key_ = call_key(memory_efficient_attention_partial, (query, key, value, attn_bias, p, scale, op, output_dtype,
+                                                         q_descale, k_descale, v_descale, quantize_kv_to_fp8, softcap))
+    plan = PLANS.get(key_)
+    if plan is not None:  # plans exist only for calls that need no gradient (the full path refuses the rest)
+        return plan.run(query, key, value, attn_bias, q_descale, k_descale, v_descale)
     _no_dropout(p, "memory_efficient_attention_partial")
     output_dtype = output_dtype or torch.float32
-    key_, plan = find_plan(query, key, value, attn_bias, p, scale, op, output_dtype, True, softcap, q_descale,
-                           k_descale, v_descale, quantize_kv_to_fp8) if sinks is None else _NO_PLAN
-    if plan is not None:  # plans exist only for calls that need no gradient (the full path refuses the rest)
-        return plan(query, key, value, attn_bias, q_descale, k_descale, v_descale)
     inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, output_dtype=output_dtype,
                       is_partial=True, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                       quantize_kv_to_fp8=quantize_kv_to_fp8, softcap=softcap, sinks=sinks)
@@ -148,11 +158,16 @@ def memory_efficient_attention_forward_requires_grad(
     >>> dq, dk, dv = memory_efficient_attention_backward(torch.ones_like(out), out, lse, q, k, v,
     ...                                                  LowerTriangularMask())
     """
+    key_ = call_key(memory_efficient_attention_forward_requires_grad, (query, key, value, attn_bias, p, scale, op,
+                                                                       output_dtype, softcap))
+    plan = PLANS.get(key_)
+    if plan is not None:
+        return plan.run(query, key, value, attn_bias, None, None, None)
     _no_dropout(p, "memory_efficient_attention_forward_requires_grad")
     inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, output_dtype=output_dtype, softcap=softcap,
                       sinks=sinks)
     with no_grad():
-        out, lse = run_forward(inp, op, True)
+        out, lse = run_forward(inp, op, True, key_, _without_grad)
     return inp.layout(out), _lse_layout(inp, lse)
 
 
@@ -168,6 +183,11 @@ def memory_efficient_attention_backward(
     gradient is ``fmha_ops.sinks.sink_grad(output, grad, lse, sinks)``); ``grad`` is d(loss)/d(output). BMHK or BMK tensors (for GQA pass key / value with Hkv heads
     in BMHK). ``op``: a backward op, or an (FwOp, BwOp) tuple. Dropout is refused (``p`` must be 0).
     """
+    key_ = call_key(memory_efficient_attention_backward, (grad, output, lse, query, key, value, attn_bias, p, scale,
+                                                          op, softcap))
+    plan = PLANS.get(key_)
+    if plan is not None:
+        return plan.run(grad, output, lse, query, key, value, attn_bias)
     _no_dropout(p, "memory_efficient_attention_backward")
     if query.ndim == 5:
         raise ValueError("memory_efficient_attention_backward takes BMHK (B, M, H, K) or BMK tensors, got a 5-D "
@@ -184,7 +204,21 @@ def memory_efficient_attention_backward(
     sig = inp.signature()
     bw = SELECTOR.select(sig, lambda: make_problem(inp, True), "bw", op)
     dq, dk, dv = bw.apply_bw(inp, out, lse.float(), grad.contiguous())
+    if inp.layout is BMHK and inp.attn_bias is attn_bias and (attn_bias is None or (
+            attn_bias.tensor_bias is None and not checks_values(type(attn_bias)))):
+        PLANS.put(key_, Plan(_backward_plan(bw, inp), (bw,)))
     return inp.layout(dq), inp.layout(dk), inp.layout(dv)
+
+
+def _backward_plan(bw, inp: Inputs):
+    """``run(grad, output, lse, query, key, value, attn_bias) -> (dq, dk, dv)``: the backward op on BMHK calls laid
+    out like ``inp`` (validated, ``bw`` selected for them)."""
+    p, scale, softcap = inp.p, inp.scale, inp.softcap
+
+    def run(grad, output, lse, query, key, value, attn_bias):
+        call = Inputs(query, key, value, attn_bias, p, scale, None, False, None, None, None, False, BMHK, softcap)
+        return bw.apply_bw(call, output, lse.float(), grad.contiguous())
+    return run
 
 
 def _no_dropout(p: float, name: str) -> None:
@@ -214,14 +248,10 @@ def merge_attentions(
     >>> parts = [memory_efficient_attention_partial(q, k[:, s], v[:, s]) for s in (slice(0, 512), slice(512, None))]
     >>> out, lse = merge_attentions([o for o, _ in parts], [lse for _, lse in parts])
     """
-    layout, path = _merge_path(attn_split, lse_split, write_lse, output_dtype)
-    if path is not None:  # a layout validated before: straight to its path
-        if path == _MERGE_TORCH:
-            return _merge_torch(attn_split, lse_split, output_dtype, write_lse)
-        attns, lses = _part_list(attn_split), _part_list(lse_split)
-        if path == _MERGE_KERNEL:  # BMHK parts with one stride set, float32 lse: the parts as they lie
-            return _merge_kernel()(attns, lses, output_dtype or attns[0].dtype, write_lse)
-        return _merge_on_device(attns, lses, output_dtype or attns[0].dtype, write_lse)
+    key_ = call_key(merge_attentions, (attn_split, lse_split, write_lse, output_dtype))
+    plan = PLANS.get(key_)
+    if plan is not None:  # a layout validated before: straight to its path
+        return plan.run(attn_split, lse_split)
     attns, lses = _parts("attn_split", attn_split), _parts("lse_split", lse_split)
     a, lp = attns[0], lses[0]
     if a.ndim not in (4, 5) or lp.ndim != a.ndim - 1 or len(attns) != len(lses):
@@ -235,15 +265,24 @@ def merge_attentions(
         arguments.dtype("output_dtype", output_dtype, FLOAT_DTYPES)
     if (lp.shape[0], lp.shape[-1], *lp.shape[1:-1]) != tuple(a.shape[:-1]):  # lse (B, [G,] H, M) vs (B, M, [G,] H)
         raise ValueError(f"lse_split {_stacked_shape(lses)} does not match attn_split {_stacked_shape(attns)}")
-    on_device = a.is_cuda and not _is_compiling()
-    if layout is not None:
-        if len(_MERGE_CHECKED) >= _MERGE_CHECKED_LIMIT:
-            _MERGE_CHECKED.clear()
-        _MERGE_CHECKED[layout] = (_MERGE_KERNEL if _as_they_lie(attns, lses) else _MERGE_DEVICE) if on_device \
-            else _MERGE_TORCH
-    if on_device:
+    if key_ is not None:
+        PLANS.put(key_, Plan(_merge_plan(a.is_cuda, _as_they_lie(attns, lses), output_dtype or a.dtype, write_lse),
+                             skips=("validation",)))
+    if a.is_cuda and not _is_compiling():
         return _merge_on_device(attns, lses, output_dtype or a.dtype, write_lse)
     return _merge_torch(attn_split, lse_split, output_dtype, write_lse)
+
+
+def _merge_plan(on_device: bool, as_they_lie: bool, out_dtype: torch.dtype, write_lse: bool):
+    """``run(attn_split, lse_split)`` for validated merges of one layout: the merge kernel on the parts as they lie
+    (``_as_they_lie``), the kernel after layout conversions, or torch ops (CPU; they check host lse values)."""
+    if not on_device:
+        return lambda attn_split, lse_split: _merge_torch(attn_split, lse_split, out_dtype, write_lse)
+    if as_they_lie:  # BMHK parts with one stride set, float32 lse
+        return lambda attn_split, lse_split: _merge_kernel()(_part_list(attn_split), _part_list(lse_split),
+                                                             out_dtype, write_lse)
+    return lambda attn_split, lse_split: _merge_on_device(_part_list(attn_split), _part_list(lse_split), out_dtype,
+                                                          write_lse)
 
 
 def _merge_torch(attn_split, lse_split, output_dtype: torch.dtype | None,
@@ -270,37 +309,6 @@ def _merge_torch(attn_split, lse_split, output_dtype: torch.dtype | None,
     if out_dtype != _F32:
         out = out.to(out_dtype)
     return out, (merged if write_lse else None)
-
-
-#: the layouts of merge_attentions calls that passed validation (``_merge_path``) -> their path: the merge kernel
-#: on the parts as they lie (``_as_they_lie``), the kernel after layout conversions, or torch ops (CPU): repeated calls
-#: skip validation
-_MERGE_CHECKED: dict = {}
-_MERGE_KERNEL, _MERGE_DEVICE, _MERGE_TORCH = "kernel", "device", "torch"
-_MERGE_CHECKED_LIMIT = 4096
-
-
-def _merge_path(attn_split, lse_split, write_lse, output_dtype) -> tuple[tuple | None, str | None]:
-    """(the layout of a ``merge_attentions`` call, the path kept for it or None): the layout is what validation reads
-    from the arguments (each part's shape, dtype, device and strides, ``write_lse``, ``output_dtype``), for calls
-    outside a trace with a tensor or a list / tuple of tensors; None otherwise (validation then names what is
-    wrong)."""
-    if _is_compiling() or not (isinstance(attn_split, _SPLITS) and isinstance(lse_split, _SPLITS)):
-        return None, None
-    parts = (attn_split,) if isinstance(attn_split, torch.Tensor) else attn_split
-    lse_parts = (lse_split,) if isinstance(lse_split, torch.Tensor) else lse_split
-    if not parts:
-        return None, None
-    try:
-        layout = (type(attn_split), type(lse_split), write_lse, output_dtype,
-                  tuple([(t.shape, t.dtype, t.device, t.stride()) for t in parts]),
-                  tuple([(t.shape, t.dtype, t.device, t.stride()) for t in lse_parts]))
-        return layout, _MERGE_CHECKED.get(layout)
-    except (AttributeError, TypeError):  # not tensors, unhashable flags: validation names them
-        return None, None
-
-
-_SPLITS = (torch.Tensor, list, tuple)  # what merge_attentions takes as parts
 
 
 def _part_list(split) -> list[torch.Tensor]:

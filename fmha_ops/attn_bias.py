@@ -122,8 +122,8 @@ class AttentionBias:
         """Hashable: the mask type and the sizes it holds (not its device tensors' values)."""
         sig = self.__dict__.get("_signature")
         if sig is None:
-            sig = self.__dict__["_signature"] = (type(self), self.window_left, self.window_right) + \
-                self._signature_fields()
+            sig = self.__dict__["_signature"] = ((type(self), self.window_left, self.window_right)
+                                                 + self._signature_fields())
         return sig
 
     def _signature_fields(self) -> tuple:

@@ -5,19 +5,18 @@ dict lookup on a repeated signature; validation and the ``Problem`` only on a mi
 needs gradients and the forward op does not differentiate itself, a backward op is selected too and the pair runs
 under ``_Attention``. Under ``torch.compile`` the traced twin in ``fmha_ops.compiled`` runs instead.
 
-Repeated calls skip even that: ``find_plan`` turns the user's arguments into one tuple of cheap attributes
-(shapes, dtypes, devices, strides, grad mode, the mask's signature, the scalars, the selector's scope and the
-process switches) and looks it up in ``PLANS``, which maps it to the launch plan built on the first call of that
-layout (the selected op's ``AttentionFwOp.launcher``): no ``Inputs``, no signature, no selector lookup, no
-validation. Calls whose values need per-call checks (host descales, masks with index tables, check mode) and
-non-BMHK layouts always take the full path.
+Repeated calls skip even that: a public function looks its call up in the plan cache (``fmha_ops.plans``) first,
+and ``run_forward`` given the call's ``plan_key`` stores there the launch plan of a call that can have one (the
+selected op's ``AttentionFwOp.launcher``): no ``Inputs``, no signature, no selector lookup, no validation on the
+next call of that signature. Calls whose values need per-call checks (host descales, masks with index tables,
+check mode) and non-BMHK layouts keep the full path.
 
 Example
 -------
->>> key, plan = find_plan(q, k, v, mask, 0.0, None, None, None, False, 0.0, None, None, None, False)
->>> # plan: None until one full call of this layout ran
->>> out, lse = plan(q, k, v, mask, None, None, None) if plan else run_forward(make_inputs(q, k, v, mask), None,
-...                                                                            False, key)
+>>> key = plans.call_key("attention", (q, k, v, mask))
+>>> plan = plans.PLANS.get(key)
+>>> out, lse = plan.run(q, k, v, mask, None, None, None) if plan else run_forward(make_inputs(q, k, v, mask), None,
+...                                                                               False, key)
 """
 from __future__ import annotations
 
@@ -25,17 +24,16 @@ from typing import Any, Callable
 
 import torch
 
-from . import checks, compiled, fp8_backward
+from . import checks, compiled
 from .dispatch import SELECTOR
 from .dtypes import FLOAT_DTYPES
 from .inputs import BMHK, Inputs, checks_values
 from .measure import forward_measure
+from .plans import PLANS, Plan
 from .problem import Problem
 from .sinks import sink_grad
 
 OpArg = Any  # an op class, name/alias, or (FwOp, BwOp) tuple
-#: a launch plan: run(query, key, value, attn_bias, q_descale, k_descale, v_descale) -> (out, lse | None)
-Plan = Callable[..., tuple]
 _is_compiling = torch.compiler.is_compiling
 
 
@@ -71,63 +69,15 @@ def make_problem(inp: Inputs, needs_lse: bool) -> Problem:
     return inp.problem(needs_lse)
 
 
-#: launch plans of repeated calls: ``find_plan``'s key -> run(query, key, value, attn_bias, q_descale, k_descale,
-#: v_descale) -> (out, lse), as ``run_forward`` returns them; cleared with the selector's memo
-PLANS: dict = SELECTOR.derived_memo()
-PLAN_LIMIT = 1 << 12  # distinct call layouts kept before the plans are dropped (varlen-like workloads)
-
-_scope = SELECTOR.current_scope
-_deterministic = torch._C._get_deterministic_algorithms
-_fp8_backward = fp8_backward.enabled_now
-_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
-
-
-#: ``find_plan``'s key starts with whether autograd records the call (q, k or v requires grad in grad mode)
-KEY_NEEDS_GRAD = 0
-
-
-def find_plan(query, key, value, attn_bias, p, scale, op, output_dtype, is_partial, softcap, q_descale, k_descale,
-              v_descale, quantize_kv) -> tuple[tuple | None, Plan | None]:
-    """(the call's plan key, the plan kept under it or None), for the arguments as the public functions take them.
-
-    The key is one tuple of everything validation, selection and the launch read from the arguments and the
-    process (all but the tensors' values); it is None when the call cannot have a plan: a trace (``PLANS`` is not
-    read, so compiled graphs hold no guard on it), non-tensor or unhashable arguments, a mask without a signature
-    (the full path converts or names them), checked descales. Key and lookup are one function: the hot path of
-    every repeated call.
-
-    Example: ``key, plan = find_plan(q, k, v, None, 0.0, None, None, None, False, 0.0, None, None, None, False)``.
-    """
-    if _is_compiling():
-        return None, None
-    try:
-        descales = None
-        if q_descale is not None or k_descale is not None or v_descale is not None:
-            if checks.checks_enabled():  # device descales are read back per call: the full path does that
-                return None, None
-            descales = tuple([None if d is None else (d.shape, d.dtype, d.device, d.stride())
-                              for d in (q_descale, k_descale, v_descale)])
-        # strides: True for a contiguous tensor (they follow from its shape but for size-1 dims, which the call
-        # signature does not key either), else the tuple
-        key_ = (_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad),
-                query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype, query.device, key.device,
-                value.device, query.is_contiguous() or query.stride(), key.is_contiguous() or key.stride(),
-                value.is_contiguous() or value.stride(), None if attn_bias is None else attn_bias.signature(), p,
-                scale, op, output_dtype, is_partial, softcap, quantize_kv, descales, _deterministic(), _scope(),
-                _fp8_backward(),
-                query.is_cuda and ((query.data_ptr() | key.data_ptr() | value.data_ptr()) & 15, _capturing()))
-        return key_, PLANS.get(key_)
-    except (AttributeError, TypeError):  # not tensors, a mask of another library or a mask class, an unhashable
-        return None, None  # argument: the full path converts or names it, and keeps no plan
-
-
-def run_forward(inp: Inputs, op: OpArg, needs_lse: bool,
-                plan_key: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def run_forward(inp: Inputs, op: OpArg, needs_lse: bool, plan_key: tuple | None = None,
+                bind: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Select the forward op for ``inp`` (and the backward op when autograd needs one) and run it.
 
     Returns out (B, Mq, Hq, Kv) in ``inp.out_dtype`` and lse float32 (B, Hq, Mq) (None unless ``needs_lse``
-    or a backward op is attached). ``plan_key``: the call's key from ``find_plan``; the launch plan of this call is
-    kept under it in ``PLANS`` when the call can have one. Example:
+    or a backward op is attached). ``plan_key``: the call's key (``plans.call_key``); the launch plan of this call,
+    ``run(query, key, value, attn_bias, q_descale, k_descale, v_descale) -> (out, lse)``, is stored under it in
+    ``plans.PLANS`` when the call can have one, as ``bind(run)`` when ``bind`` is given (an entry point's own
+    arguments and results around the launch). Example:
     ``out, _ = run_forward(make_inputs(q, k, v), None, False)``.
     """
     if _is_compiling():
@@ -141,9 +91,8 @@ def run_forward(inp: Inputs, op: OpArg, needs_lse: bool,
     result = (fw.apply(inp, needs_lse) if bw is None
               else _Attention.apply(fw, bw, inp, inp.query, inp.key, inp.value, inp.sinks))
     if plan_key is not None and _plannable(inp):
-        if len(PLANS) >= PLAN_LIMIT:
-            PLANS.clear()
-        PLANS[plan_key] = fw.launcher(inp, needs_lse) if bw is None else _autograd_plan(fw, bw, inp)
+        launch = fw.launcher(inp, needs_lse) if bw is None else _autograd_plan(fw, bw, inp)
+        PLANS.put(plan_key, Plan(launch if bind is None else bind(launch), (fw,) if bw is None else (fw, bw)))
     return result
 
 
@@ -159,7 +108,8 @@ def _plannable(inp: Inputs) -> bool:
     bias = inp.attn_bias
     if inp.layout is not BMHK or (bias is not None and (bias.tensor_bias is not None or checks_values(type(bias)))):
         return False
-    return all(d is None or d.device.type != "cpu" for d in (inp.q_descale, inp.k_descale, inp.v_descale))
+    descales = [d for d in (inp.q_descale, inp.k_descale, inp.v_descale) if d is not None]
+    return not descales or not (checks.checks_enabled() or any(d.device.type == "cpu" for d in descales))
 
 
 def _autograd_plan(fw, bw, inp: Inputs):

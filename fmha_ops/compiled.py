@@ -37,6 +37,7 @@ from .dispatch import REGISTRY, SELECTOR
 from .dtypes import FLOAT_DTYPES
 from .fp8_backward import fp8_dequantized_backward_enabled
 from .inputs import Inputs
+from .plans import PLANS, Plan
 from .problem import Problem
 from .sinks import sink_grad
 from .validation import tma_misaligned
@@ -63,15 +64,17 @@ class CallSpec(NamedTuple):
         return Inputs(query, key, value, **{name: unflatten(x, tensors) for name, x in self.fields})
 
 
-_SPECS: dict[str, CallSpec] = {}
-
-
 def decode_spec(text: str) -> CallSpec:
-    """The ``CallSpec`` a spec string encodes (parsed once per string)."""
-    spec = _SPECS.get(text)
-    if spec is None:
-        spec = _SPECS[text] = CallSpec(*ast.literal_eval(text))
-    return spec
+    """The ``CallSpec`` a spec string encodes: parsed on the custom op's first call with it, then kept in the plan
+    cache (``fmha_ops.plans``) as the plan of that custom op call (``Plan.run`` rebuilds the ``Inputs``; its ``ops``
+    are the forward and backward ops the spec names)."""
+    key = (decode_spec, text)
+    plan = PLANS.get(key)
+    if plan is None:
+        spec = CallSpec(*ast.literal_eval(text))
+        ops = tuple(REGISTRY.get(name) for name in (spec.fw, spec.bw) if name)
+        plan = PLANS.put(key, Plan(spec.inputs, ops, ("parsing",), spec))
+    return plan.bound
 
 
 # ---- call fields as constants + tensors ----------------------------------------------------------

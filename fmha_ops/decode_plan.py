@@ -24,10 +24,10 @@ from dataclasses import replace
 
 import torch
 
-from . import flash_attn_interface as fa
 from .call import make_problem
 from .dispatch import SELECTOR
 from .inputs import make_inputs
+from .kvcache_call import kvcache_call
 from .measure import forward_measure
 from .sinks import validate_sinks
 
@@ -122,8 +122,8 @@ def _meta(t: torch.Tensor) -> tuple:
 def _check_out(name: str, t, want: torch.Tensor | None) -> torch.Tensor:
     if want is None:
         raise ValueError(f"{name} is given but the plan returns no {name} (plan with return_softmax_lse=True)")
-    if not isinstance(t, torch.Tensor) or t.shape != want.shape or t.dtype != want.dtype or t.device != want.device \
-            or not t.is_contiguous():
+    if (not isinstance(t, torch.Tensor) or t.shape != want.shape or t.dtype != want.dtype or t.device != want.device
+            or not t.is_contiguous()):
         raise ValueError(f"{name} must be a contiguous {want.dtype} tensor of shape {tuple(want.shape)} on "
                          f"{want.device}")
     return t
@@ -155,8 +155,8 @@ def plan_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     >>> plan = plan_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, page_table=table, causal=True)  # doctest: +SKIP
     >>> out = plan.run(q)  # doctest: +SKIP
     """
-    call = fa.kvcache_call(q, k_cache, v_cache, None, None, cache_seqlens, cache_batch_idx, page_table, None,
-                           k_descale, v_descale, softmax_scale, causal, window_size)
+    call = kvcache_call(q, k_cache, v_cache, None, None, cache_seqlens, cache_batch_idx, page_table, None,
+                        k_descale, v_descale, softmax_scale, causal, window_size)
     inp = make_inputs(call.query, call.key, call.value, call.bias, scale=softmax_scale, k_descale=call.k_descale,
                       v_descale=call.v_descale, softcap=softcap, is_partial=return_softmax_lse, sinks=sinks)
     sig = inp.signature()

@@ -29,11 +29,11 @@ from registry import current_arch, fp8_dtype
 
 from . import attn_bias as ab
 from . import arguments, compiled
-from .call import PLAN_LIMIT, find_plan, make_problem, run_forward
+from .call import make_problem, run_forward
 from .dispatch import SELECTOR
 from .dtypes import FLOAT_DTYPES
 from .inputs import Inputs, make_inputs
-from .sinks import sink_grad, validate_sinks
+from .plans import PLANS, Plan, call_key
 from .quant import (
     K_SCALE_BLOCK,
     Q_SCALE_BLOCK,
@@ -81,37 +81,32 @@ def quantized_forward(qk_dtype: torch.dtype, bias, scale: float | None, op, quer
     kernel_scale = query.shape[-1] ** -0.5 if scale is None else scale
     (q8, k8, v8), descales, dequantized = quantize_smooth(query, key, value, kernel_scale, qk_dtype)
     qd, kd, vd = descales["q_descale"], descales["k_descale"], descales["v_descale"]
-    layout, plan = find_plan(q8, k8, v8, bias, 0.0, 1.0, op, query.dtype, True, 0.0, qd, kd, vd, False) \
-        if sinks is None else (None, None)
+    key = call_key(quantized_forward, (q8, k8, v8, bias, op, query.dtype, qd, kd, vd))
+    plan = PLANS.get(key)
     if plan is not None:
-        out, lse = plan(q8, k8, v8, bias, qd, kd, vd)
+        out, lse = plan.run(q8, k8, v8, bias, qd, kd, vd)
     else:
-        inp = make_inputs(q8, k8, v8, bias, scale=1.0, output_dtype=query.dtype, is_partial=True, sinks=sinks,
-                          **descales)
-        out, lse = run_forward(inp, op, True, layout)
+        inp = make_inputs(q8, k8, v8, bias, scale=1.0, output_dtype=query.dtype, is_partial=True, **descales)
+        out, lse = run_forward(inp, op, True, key)
     return out, lse, dequantized
 
 
-#: the backward op of ``quantized_backward`` per layout of the dequantized inputs (``find_plan``'s key)
-_BACKWARD_OPS: dict = SELECTOR.derived_memo()
+def quantized_backward(bias, scale: float | None, qh, kh, vh, out, lse, grad_out):
+    """(dq, dk, dv) by the selected bf16/fp16 backward op at the dequantized inputs (straight-through)."""
+    key = call_key(quantized_backward, (qh, kh, vh, bias, scale))
+    plan = PLANS.get(key)
+    if plan is not None:  # these tensors come from the forward's quantization: validated when first selected
+        return plan.run(qh, kh, vh, out, lse, grad_out)
+    inp = make_inputs(qh, kh, vh, bias, scale=scale, is_partial=True)
+    bw = SELECTOR.select(("quantized backward", inp.signature()), lambda: make_problem(inp, True), "bw")
+    return PLANS.put(key, Plan(_backward_plan(bw, bias, scale), (bw,))).run(qh, kh, vh, out, lse, grad_out)
 
 
-def quantized_backward(bias, scale: float | None, qh, kh, vh, out, lse, grad_out, sinks=None):
-    """(dq, dk, dv) by the selected bf16/fp16 backward op at the dequantized inputs (straight-through); with
-    ``sinks`` a backward op that takes the sink-inclusive LSE."""
-    layout, _ = find_plan(qh, kh, vh, bias, 0.0, scale, None, None, True, 0.0, None, None, None, False) \
-        if sinks is None else (None, None)
-    bw = _BACKWARD_OPS.get(layout)
-    if bw is not None:  # these tensors come from the forward's quantization: validated when first selected
-        inp = Inputs(qh, kh, vh, bias, 0.0, scale, None, True)
-    else:
-        inp = make_inputs(qh, kh, vh, bias, scale=scale, is_partial=True, sinks=sinks)
-        bw = SELECTOR.select(("quantized backward", inp.signature()), lambda: make_problem(inp, True), "bw")
-        if layout is not None:
-            if len(_BACKWARD_OPS) >= PLAN_LIMIT:
-                _BACKWARD_OPS.clear()
-            _BACKWARD_OPS[layout] = bw
-    return bw.apply_bw(inp, out, lse, grad_out.contiguous())
+def _backward_plan(bw, bias, scale: float | None):
+    """``run(qh, kh, vh, out, lse, grad_out) -> (dq, dk, dv)``: ``bw`` at dequantized inputs of one layout."""
+    def run(qh, kh, vh, out, lse, grad_out):
+        return bw.apply_bw(Inputs(qh, kh, vh, bias, 0.0, scale, None, True), out, lse, grad_out.contiguous())
+    return run
 
 
 class _QuantizedAttention(torch.autograd.Function):
@@ -130,29 +125,12 @@ class _QuantizedAttention(torch.autograd.Function):
         return None, None, None, None, dq, dk, dv, dsinks
 
 
-_Tensor = torch.Tensor
-_CHECKED: dict = {}  # the argument signatures _check_call accepted (what its checks read, nothing else)
-_CHECKED_LIMIT = 4096
-
-
 def _check_call(q, k, v, causal, softmax_scale) -> None:
-    """Raise on bad arguments; a signature that passed before (shapes, dtypes, devices, causal, scale) is one dict
-    lookup."""
-    memo = type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor and type(causal) is bool and (
-        softmax_scale is None or type(softmax_scale) is float)
-    if memo:
-        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, causal,
-               softmax_scale)
-        if key in _CHECKED:
-            return
+    """Raise on bad arguments (once per call signature: a repeated call runs its plan)."""
     arguments.bmhk_qkv(q, k, v, dtypes=FLOAT_DTYPES)
     arguments.flag("causal", causal)
     if softmax_scale is not None:
         arguments.finite_float("softmax_scale", softmax_scale)
-    if memo:
-        if len(_CHECKED) >= _CHECKED_LIMIT:
-            _CHECKED.clear()
-        _CHECKED[key] = True
 
 
 #: FA3's causal mask (stateless: one instance serves every call, its signature computed once)
@@ -163,7 +141,11 @@ def _causal(causal: bool):
     return _BOTTOM_RIGHT_CAUSAL if causal else None
 
 
-def _quantized_attention(qk_kind: str, causal: bool, scale: float | None, op, q, k, v, sinks=None) -> torch.Tensor:
+def _quantized_attention(qk_kind: str, causal: bool, scale: float | None, op, q, k, v) -> torch.Tensor:
+    key = call_key(_quantized_attention, (qk_kind, q, k, v, causal, scale, op))
+    plan = PLANS.get(key)
+    if plan is not None:
+        return plan.run(q, k, v)
     _check_call(q, k, v, causal, scale)
     if sinks is not None:
         validate_sinks(sinks, q.shape[2], q.device)
@@ -173,10 +155,14 @@ def _quantized_attention(qk_kind: str, causal: bool, scale: float | None, op, q,
                                       "torch.compile (eager calls take them)")
         return _traced_quantized_attention(qk_kind, causal, scale, op, q, k, v)
     qk_dtype = torch.int8 if qk_kind == "int8" else fp8_dtype(current_arch(q.device))
-    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                         or (sinks is not None and sinks.requires_grad))):
-        return quantized_forward(qk_dtype, _causal(causal), scale, op, q, k, v, sinks)[0]  # no autograd node
-    return _QuantizedAttention.apply(qk_dtype, _causal(causal), scale, op, q, k, v, sinks)
+    bias = _causal(causal)
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        def run(q, k, v):  # no autograd node to record
+            return quantized_forward(qk_dtype, bias, scale, op, q, k, v)[0]
+    else:
+        def run(q, k, v):
+            return _QuantizedAttention.apply(qk_dtype, bias, scale, op, q, k, v)
+    return PLANS.put(key, Plan(run, skips=("validation",))).run(q, k, v)
 
 
 def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,

@@ -204,8 +204,8 @@ def _apply_bw(cls, ctx, inp, grad):
     grads = memory_efficient_attention_backward(grad, ctx.out, ctx.lse, inp.query, inp.key, inp.value, bias, inp.p,
                                                 inp.scale, op=cls.FMHA_OPS_OP)
     tensor = inp.attn_bias
-    db = tensor_bias_gradient(grad, ctx.out, ctx.lse, inp.query, inp.key, inp.value, tensor, inp.scale) \
-        if isinstance(tensor, torch.Tensor) and tensor.requires_grad else None
+    db = (tensor_bias_gradient(grad, ctx.out, ctx.lse, inp.query, inp.key, inp.value, tensor, inp.scale)
+          if isinstance(tensor, torch.Tensor) and tensor.requires_grad else None)
     return fmha.common.Gradients(*grads, db=db)
 
 

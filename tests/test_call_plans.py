@@ -1,4 +1,4 @@
-"""Launch plans of repeated calls (``fmha_ops.call.PLANS``): a repeated call skips validation, ``Inputs`` and the
+"""Launch plans of repeated calls (``fmha_ops.plans.PLANS``): a repeated call skips validation, ``Inputs`` and the
 selector, gives bit-identical results to the full path, and never outlives what it was built from (grad mode,
 ``use_ops``, the selector's memo, the tensors' layout); and the causal alignment sdpa_flashF declares per device
 (the CUDA flash kernels' causal is bottom-right, the CPU kernel's top-left)."""
@@ -13,7 +13,7 @@ import torch
 
 import fmha_ops
 from registry import Arch
-from fmha_ops import api, attn_bias as ab, call, inputs
+from fmha_ops import api, attn_bias as ab, inputs, plans
 from fmha_ops.testing import normal_qkv
 
 from .test_api import SPECS, _spec_inputs, make_bias
@@ -77,7 +77,7 @@ def test_plan_is_bit_identical_to_the_full_path(case):
         q, k, v = _qkv(**shape, seed=seed)
         fmha_ops.SELECTOR.clear()
         full = fmha_ops.memory_efficient_attention(q, k, v, **kwargs)
-        assert call.PLANS, "the full call left a plan"
+        assert len(plans.PLANS), "the full call left a plan"
         planned = fmha_ops.memory_efficient_attention(q, k, v, **kwargs)
         assert planned.shape == full.shape and planned.dtype == full.dtype and planned.stride() == full.stride()
         assert torch.equal(planned, full)
@@ -187,7 +187,7 @@ def test_strided_views_get_plans_of_their_own():
     assert torch.equal(fmha_ops.memory_efficient_attention(*dense, CAUSAL), want)
     for _ in range(2):
         assert torch.equal(fmha_ops.memory_efficient_attention(q, k, v, CAUSAL), want)
-    assert call.find_plan(q, k, v, CAUSAL, *([None] * 10))[0] != call.find_plan(*dense, CAUSAL, *([None] * 10))[0]
+    assert plans.call_key("entry", (q, k, v, CAUSAL)) != plans.call_key("entry", (*dense, CAUSAL))
 
 
 def test_calls_with_per_call_checks_keep_the_full_path(counted):
@@ -223,17 +223,38 @@ def test_a_plan_holds_no_tensor_of_its_first_call():
     assert all(r() is None for r in refs)
 
 
-def test_find_plan_refuses_what_it_cannot_key():
+def test_call_key_refuses_what_it_cannot_key():
     q, k, v = _qkv()
     args = (None, 0.0, None, None, None, False, 0.0, None, None, None, False)
-    assert call.find_plan(q, k, v, *args)[0] is not None
-    assert call.find_plan(q, k.tolist(), v, *args) == (None, None)  # not a tensor: the full path names it
-    assert call.find_plan(q, k, v, object(), *args[1:]) == (None, None)  # a foreign mask: converted on the full path
-    assert call.find_plan(q, k, v, None, 0.0, [0.5], *args[3:]) == (None, None)  # unhashable: the full path says
-    with fmha_ops.checks.check_inputs():
-        assert call.find_plan(q, k, v, None, 0.0, None, None, None, False, 0.0, torch.ones(1), None, None,
-                              False) == (None, None)
+    assert plans.call_key("entry", (q, k, v, *args)) is not None
+    assert plans.call_key("entry", (q, k, v, object(), *args[1:])) is None  # a foreign mask: converted on the full path
+    # True, 1 and 1.0 are three keys (a check may accept one and refuse another); nested lists are keyed item by item
+    keys = {plans.call_key("entry", (q, flag)) for flag in (True, 1, 1.0)}
+    assert len(keys) == 3
+    assert plans.call_key("entry", (q, [q, 0.5])) != plans.call_key("entry", (q, (q, 0.5)))
+    outside = plans.call_key("entry", (q,))
+    with fmha_ops.checks.check_inputs():  # check mode is part of the key, and host descales keep the full path
+        assert plans.call_key("entry", (q,)) != outside
+        before = len(plans.PLANS)
+        f8 = [t.to(torch.float8_e4m3fn) for t in (q, k, v)]
+        one = torch.ones(1)
+        for _ in range(2):
+            fmha_ops.memory_efficient_attention(*f8, q_descale=one, k_descale=one, v_descale=one, op="torch_referenceF")
+        assert len(plans.PLANS) == before
 
+
+def test_the_plan_cache_is_one_bounded_lru(monkeypatch):
+    """A hit makes a plan the most recently used; a store past the limit drops the least recently used; the plans go
+    with the selector's memo."""
+    cache = plans.PlanCache(3)
+    for name in "abc":
+        cache.put(name, plans.Plan(name))
+    assert cache.get("a").run == "a"  # a is now the youngest
+    cache.put("d", plans.Plan("d"))
+    assert [p.run for p in cache.plans()] == ["c", "a", "d"]
+    assert cache.get("b") is None and cache.get(None) is None
+    fmha_ops.SELECTOR.clear()
+    assert len(cache) == 0
 
 
 def test_quantized_backward_selects_once_per_layout(monkeypatch):
@@ -310,7 +331,7 @@ def test_gpu_flash_attn_func_plan_is_the_full_path():
     q, k, v = (t.cuda() for t in _qkv(b=1, m=128, hq=4, hkv=2, d=64, dtype=torch.bfloat16))
     fmha_ops.SELECTOR.clear()
     full = fmha_ops.flash_attn_func(q, k, v, causal=True)
-    assert call.PLANS and torch.equal(fmha_ops.flash_attn_func(q, k, v, causal=True), full)
+    assert len(plans.PLANS) and torch.equal(fmha_ops.flash_attn_func(q, k, v, causal=True), full)
     assert fmha_ops.explain(q, k, v, ab.LowerTriangularFromBottomRightMask()).selected.NAME in ("sdpa_flashF",
                                                                                                 "sdpa_cudnnF",
                                                                                                 "triton_attnF")
@@ -354,7 +375,7 @@ def test_gpu_kvcache_append_plan_matches_the_full_path(fp8):
                                                page_table=table, k_descale=state[2], v_descale=state[3],
                                                causal=True)
         runs.append([out] + [t for t in state if t is not None])
-    assert any(fa._APPEND.values())
+    assert plans.PLANS.plans(fa.flash_attn_with_kvcache)
     for a, b_ in zip(*runs):
         assert torch.equal(a, b_)
 

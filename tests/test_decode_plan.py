@@ -132,6 +132,7 @@ def test_fast_path_matches_the_full_path(monkeypatch, fp8, per_tensor):
     results, follows new lengths, and leaves calls of another layout (or under use_ops) to the full path."""
     from fmha_ops import checks
     from fmha_ops import flash_attn_interface as fa
+    from fmha_ops.plans import PLANS
 
     k_cache, v_cache, scales, table = _cache(fp8=fp8, seed=7)
     if per_tensor:
@@ -142,11 +143,11 @@ def test_fast_path_matches_the_full_path(monkeypatch, fp8, per_tensor):
     with fmha_ops.use_ops("triton_splitKF"):
         want = [fmha_ops.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens + d, page_table=table,
                                                  causal=True, **kw) for d in (0, 5)]
-        fa._FAST.clear()
+        PLANS.clear()
         monkeypatch.setattr(checks, "wanted", lambda *t: False)
         got = [fmha_ops.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens + d, page_table=table,
                                                 causal=True, **kw) for d in (0, 5, 0)]
-        assert len(fa._FAST) == 1 and next(iter(fa._FAST.values())) is not None
+        assert len(PLANS.plans(fa.flash_attn_with_kvcache)) == 1
     for a, b in zip(got, want + want[:1]):
         assert error_report(a.cpu().float(), b.cpu().float())["rel"] < 1e-6
     with pytest.raises(ValueError, match="page_table has shape"):  # a new layout is validated in full
@@ -160,6 +161,7 @@ def test_fast_path_leaves_strided_indices_to_the_full_path(monkeypatch):
     equal those of contiguous indices (decode alone and with an append)."""
     from fmha_ops import checks
     from fmha_ops import flash_attn_interface as fa
+    from fmha_ops.plans import PLANS
 
     k_cache, v_cache, _, table = _cache(seed=11)
     lens = torch.tensor([1, 17, 30], dtype=torch.int32, device=DEVICE)
@@ -172,19 +174,19 @@ def test_fast_path_leaves_strided_indices_to_the_full_path(monkeypatch):
     with fmha_ops.use_ops("triton_splitKF"):
         want = fmha_ops.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, page_table=table,
                                                 causal=True)
-        fa._DECODE_RUNS.clear()
+        PLANS.clear()
         for _ in range(2):
             got = fmha_ops.flash_attn_with_kvcache(q, k_cache, v_cache, causal=True, **strided)
             assert torch.equal(got, want)
-        assert list(fa._DECODE_RUNS.values()) == [False]
+        assert not PLANS.plans(fa.flash_attn_with_kvcache)
         caches = [[c.clone() for c in (k_cache, v_cache)] for _ in range(3)]
         want = fmha_ops.flash_attn_with_kvcache(q, *caches[0], k=new[0], v=new[1], cache_seqlens=lens,
                                                 page_table=table, causal=True)
-        fa._APPEND.clear()
+        PLANS.clear()
         for cache in caches[1:]:
             got = fmha_ops.flash_attn_with_kvcache(q, *cache, k=new[0], v=new[1], causal=True, **strided)
             assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(cache, caches[0]))
-        assert not fa._APPEND
+        assert not PLANS.plans(fa.flash_attn_with_kvcache)
 
 
 def test_split_workspace_reused_across_runs(monkeypatch):

@@ -1,0 +1,331 @@
+"""``flash_attn_with_kvcache``'s call on the op path: its checks, the append, the decode mask, and its plans.
+
+``kvcache_call`` validates the arguments of a KV-cache call (ValueError / TypeError / NotImplementedError naming
+them), appends the new tokens and returns the call as the op path takes it (``KVCacheCall``: the queries packed in
+batch 1 against the cache's page pool under a paged decode mask); ``fmha_ops.decode_plan`` plans such a call for a
+decode loop. ``run_kvcache`` is ``flash_attn_with_kvcache``'s full path: ``kvcache_call``, the selected op's
+``apply``, and the plan a repeated call of the same key runs instead (``fmha_ops.plans``): the append kernel and
+the op's decode launcher on the call's own index tensors, no checks (their values are read on the device, where
+the kernels guard them), no selection.
+
+Example
+-------
+>>> call = kvcache_call(q, k_cache, v_cache, None, None, lengths, None, table, None, None, None, None, True, (-1, -1))
+>>> call.query.shape  # (1, B * Mq, Hq, D)  # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+
+from . import arguments, checks, kv_cache
+from . import attn_bias as ab
+from .call import make_problem, run_forward
+from .dispatch import SELECTOR
+from .inputs import make_inputs
+from .measure import forward_measure
+from .plans import PLANS, Plan
+
+#: the append kernel runs on CPU tensors through Triton's interpreter
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def window(window_size, causal: bool) -> tuple[int, int]:
+    """FA3's ``window_size`` as (left, right), -1 = unbounded (any negative value is); ``causal`` sets right = 0."""
+    try:
+        left, right = (int(w) for w in window_size)
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be a pair of ints (left, right), got {window_size!r}") from None
+    left, right = max(left, -1), max(right, -1)
+    return left, (-1 if causal else right)
+
+
+def check_scalars(softmax_scale, causal) -> None:
+    if softmax_scale is not None:
+        arguments.finite_float("softmax_scale", softmax_scale)
+    arguments.flag("causal", causal)
+
+
+def run_kvcache(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, q_descale, k_descale,
+                v_descale, softmax_scale, causal, window_size, softcap, return_lse: bool):
+    """``flash_attn_with_kvcache``'s full path (its arguments as it takes them, ``key`` its call's plan key):
+    validate, append, select and run; then store the plan of repeated calls under ``key`` where they may skip all
+    of that (``_plannable``)."""
+    call = kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, q_descale, k_descale,
+                        v_descale, softmax_scale, causal, window_size)
+    inp = make_inputs(call.query, call.key, call.value, call.bias, scale=softmax_scale, k_descale=call.k_descale,
+                      v_descale=call.v_descale, softcap=softcap, is_partial=return_lse)
+    plannable = key is not None and _plannable(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table)
+    if plannable:  # selected here first, so that autotune times what repeated calls run: the decode launch
+        op = SELECTOR.select(inp.signature(), lambda: make_problem(inp, return_lse), "fw", None,
+                             forward_measure(inp, return_lse, "decode"))
+    out, lse = run_forward(inp, None, return_lse)
+    if plannable:
+        run = decode_run(op, call, inp, q, v_cache, return_lse, k)
+        if run is not None:
+            PLANS.put(key, Plan(run, (op,), ("validation", "selection", "mask")))
+    batch, mq = q.shape[:2]
+    out = out.view(q.shape[:3] + out.shape[3:])
+    if return_lse:
+        return out, lse.view(lse.shape[1], batch, mq).permute(1, 0, 2)
+    return out
+
+
+def _plannable(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table) -> bool:
+    """Whether repeated calls like this one may run a decode plan: paged, device index tensors outside check mode
+    (host ones are read back on every call), no autograd, index strides the kernels read as they lie, and an
+    append (if any) the append kernel can do (on a GPU, or through Triton's interpreter)."""
+    if cache_batch_idx is not None or type(cache_seqlens) is not torch.Tensor or type(page_table) is not torch.Tensor:
+        return False
+    if checks.wanted(q, cache_seqlens, page_table):
+        return False
+    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
+        return False
+    if k is not None and not (type(k) is torch.Tensor and type(v) is torch.Tensor and (q.is_cuda or _INTERPRET)):
+        return False
+    return _unit_stride(cache_seqlens, 0) and _unit_stride(page_table, 1)
+
+
+def decode_run(op, call: "KVCacheCall", inp, q, v_cache, return_lse: bool, new_tokens: torch.Tensor | None = None):
+    """``run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale)`` -> what
+    ``flash_attn_with_kvcache`` returns, by ``op``'s ``decode_launcher`` for calls laid out like ``call`` / ``inp``
+    (validated, ``op`` selected for them); None when the op has no such launcher. With ``new_tokens`` (the first
+    call's ``k``) each run first appends ``k`` / ``v`` at ``cache_seqlens`` (the append kernel) and attends at
+    ``cache_seqlens`` + their count (added on the device). Per run: the output (``torch.empty_like(q)`` where it has
+    q's shape and dtype) and, only when returned, the LSE are allocated, and the kernels launch."""
+    from .ops.common import decode_views
+
+    planner = getattr(op, "decode_launcher", None)
+    if planner is None:
+        return None
+    launch = planner(inp, return_lse, own_workspace=False)
+    per_tensor = call.k_descale is not None and decode_views(inp)[5].stride() == (0, 0, 0)
+    batch, mq, hq, _ = q.shape
+    out_shape, out_dtype, device = q.shape[:3] + (v_cache.shape[3],), inp.out_dtype, q.device
+    like_q = out_shape == q.shape and out_dtype == q.dtype and q.is_contiguous()
+    empty_like = torch.empty_like
+    offset = 0 if new_tokens is None else new_tokens.shape[1]
+    if new_tokens is not None:
+        from .kernels.triton.kv_append import kv_append
+    else:
+        kv_append = None
+
+    if like_q and not per_tensor and not return_lse and kv_append is None:  # the common decode step: one launch
+        def run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale):
+            out = empty_like(q)
+            launch(q, k_cache, v_cache, k_descale, v_descale, cache_seqlens, page_table, out, None, 0)
+            return out
+        return run
+
+    def run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale):
+        if kv_append is not None:
+            kv_append(k, v, k_cache, v_cache, cache_seqlens, block_table=page_table, k_scale=k_descale,
+                      v_scale=v_descale)
+        if per_tensor:
+            k_descale = k_descale.reshape(1, 1, 1).expand(k_cache.shape[:3])
+            v_descale = v_descale.reshape(1, 1, 1).expand(v_cache.shape[:3])
+        out = empty_like(q) if like_q else torch.empty(out_shape, dtype=out_dtype, device=device)
+        lse = torch.empty((batch, hq, mq), dtype=torch.float32, device=device) if return_lse else None
+        launch(q, k_cache, v_cache, k_descale, v_descale, cache_seqlens, page_table, out, lse, offset)
+        return (out, lse) if return_lse else out
+    return run
+
+
+def _unit_stride(t, dim: int) -> bool:
+    """Whether the kernels can read ``t``'s entries along ``dim`` as consecutive ints (they index a length or a
+    page-table row by its position)."""
+    return t.ndim <= dim or t.shape[dim] <= 1 or t.stride(dim) == 1
+
+
+
+class KVCacheCall(NamedTuple):
+    """``flash_attn_with_kvcache``'s call as the op path takes it: query (1, B * Mq, Hq, D), key / value the cache
+    pool (1, pages * page_size, Hkv, D) (views), the paged decode mask, per-token (or per-tensor) descales."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    bias: ab.AttentionBias
+    k_descale: torch.Tensor | None
+    v_descale: torch.Tensor | None
+
+
+def kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, q_descale, k_descale,
+                 v_descale, softmax_scale, causal, window_size) -> KVCacheCall:
+    """Validate ``flash_attn_with_kvcache``'s arguments (ValueError / TypeError / NotImplementedError naming them),
+    append ``k`` / ``v`` when given, and return the call for the op path (``fmha_ops.decode_plan`` plans it)."""
+    left, right = window(window_size, causal)
+    if not causal and (left, right) != (-1, -1):
+        raise NotImplementedError(f"window_size={tuple(window_size)} with causal=False is not implemented by "
+                                  f"flash_attn_with_kvcache (causal=True windows are)")
+    if q_descale is not None:
+        raise NotImplementedError("q_descale is not implemented for flash_attn_with_kvcache (pass a bf16/fp16 q)")
+    _check_cache_tensors(q, k_cache, v_cache, k, v)
+    check_scalars(softmax_scale, causal)
+    batch, mq = q.shape[:2]
+    page = k_cache.shape[1]
+    mnew = 0 if k is None else k.shape[1]
+    paged = page_table is not None
+    if paged:
+        _check_index_tensor("page_table", page_table, (batch, None), (torch.int32,), q.device)
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx is for dense caches; with page_table, reorder the page table instead")
+        capacity = page_table.shape[1] * page
+    else:
+        if cache_batch_idx is None:
+            if k_cache.shape[0] != batch:
+                raise ValueError(f"k_cache has {k_cache.shape[0]} sequences but q has {batch}; pass cache_batch_idx")
+            page_table = torch.arange(batch, dtype=torch.int32, device=q.device)[:, None]  # row b is page b
+        else:
+            _check_index_tensor("cache_batch_idx", cache_batch_idx, (batch,), (torch.int32, torch.int64), q.device)
+            page_table = cache_batch_idx.to(torch.int32)[:, None]
+        capacity = page
+    cache_seqlens = _cache_seqlens(cache_seqlens, q, capacity - mnew)
+    if not _unit_stride(cache_seqlens, 0):  # the kernels read lengths and page-table rows as consecutive ints
+        cache_seqlens = cache_seqlens.contiguous()
+    if paged and not _unit_stride(page_table, 1):
+        page_table = page_table.contiguous()
+    _validate_indices(cache_seqlens, cache_batch_idx, page_table if paged else None, capacity, mnew, k_cache)
+    kd, vd = _cache_descales(k_cache, k_descale, v_descale, q.device)
+    if k is not None:
+        if kd is not None and kd.shape != k_cache.shape[:3]:
+            raise NotImplementedError("appending k/v to an fp8 cache needs per-token k_descale/v_descale (shaped "
+                                      f"like the cache without D, {tuple(k_cache.shape[:3])}) to hold the new "
+                                      f"tokens' scales; got shape {tuple(kd.shape)}")
+        if k_cache.is_cuda or _INTERPRET:
+            from .kernels.triton.kv_append import kv_append as append
+        else:
+            append = kv_cache.append_to_cache
+        append(k, v, k_cache, v_cache, cache_seqlens, block_table=page_table, k_scale=kd, v_scale=vd)
+        seqlens = cache_seqlens + mnew
+    else:
+        seqlens = cache_seqlens
+    if left >= 0:
+        bias = ab.PagedBlockDiagonalCausalLocalPaddedKeysMask.from_device_seqlens(mq, seqlens, page_table, page,
+                                                                                 left + 1)
+    elif causal:
+        bias = ab.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask.from_device_seqlens(mq, seqlens, page_table, page)
+    else:
+        bias = ab.PagedBlockDiagonalPaddedKeysMask.from_device_seqlens(mq, seqlens, page_table, page)
+    pool = (1, k_cache.shape[0] * page)
+    # per-token descales pass in the cache's own (num_pages, page_size, Hkv) layout: no copy, any strides
+    return KVCacheCall(q.reshape(1, batch * mq, *q.shape[2:]), k_cache.reshape(pool + k_cache.shape[2:]),
+                       v_cache.reshape(pool + v_cache.shape[2:]), bias, kd, vd)
+
+
+def _check_cache_tensors(q, k_cache, v_cache, k, v) -> None:
+    """Shapes and dtypes of q, the caches and the appended k/v (host metadata only)."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+        if t is None and name in ("k", "v"):
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.ndim != 4:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; it must be 4-D (batch/pages, seqlen/page_size, "
+                             f"heads, headdim)")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must agree in "
+                         f"(pages, slots, heads)")
+    if k_cache.shape[1] == 0:
+        raise ValueError(f"k_cache has shape {tuple(k_cache.shape)}: a page (or dense sequence) needs >= 1 slot")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
+    if q.shape[3] != k_cache.shape[3]:
+        raise ValueError(f"q head dim {q.shape[3]} != k_cache head dim {k_cache.shape[3]} (q {tuple(q.shape)}, "
+                         f"k_cache {tuple(k_cache.shape)})")
+    if k_cache.shape[2] == 0 or q.shape[2] % k_cache.shape[2]:
+        raise ValueError(f"q heads ({q.shape[2]}) must be a multiple of k_cache heads ({k_cache.shape[2]}) (GQA/MQA)")
+    if (k is None) != (v is None):
+        raise ValueError(f"k and v are appended together; got k={'None' if k is None else 'a tensor'}, "
+                         f"v={'None' if v is None else 'a tensor'}")
+    if k is None:
+        return
+    want_k = (q.shape[0], k.shape[1], k_cache.shape[2], k_cache.shape[3])
+    want_v = (q.shape[0], k.shape[1], v_cache.shape[2], v_cache.shape[3])
+    if tuple(k.shape) != want_k:
+        raise ValueError(f"k has shape {tuple(k.shape)}; appended keys must be (batch={q.shape[0]}, Mnew, "
+                         f"k_cache heads={k_cache.shape[2]}, k_cache head dim={k_cache.shape[3]}), i.e. {want_k}")
+    if tuple(v.shape) != want_v:
+        raise ValueError(f"v has shape {tuple(v.shape)}; appended values must be (batch={q.shape[0]}, Mnew, "
+                         f"v_cache heads={v_cache.shape[2]}, v_cache head dim={v_cache.shape[3]}), i.e. {want_v}")
+    floats = (torch.float16, torch.bfloat16, torch.float32)
+    if k.dtype not in floats or v.dtype != k.dtype:
+        raise ValueError(f"k and v must share a float16/bfloat16/float32 dtype (quantized into an fp8 cache); "
+                         f"got {k.dtype} and {v.dtype}")
+
+
+def _cache_seqlens(cache_seqlens, q: torch.Tensor, most: int) -> torch.Tensor:
+    """``cache_seqlens`` as an int32 (batch,) tensor; an int must lie in [0, ``most``]."""
+    batch = q.shape[0]
+    if cache_seqlens is None:
+        raise ValueError("cache_seqlens is required (int32 (batch,) or an int)")
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        if not 0 <= cache_seqlens <= most:
+            raise ValueError(f"cache_seqlens={cache_seqlens} is outside [0, {most}]: the cache's capacity less the "
+                             f"appended tokens")
+        return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"cache_seqlens must be an int or an int32 tensor of shape ({batch},), got "
+                        f"{type(cache_seqlens).__name__}")
+    _check_index_tensor("cache_seqlens", cache_seqlens, (batch,), (torch.int32,), q.device)
+    return cache_seqlens
+
+
+def _check_index_tensor(name: str, t, shape: tuple, dtypes: tuple, device: torch.device) -> None:
+    """``t`` is a tensor of ``shape`` (None: any size there), one of ``dtypes``, on ``device``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.ndim != len(shape) or any(n is not None and n != m for n, m in zip(shape, t.shape)):
+        want = "(" + ", ".join("any" if n is None else str(n) for n in shape) + ")"
+        raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {want}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} has dtype {t.dtype}; expected {' or '.join(map(str, dtypes))}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but q is on {device}")
+
+
+def _validate_indices(cache_seqlens, cache_batch_idx, page_table, capacity: int, mnew: int, k_cache) -> None:
+    """Host checks of the index tensors (always on the CPU, with ``fmha_ops.checks`` enabled on a GPU)."""
+    tensors = [t for t in (cache_seqlens, cache_batch_idx, page_table) if t is not None]
+    if not checks.wanted(*tensors):
+        return
+    lens = [checks.IndexCheck("cache_seqlens", cache_seqlens, 0, capacity - mnew,
+                              f"the cache holds {capacity} keys per sequence"
+                              + (f" and {mnew} new tokens are appended" if mnew else ""))]
+    if cache_batch_idx is not None:
+        lens.append(checks.IndexCheck("cache_batch_idx", cache_batch_idx, 0, k_cache.shape[0] - 1,
+                                      f"k_cache holds {k_cache.shape[0]} sequences"))
+    if page_table is not None:
+        lens.append(checks.page_table_check("page_table", page_table, cache_seqlens + mnew, k_cache.shape[1],
+                                            k_cache.shape[0], "k_cache"))
+    checks.validate_indices(*lens)
+
+
+def _cache_descales(k_cache, k_descale, v_descale, device):
+    """(k_descale, v_descale) for an fp8 cache: per token (shaped like the cache without D) or per tensor;
+    None for a bf16/fp16 cache. Raises naming the argument otherwise."""
+    if k_cache.element_size() != 1:
+        if k_descale is not None or v_descale is not None:
+            raise ValueError(f"k_descale/v_descale are for an fp8 cache; k_cache is {k_cache.dtype}")
+        return None, None
+    token = tuple(k_cache.shape[:3])
+    for name, d in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if d is None:
+            raise ValueError(f"{name} is required with a {k_cache.dtype} cache: float32 per token {token} "
+                             f"(kv_cache.build_fp8_paged_cache) or per tensor (numel 1)")
+        if not isinstance(d, torch.Tensor):
+            raise TypeError(f"{name} must be a float32 tensor, got {type(d).__name__}")
+        if d.dtype != torch.float32 or d.device != device:
+            raise ValueError(f"{name} must be float32 on {device}, got {d.dtype} on {d.device}")
+        if tuple(d.shape) != token and d.numel() != 1:
+            raise ValueError(f"{name} has shape {tuple(d.shape)}; an fp8 k_cache {tuple(k_cache.shape)} takes "
+                             f"per-token descales {token} (the cache's shape without D) or one per-tensor value; "
+                             f"per-(sequence, head) descales (batch, Hkv) are not supported here")
+    if (tuple(k_descale.shape) == token) != (tuple(v_descale.shape) == token):
+        raise ValueError(f"k_descale {tuple(k_descale.shape)} and v_descale {tuple(v_descale.shape)} must both be "
+                         f"per token {token} or both per tensor")
+    return k_descale, v_descale

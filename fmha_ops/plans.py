@@ -1,0 +1,205 @@
+"""The plan cache: one ``Plan`` per call signature of every public entry point.
+
+A public function turns its arguments into one key (``call_key``), looks it up (``PLANS.get``) and, on a hit, runs
+the plan it finds; on a miss its full path validates the arguments (raising ValueError / TypeError /
+NotImplementedError naming them), selects the op(s), runs the call and, where a repeated call may skip that work,
+stores a ``Plan`` under the key (``PLANS.put``).
+
+The key is derived from the arguments themselves, never listed by hand: ``call_key(entry, args)`` takes every
+argument the entry point was given, in order, and keeps for each what any check may read short of a tensor's values
+
+- a tensor: its type, shape, dtype, device, strides and ``requires_grad`` (and on CUDA the low bits of its address,
+  which the 16-byte alignment rules read);
+- a mask (``attn_bias.AttentionBias``): its ``signature()`` (type, window, sizes; its index tensors' metadata);
+- ``None``, a bool, int, float, str, torch.dtype or a class: the value with its type (``True`` and ``1`` differ);
+- a list or tuple of those: the same, item by item;
+
+and the process state that validation and selection read: the grad mode, torch's deterministic switch, the
+``use_ops`` scope, the fp8-backward switch, check mode (``fmha_ops.checks``) and, with a CUDA tensor, whether a
+CUDA graph is being captured. Any other argument (an object of another library, a mask class, an unhashable value)
+gives no key: the call takes the full path, which converts or names it. So a check added to any entry point reads
+only what the key already holds, unless it reads a tensor's values: those checks (host index tensors, host
+descales, everything in check mode) belong to the full path, whose calls store no plan, or to the plan's own run.
+
+The cache is one bounded LRU (``LIMIT`` plans, in its second-chance form: a hit marks the plan used; a store past
+the limit drops the oldest plan unused since its last chance, moving used ones to the young end) cleared with the selector's memo (``Selector.derived_memo``: ``refresh_env``, tuning-table reloads,
+``SELECTOR.clear()``), so no plan outlives the choice it was built from. A plan holds no tensor of the call that
+built it (buffers a plan allocates for itself aside).
+
+Example
+-------
+>>> key = call_key("my_entry", (q, k, v, None, 0.125))
+>>> plan = PLANS.get(key)
+>>> out = plan.run(q, k, v) if plan is not None else full_path(key, q, k, v)  # the full path calls PLANS.put
+"""
+from __future__ import annotations
+
+from typing import Callable, Hashable
+
+import torch
+
+from . import attn_bias as ab
+from . import checks, fp8_backward
+from .dispatch import SELECTOR
+
+#: plans kept before the least recently used is dropped (varlen-like workloads make new layouts without end)
+LIMIT = 1 << 12
+
+_Tensor = torch.Tensor
+_Bias = ab.AttentionBias
+#: argument types keyed by value (with their type, so that True, 1 and 1.0 make three keys)
+_VALUES = frozenset({bool, int, float, str, torch.dtype, torch.device})
+_is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch._C.is_grad_enabled
+_deterministic = torch._C._get_deterministic_algorithms
+_scope = SELECTOR.current_scope
+_fp8_backward = fp8_backward.enabled_now
+_checks = checks.checks_enabled
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
+#: the low address bits a 16-byte alignment rule reads
+_ALIGN_BITS = 15
+
+
+class Plan:
+    """What a repeated call of one signature runs: ``run(*args)`` (the entry point says which arguments it passes:
+    the tensors whose values change between calls) launches the selected op(s) with everything else bound.
+
+    ``ops``: the selected op classes (forward[, backward]; empty where the entry point chooses none, e.g. a merge).
+    ``skips``: what a hit does not redo (names, for readers and tests), e.g. ``("validation", "selection")``;
+    what reads tensor values is never among them. ``bound``: the constants ``run`` is bound to where a caller
+    reads them (a traced call's ``compiled.CallSpec``), else None.
+    """
+
+    __slots__ = ("run", "ops", "skips", "bound", "used")
+
+    def __init__(self, run: Callable, ops: tuple = (), skips: tuple = ("validation", "selection"),
+                 bound: object = None) -> None:
+        self.run, self.ops, self.skips, self.bound = run, ops, skips, bound
+        self.used = False  # looked up since the cache last considered dropping it (``PlanCache``)
+
+    def __repr__(self) -> str:
+        return f"Plan(ops={[op.NAME for op in self.ops]}, skips={self.skips})"
+
+
+class PlanCache:
+    """The bounded LRU of plans by ``call_key`` (``PLANS`` is the one instance)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._plans: dict = SELECTOR.derived_memo()  # cleared with the selector's memo
+
+    def get(self, key: Hashable | None) -> Plan | None:
+        """The plan stored under ``key`` (None: no key, or none stored); a hit marks the plan used. Without a key
+        (a trace) the cache is not read: compiled graphs hold no guard on it."""
+        if key is None:
+            return None
+        try:
+            plan = self._plans.get(key)
+        except TypeError:  # an unhashable item (a mask's signature of another library's values): no plan
+            return None
+        if plan is not None:
+            plan.used = True
+        return plan
+
+    def put(self, key: Hashable | None, plan: Plan) -> Plan:
+        """Store ``plan`` under ``key`` (nothing without a key); past ``limit`` the least recently used plan goes."""
+        if key is not None and _hashable(key):
+            plans = self._plans
+            while len(plans) >= self.limit and key not in plans:
+                self._evict_one(plans)
+            plans[key] = plan
+        return plan
+
+    @staticmethod
+    def _evict_one(plans: dict) -> None:
+        """Drop the oldest plan not used since it was last looked at here; a used one moves to the young end with
+        its mark cleared (the second-chance form of LRU: a hit costs one lookup and a flag, not a reordering)."""
+        while True:
+            oldest = next(iter(plans))
+            plan = plans.pop(oldest)
+            if not plan.used:
+                return
+            plan.used = False
+            plans[oldest] = plan
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def __contains__(self, key) -> bool:
+        return key in self._plans
+
+    def plans(self, entry: Hashable | None = None) -> list[Plan]:
+        """The stored plans (of calls of ``entry``, the first item of their keys, when given), least recently used
+        first."""
+        return [plan for key, plan in self._plans.items() if entry is None or key[0] is entry]
+
+
+PLANS = PlanCache(LIMIT)
+
+
+def _hashable(key) -> bool:
+    try:
+        hash(key)
+    except TypeError:
+        return False
+    return True
+
+
+def call_key(entry: Hashable, args: tuple) -> tuple | None:
+    """The key of one call of ``entry`` (the public function) with ``args`` (every argument it was given, in its
+    own order, the main tensor first), or None where the call cannot have a plan: inside a torch.compile trace
+    (``PLANS`` is never read there, so compiled graphs hold no guard on it) or an argument the key cannot hold (see
+    the module docstring). Where the first argument is a CUDA tensor, each tensor's item holds its address bits
+    below 16 bytes and the key whether a CUDA graph is being captured.
+
+    Example: ``call_key(flash_attn_func, (q, k, v, None, True))`` equals the key of any later call with tensors of
+    the same metadata, the same scalars and the same process state.
+    """
+    if _is_compiling():
+        return None
+    first = args[0]
+    try:
+        if type(first) is _Tensor and first.is_cuda:
+            items = [None if a is None else (a.shape, a.dtype, a.device, a.stride(), a.requires_grad,
+                                             a.data_ptr() & _ALIGN_BITS) if type(a) is _Tensor
+                     else (type(a), a) if type(a) in _VALUES else _other(a, True) for a in args]
+            items.append(_capturing())
+        else:  # one expression per argument: the hot path of every repeated call
+            items = [None if a is None else (a.shape, a.dtype, a.device, a.stride(), a.requires_grad)
+                     if type(a) is _Tensor else (type(a), a) if type(a) in _VALUES else _other(a, False)
+                     for a in args]
+    except _NoKey:
+        return None
+    return (entry, _grad_enabled(), _deterministic(), _scope(), _fp8_backward(), _checks(), *items)
+
+
+class _NoKey(Exception):
+    """An argument ``call_key`` cannot hold."""
+
+
+def _other(a, cuda: bool):
+    """``call_key``'s item for an argument that is not None, a plain tensor or a value: a mask's signature, a list /
+    tuple item by item, a tensor subclass with its type, a class; raises ``_NoKey`` for anything else."""
+    kind = type(a)
+    if isinstance(a, _Bias):
+        try:
+            return a.signature()
+        except Exception:  # a mask whose state its own checks reject: the full path names it
+            raise _NoKey from None
+    if kind is list or kind is tuple:
+        return (kind, *[None if x is None else _other(x, cuda) if type(x) is not _Tensor and type(x) not in _VALUES
+                        else (type(x), x) if type(x) in _VALUES else _tensor(x, cuda) for x in a])
+    if isinstance(a, _Tensor):  # a subclass (nn.Parameter): its type is part of the key
+        return (kind, *_tensor(a, cuda))
+    if isinstance(a, type):
+        return a
+    raise _NoKey
+
+
+def _tensor(t, cuda: bool) -> tuple:
+    if cuda:
+        return t.shape, t.dtype, t.device, t.stride(), t.requires_grad, t.data_ptr() & _ALIGN_BITS
+    return t.shape, t.dtype, t.device, t.stride(), t.requires_grad
