@@ -1,16 +1,18 @@
-"""``python -m fmha_ops [info|explain|tune]``.
+"""``python -m fmha_ops [info|explain|tune] [options]`` (``--help`` after a command lists its options).
 
-info (default): the arch, every registered op with whether it is available here (and why not),
+info (default): the arch, the ops available here, the others grouped under the reason they cannot run,
 and one sample call routed through the selector with the op chosen and its time.
 explain: the selector's verdict for one shape, e.g.
 ``python -m fmha_ops explain --shape 4,4096,32,4096,8,128 --dtype bfloat16 --causal``.
 tune: time every available op on the tuning grid and write this GPU's timing table
 (default ``$FMHA_OPS_TUNING_DIR/<device>.json``, else ``./fmha_ops_tuning/<device>.json``);
-``tune --host-only --out TABLE`` re-times only the table's host rows (seconds, not minutes).
+``tune --host-only --out TABLE`` re-times only the table's host rows (seconds, not minutes). Without a GPU, tune
+says so and stops (``tune --quick`` still runs its few tiny calls on the CPU: a smoke test).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -32,15 +34,22 @@ def _sample(device: str, dtype: torch.dtype, b: int, mq: int, hq: int, mk: int, 
 def info() -> int:
     arch = current_arch()
     print(f"fmha_ops on {arch}; torch {torch.__version__}")
-    rows = []
+    header = ("op", "kind", "archs", "aliases")
+    rows, unavailable = [], {}
     for op in REGISTRY.ops():
         why = op.available()
-        archs = ",".join(op.ARCHS)
-        aliases = ",".join(REGISTRY.aliases(op))
-        rows.append((op.NAME, op.KIND, archs, "yes" if why is None else f"no: {why}", aliases))
-    widths = [max(len(r[i]) for r in rows + [("op", "kind", "archs", "available", "aliases")]) for i in range(5)]
-    for r in [("op", "kind", "archs", "available", "aliases")] + rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        if why is None:
+            rows.append((op.NAME, op.KIND, ",".join(op.ARCHS), ",".join(REGISTRY.aliases(op))))
+        else:
+            unavailable.setdefault(why, []).append(op.NAME)
+    print(f"\navailable here ({len(rows)} ops):")
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+    for r in [header] + rows:
+        print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    if unavailable:
+        print(f"\nnot available here ({sum(len(v) for v in unavailable.values())} ops), by reason:")
+        for why, names in sorted(unavailable.items(), key=lambda item: (-len(item[1]), item[0])):
+            print(f"  {why}\n      {', '.join(names)}")
     if arch.kind == "cpu":
         device, dtype, shape = "cpu", torch.float32, (1, 256, 8, 256, 2, 64)
     else:
@@ -48,8 +57,9 @@ def info() -> int:
     q, k, v = _sample(device, dtype, *shape)
     bias = fmha_ops.LowerTriangularMask()
     report = fmha_ops.explain(q, k, v, bias)
-    print(f"\nsample call: q {tuple(q.shape)} k/v {tuple(k.shape)} {dtype} causal on {device}")
-    print(report)
+    print(f"\nsample call: q {tuple(q.shape)} k/v {tuple(k.shape)} {dtype} causal on {device} (the ops available "
+          f"here)")
+    print(dataclasses.replace(report, verdicts=[v for v in report.verdicts if v.unavailable is None]))
     fmha_ops.memory_efficient_attention(q, k, v, bias)
     t_ms = _time_ms(lambda: fmha_ops.memory_efficient_attention(q, k, v, bias), device)
     print(f"ran {report.selected.NAME}: {t_ms:.3f} ms")
@@ -112,6 +122,11 @@ def tune(argv: list[str]) -> int:
                    help="run every timed op once, untimed (fills the JIT caches), and write nothing")
     p.add_argument("--shard", default="0/1", help="K/N: only every N-th call from the K-th (for --compile-only)")
     a = p.parse_args(argv)
+    if not torch.cuda.is_available() and not a.quick:
+        print("python -m fmha_ops tune measures the ops of a GPU, and torch sees none here "
+              "(torch.cuda.is_available() is False); run it on the GPU to tune (tune --quick runs a CPU smoke test)",
+              file=sys.stderr)
+        return 2
     name = current_arch().name.replace(" ", "_")
     out = a.out or os.path.join(os.environ.get("FMHA_OPS_TUNING_DIR") or "fmha_ops_tuning", f"{name}.json")
     ops = frozenset(n.strip() for n in a.ops.split(",") if n.strip()) if a.ops else None
@@ -133,13 +148,17 @@ def tune(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cmd, rest = (argv[0], argv[1:]) if argv else ("info", [])
+    if cmd in ("-h", "--help", "help"):
+        print(__doc__.strip())
+        return 0
     if cmd == "info":
         return info()
     if cmd == "explain":
         return explain(rest)
     if cmd == "tune":
         return tune(rest)
-    print(f"unknown command {cmd!r}; use: info | explain | tune", file=sys.stderr)
+    print(f"unknown command {cmd!r}; use: python -m fmha_ops [info | explain | tune] (--help for more)",
+          file=sys.stderr)
     return 2
 
 

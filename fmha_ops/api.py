@@ -363,13 +363,21 @@ def _parts(name: str, parts: Any) -> list[torch.Tensor]:
             raise ValueError(f"{name} must hold at least one part along dim 0, got shape {tuple(parts.shape)}")
         return list(parts.unbind(0))
     if not isinstance(parts, (list, tuple)) or not parts or not all(isinstance(p, torch.Tensor) for p in parts):
-        raise TypeError(f"{name} must be a tensor or a non-empty list of tensors, got {type(parts).__name__}"
-                        f"{' of ' + ', '.join(sorted({type(p).__name__ for p in parts})) if isinstance(parts, (list, tuple)) else ''}")
+        raise TypeError(f"{name} must be a tensor or a non-empty list of tensors, got {_described(parts)}")
     first = parts[0]
     if any(p.shape != first.shape or p.dtype != first.dtype or p.device != first.device for p in parts[1:]):
         shapes = {tuple(p.shape) for p in parts}
         raise ValueError(f"{name}: every part must have one shape, dtype and device; got shapes {sorted(shapes)}")
     return list(parts)
+
+
+def _described(parts: Any) -> str:
+    """What a ``merge_attentions`` argument that is not a tensor or a list of tensors is, in words."""
+    if not isinstance(parts, (list, tuple)):
+        return f"a {type(parts).__name__}"
+    if not parts:
+        return f"an empty {type(parts).__name__}"
+    return f"a {type(parts).__name__} of {', '.join(sorted({type(p).__name__ for p in parts}))}"
 
 
 def _stacked_shape(parts: list[torch.Tensor]) -> tuple[int, ...]:

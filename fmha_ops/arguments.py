@@ -113,6 +113,15 @@ def require_finite(name: str, x: torch.Tensor) -> None:
         raise ValueError(f"{name} must be finite; entry {idx if len(idx) > 1 else idx[0]} is {x[idx].item()}")
 
 
+def require_nonnegative(name: str, x: torch.Tensor) -> None:
+    """Raise ValueError naming the first entry of ``x`` below 0 (reads ``x``: a sync for device tensors)."""
+    bad = x < 0
+    if bool(bad.any()):
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"{name} must be >= 0 (a descale multiplies quantized values back to theirs); entry "
+                         f"{idx if len(idx) > 1 else idx[0]} is {x[idx].item()}")
+
+
 def host_finite(name: str, x: torch.Tensor) -> None:
     """``require_finite`` for a host-resident float tensor (device tensors are not read: no sync)."""
     if x.device.type == "cpu" and x.is_floating_point() and x.numel() and not torch.compiler.is_compiling():

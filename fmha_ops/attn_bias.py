@@ -1238,10 +1238,19 @@ def from_xformers(bias: object) -> AttentionBias:
     BlockDiagonalMask(q_seqinfo=..., k_seqinfo=..., _batch_sizes=None)
     """
     name = type(bias).__name__
+    if isinstance(bias, type) and issubclass(bias, AttentionBias):
+        cls = bias.__name__
+        build = f"{cls}.from_seqlens(...)" if hasattr(bias, "from_seqlens") else f"{cls}()"
+        raise TypeError(f"attn_bias={cls} is a mask class; pass a mask object, e.g. attn_bias={build}")
+    if isinstance(bias, (str, bool, int, float)):
+        raise TypeError(f"attn_bias={bias!r} is a {name}; pass a mask object from fmha_ops.attn_bias (causal: "
+                        f"LowerTriangularMask() aligns the first query with the first key, "
+                        f"LowerTriangularFromBottomRightMask() the last with the last), an additive bias tensor "
+                        f"broadcastable to (B, Hq, Mq, Mk), or None")
     ours = MASK_CLASSES.get(name)
     if ours is None or name in ("TensorBias", "BlockDiagonalLocalAttentionFromBottomRightMask"):
-        raise ValueError(f"attn_bias of type xformers {name} is not supported; supported: "
-                         f"{', '.join(sorted(MASK_CLASSES))}")
+        raise ValueError(f"attn_bias of type {type(bias).__module__}.{name} is not supported; supported: fmha_ops "
+                         f"masks and the xformers masks {', '.join(sorted(MASK_CLASSES))}")
     if ours is LowerTriangularMaskWithTensorBias:
         return ours(bias._bias)
     if name not in _MASK_FIELDS:

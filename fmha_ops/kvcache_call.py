@@ -280,7 +280,8 @@ def _check_index_tensor(name: str, t, shape: tuple, dtypes: tuple, device: torch
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
     if t.ndim != len(shape) or any(n is not None and n != m for n, m in zip(shape, t.shape)):
-        want = "(" + ", ".join("any" if n is None else str(n) for n in shape) + ")"
+        sizes = ["any" if n is None else str(n) for n in shape]
+        want = f"({sizes[0]},)" if len(sizes) == 1 else "(" + ", ".join(sizes) + ")"
         raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {want}")
     if t.dtype not in dtypes:
         raise ValueError(f"{name} has dtype {t.dtype}; expected {' or '.join(map(str, dtypes))}")

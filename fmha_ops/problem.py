@@ -62,6 +62,7 @@ class Problem:
     window_left: int = -1
     window_right: int = -1
     softcap: bool = False  # scores are capped: s * tanh(score / s) before the softmax (``Inputs.softcap``)
+    negative_scale: bool = False  # the softmax scale is below 0 (``AttentionOp.NEGATIVE_SCALE``)
     bias_grad: bool = False  # autograd differentiates a tensor attn_bias
     sinks: bool = False  # attention sinks join the softmax denominators (fmha_ops.sinks)
 

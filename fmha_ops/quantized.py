@@ -31,7 +31,6 @@ from . import attn_bias as ab
 from . import arguments, compiled
 from .call import make_problem, run_forward
 from .dispatch import SELECTOR
-from .dtypes import FLOAT_DTYPES
 from .inputs import Inputs, make_inputs
 from .plans import PLANS, Plan, call_key
 from .quant import (
@@ -125,9 +124,13 @@ class _QuantizedAttention(torch.autograd.Function):
         return None, None, None, None, dq, dk, dv, dsinks
 
 
+#: the dtypes the quantize-inside functions take (and return): the ones their backward kernels run in
+_QUANTIZED_FROM = (torch.float16, torch.bfloat16)
+
+
 def _check_call(q, k, v, causal, softmax_scale) -> None:
     """Raise on bad arguments (once per call signature: a repeated call runs its plan)."""
-    arguments.bmhk_qkv(q, k, v, dtypes=FLOAT_DTYPES)
+    arguments.bmhk_qkv(q, k, v, dtypes=_QUANTIZED_FROM)
     arguments.flag("causal", causal)
     if softmax_scale is not None:
         arguments.finite_float("softmax_scale", softmax_scale)

@@ -135,8 +135,8 @@ def _validate_descales(inp: Inputs) -> None:
 
 
 def check_values(inp: Inputs) -> None:
-    """Per-call checks of values the signature does not hold: descales must be finite, and masks check their
-    index tables. Host-resident tensors always; device-resident ones only in check mode
+    """Per-call checks of values the signature does not hold: descales must be finite and >= 0, and masks check
+    their index tables. Host-resident tensors always; device-resident ones only in check mode
     (``fmha_ops.checks``: one host sync), never during a CUDA graph capture or a torch.compile trace."""
     if torch.compiler.is_compiling():
         return
@@ -144,11 +144,12 @@ def check_values(inp: Inputs) -> None:
                 if d is not None]
     if descales and not all(d.device.type == "cpu" for _, d in descales) and not checks.device_checks_wanted():
         descales = [(role, d) for role, d in descales if d.device.type == "cpu"]  # device ones: in check mode only
-    if descales:
-        finite = [bool(f) for f in torch.stack([torch.isfinite(d).all() for _, d in descales]).tolist()]
-        for (role, d), ok in zip(descales, finite):
-            if not ok:
+    if descales:  # one read back for all of them: finite and >= 0 (0: an all-zero block or token)
+        ok = [bool(f) for f in torch.stack([(torch.isfinite(d) & (d >= 0)).all() for _, d in descales]).tolist()]
+        for (role, d), good in zip(descales, ok):
+            if not good:
                 arguments.require_finite(role, d)
+                arguments.require_nonnegative(role, d)
     if inp.attn_bias is not None:
         inp.attn_bias.check_values(inp.key)
 

@@ -232,7 +232,11 @@ class Selector:
         return self._env_autotune if tuning is None else tuning
 
     def _name(self, op: type[Op] | str) -> str:
-        return (self.registry.get(op) if isinstance(op, str) else op).NAME
+        if isinstance(op, str):
+            return self.registry.get(op).NAME
+        if isinstance(op, type) and issubclass(op, Op):
+            return op.NAME
+        raise TypeError(f"use_ops takes op classes or op names (str), got {type(op).__name__} {op!r}")
 
     # ---- ranking ------------------------------------------------------------------------
     def verdict(self, op: type[Op], problem: Any) -> Verdict:

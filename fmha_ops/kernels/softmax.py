@@ -28,6 +28,8 @@ import triton.language as tl
 LOG2E = tl.constexpr(1.4426950408889634)
 #: ln(2): a log2-domain log-sum-exp times LN2 is the natural-log LSE the API returns.
 LN2 = tl.constexpr(0.6931471805599453)
+#: the smallest normal float32: the least score multiplier ``softmax_step`` uses (see there)
+MIN_QK_SCALE = tl.constexpr(1.1754943508222875e-38)
 #: the Triton interpreter (CPU) runs no inline PTX: ``tanh`` takes exp2 there
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 
@@ -96,12 +98,15 @@ def softmax_step(s, keep, m_i, l_i, qk_scale, OFF: tl.constexpr, P_SHIFT: tl.con
     """One key tile of the online softmax.
 
     ``s`` [rows, keys] fp32 raw scores (``OFF`` added: the int8 path's conversion offset, else 0), scaled by
-    ``qk_scale`` (> 0, log2 units). ``MASKED``: some scores are hidden, either by ``keep`` (visible keys) or,
+    ``qk_scale`` (>= 0, log2 units; ops with this softmax declare no negative softmax scale, descales are >= 0). ``MASKED``: some scores are hidden, either by ``keep`` (visible keys) or,
     with ``keep`` None, already -inf in ``s`` (``hide_keys``); rows may then have seen no key yet. ``m_i``,
     ``l_i``: the running row max and sum. Returns (p fp32 scaled by 2**P_SHIFT, new max, new sum, alpha: the
     factor that rescales the accumulator). qk_scale > 0 commutes with the row max, so one FMA per score feeds
     exp2, masked or not.
     """
+    # a zero scale (softmax scale 0, or a zero descale: an all-zero token quantizes to descale 0) becomes the
+    # smallest normal float: hidden scores stay -inf (0 * -inf would be NaN) and the visible ones weigh the same
+    qk_scale = tl.maximum(qk_scale, MIN_QK_SCALE)
     if MASKED and keep is not None:
         s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m_i, (tl.max(s, 1) - OFF) * qk_scale)

@@ -148,7 +148,9 @@ def mapping(name: str) -> Mapping:
                                               f"{', '.join(map(str, FIXED_SPLITS))}); {_FLYDSL_SPLIT} chooses the split count")
         return Mapping(name, rule.kind, target, why)
     raise ValueError(f"op={name!r} is not a registered op ({', '.join(sorted(o.NAME for o in REGISTRY.ops()))}) "
-                     f"nor a known xformers / MSLK op name (patterns: {'; '.join(r.pattern for r in RULES)})")
+                     f"nor a known xformers / MSLK op name ({', '.join(sorted(set(QUALNAMES.values())))}; "
+                     f"fa2/fa3 names may carry a version, e.g. fa2F@2.5.6, and split-K names a split count, e.g. "
+                     f"triton_splitK8, ck_splitK8F)")
 
 
 def foreign_op(op: Any, kind: str) -> type[Op] | None:

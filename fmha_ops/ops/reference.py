@@ -114,6 +114,7 @@ class ReferenceFwOp(AttentionFwOp):
     OUT_DTYPES = frozenset(FLOAT_DTYPES) | {torch.float8_e4m3fn}  # fp8: in v's units (validation's contract)
     HEAD_DIMS = range(1, 1025)
     HEAD_DIMS_V = range(1, 1025)
+    NEGATIVE_SCALE = True
     BIAS_KINDS = ab.ALL_KINDS
     GQA = True
     PAGE_SIZES = range(1, 1 << 20)
@@ -156,6 +157,7 @@ class ReferenceBwOp(AttentionBwOp):
 
     NAME = "torch_referenceB"
     ARCHS = ReferenceFwOp.ARCHS
+    NEGATIVE_SCALE = True
     DTYPES = _DTYPES
     OUT_DTYPES = frozenset(FLOAT_DTYPES)
     HEAD_DIMS = ReferenceFwOp.HEAD_DIMS

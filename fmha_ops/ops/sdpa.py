@@ -62,6 +62,7 @@ class _SdpaOp(AttentionFwOp):
     AUTOGRAD = True
     DROPOUT = True
     TRACEABLE = True
+    NEGATIVE_SCALE = True
     #: achieved (TFLOP/s, TB/s, overhead us) on the H200 for the cost model; CPU rates below
     RATES: ClassVar[tuple[float, float, float]]
     CPU_RATES: ClassVar[tuple[float, float, float]] = (0.001, 0.005, 100.0)
