@@ -47,8 +47,9 @@ LIMIT = 1 << 12
 
 _Tensor = torch.Tensor
 _Bias = ab.AttentionBias
-#: argument types keyed by value (with their type, so that True, 1 and 1.0 make three keys)
-_VALUES = frozenset({bool, int, float, str, torch.dtype, torch.device})
+#: argument types keyed by value; numbers with their type (True, 1 and 1.0 are equal keys, not equal arguments)
+_NUMBERS = frozenset({bool, int, float})
+_VALUES = frozenset({str, torch.dtype, torch.device})
 _is_compiling = torch.compiler.is_compiling
 _grad_enabled = torch._C.is_grad_enabled
 _deterministic = torch._C._get_deterministic_algorithms
@@ -161,18 +162,28 @@ def call_key(entry: Hashable, args: tuple) -> tuple | None:
     if _is_compiling():
         return None
     first = args[0]
+    cuda = type(first) is _Tensor and first.is_cuda
+    items = []
+    item = items.append
     try:
-        if type(first) is _Tensor and first.is_cuda:
-            items = [None if a is None else (a.shape, a.dtype, a.device, a.stride(), a.requires_grad,
-                                             a.data_ptr() & _ALIGN_BITS) if type(a) is _Tensor
-                     else (type(a), a) if type(a) in _VALUES else _other(a, True) for a in args]
-            items.append(_capturing())
-        else:  # one expression per argument: the hot path of every repeated call
-            items = [None if a is None else (a.shape, a.dtype, a.device, a.stride(), a.requires_grad)
-                     if type(a) is _Tensor else (type(a), a) if type(a) in _VALUES else _other(a, False)
-                     for a in args]
+        for a in args:  # the hot path of every repeated call: the commonest kinds first, no call per argument
+            if a is None:
+                item(None)
+            elif (kind := type(a)) is _Tensor:
+                if cuda:
+                    item((a.shape, a.dtype, a.device, a.stride(), a.requires_grad, a.data_ptr() & _ALIGN_BITS))
+                else:
+                    item((a.shape, a.dtype, a.device, a.stride(), a.requires_grad))
+            elif kind in _NUMBERS:
+                item((kind, a))
+            elif kind in _VALUES:
+                item(a)
+            else:
+                item(_other(a, cuda))
     except _NoKey:
         return None
+    if cuda:
+        item(_capturing())
     return (entry, _grad_enabled(), _deterministic(), _scope(), _fp8_backward(), _checks(), *items)
 
 
@@ -181,8 +192,8 @@ class _NoKey(Exception):
 
 
 def _other(a, cuda: bool):
-    """``call_key``'s item for an argument that is not None, a plain tensor or a value: a mask's signature, a list /
-    tuple item by item, a tensor subclass with its type, a class; raises ``_NoKey`` for anything else."""
+    """``call_key``'s item for an argument that is not None, a number, a value or a plain tensor: a mask's signature,
+    a list / tuple item by item, a tensor subclass with its type, a class; raises ``_NoKey`` for anything else."""
     kind = type(a)
     if isinstance(a, _Bias):
         try:
@@ -190,8 +201,8 @@ def _other(a, cuda: bool):
         except Exception:  # a mask whose state its own checks reject: the full path names it
             raise _NoKey from None
     if kind is list or kind is tuple:
-        return (kind, *[None if x is None else _other(x, cuda) if type(x) is not _Tensor and type(x) not in _VALUES
-                        else (type(x), x) if type(x) in _VALUES else _tensor(x, cuda) for x in a])
+        return (kind, *[None if x is None else (type(x), x) if type(x) in _NUMBERS else x if type(x) in _VALUES
+                        else _tensor(x, cuda) if type(x) is _Tensor else _other(x, cuda) for x in a])
     if isinstance(a, _Tensor):  # a subclass (nn.Parameter): its type is part of the key
         return (kind, *_tensor(a, cuda))
     if isinstance(a, type):

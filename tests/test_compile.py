@@ -61,6 +61,11 @@ def _graph_breaks(fn, *args) -> int:
 CAUSAL = ab.LowerTriangularMask()
 
 
+def _bf16(*ts):
+    """The quantize-inside functions take bfloat16 / float16 tensors."""
+    return [t.to(torch.bfloat16) for t in ts]
+
+
 @pytest.mark.parametrize("name, fn", [
     ("memory_efficient_attention", lambda q, k, v: fmha_ops.memory_efficient_attention(q, k, v, CAUSAL)),
     ("reference op (custom op)", lambda q, k, v: fmha_ops.memory_efficient_attention(
@@ -68,8 +73,8 @@ CAUSAL = ab.LowerTriangularMask()
     ("bottom-right causal", lambda q, k, v: fmha_ops.memory_efficient_attention(
         q, k[:, :20], v[:, :20], ab.LowerTriangularFromBottomRightMask())),
     ("flash_attn_func", lambda q, k, v: fmha_ops.flash_attn_func(q, k, v, causal=True)),
-    ("fp8_attention", lambda q, k, v: fmha_ops.fp8_attention(q, k, v, causal=True)),
-    ("i8fp8_attention", lambda q, k, v: fmha_ops.i8fp8_attention(q, k, v)),
+    ("fp8_attention", lambda q, k, v: fmha_ops.fp8_attention(*_bf16(q, k, v), causal=True)),
+    ("i8fp8_attention", lambda q, k, v: fmha_ops.i8fp8_attention(*_bf16(q, k, v))),
 ])
 def test_differentiable_entry_points_compile_fullgraph(name, fn):
     _check(fn, *_qkv(), grad=True)
@@ -231,7 +236,7 @@ def test_explain_reports_no_graph_break_for_the_entry_points():
     q, k, v = _qkv(seed=6)
     for fn in (lambda q, k, v: fmha_ops.memory_efficient_attention(q, k, v, CAUSAL, op="torch_referenceF"),
                lambda q, k, v: fmha_ops.flash_attn_func(q, k, v, causal=True),
-               lambda q, k, v: fmha_ops.fp8_attention(q, k, v)):
+               lambda q, k, v: fmha_ops.fp8_attention(*_bf16(q, k, v))):
         assert _graph_breaks(fn, q, k, v) == 0
 
 
