@@ -22,7 +22,7 @@ from .call import make_problem, no_grad, run_forward
 from .dispatch import REGISTRY, SELECTOR
 from .dtypes import FLOAT_DTYPES
 from .inputs import BMHK, Inputs, checks_values, make_inputs
-from .plans import PLANS, Plan, call_key
+from .plans import PLANS, Plan, key_function
 
 OpArg = Any  # an op class, name/alias, or (FwOp, BwOp) tuple
 _is_compiling = torch.compiler.is_compiling
@@ -58,8 +58,8 @@ def memory_efficient_attention(
     >>> o8 = memory_efficient_attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
     ...                                 output_dtype=torch.float8_e4m3fn)  # attention = o8.float() * vd
     """
-    key_ = call_key(memory_efficient_attention, (query, key, value, attn_bias, p, scale, op, output_dtype, q_descale,
-                                                 k_descale, v_descale, quantize_kv_to_fp8, softcap))
+    key_ = _KEY_MEA(query, key, value, attn_bias, p, scale, op, output_dtype, q_descale, k_descale, v_descale,
+                    quantize_kv_to_fp8, softcap)
     plan = PLANS.get(key_)
     if plan is not None:
         return plan.run(query, key, value, attn_bias, q_descale, k_descale, v_descale)[0]
@@ -77,8 +77,8 @@ def memory_efficient_attention_forward(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Like ``memory_efficient_attention`` without autograd (inference)."""
-    key_ = call_key(memory_efficient_attention_forward, (query, key, value, attn_bias, p, scale, op, output_dtype,
-                                                         q_descale, k_descale, v_descale, quantize_kv_to_fp8, softcap))
+    key_ = _KEY_FORWARD(query, key, value, attn_bias, p, scale, op, output_dtype, q_descale, k_descale, v_descale,
+                        quantize_kv_to_fp8, softcap)
     plan = PLANS.get(key_)
     if plan is not None:
         return plan.run(query, key, value, attn_bias, q_descale, k_descale, v_descale)[0]
@@ -89,6 +89,10 @@ def memory_efficient_attention_forward(
         return inp.layout(run_forward(inp, op, False, key_)[0])
     with no_grad():  # the plan of this call switches autograd off around its launch too
         return inp.layout(run_forward(inp, op, False, key_, _without_grad)[0])
+
+
+_KEY_MEA = key_function(memory_efficient_attention)
+_KEY_FORWARD = key_function(memory_efficient_attention_forward)
 
 
 def _without_grad(launch):
@@ -121,8 +125,8 @@ def memory_efficient_attention_partial(
     LSE includes them (a row without keys: the sink): give them to one part only before ``merge_attentions``.
     Dropout is refused (``p`` must be 0), as in xformers: the parts could not be merged exactly.
     """
-    key_ = call_key(memory_efficient_attention_partial, (query, key, value, attn_bias, p, scale, op, output_dtype,
-                                                         q_descale, k_descale, v_descale, quantize_kv_to_fp8, softcap))
+    key_ = _KEY_PARTIAL(query, key, value, attn_bias, p, scale, op, output_dtype, q_descale, k_descale, v_descale,
+                        quantize_kv_to_fp8, softcap)
     plan = PLANS.get(key_)
     if plan is not None:  # plans exist only for calls that need no gradient (the full path refuses the rest)
         return plan.run(query, key, value, attn_bias, q_descale, k_descale, v_descale)
@@ -139,6 +143,9 @@ def memory_efficient_attention_partial(
     with no_grad():
         out, lse = run_forward(inp, op, True, key_)
     return inp.layout(out), inp.layout.lse(lse)
+
+
+_KEY_PARTIAL = key_function(memory_efficient_attention_partial)
 
 
 def memory_efficient_attention_forward_requires_grad(
@@ -158,8 +165,7 @@ def memory_efficient_attention_forward_requires_grad(
     >>> dq, dk, dv = memory_efficient_attention_backward(torch.ones_like(out), out, lse, q, k, v,
     ...                                                  LowerTriangularMask())
     """
-    key_ = call_key(memory_efficient_attention_forward_requires_grad, (query, key, value, attn_bias, p, scale, op,
-                                                                       output_dtype, softcap))
+    key_ = _KEY_FORWARD_REQUIRES_GRAD(query, key, value, attn_bias, p, scale, op, output_dtype, softcap)
     plan = PLANS.get(key_)
     if plan is not None:
         return plan.run(query, key, value, attn_bias, None, None, None)
@@ -169,6 +175,9 @@ def memory_efficient_attention_forward_requires_grad(
     with no_grad():
         out, lse = run_forward(inp, op, True, key_, _without_grad)
     return inp.layout(out), _lse_layout(inp, lse)
+
+
+_KEY_FORWARD_REQUIRES_GRAD = key_function(memory_efficient_attention_forward_requires_grad)
 
 
 def memory_efficient_attention_backward(
@@ -183,8 +192,7 @@ def memory_efficient_attention_backward(
     gradient is ``fmha_ops.sinks.sink_grad(output, grad, lse, sinks)``); ``grad`` is d(loss)/d(output). BMHK or BMK tensors (for GQA pass key / value with Hkv heads
     in BMHK). ``op``: a backward op, or an (FwOp, BwOp) tuple. Dropout is refused (``p`` must be 0).
     """
-    key_ = call_key(memory_efficient_attention_backward, (grad, output, lse, query, key, value, attn_bias, p, scale,
-                                                          op, softcap))
+    key_ = _KEY_BACKWARD(grad, output, lse, query, key, value, attn_bias, p, scale, op, softcap)
     plan = PLANS.get(key_)
     if plan is not None:
         return plan.run(grad, output, lse, query, key, value, attn_bias)
@@ -208,6 +216,9 @@ def memory_efficient_attention_backward(
             attn_bias.tensor_bias is None and not checks_values(type(attn_bias)))):
         PLANS.put(key_, Plan(_backward_plan(bw, inp), (bw,)))
     return inp.layout(dq), inp.layout(dk), inp.layout(dv)
+
+
+_KEY_BACKWARD = key_function(memory_efficient_attention_backward)
 
 
 def _backward_plan(bw, inp: Inputs):
@@ -248,7 +259,7 @@ def merge_attentions(
     >>> parts = [memory_efficient_attention_partial(q, k[:, s], v[:, s]) for s in (slice(0, 512), slice(512, None))]
     >>> out, lse = merge_attentions([o for o, _ in parts], [lse for _, lse in parts])
     """
-    key_ = call_key(merge_attentions, (attn_split, lse_split, write_lse, output_dtype))
+    key_ = _KEY_MERGE(attn_split, lse_split, write_lse, output_dtype)
     plan = PLANS.get(key_)
     if plan is not None:  # a layout validated before: straight to its path
         return plan.run(attn_split, lse_split)
@@ -271,6 +282,9 @@ def merge_attentions(
     if a.is_cuda and not _is_compiling():
         return _merge_on_device(attns, lses, output_dtype or a.dtype, write_lse)
     return _merge_torch(attn_split, lse_split, output_dtype, write_lse)
+
+
+_KEY_MERGE = key_function(merge_attentions)
 
 
 def _merge_plan(on_device: bool, as_they_lie: bool, out_dtype: torch.dtype, write_lse: bool):

@@ -70,14 +70,15 @@ def make_problem(inp: Inputs, needs_lse: bool) -> Problem:
 
 
 def run_forward(inp: Inputs, op: OpArg, needs_lse: bool, plan_key: tuple | None = None,
-                bind: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                bind: Callable | None = None, bound: object = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Select the forward op for ``inp`` (and the backward op when autograd needs one) and run it.
 
     Returns out (B, Mq, Hq, Kv) in ``inp.out_dtype`` and lse float32 (B, Hq, Mq) (None unless ``needs_lse``
     or a backward op is attached). ``plan_key``: the call's key (``plans.call_key``); the launch plan of this call,
     ``run(query, key, value, attn_bias, q_descale, k_descale, v_descale) -> (out, lse)``, is stored under it in
     ``plans.PLANS`` when the call can have one, as ``bind(run)`` when ``bind`` is given (an entry point's own
-    arguments and results around the launch). Example:
+    arguments and results around the launch), with ``bound`` (what the entry point passes the launch besides the
+    call's tensors: its mask) as ``Plan.bound``. Example:
     ``out, _ = run_forward(make_inputs(q, k, v), None, False)``.
     """
     if _is_compiling():
@@ -92,7 +93,8 @@ def run_forward(inp: Inputs, op: OpArg, needs_lse: bool, plan_key: tuple | None 
               else _Attention.apply(fw, bw, inp, inp.query, inp.key, inp.value, inp.sinks))
     if plan_key is not None and _plannable(inp):
         launch = fw.launcher(inp, needs_lse) if bw is None else _autograd_plan(fw, bw, inp)
-        PLANS.put(plan_key, Plan(launch if bind is None else bind(launch), (fw,) if bw is None else (fw, bw)))
+        PLANS.put(plan_key, Plan(launch if bind is None else bind(launch), (fw,) if bw is None else (fw, bw),
+                                 bound=bound))
     return result
 
 

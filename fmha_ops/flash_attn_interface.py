@@ -27,7 +27,7 @@ from .dtypes import FLOAT_DTYPES
 from .fp8_backward import set_fp8_dequantized_backward
 from .inputs import make_inputs
 from .kvcache_call import check_scalars, run_kvcache, window
-from .plans import PLANS, Plan, call_key
+from .plans import PLANS, Plan, call_key, key_function
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "set_fp8_dequantized_backward"]
 
@@ -41,24 +41,17 @@ def _unsupported(**args) -> None:
 def _attention(key, q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_lse, softcap):
     """The full path of a dense call (``flash_attn_func``'s, or a varlen call packed in batch 1): out in q's dtype
     (bfloat16 for fp8 inputs), differentiable; with ``return_lse`` also the lse (float32, not differentiable, as
-    FA3 returns it). Stores under ``key`` the plan ``run(q, k, v, q_descale, k_descale, v_descale)`` of repeated
-    calls, with ``bias`` bound."""
+    FA3 returns it). Stores under ``key`` the plan of repeated calls: ``_run_plan`` runs it."""
     inp = make_inputs(q, k, v, bias, is_partial=return_lse, scale=softmax_scale, q_descale=q_descale,
                       k_descale=k_descale, v_descale=v_descale, softcap=softcap)
-    out, lse = run_forward(inp, None, return_lse, key, lambda launch: _bound(launch, bias, return_lse))
+    out, lse = run_forward(inp, None, return_lse, key, bound=bias)
     return (out, lse.detach()) if return_lse else out
 
 
-def _bound(launch, bias, return_lse: bool):
-    """A launch plan with the call's mask bound, returning what ``flash_attn_func`` returns."""
-    if return_lse:
-        def run(q, k, v, q_descale, k_descale, v_descale):
-            out, lse = launch(q, k, v, bias, q_descale, k_descale, v_descale)
-            return out, lse.detach()
-    else:
-        def run(q, k, v, q_descale, k_descale, v_descale):
-            return launch(q, k, v, bias, q_descale, k_descale, v_descale)[0]
-    return run
+def _run_plan(plan, q, k, v, q_descale, k_descale, v_descale, return_lse: bool):
+    """What ``_attention`` returns, by the plan it stored (its launch, with the call's mask ``plan.bound``)."""
+    out, lse = plan.run(q, k, v, plan.bound, q_descale, k_descale, v_descale)
+    return (out, lse.detach()) if return_lse else out
 
 
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
@@ -69,12 +62,12 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
                     return_attn_probs: bool = False, sinks: torch.Tensor | None = None):
     """q (B, Mq, Hq, D), k (B, Mk, Hkv, D), v (B, Mk, Hkv, Dv) -> out (B, Mq, Hq, Dv)
     [, softmax_lse float32 (B, Hq, Mq) when ``return_attn_probs``]."""
-    key = call_key(flash_attn_func, (q, k, v, softmax_scale, causal, qv, q_descale, k_descale, v_descale, window_size,
-                                     attention_chunk, softcap, num_splits, pack_gqa, deterministic, sm_margin,
-                                     return_attn_probs))
+    key = _KEY_FUNC(q, k, v, softmax_scale, causal, qv, q_descale, k_descale, v_descale, window_size,
+                    attention_chunk, softcap, num_splits, pack_gqa, deterministic, sm_margin, return_attn_probs)
     plan = PLANS.get(key)
     if plan is not None:
-        return plan.run(q, k, v, q_descale, k_descale, v_descale)
+        out, lse = plan.run(q, k, v, plan.bound, q_descale, k_descale, v_descale)
+        return (out, lse.detach()) if return_attn_probs else out
     _unsupported(qv=(qv, None), attention_chunk=(attention_chunk, 0))
     for name, t in (("q", q), ("k", k), ("v", v)):
         arguments.tensor(name, t, ndim=4, layout="(batch, seqlen, heads, headdim)")
@@ -87,6 +80,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     return _attention(key, q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_attn_probs, softcap)
 
 
+_KEY_FUNC = key_function(flash_attn_func)
 #: FA3's causal mask (holds no state: one instance serves every call, its signature computed once)
 _CAUSAL = ab.LowerTriangularFromBottomRightMask()
 
@@ -138,7 +132,7 @@ def _varlen_plan(kind, window_args: tuple, max_seqlen_q, max_seqlen_k, softmax_s
                                     softcap))
         plan = PLANS.get(key)
         if plan is not None:
-            res = plan.run(q, k, v, q_descale, k_descale, v_descale)
+            res = _run_plan(plan, q, k, v, q_descale, k_descale, v_descale, return_lse)
         else:
             res = _attention(key, q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_lse, softcap)
         return (res[0][0], res[1][0]) if return_lse else res[0]
@@ -159,10 +153,9 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     Reads cu_seqlens on the host (one device sync per tensor and version: repeated calls with the same unchanged
     cu_seqlens tensors reuse what was read); under torch.compile the call is one custom op
     (``fmha_ops::varlen_attention``) that does so when it runs."""
-    key = call_key(flash_attn_varlen_func, (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                            seqused_q, seqused_k, softmax_scale, causal, qv, q_descale, k_descale,
-                                            v_descale, window_size, attention_chunk, softcap, num_splits, pack_gqa,
-                                            deterministic, sm_margin, return_attn_probs))
+    key = _KEY_VARLEN(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                      softmax_scale, causal, qv, q_descale, k_descale, v_descale, window_size, attention_chunk, softcap,
+                      num_splits, pack_gqa, deterministic, sm_margin, return_attn_probs)
     plan = PLANS.get(key)
     if plan is not None:  # these arguments passed the checks below before: the mask, then the packed call
         return plan.run(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale)
@@ -195,6 +188,9 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     if key is not None:
         PLANS.put(key, Plan(run, (), ("validation",)))
     return run(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale)
+
+
+_KEY_VARLEN = key_function(flash_attn_varlen_func)
 
 
 def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -234,12 +230,10 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     >>> out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, page_table=table,
     ...                               k_descale=k_scale, v_descale=v_scale, causal=True)  # doctest: +SKIP
     """
-    key = call_key(flash_attn_with_kvcache, (q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, cache_seqlens,
-                                             cache_batch_idx, cache_leftpad, page_table, cu_seqlens_q,
-                                             cu_seqlens_k_new, max_seqlen_q, rotary_seqlens, q_descale, k_descale,
-                                             v_descale, softmax_scale, causal, window_size, attention_chunk, softcap,
-                                             rotary_interleaved, scheduler_metadata, num_splits, pack_gqa, sm_margin,
-                                             return_softmax_lse))
+    key = _KEY_KVCACHE(q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                       cache_leftpad, page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_seqlens,
+                       q_descale, k_descale, v_descale, softmax_scale, causal, window_size, attention_chunk, softcap,
+                       rotary_interleaved, scheduler_metadata, num_splits, pack_gqa, sm_margin, return_softmax_lse)
     plan = PLANS.get(key)
     if plan is not None:  # a decode step of a validated layout: the append and decode launches
         return plan.run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale)
@@ -249,6 +243,9 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                  attention_chunk=(attention_chunk, 0))
     return run_kvcache(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, q_descale,
                        k_descale, v_descale, softmax_scale, causal, window_size, softcap, return_softmax_lse)
+
+
+_KEY_KVCACHE = key_function(flash_attn_with_kvcache)
 
 
 # ---- flash_attn_varlen_func under torch.compile: one custom op ------------------------------------

@@ -34,6 +34,7 @@ Example
 """
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Hashable
 
 import torch
@@ -187,6 +188,65 @@ def call_key(entry: Hashable, args: tuple) -> tuple | None:
     return (entry, _grad_enabled(), _deterministic(), _scope(), _fp8_backward(), _checks(), *items)
 
 
+def key_function(entry: Callable) -> Callable[..., tuple | None]:
+    """``call_key`` for ``entry``, specialized to its parameters: ``key(*args)`` takes every parameter of ``entry``
+    (positionally, in its order; leaving one out is a TypeError) and returns a key as ``call_key`` builds it, as
+    one expression instead of a loop (the hot path of every repeated call). The parameters annotated
+    ``torch.Tensor`` give their metadata as items of the key itself when they are plain tensors (no tuple per
+    tensor); any other call takes ``call_key``.
+
+    Example
+    -------
+    >>> _KEY = key_function(flash_attn_func)  # once, after the function
+    >>> key = _KEY(q, k, v, softmax_scale, causal, ...)  # every parameter of flash_attn_func
+    """
+    params = list(inspect.signature(entry).parameters.values())
+    local = [f"_a{i}" for i in range(len(params))]  # the arguments' names here, whatever the entry calls them
+    tensors = [x for x, p in zip(local, params) if p.annotation in ("torch.Tensor", torch.Tensor)]
+    items, cuda_items = [], []
+    for x in local:
+        if x in tensors:
+            meta = f"{x}.shape, {x}.dtype, {x}.device, {x}.stride(), {x}.requires_grad"
+            items.append(meta)
+            cuda_items.append(f"{meta}, {x}.data_ptr() & {_ALIGN_BITS}")
+        else:  # None, a number with its type, a value, a mask's signature, or what ``_item`` makes of it
+            item = (f"(None if {x} is None else (type({x}), {x}) if type({x}) in _NUMBERS else {x} "
+                    f"if type({x}) in _VALUES else {x}.signature() if isinstance({x}, _Bias) else _item({x}, {{cuda}}))")
+            items.append(item.format(cuda=False))
+            cuda_items.append(item.format(cuda=True))
+    plain = " and ".join(f"type({x}) is _Tensor" for x in tensors) or "True"
+    state = "_grad_enabled(), _deterministic(), _scope(), _fp8_backward(), _checks()"
+    source = (f"def key({', '.join(local)}):\n"
+              f"    if _is_compiling():\n"
+              f"        return None\n"
+              f"    try:\n"
+              f"        if {plain}:\n"
+              f"            if {tensors[0] if tensors else 'None'} is None or not {tensors[0] if tensors else '_a0'}"
+              f".is_cuda:\n"
+              f"                return (_entry, _FLAT, {state}, {', '.join(items)})\n"
+              f"            return (_entry, _FLAT, {state}, {', '.join(cuda_items)}, _capturing())\n"
+              f"    except _NoKey:\n"
+              f"        return None\n"
+              f"    return call_key(_entry, ({', '.join(local)},))\n")
+    scope = dict(_ENV, _entry=entry)
+    exec(compile(source, f"<key of {entry.__qualname__}>", "exec"), scope)  # noqa: S102 - our own generated code
+    key = scope["key"]
+    key.__doc__ = (f"The plan key of a call of {entry.__qualname__}({', '.join(p.name for p in params)}) "
+                   f"(``plans.key_function``).")
+    return key
+
+
+#: marks the keys ``key_function`` lays out flat (tensor metadata as items of the key), apart from ``call_key``'s
+_FLAT = object()
+
+
+def _item(a, cuda: bool):
+    """``key_function``'s item for an argument that is not None, a number or a value."""
+    if type(a) is _Tensor:
+        return _tensor(a, cuda)
+    return _other(a, cuda)
+
+
 class _NoKey(Exception):
     """An argument ``call_key`` cannot hold."""
 
@@ -214,3 +274,9 @@ def _tensor(t, cuda: bool) -> tuple:
     if cuda:
         return t.shape, t.dtype, t.device, t.stride(), t.requires_grad, t.data_ptr() & _ALIGN_BITS
     return t.shape, t.dtype, t.device, t.stride(), t.requires_grad
+
+
+#: the names ``key_function``'s generated code reads
+_ENV = {"_is_compiling": _is_compiling, "_Tensor": _Tensor, "_Bias": _Bias, "_NUMBERS": _NUMBERS, "_VALUES": _VALUES,
+        "_item": _item, "_FLAT": _FLAT, "_NoKey": _NoKey, "_capturing": _capturing, "call_key": call_key, "_grad_enabled": _grad_enabled,
+        "_deterministic": _deterministic, "_scope": _scope, "_fp8_backward": _fp8_backward, "_checks": _checks}

@@ -32,7 +32,7 @@ from . import arguments, compiled
 from .call import make_problem, run_forward
 from .dispatch import SELECTOR
 from .inputs import Inputs, make_inputs
-from .plans import PLANS, Plan, call_key
+from .plans import PLANS, Plan, call_key, key_function
 from .quant import (
     K_SCALE_BLOCK,
     Q_SCALE_BLOCK,
@@ -144,8 +144,8 @@ def _causal(causal: bool):
     return _BOTTOM_RIGHT_CAUSAL if causal else None
 
 
-def _quantized_attention(qk_kind: str, causal: bool, scale: float | None, op, q, k, v) -> torch.Tensor:
-    key = call_key(_quantized_attention, (qk_kind, q, k, v, causal, scale, op))
+def _quantized_attention(key, qk_kind: str, causal: bool, scale: float | None, op, q, k, v) -> torch.Tensor:
+    """``fp8_attention`` / ``i8fp8_attention`` (``qk_kind`` "fp8" / "int8") under the call's plan ``key``."""
     plan = PLANS.get(key)
     if plan is not None:
         return plan.run(q, k, v)
@@ -182,7 +182,8 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     >>> out = fp8_attention(q, k, v, causal=True)
     >>> out.float().sum().backward()
     """
-    return _quantized_attention("fp8", causal, softmax_scale, op, q, k, v, sinks)
+    return _quantized_attention(_KEY_FP8(q, k, v, causal, softmax_scale, op), "fp8", causal, softmax_scale, op, q, k,
+                                v)
 
 
 def i8fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -193,7 +194,12 @@ def i8fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     -------
     >>> out = i8fp8_attention(q, k, v, causal=True)
     """
-    return _quantized_attention("int8", causal, softmax_scale, op, q, k, v, sinks)
+    return _quantized_attention(_KEY_I8FP8(q, k, v, causal, softmax_scale, op), "int8", causal, softmax_scale, op,
+                                q, k, v)
+
+
+_KEY_FP8 = key_function(fp8_attention)
+_KEY_I8FP8 = key_function(i8fp8_attention)
 
 
 # ---- under torch.compile: one custom op ----------------------------------------------------------------
