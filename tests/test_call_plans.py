@@ -243,6 +243,31 @@ def test_call_key_refuses_what_it_cannot_key():
         assert len(plans.PLANS) == before
 
 
+def test_each_entry_points_key_takes_every_parameter():
+    """The key functions are generated from the entry points' signatures: one argument per parameter, so a call
+    site that leaves one out fails at once; where no parameter is a plain tensor their keys hold call_key's items
+    (behind a marker of the flat layout)."""
+    import inspect
+
+    from fmha_ops import flash_attn_interface as fa, quantized
+
+    pairs = [(api._KEY_MEA, fmha_ops.memory_efficient_attention), (api._KEY_FORWARD,
+             fmha_ops.memory_efficient_attention_forward), (api._KEY_PARTIAL, fmha_ops.memory_efficient_attention_partial),
+             (api._KEY_FORWARD_REQUIRES_GRAD, fmha_ops.memory_efficient_attention_forward_requires_grad),
+             (api._KEY_BACKWARD, fmha_ops.memory_efficient_attention_backward), (api._KEY_MERGE, fmha_ops.merge_attentions),
+             (fa._KEY_FUNC, fmha_ops.flash_attn_func), (fa._KEY_VARLEN, fmha_ops.flash_attn_varlen_func),
+             (fa._KEY_KVCACHE, fmha_ops.flash_attn_with_kvcache), (quantized._KEY_FP8, fmha_ops.fp8_attention),
+             (quantized._KEY_I8FP8, fmha_ops.i8fp8_attention)]
+    for key, entry in pairs:
+        assert len(inspect.signature(key).parameters) == len(inspect.signature(entry).parameters), entry.__name__
+    q, k, v = _qkv()
+    parts = ([q, q], [q[:, 0, :, 0], q[:, 0, :, 0]], True, None)
+    flat, generic = api._KEY_MERGE(*parts), plans.call_key(fmha_ops.merge_attentions, parts)
+    assert flat[0] == generic[0] and flat[2:] == generic[1:] and flat != generic
+    with pytest.raises(TypeError):
+        api._KEY_MERGE(*parts[:3])
+
+
 def test_the_plan_cache_is_one_bounded_lru(monkeypatch):
     """A hit makes a plan the most recently used; a store past the limit drops the least recently used; the plans go
     with the selector's memo."""
