@@ -38,19 +38,23 @@ def _unsupported(**args) -> None:
             raise NotImplementedError(f"{name}={value!r} is not implemented by fmha_ops (only {name}={default!r})")
 
 
-def _attention(key, q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_lse, softcap):
+def _attention(key, q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_lse, softcap,
+               keep_mask: bool = False):
     """The full path of a dense call (``flash_attn_func``'s, or a varlen call packed in batch 1): out in q's dtype
     (bfloat16 for fp8 inputs), differentiable; with ``return_lse`` also the lse (float32, not differentiable, as
-    FA3 returns it). Stores under ``key`` the plan of repeated calls: ``_run_plan`` runs it."""
+    FA3 returns it). Stores under ``key`` the plan of repeated calls (``_run_plan`` runs it); ``keep_mask``: with
+    ``bias`` as its ``bound`` (``flash_attn_func``'s masks hold no tensor: one per causal flag and window, which the
+    key holds; a varlen mask holds its call's sequence starts, so each call passes its own)."""
     inp = make_inputs(q, k, v, bias, is_partial=return_lse, scale=softmax_scale, q_descale=q_descale,
                       k_descale=k_descale, v_descale=v_descale, softcap=softcap)
-    out, lse = run_forward(inp, None, return_lse, key, bound=bias)
+    out, lse = run_forward(inp, None, return_lse, key, bound=bias if keep_mask else None)
     return (out, lse.detach()) if return_lse else out
 
 
-def _run_plan(plan, q, k, v, q_descale, k_descale, v_descale, return_lse: bool):
-    """What ``_attention`` returns, by the plan it stored (its launch, with the call's mask ``plan.bound``)."""
-    out, lse = plan.run(q, k, v, plan.bound, q_descale, k_descale, v_descale)
+def _run_plan(plan, q, k, v, bias, q_descale, k_descale, v_descale, return_lse: bool):
+    """What ``_attention`` returns, by the plan it stored, on this call's mask ``bias`` (a varlen call's own
+    sequence starts, of the signature the key holds)."""
+    out, lse = plan.run(q, k, v, bias, q_descale, k_descale, v_descale)
     return (out, lse.detach()) if return_lse else out
 
 
@@ -77,7 +81,8 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
         bias = _CAUSAL if left < 0 else ab.LowerTriangularFromBottomRightLocalAttentionMask(left + 1)
     else:
         bias = None if (left, right) == (-1, -1) else ab.LocalAttentionFromBottomRightMask(left, right)
-    return _attention(key, q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_attn_probs, softcap)
+    return _attention(key, q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_attn_probs, softcap,
+                      keep_mask=True)
 
 
 _KEY_FUNC = key_function(flash_attn_func)
@@ -132,7 +137,7 @@ def _varlen_plan(kind, window_args: tuple, max_seqlen_q, max_seqlen_k, softmax_s
                                     softcap))
         plan = PLANS.get(key)
         if plan is not None:
-            res = _run_plan(plan, q, k, v, q_descale, k_descale, v_descale, return_lse)
+            res = _run_plan(plan, q, k, v, bias, q_descale, k_descale, v_descale, return_lse)
         else:
             res = _attention(key, q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_lse, softcap)
         return (res[0][0], res[1][0]) if return_lse else res[0]

@@ -49,3 +49,15 @@ def test_host_starts_are_read_every_call(monkeypatch):
     for _ in range(2):
         flash_attn_varlen_func(q, k, v, cu, cu, 5, 5)
     assert len(reads) == 2  # CPU starts cost no sync: read on every call, nothing kept
+
+
+def test_plans_keep_no_mask_of_their_first_call():
+    """The packed call's plan runs each call's own mask: it holds none (a mask holds its sequence starts)."""
+    PLANS.clear()
+    q, k, v = _qkv(9, seed=2)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    first = flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, causal=True)
+    again = flash_attn_varlen_func(q, k, v, cu.clone(), cu.clone(), 5, 5, causal=True)
+    torch.testing.assert_close(again, first)
+    packed = PLANS.plans(fai._attention)
+    assert packed and all(plan.bound is None for plan in packed)
