@@ -1,18 +1,21 @@
 """The plan cache: one ``Plan`` per call signature of every public entry point.
 
-A public function turns its arguments into one key (``call_key``), looks it up (``PLANS.get``) and, on a hit, runs
-the plan it finds; on a miss its full path validates the arguments (raising ValueError / TypeError /
+A public function turns its arguments into one key (its ``key_function``), looks it up (``PLANS.get``) and, on a
+hit, runs the plan it finds; on a miss its full path validates the arguments (raising ValueError / TypeError /
 NotImplementedError naming them), selects the op(s), runs the call and, where a repeated call may skip that work,
 stores a ``Plan`` under the key (``PLANS.put``).
 
-The key is derived from the arguments themselves, never listed by hand: ``call_key(entry, args)`` takes every
-argument the entry point was given, in order, and keeps for each what any check may read short of a tensor's values
+The key is derived from the arguments themselves, never listed by hand: ``key_function(entry)`` generates, from the
+entry point's signature, a function that takes every parameter (``call_key(entry, args)`` builds the same items in
+a loop, for the call layer's inner calls), and keeps for each argument what any check may read short of a tensor's
+values
 
-- a tensor: its type, shape, dtype, device, strides and ``requires_grad`` (and on CUDA the low bits of its address,
-  which the 16-byte alignment rules read);
+- a tensor: its shape, dtype, device, strides and ``requires_grad`` (a subclass also its type; on CUDA the low bits
+  of its address, which the 16-byte alignment rules read);
 - a mask (``attn_bias.AttentionBias``): its ``signature()`` (type, window, sizes; its index tensors' metadata);
-- ``None``, a bool, int, float, str, torch.dtype or a class: the value with its type (``True`` and ``1`` differ);
-- a list or tuple of those: the same, item by item;
+- a bool, int or float: the value with its type (``True``, ``1`` and ``1.0`` are equal keys, not equal arguments);
+- None, a str, torch.dtype, torch.device or a class: the value;
+- a list or tuple: its type, then its items as above;
 
 and the process state that validation and selection read: the grad mode, torch's deterministic switch, the
 ``use_ops`` scope, the fp8-backward switch, check mode (``fmha_ops.checks``) and, with a CUDA tensor, whether a
@@ -22,9 +25,10 @@ only what the key already holds, unless it reads a tensor's values: those checks
 descales, everything in check mode) belong to the full path, whose calls store no plan, or to the plan's own run.
 
 The cache is one bounded LRU (``LIMIT`` plans, in its second-chance form: a hit marks the plan used; a store past
-the limit drops the oldest plan unused since its last chance, moving used ones to the young end) cleared with the selector's memo (``Selector.derived_memo``: ``refresh_env``, tuning-table reloads,
-``SELECTOR.clear()``), so no plan outlives the choice it was built from. A plan holds no tensor of the call that
-built it (buffers a plan allocates for itself aside).
+the limit drops the oldest plan unused since its last chance, moving used ones to the young end) cleared with the
+selector's memo (``Selector.derived_memo``: ``refresh_env``, tuning-table reloads, ``SELECTOR.clear()``), so no plan
+outlives the choice it was built from. A plan holds no tensor of the call that built it (buffers a plan allocates
+for itself aside).
 
 Example
 -------
@@ -211,7 +215,8 @@ def key_function(entry: Callable) -> Callable[..., tuple | None]:
             cuda_items.append(f"{meta}, {x}.data_ptr() & {_ALIGN_BITS}")
         else:  # None, a number with its type, a value, a mask's signature, or what ``_item`` makes of it
             item = (f"(None if {x} is None else (type({x}), {x}) if type({x}) in _NUMBERS else {x} "
-                    f"if type({x}) in _VALUES else {x}.signature() if isinstance({x}, _Bias) else _item({x}, {{cuda}}))")
+                    f"if type({x}) in _VALUES else {x}.signature() if isinstance({x}, _Bias) "
+                    f"else _item({x}, {{cuda}}))")
             items.append(item.format(cuda=False))
             cuda_items.append(item.format(cuda=True))
     plain = " and ".join(f"type({x}) is _Tensor" for x in tensors) or "True"
@@ -278,5 +283,6 @@ def _tensor(t, cuda: bool) -> tuple:
 
 #: the names ``key_function``'s generated code reads
 _ENV = {"_is_compiling": _is_compiling, "_Tensor": _Tensor, "_Bias": _Bias, "_NUMBERS": _NUMBERS, "_VALUES": _VALUES,
-        "_item": _item, "_FLAT": _FLAT, "_NoKey": _NoKey, "_capturing": _capturing, "call_key": call_key, "_grad_enabled": _grad_enabled,
+        "_item": _item, "_FLAT": _FLAT, "_NoKey": _NoKey, "_capturing": _capturing, "call_key": call_key,
+        "_grad_enabled": _grad_enabled,
         "_deterministic": _deterministic, "_scope": _scope, "_fp8_backward": _fp8_backward, "_checks": _checks}

@@ -10,7 +10,8 @@ from fmha_ops import attn_bias as ab
 from fmha_ops.testing import error_report, normal_qkv
 
 F8 = torch.float8_e4m3fn
-MASKS = {"none": None, "causal": ab.LowerTriangularMask(), "bottom-right causal": ab.LowerTriangularFromBottomRightMask()}
+MASKS = {"none": None, "causal": ab.LowerTriangularMask(),
+         "bottom-right causal": ab.LowerTriangularFromBottomRightMask()}
 
 
 def _reference(q, k, v, mask, **kw):

@@ -98,11 +98,11 @@ def softmax_step(s, keep, m_i, l_i, qk_scale, OFF: tl.constexpr, P_SHIFT: tl.con
     """One key tile of the online softmax.
 
     ``s`` [rows, keys] fp32 raw scores (``OFF`` added: the int8 path's conversion offset, else 0), scaled by
-    ``qk_scale`` (>= 0, log2 units; ops with this softmax declare no negative softmax scale, descales are >= 0). ``MASKED``: some scores are hidden, either by ``keep`` (visible keys) or,
-    with ``keep`` None, already -inf in ``s`` (``hide_keys``); rows may then have seen no key yet. ``m_i``,
-    ``l_i``: the running row max and sum. Returns (p fp32 scaled by 2**P_SHIFT, new max, new sum, alpha: the
-    factor that rescales the accumulator). qk_scale > 0 commutes with the row max, so one FMA per score feeds
-    exp2, masked or not.
+    ``qk_scale`` (>= 0, log2 units; ops with this softmax declare no negative softmax scale, descales are >= 0).
+    ``MASKED``: some scores are hidden, either by ``keep`` (visible keys) or, with ``keep`` None, already -inf in
+    ``s`` (``hide_keys``); rows may then have seen no key yet. ``m_i``, ``l_i``: the running row max and sum.
+    Returns (p fp32 scaled by 2**P_SHIFT, new max, new sum, alpha: the factor that rescales the accumulator).
+    qk_scale > 0 commutes with the row max, so one FMA per score feeds exp2, masked or not.
     """
     # a zero scale (softmax scale 0, or a zero descale: an all-zero token quantizes to descale 0) becomes the
     # smallest normal float: hidden scores stay -inf (0 * -inf would be NaN) and the visible ones weigh the same
