@@ -28,8 +28,6 @@ OpArg = Any  # an op class, name/alias, or (FwOp, BwOp) tuple
 _is_compiling = torch.compiler.is_compiling
 _grad_enabled = torch._C.is_grad_enabled
 _F32 = torch.float32
-#: calls with sinks take the full path (their plans would key and pass the sinks: fmha_ops.call's plan cache)
-_NO_PLAN = (None, None)
 
 
 def memory_efficient_attention(
@@ -59,7 +57,7 @@ def memory_efficient_attention(
     ...                                 output_dtype=torch.float8_e4m3fn)  # attention = o8.float() * vd
     """
     key_ = _KEY_MEA(query, key, value, attn_bias, p, scale, op, output_dtype, q_descale, k_descale, v_descale,
-                    quantize_kv_to_fp8, softcap)
+                    quantize_kv_to_fp8, softcap, sinks)
     plan = PLANS.get(key_)
     if plan is not None:
         return plan.run(query, key, value, attn_bias, q_descale, k_descale, v_descale)[0]
@@ -78,14 +76,15 @@ def memory_efficient_attention_forward(
 ) -> torch.Tensor:
     """Like ``memory_efficient_attention`` without autograd (inference)."""
     key_ = _KEY_FORWARD(query, key, value, attn_bias, p, scale, op, output_dtype, q_descale, k_descale, v_descale,
-                        quantize_kv_to_fp8, softcap)
+                        quantize_kv_to_fp8, softcap, sinks)
     plan = PLANS.get(key_)
     if plan is not None:
         return plan.run(query, key, value, attn_bias, q_descale, k_descale, v_descale)[0]
     inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, output_dtype=output_dtype,
                       q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                      quantize_kv_to_fp8=quantize_kv_to_fp8, softcap=softcap)
-    if not (_grad_enabled() and _may_record_graph(query, key, value, attn_bias)):
+                      quantize_kv_to_fp8=quantize_kv_to_fp8, softcap=softcap, sinks=sinks)
+    if not (_grad_enabled() and (_may_record_graph(query, key, value, attn_bias)
+                                 or getattr(sinks, "requires_grad", False))):
         return inp.layout(run_forward(inp, op, False, key_)[0])
     with no_grad():  # the plan of this call switches autograd off around its launch too
         return inp.layout(run_forward(inp, op, False, key_, _without_grad)[0])
@@ -126,7 +125,7 @@ def memory_efficient_attention_partial(
     Dropout is refused (``p`` must be 0), as in xformers: the parts could not be merged exactly.
     """
     key_ = _KEY_PARTIAL(query, key, value, attn_bias, p, scale, op, output_dtype, q_descale, k_descale, v_descale,
-                        quantize_kv_to_fp8, softcap)
+                        quantize_kv_to_fp8, softcap, sinks)
     plan = PLANS.get(key_)
     if plan is not None:  # plans exist only for calls that need no gradient (the full path refuses the rest)
         return plan.run(query, key, value, attn_bias, q_descale, k_descale, v_descale)
@@ -165,7 +164,7 @@ def memory_efficient_attention_forward_requires_grad(
     >>> dq, dk, dv = memory_efficient_attention_backward(torch.ones_like(out), out, lse, q, k, v,
     ...                                                  LowerTriangularMask())
     """
-    key_ = _KEY_FORWARD_REQUIRES_GRAD(query, key, value, attn_bias, p, scale, op, output_dtype, softcap)
+    key_ = _KEY_FORWARD_REQUIRES_GRAD(query, key, value, attn_bias, p, scale, op, output_dtype, softcap, sinks)
     plan = PLANS.get(key_)
     if plan is not None:
         return plan.run(query, key, value, attn_bias, None, None, None)
@@ -192,7 +191,7 @@ def memory_efficient_attention_backward(
     gradient is ``fmha_ops.sinks.sink_grad(output, grad, lse, sinks)``); ``grad`` is d(loss)/d(output). BMHK or BMK tensors (for GQA pass key / value with Hkv heads
     in BMHK). ``op``: a backward op, or an (FwOp, BwOp) tuple. Dropout is refused (``p`` must be 0).
     """
-    key_ = _KEY_BACKWARD(grad, output, lse, query, key, value, attn_bias, p, scale, op, softcap)
+    key_ = _KEY_BACKWARD(grad, output, lse, query, key, value, attn_bias, p, scale, op, softcap, sinks)
     plan = PLANS.get(key_)
     if plan is not None:
         return plan.run(grad, output, lse, query, key, value, attn_bias)
@@ -212,7 +211,7 @@ def memory_efficient_attention_backward(
     sig = inp.signature()
     bw = SELECTOR.select(sig, lambda: make_problem(inp, True), "bw", op)
     dq, dk, dv = bw.apply_bw(inp, out, lse.float(), grad.contiguous())
-    if inp.layout is BMHK and inp.attn_bias is attn_bias and (attn_bias is None or (
+    if inp.layout is BMHK and inp.sinks is None and inp.attn_bias is attn_bias and (attn_bias is None or (
             attn_bias.tensor_bias is None and not checks_values(type(attn_bias)))):
         PLANS.put(key_, Plan(_backward_plan(bw, inp), (bw,)))
     return inp.layout(dq), inp.layout(dk), inp.layout(dv)

@@ -106,9 +106,11 @@ def _measure(inp: Inputs, needs_lse: bool, plan_key: tuple | None):
 
 def _plannable(inp: Inputs) -> bool:
     """Whether repeated calls like ``inp`` may skip the full path: BMHK as given, no per-call value checks (host
-    descales, masks with index tables), no tensor bias (its gradient follows the grad mode)."""
+    descales, masks with index tables), no tensor bias (its gradient follows the grad mode), no sinks."""
     bias = inp.attn_bias
     if inp.layout is not BMHK or (bias is not None and (bias.tensor_bias is not None or checks_values(type(bias)))):
+        return False
+    if inp.sinks is not None:  # the launch plans take no sinks: such calls keep the full path
         return False
     descales = [d for d in (inp.q_descale, inp.k_descale, inp.v_descale) if d is not None]
     return not descales or not (checks.checks_enabled() or any(d.device.type == "cpu" for d in descales))

@@ -38,7 +38,7 @@ def _unsupported(**args) -> None:
             raise NotImplementedError(f"{name}={value!r} is not implemented by fmha_ops (only {name}={default!r})")
 
 
-def _attention(key, q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_lse, softcap,
+def _attention(key, q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_lse, softcap, sinks,
                keep_mask: bool = False):
     """The full path of a dense call (``flash_attn_func``'s, or a varlen call packed in batch 1): out in q's dtype
     (bfloat16 for fp8 inputs), differentiable; with ``return_lse`` also the lse (float32, not differentiable, as
@@ -46,7 +46,7 @@ def _attention(key, q, k, v, bias, softmax_scale, q_descale, k_descale, v_descal
     ``bias`` as its ``bound`` (``flash_attn_func``'s masks hold no tensor: one per causal flag and window, which the
     key holds; a varlen mask holds its call's sequence starts, so each call passes its own)."""
     inp = make_inputs(q, k, v, bias, is_partial=return_lse, scale=softmax_scale, q_descale=q_descale,
-                      k_descale=k_descale, v_descale=v_descale, softcap=softcap)
+                      k_descale=k_descale, v_descale=v_descale, softcap=softcap, sinks=sinks)
     out, lse = run_forward(inp, None, return_lse, key, bound=bias if keep_mask else None)
     return (out, lse.detach()) if return_lse else out
 
@@ -65,9 +65,10 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
                     num_splits: int = 1, pack_gqa=None, deterministic: bool = False, sm_margin: int = 0,
                     return_attn_probs: bool = False, sinks: torch.Tensor | None = None):
     """q (B, Mq, Hq, D), k (B, Mk, Hkv, D), v (B, Mk, Hkv, Dv) -> out (B, Mq, Hq, Dv)
-    [, softmax_lse float32 (B, Hq, Mq) when ``return_attn_probs``]."""
+    [, softmax_lse float32 (B, Hq, Mq) when ``return_attn_probs``]. ``sinks``: float32 (Hq,) attention sinks
+    (``fmha_ops.sinks``; FA4's ``learnable_sink``), differentiable; the LSE includes them."""
     key = _KEY_FUNC(q, k, v, softmax_scale, causal, qv, q_descale, k_descale, v_descale, window_size,
-                    attention_chunk, softcap, num_splits, pack_gqa, deterministic, sm_margin, return_attn_probs)
+                    attention_chunk, softcap, num_splits, pack_gqa, deterministic, sm_margin, return_attn_probs, sinks)
     plan = PLANS.get(key)
     if plan is not None:
         out, lse = plan.run(q, k, v, plan.bound, q_descale, k_descale, v_descale)
@@ -82,7 +83,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     else:
         bias = None if (left, right) == (-1, -1) else ab.LocalAttentionFromBottomRightMask(left, right)
     return _attention(key, q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_attn_probs, softcap,
-                      keep_mask=True)
+                      sinks, keep_mask=True)
 
 
 _KEY_FUNC = key_function(flash_attn_func)
@@ -126,20 +127,22 @@ def _varlen_mask(masks: dict, kind, window_args: tuple, cu_seqlens_q: torch.Tens
 
 
 def _varlen_plan(kind, window_args: tuple, max_seqlen_q, max_seqlen_k, softmax_scale, return_lse: bool, softcap):
-    """``run(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale)``: a validated varlen layout's
-    mask (read from the starts, kept per device tensor pair) and the packed call (batch 1) through its own plan."""
+    """``run(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale, sinks)``: a validated varlen
+    layout's mask (read from the starts, kept per device tensor pair) and the packed call (batch 1) through its own
+    plan (calls with sinks: its full path)."""
     masks: dict = {}
 
-    def run(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale):
+    def run(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale, sinks):
         bias = _varlen_mask(masks, kind, window_args, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
         q, k, v = q[None], k[None], v[None]
         key = call_key(_attention, (q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_lse,
-                                    softcap))
+                                    softcap, sinks))
         plan = PLANS.get(key)
         if plan is not None:
             res = _run_plan(plan, q, k, v, bias, q_descale, k_descale, v_descale, return_lse)
         else:
-            res = _attention(key, q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_lse, softcap)
+            res = _attention(key, q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_lse, softcap,
+                             sinks)
         return (res[0][0], res[1][0]) if return_lse else res[0]
     return run
 
@@ -160,10 +163,10 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     (``fmha_ops::varlen_attention``) that does so when it runs."""
     key = _KEY_VARLEN(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
                       softmax_scale, causal, qv, q_descale, k_descale, v_descale, window_size, attention_chunk, softcap,
-                      num_splits, pack_gqa, deterministic, sm_margin, return_attn_probs)
+                      num_splits, pack_gqa, deterministic, sm_margin, return_attn_probs, sinks)
     plan = PLANS.get(key)
     if plan is not None:  # these arguments passed the checks below before: the mask, then the packed call
-        return plan.run(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale)
+        return plan.run(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale, sinks)
     _unsupported(seqused_q=(seqused_q, None), seqused_k=(seqused_k, None), qv=(qv, None),
                  attention_chunk=(attention_chunk, 0))
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -192,7 +195,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     run = _varlen_plan(kind, window_args, max_seqlen_q, max_seqlen_k, softmax_scale, return_attn_probs, softcap)
     if key is not None:
         PLANS.put(key, Plan(run, (), ("validation",)))
-    return run(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale)
+    return run(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale, sinks)
 
 
 _KEY_VARLEN = key_function(flash_attn_varlen_func)
@@ -238,7 +241,8 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     key = _KEY_KVCACHE(q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                        cache_leftpad, page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_seqlens,
                        q_descale, k_descale, v_descale, softmax_scale, causal, window_size, attention_chunk, softcap,
-                       rotary_interleaved, scheduler_metadata, num_splits, pack_gqa, sm_margin, return_softmax_lse)
+                       rotary_interleaved, scheduler_metadata, num_splits, pack_gqa, sm_margin, return_softmax_lse,
+                       sinks)
     plan = PLANS.get(key)
     if plan is not None:  # a decode step of a validated layout: the append and decode launches
         return plan.run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale)
@@ -247,7 +251,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                  cu_seqlens_k_new=(cu_seqlens_k_new, None), rotary_seqlens=(rotary_seqlens, None),
                  attention_chunk=(attention_chunk, 0))
     return run_kvcache(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, q_descale,
-                       k_descale, v_descale, softmax_scale, causal, window_size, softcap, return_softmax_lse)
+                       k_descale, v_descale, softmax_scale, causal, window_size, softcap, return_softmax_lse, sinks)
 
 
 _KEY_KVCACHE = key_function(flash_attn_with_kvcache)

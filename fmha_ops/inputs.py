@@ -188,7 +188,7 @@ class Inputs:
             needs_grad=self.needs_grad(), v_keys_contiguous=value_layout(v) == "keys",
             window_left=self.attn_bias.window_left if self.attn_bias is not None else -1,
             window_right=self.attn_bias.window_right if self.attn_bias is not None else -1,
-            softcap=self.softcap > 0.0, bias_grad=self.bias_needs_grad(),
+            softcap=self.softcap > 0.0, bias_grad=self.bias_needs_grad(), sinks=self.sinks is not None,
             negative_scale=self.scale is not None and self.scale < 0.0)
 
 

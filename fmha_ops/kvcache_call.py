@@ -49,15 +49,16 @@ def check_scalars(softmax_scale, causal) -> None:
 
 
 def run_kvcache(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, q_descale, k_descale,
-                v_descale, softmax_scale, causal, window_size, softcap, return_lse: bool):
+                v_descale, softmax_scale, causal, window_size, softcap, return_lse: bool, sinks=None):
     """``flash_attn_with_kvcache``'s full path (its arguments as it takes them, ``key`` its call's plan key):
     validate, append, select and run; then store the plan of repeated calls under ``key`` where they may skip all
     of that (``_plannable``)."""
     call = kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, q_descale, k_descale,
                         v_descale, softmax_scale, causal, window_size)
     inp = make_inputs(call.query, call.key, call.value, call.bias, scale=softmax_scale, k_descale=call.k_descale,
-                      v_descale=call.v_descale, softcap=softcap, is_partial=return_lse)
-    plannable = key is not None and _plannable(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table)
+                      v_descale=call.v_descale, softcap=softcap, is_partial=return_lse, sinks=sinks)
+    plannable = (key is not None and sinks is None  # the decode plans take no sinks: such calls keep this path
+                 and _plannable(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table))
     if plannable:  # selected here first, so that autotune times what repeated calls run: the decode launch
         op = SELECTOR.select(inp.signature(), lambda: make_problem(inp, return_lse), "fw", None,
                              forward_measure(inp, return_lse, "decode"))

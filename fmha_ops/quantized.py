@@ -80,31 +80,35 @@ def quantized_forward(qk_dtype: torch.dtype, bias, scale: float | None, op, quer
     kernel_scale = query.shape[-1] ** -0.5 if scale is None else scale
     (q8, k8, v8), descales, dequantized = quantize_smooth(query, key, value, kernel_scale, qk_dtype)
     qd, kd, vd = descales["q_descale"], descales["k_descale"], descales["v_descale"]
-    key = call_key(quantized_forward, (q8, k8, v8, bias, op, query.dtype, qd, kd, vd))
+    key = call_key(quantized_forward, (q8, k8, v8, bias, op, query.dtype, qd, kd, vd, sinks))
     plan = PLANS.get(key)
-    if plan is not None:
+    if plan is not None:  # (calls with sinks store none: they keep the full path)
         out, lse = plan.run(q8, k8, v8, bias, qd, kd, vd)
     else:
-        inp = make_inputs(q8, k8, v8, bias, scale=1.0, output_dtype=query.dtype, is_partial=True, **descales)
+        inp = make_inputs(q8, k8, v8, bias, scale=1.0, output_dtype=query.dtype, is_partial=True, sinks=sinks,
+                          **descales)
         out, lse = run_forward(inp, op, True, key)
     return out, lse, dequantized
 
 
-def quantized_backward(bias, scale: float | None, qh, kh, vh, out, lse, grad_out):
-    """(dq, dk, dv) by the selected bf16/fp16 backward op at the dequantized inputs (straight-through)."""
-    key = call_key(quantized_backward, (qh, kh, vh, bias, scale))
+def quantized_backward(bias, scale: float | None, qh, kh, vh, out, lse, grad_out, sinks=None):
+    """(dq, dk, dv) by the selected bf16/fp16 backward op at the dequantized inputs (straight-through); with
+    ``sinks`` a backward op that takes the sink-inclusive LSE."""
+    key = call_key(quantized_backward, (qh, kh, vh, bias, scale, sinks))
     plan = PLANS.get(key)
     if plan is not None:  # these tensors come from the forward's quantization: validated when first selected
-        return plan.run(qh, kh, vh, out, lse, grad_out)
-    inp = make_inputs(qh, kh, vh, bias, scale=scale, is_partial=True)
+        return plan.run(qh, kh, vh, out, lse, grad_out, sinks)
+    inp = make_inputs(qh, kh, vh, bias, scale=scale, is_partial=True, sinks=sinks)
     bw = SELECTOR.select(("quantized backward", inp.signature()), lambda: make_problem(inp, True), "bw")
-    return PLANS.put(key, Plan(_backward_plan(bw, bias, scale), (bw,))).run(qh, kh, vh, out, lse, grad_out)
+    return PLANS.put(key, Plan(_backward_plan(bw, bias, scale), (bw,))).run(qh, kh, vh, out, lse, grad_out, sinks)
 
 
 def _backward_plan(bw, bias, scale: float | None):
-    """``run(qh, kh, vh, out, lse, grad_out) -> (dq, dk, dv)``: ``bw`` at dequantized inputs of one layout."""
-    def run(qh, kh, vh, out, lse, grad_out):
-        return bw.apply_bw(Inputs(qh, kh, vh, bias, 0.0, scale, None, True), out, lse, grad_out.contiguous())
+    """``run(qh, kh, vh, out, lse, grad_out, sinks) -> (dq, dk, dv)``: ``bw`` at dequantized inputs of one layout
+    (the sinks, when given, of the layout the key holds)."""
+    def run(qh, kh, vh, out, lse, grad_out, sinks):
+        inp = Inputs(qh, kh, vh, bias, 0.0, scale, None, True, sinks=sinks)
+        return bw.apply_bw(inp, out, lse, grad_out.contiguous())
     return run
 
 
@@ -144,11 +148,12 @@ def _causal(causal: bool):
     return _BOTTOM_RIGHT_CAUSAL if causal else None
 
 
-def _quantized_attention(key, qk_kind: str, causal: bool, scale: float | None, op, q, k, v) -> torch.Tensor:
+def _quantized_attention(key, qk_kind: str, causal: bool, scale: float | None, op, q, k, v,
+                         sinks=None) -> torch.Tensor:
     """``fp8_attention`` / ``i8fp8_attention`` (``qk_kind`` "fp8" / "int8") under the call's plan ``key``."""
     plan = PLANS.get(key)
     if plan is not None:
-        return plan.run(q, k, v)
+        return plan.run(q, k, v, sinks)
     _check_call(q, k, v, causal, scale)
     if sinks is not None:
         validate_sinks(sinks, q.shape[2], q.device)
@@ -159,13 +164,14 @@ def _quantized_attention(key, qk_kind: str, causal: bool, scale: float | None, o
         return _traced_quantized_attention(qk_kind, causal, scale, op, q, k, v)
     qk_dtype = torch.int8 if qk_kind == "int8" else fp8_dtype(current_arch(q.device))
     bias = _causal(causal)
-    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
-        def run(q, k, v):  # no autograd node to record
-            return quantized_forward(qk_dtype, bias, scale, op, q, k, v)[0]
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                         or (sinks is not None and sinks.requires_grad))):
+        def run(q, k, v, sinks):  # no autograd node to record
+            return quantized_forward(qk_dtype, bias, scale, op, q, k, v, sinks)[0]
     else:
-        def run(q, k, v):
-            return _QuantizedAttention.apply(qk_dtype, bias, scale, op, q, k, v)
-    return PLANS.put(key, Plan(run, skips=("validation",))).run(q, k, v)
+        def run(q, k, v, sinks):
+            return _QuantizedAttention.apply(qk_dtype, bias, scale, op, q, k, v, sinks)
+    return PLANS.put(key, Plan(run, skips=("validation",))).run(q, k, v, sinks)
 
 
 def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -182,8 +188,8 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     >>> out = fp8_attention(q, k, v, causal=True)
     >>> out.float().sum().backward()
     """
-    return _quantized_attention(_KEY_FP8(q, k, v, causal, softmax_scale, op), "fp8", causal, softmax_scale, op, q, k,
-                                v)
+    return _quantized_attention(_KEY_FP8(q, k, v, causal, softmax_scale, op, sinks), "fp8", causal, softmax_scale, op,
+                                q, k, v, sinks)
 
 
 def i8fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -194,8 +200,8 @@ def i8fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     -------
     >>> out = i8fp8_attention(q, k, v, causal=True)
     """
-    return _quantized_attention(_KEY_I8FP8(q, k, v, causal, softmax_scale, op), "int8", causal, softmax_scale, op,
-                                q, k, v)
+    return _quantized_attention(_KEY_I8FP8(q, k, v, causal, softmax_scale, op, sinks), "int8", causal, softmax_scale,
+                                op, q, k, v, sinks)
 
 
 _KEY_FP8 = key_function(fp8_attention)

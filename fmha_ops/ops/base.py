@@ -28,6 +28,9 @@ Declarations (class attributes; every check below reads only these):
   WINDOW         local attention windows (Problem.window_left / window_right, with each allowed mask kind)
   SOFTCAP        score capping (Problem.softcap: s * tanh(score / s) before the softmax)
   NEGATIVE_SCALE a softmax scale below 0 (Problem.negative_scale)
+  SINKS          attention sinks (Problem.sinks: a float32 logit per query head in every softmax denominator,
+                 fmha_ops.sinks); a backward op declaring it takes the sink-inclusive LSE (the sinks' own gradient
+                 is computed apart, ``sinks.sink_grad``)
   HOST_US        host time of one eager call on the H200's host, microseconds (the selector ranks a GPU op by
                  max(estimate, host time); not counted during a CUDA graph capture, whose replays skip the host)
 Ops add op-specific reasons in ``extra_reasons``.
@@ -75,6 +78,7 @@ class AttentionOp(Op):
     #: takes a softmax scale below 0 (kernels that keep the row maximum of scaled scores as the scale times the
     #: maximum score need scale >= 0; a zero scale, or a zero descale, they take)
     NEGATIVE_SCALE: ClassVar[bool] = False
+    SINKS: ClassVar[bool] = False
     BACKWARD_RATES: ClassVar[dict[int, float] | None] = None
     BACKWARD_OVERHEAD_US: ClassVar[float] = 0.0
 
@@ -139,6 +143,8 @@ class AttentionOp(Op):
                      f"supported; only unbounded windows (-1)")
         if p.softcap and not cls.SOFTCAP:
             r.append("softcap > 0 not supported; only softcap=0")
+        if p.sinks and not cls.SINKS:
+            r.append("attention sinks (sinks=) not supported; only sinks=None")
         if p.negative_scale and not cls.NEGATIVE_SCALE:
             r.append("a softmax scale below 0 not supported; scale >= 0 (SDPA and the reference ops take any finite "
                      "scale)")
