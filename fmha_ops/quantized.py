@@ -41,6 +41,7 @@ from .quant import (
     quantize_blocks,
     quantize_fp8_channels,
 )
+from .sinks import sink_grad, validate_sinks
 
 __all__ = ["fp8_attention", "i8fp8_attention"]
 
