@@ -1184,6 +1184,12 @@ def _validate_packed_queries(mask: AttentionBias, query: torch.Tensor) -> None:
     nq = mask.q_seqinfo.seqstart_py[-1]
     if query.shape[1] != nq:
         raise ValueError(f"query has {query.shape[1]} tokens but attn_bias q_seqinfo covers {nq}")
+    for name in ("q_seqinfo", "k_seqinfo"):
+        device = getattr(mask, name).seqstart.device
+        if device != query.device:
+            raise ValueError(f"attn_bias {name}.seqstart is on {device}, query on {query.device}; create the mask "
+                             f"with device=query.device (e.g. {type(mask).__name__}.from_seqlens(..., device=...)) "
+                             f"or move it with attn_bias.to(device)")
 
 
 def _validate_padded_keys(mask: AttentionBias, query: torch.Tensor) -> None:
@@ -1208,7 +1214,8 @@ def _validate_pages(mask: AttentionBias, query: torch.Tensor, key: torch.Tensor)
 
 def _packed_queries_signature(mask: AttentionBias) -> tuple:
     qi = mask.q_seqinfo
-    return (len(qi.seqstart_py), qi.seqstart_py[-1], qi.max_seqlen, qi.min_seqlen)
+    return (len(qi.seqstart_py), qi.seqstart_py[-1], qi.max_seqlen, qi.min_seqlen, qi.seqstart.device,
+            mask.k_seqinfo.seqstart.device)
 
 
 # ---- xformers' objects ---------------------------------------------------------------------------------

@@ -328,8 +328,8 @@ def test_padded_bias_consistency():
     with pytest.raises(ValueError, match=r"attn_bias has 3 query sequences but .*2"):
         Inputs(*qkv(b=1, mq=3, mk=16), mixed).validate()
     on_meta = ab.BlockDiagonalPaddedKeysMask(m.q_seqinfo, m.k_seqinfo.to("meta"))
-    with pytest.raises(ValueError, match=r"attn_bias k_seqinfo.seqlen is on meta, query on cpu; create the mask with "
-                                         r"device="):
+    with pytest.raises(ValueError, match=r"attn_bias k_seqinfo.seq\w+ is on meta, query on cpu; create the mask "
+                                         r"with device="):
         Inputs(q, k, v, on_meta).validate()
 
 
@@ -447,3 +447,16 @@ def test_misaligned_strides_are_not_given_to_tma_ops():
         fmha_ops.memory_efficient_attention(q, ks, v, op="triton_attnF")
     torch.testing.assert_close(fmha_ops.memory_efficient_attention(q, ks, v),
                                fmha_ops.memory_efficient_attention(q, k, v), atol=2e-3, rtol=2e-3)
+
+
+def test_varlen_mask_on_another_device_is_named_and_keyed():
+    """A varlen mask whose starts live on another device than the query: a ValueError naming the field and the
+    fix (a kernel would read a host pointer); the device is part of the mask's signature, so a plan made for one
+    device is never reused for a mask on another."""
+    q = torch.randn(1, 5, 2, 8)
+    mask = ab.BlockDiagonalMask.from_seqlens([2, 3], [4, 1])
+    elsewhere = mask.to("meta")
+    with pytest.raises(ValueError, match=r"attn_bias q_seqinfo.seqstart is on meta, query on cpu; create the mask "
+                                         r"with device=query.device"):
+        Inputs(q, torch.randn(1, 5, 2, 8), torch.randn(1, 5, 2, 8), elsewhere).validate()
+    assert mask.signature() != elsewhere.signature()

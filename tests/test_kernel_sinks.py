@@ -11,7 +11,12 @@ import pytest
 import torch
 
 from tests.conftest import DEVICE
+from fmha_ops.ops.common import dequantize
 from fmha_ops.testing import error_report
+
+#: fp8 forward against the attention of its own dequantized inputs: P's e4m3 rounding alone (rel 2.0-2.6e-2 measured
+#: on the H200 at D 64-128, sinks or not)
+FP8_P_TOLERANCE = 3e-2
 
 
 def reference(q, k, v, scale, causal=False, sinks=None, window_left=-1):
@@ -152,12 +157,17 @@ def test_gpu_quantized_forward_sinks(kind):
         q8, k8, v8, qd, kd, vd = quantize_qkv_fp8(q, k, v)
         out, _ = attention_forward(q8, k8, v8, scale=d ** -0.5, causal=True, q_descale=qd, k_descale=kd,
                                    v_descale=vd, sinks=sinks)
+        # e4m3 q/k/v alone move the output ~4-5% at D64 (rel to the bf16 inputs' attention): compare with the
+        # attention of the values the kernel reads, where only P's fp8 rounding remains
+        q, k, v = (dequantize(x8, x_d, "head") for x8, x_d in ((q8, qd), (k8, kd), (v8, vd)))
+        tolerance = FP8_P_TOLERANCE
     else:
         x = quantize_i8fp8(q, k, v)
         out, _ = attention_forward(x.q, x.k, x.v, scale=x.softmax_scale, causal=True, q_descale=x.q_descale,
                                    k_descale=x.k_descale, v_descale=x.v_descale, sinks=sinks)
+        tolerance = 4e-2
     ref, _ = reference(q, k, v, d ** -0.5, True, sinks)
-    assert error_report(out, ref)["rel"] < 4e-2
+    assert error_report(out, ref)["rel"] < tolerance
 
 
 @pytest.mark.gpu

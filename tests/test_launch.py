@@ -89,8 +89,26 @@ def test_spec_separates_what_triton_specializes():
     d = TensorDescriptor(x.view(8, 8), [8, 8], [8, 1], [4, 8])
     assert _spec(d) == (TensorDescriptor, torch.float32, False, (4, 8), "zero")
     h = host_descriptor(x.view(8, 8), (8, 8), (8, 1), (4, 8))
-    assert _spec(h) == (HostDescriptor, torch.float32, False, (4, 8))
+    assert _spec(h) == (HostDescriptor, torch.float32, False, (4, 8), None)
     assert _spec(host_descriptor(x.view(8, 8), (8, 8), (8, 1), (8, 8))) != _spec(h)
+
+
+def test_gluon_host_descriptor_keys_and_builds_with_its_layout():
+    """A Gluon kernel's descriptor carries its shared layout: part of the launch key, and Triton's encoding gets
+    Gluon's ``TensorDescriptor`` (which takes the layout)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    from fmha_ops.kernels.triton.launch import _triton_descriptor
+
+    x = torch.zeros(8, 8)
+    plain = host_descriptor(x, (8, 8), (8, 1), (4, 8))
+    layouts = [gl.NVMMASharedLayout.get_default_for([4, 8], gl.float32),
+               gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=32, rank=2)]
+    gluon = [host_descriptor(x, (8, 8), (8, 1), (4, 8), layout) for layout in layouts]
+    assert len({_spec(plain), *map(_spec, gluon)}) == 3
+    built = _triton_descriptor(gluon[0])
+    assert isinstance(built, GluonDescriptor) and built.layout == layouts[0] and built.block_shape == [4, 8]
 
 
 def test_repeat_launch_reuses_the_compiled_kernel_with_constexprs_appended(fake):

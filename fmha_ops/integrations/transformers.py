@@ -146,7 +146,7 @@ def _packed(q, k, v, keys: torch.Tensor, causal: bool, window: int | None, optio
     qp = q.reshape(b * mq, hq, q.shape[3]).index_select(0, q_rows)[None]
     kp = k.reshape(b * mk, *k.shape[2:]).index_select(0, k_rows)[None]
     vp = v.reshape(b * mk, *v.shape[2:]).index_select(0, k_rows)[None]
-    mask = ab.BlockDiagonalMask.from_seqlens(q_lens, k_lens)
+    mask = ab.BlockDiagonalMask.from_seqlens(q_lens, k_lens, device=q.device)
     if causal:
         mask = (mask.make_local_attention_from_bottomright(window) if window is not None
                 else mask.make_causal_from_bottomright())

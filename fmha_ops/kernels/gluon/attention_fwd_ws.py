@@ -33,6 +33,7 @@ scale * q_descale * k_descale folded into one multiplier; P is scaled by 2**P_SH
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..attention_host import fp8_forward_args
 from ..softmax import LOG2E, hide_keys, natural_lse, p_shift, row_inverse
-from ..triton.launch import cdiv
+from ..triton.launch import cdiv, host_descriptor, launch
 from ..triton.transpose_v import transpose_v
 from .attention_common import (
     acc_layout,
@@ -648,14 +649,22 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
+_GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.int8: gl.int8, torch.bfloat16: gl.bfloat16}
+
+
 def _descriptor(t: torch.Tensor, rows: int, cols: int, channels_last: bool = True):
     """Host TMA descriptor of a 4-D tensor (B, M, H, D) in [1, rows, 1, cols] boxes (``channels_last``) or of V^T
-    (B, H, D, L) in [1, 1, rows, cols] boxes, with ``box_layout``'s shared layout."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    (B, H, D, L) in [1, 1, rows, cols] boxes, with ``box_layout``'s shared layout (encoded once per tensor
+    address and geometry by the cached launch)."""
+    shape, layout = _host_box(rows, cols, t.dtype, channels_last)
+    return host_descriptor(t, t.shape, t.stride(), shape, layout)
 
-    dtype = {torch.float8_e4m3fn: gl.float8e4nv, torch.int8: gl.int8, torch.bfloat16: gl.bfloat16}[t.dtype]
-    shape, layout = _box_layout(rows, cols, dtype, channels_last)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), shape, layout)
+
+@functools.lru_cache(maxsize=None)
+def _host_box(rows: int, cols: int, dtype: torch.dtype, channels_last: bool):
+    """``_box_layout`` for a host descriptor, computed once per geometry (a layout costs ~microseconds)."""
+    shape, layout = _box_layout(rows, cols, _GL_DTYPES[dtype], channels_last)
+    return tuple(shape), layout
 
 
 def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=None, k_descale=None,
@@ -707,7 +716,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=
         grid = n_total
     producer_warps = WG_WARPS.value if v_transpose else 1
     producer_regs = TRANSPOSER_REGS if v_transpose else PRODUCER_REGS.value
-    _attn_fwd_ws_kernel[(grid,)](
+    launch(_attn_fwd_ws_kernel)[(grid,)](
         _descriptor(q, WG_ROWS.value, D), k_desc, _descriptor(k, block_b, D) if block_b else k_desc, v_desc, vb_desc,
         _descriptor(out, WG_ROWS.value, D),
         lse if lse is not None else prep.qd, prep.qd, prep.kd, prep.vd, scale * LOG2E.value,

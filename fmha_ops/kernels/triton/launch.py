@@ -35,28 +35,37 @@ _MAX_DESCRIPTORS = 256  # encoded descriptors kept per descriptor parameter of a
 
 class HostDescriptor(NamedTuple):
     """A host TMA descriptor before encoding: ``base`` seen as ``shape`` with ``strides`` (last stride 1),
-    loading ``block_shape`` tiles (zero padding). Build it with ``host_descriptor``."""
+    loading ``block_shape`` tiles (zero padding) into shared memory of ``layout`` (a Gluon ``NVMMASharedLayout``
+    for a ``@gluon.jit`` kernel's descriptor parameter; None for a ``@triton.jit`` kernel's). Build it with
+    ``host_descriptor``."""
 
     base: torch.Tensor
     shape: tuple
     strides: tuple
     block_shape: tuple
+    layout: Any = None
 
 
-def host_descriptor(base: torch.Tensor, shape, strides, block_shape) -> HostDescriptor:
+def host_descriptor(base: torch.Tensor, shape, strides, block_shape, layout=None) -> HostDescriptor:
     """A host TMA descriptor over ``base`` for ``launch(kernel)[grid](...)``, where a kernel parameter takes a
     ``TensorDescriptor``. ``shape``, ``strides`` (elements, last one 1) and ``block_shape`` are int sequences of
-    one rank; the launch checks them as ``TensorDescriptor`` does (16-byte aligned base and strides, positive
-    sizes, a power-of-two block) the first time it meets them.
+    one rank; ``layout``: the shared layout of a Gluon kernel's descriptor (None for Triton kernels). The launch
+    checks them as ``TensorDescriptor`` does (16-byte aligned base and strides, positive sizes, a power-of-two
+    block) the first time it meets them.
 
     Example: ``host_descriptor(x, x.shape, x.stride(), (64, 64))`` for a contiguous 2-D ``x``.
     """
-    return HostDescriptor(base, tuple(shape), tuple(strides), tuple(block_shape))
+    return HostDescriptor(base, tuple(shape), tuple(strides), tuple(block_shape), layout)
 
 
-def _triton_descriptor(d: HostDescriptor) -> TensorDescriptor:
-    """The validated ``TensorDescriptor`` of ``d`` (raises AssertionError as Triton does on a bad one)."""
-    return TensorDescriptor(d.base, list(d.shape), list(d.strides), list(d.block_shape))
+def _triton_descriptor(d: HostDescriptor):
+    """The validated ``TensorDescriptor`` of ``d``, Gluon's where ``d`` has a layout (raises AssertionError as
+    Triton does on a bad one)."""
+    if d.layout is None:
+        return TensorDescriptor(d.base, list(d.shape), list(d.strides), list(d.block_shape))
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    return GluonDescriptor(d.base, list(d.shape), list(d.strides), list(d.block_shape), d.layout)
 
 
 #: argument types keyed by (type, value), as ``_spec`` keys them (checked inline before calling it)
@@ -72,7 +81,7 @@ def _spec(a):
         return a.dtype, a.is_cuda, a.data_ptr() & 15 == 0
     if tp is HostDescriptor:
         base = a.base
-        return tp, base.dtype, base.is_cuda, a.block_shape
+        return tp, base.dtype, base.is_cuda, a.block_shape, a.layout
     if tp is TensorDescriptor:
         return tp, a.base.dtype, a.base.is_cuda, tuple(a.block_shape), a.padding
     return tp, a  # floats, bools (kept apart from equal ints) and constexpr values
