@@ -728,6 +728,12 @@ class BlockDiagonalMask(_PackedQueriesMask):
 
     def validate(self, query, key):
         _validate_packed_queries(self, query)
+        for name in ("q_seqinfo", "k_seqinfo"):  # the kernels read both starts (FlashAttention's cu_seqlens)
+            device = getattr(self, name).seqstart.device
+            if device != query.device:
+                raise ValueError(f"attn_bias {name}.seqstart is on {device}, query on {query.device}; create the "
+                                 f"mask with device=query.device (e.g. {type(self).__name__}.from_seqlens(..., "
+                                 f"device=...)) or move it with attn_bias.to(device)")
         nq, nk = len(self.q_seqinfo.seqstart_py), len(self.k_seqinfo.seqstart_py)
         if nk != nq:
             raise ValueError(f"attn_bias has {nq - 1} query sequences but {nk - 1} key sequences")
@@ -1184,12 +1190,6 @@ def _validate_packed_queries(mask: AttentionBias, query: torch.Tensor) -> None:
     nq = mask.q_seqinfo.seqstart_py[-1]
     if query.shape[1] != nq:
         raise ValueError(f"query has {query.shape[1]} tokens but attn_bias q_seqinfo covers {nq}")
-    for name in ("q_seqinfo", "k_seqinfo"):
-        device = getattr(mask, name).seqstart.device
-        if device != query.device:
-            raise ValueError(f"attn_bias {name}.seqstart is on {device}, query on {query.device}; create the mask "
-                             f"with device=query.device (e.g. {type(mask).__name__}.from_seqlens(..., device=...)) "
-                             f"or move it with attn_bias.to(device)")
 
 
 def _validate_padded_keys(mask: AttentionBias, query: torch.Tensor) -> None:
