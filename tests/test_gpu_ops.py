@@ -60,6 +60,25 @@ def test_i8fp8_selected_by_dtype_and_beats_fp8():
     assert i8["cos"] > 0.999 and i8["mae"] < f8["mae"], (i8, f8)
 
 
+@pytest.mark.parametrize("b, n, hq, hkv, d, causal", [(1, 17, 8, 2, 128, True), (2, 1000, 16, 4, 64, False),
+                                                     (1, 3000, 24, 8, 128, True), (3, 1, 8, 8, 256, False),
+                                                     (1, 4100, 8, 1, 128, False)])
+def test_ws_i8fp8_op_matches_reference(b, n, hq, hkv, d, causal):
+    """gluon_ws_i8fp8F (int8 q/k per (batch, kv head), fp8 v per tensor) forced through the public call at odd
+    lengths, GQA 1-8, D 64/128/256 (4100 keys: the 192-key-tile schedule): against the float32 reference of the
+    same quantized inputs, and as accurate as the Triton i8fp8 kernel on them."""
+    q, k, v = transformer_like((b, n, hq, d), (b, n, hkv, d), device=DEV, seed=n + d)
+    qi = quantize_i8fp8(q, k, v, qk_granularity="head", v_granularity="tensor")
+    kw = dict(q_descale=qi.q_descale, k_descale=qi.k_descale, v_descale=qi.v_descale, scale=qi.softmax_scale)
+    bias = fmha_ops.LowerTriangularFromBottomRightMask() if causal else None
+    out = fmha_ops.memory_efficient_attention(qi.q, qi.k, qi.v, bias, op="gluon_ws_i8fp8F", **kw)
+    want = ref(qi.q, qi.k, qi.v, bias, **kw)
+    rep = error_report(out, want)
+    assert not torch.isnan(out).any() and rep["rel"] < 3e-2 and rep["cos"] > 0.999, rep
+    triton = error_report(fmha_ops.memory_efficient_attention(qi.q, qi.k, qi.v, bias, op="triton_i8fp8F", **kw), want)
+    assert rep["rel"] < 1.2 * triton["rel"] + 1e-3, (rep, triton)
+
+
 def test_varlen_fp8_and_bf16_with_empty_sequences():
     lens = [0, 1, 17, 1000, 300]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)

@@ -286,8 +286,8 @@ def test_gpu_gluon_ws_i8fp8(shape, schedule):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", GPU_SHAPES + [(2, 5000, 5000, 4, 2, 128, True)], ids=lambda s: "x".join(map(str, s)))
 def test_gpu_gluon_ws_fwd_default_schedule(shape):
-    """The schedule ``default_config`` picks from the head dim and the key count (one or two consumers, V^T
-    transposed in shared memory or by transpose_v)."""
+    """The schedule ``default_config`` picks from the head dim (one consumer per CTA on a persistent grid at
+    D <= 128, two at D256)."""
     from fmha_ops.kernels.gluon import attention_fwd_ws as ws
 
     _check_fp8_forward(ws.attention_forward, shape, "tensor")

@@ -1,5 +1,6 @@
-"""Gluon fp8 attention forwards for Hopper: the ops ``gluon_fp8F`` (``kernels/gluon/attention_fwd.py``, software
-pipelined) and ``gluon_ws_fp8F`` (``kernels/gluon/attention_fwd_ws.py``, warp-specialized).
+"""Gluon 8-bit attention forwards for Hopper: the ops ``gluon_fp8F`` (``kernels/gluon/attention_fwd.py``, software
+pipelined), ``gluon_ws_fp8F`` and ``gluon_ws_i8fp8F`` (``kernels/gluon/attention_fwd_ws.py``, warp-specialized;
+int8 q/k in the latter).
 
 sm90 only (async wgmma, TMA and mbarriers as Gluon exposes them for Hopper); needs a Triton with
 ``triton.experimental.gluon`` (3.6.0 has it). Dense batches, head dims 64/128/256 (K == Kv), no mask or
@@ -78,19 +79,21 @@ class GluonWsFp8FwOp(GluonFp8FwOp):
     softmax against each other's wgmmas (FA3's schedule); the same contract as ``gluon_fp8F``."""
 
     NAME = "gluon_ws_fp8F"
-    #: cost-model rates by (head dim, causal, keys >= LONG_KEYS): this op's default schedule over triton_fp8F as
-    #: measured in one H200 run through the kernels (D128 long 0.96 dense / 0.90 causal, short 1.38 at 8x16x1000 /
-    #: 0.95 at 3x24/8x3000 causal; D256 1.07 dense, causal unmeasured (0.95 taken); D64 0.74 at 4096, 0.48 at
-    #: 16x32/8x512 causal), times triton_fp8F's calibrated rate (550 / 810 / 980 over its calibration 1.38) and
-    #: the tuning table's median calibration (1.75) this op's estimate is scaled by. So the selector takes this op
-    #: for short dense D128 and dense D256 calls and triton_fp8F elsewhere
+    #: cost-model rates by (head dim, causal, keys >= LONG_KEYS): the default schedule's kernel time over
+    #: triton_fp8F's, measured on the H200 from CUDA-graph replays (D128: 1.18 at 8x16x1000, 1.12 at 3x24/8x3000
+    #: causal, 1.05 / 1.01 dense at 4096 / 16384 keys, 1.08 causal at 4096; D64: 0.91 dense at 4096, 0.83 at
+    #: 16x32/8x512 causal; D256 1.07 dense, causal unmeasured: 0.95 taken), times triton_fp8F's calibrated rate and
+    #: the tuning table's median calibration this op's estimate is scaled by (rows without a measurement: the
+    #: nearest measured kind). The selector takes this op over triton_fp8F at D128 and D256, triton_fp8F at D64
     RATES: ClassVar[dict[tuple[int, bool, bool], float]] = {
-        (64, False, False): 350.0, (64, True, False): 335.0, (64, False, True): 516.0, (64, True, True): 350.0,
-        (128, False, False): 1418.0, (128, True, False): 976.0, (128, False, True): 986.0, (128, True, True): 924.0,
+        (64, False, False): 430.0, (64, True, False): 579.0, (64, False, True): 635.0, (64, True, True): 600.0,
+        (128, False, False): 1212.0, (128, True, False): 1151.0, (128, False, True): 1058.0, (128, True, True): 1109.0,
         (256, False, False): 1330.0, (256, True, False): 1180.0, (256, False, True): 1330.0, (256, True, True): 1180.0,
     }
-    TFLOPS = 986.0
-    HOST_US = 60.0  # one launch where V is transposed in the kernel, two with transpose_v
+    #: this op's rate over ``RATES`` (the fp8 schedule's)
+    RATE_FACTOR: ClassVar[float] = 1.0
+    TFLOPS = 1058.0
+    HOST_US = 90.0  # the kernel's launch and transpose_v's (91 us measured through the public call at B16 N512)
 
     @staticmethod
     def kernel():
@@ -103,4 +106,17 @@ class GluonWsFp8FwOp(GluonFp8FwOp):
         from ..kernels.gluon.attention_fwd_ws import LONG_KEYS
 
         rate = cls.RATES.get((p.head_dim, p.causal, p.seqlen_k >= LONG_KEYS), cls.TFLOPS)
-        return attention_time(p, rate, 3.0, 6.0)
+        return attention_time(p, rate * cls.RATE_FACTOR, 3.0, 6.0)
+
+
+@register
+class GluonWsI8Fp8FwOp(GluonWsFp8FwOp):
+    """i8fp8 in the warp-specialized kernel: int8 q/k (s8 wgmma, int32 scores), fp8 e4m3fn v, bf16 out; descales
+    per tensor or per (batch, kv head) (``i8fp8_attention``'s per-block q/k and per-channel v descales take
+    ``triton_i8fp8F``). The kernel body is ``gluon_ws_fp8F``'s with its int8 switch on."""
+
+    NAME = "gluon_ws_i8fp8F"
+    DTYPES = frozenset({(torch.int8, torch.int8, _FP8)})
+    OUT_DTYPES = frozenset({torch.bfloat16})
+    #: 0.94-0.95x the fp8 schedule's kernel time at 1000-4096 keys (D128, H200), 1.05x at 16384 dense
+    RATE_FACTOR: ClassVar[float] = 0.95

@@ -613,24 +613,27 @@ SINGLE_CONSUMER_MAXNREG = {64: 128, 128: 128, 256: 168}
 TRANSPOSER_REGS = 32
 
 
-#: keys per sequence from which D <= 128 takes the two-consumer schedule with V^T from ``transpose_v``
+#: keys per sequence from which an int8-QK^T call at D <= 128 (not causal) takes 192-key tiles
 LONG_KEYS = 4096
 
 
-def default_config(head_dim: int, causal: bool, seqlen_k: int | None = None) -> WsFwdConfig:
-    """Schedule for head dim ``head_dim`` and ``seqlen_k`` keys per sequence (None: a long sequence).
+def default_config(head_dim: int, causal: bool, seqlen_k: int | None = None, int8_qk: bool = False) -> WsFwdConfig:
+    """Schedule for head dim ``head_dim``, ``seqlen_k`` keys per sequence (None: a long sequence) and int8 (True) or
+    fp8 q/k.
 
-    H200 measurements (TFLOP/s, D128 unless noted): with ``LONG_KEYS`` keys or more and at D256, two consumers
-    with V^T from ``transpose_v`` and P shuffled (710-800 dense, 583 causal at 4096; D256 861); with fewer keys and
-    at D64, one consumer per CTA (two CTAs per SM) transposing V in shared memory in the accumulator's key order
-    (430 against 276 at 8x16x1000, 503 against 446 at 3x24/8x3000 causal, D64 402 against 399 at 4096), where the
-    transpose_v launch and the CTAs' fixed costs weigh more than the in-kernel transpose's shared-memory traffic
-    (10-14% slower at 4096 keys, D128)."""
-    long_keys = seqlen_k is None or seqlen_k >= LONG_KEYS
-    if head_dim not in (64, 128) or (head_dim == 128 and long_keys):  # D256 (other head dims are rejected later)
-        return WsFwdConfig(block_n=128 if head_dim <= 128 else 64)
+    H200, kernel time replayed from CUDA graphs (TFLOP/s, D128; bench/diagnostics/fa3_profile.md): at D <= 128 one
+    consumer per CTA, two CTAs per SM, on a persistent grid, V^T from ``transpose_v`` in the accumulator's key
+    order: fp8 590 / 683 / 772 / 695 / 782 at 8x16x1000, 3x24/8x3000 causal, 4x32x4096 (causal) and 2x16x16384,
+    against 528 / 576 / 760 / 654 / 782 for the earlier per-length choice, and within 1.3% of the best of five
+    schedules at every shape but 4x32x4096 (pko 782); the in-kernel V transpose on the same grid runs 25-32%
+    slower. int8 QK^T with ``LONG_KEYS`` keys or more, not causal: 192-key tiles (128 + 64) on two consumers,
+    775 / 821 against 767 / 782 at 4x32x4096 and 2x16x16384. D256: two consumers, 64-key tiles."""
+    if head_dim not in (64, 128):  # D256 (other head dims are rejected later)
+        return WsFwdConfig(block_n=64)
+    if int8_qk and not causal and (seqlen_k is None or seqlen_k >= LONG_KEYS):
+        return WsFwdConfig(block_n=192, persistent=True, key_order=True)
     return WsFwdConfig(consumers=1, block_n=128, maxnreg=SINGLE_CONSUMER_MAXNREG[head_dim], key_order=True,
-                       v_transpose=True)
+                       persistent=True)
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
@@ -685,7 +688,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=
     """
     B, Mq, Hq, D = q.shape
     Mk, Hkv = k.shape[1], k.shape[2]
-    cfg = config or default_config(D, causal, Mk)
+    cfg = config or default_config(D, causal, Mk, q.dtype == torch.int8)
     if cfg.consumers not in (1, 2, 3) or cfg.stages < 2:
         raise ValueError(f"config {cfg}: consumers must be 1, 2 or 3 and stages >= 2")
     block_b = cfg.block_b
