@@ -103,33 +103,78 @@ def _compile(fn: Callable[[], object]) -> None:
 _RUN = {"call": _time}
 
 
-def _timed(fn: Callable[[], object]) -> float | None:
-    return or_none(lambda: _RUN["call"](fn))
-
-
-def _interleaved(fns: dict[str, Callable[[], object] | None]) -> dict[str, float | None]:
-    """Milliseconds per column: ``ROUNDS`` rounds timing every column once in turn (one with ``--compile-only``),
-    the median of each column's rounds; None for a column that is None or failed."""
+def interleaved(fns: dict[str, Callable[[], object] | None],
+                timer: Callable[[Callable[[], object]], float] | None = None) -> dict[str, float | None]:
+    """Milliseconds per column: ``ROUNDS`` rounds timing every column once in turn with ``timer`` (default: this
+    script's, CUDA-event medians; one round with ``--compile-only``), the median of each column's rounds; None for
+    a column that is None or failed."""
+    run = timer or _RUN["call"]
     got: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(1 if _RUN["call"] is _compile else ROUNDS):
+    for _ in range(1 if run is _compile else ROUNDS):
         for name, fn in fns.items():
-            ms = _timed(fn) if fn is not None else None
+            ms = or_none(lambda: run(fn)) if fn is not None else None
             if ms:
                 got[name].append(ms)
     return {name: statistics.median(t) if t else None for name, t in got.items()}
 
 
+def api_call(q, k, v, causal: bool, op=None, **kw) -> Callable[[], torch.Tensor]:
+    """The public call a user makes: ``memory_efficient_attention`` on q/k/v (BMHK) with the bottom-right causal
+    mask when ``causal``, ``op`` forced (None: the selector's pick) and ``kw`` (descales, ``scale``) passed on."""
+    bias = _mask(causal)
+    return lambda: fmha_ops.memory_efficient_attention(q, k, v, bias, op=op, **kw)
+
+
+def supporting_ops(names, q, k, v, causal: bool, **kw) -> list[str]:
+    """The ops of ``names`` that can run the call ``api_call(q, k, v, causal, **kw)`` here (``explain``'s
+    verdicts: installed, this arch, and the call's dtypes, descales, mask and head dim supported)."""
+    ok = {v_.op.NAME for v_ in fmha_ops.explain(q, k, v, _mask(causal), **kw).verdicts if v_.ok}
+    return [name for name in names if name in ok]
+
+
+def fa3_interface():
+    """FlashAttention-3's own interface module (the ``fa3-fwd`` wheel's ``fa3_fwd_interface``, or
+    ``flash_attn_interface`` of a build from its ``hopper/``: ``fmha_ops.ops.fa3.BUILD``), or None where none
+    imports."""
+    from fmha_ops.ops import fa3
+    from fmha_ops.ops.common import import_failure
+
+    if fa3.BUILD.module is None or import_failure(fa3.BUILD.module):
+        return None
+    return fa3.interface()
+
+
+def fa3_calls(q, k, v, causal: bool, fp8=None) -> dict[str, Callable[[], object]]:
+    """FlashAttention-3's own ``flash_attn_func`` as a user calls it: ``fa3_bf16`` on bf16 q/k/v (B, N, H, D) and,
+    given ``fp8`` = (q8, k8, v8, q_descale, k_descale, v_descale) (e4m3, float32 (B, Hkv) descales as
+    ``quantize_qkv_fp8`` makes them), ``fa3_fp8``; {} where FA3 is not importable.
+
+    Example
+    -------
+    >>> calls = fa3_calls(q, k, v, True, quantize_qkv_fp8(q, k, v))  # doctest: +SKIP
+    >>> out = calls["fa3_fp8"]()  # FA3 3.0 returns out, or (out, lse) where its build does
+    """
+    fa3 = fa3_interface()
+    if fa3 is None:
+        return {}
+    calls = {"fa3_bf16": lambda: fa3.flash_attn_func(q, k, v, causal=causal)}
+    if fp8 is not None:
+        q8, k8, v8, qd, kd, vd = fp8
+        calls["fa3_fp8"] = lambda: fa3.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd,
+                                                       v_descale=vd)
+    return calls
+
+
 def forward_columns(q, k, v, causal: bool) -> dict:
     """bf16 forward TFLOP/s: ``api`` (the selector's op, named in ``api_op``), ``cudnn``, ``fa4``, ``api/best``."""
     b, n, hq, d = q.shape
-    bias = _mask(causal)
 
     def call(op):
-        return lambda: fmha_ops.memory_efficient_attention(q, k, v, bias, op=op)
+        return api_call(q, k, v, causal, op)
 
-    ms = _interleaved({"api": call(None), "cudnn": call("sdpa_cudnnF"),
-                       "fa4": call("fa4F") if available("fa4F") else None})
-    row = {"api_op": fmha_ops.explain(q, k, v, bias).selected.NAME}
+    ms = interleaved({"api": call(None), "cudnn": call("sdpa_cudnnF"),
+                      "fa4": call("fa4F") if available("fa4F") else None})
+    row = {"api_op": fmha_ops.explain(q, k, v, _mask(causal)).selected.NAME}
     row.update({name: attention_tflops(b, hq, n, d, causal, t) for name, t in ms.items()})
     row["api/best"] = ratio(row["api"], row["cudnn"], row["fa4"])
     return row
@@ -147,8 +192,8 @@ def backward_columns(q, k, v, causal: bool) -> dict:
         out = or_none(lambda: fmha_ops.memory_efficient_attention(qg, kg, vg, bias, op=op))
         return None if out is None else (lambda: torch.autograd.grad(out, (qg, kg, vg), grad, retain_graph=True))
 
-    ms = _interleaved({"api_bw": backward(None), "cudnn_bw": backward("sdpa_cudnnF"),
-                       "fa4_bw": backward(("fa4F", "fa4B")) if available("fa4F") else None})
+    ms = interleaved({"api_bw": backward(None), "cudnn_bw": backward("sdpa_cudnnF"),
+                      "fa4_bw": backward(("fa4F", "fa4B")) if available("fa4F") else None})
     row = {}
     for name, t in ms.items():
         flops = attention_tflops(b, hq, n, d, causal, t)
@@ -169,17 +214,17 @@ def fp8_columns(q, k, v, causal: bool) -> dict:
     kw = dict(q_descale=qd, k_descale=kd, v_descale=vd)
 
     def call(op):
-        return lambda: fmha_ops.memory_efficient_attention(q8, k8, v8, bias, op=op, **kw)
+        return api_call(q8, k8, v8, causal, op, **kw)
 
-    ms = _interleaved({"api_fp8": call(None), "cudnn_fp8": call("cudnn_fp8F") if available("cudnn_fp8F") else None}
-                      | {name: call(name) for name in OUR_FP8_OPS if available(name)})
+    ms = interleaved({"api_fp8": call(None), "cudnn_fp8": call("cudnn_fp8F") if available("cudnn_fp8F") else None}
+                     | {name: call(name) for name in OUR_FP8_OPS if available(name)})
     tflops = {name: attention_tflops(b, hq, n, d, causal, t) for name, t in ms.items()}
     ours = [tflops[name] for name in OUR_FP8_OPS if tflops.get(name)]
     row = {"api_fp8_op": or_none(lambda: fmha_ops.explain(q8, k8, v8, bias, **kw).selected.NAME),
            "api_fp8": tflops["api_fp8"], "ours_fp8": max(ours, default=None), "cudnn_fp8": tflops["cudnn_fp8"]}
     row["api_fp8/best"] = ratio(row["api_fp8"], row["ours_fp8"], row["cudnn_fp8"])
-    row["api_fp8_out"] = or_none(lambda: attention_tflops(b, hq, n, d, causal, _timed(
-        lambda: fmha_ops.memory_efficient_attention(q8, k8, v8, bias, output_dtype=torch.float8_e4m3fn, **kw))))
+    row["api_fp8_out"] = attention_tflops(b, hq, n, d, causal, or_none(lambda: _RUN["call"](
+        api_call(q8, k8, v8, causal, output_dtype=torch.float8_e4m3fn, **kw))))
     return row
 
 

@@ -117,6 +117,6 @@ def test_backends_columns_are_the_median_of_interleaved_rounds(monkeypatch):
         return next(ms[order[-1]])
 
     monkeypatch.setitem(backends._RUN, "call", fake_time)
-    got = backends._interleaved({"a": lambda: "a", "b": lambda: "b", "none": None})
+    got = backends.interleaved({"a": lambda: "a", "b": lambda: "b", "none": None})
     assert got == {"a": 2.0, "b": 5.0, "none": None}
     assert order == ["a", "b"] * backends.ROUNDS  # every column once per round, in turn

@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import fmha_ops  # noqa: E402
+from bench.backends import fa3_calls  # noqa: E402
 from bench.common import attention_tflops, base_parser, environment, out_dir, print_table, time_graph_ms, time_ms  # noqa: E402
 from fmha_ops.kernels.gluon import attention_fwd_ws as W  # noqa: E402
 from fmha_ops.kernels.triton.attention_fwd import attention_forward as triton_fwd  # noqa: E402
@@ -124,14 +125,11 @@ def kernels_for(B, Hq, Hkv, N, D, causal, names, variants, seed=0, inputs="norma
     kw = {"scale": scale, "causal": causal, "q_descale": qd, "k_descale": kd, "v_descale": vd}
     out = {}
     if "fa3_bf16" in names or "fa3_fp8" in names:
-        try:
-            import fa3_fwd_interface as fa3
-            out["fa3_bf16"] = (lambda: fa3.flash_attn_func(q, k, v, causal=causal),
-                               (q, k, v, None, None, torch.ones(1, device="cuda"), scale))
-            out["fa3_fp8"] = (lambda: fa3.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd,
-                                                          v_descale=vd), fp8_in)
-        except ImportError:
-            print("fa3_fwd_interface not importable: no FA3 columns", flush=True)
+        fa3 = fa3_calls(q, k, v, causal, (q8, k8, v8, qd, kd, vd))
+        if not fa3:
+            print("no FlashAttention-3 importable: no FA3 columns", flush=True)
+        bf16_in = (q, k, v, None, None, torch.ones(1, device="cuda"), scale)
+        out.update({name: (call, bf16_in if name == "fa3_bf16" else fp8_in) for name, call in fa3.items()})
     out["triton_fp8"] = (lambda: triton_fwd(q8, k8, v8, **kw), fp8_in)
     if "triton_i8fp8" in names:
         i8 = quantize_i8fp8(q, k, v, qk_granularity="head", v_granularity="tensor")
