@@ -132,6 +132,12 @@ def supporting_ops(names, q, k, v, causal: bool, **kw) -> list[str]:
     return [name for name in names if name in ok]
 
 
+def selected_op(q, k, v, causal: bool, **kw) -> str | None:
+    """The op the selector picks for ``api_call(q, k, v, causal, **kw)`` (None: none can run it)."""
+    selected = fmha_ops.explain(q, k, v, _mask(causal), **kw).selected
+    return None if selected is None else selected.NAME
+
+
 def fa3_interface():
     """FlashAttention-3's own interface module (the ``fa3-fwd`` wheel's ``fa3_fwd_interface``, or
     ``flash_attn_interface`` of a build from its ``hopper/``: ``fmha_ops.ops.fa3.BUILD``), or None where none
@@ -174,7 +180,7 @@ def forward_columns(q, k, v, causal: bool) -> dict:
 
     ms = interleaved({"api": call(None), "cudnn": call("sdpa_cudnnF"),
                       "fa4": call("fa4F") if available("fa4F") else None})
-    row = {"api_op": fmha_ops.explain(q, k, v, _mask(causal)).selected.NAME}
+    row = {"api_op": selected_op(q, k, v, causal)}
     row.update({name: attention_tflops(b, hq, n, d, causal, t) for name, t in ms.items()})
     row["api/best"] = ratio(row["api"], row["cudnn"], row["fa4"])
     return row
@@ -209,7 +215,6 @@ def fp8_columns(q, k, v, causal: bool) -> dict:
     from fmha_ops.quant import quantize_fp8_tensor
 
     b, n, hq, d = q.shape
-    bias = _mask(causal)
     (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8_tensor(t) for t in (q, k, v))
     kw = dict(q_descale=qd, k_descale=kd, v_descale=vd)
 
@@ -220,7 +225,7 @@ def fp8_columns(q, k, v, causal: bool) -> dict:
                      | {name: call(name) for name in OUR_FP8_OPS if available(name)})
     tflops = {name: attention_tflops(b, hq, n, d, causal, t) for name, t in ms.items()}
     ours = [tflops[name] for name in OUR_FP8_OPS if tflops.get(name)]
-    row = {"api_fp8_op": or_none(lambda: fmha_ops.explain(q8, k8, v8, bias, **kw).selected.NAME),
+    row = {"api_fp8_op": or_none(lambda: selected_op(q8, k8, v8, causal, **kw)),
            "api_fp8": tflops["api_fp8"], "ours_fp8": max(ours, default=None), "cudnn_fp8": tflops["cudnn_fp8"]}
     row["api_fp8/best"] = ratio(row["api_fp8"], row["ours_fp8"], row["cudnn_fp8"])
     row["api_fp8_out"] = attention_tflops(b, hq, n, d, causal, or_none(lambda: _RUN["call"](

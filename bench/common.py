@@ -1,8 +1,8 @@
 """The harness every record-producing benchmark in ``bench/`` shares.
 
 * timing: :func:`time_ms` (CUDA events, ``triton.testing.do_bench`` median), :func:`time_graph_ms` (the same over
-  replays of a captured CUDA graph), :func:`time_clean_l2_ms` (each call after a read-only L2 eviction) and
-  :func:`host_us` (host wall time per call of back-to-back calls);
+  replays of a captured CUDA graph), :func:`time_clean_l2_ms` (each call after a read-only L2 eviction),
+  :func:`host_us` (host wall time per call of back-to-back calls) and :func:`time_wall_ms` (wall time, for CPUs);
 * the environment: :func:`environment` (GPU, driver, CUDA, torch, triton, cuDNN, date) and :func:`environment_line`;
 * output: :func:`print_table` (stdout), :func:`write_json` and :func:`bar_plot` (into ``--out``, default ``$OUT`` or
   ``bench/out``) and :func:`write_record`, which writes the benchmark's table whole to ``bench/results/<name>.md``,
@@ -138,6 +138,17 @@ def host_us(fn: Callable[[], object], iters: int = 1000, warmup: int = 50) -> fl
     if cuda:
         torch.cuda.synchronize()
     return (t1 - t0) / iters * 1e6
+
+
+def time_wall_ms(fn: Callable[[], object], calls: int = 3) -> float:
+    """Median wall time of ``calls`` calls of ``fn()`` in milliseconds, each on its own (on a CPU, where there are
+    no CUDA events to time with)."""
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
 
 
 def capture_graph(fn: Callable[[], object], warmup_iters: int = 3) -> torch.cuda.CUDAGraph:
