@@ -283,18 +283,19 @@ GRAPH_TABLE = ["shape", *(f"g:{c}" for c in ("fa3_bf16", "fa3_fp8", "cudnn_fp8",
                                               "api_i8fp8_block", "api_bf16", *RATIOS))]
 
 
-def speed_table(out: str, shapes: list[tuple], device: str, graph: bool, budget: float = 0.0):
-    """Rows of every shape in ``shapes`` measured before ``budget`` seconds (0: no limit) ran out, and the labels
-    of the shapes left; prints the tables and the target lines, writes attention_fwd.json / .png."""
-    t_end = time.perf_counter() + budget if budget else float("inf")
+def speed_table(out: str, shapes: list[tuple], device: str, graph: bool, deadline: float = float("inf")):
+    """Rows of every shape in ``shapes`` begun before ``deadline`` (``time.perf_counter``), and the labels of the
+    shapes left; prints the tables and the target lines, writes attention_fwd.json (after every shape: a run cut
+    short keeps its rows) and attention_fwd.png."""
     rows, skipped = [], []
     for shape in shapes:
-        if time.perf_counter() > t_end:
+        if time.perf_counter() > deadline:
             skipped.append(shape_label(*shape))
             continue
         rows.append(speed_row(shape, device, graph))
         print("ROW", json.dumps({key: round(val, 3) if isinstance(val, float) else val
                                  for key, val in rows[-1].items()}), flush=True)
+        write_json(out, "attention_fwd", rows)
         if device == "cuda":
             torch.cuda.empty_cache()
     if rows:
@@ -305,7 +306,7 @@ def speed_table(out: str, shapes: list[tuple], device: str, graph: bool, budget:
     for line in lines:
         print(line)
     if skipped:
-        print(f"not measured (budget {budget:.0f} s): {', '.join(skipped)}")
+        print(f"not measured (time budget): {', '.join(skipped)}")
     write_json(out, "attention_fwd", rows, {"not_measured": skipped, "targets": lines})
     bar_plot(out, "attention_fwd", rows, "shape",
              ["fa3_bf16", "fa3_fp8", "cudnn_fp8", "api_fp8", "ours_fp8", "api_i8fp8", "api_i8fp8_block", "api_bf16"],
@@ -466,7 +467,8 @@ def main(argv=None) -> dict:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--shapes", default=None, help="comma list of indices into SHAPES (default: all)")
     p.add_argument("--graph", action="store_true", help="also time every column replayed from a CUDA graph")
-    p.add_argument("--budget", type=float, default=0.0, help="seconds; shapes left after it are not measured")
+    p.add_argument("--budget", type=float, default=0.0,
+                   help="seconds from the start; shapes (and the accuracy table) left after it are not measured")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"),
                    help="cpu: a smoke run on tiny shapes (the Triton interpreter)")
     p.add_argument("--sweep", action="store_true", help="first time the Triton kernel's tile variants (JSON only)")
@@ -476,6 +478,7 @@ def main(argv=None) -> dict:
     p.add_argument("--results", default=RESULTS,
                    help="folder the records go to (default bench/results; on a remote machine one under --out)")
     args = p.parse_args(argv)
+    deadline = time.perf_counter() + args.budget if args.budget else float("inf")
     out = out_dir(args.out)
     env = environment()
     print(env)
@@ -493,14 +496,16 @@ def main(argv=None) -> dict:
         shapes = [SHAPES[i] for i in QUICK] if args.quick else SHAPES
     if args.graph and args.device == "cpu":
         print("--graph: no CUDA graphs on a CPU, the event-timed columns only")
-    rows, skipped, lines = speed_table(out, shapes, args.device, args.graph, args.budget)
+    rows, skipped, lines = speed_table(out, shapes, args.device, args.graph, deadline)
     result.update(rows=rows, not_measured=skipped, targets=lines)
     record = args.device == "cuda" and not (args.no_record or args.quick)
     if record and rows:
         result["record"] = SPEED_RECORD.write(rows, env, os.path.join(out, "attention_fwd.png"),
                                               notes=speed_notes(skipped, lines), results_dir=args.results)
         print("record:", result["record"])
-    if not args.no_accuracy:
+    if not args.no_accuracy and time.perf_counter() > deadline:
+        print("accuracy table not measured (time budget)")
+    elif not args.no_accuracy:
         arows, alines = accuracy_table(out, args.device)
         result.update(accuracy=arows, accuracy_checks=alines)
         shown = [r for name in RECORDED for r in arows if r["kernel"] == name and r["inputs"] == "transformer_like"]

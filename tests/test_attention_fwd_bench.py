@@ -37,6 +37,11 @@ def test_cpu_smoke_run_times_the_public_calls_and_checks_accuracy(tmp_path):
     assert res["accuracy_checks"][0].startswith("i8fp8 (head q/k, tensor v) cosine 0.99")
 
 
+def test_budget_leaves_shapes_and_accuracy_unmeasured(tmp_path):
+    res = fwd.main(["--device", "cpu", "--out", str(tmp_path), "--budget", "1e-9"])
+    assert res["rows"] == [] and len(res["not_measured"]) == len(fwd.CPU_SHAPES) and "accuracy" not in res
+
+
 def test_summary_takes_the_fastest_forced_op_and_the_ratios():
     row = {"fa3_bf16": 600.0, "fa3_fp8": 800.0, "api_fp8": 790.0, "op:triton_fp8F:fp8": 700.0,
            "op:gluon_ws_fp8F:fp8": 810.0, "op:gluon_fp8F:fp8": None, "api_i8fp8": 760.0,
