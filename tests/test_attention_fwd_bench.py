@@ -100,3 +100,26 @@ def test_records_keep_benchmarks_md_within_its_budget(tmp_path, monkeypatch):
     assert "Reproduce: `PYTHONPATH=$PWD python bench/attention_fwd_bench.py --graph`" in text
     monkeypatch.setattr(assemble_benchmarks, "RESULTS", str(results))
     assert assemble_benchmarks.assemble().count("\n") <= MAX_LINES
+
+
+def test_fa3_calls_are_flash_attn_func_with_kv_head_descales(monkeypatch):
+    """The FA3 anchors call the installed build's own ``flash_attn_func``: bf16 plain, fp8 with the (B, Hkv)
+    descales; none where no build imports."""
+    import types
+
+    from fmha_ops.ops import fa3
+
+    got = []
+    module = types.ModuleType("fake_fa3_interface")
+    module.flash_attn_func = lambda *args, **kw: got.append((args, kw))
+    monkeypatch.setitem(sys.modules, "fake_fa3_interface", module)
+    monkeypatch.setattr(fa3, "BUILD", fa3.FA3Build("fake_fa3_interface", "fa3-fwd", {}))
+    fa3.interface.cache_clear()  # the imported interface is memoized
+    calls = backends.fa3_calls("q", "k", "v", True, ("q8", "k8", "v8", "qd", "kd", "vd"))
+    calls["fa3_bf16"]()
+    calls["fa3_fp8"]()
+    assert got == [(("q", "k", "v"), {"causal": True}),
+                   (("q8", "k8", "v8"), {"causal": True, "q_descale": "qd", "k_descale": "kd", "v_descale": "vd"})]
+    fa3.interface.cache_clear()
+    monkeypatch.setattr(fa3, "BUILD", fa3.FA3Build(None, "fa3-fwd", {}))
+    assert backends.fa3_calls("q", "k", "v", False) == {}
