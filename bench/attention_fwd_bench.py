@@ -1,5 +1,7 @@
-"""Forward attention benchmark: our 8-bit forwards through the public call against FlashAttention-3 (bf16 and fp8,
-its own ``flash_attn_func``) and cuDNN fp8 in one process, and the accuracy of the quantized forwards.
+"""Forward attention benchmark: our 8-bit forwards through the public call against FlashAttention-3 and cuDNN fp8.
+
+FlashAttention-3 (bf16 and fp8, its own ``flash_attn_func``) and cuDNN fp8 run in the same process; the accuracy of
+the quantized forwards follows.
 
     python bench/attention_fwd_bench.py [--quick] [--shapes i,j] [--graph] [--budget SECONDS] [--no-accuracy]
                                         [--device cpu] [--out DIR] [--results DIR] [--no-record]
