@@ -109,6 +109,9 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
                    p=dropout if module.training else 0.0)
     if attention_mask is not None and attention_mask.dim() == 2:  # the padding of structured_mask
         return _packed(q, k, v, attention_mask.bool(), causal, window, options, quantize), None
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if attention_mask is None and isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor):
+        return _concatenated(q, k, v, cu_q, cu_k, causal, window, options, quantize), None
     if attention_mask is not None:  # a dense mask (B, 1, Mq, Mk): an additive bias, or the allowed pairs (bool)
         if attention_mask.dtype == torch.bool:
             attention_mask = torch.zeros(attention_mask.shape, dtype=q.dtype, device=q.device).masked_fill(
@@ -146,14 +149,40 @@ def _packed(q, k, v, keys: torch.Tensor, causal: bool, window: int | None, optio
     qp = q.reshape(b * mq, hq, q.shape[3]).index_select(0, q_rows)[None]
     kp = k.reshape(b * mk, *k.shape[2:]).index_select(0, k_rows)[None]
     vp = v.reshape(b * mk, *v.shape[2:]).index_select(0, k_rows)[None]
+    out = _sequences(qp, kp, vp, q_lens, k_lens, causal, window, options, quantize if mq > DECODE_QUERIES else None)
+    full = out.new_zeros((b * mq, hq, out.shape[3]))
+    return full.index_copy(0, q_rows, out[0]).view(b, mq, hq, out.shape[3])
+
+
+def _concatenated(q, k, v, cu_q: torch.Tensor, cu_k: torch.Tensor, causal: bool, window: int | None, options: dict,
+                  quantize: str | None) -> torch.Tensor:
+    """Sequences laid end to end in one batch row, as transformers' continuous batching (``generate_batch``: the
+    keys read back from its paged cache) and padding-free training pass them: q (1, Tq, Hq, K), k / v (1, Tk, Hkv,
+    K / Kv); sequence i's queries are rows cu_q[i]:cu_q[i+1] (``cu_seq_lens_q``, int (S + 1,)), its keys rows
+    cu_k[i]:cu_k[i+1] (``cu_seq_lens_k``), queries aligned with the last keys. Rows past cu_q[-1] / cu_k[-1]
+    (padding to static shapes) are left out; their outputs are 0. Returns (1, Tq, Hq, Kv)."""
+    if q.shape[0] != 1:
+        raise ValueError(f"cu_seq_lens_q / cu_seq_lens_k: the sequences lie end to end in one batch row; got a batch "
+                         f"of {q.shape[0]} rows")
+    q_lens, k_lens = cu_q.diff().tolist(), cu_k.diff().tolist()
+    nq, nk = sum(q_lens), sum(k_lens)
+    out = _sequences(q[:, :nq], k[:, :nk], v[:, :nk], q_lens, k_lens, causal, window, options,
+                     quantize if max(q_lens, default=0) > DECODE_QUERIES else None)
+    return torch.nn.functional.pad(out, (0, 0, 0, 0, 0, q.shape[1] - nq))
+
+
+def _sequences(q, k, v, q_lens: list[int], k_lens: list[int], causal: bool, window: int | None, options: dict,
+               quantize: str | None) -> torch.Tensor:
+    """Attention over packed sequences: q (1, sum(q_lens), Hq, K), k / v (1, sum(k_lens), Hkv, K / Kv); per sequence
+    bottom-right causal (local with a ``window``) or bidirectional. ``quantize``: "fp8" / "i8fp8" to quantize
+    inside, None for the model's dtype. Returns (1, sum(q_lens), Hq, Kv)."""
     mask = ab.BlockDiagonalMask.from_seqlens(q_lens, k_lens, device=q.device)
     if causal:
         mask = (mask.make_local_attention_from_bottomright(window) if window is not None
                 else mask.make_causal_from_bottomright())
-    out = _quantized(qp, kp, vp, mask, options, quantize) if quantize and mq > DECODE_QUERIES else \
-        memory_efficient_attention(qp, kp, vp, mask, **options)
-    full = out.new_zeros((b * mq, hq, out.shape[3]))
-    return full.index_copy(0, q_rows, out[0]).view(b, mq, hq, out.shape[3])
+    if quantize is not None:
+        return _quantized(q, k, v, mask, options, quantize)
+    return memory_efficient_attention(q, k, v, mask, **options)
 
 
 def _quantized(q, k, v, mask, options: dict, kind: str) -> torch.Tensor:
@@ -187,12 +216,33 @@ def _variant(kind: str | None):
     return fn
 
 
+def _keep_for_continuous_batching() -> None:
+    """Let transformers' continuous batching (``generate_batch``) run the ``IMPLEMENTATIONS``: it accepts only
+    "paged|eager", "sdpa" and flash implementations and raises for others. Ours take its batches as they come
+    (no mask; sequences end to end with ``cu_seq_lens_q`` / ``cu_seq_lens_k``, see ``_concatenated``), so its
+    switch leaves them in place; other implementations go through transformers' own switch. Idempotent."""
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+
+    switch = ContinuousBatchingManager.switch_to_cb_friendly_attn
+    if getattr(switch, "keeps_fmha_ops", False):
+        return
+
+    @functools.wraps(switch)
+    def keep_ours(self, model, *args, **kwargs):
+        if model.config._attn_implementation in IMPLEMENTATIONS:
+            return None
+        return switch(self, model, *args, **kwargs)
+    keep_ours.keeps_fmha_ops = True
+    ContinuousBatchingManager.switch_to_cb_friendly_attn = keep_ours
+
+
 def register() -> None:
-    """Register the attention and mask functions of ``IMPLEMENTATIONS`` with transformers (idempotent; importing
-    this module does it)."""
+    """Register the attention and mask functions of ``IMPLEMENTATIONS`` with transformers and let its continuous
+    batching run them (idempotent; importing this module does it)."""
     for name, kind in IMPLEMENTATIONS.items():
         AttentionInterface.register(name, attention if kind is None else _variant(kind))
         AttentionMaskInterface.register(name, structured_mask)
+    _keep_for_continuous_batching()
 
 
 register()
