@@ -2,10 +2,13 @@
 architecture's config (no download), against ``attn_implementation="eager"`` with the same weights.
 
 Checked per architecture (Llama, Qwen 3, Mistral with a sliding window, Gemma 2 with softcap, Gemma 3 with sliding
-and full layers,
-GPT-OSS with sinks and windows, DeepSeek-V3 with q/k head dim 24 and value head dim 16): float32 logits of a
-left-padded batch (at the tokens, not the padding), and greedy ``generate()`` token-identical with the dynamic
-cache (and the static one for Llama). ``gpu``: the same in bfloat16 on the H200, where the Triton / FA4 ops run.
+and full layers, GPT-OSS with sinks and windows, DeepSeek-V3 with q/k head dim 192 and value head dim 128): float32
+logits of a left-padded batch (at the tokens, not the padding) and of sequences packed into rows (position_ids);
+greedy ``generate()`` token-identical with the dynamic and the static cache, and ``generate_batch`` (continuous
+batching on transformers' paged cache) token-identical to eager's ``generate`` per prompt; every call hands the
+kernels a structured mask (causal / local / block-diagonal), never a dense bias. On the CPU the selector picks the
+reference op; ``test_triton_ops_through_models`` forces the Triton forward and decoders (interpreter, float16).
+``gpu``: the same in bfloat16 on the H200, where the Triton / FA4 ops run.
 """
 import pytest
 import torch
@@ -42,7 +45,7 @@ def _config(arch: str):
                             layer_types=["sliding_attention", "full_attention"])
     if arch == "deepseek-v3":
         return DeepseekV3Config(**{**SMALL, "num_key_value_heads": 4}, q_lora_rank=32, kv_lora_rank=32,
-                                qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4,
+                                qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=4,
                                 num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=32,
                                 first_k_dense_replace=1, n_shared_experts=1)
     raise ValueError(arch)
@@ -69,6 +72,24 @@ def _models(arch: str, dtype=torch.float32, device=DEVICE):
     return eager, ours
 
 
+@pytest.fixture
+def masks(monkeypatch):
+    """The attn_bias of every memory_efficient_attention call the integration makes while the test runs."""
+    seen = []
+    call = fmha_hf.memory_efficient_attention
+
+    def spy(q, k, v, attn_bias=None, **kwargs):
+        seen.append(attn_bias)
+        return call(q, k, v, attn_bias, **kwargs)
+    monkeypatch.setattr(fmha_hf, "memory_efficient_attention", spy)
+    return seen
+
+
+def _structured_only(masks: list) -> None:
+    """Every mask is None or one of the library's structured masks (no tensor bias), and there were calls."""
+    assert masks and not any(isinstance(m, torch.Tensor) for m in masks), [type(m).__name__ for m in masks]
+
+
 def _left_padded_batch(device=DEVICE):
     """Two sequences, 11 and 7 tokens, the second left-padded: input_ids and attention_mask (2, 11)."""
     g = torch.Generator().manual_seed(1)
@@ -80,7 +101,7 @@ def _left_padded_batch(device=DEVICE):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_logits_left_padded(arch):
+def test_logits_left_padded(arch, masks):
     eager, ours = _models(arch)
     ids, mask = _left_padded_batch()
     with torch.no_grad():
@@ -90,32 +111,92 @@ def test_logits_left_padded(arch):
     tokens = mask.bool()
     assert torch.allclose(got[tokens], want[tokens], atol=2e-5, rtol=1e-4), (got[tokens] - want[tokens]).abs().max()
     assert torch.allclose(single, want[:1], atol=2e-5, rtol=1e-4)
+    _structured_only(masks)
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_generate_token_identical(arch):
+def test_greedy_generate_token_identical(arch, cache, masks):
+    """8 new tokens after an 11-token prompt: past the 5-token windows (sliding layers' caches wrap)."""
     eager, ours = _models(arch)
     ids, mask = _left_padded_batch()
-    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, cache_implementation=cache)
     want = eager.generate(input_ids=ids, attention_mask=mask, **kwargs)
     got = ours.generate(input_ids=ids, attention_mask=mask, **kwargs)
     assert torch.equal(got, want)
+    _structured_only(masks)
 
 
-def test_generate_static_cache():
-    eager, ours = _models("llama")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_generate_batch_continuous_batching(arch, masks):
+    """transformers' continuous batching on its paged cache (16-token pages, 12 tokens a step: prompts prefilled in
+    chunks beside other requests' decode steps) gives eager's greedy tokens for each prompt alone; every call is one
+    block-diagonal (bottom-right causal or local) call over the step's sequences."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    eager, ours = _models(arch)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], list(range(20, 40))]
+    config = GenerationConfig(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
+    batching = ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=12, page_size=16)
+    got = ours.generate_batch(prompts, generation_config=config, continuous_batching_config=batching)
+    assert ours.config._attn_implementation == "fmha_ops"
+    for i, prompt in enumerate(prompts):
+        want = eager.generate(input_ids=torch.tensor([prompt], device=DEVICE), max_new_tokens=6, do_sample=False,
+                              pad_token_id=0, eos_token_id=None)[0, len(prompt):]
+        assert got[f"req_{i}"].generated_tokens == want.tolist(), i
+    assert all(isinstance(m, fmha_hf.ab.BlockDiagonalMask) for m in masks) and len(masks) >= 8
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "deepseek-v3"])
+def test_packed_sequences(arch, masks):
+    """Sequences packed into batch rows (position_ids restarting, no attention mask, no cache, as padding-free
+    training feeds them): eager's logits, through one block-diagonal call per layer."""
+    eager, ours = _models(arch)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, VOCAB, (2, 20), generator=g).to(DEVICE)
+    positions = torch.tensor([[*range(7), *range(4), *range(9)], [*range(12), *range(8)]], device=DEVICE)
+    with torch.no_grad():
+        want = eager(input_ids=ids, position_ids=positions, use_cache=False).logits
+        got = ours(input_ids=ids, position_ids=positions, use_cache=False).logits
+        alone = eager(input_ids=ids[:1, 7:11], position_ids=positions[:1, 7:11], use_cache=False).logits
+    assert torch.allclose(want[0, 7:11], alone[0], atol=2e-5, rtol=1e-4)  # the packing is real
+    assert torch.allclose(got, want, atol=2e-5, rtol=1e-4), (got - want).abs().max()
+    assert all(isinstance(m, fmha_hf.ab.BlockDiagonalMask) for m in masks) and masks
+
+
+@pytest.mark.parametrize("arch", ["gpt-oss", "gemma2", "deepseek-v3"])
+def test_triton_ops_through_models(arch):
+    """The Triton forward and decoders, forced (interpreter on the CPU, float16): GPT-OSS's sinks and windows, Gemma
+    2's softcap and windows, DeepSeek-V3's K=192 / Kv=128; left-padded prefill logits and generate()'s decode-step
+    logits near eager's float32 logits on the same tokens (measured rel 6.8e-4 / 1.3e-3 / 9.7e-4)."""
+    import fmha_ops
+
+    eager, ours = _models(arch)
+    ours.half()
     ids, mask = _left_padded_batch()
-    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, cache_implementation="static")
-    assert torch.equal(ours.generate(input_ids=ids, attention_mask=mask, **kwargs),
-                       eager.generate(input_ids=ids, attention_mask=mask, **kwargs))
+    with fmha_ops.use_ops("triton_attnF", "triton_decoderF", "triton_splitKF"):
+        gen = ours.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0,
+                            output_logits=True, return_dict_in_generate=True)
+        with torch.no_grad():
+            prefill = ours(input_ids=ids, attention_mask=mask).logits.float()
+    full_mask = torch.cat([mask, torch.ones_like(gen.sequences[:, mask.shape[1]:])], 1)
+    with torch.no_grad():
+        want = eager(input_ids=gen.sequences, attention_mask=full_mask).logits
+    tokens = mask.bool()
+    rel = ((prefill[tokens] - want[:, :mask.shape[1]][tokens]).norm() / want[:, :mask.shape[1]][tokens].norm()).item()
+    assert rel < 5e-3, rel
+    steps, want = torch.stack(gen.logits, 1).float(), want[:, mask.shape[1] - 1:-1]
+    assert ((steps - want).norm() / want.norm()).item() < 5e-3
 
 
-def test_generate_static_cache_compiled():
+@pytest.mark.parametrize("arch", ["llama", "gpt-oss"])
+def test_generate_static_cache_compiled(arch):
     """The static cache's decode steps under torch.compile (aot_eager on the CPU: dynamo traces the mask and
-    attention functions; data-dependent packing breaks the graph there) stay token-identical."""
+    attention functions; data-dependent packing breaks the graph there) stay token-identical; GPT-OSS: sinks and
+    sliding layers' static caches."""
     from transformers import CompileConfig
 
-    eager, ours = _models("llama")
+    eager, ours = _models(arch)
     ids, mask = _left_padded_batch()
     config = CompileConfig(backend="aot_eager", fullgraph=False)
     config._compile_all_devices = True  # transformers compiles only on accelerators unless told
@@ -155,6 +236,41 @@ def test_structured_mask():
     custom = or_masks(causal_mask_function, lambda b, h, q, kv: kv == 0)
     dense = fmha_hf.structured_mask(2, 6, 6, attention_mask=None, mask_function=custom, dtype=torch.float32)
     assert dense.shape == (2, 1, 6, 6) and dense.dtype == torch.float32 and (dense[:, :, :, 0] == 0).all()
+
+
+def test_structured_mask_never_dense_where_a_structure_exists():
+    """Every mask function transformers builds from causal / sliding-window / bidirectional (prefill, decode with
+    the dynamic or a static cache, a sliding layer's cache, with and without left padding, packed sequences) comes
+    back structured: None, the key slots' padding (bool (B, slots)) or the sequence index per token; a mask function
+    of another kind (an overlay, packed sequences over one) comes back dense."""
+    from transformers.masking_utils import (and_masks, bidirectional_mask_function, causal_mask_function,
+                                            find_packed_sequence_indices, or_masks, packed_sequence_mask_function,
+                                            remap_positions_for_packed_sequence,
+                                            sliding_window_causal_mask_function)
+
+    padded = torch.ones(2, 16, dtype=torch.bool)
+    padded[1, :3] = False
+    calls = [  # (q_length, kv_length, q_offset, kv_offset, attention_mask)
+        (6, 6, 0, 0, None), (6, 6, 0, 0, padded[:, :6]),  # prefill
+        (1, 7, 6, 0, padded[:, :7]), (1, 7, 6, 0, None),  # a dynamic cache's decode step
+        (1, 16, 6, 0, padded[:, :7]),  # a static cache: slots past the query are empty
+        (1, 4, 9, 6, padded[:, :10]), (2, 5, 9, 6, padded[:, :11]),  # a sliding layer's cache: keys from slot 6
+    ]
+    functions = [causal_mask_function, sliding_window_causal_mask_function(3), bidirectional_mask_function]
+    for fn in functions:
+        for q_length, kv_length, q_offset, kv_offset, attention_mask in calls:
+            got = fmha_hf.structured_mask(2, q_length, kv_length, q_offset, kv_offset, mask_function=fn,
+                                          attention_mask=attention_mask, dtype=torch.float32)
+            assert got is None or (got.dim() == 2 and got.dtype == torch.bool), (fn, q_length, kv_length)
+    positions = torch.tensor([[*range(3), *range(5)], [*range(8)]])
+    segments = find_packed_sequence_indices(positions)
+    for fn in functions[:2]:
+        packed = and_masks(remap_positions_for_packed_sequence(fn, positions), packed_sequence_mask_function(segments))
+        got = fmha_hf.structured_mask(2, 8, 8, mask_function=packed, dtype=torch.float32)
+        assert got is segments
+    overlay = or_masks(causal_mask_function, lambda b, h, q, kv: kv == 0)
+    packed = and_masks(remap_positions_for_packed_sequence(overlay, positions), packed_sequence_mask_function(segments))
+    assert fmha_hf.structured_mask(2, 8, 8, mask_function=packed, dtype=torch.float32).shape == (2, 1, 8, 8)
 
 
 @pytest.mark.gpu

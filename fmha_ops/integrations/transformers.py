@@ -53,15 +53,20 @@ def structured_mask(batch_size: int, q_length: int, kv_length: int, q_offset: in
 
     Returns None (no padded key: the layer's causal flag and window say the rest); or the padding: bool
     (B, slots), slot j (key j of the layer's keys) holding a token, the slots ending with the last query's (a
-    static cache's later, empty slots left out; the queries are the last q_length slots); or, for mask functions
-    other than transformers' causal / bidirectional / sliding-window ones, a dense float additive bias
-    (B, 1, q_length, kv_length) in ``kwargs["dtype"]``.
+    static cache's later, empty slots left out; the queries are the last q_length slots); or, for sequences
+    packed into batch rows (position_ids that restart, no attention_mask, no cache), the sequence index of each
+    token: int64 (B, q_length), as transformers finds it; or, for mask functions other than transformers' causal /
+    bidirectional / sliding-window ones, a dense float additive bias (B, 1, q_length, kv_length) in
+    ``kwargs["dtype"]``.
     """
-    if not _structured(mask_function) or kwargs.get("use_vmap", False):
+    use_vmap = kwargs.get("use_vmap", False)
+    segments = None if use_vmap else _packed_sequences(mask_function)
+    if segments is not None:
+        return segments
+    if not _structured(mask_function) or use_vmap:
         allowed = sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                             kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
-                            allow_is_causal_skip=False, device=kwargs.get("device", "cpu"),
-                            use_vmap=kwargs.get("use_vmap", False))
+                            allow_is_causal_skip=False, device=kwargs.get("device", "cpu"), use_vmap=use_vmap)
         dtype = kwargs.get("dtype", torch.float32)
         return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
             ~allowed, torch.finfo(dtype).min)
@@ -79,17 +84,38 @@ def structured_mask(batch_size: int, q_length: int, kv_length: int, q_offset: in
     return keys
 
 
+def _closure(fn) -> dict:
+    """The variables a mask function closes over, by name (empty for a plain function)."""
+    cells = getattr(fn, "__closure__", None) or ()
+    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in cells))) if cells else {}
+
+
+def _made_by(fn, factory: str) -> bool:
+    """Whether mask function ``fn`` is the inner function of transformers' ``factory`` (say "and_masks")."""
+    return getattr(fn, "__qualname__", "").startswith(f"{factory}.<locals>.")
+
+
 def _structured(fn) -> bool:
     """Whether ``fn`` is one of the mask functions a causal / window / padding structure describes: transformers'
     causal or bidirectional function, or its sliding-window causal one (``and_masks`` of the window overlay and
     causal)."""
     if fn is causal_mask_function or fn is bidirectional_mask_function:
         return True
-    parts = [c.cell_contents for c in (getattr(fn, "__closure__", None) or ())]
-    inner = [p for group in parts if isinstance(group, tuple) for p in group]
-    return (getattr(fn, "__qualname__", "") == "and_masks.<locals>.and_mask" and len(inner) == 2
-            and causal_mask_function in inner
-            and any(getattr(p, "__qualname__", "") == "sliding_window_overlay.<locals>.inner_mask" for p in inner))
+    inner = _closure(fn).get("mask_functions", ()) if _made_by(fn, "and_masks") else ()
+    return (len(inner) == 2 and causal_mask_function in inner
+            and any(_made_by(p, "sliding_window_overlay") for p in inner))
+
+
+def _packed_sequences(fn) -> torch.Tensor | None:
+    """For transformers' packed-sequence mask (``and_masks`` of a structured mask function on the positions within
+    each sequence and the same-sequence test): the sequence index of each token, int (B, T); else None."""
+    inner = _closure(fn).get("mask_functions", ()) if _made_by(fn, "and_masks") else ()
+    if len(inner) != 2 or not _made_by(inner[0], "remap_positions_for_packed_sequence") \
+            or not _made_by(inner[1], "packed_sequence_mask_function"):
+        return None
+    if not _structured(_closure(inner[0]).get("mask_function")):
+        return None
+    return _closure(inner[1]).get("packed_sequence_mask")
 
 
 def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -107,8 +133,10 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     window = sliding_window if causal and sliding_window is not None and sliding_window > 0 else None
     options = dict(scale=scaling, softcap=softcap or 0.0, sinks=sinks,
                    p=dropout if module.training else 0.0)
+    if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.dtype != torch.bool:
+        return _segments(q, k, v, attention_mask, causal, window, options, quantize), None  # packed sequences
     if attention_mask is not None and attention_mask.dim() == 2:  # the padding of structured_mask
-        return _packed(q, k, v, attention_mask.bool(), causal, window, options, quantize), None
+        return _packed(q, k, v, attention_mask, causal, window, options, quantize), None
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if attention_mask is None and isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor):
         return _concatenated(q, k, v, cu_q, cu_k, causal, window, options, quantize), None
@@ -152,6 +180,23 @@ def _packed(q, k, v, keys: torch.Tensor, causal: bool, window: int | None, optio
     out = _sequences(qp, kp, vp, q_lens, k_lens, causal, window, options, quantize if mq > DECODE_QUERIES else None)
     full = out.new_zeros((b * mq, hq, out.shape[3]))
     return full.index_copy(0, q_rows, out[0]).view(b, mq, hq, out.shape[3])
+
+
+def _segments(q, k, v, segments: torch.Tensor, causal: bool, window: int | None, options: dict,
+              quantize: str | None) -> torch.Tensor:
+    """Sequences packed into batch rows (``segments``: int (B, T), each token's sequence index in its row, from
+    ``structured_mask``): every row's runs become variable-length sequences of one packed batch, queries and keys
+    alike (q / k / v: (B, T, H, K / Kv)). Returns (B, T, Hq, Kv)."""
+    b, t, hq, _ = q.shape
+    if k.shape[1] != t:
+        raise ValueError(f"packed sequences (sequence index per token, {tuple(segments.shape)}) need as many keys as "
+                         f"queries; got {t} queries and {k.shape[1]} keys")
+    row = torch.arange(b, device=segments.device)[:, None] * (t + 1)  # runs never join across rows
+    lens = torch.unique_consecutive((segments + row).reshape(-1), return_counts=True)[1].tolist()
+    out = _sequences(q.reshape(1, b * t, hq, q.shape[3]), k.reshape(1, b * t, *k.shape[2:]),
+                     v.reshape(1, b * t, *v.shape[2:]), lens, lens, causal, window, options,
+                     quantize if max(lens) > DECODE_QUERIES else None)
+    return out.view(b, t, hq, out.shape[3])
 
 
 def _concatenated(q, k, v, cu_q: torch.Tensor, cu_k: torch.Tensor, causal: bool, window: int | None, options: dict,
