@@ -344,3 +344,26 @@ def test_gpu_static_cache_compiled_generate(padded):
     with torch.no_grad():
         want = eager(input_ids=gen.sequences, attention_mask=full_mask).logits.float()[:, mask.shape[1] - 1:-1]
     assert ((steps - want).norm() / want.norm()).item() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gpu_generate_batch_bf16(arch):
+    """Continuous batching in bfloat16 on the H200 (no switch to flash: "fmha_ops" stays): the log-probabilities
+    of the tokens generate_batch picks near eager's on the same tokens (teacher forcing; greedy tokens of random
+    tiny models near-tie, so bf16 rounding may pick another token without an error)."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    eager, ours = _models(arch, torch.bfloat16, "cuda")
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], list(range(20, 60))]
+    config = GenerationConfig(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
+    batching = ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=24, page_size=16, return_logprobs=True)
+    got = ours.generate_batch(prompts, generation_config=config, continuous_batching_config=batching)
+    assert ours.config._attn_implementation == "fmha_ops"
+    for i, prompt in enumerate(prompts):
+        out = got[f"req_{i}"]
+        tokens = torch.tensor([prompt + out.generated_tokens], device="cuda")
+        with torch.no_grad():
+            logits = eager(input_ids=tokens).logits.float()[0, len(prompt) - 1:-1]
+        want = logits.log_softmax(-1).gather(1, tokens[0, len(prompt):, None])[:, 0]
+        assert (torch.tensor(out.logprobs, device="cuda") - want).abs().max().item() < 5e-2, i
