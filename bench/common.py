@@ -98,6 +98,21 @@ def time_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float
 
     return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
+def device_ms(fn: Callable[[], object], device: str = "cuda", warmup: int = 25, rep: int = 100) -> float:
+    """Median time of ``fn()`` in milliseconds on ``device``: :func:`time_ms` on CUDA; elsewhere (the CPU smoke runs
+    of the benchmarks) the median wall time of ``rep`` calls after ``warmup`` calls (at most 3 / 5 of each)."""
+    if torch.device(device).type == "cuda":
+        return time_ms(fn, warmup, rep)
+    for _ in range(min(warmup, 3)):
+        fn()
+    times = []
+    for _ in range(max(1, min(rep, 5))):
+        start = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - start))
+    return sorted(times)[len(times) // 2]
+
+
 _EVICT: list = []
 
 
@@ -214,7 +229,7 @@ def or_none(fn: Callable[[], object]):
 
 
 def print_table(rows: Sequence[dict], columns: Sequence[str]) -> None:
-    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
+    widths = {c: max([len(c), *(len(_fmt(r.get(c))) for r in rows)]) for c in columns}
     print("  ".join(c.rjust(widths[c]) for c in columns))
     for r in rows:
         print("  ".join(_fmt(r.get(c)).rjust(widths[c]) for c in columns))

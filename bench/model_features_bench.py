@@ -10,20 +10,27 @@
   (``flash_attn_interface``, where installed) and FA4 with Kv=128 beside it.
 
 CUDA-event medians of whole public calls (``bench.common.time_ms``). Writes ``bench/results/model_features.md``
-and ``<out>/model_features.json``.
+(+ ``.png``: the ratios) and ``<out>/model_features.json`` / ``model_features.png``. ``--budget-s``: calls that
+would start after that many seconds are left out (empty cells, counted at the end). ``--device cpu --tiny``: the
+same code at a few heads and 40 tokens (a smoke run: the Triton kernels through the interpreter, wall-clock
+timings, no record).
 
-    python bench/model_features_bench.py [--quick] [--out DIR] [--no-record]
+    python bench/model_features_bench.py [--quick] [--budget-s S] [--out DIR] [--no-record] [--device cpu --tiny]
 """
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if not torch.cuda.is_available():  # the Triton kernels run through the interpreter (set before any @triton.jit)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from bench.common import Record, base_parser, environment, or_none, out_dir, print_table, time_ms, write_json  # noqa
+from bench.common import (Record, bar_plot, base_parser, device_ms, environment, or_none, out_dir,  # noqa: E402
+                          print_table, write_json)
 import fmha_ops  # noqa: E402
 from fmha_ops import LowerTriangularFromBottomRightMask, memory_efficient_attention  # noqa: E402
 from fmha_ops.quant import quantize_qkv_fp8  # noqa: E402
@@ -32,18 +39,49 @@ CAUSAL = LowerTriangularFromBottomRightMask()
 GPT_OSS = dict(hq=64, hkv=8, d=64)
 DEEPSEEK = dict(hq=128, d=192, dv=128)
 WINDOW = 128
+#: (B, N) per part and size: the full grid, --quick, --tiny (CPU smoke runs: 4 / 2 GPT-OSS heads, 2 DeepSeek heads)
+SHAPES = {
+    "sinks": {"full": [(1, 8192), (8, 4096), (1, 32768)], "quick": [(1, 8192)], "tiny": [(1, 40)]},
+    "decode": {"full": [(1, 32768), (32, 8192), (64, 2048)], "quick": [(32, 8192)], "tiny": [(2, 40)]},
+    "value_dim": {"full": [(1, 4096), (1, 16384), (4, 4096)], "quick": [(1, 4096)], "tiny": [(1, 40)]},
+}
+TINY_HEADS = dict(gpt_oss=(4, 2), deepseek=2)
 
 
-def _randn(*shape, grad=False):
-    return torch.randn(*shape, device="cuda", dtype=torch.bfloat16).requires_grad_(grad)
+class Run:
+    """Where and how big this run is: device, dtype (bf16; float16 on the CPU, whose interpreter's bf16 dot is
+    wrong), size ("full" / "quick" / "tiny") and the deadline after which calls are left out."""
+
+    def __init__(self, device: str, size: str, budget_s: float | None):
+        self.device, self.size = device, size
+        self.dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float16
+        self.deadline = None if budget_s is None else time.perf_counter() + budget_s
+        self.left_out = 0
+
+    def randn(self, *shape, grad=False):
+        return torch.randn(*shape, device=self.device, dtype=self.dtype).requires_grad_(grad)
+
+    def time(self, fn) -> float | None:
+        """Median ms of ``fn()``, None if it fails (one logged line) or the budget is spent."""
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            self.left_out += 1
+            return None
+        return or_none(lambda: device_ms(fn, self.device))
+
+    def shapes(self, part: str) -> list[tuple[int, int]]:
+        return SHAPES[part][self.size]
+
+    def gpt_oss_heads(self) -> tuple[int, int, int]:
+        hq, hkv = TINY_HEADS["gpt_oss"] if self.size == "tiny" else (GPT_OSS["hq"], GPT_OSS["hkv"])
+        return hq, hkv, GPT_OSS["d"]
 
 
-def sinks_rows(quick: bool) -> list[dict]:
+def sinks_rows(run: Run) -> list[dict]:
     rows = []
-    hq, hkv, d = GPT_OSS["hq"], GPT_OSS["hkv"], GPT_OSS["d"]
-    sinks = torch.randn(hq, device="cuda")
-    for b, n in ([(1, 8192)] if quick else [(1, 8192), (8, 4096), (1, 32768)]):
-        q, k, v = _randn(b, n, hq, d), _randn(b, n, hkv, d), _randn(b, n, hkv, d)
+    hq, hkv, d = run.gpt_oss_heads()
+    sinks = torch.randn(hq, device=run.device)
+    for b, n in run.shapes("sinks"):
+        q, k, v = run.randn(b, n, hq, d), run.randn(b, n, hkv, d), run.randn(b, n, hkv, d)
         q8, k8, v8, qd, kd, vd = quantize_qkv_fp8(q, k, v)
         for window in (None, WINDOW):
             mask = CAUSAL if window is None else CAUSAL.make_local_attention(window)
@@ -53,9 +91,7 @@ def sinks_rows(quick: bool) -> list[dict]:
                 ("fp8 fwd", lambda s: memory_efficient_attention(q8, k8, v8, mask, q_descale=qd, k_descale=kd,
                                                                  v_descale=vd, sinks=s)),
             ):
-                none = or_none(lambda: time_ms(lambda: call(None)))
-                with_sinks = or_none(lambda: time_ms(lambda: call(sinks)))
-                rows.append(_row(label, kind, none, with_sinks))
+                rows.append(_row(label, kind, run.time(lambda: call(None)), run.time(lambda: call(sinks))))
             qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
             sg = sinks.clone().requires_grad_(True)
             grad = torch.randn_like(q)
@@ -63,21 +99,20 @@ def sinks_rows(quick: bool) -> list[dict]:
             def train(s):
                 out = memory_efficient_attention(qg, kg, vg, mask, sinks=s)
                 torch.autograd.backward(out, grad)
-            rows.append(_row(label, "bf16 fwd+bwd", or_none(lambda: time_ms(lambda: train(None))),
-                             or_none(lambda: time_ms(lambda: train(sg)))))
-    rows += decode_rows(quick, sinks)
+            rows.append(_row(label, "bf16 fwd+bwd", run.time(lambda: train(None)), run.time(lambda: train(sg))))
+    rows += decode_rows(run, sinks)
     return rows
 
 
-def decode_rows(quick: bool, sinks) -> list[dict]:
+def decode_rows(run: Run, sinks) -> list[dict]:
     from fmha_ops.kv_cache import build_fp8_paged_cache, paged_from_dense
 
     rows = []
-    hq, hkv, d = GPT_OSS["hq"], GPT_OSS["hkv"], GPT_OSS["d"]
-    for b, length in ([(32, 8192)] if quick else [(1, 32768), (32, 8192), (64, 2048)]):
-        k, v = _randn(b, length, hkv, d), _randn(b, length, hkv, d)
-        q = _randn(b, 1, hq, d)
-        lengths = torch.full((b,), length, dtype=torch.int32, device="cuda")
+    hq, hkv, d = run.gpt_oss_heads()
+    for b, length in run.shapes("decode"):
+        k, v = run.randn(b, length, hkv, d), run.randn(b, length, hkv, d)
+        q = run.randn(b, 1, hq, d)
+        lengths = torch.full((b,), length, dtype=torch.int32, device=run.device)
         (kc, vc), table = paged_from_dense([k, v], 64)
         k8, v8, ks, vs, table8 = build_fp8_paged_cache(k, v, 64)
         for kv, args in (("bf16", (kc, vc, table, None, None)), ("fp8", (k8, v8, table8, ks, vs))):
@@ -87,8 +122,8 @@ def decode_rows(quick: bool, sinks) -> list[dict]:
                         return fmha_ops.flash_attn_with_kvcache(q, args[0], args[1], cache_seqlens=lengths,
                                                                 page_table=args[2], k_descale=args[3],
                                                                 v_descale=args[4], causal=True, sinks=s)
-                rows.append(_row(f"decode B{b} L{length}", f"{kv} KV {op}", or_none(lambda: time_ms(lambda: call(None))),
-                                 or_none(lambda: time_ms(lambda: call(sinks)))))
+                rows.append(_row(f"decode B{b} L{length}", f"{kv} KV {op}", run.time(lambda: call(None)),
+                                 run.time(lambda: call(sinks))))
     return rows
 
 
@@ -97,12 +132,13 @@ def _row(shape: str, kind: str, none: float | None, with_sinks: float | None) ->
             "ratio": with_sinks / none if none and with_sinks else None}
 
 
-def value_dim_rows(quick: bool) -> list[dict]:
+def value_dim_rows(run: Run) -> list[dict]:
     rows = []
-    hq, d, dv = DEEPSEEK["hq"], DEEPSEEK["d"], DEEPSEEK["dv"]
-    for b, n in ([(1, 4096)] if quick else [(1, 4096), (1, 16384), (4, 4096)]):
-        q, k, v = _randn(b, n, hq, d), _randn(b, n, hq, d), _randn(b, n, hq, dv)
-        grad = torch.randn(b, n, hq, dv, device="cuda", dtype=torch.bfloat16)
+    hq = TINY_HEADS["deepseek"] if run.size == "tiny" else DEEPSEEK["hq"]
+    d, dv = DEEPSEEK["d"], DEEPSEEK["dv"]
+    for b, n in run.shapes("value_dim"):
+        q, k, v = run.randn(b, n, hq, d), run.randn(b, n, hq, d), run.randn(b, n, hq, dv)
+        grad = run.randn(b, n, hq, dv)
 
         def ours():
             return memory_efficient_attention(q, k, v, CAUSAL)
@@ -120,11 +156,11 @@ def value_dim_rows(quick: bool) -> list[dict]:
             vp = torch.nn.functional.pad(vg, (0, d - dv))
             torch.autograd.backward(memory_efficient_attention(qg, kg, vp, CAUSAL)[..., :dv], grad)
 
-        fa3 = or_none(lambda: _fa3(q, k, v))
-        fa4 = or_none(lambda: time_ms(lambda: memory_efficient_attention(q, k, v, CAUSAL, op="fa4F")))
+        fa3 = run.time(_fa3(q, k, v))
+        fa4 = run.time(lambda: memory_efficient_attention(q, k, v, CAUSAL, op="fa4F"))
         for kind, mine, theirs in (("fwd", ours, padded), ("fwd+bwd", ours_train, padded_train)):
-            t_ours = or_none(lambda: time_ms(mine))
-            t_pad = or_none(lambda: time_ms(theirs))
+            t_ours = run.time(mine)
+            t_pad = run.time(theirs)
             rows.append({"shape": f"{b}x{n}x{hq} K{d}/Kv{dv}", "call": kind, "ours_ms": t_ours, "padded_ms": t_pad,
                          "speedup": t_pad / t_ours if t_ours and t_pad else None,
                          "op": fmha_ops.explain(q, k, v, CAUSAL).selected.NAME,
@@ -133,11 +169,14 @@ def value_dim_rows(quick: bool) -> list[dict]:
     return rows
 
 
-def _fa3(q, k, v) -> float:
-    """FA3's forward (``flash_attn_interface``, the hopper build) at K=192 / Kv=128, causal."""
-    from flash_attn_interface import flash_attn_func
+def _fa3(q, k, v):
+    """FA3's forward (``flash_attn_interface``, the hopper build) at K=192 / Kv=128, causal, as a call to time
+    (it raises where FA3 is not installed)."""
+    def call():
+        from flash_attn_interface import flash_attn_func
 
-    return time_ms(lambda: flash_attn_func(q, k, v, causal=True))
+        return flash_attn_func(q, k, v, causal=True)
+    return call
 
 
 COMMAND = "python bench/model_features_bench.py"
@@ -153,13 +192,31 @@ RECORD = Record(
     "path); FA3 / FA4: their own calls where installed. CUDA-event medians of whole calls.")
 
 
-def main() -> None:
-    args = base_parser(__doc__.splitlines()[0]).parse_args()
-    rows = sinks_rows(args.quick) + value_dim_rows(args.quick)
+def plot_rows(rows: list[dict]) -> list[dict]:
+    """For the plot: each row's ratio (sinks / none, padded / ours, FA3 / ours) under its shape and call."""
+    return [{"label": f"{r['shape']} {r['call']}", **{k: r.get(k) for k in ("ratio", "speedup", "ours/fa3")}}
+            for r in rows if any(r.get(k) for k in ("ratio", "speedup", "ours/fa3"))]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = base_parser(__doc__.splitlines()[0])
+    p.add_argument("--budget-s", type=float, default=None, help="leave out calls that would start after this")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run); implies --no-record")
+    args = p.parse_args(argv)
+    began = time.perf_counter()
+    run = Run(args.device, "tiny" if args.tiny else "quick" if args.quick else "full", args.budget_s)
+    rows = sinks_rows(run) + value_dim_rows(run)
+    out = out_dir(args.out)
     print_table(rows, list(RECORD.columns))
-    write_json(out_dir(args.out), "model_features", rows)
-    if not args.no_record:
-        RECORD.write(rows, environment())
+    write_json(out, "model_features", rows, {"left_out_calls": run.left_out})
+    png = bar_plot(out, "model_features", plot_rows(rows), "label", ["ratio", "speedup", "ours/fa3"], "time ratio",
+                   "Sinks (sinks / none: target <= 1.03), Kv=128 (padded / ours: >= 1.25; FA3 / ours: >= 0.9)")
+    if not (args.no_record or args.tiny):
+        RECORD.write(rows, environment(), png)
+    if run.left_out:
+        print(f"left out (budget): {run.left_out} calls")
+    print(f"{time.perf_counter() - began:.0f} s")
 
 
 if __name__ == "__main__":

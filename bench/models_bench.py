@@ -14,14 +14,17 @@ heads of dim 64 with sinks, alternating 128-token sliding-window and full layers
 
 Implementations: ``fmha_ops`` and ``fmha_ops_fp8`` (``fmha_ops.integrations.transformers``), ``sdpa``,
 ``flex_attention``, and ``flash_attention_4`` where flash-attn-4 is installed; one that cannot run a model
-(GPT-OSS takes no ``sdpa`` in transformers) gives empty cells. Writes ``bench/results/models.md`` and
-``<out>/models.json``.
+(GPT-OSS takes no ``sdpa`` in transformers) gives empty cells. Writes ``bench/results/models.md`` (+ ``.png``: each
+implementation's tokens/s relative to the fastest one of its cell) and ``<out>/models.json`` / ``models.png``.
 
     python bench/models_bench.py [--quick] [--model llama3-8b gpt-oss-20b] [--batch 1 32] [--context 2048 16384]
-                                 [--impl fmha_ops sdpa ...] [--layers N] [--merge] [--out DIR] [--no-record]
+                                 [--impl fmha_ops sdpa ...] [--layers N] [--budget-s S] [--merge] [--out DIR]
+                                 [--no-record] [--device cpu --tiny]
 
 ``--merge`` keeps the rows of ``<out>/models.json`` that this run does not measure again, so the grid can be run in
-parts (one model or batch per command) into one record.
+parts (one model or batch per command) into one record. ``--budget-s``: cells that would start after that many
+seconds are left out (listed at the end, for a ``--merge`` run). ``--device cpu --tiny``: the same code on models a
+few hundred parameters wide (a smoke run; wall-clock timings, no record unless asked).
 """
 from __future__ import annotations
 
@@ -30,12 +33,14 @@ import json
 import os
 import statistics
 import sys
+import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import Record, base_parser, environment, or_none, out_dir, print_table, write_json  # noqa: E402
+from bench.common import (Record, bar_plot, base_parser, environment, or_none, out_dir, print_table,  # noqa: E402
+                          write_json)
 
 IMPLEMENTATIONS = ["fmha_ops", "fmha_ops_fp8", "sdpa", "flex_attention", "flash_attention_4"]
 #: layers kept per model (the attention's share of a step does not depend on the depth); vocabulary cut to 32k
@@ -44,47 +49,77 @@ LAYERS = {"llama3-8b": 4, "gpt-oss-20b": 4}
 VOCAB = 32000
 PREFILL_REPS = 3
 WARMUP_STEPS = 3
+#: ``--tiny`` (CPU smoke runs): the same architectures a few hundred parameters wide, GQA and sinks kept, an
+#: 8-token window so that the smoke contexts pass it
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16)
+TINY_WINDOW = 8
+TINY_GRID = dict(batch=[1, 2], context=[24], steps=2, layers=2)
 
 
-def make_config(name: str, layers: int):
-    """The transformers config of a model shape, ``layers`` deep."""
+def make_config(name: str, layers: int, tiny: bool = False):
+    """The transformers config of a model shape, ``layers`` deep (``tiny``: the TINY widths)."""
     from transformers import GptOssConfig, LlamaConfig
 
     if name == "llama3-8b":
-        return LlamaConfig(vocab_size=VOCAB, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
-                           num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                           max_position_embeddings=32768, rope_theta=500000.0)
+        shape = dict(vocab_size=VOCAB, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128)
+        return LlamaConfig(**(TINY if tiny else shape), num_hidden_layers=layers, max_position_embeddings=32768,
+                           rope_theta=500000.0)
     if name == "gpt-oss-20b":
-        return GptOssConfig(vocab_size=VOCAB, hidden_size=2880, intermediate_size=2880, num_hidden_layers=layers,
-                            num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
-                            num_experts_per_tok=4, sliding_window=128,
+        shape = dict(vocab_size=VOCAB, hidden_size=2880, intermediate_size=2880, num_attention_heads=64,
+                     num_key_value_heads=8, head_dim=64)
+        experts = dict(num_local_experts=4, num_experts_per_tok=2) if tiny else dict(num_local_experts=32,
+                                                                                     num_experts_per_tok=4)
+        return GptOssConfig(**(TINY if tiny else shape), **experts, num_hidden_layers=layers,
+                            sliding_window=TINY_WINDOW if tiny else 128,
                             layer_types=["sliding_attention", "full_attention"] * (layers // 2)
                             + ["sliding_attention"] * (layers % 2))
     raise ValueError(f"unknown model {name!r}; choose from {sorted(LAYERS)}")
 
 
+class Clock:
+    """Elapsed milliseconds between two marks on ``device``: CUDA events on the GPU (no synchronization until read),
+    wall time elsewhere."""
+
+    def __init__(self, device: str):
+        self.cuda = torch.device(device).type == "cuda"
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def ms(self, start, end) -> float:
+        return start.elapsed_time(end) if self.cuda else 1e3 * (end - start)
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
 @contextlib.contextmanager
-def attention_timer(implementation: str):
-    """Within the block, every call of ``implementation``'s attention function records CUDA events around it;
-    yields a function returning the summed milliseconds (synchronizing) and resetting the events."""
+def attention_timer(implementation: str, clock: Clock):
+    """Within the block, every call of ``implementation``'s attention function is timed (``clock`` marks around
+    it); yields a function returning the summed milliseconds (synchronizing) and resetting the marks."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     mapping = ALL_ATTENTION_FUNCTIONS._global_mapping
     inner = mapping[implementation]
-    events: list = []
+    marks: list = []
 
     def timed(*args, **kwargs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        start = clock.mark()
         result = inner(*args, **kwargs)
-        end.record()
-        events.append((start, end))
+        marks.append((start, clock.mark()))
         return result
 
     def total_ms() -> float:
-        torch.cuda.synchronize()
-        ms = sum(a.elapsed_time(b) for a, b in events)
-        events.clear()
+        clock.sync()
+        ms = sum(clock.ms(a, b) for a, b in marks)
+        marks.clear()
         return ms
 
     mapping[implementation] = timed
@@ -94,23 +129,30 @@ def attention_timer(implementation: str):
         mapping[implementation] = inner
 
 
-def _cuda_ms(fn) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+def _ms(fn, clock: Clock) -> float:
+    start = clock.mark()
     fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end)
+    end = clock.mark()
+    clock.sync()
+    return clock.ms(start, end)
+
+
+def _empty_cache(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def run_one(model, batch: int, context: int, steps: int, implementation: str) -> dict:
-    """Prefill and decode timings of ``model`` (its attention set to ``implementation``)."""
+    """Prefill and decode timings of ``model`` (its attention set to ``implementation``) on the model's device."""
     from transformers import DynamicCache
 
     model.set_attn_implementation(implementation)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    ids = torch.randint(3, VOCAB, (batch, context), device="cuda", generator=g)
-    step_ids = torch.randint(3, VOCAB, (batch, 1), device="cuda", generator=g)
+    device = str(model.device)
+    clock = Clock(device)
+    vocab = model.config.vocab_size
+    g = torch.Generator(device=device).manual_seed(0)
+    ids = torch.randint(3, vocab, (batch, context), device=device, generator=g)
+    step_ids = torch.randint(3, vocab, (batch, 1), device=device, generator=g)
 
     def prefill():
         cache = DynamicCache(config=model.config)
@@ -119,25 +161,42 @@ def run_one(model, batch: int, context: int, steps: int, implementation: str) ->
 
     with torch.no_grad():
         prefill()  # warm-up (compiles flex_attention, Triton kernels)
-        prefill_ms = statistics.median(_cuda_ms(prefill) for _ in range(PREFILL_REPS))
-        with attention_timer(implementation) as attn_ms:
+        prefill_ms = statistics.median(_ms(prefill, clock) for _ in range(PREFILL_REPS))
+        with attention_timer(implementation, clock) as attn_ms:
             prefill()
             prefill_attn = attn_ms()
         cache = prefill()
         for _ in range(WARMUP_STEPS):
             model(input_ids=step_ids, past_key_values=cache, use_cache=True)
-        step_ms = statistics.median(_cuda_ms(lambda: model(input_ids=step_ids, past_key_values=cache,
-                                                           use_cache=True)) for _ in range(steps))
-        with attention_timer(implementation) as attn_ms:
+        step_ms = statistics.median(_ms(lambda: model(input_ids=step_ids, past_key_values=cache, use_cache=True),
+                                        clock) for _ in range(steps))
+        with attention_timer(implementation, clock) as attn_ms:
             for _ in range(steps):
                 model(input_ids=step_ids, past_key_values=cache, use_cache=True)
             decode_attn = attn_ms() / steps
     del cache
-    torch.cuda.empty_cache()
+    _empty_cache(device)
     return {"prefill_tok_s": batch * context / (prefill_ms * 1e-3), "prefill_ms": prefill_ms,
             "prefill_attn_ms": prefill_attn, "prefill_attn_pct": 100.0 * prefill_attn / prefill_ms,
             "decode_tok_s": batch / (step_ms * 1e-3), "decode_ms": step_ms, "decode_attn_ms": decode_attn,
             "decode_attn_pct": 100.0 * decode_attn / step_ms}
+
+
+def relative_rows(rows: list[dict]) -> list[dict]:
+    """For the plot: one row per (model, batch, context) cell and phase, each implementation's tokens/s divided by
+    the fastest implementation's in that cell (1.0 = fastest; absent: not measured)."""
+    cells: dict = {}
+    for r in rows:
+        cells.setdefault((r["model"], r["batch"], r["context"]), []).append(r)
+    out = []
+    for (model, batch, context), group in cells.items():
+        for phase in ("prefill", "decode"):
+            speeds = {r["impl"]: r.get(f"{phase}_tok_s") for r in group if r.get(f"{phase}_tok_s")}
+            best = max(speeds.values(), default=None)
+            if best:
+                out.append({"cell": f"{model} B{batch} {context // 1024 or context}{'k' if context >= 1024 else ''}"
+                                    f" {phase}", **{impl: v / best for impl, v in speeds.items()}})
+    return out
 
 
 COMMAND = "python bench/models_bench.py"
@@ -154,7 +213,7 @@ RECORD = Record(
     "installed.")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--model", nargs="+", default=list(LAYERS))
     p.add_argument("--batch", nargs="+", type=int, default=[1, 32])
@@ -162,38 +221,55 @@ def main() -> None:
     p.add_argument("--impl", nargs="+", default=IMPLEMENTATIONS)
     p.add_argument("--layers", type=int, default=None, help="layers per model (default: LAYERS)")
     p.add_argument("--steps", type=int, default=16, help="timed decode steps")
+    p.add_argument("--budget-s", type=float, default=None, help="leave out cells that would start after this")
     p.add_argument("--merge", action="store_true", help="keep <out>/models.json's rows this run does not redo")
-    args = p.parse_args()
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tiny", action="store_true", help="tiny models and grid (CPU smoke run); implies --no-record")
+    args = p.parse_args(argv)
     if args.quick:
         args.batch, args.context, args.steps = [1], [2048], 8
+    if args.tiny:
+        args.batch, args.context, args.steps = TINY_GRID["batch"], TINY_GRID["context"], TINY_GRID["steps"]
+        args.layers, args.no_record = args.layers or TINY_GRID["layers"], True
     import fmha_ops.integrations.transformers  # noqa: F401  (registers fmha_ops, fmha_ops_fp8)
     from transformers import AutoModelForCausalLM
 
-    rows = []
+    dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
+    began, left_out, rows = time.perf_counter(), [], []
     for name in args.model:
         layers = args.layers or LAYERS[name]
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(make_config(name, layers), dtype=torch.bfloat16,
+        model = AutoModelForCausalLM.from_config(make_config(name, layers, args.tiny), dtype=dtype,
                                                  attn_implementation="sdpa" if name == "llama3-8b" else "eager")
-        model = model.cuda().eval()
+        model = model.to(args.device).eval()
         for batch in args.batch:
             for context in args.context:
                 for impl in args.impl:
+                    cell = f"--model {name} --batch {batch} --context {context} --impl {impl}"
+                    if args.budget_s is not None and time.perf_counter() - began > args.budget_s:
+                        left_out.append(cell)
+                        continue
                     print(f"{name} L{layers} B{batch} context {context}: {impl}", flush=True)
                     res = or_none(lambda: run_one(model, batch, context, args.steps, impl)) or {}
                     rows.append({"model": f"{name} ({layers})", "batch": batch, "context": context, "impl": impl,
                                  **res})
-                    torch.cuda.empty_cache()
+                    _empty_cache(args.device)
         del model
-        torch.cuda.empty_cache()
+        _empty_cache(args.device)
     out = out_dir(args.out)
     if args.merge:
         rows = merged(os.path.join(out, "models.json"), rows)
     columns = list(RECORD.columns)
     print_table(rows, columns)
-    write_json(out, "models", rows)
+    write_json(out, "models", rows, {"left_out": left_out})
+    plot = relative_rows(rows)
+    png = bar_plot(out, "models", plot, "cell", [i for i in IMPLEMENTATIONS if any(i in r for r in plot)],
+                   "tokens/s relative to the fastest", "Models through transformers (1.0 = fastest in the cell)")
     if not args.no_record:
-        RECORD.write(rows, environment())
+        RECORD.write(rows, environment(), png)
+    for cell in left_out:
+        print(f"left out (budget): {cell}")
+    print(f"{time.perf_counter() - began:.0f} s")
 
 
 def merged(path: str, rows: list[dict]) -> list[dict]:

@@ -1,0 +1,52 @@
+"""bench/models_bench.py and bench/model_features_bench.py end to end on the CPU at their --tiny sizes (a smoke run,
+so that the H200 run cannot die on a Python error): JSON and PNG written, the fmha_ops cells measured, no record
+written."""
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+pytest.importorskip("transformers")
+from bench import common, model_features_bench, models_bench  # noqa: E402
+
+
+def _records() -> dict:
+    return {n: os.path.getmtime(os.path.join(common.RESULTS, n)) for n in os.listdir(common.RESULTS)}
+
+
+def test_models_bench_tiny(tmp_path):
+    before = _records()
+    models_bench.main(["--device", "cpu", "--tiny", "--impl", "fmha_ops", "fmha_ops_fp8", "sdpa",
+                       "--out", str(tmp_path)])
+    with open(tmp_path / "models.json") as f:
+        rows = json.load(f)["rows"]
+    assert {r["model"] for r in rows} == {"llama3-8b (2)", "gpt-oss-20b (2)"} and len(rows) == 12
+    for r in rows:
+        if r["impl"].startswith("fmha_ops") or r["model"].startswith("llama"):  # GPT-OSS takes no sdpa
+            assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and r["decode_attn_ms"] > 0, r  # CPU: noisy %
+    assert (tmp_path / "models.png").stat().st_size > 0
+    assert _records() == before
+
+
+def test_models_bench_budget_leaves_cells_out(tmp_path):
+    models_bench.main(["--device", "cpu", "--tiny", "--model", "llama3-8b", "--impl", "fmha_ops",
+                       "--budget-s", "0", "--out", str(tmp_path)])
+    with open(tmp_path / "models.json") as f:
+        data = json.load(f)
+    assert data["rows"] == [] and len(data["left_out"]) == 2
+
+
+def test_model_features_bench_tiny(tmp_path):
+    before = _records()
+    model_features_bench.main(["--device", "cpu", "--tiny", "--out", str(tmp_path)])
+    with open(tmp_path / "model_features.json") as f:
+        rows = json.load(f)["rows"]
+    sinks = [r for r in rows if "ratio" in r]
+    assert len(sinks) == 10 and all(r["ratio"] for r in sinks), sinks  # every sinks call ran, with and without
+    value_dim = [r for r in rows if "speedup" in r]
+    assert [r["call"] for r in value_dim] == ["fwd", "fwd+bwd"] and all(r["speedup"] for r in value_dim)
+    assert (tmp_path / "model_features.png").stat().st_size > 0
+    assert _records() == before
