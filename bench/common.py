@@ -98,6 +98,27 @@ def time_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float
 
     return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
+class StepTimer:
+    """Start/end marks around a piece of work: CUDA events (GPU timeline) or perf_counter (CPU). ``ms`` waits for
+    the end mark."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.cuda = torch.device(device).type == "cuda"
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def ms(self, start, end) -> float:
+        if not self.cuda:
+            return (end - start) * 1e3
+        end.synchronize()
+        return start.elapsed_time(end)
+
+
 def device_ms(fn: Callable[[], object], device: str = "cuda", warmup: int = 25, rep: int = 100) -> float:
     """Median time of ``fn()`` in milliseconds on ``device``: :func:`time_ms` on CUDA; elsewhere (the CPU smoke runs
     of the benchmarks) the median wall time of ``rep`` calls after ``warmup`` calls (at most 3 / 5 of each)."""

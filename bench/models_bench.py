@@ -39,8 +39,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import (Record, bar_plot, base_parser, environment, or_none, out_dir, print_table,  # noqa: E402
-                          write_json)
+from bench.common import (Record, StepTimer, bar_plot, base_parser, environment, or_none, out_dir,  # noqa: E402
+                          print_table, write_json)
 
 IMPLEMENTATIONS = ["fmha_ops", "fmha_ops_fp8", "sdpa", "flex_attention", "flash_attention_4"]
 #: layers kept per model (the attention's share of a step does not depend on the depth); vocabulary cut to 32k
@@ -78,32 +78,10 @@ def make_config(name: str, layers: int, tiny: bool = False):
     raise ValueError(f"unknown model {name!r}; choose from {sorted(LAYERS)}")
 
 
-class Clock:
-    """Elapsed milliseconds between two marks on ``device``: CUDA events on the GPU (no synchronization until read),
-    wall time elsewhere."""
-
-    def __init__(self, device: str):
-        self.cuda = torch.device(device).type == "cuda"
-
-    def mark(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def ms(self, start, end) -> float:
-        return start.elapsed_time(end) if self.cuda else 1e3 * (end - start)
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-
 @contextlib.contextmanager
-def attention_timer(implementation: str, clock: Clock):
+def attention_timer(implementation: str, clock: StepTimer):
     """Within the block, every call of ``implementation``'s attention function is timed (``clock`` marks around
-    it); yields a function returning the summed milliseconds (synchronizing) and resetting the marks."""
+    it); yields a function returning the summed milliseconds (waiting for the marks) and resetting them."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     mapping = ALL_ATTENTION_FUNCTIONS._global_mapping
@@ -117,7 +95,6 @@ def attention_timer(implementation: str, clock: Clock):
         return result
 
     def total_ms() -> float:
-        clock.sync()
         ms = sum(clock.ms(a, b) for a, b in marks)
         marks.clear()
         return ms
@@ -129,12 +106,10 @@ def attention_timer(implementation: str, clock: Clock):
         mapping[implementation] = inner
 
 
-def _ms(fn, clock: Clock) -> float:
+def _ms(fn, clock: StepTimer) -> float:
     start = clock.mark()
     fn()
-    end = clock.mark()
-    clock.sync()
-    return clock.ms(start, end)
+    return clock.ms(start, clock.mark())
 
 
 def _empty_cache(device: str) -> None:
@@ -148,7 +123,7 @@ def run_one(model, batch: int, context: int, steps: int, implementation: str) ->
 
     model.set_attn_implementation(implementation)
     device = str(model.device)
-    clock = Clock(device)
+    clock = StepTimer(device)
     vocab = model.config.vocab_size
     g = torch.Generator(device=device).manual_seed(0)
     ids = torch.randint(3, vocab, (batch, context), device=device, generator=g)

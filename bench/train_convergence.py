@@ -275,26 +275,6 @@ def pick_sdpa_backend(requested: str, shape, device: torch.device, graph: bool) 
 
 # ---- training --------------------------------------------------------------------------------
 
-class StepTimer:
-    """Start/end marks around each step: CUDA events (GPU timeline) or perf_counter (CPU)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def mark(self):
-        if not self.cuda:
-            return time.perf_counter()
-        e = torch.cuda.Event(enable_timing=True)
-        e.record()
-        return e
-
-    def ms(self, start, end) -> float:
-        if not self.cuda:
-            return (end - start) * 1e3
-        end.synchronize()
-        return start.elapsed_time(end)
-
-
 def lr_at(step: int, args) -> float:
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
@@ -353,7 +333,7 @@ def _train_loop(variant: str, args, train: torch.Tensor, val: list, attend, devi
     lr0 = torch.tensor(args.lr, device=device) if graphed else args.lr  # a tensor LR is read at replay
     opt = torch.optim.AdamW(groups, lr=lr0, betas=(0.9, 0.95), fused=device.type == "cuda", capturable=graphed)
     batches = Batches(train, args.batch, args.context, args.seed, args.steps, device)
-    timer = StepTimer(device)
+    timer = common.StepTimer(device)
     tokens = args.batch * args.context
     log, evals, pending = [], [], []
     stopped, nan_step = None, None

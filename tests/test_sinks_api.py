@@ -260,14 +260,26 @@ def test_low_level_forward_backward_with_sinks():
 def test_gpu_fp8_kv_decode_sinks(op, lengths):
     """GPT-OSS decode on an fp8 paged cache with sinks (the Gluon decoder through its split reduce, the Triton
     decoders) against the float32 reference on the dequantized cache; planned runs with another layer's sinks."""
-    from fmha_ops.kv_cache import build_fp8_paged_cache
-
     reason = fmha_ops.get_op(op).available()
     if reason:
         pytest.skip(reason)
-    b, hq, hkv, d = len(lengths), 64, 8, 64
-    q, k, v, sinks = _inputs(b=b, mq=1, mk=max(lengths), hq=hq, hkv=hkv, d=d, dv=d, dtype=torch.bfloat16, seed=7)
-    kc, vc, ks, vs, table = build_fp8_paged_cache(k, v, 64)
+    _fp8_kv_decode(op, lengths, dict(hq=64, hkv=8, d=64, dv=64, dtype=torch.bfloat16), 64, 2e-2)
+
+
+@pytest.mark.parametrize("op", ["triton_decoderF", "triton_splitKF"])
+def test_fp8_kv_decode_sinks_value_dim(op):
+    """The same on the CPU (interpreter, float16) with Kv=32 != K=48 and 8-token pages."""
+    _fp8_kv_decode(op, (20, 1, 9), dict(hq=4, hkv=2, d=48, dv=32, dtype=torch.float16), 8, 2e-3)
+
+
+def _fp8_kv_decode(op, lengths, heads: dict, page: int, tolerance: float):
+    """flash_attn_with_kvcache and plan_kvcache (run with other sinks) on an fp8 paged cache with ``op`` forced,
+    each sequence's output within ``tolerance`` (relative) of the reference on the dequantized cache."""
+    from fmha_ops.kv_cache import build_fp8_paged_cache
+
+    b = len(lengths)
+    q, k, v, sinks = _inputs(b=b, mq=1, mk=max(lengths), seed=7, **heads)
+    kc, vc, ks, vs, table = build_fp8_paged_cache(k, v, page)
     seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
     with fmha_ops.use_ops(op):
         out = fmha_ops.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, page_table=table, k_descale=ks,
@@ -275,13 +287,13 @@ def test_gpu_fp8_kv_decode_sinks(op, lengths):
         plan = fmha_ops.plan_kvcache(q, kc, vc, cache_seqlens=seqlens, page_table=table, k_descale=ks,
                                      v_descale=vs, causal=True, sinks=sinks)
         planned = plan.run(q, sinks=sinks + 1.0).clone()
-    assert plan.op.NAME == op
-    kd = (kc.float() * ks[..., None])[table.long()].reshape(b, -1, hkv, d)
-    vd = (vc.float() * vs[..., None])[table.long()].reshape(b, -1, hkv, d)
+    assert plan.op.NAME == op and out.shape == (b, 1, heads["hq"], heads["dv"])
+    kd = (kc.float() * ks[..., None])[table.long()].reshape(b, -1, *k.shape[2:])
+    vd = (vc.float() * vs[..., None])[table.long()].reshape(b, -1, *v.shape[2:])
     for i, n in enumerate(lengths):
         for got, s in ((out, sinks), (planned, sinks + 1.0)):
-            ref, _ = reference(q[i:i + 1].float(), kd[i:i + 1, :n], vd[i:i + 1, :n], d ** -0.5, True, s)
-            assert error_report(got[i:i + 1], ref)["rel"] < 2e-2
+            ref, _ = reference(q[i:i + 1].float(), kd[i:i + 1, :n], vd[i:i + 1, :n], heads["d"] ** -0.5, True, s)
+            assert error_report(got[i:i + 1], ref)["rel"] < tolerance
 
 
 def test_kv_cache_helpers_value_dim():

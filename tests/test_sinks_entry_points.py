@@ -3,10 +3,10 @@ against the float64 reference; the value head dim of its own (Kv=32 != K=48) whe
 
 Entry points: memory_efficient_attention_forward, memory_efficient_attention_forward_requires_grad +
 memory_efficient_attention_backward, flash_attn_func, flash_attn_varlen_func, the fp8 / int8+fp8 forward
-(memory_efficient_attention on quantized q/k/v), fp8_attention / i8fp8_attention, flash_attn_with_kvcache and
-plan_kvcache on an fp8 paged cache. (memory_efficient_attention, memory_efficient_attention_partial and the
-bf16 KV-cache calls: tests/test_sinks_api.py.) Each also checks that the sinks matter: the output is far from the
-reference without them.
+(memory_efficient_attention on quantized q/k/v), fp8_attention / i8fp8_attention. (memory_efficient_attention,
+memory_efficient_attention_partial, and flash_attn_with_kvcache / plan_kvcache on bf16 and fp8 paged caches:
+tests/test_sinks_api.py.) Each also checks that the sinks matter: the output is far from the reference without
+them.
 """
 import pytest
 import torch
@@ -109,28 +109,3 @@ def test_quantize_inside_attention(fn, op):
     ref.square().sum().backward()
     assert error_report(out, ref)["cos"] > QUANTIZED_COS
     assert error_report(sinks.grad, leaves[3].grad)["cos"] > 0.99
-
-
-@pytest.mark.parametrize("op", ["triton_decoderF", "triton_splitKF"])
-def test_kvcache_fp8_paged(op):
-    """flash_attn_with_kvcache and plan_kvcache on an fp8 paged cache with sinks (Kv=32 != K=48), a Triton decoder
-    forced, against the reference on the dequantized cache; the plan run with another layer's sinks."""
-    from fmha_ops.kv_cache import build_fp8_paged_cache
-
-    lengths = (20, 1, 9)
-    q, k, v, sinks = _inputs(b=len(lengths), mq=1, mk=24, seed=7)
-    kc, vc, ks, vs, table = build_fp8_paged_cache(k, v, 8)
-    seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
-    with fmha_ops.use_ops(op):
-        out = fmha_ops.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, page_table=table, k_descale=ks,
-                                               v_descale=vs, causal=True, sinks=sinks)
-        plan = fmha_ops.plan_kvcache(q, kc, vc, cache_seqlens=seqlens, page_table=table, k_descale=ks,
-                                     v_descale=vs, causal=True, sinks=sinks)
-        other = plan.run(q, sinks=sinks + 1.0).clone()
-    assert plan.op.NAME == op and out.shape == (len(lengths), 1, q.shape[2], v.shape[3])
-    pages = table.long()
-    kd = (kc.float() * ks[..., None])[pages].reshape(len(lengths), -1, *k.shape[2:])
-    vd = (vc.float() * vs[..., None])[pages].reshape(len(lengths), -1, *v.shape[2:])
-    for i, n in enumerate(lengths):
-        _check(out[i:i + 1], q[i:i + 1], kd[i:i + 1, :n], vd[i:i + 1, :n], sinks)
-        _check(other[i:i + 1], q[i:i + 1], kd[i:i + 1, :n], vd[i:i + 1, :n], sinks + 1.0)

@@ -16,8 +16,11 @@ padded (causal / window then come from the layer), else the key slots that hold 
 bool (B, slots) tensor like the 2D attention mask it comes from (so that generate's precomputed masks go back
 through transformers' mask code unchanged); the attention packs the valid tokens into variable-length sequences
 (``BlockDiagonalCausalFromBottomRightMask``, windowed ones for sliding layers) and scatters the outputs back
-(padded query rows get 0). Masks transformers composes from other functions (packed sequences, image-token
-overlays) are materialized as a dense additive bias, as SDPA takes them.
+(padded query rows get 0). Sequences packed into batch rows (position_ids that restart) come as each token's
+sequence index, and transformers' continuous batching (``generate_batch``, its paged cache read back into
+sequences laid end to end: ``cu_seq_lens_q`` / ``cu_seq_lens_k``) with no mask; both become one block-diagonal
+call. Masks transformers composes from other functions (image-token overlays, custom and / or masks) are
+materialized as a dense additive bias, as SDPA takes them.
 
 Example
 -------
