@@ -199,7 +199,7 @@ def _segments(q, k, v, segments: torch.Tensor, causal: bool, window: int | None,
     out = _sequences(q.reshape(1, b * t, hq, q.shape[3]), k.reshape(1, b * t, *k.shape[2:]),
                      v.reshape(1, b * t, *v.shape[2:]), lens, lens, causal, window, options,
                      quantize if max(lens) > DECODE_QUERIES else None)
-    return out.view(b, t, hq, out.shape[3])
+    return out.reshape(b, t, hq, out.shape[3])
 
 
 def _concatenated(q, k, v, cu_q: torch.Tensor, cu_k: torch.Tensor, causal: bool, window: int | None, options: dict,
