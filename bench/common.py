@@ -2,7 +2,8 @@
 
 * timing: :func:`time_ms` (CUDA events, ``triton.testing.do_bench`` median), :func:`time_graph_ms` (the same over
   replays of a captured CUDA graph), :func:`time_clean_l2_ms` (each call after a read-only L2 eviction),
-  :func:`host_us` (host wall time per call of back-to-back calls) and :func:`time_wall_ms` (wall time, for CPUs);
+  :func:`host_us` (host wall time per call of back-to-back calls), :func:`time_wall_ms` (wall time, for CPUs),
+  :func:`device_ms` (one of those by device) and :class:`StepTimer` (marks around a piece of work);
 * the environment: :func:`environment` (GPU, driver, CUDA, torch, triton, cuDNN, date) and :func:`environment_line`;
 * output: :func:`print_table` (stdout), :func:`write_json` and :func:`bar_plot` (into ``--out``, default ``$OUT`` or
   ``bench/out``) and :func:`write_record`, which writes the benchmark's table whole to ``bench/results/<name>.md``,
@@ -119,19 +120,13 @@ class StepTimer:
         return start.elapsed_time(end)
 
 
-def device_ms(fn: Callable[[], object], device: str = "cuda", warmup: int = 25, rep: int = 100) -> float:
+def device_ms(fn: Callable[[], object], device: str = "cuda") -> float:
     """Median time of ``fn()`` in milliseconds on ``device``: :func:`time_ms` on CUDA; elsewhere (the CPU smoke runs
-    of the benchmarks) the median wall time of ``rep`` calls after ``warmup`` calls (at most 3 / 5 of each)."""
+    of the benchmarks) :func:`time_wall_ms` after one warm-up call."""
     if torch.device(device).type == "cuda":
-        return time_ms(fn, warmup, rep)
-    for _ in range(min(warmup, 3)):
-        fn()
-    times = []
-    for _ in range(max(1, min(rep, 5))):
-        start = time.perf_counter()
-        fn()
-        times.append(1e3 * (time.perf_counter() - start))
-    return sorted(times)[len(times) // 2]
+        return time_ms(fn)
+    fn()
+    return time_wall_ms(fn)
 
 
 _EVICT: list = []

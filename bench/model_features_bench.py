@@ -10,12 +10,12 @@
   (``flash_attn_interface``, where installed) and FA4 with Kv=128 beside it.
 
 CUDA-event medians of whole public calls (``bench.common.time_ms``). Writes ``bench/results/model_features.md``
-(+ ``.png``: the ratios) and ``<out>/model_features.json`` / ``model_features.png``. ``--budget-s``: calls that
-would start after that many seconds are left out (empty cells, counted at the end). ``--device cpu --tiny``: the
-same code at a few heads and 40 tokens (a smoke run: the Triton kernels through the interpreter, wall-clock
-timings, no record).
+(+ ``.png``: the ratios) and ``<out>/model_features.json`` / ``model_features.png``. ``--budget``: calls that
+would start after that many seconds are left out (empty cells, counted at the end and in the record). ``--device
+cpu``: a smoke run, the same code at a few heads and 40 tokens (the Triton kernels through the interpreter,
+wall-clock timings, no record).
 
-    python bench/model_features_bench.py [--quick] [--budget-s S] [--out DIR] [--no-record] [--device cpu --tiny]
+    python bench/model_features_bench.py [--quick] [--budget SECONDS] [--out DIR] [--no-record] [--device cpu]
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ CAUSAL = LowerTriangularFromBottomRightMask()
 GPT_OSS = dict(hq=64, hkv=8, d=64)
 DEEPSEEK = dict(hq=128, d=192, dv=128)
 WINDOW = 128
-#: (B, N) per part and size: the full grid, --quick, --tiny (CPU smoke runs: 4 / 2 GPT-OSS heads, 2 DeepSeek heads)
+#: (B, N) per part and size: the full grid, --quick, tiny (--device cpu smoke runs: 4 / 2 GPT-OSS heads, 2 DeepSeek heads)
 SHAPES = {
     "sinks": {"full": [(1, 8192), (8, 4096), (1, 32768)], "quick": [(1, 8192)], "tiny": [(1, 40)]},
     "decode": {"full": [(1, 32768), (32, 8192), (64, 2048)], "quick": [(32, 8192)], "tiny": [(2, 40)]},
@@ -52,10 +52,10 @@ class Run:
     """Where and how big this run is: device, dtype (bf16; float16 on the CPU, whose interpreter's bf16 dot is
     wrong), size ("full" / "quick" / "tiny") and the deadline after which calls are left out."""
 
-    def __init__(self, device: str, size: str, budget_s: float | None):
+    def __init__(self, device: str, size: str, budget_s: float):
         self.device, self.size = device, size
         self.dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float16
-        self.deadline = None if budget_s is None else time.perf_counter() + budget_s
+        self.deadline = time.perf_counter() + budget_s if budget_s else None
         self.left_out = 0
 
     def randn(self, *shape, grad=False):
@@ -200,20 +200,22 @@ def plot_rows(rows: list[dict]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     p = base_parser(__doc__.splitlines()[0])
-    p.add_argument("--budget-s", type=float, default=None, help="leave out calls that would start after this")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run); implies --no-record")
+    p.add_argument("--budget", type=float, default=0.0, help="seconds; leave out calls that would start later (0: none)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"),
+                   help="cpu: a smoke run at tiny shapes (no record)")
     args = p.parse_args(argv)
     began = time.perf_counter()
-    run = Run(args.device, "tiny" if args.tiny else "quick" if args.quick else "full", args.budget_s)
+    tiny = args.device == "cpu"
+    run = Run(args.device, "tiny" if tiny else "quick" if args.quick else "full", args.budget)
     rows = sinks_rows(run) + value_dim_rows(run)
     out = out_dir(args.out)
     print_table(rows, list(RECORD.columns))
     write_json(out, "model_features", rows, {"left_out_calls": run.left_out})
     png = bar_plot(out, "model_features", plot_rows(rows), "label", ["ratio", "speedup", "ours/fa3"], "time ratio",
                    "Sinks (sinks / none: target <= 1.03), Kv=128 (padded / ours: >= 1.25; FA3 / ours: >= 0.9)")
-    if not (args.no_record or args.tiny):
-        RECORD.write(rows, environment(), png)
+    if not (args.no_record or tiny):
+        notes = RECORD.notes + (f" Not measured (time budget): {run.left_out} calls." if run.left_out else "")
+        RECORD.write(rows, environment(), png, notes)
     if run.left_out:
         print(f"left out (budget): {run.left_out} calls")
     print(f"{time.perf_counter() - began:.0f} s")

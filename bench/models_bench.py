@@ -18,13 +18,13 @@ Implementations: ``fmha_ops`` and ``fmha_ops_fp8`` (``fmha_ops.integrations.tran
 implementation's tokens/s relative to the fastest one of its cell) and ``<out>/models.json`` / ``models.png``.
 
     python bench/models_bench.py [--quick] [--model llama3-8b gpt-oss-20b] [--batch 1 32] [--context 2048 16384]
-                                 [--impl fmha_ops sdpa ...] [--layers N] [--budget-s S] [--merge] [--out DIR]
-                                 [--no-record] [--device cpu --tiny]
+                                 [--impl fmha_ops sdpa ...] [--layers N] [--budget SECONDS] [--merge] [--out DIR]
+                                 [--no-record] [--device cpu]
 
 ``--merge`` keeps the rows of ``<out>/models.json`` that this run does not measure again, so the grid can be run in
-parts (one model or batch per command) into one record. ``--budget-s``: cells that would start after that many
-seconds are left out (listed at the end, for a ``--merge`` run). ``--device cpu --tiny``: the same code on models a
-few hundred parameters wide (a smoke run; wall-clock timings, no record unless asked).
+parts (one model or batch per command) into one record. ``--budget``: cells that would start after that many
+seconds are left out (listed at the end and in the record, for a ``--merge`` run). ``--device cpu``: a smoke run,
+the same code on models a few hundred parameters wide (``TINY``, ``TINY_GRID``), wall-clock timings, no record.
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ LAYERS = {"llama3-8b": 4, "gpt-oss-20b": 4}
 VOCAB = 32000
 PREFILL_REPS = 3
 WARMUP_STEPS = 3
-#: ``--tiny`` (CPU smoke runs): the same architectures a few hundred parameters wide, GQA and sinks kept, an
+#: ``--device cpu`` (smoke runs): the same architectures a few hundred parameters wide, GQA and sinks kept, an
 #: 8-token window so that the smoke contexts pass it
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16)
@@ -196,32 +196,33 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--impl", nargs="+", default=IMPLEMENTATIONS)
     p.add_argument("--layers", type=int, default=None, help="layers per model (default: LAYERS)")
     p.add_argument("--steps", type=int, default=16, help="timed decode steps")
-    p.add_argument("--budget-s", type=float, default=None, help="leave out cells that would start after this")
+    p.add_argument("--budget", type=float, default=0.0, help="seconds; leave out cells that would start later (0: none)")
     p.add_argument("--merge", action="store_true", help="keep <out>/models.json's rows this run does not redo")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--tiny", action="store_true", help="tiny models and grid (CPU smoke run); implies --no-record")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"),
+                   help="cpu: a smoke run on tiny models (no record)")
     args = p.parse_args(argv)
+    tiny = args.device == "cpu"
     if args.quick:
         args.batch, args.context, args.steps = [1], [2048], 8
-    if args.tiny:
+    if tiny:
         args.batch, args.context, args.steps = TINY_GRID["batch"], TINY_GRID["context"], TINY_GRID["steps"]
         args.layers, args.no_record = args.layers or TINY_GRID["layers"], True
     import fmha_ops.integrations.transformers  # noqa: F401  (registers fmha_ops, fmha_ops_fp8)
     from transformers import AutoModelForCausalLM
 
-    dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
+    dtype = torch.float32 if tiny else torch.bfloat16
     began, left_out, rows = time.perf_counter(), [], []
     for name in args.model:
         layers = args.layers or LAYERS[name]
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(make_config(name, layers, args.tiny), dtype=dtype,
+        model = AutoModelForCausalLM.from_config(make_config(name, layers, tiny), dtype=dtype,
                                                  attn_implementation="sdpa" if name == "llama3-8b" else "eager")
         model = model.to(args.device).eval()
         for batch in args.batch:
             for context in args.context:
                 for impl in args.impl:
                     cell = f"--model {name} --batch {batch} --context {context} --impl {impl}"
-                    if args.budget_s is not None and time.perf_counter() - began > args.budget_s:
+                    if args.budget and time.perf_counter() - began > args.budget:
                         left_out.append(cell)
                         continue
                     print(f"{name} L{layers} B{batch} context {context}: {impl}", flush=True)
@@ -241,7 +242,8 @@ def main(argv: list[str] | None = None) -> None:
     png = bar_plot(out, "models", plot, "cell", [i for i in IMPLEMENTATIONS if any(i in r for r in plot)],
                    "tokens/s relative to the fastest", "Models through transformers (1.0 = fastest in the cell)")
     if not args.no_record:
-        RECORD.write(rows, environment(), png)
+        notes = RECORD.notes + (f" Not measured (time budget): {'; '.join(left_out)}." if left_out else "")
+        RECORD.write(rows, environment(), png, notes)
     for cell in left_out:
         print(f"left out (budget): {cell}")
     print(f"{time.perf_counter() - began:.0f} s")

@@ -1,4 +1,4 @@
-"""bench/models_bench.py and bench/model_features_bench.py end to end on the CPU at their --tiny sizes (a smoke run,
+"""bench/models_bench.py and bench/model_features_bench.py end to end on the CPU (--device cpu: tiny sizes) (a smoke run,
 so that the H200 run cannot die on a Python error): JSON and PNG written, the fmha_ops cells measured, no record
 written."""
 import json
@@ -17,9 +17,9 @@ def _records() -> dict:
     return {n: os.path.getmtime(os.path.join(common.RESULTS, n)) for n in os.listdir(common.RESULTS)}
 
 
-def test_models_bench_tiny(tmp_path):
+def test_models_bench_cpu(tmp_path):
     before = _records()
-    models_bench.main(["--device", "cpu", "--tiny", "--impl", "fmha_ops", "fmha_ops_fp8", "sdpa",
+    models_bench.main(["--device", "cpu", "--impl", "fmha_ops", "fmha_ops_fp8", "sdpa",
                        "--out", str(tmp_path)])
     with open(tmp_path / "models.json") as f:
         rows = json.load(f)["rows"]
@@ -32,16 +32,16 @@ def test_models_bench_tiny(tmp_path):
 
 
 def test_models_bench_budget_leaves_cells_out(tmp_path):
-    models_bench.main(["--device", "cpu", "--tiny", "--model", "llama3-8b", "--impl", "fmha_ops",
-                       "--budget-s", "0", "--out", str(tmp_path)])
+    models_bench.main(["--device", "cpu", "--model", "llama3-8b", "--impl", "fmha_ops",
+                       "--budget", "1e-9", "--out", str(tmp_path)])
     with open(tmp_path / "models.json") as f:
         data = json.load(f)
     assert data["rows"] == [] and len(data["left_out"]) == 2
 
 
-def test_model_features_bench_tiny(tmp_path):
+def test_model_features_bench_cpu(tmp_path):
     before = _records()
-    model_features_bench.main(["--device", "cpu", "--tiny", "--out", str(tmp_path)])
+    model_features_bench.main(["--device", "cpu", "--out", str(tmp_path)])
     with open(tmp_path / "model_features.json") as f:
         rows = json.load(f)["rows"]
     sinks = [r for r in rows if "ratio" in r]
