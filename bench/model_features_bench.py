@@ -39,7 +39,8 @@ CAUSAL = LowerTriangularFromBottomRightMask()
 GPT_OSS = dict(hq=64, hkv=8, d=64)
 DEEPSEEK = dict(hq=128, d=192, dv=128)
 WINDOW = 128
-#: (B, N) per part and size: the full grid, --quick, tiny (--device cpu smoke runs: 4 / 2 GPT-OSS heads, 2 DeepSeek heads)
+#: (B, N) per part and size: the full grid, --quick, tiny (--device cpu smoke runs: 4 / 2 GPT-OSS heads, 2
+#: DeepSeek heads)
 SHAPES = {
     "sinks": {"full": [(1, 8192), (8, 4096), (1, 32768)], "quick": [(1, 8192)], "tiny": [(1, 40)]},
     "decode": {"full": [(1, 32768), (32, 8192), (64, 2048)], "quick": [(32, 8192)], "tiny": [(2, 40)]},
@@ -200,7 +201,8 @@ def plot_rows(rows: list[dict]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     p = base_parser(__doc__.splitlines()[0])
-    p.add_argument("--budget", type=float, default=0.0, help="seconds; leave out calls that would start later (0: none)")
+    p.add_argument("--budget", type=float, default=0.0,
+                   help="seconds; leave out calls that would start later (0: none)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"),
                    help="cpu: a smoke run at tiny shapes (no record)")
     args = p.parse_args(argv)

@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--impl", nargs="+", default=IMPLEMENTATIONS)
     p.add_argument("--layers", type=int, default=None, help="layers per model (default: LAYERS)")
     p.add_argument("--steps", type=int, default=16, help="timed decode steps")
-    p.add_argument("--budget", type=float, default=0.0, help="seconds; leave out cells that would start later (0: none)")
+    p.add_argument("--budget", type=float, default=0.0,
+                   help="seconds; leave out cells that would start later (0: none)")
     p.add_argument("--merge", action="store_true", help="keep <out>/models.json's rows this run does not redo")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"),
                    help="cpu: a smoke run on tiny models (no record)")

@@ -1,5 +1,5 @@
-"""bench/models_bench.py and bench/model_features_bench.py end to end on the CPU (--device cpu: tiny sizes) (a smoke run,
-so that the H200 run cannot die on a Python error): JSON and PNG written, the fmha_ops cells measured, no record
+"""bench/models_bench.py and bench/model_features_bench.py end to end on the CPU (--device cpu: tiny sizes; a smoke
+run, so that the H200 run cannot die on a Python error): JSON and PNG written, the fmha_ops cells measured, no record
 written."""
 import json
 import os
