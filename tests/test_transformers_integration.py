@@ -2,7 +2,7 @@
 architecture's config (no download), against ``attn_implementation="eager"`` with the same weights.
 
 Checked per architecture (Llama, Qwen 3, Mistral with a sliding window, Gemma 2 with softcap, Gemma 3 with sliding
-and full layers, GPT-OSS with sinks and windows, DeepSeek-V3 with q/k head dim 192 and value head dim 128): float32
+and full layers and softcap, GPT-OSS with sinks and windows, DeepSeek-V3 with q/k head dim 192 and value head dim 128): float32
 logits of a left-padded batch (at the tokens, not the padding) and of sequences packed into rows (position_ids);
 greedy ``generate()`` token-identical with the dynamic and the static cache, and ``generate_batch`` (continuous
 batching on transformers' paged cache) token-identical to eager's ``generate`` per prompt; every call hands the
@@ -34,8 +34,9 @@ def _config(arch: str):
         return MistralConfig(**SMALL, sliding_window=5)
     if arch == "gemma3":
         return Gemma3TextConfig(**{**SMALL, "num_hidden_layers": 3}, head_dim=16, sliding_window=5,
+                                attn_logit_softcapping=5.0,
                                 layer_types=["sliding_attention", "sliding_attention", "full_attention"])
-    if arch == "gemma2":  # attention softcap (Gemma 3 has none) and a query scale of its own
+    if arch == "gemma2":  # attention softcap (Gemma 3's is off by default) and a query scale of its own
         return Gemma2Config(**SMALL, head_dim=16, sliding_window=5, attn_logit_softcapping=5.0,
                             query_pre_attn_scalar=24)
     if arch == "gpt-oss":
