@@ -24,11 +24,8 @@ from dataclasses import replace
 
 import torch
 
-from .call import make_problem
-from .dispatch import SELECTOR
 from .inputs import make_inputs
-from .kvcache_call import kvcache_call
-from .measure import forward_measure
+from .kvcache_call import kvcache_call, select_decode_op
 from .sinks import validate_sinks
 
 __all__ = ["PagedDecodePlan", "plan_kvcache"]
@@ -159,9 +156,7 @@ def plan_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                         k_descale, v_descale, softmax_scale, causal, window_size)
     inp = make_inputs(call.query, call.key, call.value, call.bias, scale=softmax_scale, k_descale=call.k_descale,
                       v_descale=call.v_descale, softcap=softcap, is_partial=return_softmax_lse, sinks=sinks)
-    sig = inp.signature()
-    op = SELECTOR.select(sig, lambda: make_problem(inp, return_softmax_lse), "fw", None,
-                         forward_measure(inp, return_softmax_lse, "decode"))
+    op = select_decode_op(inp, return_softmax_lse)
     batch, mq, hq, _ = q.shape
     out = torch.empty(q.shape[:3] + (v_cache.shape[3],), dtype=inp.out_dtype, device=q.device)
     lse = torch.empty((batch, hq, mq), dtype=torch.float32, device=q.device)

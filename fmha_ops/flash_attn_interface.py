@@ -26,7 +26,7 @@ from .call import run_forward
 from .dtypes import FLOAT_DTYPES
 from .fp8_backward import set_fp8_dequantized_backward
 from .inputs import make_inputs
-from .kvcache_call import check_scalars, run_kvcache, window
+from .kvcache_call import check_scalars, plan_kvcache_call, window
 from .plans import PLANS, Plan, call_key, key_function
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "set_fp8_dequantized_backward"]
@@ -244,14 +244,15 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                        rotary_interleaved, scheduler_metadata, num_splits, pack_gqa, sm_margin, return_softmax_lse,
                        sinks)
     plan = PLANS.get(key)
-    if plan is not None:  # a decode step of a validated layout: the append and decode launches
-        return plan.run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale)
-    _unsupported(qv=(qv, None), rotary_cos=(rotary_cos, None), rotary_sin=(rotary_sin, None),
-                 cache_leftpad=(cache_leftpad, None), cu_seqlens_q=(cu_seqlens_q, None),
-                 cu_seqlens_k_new=(cu_seqlens_k_new, None), rotary_seqlens=(rotary_seqlens, None),
-                 attention_chunk=(attention_chunk, 0))
-    return run_kvcache(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, q_descale,
-                       k_descale, v_descale, softmax_scale, causal, window_size, softcap, return_softmax_lse, sinks)
+    if plan is None:  # validated here once per layout; a decode step of a planned one runs its launches alone
+        _unsupported(qv=(qv, None), rotary_cos=(rotary_cos, None), rotary_sin=(rotary_sin, None),
+                     cache_leftpad=(cache_leftpad, None), cu_seqlens_q=(cu_seqlens_q, None),
+                     cu_seqlens_k_new=(cu_seqlens_k_new, None), rotary_seqlens=(rotary_seqlens, None),
+                     attention_chunk=(attention_chunk, 0))
+        plan = plan_kvcache_call(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
+                                 q_descale, k_descale, v_descale, softmax_scale, causal, window_size, softcap,
+                                 return_softmax_lse, sinks)
+    return plan.run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale)
 
 
 _KEY_KVCACHE = key_function(flash_attn_with_kvcache)

@@ -1,22 +1,25 @@
-"""``flash_attn_with_kvcache``'s call on the op path: its checks, the append, the decode mask, and its plans.
+"""``flash_attn_with_kvcache``'s plans: its checks, the append, the decode mask, and the plan a call runs.
 
-``kvcache_call`` validates the arguments of a KV-cache call (ValueError / TypeError / NotImplementedError naming
-them), appends the new tokens and returns the call as the op path takes it (``KVCacheCall``: the queries packed in
-batch 1 against the cache's page pool under a paged decode mask); ``fmha_ops.decode_plan`` plans such a call for a
-decode loop. ``run_kvcache`` is ``flash_attn_with_kvcache``'s full path: ``kvcache_call``, the selected op's
-``apply``, and the plan a repeated call of the same key runs instead (``fmha_ops.plans``): the append kernel and
-the op's decode launcher on the call's own index tensors, no checks (their values are read on the device, where
-the kernels guard them), no selection.
+``plan_kvcache_call`` is the whole miss path of ``flash_attn_with_kvcache``: it validates the arguments
+(``kvcache_call``: ValueError / TypeError / NotImplementedError naming them, the append not yet made) and returns
+the ``Plan`` the entry point runs. Where a repeated call of the same key may skip the checks (paged, device index
+tensors outside check mode, no autograd, no sinks) that is the decode plan, stored in the plan cache
+(``fmha_ops.plans``): the append kernel and the selected op's decode launcher on the call's own index tensors (their
+values are read on the device, where the kernels guard them), no selection. Any other call gets a plan of its own,
+not stored: its value checks, the append and the selected op's forward, on every call. ``fmha_ops.decode_plan``
+plans a decode loop on the same checks (``kvcache_call``, ``decode_inputs``, ``select_decode_op``).
 
 Example
 -------
->>> call = kvcache_call(q, k_cache, v_cache, None, None, lengths, None, table, None, None, None, None, True, (-1, -1))
->>> call.query.shape  # (1, B * Mq, Hq, D)  # doctest: +SKIP
+>>> plan = plan_kvcache_call(key, q, k_cache, v_cache, None, None, lengths, None, table, None, None, None, None,
+...                          True, (-1, -1), 0.0, False)  # doctest: +SKIP
+>>> out = plan.run(q, k_cache, v_cache, None, None, lengths, table, None, None)  # doctest: +SKIP
 """
 from __future__ import annotations
 
+import functools
 import os
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -24,7 +27,7 @@ from . import arguments, checks, kv_cache
 from . import attn_bias as ab
 from .call import make_problem, run_forward
 from .dispatch import SELECTOR
-from .inputs import make_inputs
+from .inputs import Inputs, make_inputs
 from .measure import forward_measure
 from .plans import PLANS, Plan
 
@@ -48,30 +51,59 @@ def check_scalars(softmax_scale, causal) -> None:
     arguments.flag("causal", causal)
 
 
-def run_kvcache(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, q_descale, k_descale,
-                v_descale, softmax_scale, causal, window_size, softcap, return_lse: bool, sinks=None):
-    """``flash_attn_with_kvcache``'s full path (its arguments as it takes them, ``key`` its call's plan key):
-    validate, append, select and run; then store the plan of repeated calls under ``key`` where they may skip all
-    of that (``_plannable``)."""
+def plan_kvcache_call(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, q_descale,
+                      k_descale, v_descale, softmax_scale, causal, window_size, softcap, return_lse: bool,
+                      sinks=None) -> Plan:
+    """The plan of ``flash_attn_with_kvcache``'s call (its arguments as it takes them, ``key`` its call's plan key):
+    ``run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale)`` returns what the entry point
+    returns. Validates the arguments first (raising as ``flash_attn_with_kvcache`` documents). A call whose repeated
+    calls may skip the checks (``_plannable``) gets the decode plan of its layout, stored under ``key``; any other
+    call a plan of its own (``_call_run``), not stored."""
     call = kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, q_descale, k_descale,
                         v_descale, softmax_scale, causal, window_size)
-    inp = make_inputs(call.query, call.key, call.value, call.bias, scale=softmax_scale, k_descale=call.k_descale,
-                      v_descale=call.v_descale, softcap=softcap, is_partial=return_lse, sinks=sinks)
-    plannable = (key is not None and sinks is None  # the decode plans take no sinks: such calls keep this path
-                 and _plannable(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table))
-    if plannable:  # selected here first, so that autotune times what repeated calls run: the decode launch
-        op = SELECTOR.select(inp.signature(), lambda: make_problem(inp, return_lse), "fw", None,
-                             forward_measure(inp, return_lse, "decode"))
-    out, lse = run_forward(inp, None, return_lse)
-    if plannable:
+    if (key is not None and sinks is None  # the decode plans take no sinks: such calls keep their own plans
+            and _plannable(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table)):
+        inp = decode_inputs(call, softmax_scale, softcap, return_lse)
+        op = select_decode_op(inp, return_lse)
         run = decode_run(op, call, inp, q, v_cache, return_lse, k)
         if run is not None:
-            PLANS.put(key, Plan(run, (op,), ("validation", "selection", "mask")))
-    batch, mq = q.shape[:2]
-    out = out.view(q.shape[:3] + out.shape[3:])
-    if return_lse:
-        return out, lse.view(lse.shape[1], batch, mq).permute(1, 0, 2)
-    return out
+            return PLANS.put(key, Plan(run, (op,), ("validation", "selection", "mask")))
+    return Plan(_call_run(call, q.shape, softmax_scale, softcap, return_lse, sinks), (), ())
+
+
+def decode_inputs(call: "KVCacheCall", softmax_scale, softcap, return_lse: bool, sinks=None) -> Inputs:
+    """The op path's ``Inputs`` of a validated call (``kvcache_call``): BMHK, our own paged mask, descales checked,
+    so there is nothing for ``make_inputs`` to convert; the descales' and index tables' values are checked by a
+    call's own plan (``_call_run``), never by a decode plan (device tensors outside check mode: nothing to check)."""
+    return Inputs(call.query, call.key, call.value, call.bias, scale=softmax_scale, is_partial=return_lse,
+                  k_descale=call.k_descale, v_descale=call.v_descale, softcap=softcap, sinks=sinks)
+
+
+def select_decode_op(inp: Inputs, return_lse: bool):
+    """The forward op for a decode call (the selector's memo; on a miss validation and the ``Problem``), timed under
+    autotune as its repeated calls run: by its decode launcher (``measure.forward_measure``'s "decode" route)."""
+    return SELECTOR.select(inp.signature(), lambda: make_problem(inp, return_lse), "fw", None,
+                           lambda ops: forward_measure(inp, return_lse, "decode")(ops))
+
+
+def _call_run(call: "KVCacheCall", q_shape, softmax_scale, softcap, return_lse: bool, sinks) -> Callable:
+    """``run(q, k_cache, v_cache, *rest)`` -> what ``flash_attn_with_kvcache`` returns for this validated ``call`` (its
+    own arguments; the index tensors and descales as ``call`` holds them): the append, ``make_inputs`` with its
+    value checks (host descales and index tables; all of them in check mode) on the caches as appended, then the
+    selected op's forward (``call.run_forward``)."""
+    def run(q, k_cache, v_cache, *_):
+        if call.append is not None:
+            call.append()
+        inp = make_inputs(call.query, _pool(k_cache), _pool(v_cache), call.bias, scale=softmax_scale,
+                          k_descale=call.k_descale, v_descale=call.v_descale, softcap=softcap, is_partial=return_lse,
+                          sinks=sinks)
+        out, lse = run_forward(inp, None, return_lse)
+        batch, mq = q_shape[:2]
+        out = out.view(q_shape[:3] + out.shape[3:])
+        if return_lse:
+            return out, lse.view(lse.shape[1], batch, mq).permute(1, 0, 2)
+        return out
+    return run
 
 
 def _plannable(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table) -> bool:
@@ -80,7 +112,7 @@ def _plannable(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_t
     append (if any) the append kernel can do (on a GPU, or through Triton's interpreter)."""
     if cache_batch_idx is not None or type(cache_seqlens) is not torch.Tensor or type(page_table) is not torch.Tensor:
         return False
-    if checks.wanted(q, cache_seqlens, page_table):
+    if checks.wanted(cache_seqlens, page_table):  # on q's device (validated): a host q has host indices
         return False
     if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
         return False
@@ -96,13 +128,11 @@ def decode_run(op, call: "KVCacheCall", inp, q, v_cache, return_lse: bool, new_t
     call's ``k``) each run first appends ``k`` / ``v`` at ``cache_seqlens`` (the append kernel) and attends at
     ``cache_seqlens`` + their count (added on the device). Per run: the output (``torch.empty_like(q)`` where it has
     q's shape and dtype) and, only when returned, the LSE are allocated, and the kernels launch."""
-    from .ops.common import decode_views
-
     planner = getattr(op, "decode_launcher", None)
     if planner is None:
         return None
     launch = planner(inp, return_lse, own_workspace=False)
-    per_tensor = call.k_descale is not None and decode_views(inp)[5].stride() == (0, 0, 0)
+    per_tensor = call.k_descale is not None and tuple(call.k_descale.shape) != tuple(v_cache.shape[:3])  # numel 1
     batch, mq, hq, _ = q.shape
     out_shape, out_dtype, device = q.shape[:3] + (v_cache.shape[3],), inp.out_dtype, q.device
     like_q = out_shape == q.shape and out_dtype == q.dtype and q.is_contiguous()
@@ -143,7 +173,9 @@ def _unit_stride(t, dim: int) -> bool:
 
 class KVCacheCall(NamedTuple):
     """``flash_attn_with_kvcache``'s call as the op path takes it: query (1, B * Mq, Hq, D), key / value the cache
-    pool (1, pages * page_size, Hkv, D) (views), the paged decode mask, per-token (or per-tensor) descales."""
+    pool (1, pages * page_size, Hkv, D) (views), the paged decode mask (its lengths count the appended tokens),
+    per-token (or per-tensor) descales, and ``append()``, which writes the call's new tokens into the cache (None
+    when it appends none): the mask's keys are there only once it has run."""
 
     query: torch.Tensor
     key: torch.Tensor
@@ -151,12 +183,13 @@ class KVCacheCall(NamedTuple):
     bias: ab.AttentionBias
     k_descale: torch.Tensor | None
     v_descale: torch.Tensor | None
+    append: Callable[[], None] | None
 
 
 def kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, q_descale, k_descale,
                  v_descale, softmax_scale, causal, window_size) -> KVCacheCall:
-    """Validate ``flash_attn_with_kvcache``'s arguments (ValueError / TypeError / NotImplementedError naming them),
-    append ``k`` / ``v`` when given, and return the call for the op path (``fmha_ops.decode_plan`` plans it)."""
+    """Validate ``flash_attn_with_kvcache``'s arguments (ValueError / TypeError / NotImplementedError naming them)
+    and return the call for the op path, its append (of ``k`` / ``v`` when given) not yet made (``KVCacheCall``)."""
     left, right = window(window_size, causal)
     if not causal and (left, right) != (-1, -1):
         raise NotImplementedError(f"window_size={tuple(window_size)} with causal=False is not implemented by "
@@ -196,13 +229,14 @@ def kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
                                       f"like the cache without D, {tuple(k_cache.shape[:3])}) to hold the new "
                                       f"tokens' scales; got shape {tuple(kd.shape)}")
         if k_cache.is_cuda or _INTERPRET:
-            from .kernels.triton.kv_append import kv_append as append
+            from .kernels.triton.kv_append import kv_append as append_kernel
         else:
-            append = kv_cache.append_to_cache
-        append(k, v, k_cache, v_cache, cache_seqlens, block_table=page_table, k_scale=kd, v_scale=vd)
+            append_kernel = kv_cache.append_to_cache
+        append = functools.partial(append_kernel, k, v, k_cache, v_cache, cache_seqlens, block_table=page_table,
+                                   k_scale=kd, v_scale=vd)
         seqlens = cache_seqlens + mnew
     else:
-        seqlens = cache_seqlens
+        append, seqlens = None, cache_seqlens
     if left >= 0:
         bias = ab.PagedBlockDiagonalCausalLocalPaddedKeysMask.from_device_seqlens(mq, seqlens, page_table, page,
                                                                                  left + 1)
@@ -210,10 +244,14 @@ def kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
         bias = ab.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask.from_device_seqlens(mq, seqlens, page_table, page)
     else:
         bias = ab.PagedBlockDiagonalPaddedKeysMask.from_device_seqlens(mq, seqlens, page_table, page)
-    pool = (1, k_cache.shape[0] * page)
     # per-token descales pass in the cache's own (num_pages, page_size, Hkv) layout: no copy, any strides
-    return KVCacheCall(q.reshape(1, batch * mq, *q.shape[2:]), k_cache.reshape(pool + k_cache.shape[2:]),
-                       v_cache.reshape(pool + v_cache.shape[2:]), bias, kd, vd)
+    return KVCacheCall(q.reshape(1, batch * mq, *q.shape[2:]), _pool(k_cache), _pool(v_cache), bias, kd, vd, append)
+
+
+def _pool(cache: torch.Tensor) -> torch.Tensor:
+    """A (pages, page_size, Hkv, D) or (B, L, Hkv, D) cache as one sequence (1, pages * page_size, Hkv, D): a view,
+    or a copy where its strides allow none (taken after the append, so that it holds the new tokens)."""
+    return cache.reshape((1, cache.shape[0] * cache.shape[1]) + cache.shape[2:])
 
 
 def _check_cache_tensors(q, k_cache, v_cache, k, v) -> None:

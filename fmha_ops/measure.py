@@ -3,8 +3,8 @@ time and keeps the seconds; ``timing.call_seconds`` times).
 
 A measurement never runs where it would change what the caller asked for: under a CUDA-graph capture (the timed
 calls would be captured) or a torch.compile trace (the callers pass no measurement there; the table decides).
-Ops only read their inputs (a KV append runs before the decode op is selected), so timing one leaves the caller's
-tensors as they were.
+Ops only read their inputs (a KV-cache call's append is made by the plan's run, after the selection), so timing
+one leaves the caller's tensors as they were.
 """
 from __future__ import annotations
 
