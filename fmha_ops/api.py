@@ -22,7 +22,7 @@ from .call import make_problem, no_grad, run_forward
 from .dispatch import REGISTRY, SELECTOR
 from .dtypes import FLOAT_DTYPES
 from .inputs import BMHK, Inputs, checks_values, make_inputs
-from .plans import PLANS, Plan, key_function
+from .plans import PLANS, Plan, plan_finder
 
 OpArg = Any  # an op class, name/alias, or (FwOp, BwOp) tuple
 _is_compiling = torch.compiler.is_compiling
@@ -56,9 +56,8 @@ def memory_efficient_attention(
     >>> o8 = memory_efficient_attention(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd,
     ...                                 output_dtype=torch.float8_e4m3fn)  # attention = o8.float() * vd
     """
-    key_ = _KEY_MEA(query, key, value, attn_bias, p, scale, op, output_dtype, q_descale, k_descale, v_descale,
-                    quantize_kv_to_fp8, softcap, sinks)
-    plan = PLANS.get(key_)
+    plan, key_ = _FIND_MEA(query, key, value, attn_bias, p, scale, op, output_dtype, q_descale, k_descale, v_descale,
+                           quantize_kv_to_fp8, softcap, sinks)
     if plan is not None:
         return plan.run(query, key, value, attn_bias, q_descale, k_descale, v_descale)[0]
     inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, output_dtype=output_dtype,
@@ -75,9 +74,8 @@ def memory_efficient_attention_forward(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Like ``memory_efficient_attention`` without autograd (inference)."""
-    key_ = _KEY_FORWARD(query, key, value, attn_bias, p, scale, op, output_dtype, q_descale, k_descale, v_descale,
-                        quantize_kv_to_fp8, softcap, sinks)
-    plan = PLANS.get(key_)
+    plan, key_ = _FIND_FORWARD(query, key, value, attn_bias, p, scale, op, output_dtype, q_descale, k_descale,
+                               v_descale, quantize_kv_to_fp8, softcap, sinks)
     if plan is not None:
         return plan.run(query, key, value, attn_bias, q_descale, k_descale, v_descale)[0]
     inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, output_dtype=output_dtype,
@@ -90,8 +88,8 @@ def memory_efficient_attention_forward(
         return inp.layout(run_forward(inp, op, False, key_, _without_grad)[0])
 
 
-_KEY_MEA = key_function(memory_efficient_attention)
-_KEY_FORWARD = key_function(memory_efficient_attention_forward)
+_FIND_MEA = plan_finder(memory_efficient_attention)
+_FIND_FORWARD = plan_finder(memory_efficient_attention_forward)
 
 
 def _without_grad(launch):
@@ -124,9 +122,8 @@ def memory_efficient_attention_partial(
     LSE includes them (a row without keys: the sink): give them to one part only before ``merge_attentions``.
     Dropout is refused (``p`` must be 0), as in xformers: the parts could not be merged exactly.
     """
-    key_ = _KEY_PARTIAL(query, key, value, attn_bias, p, scale, op, output_dtype, q_descale, k_descale, v_descale,
-                        quantize_kv_to_fp8, softcap, sinks)
-    plan = PLANS.get(key_)
+    plan, key_ = _FIND_PARTIAL(query, key, value, attn_bias, p, scale, op, output_dtype, q_descale, k_descale,
+                               v_descale, quantize_kv_to_fp8, softcap, sinks)
     if plan is not None:  # plans exist only for calls that need no gradient (the full path refuses the rest)
         return plan.run(query, key, value, attn_bias, q_descale, k_descale, v_descale)
     _no_dropout(p, "memory_efficient_attention_partial")
@@ -144,7 +141,7 @@ def memory_efficient_attention_partial(
     return inp.layout(out), inp.layout.lse(lse)
 
 
-_KEY_PARTIAL = key_function(memory_efficient_attention_partial)
+_FIND_PARTIAL = plan_finder(memory_efficient_attention_partial)
 
 
 def memory_efficient_attention_forward_requires_grad(
@@ -164,8 +161,7 @@ def memory_efficient_attention_forward_requires_grad(
     >>> dq, dk, dv = memory_efficient_attention_backward(torch.ones_like(out), out, lse, q, k, v,
     ...                                                  LowerTriangularMask())
     """
-    key_ = _KEY_FORWARD_REQUIRES_GRAD(query, key, value, attn_bias, p, scale, op, output_dtype, softcap, sinks)
-    plan = PLANS.get(key_)
+    plan, key_ = _FIND_FORWARD_REQUIRES_GRAD(query, key, value, attn_bias, p, scale, op, output_dtype, softcap, sinks)
     if plan is not None:
         return plan.run(query, key, value, attn_bias, None, None, None)
     _no_dropout(p, "memory_efficient_attention_forward_requires_grad")
@@ -176,7 +172,7 @@ def memory_efficient_attention_forward_requires_grad(
     return inp.layout(out), _lse_layout(inp, lse)
 
 
-_KEY_FORWARD_REQUIRES_GRAD = key_function(memory_efficient_attention_forward_requires_grad)
+_FIND_FORWARD_REQUIRES_GRAD = plan_finder(memory_efficient_attention_forward_requires_grad)
 
 
 def memory_efficient_attention_backward(
@@ -191,8 +187,7 @@ def memory_efficient_attention_backward(
     gradient is ``fmha_ops.sinks.sink_grad(output, grad, lse, sinks)``); ``grad`` is d(loss)/d(output). BMHK or BMK tensors (for GQA pass key / value with Hkv heads
     in BMHK). ``op``: a backward op, or an (FwOp, BwOp) tuple. Dropout is refused (``p`` must be 0).
     """
-    key_ = _KEY_BACKWARD(grad, output, lse, query, key, value, attn_bias, p, scale, op, softcap, sinks)
-    plan = PLANS.get(key_)
+    plan, key_ = _FIND_BACKWARD(grad, output, lse, query, key, value, attn_bias, p, scale, op, softcap, sinks)
     if plan is not None:
         return plan.run(grad, output, lse, query, key, value, attn_bias)
     _no_dropout(p, "memory_efficient_attention_backward")
@@ -217,7 +212,7 @@ def memory_efficient_attention_backward(
     return inp.layout(dq), inp.layout(dk), inp.layout(dv)
 
 
-_KEY_BACKWARD = key_function(memory_efficient_attention_backward)
+_FIND_BACKWARD = plan_finder(memory_efficient_attention_backward)
 
 
 def _backward_plan(bw, inp: Inputs):
@@ -258,8 +253,7 @@ def merge_attentions(
     >>> parts = [memory_efficient_attention_partial(q, k[:, s], v[:, s]) for s in (slice(0, 512), slice(512, None))]
     >>> out, lse = merge_attentions([o for o, _ in parts], [lse for _, lse in parts])
     """
-    key_ = _KEY_MERGE(attn_split, lse_split, write_lse, output_dtype)
-    plan = PLANS.get(key_)
+    plan, key_ = _FIND_MERGE(attn_split, lse_split, write_lse, output_dtype)
     if plan is not None:  # a layout validated before: straight to its path
         return plan.run(attn_split, lse_split)
     attns, lses = _parts("attn_split", attn_split), _parts("lse_split", lse_split)
@@ -283,7 +277,7 @@ def merge_attentions(
     return _merge_torch(attn_split, lse_split, output_dtype, write_lse)
 
 
-_KEY_MERGE = key_function(merge_attentions)
+_FIND_MERGE = plan_finder(merge_attentions)
 
 
 def _merge_plan(on_device: bool, as_they_lie: bool, out_dtype: torch.dtype, write_lse: bool):

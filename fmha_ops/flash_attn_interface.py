@@ -27,7 +27,7 @@ from .dtypes import FLOAT_DTYPES
 from .fp8_backward import set_fp8_dequantized_backward
 from .inputs import make_inputs
 from .kvcache_call import check_scalars, plan_kvcache_call, window
-from .plans import PLANS, Plan, call_key, key_function
+from .plans import PLANS, Plan, call_key, plan_finder
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "set_fp8_dequantized_backward"]
 
@@ -67,9 +67,9 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     """q (B, Mq, Hq, D), k (B, Mk, Hkv, D), v (B, Mk, Hkv, Dv) -> out (B, Mq, Hq, Dv)
     [, softmax_lse float32 (B, Hq, Mq) when ``return_attn_probs``]. ``sinks``: float32 (Hq,) attention sinks
     (``fmha_ops.sinks``; FA4's ``learnable_sink``), differentiable; the LSE includes them."""
-    key = _KEY_FUNC(q, k, v, softmax_scale, causal, qv, q_descale, k_descale, v_descale, window_size,
-                    attention_chunk, softcap, num_splits, pack_gqa, deterministic, sm_margin, return_attn_probs, sinks)
-    plan = PLANS.get(key)
+    plan, key = _FIND_FUNC(q, k, v, softmax_scale, causal, qv, q_descale, k_descale, v_descale, window_size,
+                           attention_chunk, softcap, num_splits, pack_gqa, deterministic, sm_margin, return_attn_probs,
+                           sinks)
     if plan is not None:
         out, lse = plan.run(q, k, v, plan.bound, q_descale, k_descale, v_descale)
         return (out, lse.detach()) if return_attn_probs else out
@@ -86,7 +86,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
                       sinks, keep_mask=True)
 
 
-_KEY_FUNC = key_function(flash_attn_func)
+_FIND_FUNC = plan_finder(flash_attn_func)
 #: FA3's causal mask (holds no state: one instance serves every call, its signature computed once)
 _CAUSAL = ab.LowerTriangularFromBottomRightMask()
 
@@ -161,10 +161,9 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     Reads cu_seqlens on the host (one device sync per tensor and version: repeated calls with the same unchanged
     cu_seqlens tensors reuse what was read); under torch.compile the call is one custom op
     (``fmha_ops::varlen_attention``) that does so when it runs."""
-    key = _KEY_VARLEN(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                      softmax_scale, causal, qv, q_descale, k_descale, v_descale, window_size, attention_chunk, softcap,
-                      num_splits, pack_gqa, deterministic, sm_margin, return_attn_probs, sinks)
-    plan = PLANS.get(key)
+    plan, key = _FIND_VARLEN(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                             softmax_scale, causal, qv, q_descale, k_descale, v_descale, window_size, attention_chunk,
+                             softcap, num_splits, pack_gqa, deterministic, sm_margin, return_attn_probs, sinks)
     if plan is not None:  # these arguments passed the checks below before: the mask, then the packed call
         return plan.run(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale, sinks)
     _unsupported(seqused_q=(seqused_q, None), seqused_k=(seqused_k, None), qv=(qv, None),
@@ -198,7 +197,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     return run(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale, sinks)
 
 
-_KEY_VARLEN = key_function(flash_attn_varlen_func)
+_FIND_VARLEN = plan_finder(flash_attn_varlen_func)
 
 
 def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -238,12 +237,11 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     >>> out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, page_table=table,
     ...                               k_descale=k_scale, v_descale=v_scale, causal=True)  # doctest: +SKIP
     """
-    key = _KEY_KVCACHE(q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                       cache_leftpad, page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_seqlens,
-                       q_descale, k_descale, v_descale, softmax_scale, causal, window_size, attention_chunk, softcap,
-                       rotary_interleaved, scheduler_metadata, num_splits, pack_gqa, sm_margin, return_softmax_lse,
-                       sinks)
-    plan = PLANS.get(key)
+    plan, key = _FIND_KVCACHE(q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                              cache_leftpad, page_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, rotary_seqlens,
+                              q_descale, k_descale, v_descale, softmax_scale, causal, window_size, attention_chunk,
+                              softcap, rotary_interleaved, scheduler_metadata, num_splits, pack_gqa, sm_margin,
+                              return_softmax_lse, sinks)
     if plan is None:  # validated here once per layout; a decode step of a planned one runs its launches alone
         _unsupported(qv=(qv, None), rotary_cos=(rotary_cos, None), rotary_sin=(rotary_sin, None),
                      cache_leftpad=(cache_leftpad, None), cu_seqlens_q=(cu_seqlens_q, None),
@@ -255,7 +253,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return plan.run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale)
 
 
-_KEY_KVCACHE = key_function(flash_attn_with_kvcache)
+_FIND_KVCACHE = plan_finder(flash_attn_with_kvcache)
 
 
 # ---- flash_attn_varlen_func under torch.compile: one custom op ------------------------------------

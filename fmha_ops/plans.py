@@ -1,12 +1,12 @@
 """The plan cache: one ``Plan`` per call signature of every public entry point.
 
-A public function turns its arguments into one key (its ``key_function``), looks it up (``PLANS.get``) and, on a
-hit, runs the plan it finds; on a miss its full path validates the arguments (raising ValueError / TypeError /
+A public function turns its arguments into one key and looks it up (its ``plan_finder``: the key as
+``key_function`` builds it, then one dict lookup in ``PLANS``) and, on a hit, runs the plan it finds; on a miss its full path validates the arguments (raising ValueError / TypeError /
 NotImplementedError naming them), selects the op(s), runs the call and, where a repeated call may skip that work,
 stores a ``Plan`` under the key (``PLANS.put``).
 
-The key is derived from the arguments themselves, never listed by hand: ``key_function(entry)`` generates, from the
-entry point's signature, a function that takes every parameter (``call_key(entry, args)`` builds the same items in
+The key is derived from the arguments themselves, never listed by hand: ``key_function(entry)`` (and
+``plan_finder(entry)``) generates, from the entry point's signature, a function that takes every parameter (``call_key(entry, args)`` builds the same items in
 a loop, for the call layer's inner calls), and keeps for each argument what any check may read short of a tensor's
 values
 
@@ -14,6 +14,7 @@ values
   of its address, which the 16-byte alignment rules read);
 - a mask (``attn_bias.AttentionBias``): its ``signature()`` (type, window, sizes; its index tensors' metadata);
 - a bool, int or float: the value with its type (``True``, ``1`` and ``1.0`` are equal keys, not equal arguments);
+  a pair of plain ints (a window size) as it is;
 - None, a str, torch.dtype, torch.device or a class: the value;
 - a list or tuple: its type, then its items as above;
 
@@ -195,15 +196,34 @@ def call_key(entry: Hashable, args: tuple) -> tuple | None:
 def key_function(entry: Callable) -> Callable[..., tuple | None]:
     """``call_key`` for ``entry``, specialized to its parameters: ``key(*args)`` takes every parameter of ``entry``
     (positionally, in its order; leaving one out is a TypeError) and returns a key as ``call_key`` builds it, as
-    one expression instead of a loop (the hot path of every repeated call). The parameters annotated
-    ``torch.Tensor`` give their metadata as items of the key itself when they are plain tensors (no tuple per
-    tensor); any other call takes ``call_key``.
+    one expression instead of a loop. The parameters annotated ``torch.Tensor`` give their metadata as items of the
+    key itself when they are plain tensors (no tuple per tensor); any other call takes ``call_key``.
 
     Example
     -------
     >>> _KEY = key_function(flash_attn_func)  # once, after the function
     >>> key = _KEY(q, k, v, softmax_scale, causal, ...)  # every parameter of flash_attn_func
     """
+    return _generated(entry, "key")
+
+
+def plan_finder(entry: Callable) -> Callable[..., tuple]:
+    """The hot path of every repeated call: ``find(*args)`` takes what ``key_function(entry)`` takes and returns
+    ``(plan, key)``: the plan ``PLANS`` holds under the call's key (marked used, as ``PlanCache.get`` marks it) or
+    None, and the key, for the full path to store its plan under (None where the call can have none). One frame:
+    the key built as ``key_function``'s, then one dict lookup.
+
+    Example
+    -------
+    >>> _FIND = plan_finder(flash_attn_func)  # once, after the function
+    >>> plan, key = _FIND(q, k, v, softmax_scale, causal, ...)  # every parameter of flash_attn_func
+    """
+    return _generated(entry, "find")
+
+
+def _generated(entry: Callable, kind: str) -> Callable:
+    """``key_function``'s (``kind`` "key") or ``plan_finder``'s ("find") function for ``entry``: source generated
+    from its signature, compiled once."""
     params = list(inspect.signature(entry).parameters.values())
     local = [f"_a{i}" for i in range(len(params))]  # the arguments' names here, whatever the entry calls them
     tensors = [x for x, p in zip(local, params) if p.annotation in ("torch.Tensor", torch.Tensor)]
@@ -216,33 +236,51 @@ def key_function(entry: Callable) -> Callable[..., tuple | None]:
         else:  # None, a number with its type, a value, a mask's signature, or what ``_item`` makes of it
             item = (f"(None if {x} is None else (type({x}), {x}) if type({x}) in _NUMBERS else {x} "
                     f"if type({x}) in _VALUES else {x}.signature() if isinstance({x}, _Bias) "
-                    f"else _item({x}, {{cuda}}))")
+                    f"else (_INT_PAIR, {x}) if type({x}) is tuple and len({x}) == 2 and type({x}[0]) is int "
+                    f"and type({x}[1]) is int else _item({x}, {{cuda}}))")
             items.append(item.format(cuda=False))
             cuda_items.append(item.format(cuda=True))
     plain = " and ".join(f"type({x}) is _Tensor" for x in tensors) or "True"
+    first = tensors[0] if tensors else None
     state = "_grad_enabled(), _deterministic(), _scope(), _fp8_backward(), _checks()"
-    source = (f"def key({', '.join(local)}):\n"
+    no_key = "None" if kind == "key" else "_MISS"
+    source = (f"def {kind}({', '.join(local)}):\n"
               f"    if _is_compiling():\n"
-              f"        return None\n"
+              f"        return {no_key}\n"
               f"    try:\n"
               f"        if {plain}:\n"
-              f"            if {tensors[0] if tensors else 'None'} is None or not {tensors[0] if tensors else '_a0'}"
-              f".is_cuda:\n"
-              f"                return (_entry, _FLAT, {state}, {', '.join(items)})\n"
-              f"            return (_entry, _FLAT, {state}, {', '.join(cuda_items)}, _capturing())\n"
+              f"            if {first} is None or not {first or '_a0'}.is_cuda:\n"
+              f"                key = (_entry, _FLAT, {state}, {', '.join(items)})\n"
+              f"            else:\n"
+              f"                key = (_entry, _FLAT, {state}, {', '.join(cuda_items)}, _capturing())\n"
+              f"        else:\n"
+              f"            key = call_key(_entry, ({', '.join(local)},))\n"
               f"    except _NoKey:\n"
-              f"        return None\n"
-              f"    return call_key(_entry, ({', '.join(local)},))\n")
-    scope = dict(_ENV, _entry=entry)
-    exec(compile(source, f"<key of {entry.__qualname__}>", "exec"), scope)  # noqa: S102 - our own generated code
-    key = scope["key"]
-    key.__doc__ = (f"The plan key of a call of {entry.__qualname__}({', '.join(p.name for p in params)}) "
-                   f"(``plans.key_function``).")
-    return key
+              f"        return {no_key}\n")
+    if kind == "key":
+        source += "    return key\n"
+    else:  # PlanCache.get inlined: one dict lookup, a hit marked used; an unhashable key finds nothing
+        source += ("    try:\n"
+                   "        plan = _lookup(key)\n"
+                   "    except TypeError:\n"
+                   "        return None, key\n"
+                   "    if plan is None:\n"
+                   "        return None, key\n"
+                   "    plan.used = True\n"
+                   "    return plan, key\n")
+    scope = dict(_ENV, _entry=entry, _lookup=PLANS._plans.get)
+    exec(compile(source, f"<{kind} of {entry.__qualname__}>", "exec"), scope)  # noqa: S102 - our own generated code
+    fn = scope[kind]
+    maker = "key_function" if kind == "key" else "plan_finder"
+    fn.__doc__ = (f"The plan {'key' if kind == 'key' else '(plan, key)'} of a call of {entry.__qualname__}"
+                  f"({', '.join(p.name for p in params)}) (``plans.{maker}``).")
+    return fn
 
 
 #: marks the keys ``key_function`` lays out flat (tensor metadata as items of the key), apart from ``call_key``'s
 _FLAT = object()
+#: marks a tuple of two plain ints (a window size) kept as it is: without the per-item types ``_other`` adds
+_INT_PAIR = object()
 
 
 def _item(a, cuda: bool):
@@ -283,6 +321,6 @@ def _tensor(t, cuda: bool) -> tuple:
 
 #: the names ``key_function``'s generated code reads
 _ENV = {"_is_compiling": _is_compiling, "_Tensor": _Tensor, "_Bias": _Bias, "_NUMBERS": _NUMBERS, "_VALUES": _VALUES,
-        "_item": _item, "_FLAT": _FLAT, "_NoKey": _NoKey, "_capturing": _capturing, "call_key": call_key,
-        "_grad_enabled": _grad_enabled,
-        "_deterministic": _deterministic, "_scope": _scope, "_fp8_backward": _fp8_backward, "_checks": _checks}
+        "_item": _item, "_FLAT": _FLAT, "_INT_PAIR": _INT_PAIR, "_NoKey": _NoKey, "_MISS": (None, None), "_capturing": _capturing,
+        "call_key": call_key, "_grad_enabled": _grad_enabled, "_deterministic": _deterministic, "_scope": _scope,
+        "_fp8_backward": _fp8_backward, "_checks": _checks}

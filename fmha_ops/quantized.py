@@ -32,7 +32,7 @@ from . import arguments, compiled
 from .call import make_problem, run_forward
 from .dispatch import SELECTOR
 from .inputs import Inputs, make_inputs
-from .plans import PLANS, Plan, call_key, key_function
+from .plans import PLANS, Plan, call_key, plan_finder
 from .quant import (
     K_SCALE_BLOCK,
     Q_SCALE_BLOCK,
@@ -151,10 +151,8 @@ def _causal(causal: bool):
 
 def _quantized_attention(key, qk_kind: str, causal: bool, scale: float | None, op, q, k, v,
                          sinks=None) -> torch.Tensor:
-    """``fp8_attention`` / ``i8fp8_attention`` (``qk_kind`` "fp8" / "int8") under the call's plan ``key``."""
-    plan = PLANS.get(key)
-    if plan is not None:
-        return plan.run(q, k, v, sinks)
+    """The full path of ``fp8_attention`` / ``i8fp8_attention`` (``qk_kind`` "fp8" / "int8"): validate, then run the
+    plan it stores under the call's plan ``key``."""
     _check_call(q, k, v, causal, scale)
     if sinks is not None:
         validate_sinks(sinks, q.shape[2], q.device)
@@ -189,8 +187,10 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     >>> out = fp8_attention(q, k, v, causal=True)
     >>> out.float().sum().backward()
     """
-    return _quantized_attention(_KEY_FP8(q, k, v, causal, softmax_scale, op, sinks), "fp8", causal, softmax_scale, op,
-                                q, k, v, sinks)
+    plan, key = _FIND_FP8(q, k, v, causal, softmax_scale, op, sinks)
+    if plan is not None:
+        return plan.run(q, k, v, sinks)
+    return _quantized_attention(key, "fp8", causal, softmax_scale, op, q, k, v, sinks)
 
 
 def i8fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -201,12 +201,14 @@ def i8fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     -------
     >>> out = i8fp8_attention(q, k, v, causal=True)
     """
-    return _quantized_attention(_KEY_I8FP8(q, k, v, causal, softmax_scale, op, sinks), "int8", causal, softmax_scale,
-                                op, q, k, v, sinks)
+    plan, key = _FIND_I8FP8(q, k, v, causal, softmax_scale, op, sinks)
+    if plan is not None:
+        return plan.run(q, k, v, sinks)
+    return _quantized_attention(key, "int8", causal, softmax_scale, op, q, k, v, sinks)
 
 
-_KEY_FP8 = key_function(fp8_attention)
-_KEY_I8FP8 = key_function(i8fp8_attention)
+_FIND_FP8 = plan_finder(fp8_attention)
+_FIND_I8FP8 = plan_finder(i8fp8_attention)
 
 
 # ---- under torch.compile: one custom op ----------------------------------------------------------------

@@ -243,29 +243,37 @@ def test_call_key_refuses_what_it_cannot_key():
         assert len(plans.PLANS) == before
 
 
-def test_each_entry_points_key_takes_every_parameter():
-    """The key functions are generated from the entry points' signatures: one argument per parameter, so a call
-    site that leaves one out fails at once; where no parameter is a plain tensor their keys hold call_key's items
-    (behind a marker of the flat layout)."""
+def test_each_entry_points_finder_takes_every_parameter():
+    """The plan finders (and key functions) are generated from the entry points' signatures: one argument per
+    parameter, so a call site that leaves one out fails at once; where no parameter is a plain tensor their keys hold
+    call_key's items (behind a marker of the flat layout); a finder returns the plan stored under the key it built."""
     import inspect
 
     from fmha_ops import flash_attn_interface as fa, quantized
 
-    pairs = [(api._KEY_MEA, fmha_ops.memory_efficient_attention), (api._KEY_FORWARD,
-             fmha_ops.memory_efficient_attention_forward), (api._KEY_PARTIAL, fmha_ops.memory_efficient_attention_partial),
-             (api._KEY_FORWARD_REQUIRES_GRAD, fmha_ops.memory_efficient_attention_forward_requires_grad),
-             (api._KEY_BACKWARD, fmha_ops.memory_efficient_attention_backward), (api._KEY_MERGE, fmha_ops.merge_attentions),
-             (fa._KEY_FUNC, fmha_ops.flash_attn_func), (fa._KEY_VARLEN, fmha_ops.flash_attn_varlen_func),
-             (fa._KEY_KVCACHE, fmha_ops.flash_attn_with_kvcache), (quantized._KEY_FP8, fmha_ops.fp8_attention),
-             (quantized._KEY_I8FP8, fmha_ops.i8fp8_attention)]
-    for key, entry in pairs:
-        assert len(inspect.signature(key).parameters) == len(inspect.signature(entry).parameters), entry.__name__
+    pairs = [(api._FIND_MEA, fmha_ops.memory_efficient_attention), (api._FIND_FORWARD,
+             fmha_ops.memory_efficient_attention_forward), (api._FIND_PARTIAL, fmha_ops.memory_efficient_attention_partial),
+             (api._FIND_FORWARD_REQUIRES_GRAD, fmha_ops.memory_efficient_attention_forward_requires_grad),
+             (api._FIND_BACKWARD, fmha_ops.memory_efficient_attention_backward), (api._FIND_MERGE, fmha_ops.merge_attentions),
+             (fa._FIND_FUNC, fmha_ops.flash_attn_func), (fa._FIND_VARLEN, fmha_ops.flash_attn_varlen_func),
+             (fa._FIND_KVCACHE, fmha_ops.flash_attn_with_kvcache), (quantized._FIND_FP8, fmha_ops.fp8_attention),
+             (quantized._FIND_I8FP8, fmha_ops.i8fp8_attention)]
+    for find, entry in pairs:
+        assert len(inspect.signature(find).parameters) == len(inspect.signature(entry).parameters), entry.__name__
     q, k, v = _qkv()
     parts = ([q, q], [q[:, 0, :, 0], q[:, 0, :, 0]], True, None)
-    flat, generic = api._KEY_MERGE(*parts), plans.call_key(fmha_ops.merge_attentions, parts)
+    key_merge = plans.key_function(fmha_ops.merge_attentions)
+    flat, generic = key_merge(*parts), plans.call_key(fmha_ops.merge_attentions, parts)
     assert flat[0] == generic[0] and flat[2:] == generic[1:] and flat != generic
     with pytest.raises(TypeError):
-        api._KEY_MERGE(*parts[:3])
+        key_merge(*parts[:3])
+    args = (q, k, v, None, 0.0, None, None, None, None, None, None, False, 0.0, None)
+    fmha_ops.SELECTOR.clear()
+    key = plans.key_function(fmha_ops.memory_efficient_attention)(*args)
+    assert api._FIND_MEA(*args) == (None, key)
+    fmha_ops.memory_efficient_attention(q, k, v)
+    plan, found = api._FIND_MEA(*args)
+    assert found == key and plan is not None and plan is plans.PLANS.get(key)
 
 
 def test_the_plan_cache_is_one_bounded_lru(monkeypatch):
