@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import replace
 from typing import Callable, NamedTuple
 
 import torch
@@ -27,9 +28,11 @@ from . import arguments, checks, kv_cache
 from . import attn_bias as ab
 from .call import make_problem, run_forward
 from .dispatch import SELECTOR
-from .inputs import Inputs, make_inputs
+from .inputs import Inputs
 from .measure import forward_measure
 from .plans import PLANS, Plan
+from .sinks import validate_sinks
+from .validation import check_values
 
 #: the append kernel runs on CPU tensors through Triton's interpreter
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -61,19 +64,19 @@ def plan_kvcache_call(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
     call a plan of its own (``_call_run``), not stored."""
     call = kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, q_descale, k_descale,
                         v_descale, softmax_scale, causal, window_size)
+    inp = decode_inputs(call, softmax_scale, softcap, return_lse, sinks)
     if (key is not None and sinks is None  # the decode plans take no sinks: such calls keep their own plans
             and _plannable(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table)):
-        inp = decode_inputs(call, softmax_scale, softcap, return_lse)
         op = select_decode_op(inp, return_lse)
         run = decode_run(op, call, inp, q, v_cache, return_lse, k)
         if run is not None:
             return PLANS.put(key, Plan(run, (op,), ("validation", "selection", "mask")))
-    return Plan(_call_run(call, q.shape, softmax_scale, softcap, return_lse, sinks), (), ())
+    return Plan(_call_run(call, inp, q.shape, return_lse), (), ())
 
 
 def decode_inputs(call: "KVCacheCall", softmax_scale, softcap, return_lse: bool, sinks=None) -> Inputs:
     """The op path's ``Inputs`` of a validated call (``kvcache_call``): BMHK, our own paged mask, descales checked,
-    so there is nothing for ``make_inputs`` to convert; the descales' and index tables' values are checked by a
+    so there is nothing for ``make_inputs`` to convert. The values of the descales and index tables are checked by a
     call's own plan (``_call_run``), never by a decode plan (device tensors outside check mode: nothing to check)."""
     return Inputs(call.query, call.key, call.value, call.bias, scale=softmax_scale, is_partial=return_lse,
                   k_descale=call.k_descale, v_descale=call.v_descale, softcap=softcap, sinks=sinks)
@@ -86,18 +89,20 @@ def select_decode_op(inp: Inputs, return_lse: bool):
                            lambda ops: forward_measure(inp, return_lse, "decode")(ops))
 
 
-def _call_run(call: "KVCacheCall", q_shape, softmax_scale, softcap, return_lse: bool, sinks) -> Callable:
-    """``run(q, k_cache, v_cache, *rest)`` -> what ``flash_attn_with_kvcache`` returns for this validated ``call`` (its
-    own arguments; the index tensors and descales as ``call`` holds them): the append, ``make_inputs`` with its
-    value checks (host descales and index tables; all of them in check mode) on the caches as appended, then the
-    selected op's forward (``call.run_forward``)."""
+def _call_run(call: "KVCacheCall", inp: Inputs, q_shape, return_lse: bool) -> Callable:
+    """``run(q, k_cache, v_cache, *rest)`` -> what ``flash_attn_with_kvcache`` returns for this validated ``call`` and
+    its ``inp`` (``decode_inputs``; the index tensors and descales as ``call`` holds them): the sinks' checks, the
+    values' (host descales and index tables; all of them in check mode), the append, then the selected op's forward
+    (``call.run_forward``) on the caches as appended."""
     def run(q, k_cache, v_cache, *_):
-        if call.append is not None:
+        if inp.sinks is not None:
+            validate_sinks(inp.sinks, q_shape[2], q.device)
+        check_values(inp)
+        if call.append is None:
+            out, lse = run_forward(inp, None, return_lse)
+        else:  # the pool views taken again: a cache whose strides allow no view was copied before the append
             call.append()
-        inp = make_inputs(call.query, _pool(k_cache), _pool(v_cache), call.bias, scale=softmax_scale,
-                          k_descale=call.k_descale, v_descale=call.v_descale, softcap=softcap, is_partial=return_lse,
-                          sinks=sinks)
-        out, lse = run_forward(inp, None, return_lse)
+            out, lse = run_forward(replace(inp, key=_pool(k_cache), value=_pool(v_cache)), None, return_lse)
         batch, mq = q_shape[:2]
         out = out.view(q_shape[:3] + out.shape[3:])
         if return_lse:
