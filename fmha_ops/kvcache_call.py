@@ -91,13 +91,13 @@ def select_decode_op(inp: Inputs, return_lse: bool):
 
 def _call_run(call: "KVCacheCall", inp: Inputs, q_shape, return_lse: bool) -> Callable:
     """``run(q, k_cache, v_cache, *rest)`` -> what ``flash_attn_with_kvcache`` returns for this validated ``call`` and
-    its ``inp`` (``decode_inputs``; the index tensors and descales as ``call`` holds them): the sinks' checks, the
-    values' (host descales and index tables; all of them in check mode), the append, then the selected op's forward
-    (``call.run_forward``) on the caches as appended."""
+    its ``inp`` (``decode_inputs``; the index tensors and descales as ``call`` holds them): the checks of the values
+    (host descales and index tables; all of them in check mode) and of the sinks, the append, then the selected op's
+    forward (``call.run_forward``) on the caches as appended."""
     def run(q, k_cache, v_cache, *_):
+        check_values(inp)
         if inp.sinks is not None:
             validate_sinks(inp.sinks, q_shape[2], q.device)
-        check_values(inp)
         if call.append is None:
             out, lse = run_forward(inp, None, return_lse)
         else:  # the pool views taken again: a cache whose strides allow no view was copied before the append
