@@ -20,6 +20,7 @@ Example
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
@@ -100,8 +101,11 @@ def run_forward(inp: Inputs, op: OpArg, needs_lse: bool, plan_key: tuple | None 
 
 def _measure(inp: Inputs, needs_lse: bool, plan_key: tuple | None):
     """Autotune's ``measure(ops)`` for this call (built only on a selector memo miss under autotune): repeated calls
-    that keep a launch plan are timed through it."""
-    return forward_measure(inp, needs_lse, "plan" if plan_key is not None and _plannable(inp) else "apply")
+    that keep a launch plan are timed through it (``AttentionFwOp.launcher``), the others through ``apply``."""
+    if plan_key is None or not _plannable(inp):
+        return forward_measure(inp, needs_lse)
+    args = (inp.query, inp.key, inp.value, inp.attn_bias, inp.q_descale, inp.k_descale, inp.v_descale)
+    return forward_measure(inp, needs_lse, lambda op: functools.partial(op.launcher(inp, needs_lse), *args))
 
 
 def _plannable(inp: Inputs) -> bool:

@@ -156,7 +156,7 @@ def plan_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                         k_descale, v_descale, softmax_scale, causal, window_size)
     inp = make_inputs(call.query, call.key, call.value, call.bias, scale=softmax_scale, k_descale=call.k_descale,
                       v_descale=call.v_descale, softcap=softcap, is_partial=return_softmax_lse, sinks=sinks)
-    op = select_decode_op(inp, return_softmax_lse)
+    op = select_decode_op(inp, return_softmax_lse, lambda op: _timed_launch(op, inp, return_softmax_lse))
     batch, mq, hq, _ = q.shape
     out = torch.empty(q.shape[:3] + (v_cache.shape[3],), dtype=inp.out_dtype, device=q.device)
     lse = torch.empty((batch, hq, mq), dtype=torch.float32, device=q.device)
@@ -172,6 +172,22 @@ def plan_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         index, descales = (None, None), (call.k_descale, call.v_descale)
     return PagedDecodePlan(op, launch, q, (k_cache, v_cache), descales, index, out, lse, return_softmax_lse,
                            None if sinks is None else sinks.detach().contiguous())
+
+
+def _timed_launch(op, inp, return_lse: bool):
+    """What autotune times of ``op`` for a plan: its decode launcher on the call's own views and buffers of the
+    planned shapes, as a call without arguments (None where the op has no decode launcher: its ``apply``)."""
+    planner = getattr(op, "decode_launcher", None)
+    if planner is None:
+        return None
+    from .ops.common import decode_views
+
+    launch = planner(inp, return_lse)
+    q, k, v, seqlens, table, k_scale, v_scale = decode_views(inp)
+    out = torch.empty(q.shape[:3] + (v.shape[3],), dtype=inp.out_dtype, device=q.device)
+    lse = None if not return_lse else torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32,
+                                                   device=q.device)
+    return lambda: launch(q, k, v, k_scale, v_scale, seqlens, table, out, lse)
 
 
 def _apply_launcher(op, inp, batch: int, mq: int, needs_lse: bool):

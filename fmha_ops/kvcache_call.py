@@ -67,7 +67,7 @@ def plan_kvcache_call(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
     inp = decode_inputs(call, softmax_scale, softcap, return_lse, sinks)
     if (key is not None and sinks is None  # the decode plans take no sinks: such calls keep their own plans
             and _plannable(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table)):
-        op = select_decode_op(inp, return_lse)
+        op = select_decode_op(inp, return_lse, lambda op: _timed_decode(op, call, inp, q, k_cache, v_cache, return_lse))
         run = decode_run(op, call, inp, q, v_cache, return_lse, k)
         if run is not None:
             return PLANS.put(key, Plan(run, (op,), ("validation", "selection", "mask")))
@@ -82,11 +82,23 @@ def decode_inputs(call: "KVCacheCall", softmax_scale, softcap, return_lse: bool,
                   k_descale=call.k_descale, v_descale=call.v_descale, softcap=softcap, sinks=sinks)
 
 
-def select_decode_op(inp: Inputs, return_lse: bool):
+def select_decode_op(inp: Inputs, return_lse: bool, repeated: Callable):
     """The forward op for a decode call (the selector's memo; on a miss validation and the ``Problem``), timed under
-    autotune as its repeated calls run: by its decode launcher (``measure.forward_measure``'s "decode" route)."""
+    autotune as its repeated calls run: ``repeated(op)``, the caller's plan of ``op`` as a call without arguments (None
+    where ``op`` has none: its ``apply``; ``measure.forward_measure``)."""
     return SELECTOR.select(inp.signature(), lambda: make_problem(inp, return_lse), "fw", None,
-                           lambda ops: forward_measure(inp, return_lse, "decode")(ops))
+                           lambda ops: forward_measure(inp, return_lse, repeated)(ops))
+
+
+def _timed_decode(op, call: "KVCacheCall", inp: Inputs, q, k_cache, v_cache, return_lse: bool):
+    """What autotune times of ``op`` for a decode plan: its run (``decode_run``) on the call's tensors at the mask's
+    lengths and page table (the appended tokens counted, nothing appended: a timed call leaves the cache as it was);
+    None where the op has no decode launcher."""
+    run = decode_run(op, call, inp, q, v_cache, return_lse)
+    if run is None:
+        return None
+    lengths, table = call.bias.k_seqinfo.seqlen, call.bias.block_tables
+    return functools.partial(run, q, k_cache, v_cache, None, None, lengths, table, call.k_descale, call.v_descale)
 
 
 def _call_run(call: "KVCacheCall", inp: Inputs, q_shape, return_lse: bool) -> Callable:
