@@ -283,6 +283,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from fmha_ops.kernels.triton.attention_fwd import _attn_fwd_kernel
+from bench.diagnostics.aot import plain_signature
 
 for dtype, causal, left, one_loop in [("fp8", True, True, False), ("bf16", False, True, False),
                                       ("i8fp8", True, False, False), ("fp8", True, True, True)]:
@@ -297,18 +298,9 @@ for dtype, causal, left, one_loop in [("fp8", True, True, False), ("bf16", False
               "Q_BLOCKSCALE": False, "K_BLOCKSCALE": False, "V_PER_CHANNEL": False, "WRITE_LSE": True,
               "Q_DESCALED": quantized, "K_DESCALED": quantized, "V_DESCALED": quantized, "ONE_LOOP": one_loop,
               "SINKS": not one_loop}
-    sig = {}
-    for n in _attn_fwd_kernel.arg_names:
-        if n in consts:
-            sig[n] = "constexpr"
-        elif n in descs:
-            sig[n] = descs[n]
-        elif n in ("Lse", "QD", "KD", "VD", "CuQ", "CuK", "CuVT", "Sinks"):
-            sig[n] = "*fp32"
-        elif n in ("sm_scale_log2", "softcap_log2"):
-            sig[n] = "fp32"
-        else:
-            sig[n] = "i32"
+    sig = plain_signature(_attn_fwd_kernel, consts, {
+        **descs, **dict.fromkeys(("Lse", "QD", "KD", "VD", "CuQ", "CuK", "CuVT", "Sinks"), "*fp32"),
+        **dict.fromkeys(("sm_scale_log2", "softcap_log2"), "fp32")})
     k = triton.compile(ASTSource(_attn_fwd_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": 4, "num_stages": 3})
     assert "tanh.approx.f32" in k.asm["ptx"], dtype

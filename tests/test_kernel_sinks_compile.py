@@ -12,19 +12,11 @@ from triton.compiler import ASTSource
 from fmha_ops.kernels.triton.attention_bwd import _bwd_dkdv, _bwd_dq, _bwd_preprocess
 from fmha_ops.kernels.triton.decode import _decode_kernel, _reduce_kernel
 from fmha_ops.kernels.triton.kv_append import _kv_append_kernel
+from bench.diagnostics.aot import plain_signature
 
 
 def build(kernel, consts, pointers, floats=(), warps=4, stages=2):
-    sig = {}
-    for n in kernel.arg_names:
-        if n in consts:
-            sig[n] = "constexpr"
-        elif n in pointers:
-            sig[n] = pointers[n]
-        elif n in floats:
-            sig[n] = "fp32"
-        else:
-            sig[n] = "i32"
+    sig = plain_signature(kernel, consts, {**pointers, **dict.fromkeys(floats, "fp32")})
     triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": warps, "num_stages": stages})
     print("compiled", kernel.__name__)

@@ -17,6 +17,15 @@ import tempfile
 SMEM_PER_SM = 233472  # sm_90: 228 KiB per SM, up to 227 KiB per CTA; each CTA also reserves 1 KiB
 
 
+def plain_signature(fn, consts: dict, types: dict, default: str = "i32") -> dict:
+    """A Triton signature for every parameter of ``fn``: "constexpr" for the names in ``consts``, ``types[name]``
+    where given ("*bf16", "fp32", "tensordesc<...>"), ``default`` for the rest (no divisibility hints).
+
+    Example: ``triton.compile(ASTSource(fn, plain_signature(fn, consts, {"x_ptr": "*fp32"}), consts), target=...)``.
+    """
+    return {n: "constexpr" if n in consts else types.get(n, default) for n in fn.arg_names}
+
+
 def compile_sm90(fn, args, consts: dict, *, warps: int, stages: int, maxnreg: int | None = None,
                  dump: str | None = None) -> dict:
     """``args``: (name, type, value) for every runtime parameter (type as in a Triton signature: "*bf16", "i32",

@@ -554,9 +554,8 @@ class WsFwdConfig:
     #: registers of a worker consumer warpgroup (setmaxnreg); the default partition gets what is left
     consumer_regs: int = 240
     #: V^T's keys in the S accumulator's order (``transpose_v(key_order=True)``): P feeds the PV wgmma from its
-    #: own registers; False converts P's layout through warp shuffles (H200, D128: 721-802 TFLOP/s against
-    #: 440-717 in key order, measured while ``transpose_v(key_order=True)`` still wrote single bytes; its stores
-    #: are 16 bytes wide now, so that comparison is due again)
+    #: own registers; False converts P's layout through warp shuffles (H200, D128, two consumers, graph-timed:
+    #: key order 0-4% faster at 4096-16384 keys, bench/diagnostics/fa3_profile.md)
     key_order: bool = False
     #: the producer warpgroup transposes V tiles in shared memory (v is read as stored, no ``transpose_v``
     #: launch, no V^T copy in global memory); False reads V^T made by ``transpose_v``
