@@ -554,8 +554,8 @@ class WsFwdConfig:
     #: registers of a worker consumer warpgroup (setmaxnreg); the default partition gets what is left
     consumer_regs: int = 240
     #: V^T's keys in the S accumulator's order (``transpose_v(key_order=True)``): P feeds the PV wgmma from its
-    #: own registers; False converts P's layout through warp shuffles (H200, D128, two consumers, graph-timed:
-    #: key order 0-4% faster at 4096-16384 keys, bench/diagnostics/fa3_profile.md)
+    #: own registers; False converts P's layout through warp shuffles (H200, D128, two consumers, CUDA-event
+    #: medians: key order 0.99x / 1.03x / 1.06x at 4x32x4096, the same causal, 2x16x16384)
     key_order: bool = False
     #: the producer warpgroup transposes V tiles in shared memory (v is read as stored, no ``transpose_v``
     #: launch, no V^T copy in global memory); False reads V^T made by ``transpose_v``
