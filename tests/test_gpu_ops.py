@@ -40,8 +40,10 @@ def test_fp8_selected_by_dtype_and_accurate(d, causal):
     q8, k8, v8, qd, kd, vd = quantize_qkv_fp8(q, k, v)
     bias = fmha_ops.LowerTriangularFromBottomRightMask() if causal else None
     kw = dict(q_descale=qd, k_descale=kd, v_descale=vd)
-    # which fp8 kernel depends on the shape (at this size the selector weighs the launch paths' host time too)
-    assert fmha_ops.explain(q8, k8, v8, bias, **kw).selected.NAME in ("triton_fp8F", "gluon_fp8F", "gluon_ws_fp8F")
+    # which fp8 kernel depends on the shape (at this size the selector weighs the launch paths' host time too) and
+    # on what is installed (FlashAttention-3's fp8 kernel where fa3-fwd is)
+    assert fmha_ops.explain(q8, k8, v8, bias, **kw).selected.NAME in ("triton_fp8F", "gluon_fp8F", "gluon_ws_fp8F",
+                                                                      "fa3F")
     out = fmha_ops.memory_efficient_attention(q8, k8, v8, bias, **kw)
     assert out.dtype == torch.bfloat16
     rep = error_report(out, ref(q8, k8, v8, bias, **kw))
@@ -161,8 +163,14 @@ def test_kvcache_append_and_graph_capture():
         step()
     out.fill_(float("nan"))
     g.replay()
+    replayed = out.clone()
+    out.fill_(float("nan"))
+    g.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, eager)
+    assert torch.equal(out, replayed)  # a replay repeats itself exactly
+    # under capture host time costs nothing, so the selector may take another decoder than the eager call did
+    # (a different split of the keys): the same attention to float32 rounding
+    assert error_report(replayed, eager)["rel"] < 1e-3
     for b in range(B):
         n = int(seq[b]) + 2
         assert torch.equal(kc[b, n - 2:n], kn[b])
