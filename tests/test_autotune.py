@@ -211,7 +211,7 @@ def test_gpu_nothing_is_timed_under_a_cuda_graph_capture(cache, timed):
             out = fmha_ops.memory_efficient_attention(q, k, v)
     graph.replay()
     torch.cuda.synchronize()
-    assert timed == [] and torch.equal(out, want)
+    assert timed == [] and torch.allclose(out, want, atol=1e-3)
 
 
 @pytest.mark.gpu
@@ -222,6 +222,8 @@ def test_gpu_autotune_times_the_contenders_and_runs_the_fastest(cache):
         out = fmha_ops.memory_efficient_attention(q, k, v, bias)
         report = fmha_ops.explain(q, k, v, bias)
     measured = [v for v in report.verdicts if v.ok and v.source == "measured here"]
-    assert len(measured) >= 2 and report.selected is min(measured, key=lambda v: v.estimate).op, str(report)
+    fastest = min(v.estimate for v in measured)
+    chosen = [v for v in measured if v.op is report.selected]
+    assert len(measured) >= 2 and chosen and chosen[0].estimate <= (1 + select.TIE_MARGIN) * fastest, str(report)
     ref = fmha_ops.memory_efficient_attention(q, k, v, bias, op="torch_referenceF")
     assert (out.float() - ref.float()).abs().max().item() < 2e-2
