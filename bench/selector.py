@@ -25,8 +25,8 @@ contenders timed at its shape, in a fresh cache folder) and the selection the on
 ``anchors``, the forward benchmark's anchor shapes (``ANCHOR_SHAPES``, on and near the tuning grid), every prefill
 dtype, selected from the table: how far the public call falls short of the fastest op forced through it.
 
-``--record-from DIR``: no measurement; the record (and selector.png in DIR) from the selector_<mode>.json files in DIR,
-with their environment: modes measured by separate runs (``--modes table,autotune --no-record``, then ``--modes
+``--record-from DIR``: no measurement; the record (and selector.png in --out) from the selector_<mode>.json files in
+DIR (which may be read-only), with their environment: modes measured by separate runs (``--modes table,autotune --no-record``, then ``--modes
 anchors --no-record``), their JSON files gathered into one folder, make one record.
 """
 from __future__ import annotations
@@ -351,7 +351,7 @@ def main(argv=None) -> dict:
         runs, skipped, env = load_runs(args.record_from)
         if not runs:
             parser.error(f"--record-from {args.record_from}: no selector_<mode>.json there")
-        print("record:", record(runs, env, plot(args.record_from, runs), skipped))
+        print("record:", record(runs, env, plot(out_dir(args.out), runs), skipped))
         return {"runs": runs, "skipped": list(skipped)}
     _RUN["compile_only"] = args.compile_only
     modes = [m for m in args.modes.split(",") if m]

@@ -133,7 +133,8 @@ def test_selector_record_from_the_json_of_separate_runs(tmp_path, monkeypatch):
 
     monkeypatch.setattr(selector, "RECORD", Capture)
     monkeypatch.setattr(selector, "measure_mode", lambda *a: pytest.fail("--record-from measured"))
-    res = selector.main(["--record-from", str(gathered)])
+    res = selector.main(["--record-from", str(gathered), "--out", str(tmp_path / "figure")])
+    assert not (gathered / "selector.png").exists(), "a fetched results folder is read-only: the figure goes to --out"
     (table, env, notes), = written
     assert list(res["runs"]) == list(selector.MODES) and env["gpu"] == "GPU of the runs"
     assert {t["mode"] for t in table} == set(selector.MODE_LABELS.values()) and "anchors / table: median" in notes
