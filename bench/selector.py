@@ -31,6 +31,7 @@ anchors --no-record``), their JSON files gathered into one folder, make one reco
 """
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
@@ -45,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.common import (  # noqa: E402
+    RESULTS,
     Record,
     base_parser,
     environment,
@@ -233,9 +235,35 @@ def target_text(mode: str, summary: dict) -> str:
     return ", ".join(parts)
 
 
+#: every call's row of the record: its selection mode, the op selected and the fastest op, their times and the regret
+CALLS_FILE = "selector_calls.csv"
+CALL_COLUMNS = ("mode", "call", "selected", "best", "t_sel_us", "t_best_us", "regret")
+
+
+def write_calls(runs: dict[str, list[dict]], results_dir: str) -> str:
+    """``CALLS_FILE`` in ``results_dir``: one line per measured call of ``runs`` (mode -> rows), ``CALL_COLUMNS``
+    (times in us per call, the regret as a fraction; empty where the selected op was not timed)."""
+    path = os.path.join(results_dir, CALLS_FILE)
+    with open(path, "w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(CALL_COLUMNS)
+        for mode, rows in runs.items():
+            for r in rows:
+                out.writerow([MODE_LABELS[mode]] + [_cell(r[c]) for c in CALL_COLUMNS[1:]])
+    return path
+
+
+def _cell(value) -> str:
+    """A CSV cell: text as is, a number to 4 significant digits, None empty."""
+    if value is None:
+        return ""
+    return value if isinstance(value, str) else f"{value:.4g}"
+
+
 def record(runs: dict[str, list[dict]], env: dict, png: str | None = None, skipped: tuple[str, ...] = ()) -> str:
     """Write bench/results/selector.md: regret per mode (``MODES``) and kind of call (the label's first two words)
-    from ``runs`` (mode -> rows); ``skipped``: the calls the time budget left out."""
+    from ``runs`` (mode -> rows), and every call's selected and fastest op with both times into ``CALLS_FILE`` beside
+    it; ``skipped``: the calls the time budget left out."""
     table = []
     for mode, rows in runs.items():
         groups: dict[str, list[dict]] = {}
@@ -258,6 +286,8 @@ def record(runs: dict[str, list[dict]], env: dict, png: str | None = None, skipp
              "(1000-16384 tokens, GQA 1-8, head dims 128 and 256), every op forced through the public call.")
     if skipped:
         notes += f" Not measured (time budget): {len(skipped)} calls, from {skipped[0]}."
+    write_calls(runs, RESULTS)
+    notes += f" Every call's selected and fastest op with both times: bench/results/{CALLS_FILE}."
     return RECORD.write(table, env, png, notes)
 
 

@@ -1,5 +1,6 @@
 """CPU checks of the backend and selector benchmarks' own logic: ratios, regret rows and summaries, the call
 lists, the record each writes, and a quick selector run (forward and backward) on the CPU ops."""
+import csv
 import json
 import os
 import sys
@@ -99,6 +100,7 @@ def test_selector_record_groups_calls_and_names_the_unmeasured(tmp_path, monkeyp
             return table, notes
 
     monkeypatch.setattr(selector, "RECORD", Capture)
+    monkeypatch.setattr(selector, "RESULTS", str(tmp_path))
     rows = [selector.regret_row("prefill bfloat16 B1 N8", "a", {"a": (2e-6, 0.0), "b": (1e-6, 0.0)}),
             selector.regret_row("backward bfloat16 B1 N8", "a", {"a": (1e-6, 0.0)})]
     table, notes = selector.record({"table": rows, "anchors": rows[:1]}, {}, None, ("decode bf16 B2",))
@@ -109,6 +111,11 @@ def test_selector_record_groups_calls_and_names_the_unmeasured(tmp_path, monkeyp
     assert ("off the grid / table: median 50.0% (target <= 2.0%: missed), worst 100.0% (target <= 15.0%: missed)"
             in notes)
     assert "Not measured (time budget): 1 calls, from decode bf16 B2." in notes
+    with open(tmp_path / selector.CALLS_FILE) as f:
+        lines = list(csv.reader(f))
+    assert lines[0] == list(selector.CALL_COLUMNS) and len(lines) == 4
+    assert lines[1] == ["off the grid / table", "prefill bfloat16 B1 N8", "a", "b", "2", "1", "1"]
+    assert lines[3][0] == "anchors / table" and "bench/results/selector_calls.csv" in notes
 
 
 def test_selector_record_from_the_json_of_separate_runs(tmp_path, monkeypatch):
@@ -132,6 +139,7 @@ def test_selector_record_from_the_json_of_separate_runs(tmp_path, monkeypatch):
             return "record"
 
     monkeypatch.setattr(selector, "RECORD", Capture)
+    monkeypatch.setattr(selector, "RESULTS", str(tmp_path))
     monkeypatch.setattr(selector, "measure_mode", lambda *a: pytest.fail("--record-from measured"))
     res = selector.main(["--record-from", str(gathered), "--out", str(tmp_path / "figure")])
     assert not (gathered / "selector.png").exists(), "a fetched results folder is read-only: the figure goes to --out"
