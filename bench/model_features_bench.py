@@ -7,7 +7,7 @@
 * Value head dim (DeepSeek-V3 heads: K=192, Kv=128, 128 heads): ``memory_efficient_attention`` with Kv=128 against
   the call transformers makes today for FlashAttention, V zero-padded to 192 and the output sliced back
   (``padded / ours`` is the speedup; target >= 1.25), forward and forward + backward; FA3's 192 -> 128 kernel
-  (``flash_attn_interface``, where installed) and FA4 with Kv=128 beside it.
+  (its own ``flash_attn_func``: the fa3-fwd wheel or a hopper/ build, where installed) and FA4 with Kv=128 beside it.
 
 CUDA-event medians of whole public calls (``bench.common.time_ms``). Writes ``bench/results/model_features.md``
 (+ ``.png``: the ratios) and ``<out>/model_features.json`` / ``model_features.png``. ``--budget``: calls that
@@ -171,13 +171,16 @@ def value_dim_rows(run: Run) -> list[dict]:
 
 
 def _fa3(q, k, v):
-    """FA3's forward (``flash_attn_interface``, the hopper build) at K=192 / Kv=128, causal, as a call to time
-    (it raises where FA3 is not installed)."""
-    def call():
-        from flash_attn_interface import flash_attn_func
+    """FlashAttention-3's own forward (``backends.fa3_calls``: the fa3-fwd wheel's, or a hopper/ build's) at
+    K=192 / Kv=128, causal, as a call to time (it raises where FA3 is not installed)."""
+    from bench.backends import fa3_calls
 
-        return flash_attn_func(q, k, v, causal=True)
-    return call
+    calls = fa3_calls(q, k, v, True)
+    if not calls:
+        def missing():
+            raise ImportError("FlashAttention-3 is not installed (fa3-fwd, or flash-attention's hopper/ build)")
+        return missing
+    return calls["fa3_bf16"]
 
 
 COMMAND = "python bench/model_features_bench.py"

@@ -175,17 +175,43 @@ def relative_rows(rows: list[dict]) -> list[dict]:
 
 
 COMMAND = "python bench/models_bench.py"
+#: what each measured cell prints (all of it is in models.json)
+COLUMNS = ("model", "batch", "context", "impl", "prefill_tok_s", "prefill_attn_pct", "decode_tok_s", "decode_ms",
+           "decode_attn_ms", "decode_attn_pct")
+PHASES = ("prefill", "decode")
 RECORD = Record(
     "models", "Models through transformers: prefill and decode tokens/s by attn_implementation", COMMAND,
-    {"model": "model (layers)", "batch": "batch", "context": "context", "impl": "attn_implementation",
-     "prefill_tok_s": "prefill tok/s", "prefill_attn_pct": "prefill attn %", "decode_tok_s": "decode tok/s",
-     "decode_ms": "decode step ms", "decode_attn_ms": "decode attn ms", "decode_attn_pct": "decode attn %"},
+    {"model": "model (layers)", "batch": "batch", "context": "context", "phase": "phase",
+     **{impl: impl for impl in IMPLEMENTATIONS}},
+    "Cells: tokens/s (the attention's share of the time: prefill of the forward, decode of a step). "
     "Random bf16 weights from configs, layers reduced (the attention's share does not depend on depth), vocabulary "
     "32k with logits for the last token only. Prefill: one forward over batch x context tokens into a dynamic "
     "cache, median of 3. Decode: one-token steps against that cache (eager, no CUDA graphs), median step. attn: "
     "CUDA-event time inside the attention function, measured in a separate pass. Same process, same weights for "
     "every implementation; empty cells: the implementation cannot run the model (GPT-OSS takes no sdpa) or is not "
     "installed.")
+
+
+def record_rows(rows: list[dict]) -> list[dict]:
+    """The record's table from the measured ``rows``: one row per (model, batch, context) and phase, one column per
+    implementation holding "tokens/s (attention %)" (absent: not measured, or the implementation cannot run it).
+
+    >>> record_rows([{"model": "m", "batch": 1, "context": 8, "impl": "sdpa", "prefill_tok_s": 1234.5,
+    ...               "prefill_attn_pct": 40.2, "decode_tok_s": 50.0, "decode_attn_pct": 9.6}])[1]["sdpa"]
+    '50 (10%)'
+    """
+    cells: dict = {}
+    for r in rows:
+        cells.setdefault((r["model"], r["batch"], r["context"]), []).append(r)
+    out = []
+    for (model, batch, context), group in cells.items():
+        for phase in PHASES:
+            row = {"model": model, "batch": batch, "context": context, "phase": phase}
+            for r in group:
+                if r.get(f"{phase}_tok_s"):
+                    row[r["impl"]] = f"{r[f'{phase}_tok_s']:,.0f} ({r[f'{phase}_attn_pct']:.0f}%)"
+            out.append(row)
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -236,15 +262,14 @@ def main(argv: list[str] | None = None) -> None:
     out = out_dir(args.out)
     if args.merge:
         rows = merged(os.path.join(out, "models.json"), rows)
-    columns = list(RECORD.columns)
-    print_table(rows, columns)
+    print_table(rows, COLUMNS)
     write_json(out, "models", rows, {"left_out": left_out})
     plot = relative_rows(rows)
     png = bar_plot(out, "models", plot, "cell", [i for i in IMPLEMENTATIONS if any(i in r for r in plot)],
                    "tokens/s relative to the fastest", "Models through transformers (1.0 = fastest in the cell)")
     if not args.no_record:
         notes = RECORD.notes + (f" Not measured (time budget): {'; '.join(left_out)}." if left_out else "")
-        RECORD.write(rows, environment(), png, notes)
+        RECORD.write(record_rows(rows), environment(), png, notes)
     for cell in left_out:
         print(f"left out (budget): {cell}")
     print(f"{time.perf_counter() - began:.0f} s")

@@ -2,7 +2,7 @@
 the fastest op for that call? regret = t(selected) / t(best) - 1.
 
 python bench/selector.py [--out DIR] [--quick] [--dtypes bfloat16,fp8_tensor] [--shapes 0,3] [--budget SECONDS]
-                         [--modes table,autotune,anchors]
+                         [--modes table,autotune,anchors] [--record-from DIR]
 
 Forward calls (prefill of every dtype, decode) and, for the bf16 prefill calls, the backward op that a call needing
 gradients gets (every backward op timed on the same forward output and LSE). Each supporting op is timed through
@@ -24,9 +24,15 @@ models; ``autotune``, the same calls, each forward call first made once under ``
 contenders timed at its shape, in a fresh cache folder) and the selection the one for the calls after it;
 ``anchors``, the forward benchmark's anchor shapes (``ANCHOR_SHAPES``, on and near the tuning grid), every prefill
 dtype, selected from the table: how far the public call falls short of the fastest op forced through it.
+
+``--record-from DIR``: no measurement; the record (and selector.png in --out) from the selector_<mode>.json files in
+DIR (which may be read-only), with their environment: modes measured by separate runs (``--modes table,autotune --no-record``, then ``--modes
+anchors --no-record``), their JSON files gathered into one folder, make one record.
 """
 from __future__ import annotations
 
+import csv
+import json
 import math
 import os
 import tempfile
@@ -40,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.common import (  # noqa: E402
+    RESULTS,
     Record,
     base_parser,
     environment,
@@ -105,6 +112,10 @@ def calls(device: str, quick: bool, dtypes: tuple[str, ...] | None = None,
 #: ``autotune``: the mode being measured makes the forward selection under autotune
 _RUN = {"compile_only": False, "autotune": False}
 MODES = ("table", "autotune", "anchors")
+#: (median, worst) regret each mode's calls should stay within (None: no bound): selected from the table, median <= 2%
+#: and worst <= 15% off the grid; under autotune worst <= 3% from a call's second time on; at the anchors the public
+#: call >= 0.98x the fastest op forced through it (regret <= 1 / 0.98 - 1)
+TARGETS = {"table": (0.02, 0.15), "autotune": (None, 0.03), "anchors": (None, 1 / 0.98 - 1)}
 #: what an op's first call may raise on a shape it cannot take here: the op is left out of the row
 _SKIPPED = (torch.OutOfMemoryError, NotImplementedError, RuntimeError)
 
@@ -209,9 +220,50 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.1%}"
 
 
+def target_text(mode: str, summary: dict) -> str:
+    """``summary``'s median and worst regret with ``TARGETS[mode]`` beside them.
+
+    >>> target_text("autotune", {"median_regret": 0.0, "worst_regret": 0.05})
+    'median 0.0%, worst 5.0% (target <= 3.0%: missed)'
+    """
+    parts = []
+    for label, value, bound in zip(("median", "worst"), (summary["median_regret"], summary["worst_regret"]),
+                                   TARGETS[mode]):
+        verdict = "" if bound is None or value is None else f" (target <= {bound:.1%}: " + (
+            "met)" if value <= bound else "missed)")
+        parts.append(f"{label} {_pct(value)}{verdict}")
+    return ", ".join(parts)
+
+
+#: every call's row of the record: its selection mode, the op selected and the fastest op, their times and the regret
+CALLS_FILE = "selector_calls.csv"
+CALL_COLUMNS = ("mode", "call", "selected", "best", "t_sel_us", "t_best_us", "regret")
+
+
+def write_calls(runs: dict[str, list[dict]], results_dir: str) -> str:
+    """``CALLS_FILE`` in ``results_dir``: one line per measured call of ``runs`` (mode -> rows), ``CALL_COLUMNS``
+    (times in us per call, the regret as a fraction; empty where the selected op was not timed)."""
+    path = os.path.join(results_dir, CALLS_FILE)
+    with open(path, "w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(CALL_COLUMNS)
+        for mode, rows in runs.items():
+            for r in rows:
+                out.writerow([MODE_LABELS[mode]] + [_cell(r[c]) for c in CALL_COLUMNS[1:]])
+    return path
+
+
+def _cell(value) -> str:
+    """A CSV cell: text as is, a number to 4 significant digits, None empty."""
+    if value is None:
+        return ""
+    return value if isinstance(value, str) else f"{value:.4g}"
+
+
 def record(runs: dict[str, list[dict]], env: dict, png: str | None = None, skipped: tuple[str, ...] = ()) -> str:
     """Write bench/results/selector.md: regret per mode (``MODES``) and kind of call (the label's first two words)
-    from ``runs`` (mode -> rows); ``skipped``: the calls the time budget left out."""
+    from ``runs`` (mode -> rows), and every call's selected and fastest op with both times into ``CALLS_FILE`` beside
+    it; ``skipped``: the calls the time budget left out."""
     table = []
     for mode, rows in runs.items():
         groups: dict[str, list[dict]] = {}
@@ -225,8 +277,7 @@ def record(runs: dict[str, list[dict]], env: dict, png: str | None = None, skipp
                           "worst": _pct(worst["regret"]),
                           "worst_call": (f"{worst['call'].split(' ', 2)[-1]}: {worst['selected']} vs {worst['best']}"
                                          if worst["regret"] else "-")})
-    overall = "; ".join(f"{MODE_LABELS[m]}: median {_pct(s['median_regret'])}, worst {_pct(s['worst_regret'])}"
-                        for m, s in ((m, summarize(rows)) for m, rows in runs.items()))
+    overall = "; ".join(f"{MODE_LABELS[m]}: {target_text(m, summarize(rows))}" for m, rows in runs.items())
     notes = (f"{overall}. Regret = t(selected) / t(fastest supporting op) - 1, t = max(device, host time) per call "
              "(host: median of 9 rounds interleaving the call's ops). Off the grid: calls between and outside the "
              "tuned buckets (other lengths, batch sizes, GQA ratios, head dims), decode included; backward rows: the "
@@ -235,6 +286,8 @@ def record(runs: dict[str, list[dict]], env: dict, png: str | None = None, skipp
              "(1000-16384 tokens, GQA 1-8, head dims 128 and 256), every op forced through the public call.")
     if skipped:
         notes += f" Not measured (time budget): {len(skipped)} calls, from {skipped[0]}."
+    write_calls(runs, RESULTS)
+    notes += f" Every call's selected and fastest op with both times: bench/results/{CALLS_FILE}."
     return RECORD.write(table, env, png, notes)
 
 
@@ -295,6 +348,22 @@ def measure_mode(mode: str, args, device: str, d: str) -> tuple[list[dict], list
     return rows, skipped
 
 
+def load_runs(d: str) -> tuple[dict[str, list[dict]], tuple[str, ...], dict]:
+    """(mode -> rows, calls left unmeasured, environment) from the selector_<mode>.json files in ``d`` (``MODES``
+    order; the environment of the first one found; {} where there is none)."""
+    runs, skipped, env = {}, [], None
+    for mode in MODES:
+        path = os.path.join(d, f"selector_{mode}.json")
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            data = json.load(f)
+        runs[mode] = data["rows"]
+        skipped += data.get("summary", {}).get("not_measured", [])
+        env = env or data.get("env")
+    return runs, tuple(skipped), env or {}
+
+
 def main(argv=None) -> dict:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--dtypes", default=None, help=f"comma list of {', '.join(PREFILL_DTYPES)}: prefill only")
@@ -305,7 +374,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
     parser.add_argument("--compile-only", action="store_true",
                         help="run every timed op once, untimed (fills the JIT caches), and write nothing")
+    parser.add_argument("--record-from", default=None, metavar="DIR",
+                        help="measure nothing: write the record from DIR's selector_<mode>.json files")
     args = parser.parse_args(argv)
+    if args.record_from:
+        runs, skipped, env = load_runs(args.record_from)
+        if not runs:
+            parser.error(f"--record-from {args.record_from}: no selector_<mode>.json there")
+        print("record:", record(runs, env, plot(out_dir(args.out), runs), skipped))
+        return {"runs": runs, "skipped": list(skipped)}
     _RUN["compile_only"] = args.compile_only
     modes = [m for m in args.modes.split(",") if m]
     unknown = sorted(set(modes) - set(MODES))
@@ -337,8 +414,8 @@ def main(argv=None) -> dict:
     for mode, rows in runs.items():
         summary = summarize(rows)
         print_table(rows, ["call", "selected", "best", "t_sel_us", "t_best_us", "regret"])
-        print(f"{mode}: median regret {_pct(summary['median_regret'])}, worst {_pct(summary['worst_regret'])} "
-              f"({summary['calls'] - summary['unmeasured_selected']} calls); targets <= 3% / <= 10%", flush=True)
+        print(f"{mode}: {target_text(mode, summary)} over {summary['calls'] - summary['unmeasured_selected']} calls",
+              flush=True)
     return {"runs": runs, "skipped": skipped}
 
 

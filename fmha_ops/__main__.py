@@ -6,7 +6,9 @@ explain: the selector's verdict for one shape, e.g.
 ``python -m fmha_ops explain --shape 4,4096,32,4096,8,128 --dtype bfloat16 --causal``.
 tune: time every available op on the tuning grid and write this GPU's timing table
 (default ``$FMHA_OPS_TUNING_DIR/<device>.json``, else ``./fmha_ops_tuning/<device>.json``);
-``tune --host-only --out TABLE`` re-times only the table's host rows (seconds, not minutes). Without a GPU, tune
+``tune --host-only --out TABLE`` re-times only the table's host rows (seconds, not minutes);
+``tune --ops fa3F --dtypes bfloat16 --merge TABLE --keep-rows --out TABLE`` re-times those ops' rows of those
+calls only, keeping every other row (``--shard K/N`` splits such a retune over runs). Without a GPU, tune
 says so and stops (``tune --quick`` still runs its few tiny calls on the CPU: a smoke test).
 """
 from __future__ import annotations
@@ -120,7 +122,11 @@ def tune(argv: list[str]) -> int:
     p.add_argument("--budget", type=float, default=0.0, help="seconds; calls left after it are not measured")
     p.add_argument("--compile-only", action="store_true",
                    help="run every timed op once, untimed (fills the JIT caches), and write nothing")
-    p.add_argument("--shard", default="0/1", help="K/N: only every N-th call from the K-th (for --compile-only)")
+    p.add_argument("--shard", default="0/1",
+                   help="K/N: only every N-th call from the K-th (parallel --compile-only processes, or a retune "
+                        "split over runs with --keep-rows)")
+    p.add_argument("--keep-rows", action="store_true",
+                   help="with --merge: replace the --ops' rows only in the buckets this run measures, keep the others")
     a = p.parse_args(argv)
     if not torch.cuda.is_available() and not a.quick:
         print("python -m fmha_ops tune measures the ops of a GPU, and torch sees none here "
@@ -134,7 +140,7 @@ def tune(argv: list[str]) -> int:
     merge = a.merge or (out if a.host_only else None)
     shard = tuple(int(x) for x in a.shard.split("/"))
     table = run_tune(out, quick=a.quick, ops=ops, merge=merge, dtypes=dtypes, host_only=a.host_only,
-                     budget=a.budget, compile_only=a.compile_only, shard=shard)
+                     budget=a.budget, compile_only=a.compile_only, shard=shard, keep_rows=a.keep_rows)
     if a.compile_only:
         return 0
     n = sum(len(v) for v in table.timings.values())

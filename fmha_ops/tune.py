@@ -195,10 +195,12 @@ class TableUpdate:
     """What one tune run writes into ``table``: device rows and measured / model ratios, host rows (an op's rows of
     earlier runs dropped at its first new one: rows of one run), and from them each op's calibration and median
     host time (``summarize``). ``record_host`` False: no host rows (on a CPU the host time is the call's whole
-    time, nothing to rank by apart)."""
+    time, nothing to rank by apart). ``keep_rows``: an op's host rows of earlier runs are replaced bucket by bucket,
+    those of buckets this run does not measure kept (a retune of some rows, split over runs or cut by its budget)."""
 
     table: TuningTable
     record_host: bool
+    keep_rows: bool = False
     ratios: dict[str, list[float]] = field(default_factory=dict)
     fresh_host: set[str] = field(default_factory=set)
 
@@ -216,7 +218,8 @@ class TableUpdate:
                     self.ratios.setdefault(name, []).append(seconds / model)
             if self.record_host:
                 if name not in self.fresh_host:
-                    self.table.host_timings.pop(name, None)
+                    if not self.keep_rows:
+                        self.table.host_timings.pop(name, None)
                     self.fresh_host.add(name)
                 self.table.record_host(name, bucket, host)
 
@@ -228,27 +231,34 @@ class TableUpdate:
 
 def tune(out: str, quick: bool = False, device: str | None = None, ops: frozenset[str] | None = None,
          merge: str | None = None, dtypes: tuple[str, ...] | None = None, host_only: bool = False,
-         budget: float = 0.0, compile_only: bool = False, shard: tuple[int, int] = (0, 1)) -> TuningTable:
+         budget: float = 0.0, compile_only: bool = False, shard: tuple[int, int] = (0, 1),
+         keep_rows: bool = False) -> TuningTable:
     """Time the grid and write the table to ``out`` (every 10 calls too, so a cut run keeps what it measured).
     ``ops``: measure only these op names; ``merge``: start from the table at that path (its other ops'
-    timings and calibration are kept, the measured ones replaced); ``dtypes``: only these prefill dtypes;
+    timings and calibration are kept, the measured ops' rows replaced); ``dtypes``: only these prefill dtypes;
     ``host_only``: re-time only the host rows of the ``merge`` table, on ``host_grid`` (``quick``: the quick grid);
-    ``budget``: seconds after which no further call is measured; ``compile_only``: each op's first call only, on
-    every ``shard[1]``-th call from the ``shard[0]``-th (parallel processes filling the JIT caches), nothing written.
+    ``budget``: seconds after which no further call is measured; ``shard``: only every ``shard[1]``-th call from the
+    ``shard[0]``-th; ``compile_only``: each op's first call only (parallel processes filling the JIT caches), nothing
+    written; ``keep_rows`` (with ``merge``): the measured ops' rows are replaced only in the buckets this run
+    measures, their other rows kept (so a retune split by ``dtypes`` / ``shard`` over several runs, or cut by its
+    ``budget``, loses none; their calibration comes from this run's rows).
 
     Example
     -------
     >>> tune("H200_fp8.json", ops=frozenset({"gluon_fp8F"}), dtypes=("fp8_tensor",))  # doctest: +SKIP
     >>> tune("H200.json", merge="H200.json", host_only=True, budget=60)  # doctest: +SKIP
+    >>> tune("H200.json", merge="H200.json", ops=frozenset({"fa3F"}), dtypes=("bfloat16",), keep_rows=True)  # doctest: +SKIP
     """
     if host_only and not merge:
         raise ValueError("host_only re-times the host rows of a table: give merge=<its path>")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     table = TuningTable.load(merge) if merge else TuningTable(current_arch(device).name, _versions())
-    if merge and not host_only:
+    if keep_rows and not merge:
+        raise ValueError("keep_rows keeps the rows of a table: give merge=<its path>")
+    if merge and not host_only and not keep_rows:
         for name in ops or ():
             table.timings.pop(name, None)
-    update = TableUpdate(table, record_host=device == "cuda")
+    update = TableUpdate(table, record_host=device == "cuda", keep_rows=keep_rows)
     points = host_grid(device, dtypes) if host_only and not quick else grid(device, quick, dtypes)
     start, (k, n) = time.perf_counter(), shard
     for i, make in enumerate(points):

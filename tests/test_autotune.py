@@ -159,3 +159,71 @@ def test_the_timing_interleaves_the_ops_and_sizes_rounds_by_their_cost():
     switches = sum(a != b for a, b in zip(timed, timed[1:]))
     assert switches >= timing.TUNE_ROUNDS, "rounds alternate between the ops"
     assert order.count("fast") > order.count("slow"), "a cheaper call gets more calls per round"
+
+
+def test_a_decode_step_with_an_append_is_timed_without_the_write(cache, timed, monkeypatch):
+    """flash_attn_with_kvcache under autotune, on its decode plan's path (paged, index tensors not read back): the
+    contenders are timed as the step runs, the new tokens written once (by the call, none by the timed runs), and
+    the result is the one without autotune."""
+    from fmha_ops import checks
+    from fmha_ops.kernels.triton import kv_append as append_kernel
+    from fmha_ops.kv_cache import paged_from_dense
+
+    monkeypatch.setattr(checks, "wanted", lambda *t: False)  # index tensors treated as a GPU's (the fast path)
+    appends, append = [], append_kernel.kv_append
+    monkeypatch.setattr(append_kernel, "kv_append", lambda *a, **kw: appends.append(1) or append(*a, **kw))
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(3, 40, 2, 16, generator=g).to(torch.float16) for _ in range(2))
+    (k_cache, v_cache), table = paged_from_dense([k, v], 8, generator=g)
+    q, new_k, new_v = (torch.randn(3, 1, h, 16, generator=g).to(torch.float16) for h in (4, 2, 2))
+    lens = torch.tensor([1, 17, 30], dtype=torch.int32)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want = fmha_ops.flash_attn_with_kvcache(q, want_k, want_v, k=new_k, v=new_v, cache_seqlens=lens, page_table=table,
+                                           causal=True)
+    appends.clear()
+    with fmha_ops.autotune():
+        got = fmha_ops.flash_attn_with_kvcache(q, k_cache, v_cache, k=new_k, v=new_v, cache_seqlens=lens,
+                                              page_table=table, causal=True)
+    assert len(timed) >= 2 and appends == [1], (timed, appends)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    assert (got.float() - want.float()).abs().max().item() < 1e-3
+
+
+def test_an_op_forced_by_the_environment_is_never_timed(cache, timed, monkeypatch):
+    q, k, v = qkv(7)
+    monkeypatch.setenv("FMHA_OPS_FORCE", "torch_referenceF")
+    SELECTOR.refresh_env()
+    with fmha_ops.autotune():
+        fmha_ops.memory_efficient_attention(q, k, v)
+        assert fmha_ops.explain(q, k, v).selected.NAME == "torch_referenceF"
+    assert timed == []
+
+
+@pytest.mark.gpu
+def test_gpu_nothing_is_timed_under_a_cuda_graph_capture(cache, timed):
+    """A call first made under autotune inside a CUDA-graph capture times nothing (the timed calls would be
+    captured): the table's op is captured, and the replay gives its result."""
+    q, k, v = (torch.randn(2, 256, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    want = fmha_ops.memory_efficient_attention(q, k, v)  # outside the block: the table's op, compiled
+    graph = torch.cuda.CUDAGraph()
+    with fmha_ops.autotune():
+        with torch.cuda.graph(graph):
+            out = fmha_ops.memory_efficient_attention(q, k, v)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert timed == [] and torch.allclose(out, want, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_autotune_times_the_contenders_and_runs_the_fastest(cache):
+    q, k, v = (torch.randn(3, 1500, 12, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    bias = fmha_ops.LowerTriangularFromBottomRightMask()
+    with fmha_ops.autotune():
+        out = fmha_ops.memory_efficient_attention(q, k, v, bias)
+        report = fmha_ops.explain(q, k, v, bias)
+    measured = [v for v in report.verdicts if v.ok and v.source == "measured here"]
+    fastest = min(v.estimate for v in measured)
+    chosen = [v for v in measured if v.op is report.selected]
+    assert len(measured) >= 2 and chosen and chosen[0].estimate <= (1 + select.TIE_MARGIN) * fastest, str(report)
+    ref = fmha_ops.memory_efficient_attention(q, k, v, bias, op="torch_referenceF")
+    assert (out.float() - ref.float()).abs().max().item() < 2e-2

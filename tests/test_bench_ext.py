@@ -1,5 +1,7 @@
 """CPU checks of the backend and selector benchmarks' own logic: ratios, regret rows and summaries, the call
 lists, the record each writes, and a quick selector run (forward and backward) on the CPU ops."""
+import csv
+import json
 import os
 import sys
 
@@ -98,6 +100,7 @@ def test_selector_record_groups_calls_and_names_the_unmeasured(tmp_path, monkeyp
             return table, notes
 
     monkeypatch.setattr(selector, "RECORD", Capture)
+    monkeypatch.setattr(selector, "RESULTS", str(tmp_path))
     rows = [selector.regret_row("prefill bfloat16 B1 N8", "a", {"a": (2e-6, 0.0), "b": (1e-6, 0.0)}),
             selector.regret_row("backward bfloat16 B1 N8", "a", {"a": (1e-6, 0.0)})]
     table, notes = selector.record({"table": rows, "anchors": rows[:1]}, {}, None, ("decode bf16 B2",))
@@ -105,8 +108,52 @@ def test_selector_record_groups_calls_and_names_the_unmeasured(tmp_path, monkeyp
                                                        ("off the grid / table", "backward bfloat16"),
                                                        ("anchors / table", "prefill bfloat16")]
     assert table[0]["worst"] == "100.0%" and "B1 N8: a vs b" in table[0]["worst_call"]
-    assert "off the grid / table: median 50.0%, worst 100.0%" in notes
+    assert ("off the grid / table: median 50.0% (target <= 2.0%: missed), worst 100.0% (target <= 15.0%: missed)"
+            in notes)
     assert "Not measured (time budget): 1 calls, from decode bf16 B2." in notes
+    with open(tmp_path / selector.CALLS_FILE) as f:
+        lines = list(csv.reader(f))
+    assert lines[0] == list(selector.CALL_COLUMNS) and len(lines) == 4
+    assert lines[1] == ["off the grid / table", "prefill bfloat16 B1 N8", "a", "b", "2", "1", "1"]
+    assert lines[3][0] == "anchors / table" and "bench/results/selector_calls.csv" in notes
+
+
+def test_selector_record_from_the_json_of_separate_runs(tmp_path, monkeypatch):
+    """Modes measured by separate runs (--no-record), their JSON files in one folder: --record-from writes one record
+    of every mode with the runs' environment, measuring nothing."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    selector.main(["--quick", "--no-record", "--modes", "table,autotune", "--out", str(first)])
+    selector.main(["--quick", "--no-record", "--modes", "anchors", "--out", str(second)])
+    gathered = tmp_path / "all"
+    gathered.mkdir()
+    for path in list(first.glob("selector_*.json")) + list(second.glob("selector_*.json")):
+        data = json.loads(path.read_text())
+        data["env"]["gpu"] = "GPU of the runs"
+        (gathered / path.name).write_text(json.dumps(data))
+    written = []
+
+    class Capture:
+        @staticmethod
+        def write(table, env, png, notes):
+            written.append((table, env, notes))
+            return "record"
+
+    monkeypatch.setattr(selector, "RECORD", Capture)
+    monkeypatch.setattr(selector, "RESULTS", str(tmp_path))
+    monkeypatch.setattr(selector, "measure_mode", lambda *a: pytest.fail("--record-from measured"))
+    res = selector.main(["--record-from", str(gathered), "--out", str(tmp_path / "figure")])
+    assert not (gathered / "selector.png").exists(), "a fetched results folder is read-only: the figure goes to --out"
+    (table, env, notes), = written
+    assert list(res["runs"]) == list(selector.MODES) and env["gpu"] == "GPU of the runs"
+    assert {t["mode"] for t in table} == set(selector.MODE_LABELS.values()) and "anchors / table: median" in notes
+    with pytest.raises(SystemExit):
+        selector.main(["--record-from", str(tmp_path)])
+
+
+def test_selector_targets_are_the_issue_bounds_per_mode():
+    assert selector.target_text("table", {"median_regret": 0.01, "worst_regret": 0.2}) == (
+        "median 1.0% (target <= 2.0%: met), worst 20.0% (target <= 15.0%: missed)")
+    assert selector.target_text("anchors", {"median_regret": None, "worst_regret": None}) == "median -, worst -"
 
 
 def test_backends_columns_are_the_median_of_interleaved_rounds(monkeypatch):

@@ -3,6 +3,7 @@ the window mapping, the graph cache key, the dequantization kernel (interpreter)
 
 Nothing here needs flash-attn-4 or nvidia-cudnn-frontend; the problems are built from real inputs and
 re-targeted to an sm90 / sm100 arch, so the same ``not_supported_reasons`` the selector reads are checked."""
+import contextlib
 import dataclasses
 import json
 
@@ -243,3 +244,79 @@ def test_fp8_output_needs_fp8_values():
         fmha_ops.memory_efficient_attention(x, x, x, output_dtype=F8)
     with pytest.raises(ValueError, match="output_dtype=int8 not supported"):
         fmha_ops.memory_efficient_attention(x, x, x, output_dtype=torch.int8)
+
+
+@pytest.fixture
+def fake_fa4(monkeypatch):
+    """``flash_attn.cute`` stand-ins whose calls warn as FA4 4.0.0b36's compile does (and once more, otherwise)."""
+    import sys
+    import types
+    import warnings
+
+    compile_msg = "Argument aux_data (position 17) cannot be converted to a JitArgument of type AuxData; runs as is"
+
+    def call(q, *args, **kwargs):
+        warnings.warn(compile_msg, UserWarning)
+        warnings.warn("another FA4 warning", UserWarning)
+        return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+
+    def bwd(q, k, v, *args, **kwargs):
+        warnings.warn(compile_msg, UserWarning)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    cute = types.ModuleType("flash_attn.cute")
+    interface = types.ModuleType("flash_attn.cute.interface")
+    cute.flash_attn_func = cute.flash_attn_varlen_func = interface._flash_attn_fwd = call
+    interface._flash_attn_bwd = bwd
+    cute.interface = interface
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
+    return call
+
+
+def test_fa4_compile_warning_is_silenced_for_our_calls_only(fake_fa4):
+    """The CuTe DSL compile warning is filtered inside our FA4 calls (forward, backward), not for FA4 called directly,
+    and no filter is left behind; FA4's other warnings pass."""
+    import warnings
+
+    q = torch.randn(1, 8, 2, 16).to(torch.bfloat16)
+    inp = make_inputs(q, q, q, None)
+    inp.validate()
+    before = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        FA4FwOp.apply(inp, True)
+        FA4BwOp.apply_bw(inp, q, torch.zeros(1, 2, 8), q)
+    assert [str(w.message) for w in seen] == ["another FA4 warning"]
+    assert warnings.filters == before
+    with warnings.catch_warnings(record=True) as direct:
+        warnings.simplefilter("always")
+        fake_fa4(q)
+    assert "cannot be converted to a JitArgument" in str(direct[0].message)
+
+
+def test_cudnn_graphs_and_handles_are_released_at_exit(monkeypatch):
+    """The graph cache registers its release with atexit on its first handle, and release drops every graph and
+    destroys every handle (graphs alive at interpreter exit make cudnn-frontend's nanobind print "leaked" lines)."""
+    import sys
+    import types
+
+    from fmha_ops.ops import cudnn_fp8
+
+    destroyed, registered = [], []
+    fake = types.SimpleNamespace(create_handle=lambda: "handle", destroy_handle=destroyed.append)
+    monkeypatch.setitem(sys.modules, "cudnn", fake)
+    monkeypatch.setattr(cudnn_fp8.atexit, "register", registered.append)
+    monkeypatch.setattr(cudnn_fp8.torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(cudnn_fp8, "_Constants", lambda device: "constants")
+    monkeypatch.setattr(cudnn_fp8, "Fp8Graph", lambda cudnn, handle, inp, needs_lse: ("graph", handle))
+    monkeypatch.setattr(cudnn_fp8, "graph_key", lambda inp, needs_lse: needs_lse)
+    cache = cudnn_fp8.GraphCache()
+    q = torch.zeros(1, 4, 2, 16)
+    inp = types.SimpleNamespace(query=q)
+    assert cache.get(inp, False) == (("graph", "handle"), "constants", fake)
+    cache.get(inp, True)
+    assert registered == [cache.release] and len(cache) == 2
+    registered[0]()
+    assert len(cache) == 0 and destroyed == ["handle"] and cache._handles == {}

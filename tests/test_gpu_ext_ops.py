@@ -250,3 +250,33 @@ def test_fp8_training_step_with_fa4_backward_captures_in_a_cuda_graph():
         assert error_report(got, want)["cos"] > 0.99999
     picked = {op.NAME for key, op in fmha_ops.SELECTOR._memo.items() if key[0] == "bw"}
     assert "fa4B" in picked, picked
+
+
+QUIET_SCRIPT = """
+import torch, fmha_ops
+from fmha_ops.quant import quantize_fp8_tensor
+q, k, v = (torch.randn(2, 256, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+for d in (64, 128):  # two FA4 configurations, each compiled (and warning) on its first call
+    a, b, c = (t.repeat(1, 1, 1, d // 64) for t in (q, k, v))
+    fmha_ops.memory_efficient_attention(a, b, c, fmha_ops.LowerTriangularMask(), op="fa4F")
+(q8, qd), (k8, kd), (v8, vd) = (quantize_fp8_tensor(t) for t in (q, k, v))
+fmha_ops.memory_efficient_attention(q8, k8, v8, op="cudnn_fp8F", q_descale=qd, k_descale=kd, v_descale=vd)
+torch.cuda.synchronize()
+print("ran")
+"""
+
+
+@needs(FA4FwOp)
+@needs(CudnnFp8FwOp)
+def test_a_process_using_fa4_and_cudnn_fp8_prints_nothing_of_theirs():
+    """A user's process that compiles FA4 configurations and builds cuDNN fp8 graphs through our API ends with neither
+    the CuTe DSL's aux_data UserWarning nor cudnn-frontend's nanobind "leaked" lines on its stderr."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", QUIET_SCRIPT], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0 and "ran" in done.stdout, done.stderr[-3000:]
+    assert "JitArgument" not in done.stderr and "leaked" not in done.stderr, done.stderr[-3000:]

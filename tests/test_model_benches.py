@@ -55,3 +55,16 @@ def test_model_features_bench_cpu(tmp_path):
     if HAS_MATPLOTLIB:  # the [bench] extra draws the figure; CI installs [test] only
         assert (tmp_path / "model_features.png").stat().st_size > 0
     assert _records() == before
+
+
+def test_models_record_has_a_row_per_cell_and_phase_and_a_column_per_implementation():
+    def row(model, impl, prefill):
+        return {"model": model, "batch": 1, "context": 2048, "impl": impl, "prefill_tok_s": prefill,
+                "prefill_attn_pct": 25.0, "decode_tok_s": 10.0, "decode_attn_pct": 50.0}
+    rows = [row("llama", "fmha_ops", 2000.4), row("llama", "sdpa", 1000.0), row("gpt-oss", "fmha_ops", 900.0),
+            {"model": "gpt-oss", "batch": 1, "context": 2048, "impl": "sdpa"}]  # GPT-OSS takes no sdpa
+    table = models_bench.record_rows(rows)
+    assert [(r["model"], r["phase"]) for r in table] == [("llama", "prefill"), ("llama", "decode"),
+                                                         ("gpt-oss", "prefill"), ("gpt-oss", "decode")]
+    assert table[0]["fmha_ops"] == "2,000 (25%)" and table[1]["sdpa"] == "10 (50%)" and "sdpa" not in table[2]
+    assert set(models_bench.RECORD.columns) >= {"phase", *models_bench.IMPLEMENTATIONS}

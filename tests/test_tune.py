@@ -164,3 +164,50 @@ def test_cli_host_only_refreshes_the_out_table_in_place(tmp_path, capsys):
     after = json.loads((tmp_path / "cpu.json").read_text())
     assert after["timings"] == before["timings"] and "host timings" in capsys.readouterr().out
     assert main(["tune", "--quick", "--host-only", "--compile-only", "--shard", "0/2", "--out", path]) == 0
+
+
+def test_keep_rows_replaces_only_the_buckets_a_run_measures(tmp_path):
+    """A retune of some rows (``--keep-rows``): two runs over halves of the grid (``shard``) leave the op the rows
+    of one run over the whole grid, and its rows of buckets neither run measures as they were; without it, the
+    measured op's earlier rows are dropped."""
+    measured = prefill_call(1, 64, 4, 2, 32, True, "float32", "cpu").problem().bucket()
+    base = tmp_path / "base.json"
+    TuningTable("cpu", {}, {"torch_referenceF": {"elsewhere": 7.0, measured: 99.0}, "kept_op": {"b": 1.0}},
+                {"kept_op": 2.0}).save(str(base))
+    whole = tune(str(tmp_path / "whole.json"), quick=True, device="cpu", ops=frozenset({"torch_referenceF"}))
+    out = str(tmp_path / "cpu.json")
+    for shard in ((0, 2), (1, 2)):
+        table = tune(out, quick=True, device="cpu", ops=frozenset({"torch_referenceF"}), merge=str(base) if
+                     shard[0] == 0 else out, shard=shard, keep_rows=True)
+    rows = table.timings["torch_referenceF"]
+    assert set(rows) == set(whole.timings["torch_referenceF"]) | {"elsewhere"}
+    assert rows["elsewhere"] == 7.0 and rows[measured] != 99.0
+    assert table.timings["kept_op"] == {"b": 1.0} and table.calibration["kept_op"] == 2.0
+    dropped = tune(str(tmp_path / "drop.json"), quick=True, device="cpu", ops=frozenset({"torch_referenceF"}),
+                   merge=str(base))
+    assert "elsewhere" not in dropped.timings["torch_referenceF"]
+    with pytest.raises(ValueError, match="merge"):
+        tune(out, quick=True, device="cpu", keep_rows=True)
+
+
+def test_keep_rows_keeps_the_host_rows_of_buckets_not_measured():
+    old = TuningTable("NVIDIA H200", {}, {}, {}, host={"triton_attnF": 9e-5},
+                      host_timings={"triton_attnF": {"old": 9e-5}})
+    update = TableUpdate(old, record_host=True, keep_rows=True)
+    small = prefill_call(1, 64, 4, 2, 32, True, "float32", "cpu").problem()
+    update.add(small, {"triton_attnF": (None, 1e-4)})
+    update.summarize()
+    assert old.host_timings["triton_attnF"] == {"old": 9e-5, small.bucket(): 1e-4}
+    assert old.host["triton_attnF"] == pytest.approx(9.5e-5)
+
+
+def test_cli_retunes_some_ops_rows_into_a_table(tmp_path, capsys):
+    from fmha_ops.__main__ import main
+
+    path = tmp_path / "cpu.json"
+    TuningTable("cpu", {}, {"torch_referenceF": {"elsewhere": 7.0}}, {}).save(str(path))
+    assert main(["tune", "--quick", "--ops", "torch_referenceF", "--merge", str(path), "--keep-rows",
+                 "--shard", "0/2", "--out", str(path)]) == 0
+    rows = json.loads(path.read_text())["timings"]["torch_referenceF"]
+    assert rows["elsewhere"] == 7.0 and len(rows) == 3, rows  # the quick grid's calls 1 and 3 of 4
+    assert "wrote" in capsys.readouterr().out

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import ClassVar
+from typing import Callable, ClassVar, TypeVar
 
 import torch
 
@@ -50,6 +50,7 @@ _TOP_LEFT = frozenset({ab.CAUSAL, ab.BLOCK_DIAGONAL_CAUSAL})
 #: head dims beyond the range sm100 takes with K = Kv
 _SM100_EXTRA_HEAD_DIMS = (256,)
 _ARCHS = ("cuda>=9.0,<10.0", "cuda>=10.0,<12.0")
+T = TypeVar("T")
 
 
 @functools.lru_cache(maxsize=None)
@@ -99,14 +100,19 @@ def backward_reasons(p: Problem) -> list[str]:
     return []
 
 
-@functools.lru_cache(maxsize=1)
-def quiet_compiles() -> None:
-    """Silence the one warning FA4 4.0.0b36's CuTe DSL compile prints for each new configuration ("Argument aux_data
-    (position 17) cannot be converted to a JitArgument ..."): FA4 passes its own ``AuxData`` (score-mod tensors,
-    None here) to ``cute.compile``, which warns and then runs it as a Python object, as FA4 intends. Nothing a caller
-    passes changes it; the filter matches that message only, and is added once, on FA4's first call."""
-    warnings.filterwarnings("ignore", category=UserWarning,
-                            message=r"Argument aux_data \(position \d+\) cannot be converted to a JitArgument")
+#: the one warning FA4 4.0.0b36's CuTe DSL compile prints for each new configuration: FA4 passes its own ``AuxData``
+#: (score-mod tensors, None here) to ``cute.compile``, which warns and then runs it as a Python object, as FA4 intends
+COMPILE_WARNING = r"Argument aux_data \(position \d+\) cannot be converted to a JitArgument"
+
+
+def quiet(fn: Callable[..., T], *args, **kwargs) -> T:
+    """``fn(*args, **kwargs)`` (an FA4 call) with ``COMPILE_WARNING`` silenced for that call only: nothing a caller
+    passes changes the warning, so our callers should not see it, while a warning of FA4 called directly, or any other
+    warning, still shows. ``warnings.catch_warnings`` costs ~2 us per call (FA4's interface ~95 us) and, like every
+    use of it, is not thread-safe: a warning another thread issues during the call may go unfiltered or be lost."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning, message=COMPILE_WARNING)
+        return fn(*args, **kwargs)
 
 
 class _FA4Op(OptionalPackage):
@@ -165,7 +171,6 @@ class FA4FwOp(_FA4Op, AttentionFwOp):
 
     @classmethod
     def apply(cls, inp: Inputs, needs_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        quiet_compiles()
         causal, window = window_size(inp.bias_kind, *window_fields(inp))
         varlen = inp.bias_kind in ab.VARLEN_KINDS
         q, k, v = (t[0] for t in (inp.query, inp.key, inp.value)) if varlen else (inp.query, inp.key, inp.value)
@@ -173,17 +178,17 @@ class FA4FwOp(_FA4Op, AttentionFwOp):
         if inp.q_descale is not None:  # fp8 (sm100): the module-level forward takes descales, no autograd
             from flash_attn.cute.interface import _flash_attn_fwd
 
-            out, lse = _flash_attn_fwd(q, k, v, softmax_scale=inp.softmax_scale, causal=causal, softcap=inp.softcap,
-                                       window_size_left=window[0], window_size_right=window[1],
-                                       return_lse=needs_lse, **seqlens, **kv_head_descales(inp))[:2]
+            out, lse = quiet(_flash_attn_fwd, q, k, v, softmax_scale=inp.softmax_scale, causal=causal,
+                             softcap=inp.softcap, window_size_left=window[0], window_size_right=window[1],
+                             return_lse=needs_lse, **seqlens, **kv_head_descales(inp))[:2]
         else:
             from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
 
             fn = flash_attn_varlen_func if varlen else flash_attn_func
             sinks = {} if inp.sinks is None else {"learnable_sink": inp.sinks.detach().to(torch.bfloat16)}
-            out, lse = fn(q, k, v, softmax_scale=inp.softmax_scale, causal=causal, window_size=window,
-                          softcap=inp.softcap, deterministic=torch.are_deterministic_algorithms_enabled(),
-                          return_lse=needs_lse, **seqlens, **sinks)
+            out, lse = quiet(fn, q, k, v, softmax_scale=inp.softmax_scale, causal=causal, window_size=window,
+                             softcap=inp.softcap, deterministic=torch.are_deterministic_algorithms_enabled(),
+                             return_lse=needs_lse, **seqlens, **sinks)
         if not needs_lse:
             lse = None
         if out.dtype != inp.out_dtype:
@@ -222,15 +227,15 @@ class FA4BwOp(_FA4Op, AttentionBwOp):
                  grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         from flash_attn.cute.interface import _flash_attn_bwd
 
-        quiet_compiles()
         q, k, v, out, grad_out = half_backward_operands(inp, out, grad_out)
         causal, (left, right) = window_size(inp.bias_kind, *window_fields(inp))
         kwargs = dict(softmax_scale=inp.softmax_scale, causal=causal, softcap=inp.softcap, window_size_left=left,
                       window_size_right=right, deterministic=torch.are_deterministic_algorithms_enabled())
         if inp.bias_kind in ab.VARLEN_KINDS:
-            dq, dk, dv = _flash_attn_bwd(q[0], k[0], v[0], out[0], grad_out[0], lse[0], **varlen_args(inp), **kwargs)
+            dq, dk, dv = quiet(_flash_attn_bwd, q[0], k[0], v[0], out[0], grad_out[0], lse[0], **varlen_args(inp),
+                               **kwargs)
             return dq[None], dk[None], dv[None]
-        return _flash_attn_bwd(q, k, v, out, grad_out, lse, **kwargs)[:3]
+        return quiet(_flash_attn_bwd, q, k, v, out, grad_out, lse, **kwargs)[:3]
 
     @classmethod
     def estimate(cls, p: Problem) -> float:
