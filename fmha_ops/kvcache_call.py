@@ -26,13 +26,12 @@ import torch
 
 from . import arguments, checks, kv_cache
 from . import attn_bias as ab
-from .call import make_problem, run_forward
+from .call import forward
 from .dispatch import SELECTOR
 from .inputs import Inputs
 from .measure import forward_measure
 from .plans import PLANS, Plan
-from .sinks import validate_sinks
-from .validation import check_values
+from .validation import check_values, make_problem, validate_sinks
 
 #: the append kernel runs on CPU tensors through Triton's interpreter
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -61,7 +60,8 @@ def plan_kvcache_call(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
     ``run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale)`` returns what the entry point
     returns. Validates the arguments first (raising as ``flash_attn_with_kvcache`` documents). A call whose repeated
     calls may skip the checks (``_plannable``) gets the decode plan of its layout, stored under ``key``; any other
-    call a plan of its own (``_call_run``), not stored."""
+    call a plan of its own (``_call_run``), not stored: its sinks and values (host descales and index tables; all of
+    them in check mode) are checked here, before its run appends."""
     call = kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, q_descale, k_descale,
                         v_descale, softmax_scale, causal, window_size)
     inp = decode_inputs(call, softmax_scale, softcap, return_lse, sinks)
@@ -71,7 +71,11 @@ def plan_kvcache_call(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
         run = decode_run(op, call, inp, q, v_cache, return_lse, k)
         if run is not None:
             return PLANS.put(key, Plan(run, (op,), ("validation", "selection", "mask")))
-    return Plan(_call_run(call, inp, q.shape, return_lse), (), ())
+    run = _call_run(call, inp, q.shape, return_lse)
+    if sinks is not None:
+        validate_sinks(sinks, q.shape[2], q.device)
+    check_values(inp)
+    return Plan(run, (), ())
 
 
 def decode_inputs(call: "KVCacheCall", softmax_scale, softcap, return_lse: bool, sinks=None) -> Inputs:
@@ -103,18 +107,15 @@ def _timed_decode(op, call: "KVCacheCall", inp: Inputs, q, k_cache, v_cache, ret
 
 def _call_run(call: "KVCacheCall", inp: Inputs, q_shape, return_lse: bool) -> Callable:
     """``run(q, k_cache, v_cache, *rest)`` -> what ``flash_attn_with_kvcache`` returns for this validated ``call`` and
-    its ``inp`` (``decode_inputs``; the index tensors and descales as ``call`` holds them): the checks of the values
-    (host descales and index tables; all of them in check mode) and of the sinks, the append, then the selected op's
-    forward (``call.run_forward``) on the caches as appended."""
+    its ``inp`` (``decode_inputs``; the index tensors and descales as ``call`` holds them; its values and sinks checked
+    by ``plan_kvcache_call``, which makes this plan for one call): the append, then the selected op's forward
+    (``call.forward``) on the caches as appended."""
     def run(q, k_cache, v_cache, *_):
-        check_values(inp)
-        if inp.sinks is not None:
-            validate_sinks(inp.sinks, q_shape[2], q.device)
         if call.append is None:
-            out, lse = run_forward(inp, None, return_lse)
+            out, lse = forward(inp, None, return_lse)
         else:  # the pool views taken again: a cache whose strides allow no view was copied before the append
             call.append()
-            out, lse = run_forward(replace(inp, key=_pool(k_cache), value=_pool(v_cache)), None, return_lse)
+            out, lse = forward(replace(inp, key=_pool(k_cache), value=_pool(v_cache)), None, return_lse)
         batch, mq = q_shape[:2]
         out = out.view(q_shape[:3] + out.shape[3:])
         if return_lse:

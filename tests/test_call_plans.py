@@ -13,7 +13,7 @@ import torch
 
 import fmha_ops
 from registry import Arch
-from fmha_ops import api, attn_bias as ab, inputs, plans
+from fmha_ops import api, attn_bias as ab, inputs, plans, validation
 from fmha_ops.testing import normal_qkv
 
 from .test_api import SPECS, _spec_inputs, make_bias
@@ -36,7 +36,7 @@ def counted(monkeypatch):
             return fn(*args, **kwargs)
         return wrapper
 
-    monkeypatch.setattr(inputs, "validate", counting("validate", inputs.validate))
+    monkeypatch.setattr(validation, "validate", counting("validate", validation.validate))
     monkeypatch.setattr(api, "make_inputs", counting("make_inputs", api.make_inputs))
     monkeypatch.setattr(inputs.Inputs, "signature", counting("signature", inputs.Inputs.signature))
     fmha_ops.SELECTOR.clear()
