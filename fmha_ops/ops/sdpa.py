@@ -7,8 +7,8 @@ with the aten functions. Layout bridge: BMHK views are transposed to SDPA's (B, 
 flash op calls the BMHK function behind SDPA's flash path instead); GQA is native in the flash and cuDNN kernels
 and ``enable_gqa`` in the math path. Repeated calls run the op's launch plan (``launcher``, see
 ``fmha_ops.call``): the aten function with the call's constants bound, four tensor views around it (none for
-CUDA flash) and nothing else. Masks: none, top-left causal
-(``is_causal``), and bottom-right causal where it coincides with those (Mq == Mk, or Mq == 1 which sees every
+CUDA flash; without autograd the three input views are aliases of the planned sizes and strides, ``_alias``) and
+nothing else. Masks: none, top-left causal (``is_causal``), and bottom-right causal where it coincides with those (Mq == Mk, or Mq == 1 which sees every
 key). The backends that take an ``attn_mask`` (efficient, math; ``ATTN_MASK``) also run local windows, any
 bottom-right causal and tensor biases: through SDPA's front end (``sdpa_kernel``) with a mask materialized per
 call (an (Mq, Mk) boolean, or the bias with -inf where the window hides a key; the bias gradient flows through
