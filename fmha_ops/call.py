@@ -80,8 +80,7 @@ def run_forward(inp: Inputs, op: OpArg, needs_lse: bool, plan_key: tuple | None 
     if _is_compiling():
         return compiled.run_forward(inp, op, needs_lse)
     plannable = plan_key is not None and _plannable(inp)
-    fw, bw = _select(inp, op, needs_lse, _launch_plan_call(inp, needs_lse) if plannable else None)
-    result = _apply(fw, bw, inp, needs_lse)
+    result, fw, bw = _select_and_run(inp, op, needs_lse, _launch_plan_call(inp, needs_lse) if plannable else None)
     if plannable:
         launch = fw.launcher(inp, needs_lse) if bw is None else _autograd_plan(fw, bw, inp)
         PLANS.put(plan_key, Plan(launch if bind is None else bind(launch), (fw,) if bw is None else (fw, bw),
@@ -95,28 +94,22 @@ def forward(inp: Inputs, op: OpArg, needs_lse: bool) -> tuple[torch.Tensor, torc
     ``out, lse = forward(inp, None, True)``."""
     if _is_compiling():
         return compiled.run_forward(inp, op, needs_lse)
-    fw, bw = _select(inp, op, needs_lse, None)
-    return _apply(fw, bw, inp, needs_lse)
+    return _select_and_run(inp, op, needs_lse, None)[0]
 
 
-def _select(inp: Inputs, op: OpArg, needs_lse: bool, repeated: Callable | None) -> tuple[Any, Any]:
-    """(forward op, backward op or None) for ``inp``: the selector's memo (validation and the ``Problem`` on a miss);
-    under autotune without gradients the forward ops are timed as repeated calls will run them: ``repeated(op)``
-    (``_launch_plan_call``) where the call keeps a launch plan, else ``apply`` (``measure.forward_measure``)."""
+def _select_and_run(inp: Inputs, op: OpArg, needs_lse: bool, repeated: Callable | None) -> tuple:
+    """((out, lse), forward op, backward op or None) for ``inp``: the ops from the selector's memo (validation and the
+    ``Problem`` on a miss), the forward op run on ``inp``, under ``_Attention`` with the backward op when there is
+    one. Under autotune without gradients the forward ops are timed as repeated calls will run them:
+    ``repeated(op)`` (``_launch_plan_call``) where the call keeps a launch plan, else ``apply``
+    (``measure.forward_measure``)."""
     sig = inp.signature()
     fw = SELECTOR.select(sig, lambda: make_problem(inp, needs_lse), "fw", op,
                          None if sig.needs_grad else lambda ops: forward_measure(inp, needs_lse, repeated)(ops))
-    bw = None
-    if sig.needs_grad and not (fw.AUTOGRAD and inp.query.dtype in FLOAT_DTYPES):
-        bw = SELECTOR.select(sig, lambda: make_problem(inp, needs_lse), "bw", op)
-    return fw, bw
-
-
-def _apply(fw, bw, inp: Inputs, needs_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The forward op on ``inp``, under ``_Attention`` with the backward op when there is one."""
-    if bw is None:
-        return fw.apply(inp, needs_lse)
-    return _Attention.apply(fw, bw, inp, inp.query, inp.key, inp.value, inp.sinks)
+    if not sig.needs_grad or (fw.AUTOGRAD and inp.query.dtype in FLOAT_DTYPES):
+        return fw.apply(inp, needs_lse), fw, None
+    bw = SELECTOR.select(sig, lambda: make_problem(inp, needs_lse), "bw", op)
+    return _Attention.apply(fw, bw, inp, inp.query, inp.key, inp.value, inp.sinks), fw, bw
 
 
 def _launch_plan_call(inp: Inputs, needs_lse: bool) -> Callable:

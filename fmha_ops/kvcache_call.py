@@ -111,11 +111,11 @@ def _call_run(call: "KVCacheCall", inp: Inputs, q_shape, return_lse: bool) -> Ca
     by ``plan_kvcache_call``, which makes this plan for one call): the append, then the selected op's forward
     (``call.forward``) on the caches as appended."""
     def run(q, k_cache, v_cache, *_):
-        if call.append is None:
-            out, lse = forward(inp, None, return_lse)
-        else:  # the pool views taken again: a cache whose strides allow no view was copied before the append
+        appended = inp
+        if call.append is not None:  # pool views taken again after the append (a cache without a view was copied)
             call.append()
-            out, lse = forward(replace(inp, key=_pool(k_cache), value=_pool(v_cache)), None, return_lse)
+            appended = replace(inp, key=_pool(k_cache), value=_pool(v_cache))
+        out, lse = forward(appended, None, return_lse)
         batch, mq = q_shape[:2]
         out = out.view(q_shape[:3] + out.shape[3:])
         if return_lse:
