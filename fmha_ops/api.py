@@ -22,7 +22,8 @@ from .call import no_grad, run_forward
 from .dispatch import REGISTRY, SELECTOR
 from .dtypes import FLOAT_DTYPES
 from .inputs import BMHK, Inputs, checks_values, make_inputs
-from .plans import PLANS, Plan, plan_finder
+from .plan import Plan
+from .plans import PLANS, plan_finder
 from .validation import make_problem
 
 OpArg = Any  # an op class, name/alias, or (FwOp, BwOp) tuple

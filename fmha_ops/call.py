@@ -31,7 +31,8 @@ from .dispatch import SELECTOR
 from .dtypes import FLOAT_DTYPES
 from .inputs import BMHK, Inputs, checks_values
 from .measure import forward_measure
-from .plans import PLANS, Plan
+from .plan import Plan
+from .plans import PLANS
 from .sinks import sink_grad
 from .validation import make_problem
 

@@ -37,7 +37,8 @@ from .dispatch import REGISTRY, SELECTOR
 from .dtypes import FLOAT_DTYPES
 from .fp8_backward import fp8_dequantized_backward_enabled
 from .inputs import Inputs
-from .plans import PLANS, Plan
+from .plan import Plan
+from .plans import PLANS
 from .problem import Problem
 from .sinks import sink_grad
 from .validation import problem_fields, tma_misaligned, validate

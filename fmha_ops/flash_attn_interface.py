@@ -27,7 +27,8 @@ from .dtypes import FLOAT_DTYPES
 from .fp8_backward import set_fp8_dequantized_backward
 from .inputs import make_inputs
 from .kvcache_call import check_scalars, plan_kvcache_call, window
-from .plans import PLANS, Plan, call_key, plan_finder
+from .plan import Plan
+from .plans import PLANS, call_key, plan_finder
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "set_fp8_dequantized_backward"]
 

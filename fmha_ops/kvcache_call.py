@@ -30,7 +30,8 @@ from .call import forward
 from .dispatch import SELECTOR
 from .inputs import Inputs
 from .measure import forward_measure
-from .plans import PLANS, Plan
+from .plan import Plan
+from .plans import PLANS
 from .validation import check_values, make_problem, validate_sinks
 
 #: the append kernel runs on CPU tensors through Triton's interpreter

@@ -32,7 +32,8 @@ from . import arguments, compiled
 from .call import run_forward
 from .dispatch import SELECTOR
 from .inputs import Inputs, make_inputs
-from .plans import PLANS, Plan, call_key, plan_finder
+from .plan import Plan
+from .plans import PLANS, call_key, plan_finder
 from .quant import (
     K_SCALE_BLOCK,
     Q_SCALE_BLOCK,
