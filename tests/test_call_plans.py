@@ -309,6 +309,20 @@ def test_quantized_backward_selects_once_per_layout(monkeypatch):
 
 
 
+def test_a_plan_hit_under_functorch_transforms_matches_eager():
+    """An SDPA launch plan made outside a functorch transform serves a call inside one (vmap, functionalize: same
+    key): its tensors are then the transform's wrappers, which it views as eager calls do (they have no storage of
+    their own for the plan's aliases)."""
+    q, k, v = _qkv()
+    batch = torch.randn(3, *q.shape)
+    fmha_ops.memory_efficient_attention(q, k, v)  # the plan, outside any transform
+    want = torch.stack([fmha_ops.memory_efficient_attention(x, k, v) for x in batch])
+    got = torch.func.vmap(lambda x: fmha_ops.memory_efficient_attention(x, k, v))(batch)
+    assert torch.equal(got, want)
+    functional = torch.func.functionalize(lambda x: fmha_ops.memory_efficient_attention(x, k, v))(q)
+    assert torch.equal(functional, fmha_ops.memory_efficient_attention(q, k, v))
+
+
 def test_eager_calls_that_add_plans_recompile_no_compiled_graph():
     q = torch.randn(1, 16, 2, 16)
     compiled = torch.compile(lambda q, k, v: fmha_ops.memory_efficient_attention(q, k, v, ab.LowerTriangularMask()),

@@ -7,8 +7,8 @@ with the aten functions. Layout bridge: BMHK views are transposed to SDPA's (B, 
 flash op calls the BMHK function behind SDPA's flash path instead); GQA is native in the flash and cuDNN kernels
 and ``enable_gqa`` in the math path. Repeated calls run the op's launch plan (``launcher``, see
 ``fmha_ops.call``): the aten function with the call's constants bound, four tensor views around it (none for
-CUDA flash; without autograd the three input views are aliases of the planned sizes and strides, ``_alias``) and
-nothing else. Masks: none, top-left causal (``is_causal``), and bottom-right causal where it coincides with those (Mq == Mk, or Mq == 1 which sees every
+CUDA flash) and nothing else. Masks: none, top-left causal
+(``is_causal``), and bottom-right causal where it coincides with those (Mq == Mk, or Mq == 1 which sees every
 key). The backends that take an ``attn_mask`` (efficient, math; ``ATTN_MASK``) also run local windows, any
 bottom-right causal and tensor biases: through SDPA's front end (``sdpa_kernel``) with a mask materialized per
 call (an (Mq, Mk) boolean, or the bias with -inf where the window hides a key; the bias gradient flows through
@@ -31,13 +31,6 @@ from .base import AttentionFwOp
 from .cost import attention_time
 
 _is_compiling = torch.compiler.is_compiling
-try:
-    #: ``alias(t, sizes, strides, offset)``: a view of ``t``'s storage that autograd does not record (the alias
-    #: inductor's generated code makes), for a call no autograd records: 0.56 us against ``transpose``'s 0.89 us per
-    #: tensor on the CPU host (bench/host_time.py's tiny call). None where this torch has none.
-    from torch._C._dynamo.guards import _reinterpret_tensor as _alias
-except ImportError:  # pragma: no cover - torch builds without dynamo
-    _alias = None
 #: cuDNN SDPA's largest batch / head count (torch's check_cudnn_tensor_shapes)
 _CUDNN_MAX_DIM = 65535
 #: cuDNN versions (torch.backends.cudnn.version()) from which torch's own SDPA dispatch lets cuDNN take head dim 256
@@ -141,16 +134,10 @@ class _SdpaOp(AttentionFwOp):
             def run(query, key, value, *_):
                 out = fn(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), *args)[0]
                 return out.transpose(1, 2), None
-        elif _alias is None or not all(type(t) is torch.Tensor for t in (inp.query, inp.key, inp.value)):
-            def run(query, key, value, *_):  # no autograd node holds the output: its dims swap in place
+        else:  # no autograd node holds the output: its two dims swap in place (no second view object)
+            def run(query, key, value, *_):
                 return fn(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), *args)[0].transpose_(
                     1, 2), None
-        else:  # views of the planned shapes and strides (the plan's key holds them) that autograd does not record
-            (qs, qst), (ks, kst), (vs, vst) = (_bhmk_view(t) for t in (inp.query, inp.key, inp.value))
-
-            def run(query, key, value, *_):
-                return fn(_alias(query, qs, qst, 0), _alias(key, ks, kst, 0), _alias(value, vs, vst, 0),
-                          *args)[0].transpose_(1, 2), None
         return run
 
     @classmethod
@@ -165,12 +152,6 @@ class _SdpaOp(AttentionFwOp):
     def estimate(cls, p: Problem) -> float:
         rates = cls.CPU_RATES if p.arch.kind == "cpu" else cls.RATES
         return attention_time(p, *rates)
-
-
-def _bhmk_view(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(sizes, strides) of the BMHK tensor ``t`` seen as (B, H, M, K), as ``t.transpose(1, 2)`` gives them."""
-    (b, m, h, k), (sb, sm, sh, sk) = t.shape, t.stride()
-    return (b, h, m, k), (sb, sh, sm, sk)
 
 
 def _needs_dense_mask(inp) -> bool:
