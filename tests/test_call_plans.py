@@ -323,6 +323,30 @@ def test_a_plan_hit_under_functorch_transforms_matches_eager():
     assert torch.equal(functional, fmha_ops.memory_efficient_attention(q, k, v))
 
 
+def test_forward_ad_through_a_plan_hit_ends_as_on_the_full_path():
+    """A dual query (forward-mode AD) through a stored plan ends as through the full path: the same tangent, or the
+    same error where the selected op's aten function has no forward-AD formula; never an output without tangent."""
+    import torch.autograd.forward_ad as fwad
+
+    q, k, v = _qkv()
+    tangent = torch.randn_like(q)
+
+    def outcome():
+        try:
+            with fwad.dual_level():
+                out = fmha_ops.memory_efficient_attention(fwad.make_dual(q, tangent), k, v)
+                return fwad.unpack_dual(out).tangent
+        except Exception as e:  # noqa: BLE001 - the outcome compared
+            return type(e)
+
+    fmha_ops.SELECTOR.clear()
+    cold = outcome()
+    fmha_ops.memory_efficient_attention(q, k, v)  # the plan
+    hit = outcome()
+    assert cold is not None and hit is not None
+    assert (cold == hit) if isinstance(cold, type) else torch.equal(cold, hit)
+
+
 def test_eager_calls_that_add_plans_recompile_no_compiled_graph():
     q = torch.randn(1, 16, 2, 16)
     compiled = torch.compile(lambda q, k, v: fmha_ops.memory_efficient_attention(q, k, v, ab.LowerTriangularMask()),
