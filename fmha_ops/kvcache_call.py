@@ -38,22 +38,6 @@ from .validation import check_values, make_problem, validate_sinks
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def window(window_size, causal: bool) -> tuple[int, int]:
-    """FA3's ``window_size`` as (left, right), -1 = unbounded (any negative value is); ``causal`` sets right = 0."""
-    try:
-        left, right = (int(w) for w in window_size)
-    except (TypeError, ValueError):
-        raise ValueError(f"window_size must be a pair of ints (left, right), got {window_size!r}") from None
-    left, right = max(left, -1), max(right, -1)
-    return left, (-1 if causal else right)
-
-
-def check_scalars(softmax_scale, causal) -> None:
-    if softmax_scale is not None:
-        arguments.finite_float("softmax_scale", softmax_scale)
-    arguments.flag("causal", causal)
-
-
 def plan_kvcache_call(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, q_descale,
                       k_descale, v_descale, softmax_scale, causal, window_size, softcap, return_lse: bool,
                       sinks=None) -> Plan:
@@ -209,14 +193,14 @@ def kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
                  v_descale, softmax_scale, causal, window_size) -> KVCacheCall:
     """Validate ``flash_attn_with_kvcache``'s arguments (ValueError / TypeError / NotImplementedError naming them)
     and return the call for the op path, its append (of ``k`` / ``v`` when given) not yet made (``KVCacheCall``)."""
-    left, right = window(window_size, causal)
+    left, right = arguments.window(window_size, causal)
     if not causal and (left, right) != (-1, -1):
         raise NotImplementedError(f"window_size={tuple(window_size)} with causal=False is not implemented by "
                                   f"flash_attn_with_kvcache (causal=True windows are)")
     if q_descale is not None:
         raise NotImplementedError("q_descale is not implemented for flash_attn_with_kvcache (pass a bf16/fp16 q)")
     _check_cache_tensors(q, k_cache, v_cache, k, v)
-    check_scalars(softmax_scale, causal)
+    arguments.scale_and_causal(softmax_scale, causal)
     batch, mq = q.shape[:2]
     page = k_cache.shape[1]
     mnew = 0 if k is None else k.shape[1]
