@@ -43,11 +43,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fmha_ops  # noqa: E402
 from bench import common  # noqa: E402
 from fmha_ops import attn_bias as ab  # noqa: E402
-from fmha_ops.call import make_problem  # noqa: E402
 from fmha_ops.dispatch import SELECTOR  # noqa: E402
 from fmha_ops.inputs import Inputs, make_inputs  # noqa: E402
 from fmha_ops.ops.sdpa import _SdpaOp  # noqa: E402
 from fmha_ops.testing import normal_qkv  # noqa: E402
+from fmha_ops.validation import make_problem  # noqa: E402
 
 COMMAND = "PYTHONPATH=$PWD python bench/host_time.py"
 CPU_SHAPE = (1, 16, 2, 16)  # B, M, H, D: the tiny float32 causal call

@@ -18,11 +18,13 @@ from registry import Op, Report
 
 from . import arguments
 from . import attn_bias as ab
-from .call import make_problem, no_grad, run_forward
+from .call import no_grad, run_forward
 from .dispatch import REGISTRY, SELECTOR
 from .dtypes import FLOAT_DTYPES
 from .inputs import BMHK, Inputs, checks_values, make_inputs
-from .plans import PLANS, Plan, plan_finder
+from .plan import Plan
+from .plans import PLANS, plan_finder
+from .validation import make_problem
 
 OpArg = Any  # an op class, name/alias, or (FwOp, BwOp) tuple
 _is_compiling = torch.compiler.is_compiling

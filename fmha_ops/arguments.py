@@ -105,6 +105,24 @@ def dtype(name: str, v: Any, allowed: Collection[torch.dtype]) -> torch.dtype:
     return v
 
 
+def scale_and_causal(softmax_scale: Any, causal: Any) -> None:
+    """FA3's ``softmax_scale`` (None, or a finite float) and ``causal`` (a bool)."""
+    if softmax_scale is not None:
+        finite_float("softmax_scale", softmax_scale)
+    flag("causal", causal)
+
+
+def window(window_size: Any, causal: bool) -> tuple[int, int]:
+    """FA3's ``window_size`` as (left, right), -1 = unbounded (any negative value is); with ``causal`` right is -1
+    (the causal mask bounds it)."""
+    try:
+        left, right = (int(w) for w in window_size)
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be a pair of ints (left, right), got {window_size!r}") from None
+    left, right = max(left, -1), max(right, -1)
+    return left, (-1 if causal else right)
+
+
 def require_finite(name: str, x: torch.Tensor) -> None:
     """Raise ValueError naming the first NaN / Inf entry of ``x`` (reads ``x``: a sync for device tensors)."""
     bad = ~torch.isfinite(x)

@@ -9,7 +9,8 @@ Repeated calls skip even that: a public function looks its call up in the plan c
 and ``run_forward`` given the call's ``plan_key`` stores there the launch plan of a call that can have one (the
 selected op's ``AttentionFwOp.launcher``): no ``Inputs``, no signature, no selector lookup, no validation on the
 next call of that signature. Calls whose values need per-call checks (host descales, masks with index tables,
-check mode) and non-BMHK layouts keep the full path.
+check mode) and non-BMHK layouts keep the full path. ``forward(inp, op, needs_lse)`` is that full path for a
+caller that stores no plan (``kvcache_call``'s plan of one call).
 
 Example
 -------
@@ -30,9 +31,10 @@ from .dispatch import SELECTOR
 from .dtypes import FLOAT_DTYPES
 from .inputs import BMHK, Inputs, checks_values
 from .measure import forward_measure
-from .plans import PLANS, Plan
-from .problem import Problem
+from .plan import Plan
+from .plans import PLANS
 from .sinks import sink_grad
+from .validation import make_problem
 
 OpArg = Any  # an op class, name/alias, or (FwOp, BwOp) tuple
 _is_compiling = torch.compiler.is_compiling
@@ -64,12 +66,6 @@ def no_grad():
     return torch.no_grad() if _is_compiling() else _GradOff()
 
 
-def make_problem(inp: Inputs, needs_lse: bool) -> Problem:
-    """Validate ``inp`` and build its ``Problem`` (what the selector runs on a memo miss)."""
-    inp.validate()
-    return inp.problem(needs_lse)
-
-
 def run_forward(inp: Inputs, op: OpArg, needs_lse: bool, plan_key: tuple | None = None,
                 bind: Callable | None = None, bound: object = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Select the forward op for ``inp`` (and the backward op when autograd needs one) and run it.
@@ -79,33 +75,51 @@ def run_forward(inp: Inputs, op: OpArg, needs_lse: bool, plan_key: tuple | None 
     ``run(query, key, value, attn_bias, q_descale, k_descale, v_descale) -> (out, lse)``, is stored under it in
     ``plans.PLANS`` when the call can have one, as ``bind(run)`` when ``bind`` is given (an entry point's own
     arguments and results around the launch), with ``bound`` (what the entry point passes the launch besides the
-    call's tensors: its mask) as ``Plan.bound``. Example:
+    call's tensors: its mask) as ``Plan.bound``. A call without a key runs as ``forward`` runs it. Example:
     ``out, _ = run_forward(make_inputs(q, k, v), None, False)``.
     """
     if _is_compiling():
         return compiled.run_forward(inp, op, needs_lse)
-    sig = inp.signature()
-    fw = SELECTOR.select(sig, lambda: make_problem(inp, needs_lse), "fw", op,
-                         None if sig.needs_grad else lambda ops: _measure(inp, needs_lse, plan_key)(ops))
-    bw = None
-    if sig.needs_grad and not (fw.AUTOGRAD and inp.query.dtype in FLOAT_DTYPES):
-        bw = SELECTOR.select(sig, lambda: make_problem(inp, needs_lse), "bw", op)
-    result = (fw.apply(inp, needs_lse) if bw is None
-              else _Attention.apply(fw, bw, inp, inp.query, inp.key, inp.value, inp.sinks))
-    if plan_key is not None and _plannable(inp):
+    plannable = plan_key is not None and _plannable(inp)
+    result, fw, bw = _select_and_run(inp, op, needs_lse, _launch_plan_call(inp, needs_lse) if plannable else None)
+    if plannable:
         launch = fw.launcher(inp, needs_lse) if bw is None else _autograd_plan(fw, bw, inp)
         PLANS.put(plan_key, Plan(launch if bind is None else bind(launch), (fw,) if bw is None else (fw, bw),
                                  bound=bound))
     return result
 
 
-def _measure(inp: Inputs, needs_lse: bool, plan_key: tuple | None):
-    """Autotune's ``measure(ops)`` for this call (built only on a selector memo miss under autotune): repeated calls
-    that keep a launch plan are timed through it (``AttentionFwOp.launcher``), the others through ``apply``."""
-    if plan_key is None or not _plannable(inp):
-        return forward_measure(inp, needs_lse)
-    args = (inp.query, inp.key, inp.value, inp.attn_bias, inp.q_descale, inp.k_descale, inp.v_descale)
-    return forward_measure(inp, needs_lse, lambda op: functools.partial(op.launcher(inp, needs_lse), *args))
+def forward(inp: Inputs, op: OpArg, needs_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``run_forward`` for a call that stores no plan (a caller's own plan runs it per call): the op(s) selected for
+    ``inp`` (the selector's memo) and run, or the traced twin under ``torch.compile``; the same results. Example:
+    ``out, lse = forward(inp, None, True)``."""
+    if _is_compiling():
+        return compiled.run_forward(inp, op, needs_lse)
+    return _select_and_run(inp, op, needs_lse, None)[0]
+
+
+def _select_and_run(inp: Inputs, op: OpArg, needs_lse: bool, repeated: Callable | None) -> tuple:
+    """((out, lse), forward op, backward op or None) for ``inp``: the ops from the selector's memo (validation and the
+    ``Problem`` on a miss), the forward op run on ``inp``, under ``_Attention`` with the backward op when there is
+    one. Under autotune without gradients the forward ops are timed as repeated calls will run them:
+    ``repeated(op)`` (``_launch_plan_call``) where the call keeps a launch plan, else ``apply``
+    (``measure.forward_measure``)."""
+    sig = inp.signature()
+    fw = SELECTOR.select(sig, lambda: make_problem(inp, needs_lse), "fw", op,
+                         None if sig.needs_grad else lambda ops: forward_measure(inp, needs_lse, repeated)(ops))
+    if not sig.needs_grad or (fw.AUTOGRAD and inp.query.dtype in FLOAT_DTYPES):
+        return fw.apply(inp, needs_lse), fw, None
+    bw = SELECTOR.select(sig, lambda: make_problem(inp, needs_lse), "bw", op)
+    return _Attention.apply(fw, bw, inp, inp.query, inp.key, inp.value, inp.sinks), fw, bw
+
+
+def _launch_plan_call(inp: Inputs, needs_lse: bool) -> Callable:
+    """``repeated(op)`` for autotune's measurement of a call that keeps a launch plan: ``op``'s launch plan
+    (``AttentionFwOp.launcher``) bound to the call's arguments, as a call without arguments."""
+    def repeated(op):
+        args = (inp.query, inp.key, inp.value, inp.attn_bias, inp.q_descale, inp.k_descale, inp.v_descale)
+        return functools.partial(op.launcher(inp, needs_lse), *args)
+    return repeated
 
 
 def _plannable(inp: Inputs) -> bool:

@@ -37,10 +37,11 @@ from .dispatch import REGISTRY, SELECTOR
 from .dtypes import FLOAT_DTYPES
 from .fp8_backward import fp8_dequantized_backward_enabled
 from .inputs import Inputs
-from .plans import PLANS, Plan
+from .plan import Plan
+from .plans import PLANS
 from .problem import Problem
 from .sinks import sink_grad
-from .validation import tma_misaligned
+from .validation import problem_fields, tma_misaligned, validate
 
 _F32 = torch.float32
 
@@ -161,8 +162,8 @@ def _plan(device: str, fields: tuple, op: Any, spec: tuple) -> tuple[str, str, b
 
 def run_forward(inp: Inputs, op: Any, needs_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The traced twin of ``call.run_forward``: same arguments, same results."""
-    inp.validate()
-    problem = inp.problem_fields(needs_lse)
+    validate(inp)
+    problem = problem_fields(inp, needs_lse)
     # sizes become constants: a dynamic-shape trace specializes (guards on) the sizes the selection reads
     problem = {name: operator.index(x) if isinstance(x, (int, torch.SymInt)) and not isinstance(x, bool) else x
                for name, x in problem.items()}

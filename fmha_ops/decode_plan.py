@@ -26,7 +26,7 @@ import torch
 
 from .inputs import make_inputs
 from .kvcache_call import kvcache_call, select_decode_op
-from .sinks import validate_sinks
+from .validation import validate_sinks
 
 __all__ = ["PagedDecodePlan", "plan_kvcache"]
 

@@ -26,8 +26,9 @@ from .call import run_forward
 from .dtypes import FLOAT_DTYPES
 from .fp8_backward import set_fp8_dequantized_backward
 from .inputs import make_inputs
-from .kvcache_call import check_scalars, plan_kvcache_call, window
-from .plans import PLANS, Plan, call_key, plan_finder
+from .kvcache_call import plan_kvcache_call
+from .plan import Plan
+from .plans import PLANS, call_key, plan_finder
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "set_fp8_dequantized_backward"]
 
@@ -76,8 +77,8 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     _unsupported(qv=(qv, None), attention_chunk=(attention_chunk, 0))
     for name, t in (("q", q), ("k", k), ("v", v)):
         arguments.tensor(name, t, ndim=4, layout="(batch, seqlen, heads, headdim)")
-    check_scalars(softmax_scale, causal)
-    left, right = window(window_size, causal)
+    arguments.scale_and_causal(softmax_scale, causal)
+    left, right = arguments.window(window_size, causal)
     if causal:
         bias = _CAUSAL if left < 0 else ab.LowerTriangularFromBottomRightLocalAttentionMask(left + 1)
     else:
@@ -170,8 +171,8 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                  attention_chunk=(attention_chunk, 0))
     for name, t in (("q", q), ("k", k), ("v", v)):
         arguments.tensor(name, t, ndim=3, layout="(total_tokens, heads, headdim)")
-    check_scalars(softmax_scale, causal)
-    left, right = window(window_size, causal)
+    arguments.scale_and_causal(softmax_scale, causal)
+    left, right = arguments.window(window_size, causal)
     if torch.compiler.is_compiling():  # cu_seqlens are data to a trace: the call runs behind a custom op
         if (left, right) != (-1, -1) or softcap or sinks is not None:
             raise NotImplementedError(f"window_size={tuple(window_size)} / softcap={softcap} / sinks are not "

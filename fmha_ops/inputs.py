@@ -32,13 +32,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from registry import current_arch
-
 from . import attn_bias as ab
 from .dtypes import FLOAT_DTYPES
 from .fp8_backward import fp8_dequantized_backward_enabled
 from .problem import Problem
-from .validation import alignment_bits, check_values, descale_kinds, misaligned_operands, validate, value_layout
+from .validation import alignment_bits, check_values, problem, problem_fields, validate, value_layout
 
 
 class Signature(NamedTuple):
@@ -165,32 +163,12 @@ class Inputs:
         validate(self)
 
     def problem(self, needs_lse: bool = False) -> Problem:
-        """The ``Problem`` of this call (validate first)."""
-        q, k, v = self.query, self.key, self.value
-        return Problem(
-            arch=current_arch(q.device), deterministic=torch.are_deterministic_algorithms_enabled(),
-            graph_capture=q.is_cuda and torch.cuda.is_current_stream_capturing(),
-            fp8_backward=fp8_dequantized_backward_enabled(), misaligned=misaligned_operands(q, k, v),
-            **self.problem_fields(needs_lse))
+        """The ``Problem`` of this call (validate first; ``validation.problem``)."""
+        return problem(self, needs_lse)
 
     def problem_fields(self, needs_lse: bool = False) -> dict:
-        """The ``Problem`` fields read from the call's tensors and mask alone (all but ``arch``,
-        ``deterministic``, ``graph_capture``, ``fp8_backward`` and ``misaligned``, which come from the
-        process and the data pointers): what ``torch.compile`` traces."""
-        q, k, v = self.query, self.key, self.value
-        dims = ab.dense_dims(q, k) if self.attn_bias is None else self.attn_bias.dims(q, k)
-        return dict(
-            q_dtype=q.dtype, k_dtype=k.dtype, v_dtype=v.dtype, out_dtype=self.out_dtype,
-            batch=dims.batch, seqlen_q=dims.seqlen_q, seqlen_k=dims.seqlen_k, total_q=q.shape[0] * q.shape[1],
-            heads_q=q.shape[2], heads_kv=k.shape[2], head_dim=q.shape[3], head_dim_v=v.shape[3], bias=self.bias_kind,
-            q_uniform=dims.q_uniform, page_size=dims.page_size, descales=descale_kinds(self),
-            quantize_kv=self.quantize_kv_to_fp8, dropout=self.p > 0.0, needs_lse=needs_lse or self.is_partial,
-            needs_grad=self.needs_grad(), v_keys_contiguous=value_layout(v) == "keys",
-            window_left=self.attn_bias.window_left if self.attn_bias is not None else -1,
-            window_right=self.attn_bias.window_right if self.attn_bias is not None else -1,
-            softcap=self.softcap > 0.0, bias_grad=self.bias_needs_grad(), sinks=self.sinks is not None,
-            negative_scale=self.scale is not None and self.scale < 0.0)
-
+        """The ``Problem`` fields that ``torch.compile`` traces (``validation.problem_fields``)."""
+        return problem_fields(self, needs_lse)
 
 def make_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_bias: Any = None, *,
                 p: float = 0.0, scale: float | None = None, output_dtype: torch.dtype | None = None,

@@ -26,32 +26,16 @@ import torch
 
 from . import arguments, checks, kv_cache
 from . import attn_bias as ab
-from .call import make_problem, run_forward
+from .call import forward
 from .dispatch import SELECTOR
 from .inputs import Inputs
 from .measure import forward_measure
-from .plans import PLANS, Plan
-from .sinks import validate_sinks
-from .validation import check_values
+from .plan import Plan
+from .plans import PLANS
+from .validation import check_values, make_problem, validate_sinks
 
 #: the append kernel runs on CPU tensors through Triton's interpreter
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def window(window_size, causal: bool) -> tuple[int, int]:
-    """FA3's ``window_size`` as (left, right), -1 = unbounded (any negative value is); ``causal`` sets right = 0."""
-    try:
-        left, right = (int(w) for w in window_size)
-    except (TypeError, ValueError):
-        raise ValueError(f"window_size must be a pair of ints (left, right), got {window_size!r}") from None
-    left, right = max(left, -1), max(right, -1)
-    return left, (-1 if causal else right)
-
-
-def check_scalars(softmax_scale, causal) -> None:
-    if softmax_scale is not None:
-        arguments.finite_float("softmax_scale", softmax_scale)
-    arguments.flag("causal", causal)
 
 
 def plan_kvcache_call(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, q_descale,
@@ -61,7 +45,8 @@ def plan_kvcache_call(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
     ``run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale)`` returns what the entry point
     returns. Validates the arguments first (raising as ``flash_attn_with_kvcache`` documents). A call whose repeated
     calls may skip the checks (``_plannable``) gets the decode plan of its layout, stored under ``key``; any other
-    call a plan of its own (``_call_run``), not stored."""
+    call a plan of its own (``_call_run``), not stored: its sinks and values (host descales and index tables; all of
+    them in check mode) are checked here, before its run appends."""
     call = kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, q_descale, k_descale,
                         v_descale, softmax_scale, causal, window_size)
     inp = decode_inputs(call, softmax_scale, softcap, return_lse, sinks)
@@ -71,7 +56,11 @@ def plan_kvcache_call(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
         run = decode_run(op, call, inp, q, v_cache, return_lse, k)
         if run is not None:
             return PLANS.put(key, Plan(run, (op,), ("validation", "selection", "mask")))
-    return Plan(_call_run(call, inp, q.shape, return_lse), (), ())
+    run = _call_run(call, inp, q.shape, return_lse)
+    if sinks is not None:
+        validate_sinks(sinks, q.shape[2], q.device)
+    check_values(inp)
+    return Plan(run, (), ())
 
 
 def decode_inputs(call: "KVCacheCall", softmax_scale, softcap, return_lse: bool, sinks=None) -> Inputs:
@@ -103,18 +92,15 @@ def _timed_decode(op, call: "KVCacheCall", inp: Inputs, q, k_cache, v_cache, ret
 
 def _call_run(call: "KVCacheCall", inp: Inputs, q_shape, return_lse: bool) -> Callable:
     """``run(q, k_cache, v_cache, *rest)`` -> what ``flash_attn_with_kvcache`` returns for this validated ``call`` and
-    its ``inp`` (``decode_inputs``; the index tensors and descales as ``call`` holds them): the checks of the values
-    (host descales and index tables; all of them in check mode) and of the sinks, the append, then the selected op's
-    forward (``call.run_forward``) on the caches as appended."""
+    its ``inp`` (``decode_inputs``; the index tensors and descales as ``call`` holds them; its values and sinks checked
+    by ``plan_kvcache_call``, which makes this plan for one call): the append, then the selected op's forward
+    (``call.forward``) on the caches as appended."""
     def run(q, k_cache, v_cache, *_):
-        check_values(inp)
-        if inp.sinks is not None:
-            validate_sinks(inp.sinks, q_shape[2], q.device)
-        if call.append is None:
-            out, lse = run_forward(inp, None, return_lse)
-        else:  # the pool views taken again: a cache whose strides allow no view was copied before the append
+        appended = inp
+        if call.append is not None:  # pool views taken again after the append (a cache without a view was copied)
             call.append()
-            out, lse = run_forward(replace(inp, key=_pool(k_cache), value=_pool(v_cache)), None, return_lse)
+            appended = replace(inp, key=_pool(k_cache), value=_pool(v_cache))
+        out, lse = forward(appended, None, return_lse)
         batch, mq = q_shape[:2]
         out = out.view(q_shape[:3] + out.shape[3:])
         if return_lse:
@@ -207,14 +193,14 @@ def kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
                  v_descale, softmax_scale, causal, window_size) -> KVCacheCall:
     """Validate ``flash_attn_with_kvcache``'s arguments (ValueError / TypeError / NotImplementedError naming them)
     and return the call for the op path, its append (of ``k`` / ``v`` when given) not yet made (``KVCacheCall``)."""
-    left, right = window(window_size, causal)
+    left, right = arguments.window(window_size, causal)
     if not causal and (left, right) != (-1, -1):
         raise NotImplementedError(f"window_size={tuple(window_size)} with causal=False is not implemented by "
                                   f"flash_attn_with_kvcache (causal=True windows are)")
     if q_descale is not None:
         raise NotImplementedError("q_descale is not implemented for flash_attn_with_kvcache (pass a bf16/fp16 q)")
     _check_cache_tensors(q, k_cache, v_cache, k, v)
-    check_scalars(softmax_scale, causal)
+    arguments.scale_and_causal(softmax_scale, causal)
     batch, mq = q.shape[:2]
     page = k_cache.shape[1]
     mnew = 0 if k is None else k.shape[1]

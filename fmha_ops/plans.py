@@ -47,6 +47,7 @@ import torch
 from . import attn_bias as ab
 from . import checks, fp8_backward
 from .dispatch import SELECTOR
+from .plan import Plan
 
 #: plans kept before the least recently used is dropped (varlen-like workloads make new layouts without end)
 LIMIT = 1 << 12
@@ -65,27 +66,6 @@ _checks = checks.checks_enabled
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
 #: the low address bits a 16-byte alignment rule reads
 _ALIGN_BITS = 15
-
-
-class Plan:
-    """What a repeated call of one signature runs: ``run(*args)`` (the entry point says which arguments it passes:
-    the tensors whose values change between calls) launches the selected op(s) with everything else bound.
-
-    ``ops``: the selected op classes (forward[, backward]; empty where the entry point chooses none, e.g. a merge).
-    ``skips``: what a hit does not redo (names, for readers and tests), e.g. ``("validation", "selection")``;
-    what reads tensor values is never among them. ``bound``: the constants ``run`` is bound to where a caller
-    reads them (a traced call's ``compiled.CallSpec``), else None.
-    """
-
-    __slots__ = ("run", "ops", "skips", "bound", "used")
-
-    def __init__(self, run: Callable, ops: tuple = (), skips: tuple = ("validation", "selection"),
-                 bound: object = None) -> None:
-        self.run, self.ops, self.skips, self.bound = run, ops, skips, bound
-        self.used = False  # looked up since the cache last considered dropping it (``PlanCache``)
-
-    def __repr__(self) -> str:
-        return f"Plan(ops={[op.NAME for op in self.ops]}, skips={self.skips})"
 
 
 class PlanCache:

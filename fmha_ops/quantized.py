@@ -29,10 +29,11 @@ from registry import current_arch, fp8_dtype
 
 from . import attn_bias as ab
 from . import arguments, compiled
-from .call import make_problem, run_forward
+from .call import run_forward
 from .dispatch import SELECTOR
 from .inputs import Inputs, make_inputs
-from .plans import PLANS, Plan, call_key, plan_finder
+from .plan import Plan
+from .plans import PLANS, call_key, plan_finder
 from .quant import (
     K_SCALE_BLOCK,
     Q_SCALE_BLOCK,
@@ -41,7 +42,8 @@ from .quant import (
     quantize_blocks,
     quantize_fp8_channels,
 )
-from .sinks import sink_grad, validate_sinks
+from .sinks import sink_grad
+from .validation import make_problem, validate_sinks
 
 __all__ = ["fp8_attention", "i8fp8_attention"]
 

@@ -7,25 +7,13 @@ With sinks s_h the attention of query row i of head h is
 (scores after the softmax scale, the softcap and the mask; the sink is neither scaled nor capped, and has no value
 row). A row that sees no key gets out 0 and lse s_h. The LSE the ops return includes the sink, so a backward that
 recomputes P = exp(score - lse) needs nothing more for dq / dk / dv, and the sinks' own gradient is
-``sink_grad``. transformers passes them as ``s_aux``, FlashAttention-4 as ``learnable_sink``.
+``sink_grad`` (their checks: ``validation.validate_sinks``). transformers passes them as ``s_aux``,
+FlashAttention-4 as ``learnable_sink``.
 A helper any layer may import; it imports no attention layer.
 """
 from __future__ import annotations
 
 import torch
-
-
-def validate_sinks(sinks, heads_q: int, device: torch.device) -> None:
-    """Raise TypeError / ValueError unless ``sinks`` is a float32 tensor of shape (heads_q,) on ``device``."""
-    if not isinstance(sinks, torch.Tensor):
-        raise TypeError(f"sinks must be a float32 tensor of shape (num_query_heads,) = ({heads_q},), got "
-                        f"{type(sinks).__name__}")
-    if sinks.dtype != torch.float32:
-        raise ValueError(f"sinks must be float32 (one logit per query head), got {sinks.dtype}")
-    if tuple(sinks.shape) != (heads_q,):
-        raise ValueError(f"sinks has shape {tuple(sinks.shape)}; expected ({heads_q},), one per query head")
-    if sinks.device != device:
-        raise ValueError(f"sinks is on {sinks.device} but query is on {device}")
 
 
 def sink_grad(out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:

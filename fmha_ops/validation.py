@@ -1,8 +1,16 @@
-"""Validation of one call's ``Inputs``: tensors, dtypes, descales, scalars; the mask checks itself.
+"""Validation of one call's ``Inputs``: tensors, dtypes, descales, scalars; the mask checks itself; then the call's
+``Problem``.
 
-Every error is a ValueError / TypeError naming the argument, the value and what is supported. ``validate``
-runs once per call signature (the selector's memo), so none of this is on the repeated-call path;
-``check_values`` runs on every call and reads host-resident values (device-resident ones in check mode).
+Every error is a ValueError / TypeError naming the argument, the value and what is supported. ``make_problem``
+(``validate``, then ``problem``) runs once per call signature (the selector's memo), so none of this is on the
+repeated-call path; ``check_values`` runs on every call and reads host-resident values (device-resident ones in
+check mode).
+
+Example
+-------
+>>> problem = make_problem(make_inputs(q, k, v, LowerTriangularMask()), needs_lse=False)  # doctest: +SKIP
+>>> problem.causal  # doctest: +SKIP
+True
 """
 from __future__ import annotations
 
@@ -10,11 +18,14 @@ from typing import Any
 
 import torch
 
+from registry import current_arch
+
 from . import attn_bias as ab
 from . import arguments, checks
 from .dtypes import FLOAT_DTYPES, FP8_DTYPES, dtype_name
+from .fp8_backward import fp8_dequantized_backward_enabled
+from .problem import Problem
 from .quant import K_SCALE_BLOCK, Q_SCALE_BLOCK
-from .sinks import validate_sinks
 
 Inputs = Any  # an fmha_ops.inputs.Inputs (this module sits below it and does not import it)
 
@@ -22,6 +33,42 @@ _DESCALE_ROLES = ("q_descale", "k_descale", "v_descale")
 #: bytes a TMA descriptor or a 16-byte vector load needs its start address and its non-unit strides to be a
 #: multiple of
 TMA_ALIGNMENT = 16
+
+
+def make_problem(inp: Inputs, needs_lse: bool) -> Problem:
+    """Validate ``inp`` and build its ``Problem`` (what the selector runs on a memo miss)."""
+    validate(inp)
+    return problem(inp, needs_lse)
+
+
+def problem(inp: Inputs, needs_lse: bool = False) -> Problem:
+    """The ``Problem`` of a validated call."""
+    q, k, v = inp.query, inp.key, inp.value
+    return Problem(
+        arch=current_arch(q.device), deterministic=torch.are_deterministic_algorithms_enabled(),
+        graph_capture=q.is_cuda and torch.cuda.is_current_stream_capturing(),
+        fp8_backward=fp8_dequantized_backward_enabled(), misaligned=misaligned_operands(q, k, v),
+        **problem_fields(inp, needs_lse))
+
+
+def problem_fields(inp: Inputs, needs_lse: bool = False) -> dict:
+    """The ``Problem`` fields read from the call's tensors and mask alone (all but ``arch``, ``deterministic``,
+    ``graph_capture``, ``fp8_backward`` and ``misaligned``, which come from the process and the data pointers): what
+    ``torch.compile`` traces."""
+    q, k, v = inp.query, inp.key, inp.value
+    bias = inp.attn_bias
+    dims = ab.dense_dims(q, k) if bias is None else bias.dims(q, k)
+    return dict(
+        q_dtype=q.dtype, k_dtype=k.dtype, v_dtype=v.dtype, out_dtype=inp.out_dtype,
+        batch=dims.batch, seqlen_q=dims.seqlen_q, seqlen_k=dims.seqlen_k, total_q=q.shape[0] * q.shape[1],
+        heads_q=q.shape[2], heads_kv=k.shape[2], head_dim=q.shape[3], head_dim_v=v.shape[3], bias=inp.bias_kind,
+        q_uniform=dims.q_uniform, page_size=dims.page_size, descales=descale_kinds(inp),
+        quantize_kv=inp.quantize_kv_to_fp8, dropout=inp.p > 0.0, needs_lse=needs_lse or inp.is_partial,
+        needs_grad=inp.needs_grad(), v_keys_contiguous=value_layout(v) == "keys",
+        window_left=bias.window_left if bias is not None else -1,
+        window_right=bias.window_right if bias is not None else -1,
+        softcap=inp.softcap > 0.0, bias_grad=inp.bias_needs_grad(), sinks=inp.sinks is not None,
+        negative_scale=inp.scale is not None and inp.scale < 0.0)
 
 
 def validate(inp: Inputs) -> None:
@@ -66,6 +113,19 @@ def validate(inp: Inputs) -> None:
         validate_sinks(inp.sinks, q.shape[2], q.device)
     if inp.attn_bias is not None:
         inp.attn_bias.validate(q, k)
+
+
+def validate_sinks(sinks, heads_q: int, device: torch.device) -> None:
+    """Raise TypeError / ValueError unless ``sinks`` is a float32 tensor of shape (heads_q,) on ``device``."""
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a float32 tensor of shape (num_query_heads,) = ({heads_q},), got "
+                        f"{type(sinks).__name__}")
+    if sinks.dtype != torch.float32:
+        raise ValueError(f"sinks must be float32 (one logit per query head), got {sinks.dtype}")
+    if tuple(sinks.shape) != (heads_q,):
+        raise ValueError(f"sinks has shape {tuple(sinks.shape)}; expected ({heads_q},), one per query head")
+    if sinks.device != device:
+        raise ValueError(f"sinks is on {sinks.device} but query is on {device}")
 
 
 def _validate_output_dtype(inp) -> None:

@@ -13,7 +13,7 @@ import torch
 
 import fmha_ops
 from registry import Arch
-from fmha_ops import api, attn_bias as ab, inputs, plans
+from fmha_ops import api, attn_bias as ab, inputs, plans, validation
 from fmha_ops.testing import normal_qkv
 
 from .test_api import SPECS, _spec_inputs, make_bias
@@ -36,7 +36,7 @@ def counted(monkeypatch):
             return fn(*args, **kwargs)
         return wrapper
 
-    monkeypatch.setattr(inputs, "validate", counting("validate", inputs.validate))
+    monkeypatch.setattr(validation, "validate", counting("validate", validation.validate))
     monkeypatch.setattr(api, "make_inputs", counting("make_inputs", api.make_inputs))
     monkeypatch.setattr(inputs.Inputs, "signature", counting("signature", inputs.Inputs.signature))
     fmha_ops.SELECTOR.clear()
@@ -307,6 +307,44 @@ def test_quantized_backward_selects_once_per_layout(monkeypatch):
     for a, b in zip(*grads):
         assert torch.equal(a, b)
 
+
+
+def test_a_plan_hit_under_functorch_transforms_matches_eager():
+    """An SDPA launch plan made outside a functorch transform serves a call inside one (vmap, functionalize: same
+    key): its tensors are then the transform's wrappers, which it views as eager calls do (they have no storage of
+    their own for the plan's aliases)."""
+    q, k, v = _qkv()
+    batch = torch.randn(3, *q.shape)
+    fmha_ops.memory_efficient_attention(q, k, v)  # the plan, outside any transform
+    want = torch.stack([fmha_ops.memory_efficient_attention(x, k, v) for x in batch])
+    got = torch.func.vmap(lambda x: fmha_ops.memory_efficient_attention(x, k, v))(batch)
+    assert torch.equal(got, want)
+    functional = torch.func.functionalize(lambda x: fmha_ops.memory_efficient_attention(x, k, v))(q)
+    assert torch.equal(functional, fmha_ops.memory_efficient_attention(q, k, v))
+
+
+def test_forward_ad_through_a_plan_hit_ends_as_on_the_full_path():
+    """A dual query (forward-mode AD) through a stored plan ends as through the full path: the same tangent, or the
+    same error where the selected op's aten function has no forward-AD formula; never an output without tangent."""
+    import torch.autograd.forward_ad as fwad
+
+    q, k, v = _qkv()
+    tangent = torch.randn_like(q)
+
+    def outcome():
+        try:
+            with fwad.dual_level():
+                out = fmha_ops.memory_efficient_attention(fwad.make_dual(q, tangent), k, v)
+                return fwad.unpack_dual(out).tangent
+        except Exception as e:  # noqa: BLE001 - the outcome compared
+            return type(e)
+
+    fmha_ops.SELECTOR.clear()
+    cold = outcome()
+    fmha_ops.memory_efficient_attention(q, k, v)  # the plan
+    hit = outcome()
+    assert cold is not None and hit is not None
+    assert (cold == hit) if isinstance(cold, type) else torch.equal(cold, hit)
 
 
 def test_eager_calls_that_add_plans_recompile_no_compiled_graph():

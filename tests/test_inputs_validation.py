@@ -8,8 +8,9 @@ import torch
 
 import fmha_ops
 from fmha_ops import attn_bias as ab
-from fmha_ops.inputs import Inputs, descale_kinds
+from fmha_ops.inputs import Inputs
 from fmha_ops.quant import K_SCALE_BLOCK, Q_SCALE_BLOCK
+from fmha_ops.validation import descale_kinds
 
 F8 = torch.float8_e4m3fn
 F8NUZ = torch.float8_e4m3fnuz

@@ -12,9 +12,9 @@ from typing import Any, Sequence
 import torch
 
 from ..api import memory_efficient_attention_partial, merge_attentions
-from ..call import make_problem
 from ..dispatch import SELECTOR
 from ..inputs import make_inputs
+from ..validation import make_problem
 from .schedule import Block, ShardGeometry
 
 _SEQ, _LSE_SEQ = 1, 2  # sequence dim of BMHK tensors and of (B, H, M) LSEs

@@ -1,0 +1,36 @@
+"""``Plan``: what a repeated call of one signature runs (the plan cache, ``fmha_ops.plans``, keeps them by key).
+
+A leaf: a plan holds its run (the launch with everything but the per-call tensors bound), the ops it was built
+from and the names of the work a hit skips; it imports nothing of the package, so any layer that builds a plan
+(an entry point, the call layer, a traced call) stands above it.
+
+Example
+-------
+>>> plan = Plan(lambda q, k, v: (q, None), ops=(), skips=("validation",))
+>>> plan.run(1, 2, 3)
+(1, None)
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+
+class Plan:
+    """What a repeated call of one signature runs: ``run(*args)`` (the entry point says which arguments it passes:
+    the tensors whose values change between calls) launches the selected op(s) with everything else bound.
+
+    ``ops``: the selected op classes (forward[, backward]; empty where the entry point chooses none, e.g. a merge).
+    ``skips``: what a hit does not redo (names, for readers and tests), e.g. ``("validation", "selection")``;
+    what reads tensor values is never among them. ``bound``: the constants ``run`` is bound to where a caller
+    reads them (a traced call's ``compiled.CallSpec``), else None.
+    """
+
+    __slots__ = ("run", "ops", "skips", "bound", "used")
+
+    def __init__(self, run: Callable, ops: tuple = (), skips: tuple = ("validation", "selection"),
+                 bound: object = None) -> None:
+        self.run, self.ops, self.skips, self.bound = run, ops, skips, bound
+        self.used = False  # looked up since the cache last considered dropping it (``PlanCache``)
+
+    def __repr__(self) -> str:
+        return f"Plan(ops={[op.NAME for op in self.ops]}, skips={self.skips})"
