@@ -14,9 +14,9 @@ to back, what a call costs; what the selector ranks by). Ops whose own estimate 
 best estimate are not timed. ``--budget``: calls left when it runs out are not measured (listed). Prints each call's
 row as it is measured and the summary last; writes selector.json into --out after every call (a run cut short leaves
 its rows) and, at the end, selector.png (regret per call) and the record bench/results/selector.md (regret per
-selection mode and kind of call; not with --quick, --dtypes, --shapes or --no-record). ``--dtypes``: only the prefill calls of these dtypes (no decode
-calls; default bfloat16, fp8, fp8_tensor and the decode calls); ``--shapes``: only these prefill shapes (indices
-into ``PREFILL_SHAPES``; no decode calls, no record). ``--compile-only --shard K/N`` in N parallel processes fills
+selection mode and kind of call; not with --quick, --dtypes, --shapes or --no-record). ``--dtypes``: only the
+prefill calls of these dtypes (no decode calls; default bfloat16, fp8, fp8_tensor and the decode calls);
+``--shapes``: only these prefill shapes (indices into ``PREFILL_SHAPES``; no decode calls, no record). ``--compile-only --shard K/N`` in N parallel processes fills
 the JIT caches beforehand.
 
 ``--modes`` (each measured in turn, default all three): ``table``, the selection from the tuning table and cost
@@ -26,8 +26,8 @@ contenders timed at its shape, in a fresh cache folder) and the selection the on
 dtype, selected from the table: how far the public call falls short of the fastest op forced through it.
 
 ``--record-from DIR``: no measurement; the record (and selector.png in --out) from the selector_<mode>.json files in
-DIR (which may be read-only), with their environment: modes measured by separate runs (``--modes table,autotune --no-record``, then ``--modes
-anchors --no-record``), their JSON files gathered into one folder, make one record.
+DIR (which may be read-only), with their environment: modes measured by separate runs (``--modes table,autotune
+--no-record``, then ``--modes anchors --no-record``), their JSON files gathered into one folder, make one record.
 """
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ from . import attn_bias as ab
 from .dtypes import FLOAT_DTYPES
 from .fp8_backward import fp8_dequantized_backward_enabled
 from .problem import Problem
-from .validation import alignment_bits, check_values, problem, problem_fields, validate, value_layout
+from .validation import alignment_bits, check_values, problem, validate, value_layout
 
 
 class Signature(NamedTuple):
@@ -166,9 +166,6 @@ class Inputs:
         """The ``Problem`` of this call (validate first; ``validation.problem``)."""
         return problem(self, needs_lse)
 
-    def problem_fields(self, needs_lse: bool = False) -> dict:
-        """The ``Problem`` fields that ``torch.compile`` traces (``validation.problem_fields``)."""
-        return problem_fields(self, needs_lse)
 
 def make_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_bias: Any = None, *,
                 p: float = 0.0, scale: float | None = None, output_dtype: torch.dtype | None = None,

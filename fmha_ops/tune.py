@@ -247,7 +247,8 @@ def tune(out: str, quick: bool = False, device: str | None = None, ops: frozense
     -------
     >>> tune("H200_fp8.json", ops=frozenset({"gluon_fp8F"}), dtypes=("fp8_tensor",))  # doctest: +SKIP
     >>> tune("H200.json", merge="H200.json", host_only=True, budget=60)  # doctest: +SKIP
-    >>> tune("H200.json", merge="H200.json", ops=frozenset({"fa3F"}), dtypes=("bfloat16",), keep_rows=True)  # doctest: +SKIP
+    >>> tune("H200.json", merge="H200.json", ops=frozenset({"fa3F"}), dtypes=("bfloat16",),
+    ...      keep_rows=True)  # doctest: +SKIP
     """
     if host_only and not merge:
         raise ValueError("host_only re-times the host rows of a table: give merge=<its path>")
