@@ -16,8 +16,8 @@ row as it is measured and the summary last; writes selector.json into --out afte
 its rows) and, at the end, selector.png (regret per call) and the record bench/results/selector.md (regret per
 selection mode and kind of call; not with --quick, --dtypes, --shapes or --no-record). ``--dtypes``: only the
 prefill calls of these dtypes (no decode calls; default bfloat16, fp8, fp8_tensor and the decode calls);
-``--shapes``: only these prefill shapes (indices into ``PREFILL_SHAPES``; no decode calls, no record). ``--compile-only --shard K/N`` in N parallel processes fills
-the JIT caches beforehand.
+``--shapes``: only these prefill shapes (indices into ``PREFILL_SHAPES``; no decode calls, no record).
+``--compile-only --shard K/N`` in N parallel processes fills the JIT caches beforehand.
 
 ``--modes`` (each measured in turn, default all three): ``table``, the selection from the tuning table and cost
 models; ``autotune``, the same calls, each forward call first made once under ``fmha_ops.autotune()`` (its
