@@ -443,16 +443,18 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, on
 
 
 @gluon.jit
-def _consumer(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, ones_smem, onesb_smem, o_smem, q_bars,
-              q_empty, k_ready, v_ready,
-              k_empty, v_empty, turn_bars, o_desc, Lse, QD, KD, VD, sm_scale_log2, stride_lb, stride_lh,
-              qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh, n_m, n_total, Mq, Mk, Hq, GROUP,
-              HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr, STAGES: gl.constexpr,
-              CONSUMERS: gl.constexpr,
-              CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr,
-              OUT_FP8: gl.constexpr, QK_INT8: gl.constexpr, ROW_SUM_MMA: gl.constexpr):
+def _consumer(C: gl.constexpr, smem, scalars, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr,
+              STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
+              P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr, OUT_FP8: gl.constexpr, QK_INT8: gl.constexpr,
+              ROW_SUM_MMA: gl.constexpr):
     """Consumer ``C`` over this CTA's tiles: the rows ``C * WG_ROWS ..`` of each, their output through ``o_smem``
-    and a TMA store that runs on while the next tile starts (waited for before ``o_smem`` is written again)."""
+    and a TMA store that runs on while the next tile starts (waited for before ``o_smem`` is written again).
+    ``smem`` and ``scalars``: the kernel's shared buffers and barriers and its runtime arguments, as tuples (every
+    consumer takes the same; the constexprs travel one by one, as a tuple would make them tensors)."""
+    (q_smem, k_smem, kb_smem, v_smem, vb_smem, ones_smem, onesb_smem, o_smem, q_bars, q_empty, k_ready, v_ready,
+     k_empty, v_empty, turn_bars) = smem
+    (o_desc, Lse, QD, KD, VD, sm_scale_log2, stride_lb, stride_lh, qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh, n_m,
+     n_total, Mq, Mk, Hq, GROUP) = scalars
     BLOCK_M: gl.constexpr = CONSUMERS * WG_ROWS
     o_layout: gl.constexpr = acc_layout(WG_WARPS, HEAD_D)
     o_tile = o_smem.index(C)
@@ -553,50 +555,36 @@ def _attn_fwd_ws_kernel(
         mbarrier.init(raw_ready.index(i), count=1)
 
     # constexprs travel as arguments of each partition function (a tuple built here would make them tensors)
+    smem = (q_smem, k_smem, kb_smem, v_smem, vb_smem, ones_smem, onesb_smem, o_smem, q_bars, q_empty, k_ready, v_ready,
+            k_empty, v_empty, turn_bars)
+    scalars = (o_desc, Lse, QD, KD, VD, sm_scale_log2, stride_lb, stride_lh, qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh,
+               n_m, n_total, Mq, Mk, Hq, GROUP)
     if CONSUMERS == 3:
         gl.warp_specialize([
-            (_consumer, (0, q_smem, k_smem, kb_smem, v_smem, vb_smem, ones_smem, onesb_smem, o_smem, q_bars, q_empty,
-                         k_ready, v_ready, k_empty, v_empty, turn_bars, o_desc, Lse, QD, KD, VD, sm_scale_log2,
-                         stride_lb, stride_lh, qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh, n_m, n_total, Mq, Mk, Hq,
-                         GROUP, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER,
-                         OUT_FP8, QK_INT8, ROW_SUM_MMA)),
-            (_consumer, (1, q_smem, k_smem, kb_smem, v_smem, vb_smem, ones_smem, onesb_smem, o_smem, q_bars, q_empty,
-                         k_ready, v_ready, k_empty, v_empty, turn_bars, o_desc, Lse, QD, KD, VD, sm_scale_log2,
-                         stride_lb, stride_lh, qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh, n_m, n_total, Mq, Mk, Hq,
-                         GROUP, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER,
-                         OUT_FP8, QK_INT8, ROW_SUM_MMA)),
-            (_consumer, (2, q_smem, k_smem, kb_smem, v_smem, vb_smem, ones_smem, onesb_smem, o_smem, q_bars, q_empty,
-                         k_ready, v_ready, k_empty, v_empty, turn_bars, o_desc, Lse, QD, KD, VD, sm_scale_log2,
-                         stride_lb, stride_lh, qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh, n_m, n_total, Mq, Mk, Hq,
-                         GROUP, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER,
-                         OUT_FP8, QK_INT8, ROW_SUM_MMA)),
+            (_consumer, (0, smem, scalars, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT,
+                         KEY_ORDER, OUT_FP8, QK_INT8, ROW_SUM_MMA)),
+            (_consumer, (1, smem, scalars, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT,
+                         KEY_ORDER, OUT_FP8, QK_INT8, ROW_SUM_MMA)),
+            (_consumer, (2, smem, scalars, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT,
+                         KEY_ORDER, OUT_FP8, QK_INT8, ROW_SUM_MMA)),
             (_producer, (q_desc, k_desc, kb_desc, v_desc, vb_desc, q_smem, k_smem, kb_smem, v_smem, vb_smem, v_raw,
                          q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready, n_m, n_total, Mq, Mk, Hq,
                          GROUP, BLOCK_N, BLOCK_B, HEAD_D, STAGES, CONSUMERS, CAUSAL, V_TRANSPOSE, KEY_ORDER)),
         ], [WG_WARPS, WG_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     elif CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (0, q_smem, k_smem, kb_smem, v_smem, vb_smem, ones_smem, onesb_smem, o_smem, q_bars, q_empty,
-                         k_ready, v_ready, k_empty, v_empty, turn_bars, o_desc, Lse, QD, KD, VD, sm_scale_log2,
-                         stride_lb, stride_lh, qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh, n_m, n_total, Mq, Mk, Hq,
-                         GROUP, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER,
-                         OUT_FP8, QK_INT8, ROW_SUM_MMA)),
-            (_consumer, (1, q_smem, k_smem, kb_smem, v_smem, vb_smem, ones_smem, onesb_smem, o_smem, q_bars, q_empty,
-                         k_ready, v_ready, k_empty, v_empty, turn_bars, o_desc, Lse, QD, KD, VD, sm_scale_log2,
-                         stride_lb, stride_lh, qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh, n_m, n_total, Mq, Mk, Hq,
-                         GROUP, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER,
-                         OUT_FP8, QK_INT8, ROW_SUM_MMA)),
+            (_consumer, (0, smem, scalars, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT,
+                         KEY_ORDER, OUT_FP8, QK_INT8, ROW_SUM_MMA)),
+            (_consumer, (1, smem, scalars, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT,
+                         KEY_ORDER, OUT_FP8, QK_INT8, ROW_SUM_MMA)),
             (_producer, (q_desc, k_desc, kb_desc, v_desc, vb_desc, q_smem, k_smem, kb_smem, v_smem, vb_smem, v_raw,
                          q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready, n_m, n_total, Mq, Mk, Hq,
                          GROUP, BLOCK_N, BLOCK_B, HEAD_D, STAGES, CONSUMERS, CAUSAL, V_TRANSPOSE, KEY_ORDER)),
         ], [WG_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (0, q_smem, k_smem, kb_smem, v_smem, vb_smem, ones_smem, onesb_smem, o_smem, q_bars, q_empty,
-                         k_ready, v_ready, k_empty, v_empty, turn_bars, o_desc, Lse, QD, KD, VD, sm_scale_log2,
-                         stride_lb, stride_lh, qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh, n_m, n_total, Mq, Mk, Hq,
-                         GROUP, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER,
-                         OUT_FP8, QK_INT8, ROW_SUM_MMA)),
+            (_consumer, (0, smem, scalars, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT,
+                         KEY_ORDER, OUT_FP8, QK_INT8, ROW_SUM_MMA)),
             (_producer, (q_desc, k_desc, kb_desc, v_desc, vb_desc, q_smem, k_smem, kb_smem, v_smem, vb_smem, v_raw,
                          q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready, n_m, n_total, Mq, Mk, Hq,
                          GROUP, BLOCK_N, BLOCK_B, HEAD_D, STAGES, CONSUMERS, CAUSAL, V_TRANSPOSE, KEY_ORDER)),
