@@ -94,8 +94,7 @@ def hide_keys(s, rows, cols, seqlen_k, lo, hi, MASK_LEFT: tl.constexpr, MASK_RIG
 
 
 @triton.jit
-def softmax_step(s, keep, m_i, l_i, qk_scale, OFF: tl.constexpr, P_SHIFT: tl.constexpr, MASKED: tl.constexpr,
-                 SUM_ROWS: tl.constexpr = True):
+def softmax_step(s, keep, m_i, l_i, qk_scale, OFF: tl.constexpr, P_SHIFT: tl.constexpr, MASKED: tl.constexpr):
     """One key tile of the online softmax.
 
     ``s`` [rows, keys] fp32 raw scores (``OFF`` added: the int8 path's conversion offset, else 0), scaled by
@@ -103,8 +102,7 @@ def softmax_step(s, keep, m_i, l_i, qk_scale, OFF: tl.constexpr, P_SHIFT: tl.con
     ``MASKED``: some scores are hidden, either by ``keep`` (visible keys) or, with ``keep`` None, already -inf in
     ``s`` (``hide_keys``); rows may then have seen no key yet. ``m_i``, ``l_i``: the running row max and sum.
     Returns (p fp32 scaled by 2**P_SHIFT, new max, new sum, alpha: the factor that rescales the accumulator).
-    qk_scale > 0 commutes with the row max, so one FMA per score feeds exp2, masked or not. ``SUM_ROWS`` False:
-    ``l_i`` comes back as it came (a kernel that sums P's rows on the tensor cores rescales its sums by alpha).
+    qk_scale > 0 commutes with the row max, so one FMA per score feeds exp2, masked or not.
     """
     # a zero scale (softmax scale 0, or a zero descale: an all-zero token quantizes to descale 0) becomes the
     # smallest normal float: hidden scores stay -inf (0 * -inf would be NaN) and the visible ones weigh the same
@@ -121,8 +119,7 @@ def softmax_step(s, keep, m_i, l_i, qk_scale, OFF: tl.constexpr, P_SHIFT: tl.con
     else:
         p = tl.math.exp2(s * qk_scale - (m_sub + (OFF * qk_scale - P_SHIFT))[:, None])
     alpha = tl.math.exp2(m_i - m_sub)
-    if SUM_ROWS:
-        l_i = l_i * alpha + tl.sum(p, 1)
+    l_i = l_i * alpha + tl.sum(p, 1)
     return p, m_new, l_i, alpha
 
 

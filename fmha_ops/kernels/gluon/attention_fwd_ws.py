@@ -74,8 +74,6 @@ WG_WARPS = gl.constexpr(4)
 PRODUCER_REGS = gl.constexpr(24)
 #: channels of one raw V box (keys x V_CHUNK) that a transposing producer moves at a time
 V_CHUNK = gl.constexpr(64)
-#: columns of the ones tile that P's row sums are taken with on the tensor cores: the narrowest wgmma
-SUM_N = gl.constexpr(8)
 
 
 def _box_layout(rows, cols, dtype, channels_last):
@@ -147,18 +145,6 @@ def _transpose_v_tile(v_raw, v_smem, raw_ready, v_ready, v_empty, kv, BLOCK_N: g
     fence_async_shared()
     gl.thread_barrier()
     mbarrier.arrive(v_ready.index(slot), count=1)
-
-
-@gluon.jit
-def _ones_tile(KEYS: gl.constexpr):
-    """A [``SUM_N``, KEYS] fp8 tile of ones in shared memory (the K-major B operand of P's row-sum wgmma), written
-    by the kernel's warps before the partitions start and fenced for the wgmmas' async reads."""
-    tile = gl.allocate_shared_memory(gl.float8e4nv, [SUM_N, KEYS], fp8_tile_layout(SUM_N, KEYS))
-    layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16],
-                                            warps_per_cta=[gl.num_warps(), 1], order=[1, 0])
-    tile.store(gl.full([SUM_N, KEYS], 1.0, gl.float32, layout).to(gl.float8e4nv))
-    fence_async_shared()
-    return tile
 
 
 @gluon.jit
@@ -257,9 +243,9 @@ def _pv_operand(p, p_layout: gl.constexpr, BLOCK_N: gl.constexpr, KEY_ORDER: gl.
 
 @gluon.jit
 def _split_softmax_step(s_a, s_b, m_i, l_i, qk_scale, P_SHIFT: gl.constexpr, OFF: gl.constexpr,
-                        MASKED: gl.constexpr, SUM_ROWS: gl.constexpr):
-    """``softmax_step`` over the two parts of one S tile (``_split_tile_softmax``): one row max and (``SUM_ROWS``)
-    one row sum over both. Returns (p_a, p_b, m, l, alpha)."""
+                        MASKED: gl.constexpr):
+    """``softmax_step`` over the two parts of one S tile (``_split_tile_softmax``): one row max and one row sum
+    over both. Returns (p_a, p_b, m, l, alpha)."""
     a_row: gl.constexpr = gl.SliceLayout(1, s_a.type.layout)
     b_row: gl.constexpr = gl.SliceLayout(1, s_b.type.layout)
     qk_scale = gl.maximum(qk_scale, MIN_QK_SCALE)
@@ -273,15 +259,14 @@ def _split_softmax_step(s_a, s_b, m_i, l_i, qk_scale, P_SHIFT: gl.constexpr, OFF
     p_a = gl.exp2(s_a * qk_scale - gl.expand_dims(bias, 1))
     p_b = gl.exp2(s_b * qk_scale - gl.expand_dims(gl.convert_layout(bias, b_row), 1))
     alpha = gl.exp2(m_i - m_sub)
-    if SUM_ROWS:
-        l_i = l_i * alpha + gl.sum(p_a, 1) + gl.convert_layout(gl.sum(p_b, 1), a_row)
+    l_i = l_i * alpha + gl.sum(p_a, 1) + gl.convert_layout(gl.sum(p_b, 1), a_row)
     return p_a, p_b, m_new, l_i, alpha
 
 
 @gluon.jit
 def _split_tile_softmax(s_a, s_b, m_i, l_i, qk_scale, start_n, full_end, seqlen_k, hi, offs_m,
                         CAUSAL: gl.constexpr, P_SHIFT: gl.constexpr, BLOCK_A: gl.constexpr, BLOCK_B: gl.constexpr,
-                        OFF: gl.constexpr, SUM_ROWS: gl.constexpr):
+                        OFF: gl.constexpr):
     """``tile_softmax`` of one S tile held in two accumulators, keys [start_n, + BLOCK_A) in ``s_a`` ([64,
     BLOCK_A]) and the next ``BLOCK_B`` in ``s_b`` (the same arithmetic as ``softmax_step``: one FMA and one exp2
     per score). The whole step sits in each branch, as in ``tile_softmax``: a step after the branches' join is
@@ -295,26 +280,23 @@ def _split_tile_softmax(s_a, s_b, m_i, l_i, qk_scale, start_n, full_end, seqlen_
         cols_b = start_n + BLOCK_A + gl.arange(0, BLOCK_B, layout=gl.SliceLayout(0, b_layout))
         s_b = hide_keys(s_b, gl.convert_layout(offs_m, gl.SliceLayout(1, b_layout)), cols_b, seqlen_k, 0, hi, False,
                         CAUSAL)
-        p_a, p_b, m_i, l_i, alpha = _split_softmax_step(s_a, s_b, m_i, l_i, qk_scale, P_SHIFT, OFF, True, SUM_ROWS)
+        p_a, p_b, m_i, l_i, alpha = _split_softmax_step(s_a, s_b, m_i, l_i, qk_scale, P_SHIFT, OFF, True)
     else:
-        p_a, p_b, m_i, l_i, alpha = _split_softmax_step(s_a, s_b, m_i, l_i, qk_scale, P_SHIFT, OFF, False, SUM_ROWS)
+        p_a, p_b, m_i, l_i, alpha = _split_softmax_step(s_a, s_b, m_i, l_i, qk_scale, P_SHIFT, OFF, False)
     return p_a, p_b, m_i, l_i, alpha
 
 
 @gluon.jit
-def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, ones_smem, onesb_smem, q_bars,
-                   q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars, qk_scale, m0, n_tiles, kv, turn, i, Mq, Mk,
+def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_bars, q_empty, k_ready, v_ready,
+                   k_empty, v_empty, turn_bars, qk_scale, m0, n_tiles, kv, turn, i, Mq, Mk,
                    HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr, STAGES: gl.constexpr,
                    CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr,
-                   QK_INT8: gl.constexpr, ROW_SUM_MMA: gl.constexpr):
+                   QK_INT8: gl.constexpr):
     """The online softmax of rows ``m0 + C * WG_ROWS ..`` over their ``n_tiles`` key tiles, the ``i``-th tile of
     this CTA; ``kv`` and ``turn`` are the ring position and the turn count it starts at. ``QK_INT8``: int8 q / k,
     S accumulated in int32 (s8 wgmma) and read as ``int_scores``. ``BLOCK_B`` > 0: each key tile is two parts,
     ``BLOCK_N - BLOCK_B`` keys then ``BLOCK_B`` (tiles of 192 keys as 128 + 64: Gluon tensors are powers of
-    two), two S wgmmas and two P V wgmmas per tile, one softmax over both. ``ROW_SUM_MMA``: the row sums of P
-    come from the tensor cores, P times a [keys, ``SUM_N``] tile of ones in ``ones_smem`` (``onesb_smem`` for
-    the second part), issued between the S and the P V wgmmas, so the softmax adds no score. Returns (acc, m, l,
-    offs_m)."""
+    two), two S wgmmas and two P V wgmmas per tile, one softmax over both. Returns (acc, m, l, offs_m)."""
     BLOCK_A: gl.constexpr = BLOCK_N - BLOCK_B
     s_layout: gl.constexpr = acc_layout(WG_WARPS, BLOCK_A)
     o_layout: gl.constexpr = acc_layout(WG_WARPS, HEAD_D)
@@ -334,9 +316,6 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, on
         sb_zero = gl.zeros([WG_ROWS, BLOCK_B], s_dtype, layout=acc_layout(WG_WARPS, BLOCK_B))
     OFF: gl.constexpr = INT_OFF if QK_INT8 else 0.0
     acc = gl.zeros([WG_ROWS, HEAD_D], gl.float32, layout=o_layout)
-    l_layout: gl.constexpr = acc_layout(WG_WARPS, SUM_N)
-    sum_p_layout: gl.constexpr = p_operand_layout(WG_WARPS, SUM_N)
-    acc_l = gl.zeros([WG_ROWS, SUM_N], gl.float32, layout=l_layout)
     q_tile = q_smem.index(C)
 
     # S_0 alone (nothing to overlap with yet)
@@ -359,10 +338,10 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, on
             s_b = int_scores(s_b)
     if BLOCK_B > 0:
         p, p_b, m_i, l_i, alpha = _split_tile_softmax(s, s_b, m_i, l_i, qk_scale, 0, full_end, Mk, diag, offs_m,
-                                                      CAUSAL, P_SHIFT, BLOCK_A, BLOCK_B, OFF, not ROW_SUM_MMA)
+                                                      CAUSAL, P_SHIFT, BLOCK_A, BLOCK_B, OFF)
     else:
         p, m_i, l_i, alpha = tile_softmax(s, m_i, l_i, qk_scale, 0, full_end, Mk, diag, offs_m, CAUSAL, P_SHIFT,
-                                          BLOCK_N, s_layout, OFF, not ROW_SUM_MMA)
+                                          BLOCK_N, s_layout, OFF)
 
     for j in range(n_tiles - 1):
         p8 = _pv_operand(p, p_layout, BLOCK_A, KEY_ORDER)
@@ -377,26 +356,14 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, on
         if BLOCK_B > 0:
             sb_tok = warpgroup_mma(q_tile, kb_smem.index(ks).permute((1, 0)), sb_zero, use_acc=False,
                                    is_async=True)
-        if ROW_SUM_MMA:  # before P V: the wait below that lets P V run on also returns the sums
-            l_tok = warpgroup_mma(gl.convert_layout(p8, sum_p_layout), ones_smem.permute((1, 0)), acc_l,
-                                  is_async=True)
-            if BLOCK_B > 0:
-                l_tok = warpgroup_mma(gl.convert_layout(p8_b, sum_p_layout), onesb_smem.permute((1, 0)), l_tok,
-                                      is_async=True)
         o_tok = warpgroup_mma(p8, v_smem.index(vs).permute((1, 0)), acc, is_async=True)
         if BLOCK_B > 0:
             o_tok = warpgroup_mma(p8_b, vb_smem.index(vs).permute((1, 0)), o_tok, is_async=True)
         _pass_turn(turn_bars, C, CONSUMERS)
-        if BLOCK_B > 0:  # the two S parts (and sums) done, the two P V parts may still run
-            if ROW_SUM_MMA:
-                s, s_b, acc_l = warpgroup_mma_wait(2, deps=(s_tok, sb_tok, l_tok))
-            else:
-                s, s_b = warpgroup_mma_wait(2, deps=(s_tok, sb_tok))
+        if BLOCK_B > 0:  # the two S parts done, the two P V parts may still run
+            s, s_b = warpgroup_mma_wait(2, deps=(s_tok, sb_tok))
         else:
-            if ROW_SUM_MMA:
-                s, acc_l = warpgroup_mma_wait(1, deps=(s_tok, l_tok))
-            else:
-                s = warpgroup_mma_wait(1, deps=(s_tok, ))
+            s = warpgroup_mma_wait(1, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(ks), count=1)
         if QK_INT8:
             s = int_scores(s)
@@ -404,13 +371,10 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, on
                 s_b = int_scores(s_b)
         if BLOCK_B > 0:
             p, p_b, m_i, l_i, alpha = _split_tile_softmax(s, s_b, m_i, l_i, qk_scale, (j + 1) * BLOCK_N, full_end,
-                                                          Mk, diag, offs_m, CAUSAL, P_SHIFT, BLOCK_A, BLOCK_B, OFF,
-                                                          not ROW_SUM_MMA)
+                                                          Mk, diag, offs_m, CAUSAL, P_SHIFT, BLOCK_A, BLOCK_B, OFF)
         else:
             p, m_i, l_i, alpha = tile_softmax(s, m_i, l_i, qk_scale, (j + 1) * BLOCK_N, full_end, Mk, diag,
-                                              offs_m, CAUSAL, P_SHIFT, BLOCK_N, s_layout, OFF, not ROW_SUM_MMA)
-        if ROW_SUM_MMA:
-            acc_l = acc_l * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, l_layout)), 1)
+                                              offs_m, CAUSAL, P_SHIFT, BLOCK_N, s_layout, OFF)
         acc = warpgroup_mma_wait(0, deps=(o_tok, ))
         mbarrier.arrive(v_empty.index(vs), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row), 1)
@@ -424,20 +388,11 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, on
         p8_b = _pv_operand(p_b, p_layout, BLOCK_B, KEY_ORDER)
     mbarrier.wait(v_ready.index(vs), (last // STAGES) & 1)
     _take_turn(turn_bars, turn + n_tiles, C, CONSUMERS)
-    if ROW_SUM_MMA:
-        l_tok = warpgroup_mma(gl.convert_layout(p8, sum_p_layout), ones_smem.permute((1, 0)), acc_l, is_async=True)
-        if BLOCK_B > 0:
-            l_tok = warpgroup_mma(gl.convert_layout(p8_b, sum_p_layout), onesb_smem.permute((1, 0)), l_tok,
-                                  is_async=True)
     o_tok = warpgroup_mma(p8, v_smem.index(vs).permute((1, 0)), acc, is_async=True)
     if BLOCK_B > 0:
         o_tok = warpgroup_mma(p8_b, vb_smem.index(vs).permute((1, 0)), o_tok, is_async=True)
     _pass_turn(turn_bars, C, CONSUMERS)
-    if ROW_SUM_MMA:
-        acc, acc_l = warpgroup_mma_wait(0, deps=(o_tok, l_tok))
-        l_i = gl.convert_layout(gl.max(acc_l, 1), s_row)  # every column of acc_l holds the row's sum
-    else:
-        acc = warpgroup_mma_wait(0, deps=(o_tok, ))
+    acc = warpgroup_mma_wait(0, deps=(o_tok, ))
     mbarrier.arrive(v_empty.index(vs), count=1)
     return acc, m_i, l_i, offs_m
 
@@ -445,14 +400,13 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, on
 @gluon.jit
 def _consumer(C: gl.constexpr, smem, scalars, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr,
               STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
-              P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr, OUT_FP8: gl.constexpr, QK_INT8: gl.constexpr,
-              ROW_SUM_MMA: gl.constexpr):
+              P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr, OUT_FP8: gl.constexpr, QK_INT8: gl.constexpr):
     """Consumer ``C`` over this CTA's tiles: the rows ``C * WG_ROWS ..`` of each, their output through ``o_smem``
     and a TMA store that runs on while the next tile starts (waited for before ``o_smem`` is written again).
     ``smem`` and ``scalars``: the kernel's shared buffers and barriers and its runtime arguments, as tuples (every
     consumer takes the same; the constexprs travel one by one, as a tuple would make them tensors)."""
-    (q_smem, k_smem, kb_smem, v_smem, vb_smem, ones_smem, onesb_smem, o_smem, q_bars, q_empty, k_ready, v_ready,
-     k_empty, v_empty, turn_bars) = smem
+    (q_smem, k_smem, kb_smem, v_smem, vb_smem, o_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
+     turn_bars) = smem
     (o_desc, Lse, QD, KD, VD, sm_scale_log2, stride_lb, stride_lh, qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh, n_m,
      n_total, Mq, Mk, Hq, GROUP) = scalars
     BLOCK_M: gl.constexpr = CONSUMERS * WG_ROWS
@@ -468,10 +422,10 @@ def _consumer(C: gl.constexpr, smem, scalars, HEAD_D: gl.constexpr, BLOCK_N: gl.
         qk_scale, vd = head_descales(QD, KD, VD, b, hkv, qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh, sm_scale_log2)
         if OUT_FP8:  # an fp8 output stays in v's units (attention = out * v_descale)
             vd = vd * 0.0 + 1.0
-        acc, m_i, l_i, offs_m = _consumer_tile(C, q_smem, k_smem, kb_smem, v_smem, vb_smem, ones_smem, onesb_smem,
-                                               q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                                               qk_scale, m0, n_tiles, kv, turn, i, Mq, Mk, HEAD_D, BLOCK_N, BLOCK_B,
-                                               STAGES, CONSUMERS, CAUSAL, P_SHIFT, KEY_ORDER, QK_INT8, ROW_SUM_MMA)
+        acc, m_i, l_i, offs_m = _consumer_tile(C, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_bars, q_empty,
+                                               k_ready, v_ready, k_empty, v_empty, turn_bars, qk_scale, m0, n_tiles,
+                                               kv, turn, i, Mq, Mk, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS,
+                                               CAUSAL, P_SHIFT, KEY_ORDER, QK_INT8)
         inv = gl.convert_layout(row_inverse(l_i) * vd, gl.SliceLayout(1, o_layout))
         tma.store_wait(pendings=0)  # the previous tile's store has read o_tile
         gl.thread_barrier()
@@ -497,7 +451,6 @@ def _attn_fwd_ws_kernel(
     CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr,
     V_TRANSPOSE: gl.constexpr, OUT_FP8: gl.constexpr, PERSISTENT: gl.constexpr, QK_INT8: gl.constexpr,
-    ROW_SUM_MMA: gl.constexpr,
 ):
     """Tiles ``program_id(0)``, + ``num_programs(0)``, .. of the ``n_total`` (batch, head, ``CONSUMERS * WG_ROWS``-row
     block) tiles (``_tile_coords``): one per CTA with a grid of ``n_total``, several with a persistent grid.
@@ -515,12 +468,6 @@ def _attn_fwd_ws_kernel(
     else:
         kb_smem = k_smem
         vb_smem = v_smem
-    if ROW_SUM_MMA:  # B operands of the row-sum wgmmas: written once here, read by every consumer
-        ones_smem = _ones_tile(BLOCK_A)
-        onesb_smem = _ones_tile(BLOCK_B) if BLOCK_B > 0 else ones_smem
-    else:
-        ones_smem = k_smem
-        onesb_smem = k_smem
     o_dtype: gl.constexpr = gl.float8e4nv if OUT_FP8 else gl.bfloat16
     o_layout: gl.constexpr = out_tile_layout(WG_ROWS, HEAD_D, o_dtype)
     if V_TRANSPOSE:  # raw v tiles (keys x channels) in V_CHUNK-channel boxes
@@ -555,18 +502,18 @@ def _attn_fwd_ws_kernel(
         mbarrier.init(raw_ready.index(i), count=1)
 
     # constexprs travel as arguments of each partition function (a tuple built here would make them tensors)
-    smem = (q_smem, k_smem, kb_smem, v_smem, vb_smem, ones_smem, onesb_smem, o_smem, q_bars, q_empty, k_ready, v_ready,
-            k_empty, v_empty, turn_bars)
+    smem = (q_smem, k_smem, kb_smem, v_smem, vb_smem, o_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
+            turn_bars)
     scalars = (o_desc, Lse, QD, KD, VD, sm_scale_log2, stride_lb, stride_lh, qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh,
                n_m, n_total, Mq, Mk, Hq, GROUP)
     if CONSUMERS == 3:
         gl.warp_specialize([
             (_consumer, (0, smem, scalars, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT,
-                         KEY_ORDER, OUT_FP8, QK_INT8, ROW_SUM_MMA)),
+                         KEY_ORDER, OUT_FP8, QK_INT8)),
             (_consumer, (1, smem, scalars, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT,
-                         KEY_ORDER, OUT_FP8, QK_INT8, ROW_SUM_MMA)),
+                         KEY_ORDER, OUT_FP8, QK_INT8)),
             (_consumer, (2, smem, scalars, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT,
-                         KEY_ORDER, OUT_FP8, QK_INT8, ROW_SUM_MMA)),
+                         KEY_ORDER, OUT_FP8, QK_INT8)),
             (_producer, (q_desc, k_desc, kb_desc, v_desc, vb_desc, q_smem, k_smem, kb_smem, v_smem, vb_smem, v_raw,
                          q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready, n_m, n_total, Mq, Mk, Hq,
                          GROUP, BLOCK_N, BLOCK_B, HEAD_D, STAGES, CONSUMERS, CAUSAL, V_TRANSPOSE, KEY_ORDER)),
@@ -574,9 +521,9 @@ def _attn_fwd_ws_kernel(
     elif CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, smem, scalars, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT,
-                         KEY_ORDER, OUT_FP8, QK_INT8, ROW_SUM_MMA)),
+                         KEY_ORDER, OUT_FP8, QK_INT8)),
             (_consumer, (1, smem, scalars, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT,
-                         KEY_ORDER, OUT_FP8, QK_INT8, ROW_SUM_MMA)),
+                         KEY_ORDER, OUT_FP8, QK_INT8)),
             (_producer, (q_desc, k_desc, kb_desc, v_desc, vb_desc, q_smem, k_smem, kb_smem, v_smem, vb_smem, v_raw,
                          q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready, n_m, n_total, Mq, Mk, Hq,
                          GROUP, BLOCK_N, BLOCK_B, HEAD_D, STAGES, CONSUMERS, CAUSAL, V_TRANSPOSE, KEY_ORDER)),
@@ -584,7 +531,7 @@ def _attn_fwd_ws_kernel(
     else:
         gl.warp_specialize([
             (_consumer, (0, smem, scalars, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT,
-                         KEY_ORDER, OUT_FP8, QK_INT8, ROW_SUM_MMA)),
+                         KEY_ORDER, OUT_FP8, QK_INT8)),
             (_producer, (q_desc, k_desc, kb_desc, v_desc, vb_desc, q_smem, k_smem, kb_smem, v_smem, vb_smem, v_raw,
                          q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready, n_m, n_total, Mq, Mk, Hq,
                          GROUP, BLOCK_N, BLOCK_B, HEAD_D, STAGES, CONSUMERS, CAUSAL, V_TRANSPOSE, KEY_ORDER)),
@@ -628,9 +575,6 @@ class WsFwdConfig:
     #: a persistent grid: ``ctas_per_sm()`` CTAs per SM each walk tiles t, t + grid, .. (the rings and turns run on
     #: across tiles, so one tile's loads and epilogue overlap its neighbour's GEMMs); False: one CTA per tile
     persistent: bool = False
-    #: P's row sums on the tensor cores (P times a tile of ones, an m64n8 wgmma beside P V) instead of one FADD
-    #: per score in the softmax
-    row_sum_mma: bool = False
 
     @property
     def block_b(self) -> int:
@@ -640,12 +584,10 @@ class WsFwdConfig:
 
     def shared_bytes(self, head_dim: int, out_bytes: int = 2) -> int:
         """Shared memory of one persistent CTA (8-bit Q, K and V^T tiles, raw V tiles when ``v_transpose``, the
-        output tiles of ``out_bytes`` per element, the ones tiles of ``row_sum_mma``, one slack KiB for barriers
-        and alignment)."""
+        output tiles of ``out_bytes`` per element, one slack KiB for barriers and alignment)."""
         rows = self.consumers * WG_ROWS.value
         ring = self.stages * self.block_n * head_dim
-        ones = SUM_N.value * self.block_n if self.row_sum_mma else 0
-        return rows * head_dim * (1 + out_bytes) + ring * (3 if self.v_transpose else 2) + ones + SMEM_SLACK
+        return rows * head_dim * (1 + out_bytes) + ring * (3 if self.v_transpose else 2) + SMEM_SLACK
 
     def ctas_per_sm(self, head_dim: int, out_bytes: int = 2) -> int:
         """CTAs resident per SM in a persistent grid: what both the register budget (``maxnreg`` for every thread
@@ -798,7 +740,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=
         CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_WARPS=producer_warps, PRODUCER_REGS=producer_regs, CAUSAL=causal, WRITE_LSE=return_lse,
         P_SHIFT=_P_SHIFT, KEY_ORDER=cfg.key_order, V_TRANSPOSE=v_transpose, OUT_FP8=out.dtype == torch.float8_e4m3fn,
-        PERSISTENT=cfg.persistent, QK_INT8=q.dtype == torch.int8, ROW_SUM_MMA=cfg.row_sum_mma,
+        PERSISTENT=cfg.persistent, QK_INT8=q.dtype == torch.int8,
         num_warps=WG_WARPS.value, maxnreg=cfg.maxnreg,
     )
     return out, lse
@@ -826,7 +768,7 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, write_lse: bool = Fa
              "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_WARPS": cfg.producer_warps,
              "PRODUCER_REGS": cfg.producer_regs, "CAUSAL": causal, "WRITE_LSE": write_lse, "P_SHIFT": _P_SHIFT,
              "KEY_ORDER": cfg.key_order, "V_TRANSPOSE": cfg.v_transpose, "OUT_FP8": out_fp8,
-             "PERSISTENT": cfg.persistent, "QK_INT8": qk_int8, "ROW_SUM_MMA": cfg.row_sum_mma}
+             "PERSISTENT": cfg.persistent, "QK_INT8": qk_int8}
 
     def desc(rows, cols, dtype, channels_last=True):
         shape, layout = _box_layout(rows, cols, dtype, channels_last)
