@@ -194,7 +194,8 @@ def test_triton_ops_through_models(arch):
 def test_generate_static_cache_compiled(arch):
     """The static cache's decode steps under torch.compile (aot_eager on the CPU: dynamo traces the mask and
     attention functions; data-dependent packing breaks the graph there) stay token-identical; GPT-OSS: sinks and
-    sliding layers' static caches."""
+    sliding layers' static caches. The decode steps did go through dynamo (graphs captured)."""
+    from torch._dynamo.utils import counters
     from transformers import CompileConfig
 
     eager, ours = _models(arch)
@@ -202,8 +203,11 @@ def test_generate_static_cache_compiled(arch):
     config = CompileConfig(backend="aot_eager", fullgraph=False)
     config._compile_all_devices = True  # transformers compiles only on accelerators unless told
     kwargs = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, cache_implementation="static")
-    assert torch.equal(ours.generate(input_ids=ids, attention_mask=mask, compile_config=config, **kwargs),
-                       eager.generate(input_ids=ids, attention_mask=mask, **kwargs))
+    torch._dynamo.reset()
+    captured = counters["stats"]["calls_captured"]
+    got = ours.generate(input_ids=ids, attention_mask=mask, compile_config=config, **kwargs)
+    assert counters["stats"]["calls_captured"] > captured
+    assert torch.equal(got, eager.generate(input_ids=ids, attention_mask=mask, **kwargs))
 
 
 def test_gpt_oss_sinks_get_gradients():
