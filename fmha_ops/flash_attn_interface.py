@@ -251,7 +251,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         plan = plan_kvcache_call(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
                                  q_descale, k_descale, v_descale, softmax_scale, causal, window_size, softcap,
                                  return_softmax_lse, sinks)
-    return plan.run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale)
+    return plan.run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale, sinks)
 
 
 _FIND_KVCACHE = plan_finder(flash_attn_with_kvcache)

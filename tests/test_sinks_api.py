@@ -106,6 +106,36 @@ def _kvcache_decode(paged):
             q, sinks=sinks)
 
 
+@pytest.mark.parametrize("op", ["triton_decoderF", "triton_splitKF"])
+def test_kvcache_decode_plan_takes_each_calls_sinks(op, monkeypatch):
+    """flash_attn_with_kvcache with sinks keeps its decode plan (GPT-OSS: every layer its own sinks, one cache
+    layout): a repeated call skips the checks (no ``kvcache_call``), appends, and attends with its own sinks."""
+    from fmha_ops import checks, kvcache_call
+    from fmha_ops.kv_cache import paged_from_dense
+
+    monkeypatch.setattr(checks, "wanted", lambda *t: False)  # index tensors treated as a GPU's (the plan's path)
+    checked, check = [], kvcache_call.kvcache_call
+    monkeypatch.setattr(kvcache_call, "kvcache_call", lambda *a: checked.append(1) or check(*a))
+    q, k, v, _ = _inputs(b=2, mq=1, mk=32, seed=6)
+    (k_cache, v_cache), table = paged_from_dense([k, v], 8)
+    lengths = torch.tensor([20, 9], dtype=torch.int32, device=DEVICE)
+    layers = [torch.randn(q.shape[2], generator=torch.Generator().manual_seed(i)).to(DEVICE) * 2 for i in range(3)]
+    fmha_ops.SELECTOR.clear()
+    with fmha_ops.use_ops(op):
+        outs = []
+        for i, sinks in enumerate(layers):  # each call appends its token (k / v scaled by the layer) at lengths + i
+            new_k, new_v = k[:, :1] * (i + 2), v[:, :1] * (i + 2)
+            outs.append(fmha_ops.flash_attn_with_kvcache(q, k_cache, v_cache, new_k, new_v, cache_seqlens=lengths + i,
+                                                         page_table=table, causal=True, sinks=sinks))
+    assert len(checked) == 1  # the first call's checks; the plan ran the others
+    for i, (out, sinks) in enumerate(zip(outs, layers)):
+        for b, n in enumerate(lengths.tolist()):
+            kk = torch.cat([k[b:b + 1, :n]] + [k[b:b + 1, :1] * (j + 2) for j in range(i + 1)], 1)
+            vv = torch.cat([v[b:b + 1, :n]] + [v[b:b + 1, :1] * (j + 2) for j in range(i + 1)], 1)
+            ref, _ = reference(q[b:b + 1], kk, vv, q.shape[-1] ** -0.5, True, sinks)
+            assert error_report(out[b:b + 1], ref)["rel"] < 2e-3, (i, b)
+
+
 @pytest.mark.parametrize("fn", ["fp8_attention", "i8fp8_attention"])
 def test_quantized_training_sinks_gradient(fn):
     q, k, v, sinks = _inputs(b=1, mq=33, mk=33, d=32, dv=32, grad=True)
