@@ -16,8 +16,8 @@ Example
 -------
 >>> key = plans.call_key("attention", (q, k, v, mask))
 >>> plan = plans.PLANS.get(key)
->>> out, lse = plan.run(q, k, v, mask, None, None, None) if plan else run_forward(make_inputs(q, k, v, mask), None,
-...                                                                               False, key)
+>>> out, lse = plan.run(q, k, v, mask, None, None, None, None) if plan else run_forward(
+...     make_inputs(q, k, v, mask), None, False, key)
 """
 from __future__ import annotations
 

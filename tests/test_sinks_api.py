@@ -137,6 +137,21 @@ def test_kvcache_decode_plan_takes_each_calls_sinks(op, monkeypatch):
 
 
 @pytest.mark.parametrize("fn", ["fp8_attention", "i8fp8_attention"])
+def test_quantized_calls_take_each_calls_sinks(fn, monkeypatch):
+    """fp8_attention / i8fp8_attention called again with another layer's sinks (their plans hit, the quantized
+    forward's launch plan too): the output of the full path with those sinks, not the first call's."""
+    from fmha_ops import call as call_path
+
+    monkeypatch.setattr(call_path, "_plannable", lambda inp: True)  # descales treated as a GPU's (no per-call check)
+    q, k, v, sinks = _inputs(b=1, mq=33, mk=33, d=32, dv=32)
+    call = getattr(fmha_ops, fn)
+    fmha_ops.SELECTOR.clear()
+    first, again = call(q, k, v, causal=True, sinks=sinks), call(q, k, v, causal=True, sinks=-sinks)
+    fmha_ops.SELECTOR.clear()
+    assert torch.equal(again, call(q, k, v, causal=True, sinks=-sinks)) and not torch.equal(again, first)
+
+
+@pytest.mark.parametrize("fn", ["fp8_attention", "i8fp8_attention"])
 def test_quantized_training_sinks_gradient(fn):
     q, k, v, sinks = _inputs(b=1, mq=33, mk=33, d=32, dv=32, grad=True)
     out = getattr(fmha_ops, fn)(q, k, v, causal=True, sinks=sinks)
