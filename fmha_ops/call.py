@@ -30,10 +30,10 @@ from . import checks, compiled
 from .dispatch import SELECTOR
 from .dtypes import FLOAT_DTYPES
 from .inputs import BMHK, Inputs, checks_values
-from .measure import forward_measure
 from .plan import Plan
 from .plans import PLANS
 from .sinks import sink_grad
+from .timing import autotune_seconds
 from .validation import make_problem
 
 OpArg = Any  # an op class, name/alias, or (FwOp, BwOp) tuple
@@ -101,12 +101,14 @@ def forward(inp: Inputs, op: OpArg, needs_lse: bool) -> tuple[torch.Tensor, torc
 def _select_and_run(inp: Inputs, op: OpArg, needs_lse: bool, repeated: Callable | None) -> tuple:
     """((out, lse), forward op, backward op or None) for ``inp``: the ops from the selector's memo (validation and the
     ``Problem`` on a miss), the forward op run on ``inp``, under ``_Attention`` with the backward op when there is
-    one. Under autotune without gradients the forward ops are timed as repeated calls will run them:
-    ``repeated(op)`` (``_launch_plan_call``) where the call keeps a launch plan, else ``apply``
-    (``measure.forward_measure``)."""
+    one. Under autotune without gradients the forward ops are timed as repeated calls will run them
+    (``timing.autotune_seconds``): ``repeated(op)`` (``_launch_plan_call``) where the call keeps a launch plan, else
+    ``apply``."""
     sig = inp.signature()
     fw = SELECTOR.select(sig, lambda: make_problem(inp, needs_lse), "fw", op,
-                         None if sig.needs_grad else lambda ops: forward_measure(inp, needs_lse, repeated)(ops))
+                         None if sig.needs_grad else lambda ops: autotune_seconds(
+                             ops, repeated or (lambda o: functools.partial(o.apply, inp, needs_lse)),
+                             inp.query.device.type))
     if not sig.needs_grad or (fw.AUTOGRAD and inp.query.dtype in FLOAT_DTYPES):
         return fw.apply(inp, needs_lse), fw, None
     bw = SELECTOR.select(sig, lambda: make_problem(inp, needs_lse), "bw", op)

@@ -29,9 +29,9 @@ from . import attn_bias as ab
 from .call import forward
 from .dispatch import SELECTOR
 from .inputs import Inputs
-from .measure import forward_measure
 from .plan import Plan
 from .plans import PLANS
+from .timing import autotune_seconds
 from .validation import check_values, make_problem, validate_sinks
 
 #: the append kernel runs on CPU tensors through Triton's interpreter
@@ -54,8 +54,14 @@ def plan_kvcache_call(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
     if sinks is not None:
         validate_sinks(sinks, q.shape[2], q.device)
     if key is not None and _plannable(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, sinks):
-        op = select_decode_op(inp, return_lse, lambda op: _timed_decode(op, call, inp, q, k_cache, v_cache, return_lse))
-        run = decode_run(op, call, inp, q, v_cache, return_lse, k)
+        def timed(op):  # what autotune times of a contender: its decode run, nothing appended
+            return _timed_decode(op, call, inp, q, k_cache, v_cache, return_lse)
+
+        def planned(op):  # the plan's run of the selected op: the append, then its decode launch
+            return decode_run(op, call, inp, q, v_cache, return_lse, k)
+
+        op = select_decode_op(inp, return_lse, timed)
+        run = planned(op)
         if run is not None:
             return PLANS.put(key, Plan(run, (op,), ("validation", "selection", "mask")))
     run = _call_run(call, inp, q.shape, return_lse)
@@ -73,10 +79,12 @@ def decode_inputs(call: "KVCacheCall", softmax_scale, softcap, return_lse: bool,
 
 def select_decode_op(inp: Inputs, return_lse: bool, repeated: Callable):
     """The forward op for a decode call (the selector's memo; on a miss validation and the ``Problem``), timed under
-    autotune as its repeated calls run: ``repeated(op)``, the caller's plan of ``op`` as a call without arguments (None
-    where ``op`` has none: its ``apply``; ``measure.forward_measure``)."""
+    autotune as its repeated calls run (``timing.autotune_seconds``): ``repeated(op)``, the caller's plan of ``op`` as
+    a call without arguments (None where ``op`` has none: its ``apply``)."""
     return SELECTOR.select(inp.signature(), lambda: make_problem(inp, return_lse), "fw", None,
-                           lambda ops: forward_measure(inp, return_lse, repeated)(ops))
+                           lambda ops: autotune_seconds(
+                               ops, lambda op: repeated(op) or functools.partial(op.apply, inp, return_lse),
+                               inp.query.device.type))
 
 
 def _timed_decode(op, call: "KVCacheCall", inp: Inputs, q, k_cache, v_cache, return_lse: bool):

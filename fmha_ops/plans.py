@@ -13,8 +13,9 @@ values
 - a tensor: its shape, dtype, device, strides and ``requires_grad`` (a subclass also its type; on CUDA the low bits
   of its address, which the 16-byte alignment rules read);
 - a mask (``attn_bias.AttentionBias``): its ``signature()`` (type, window, sizes; its index tensors' metadata);
-- a bool, int or float: the value with its type (``True``, ``1`` and ``1.0`` are equal keys, not equal arguments);
-  a pair of plain ints (a window size) as it is;
+- a bool, int or float: the value with its type (``True``, ``1`` and ``1.0`` are equal keys, not equal arguments),
+  in a generated key the bare value where its type is the parameter's declared one (``causal: bool``: ``True``; ``1``
+  there is keyed with its type); a pair of plain ints (a window size) as it is;
 - None, a str, torch.dtype, torch.device or a class: the value;
 - a list or tuple: its type, then its items as above;
 
@@ -208,7 +209,7 @@ def _generated(entry: Callable, kind: str) -> Callable:
     local = [f"_a{i}" for i in range(len(params))]  # the arguments' names here, whatever the entry calls them
     tensors = [x for x, p in zip(local, params) if p.annotation in ("torch.Tensor", torch.Tensor)]
     items, cuda_items = [], []
-    for x in local:
+    for x, param in zip(local, params):
         if x in tensors:
             meta = f"{x}.shape, {x}.dtype, {x}.device, {x}.stride(), {x}.requires_grad"
             items.append(meta)
@@ -218,6 +219,9 @@ def _generated(entry: Callable, kind: str) -> Callable:
                     f"if type({x}) in _VALUES else {x}.signature() if isinstance({x}, _Bias) "
                     f"else (_INT_PAIR, {x}) if type({x}) is tuple and len({x}) == 2 and type({x}[0]) is int "
                     f"and type({x}[1]) is int else _item({x}, {{cuda}}))")
+            number = _ANNOTATED_NUMBERS.get(str(param.annotation))
+            if number is not None:  # the declared number type keyed by its value alone: no (type, value) pair
+                item = f"({x} if type({x}) is {number} else {item})"
             items.append(item.format(cuda=False))
             cuda_items.append(item.format(cuda=True))
     plain = " and ".join(f"type({x}) is _Tensor" for x in tensors) or "True"
@@ -257,6 +261,10 @@ def _generated(entry: Callable, kind: str) -> Callable:
     return fn
 
 
+#: parameter annotations (as ``from __future__ import annotations`` leaves them) whose number type a generated key
+#: holds as the bare value: the type is the parameter's own, so a value of another type (``1`` for a float, ``True``
+#: for an int), keyed as (type, value), never equals it
+_ANNOTATED_NUMBERS = {"float": "float", "float | None": "float", "bool": "bool", "int": "int", "int | None": "int"}
 #: marks the keys ``key_function`` lays out flat (tensor metadata as items of the key), apart from ``call_key``'s
 _FLAT = object()
 #: marks a tuple of two plain ints (a window size) kept as it is: without the per-item types ``_other`` adds

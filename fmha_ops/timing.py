@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+import warnings
 from typing import Callable
 
 #: back-to-back calls per host-time round, and interleaved rounds (the median is taken): 9 x 8 calls of a
@@ -207,3 +208,36 @@ def calls_seconds(fns: dict[str, Callable[[], object]], device: str) -> dict[str
         for name in names[r % len(names):] + names[:r % len(names)]:
             rounds[name].append(round_seconds(fns[name], sizes[name]))
     return {name: statistics.median(times) for name, times in rounds.items()}
+
+
+def autotune_seconds(ops, timed_call: Callable[[type], Callable[[], object]], device: str) -> dict[str, float]:
+    """Autotune's measurement of one call (``registry.select`` decides which ``ops`` to time and keeps the seconds):
+    {op NAME: seconds per back-to-back call} (``calls_seconds``) of ``timed_call(op)``, the caller's repeated call of
+    ``op`` on its own inputs, without gradients. The caller builds that call as repeated calls will run it (a launch
+    or decode plan skips host work the op's ``apply`` redoes per call, ~50 us for a Triton op, and timing ``apply``
+    would rank such ops behind ops without that work). An op whose call raises is left out with a warning naming it
+    and the error (the selector ranks it by its estimate). {} where nothing may be timed: under a CUDA-graph capture
+    on ``device`` (the timed calls would be captured). Ops only read their inputs, so timing leaves the caller's
+    tensors as they were.
+
+    Example
+    -------
+    >>> measure = lambda ops: autotune_seconds(ops, lambda op: functools.partial(op.apply, inp, False), "cpu")
+    >>> SELECTOR.select(sig, lambda: make_problem(inp, False), "fw", None, measure)  # doctest: +SKIP
+    """
+    import torch
+
+    if device == "cuda" and torch.cuda.is_current_stream_capturing():
+        return {}
+    with torch.no_grad():
+        fns = {}
+        for op in ops:
+            try:
+                fn = timed_call(op)
+                fn()  # the first call compiles and raises what the op cannot do here
+            except Exception as e:  # noqa: BLE001  (reported, and the op ranked by its estimate)
+                warnings.warn(f"fmha_ops autotune: {op.NAME} raised while timed, so it is ranked by its "
+                              f"estimate: {type(e).__name__}: {e}", stacklevel=2)
+                continue
+            fns[op.NAME] = fn
+        return calls_seconds(fns, device) if fns else {}

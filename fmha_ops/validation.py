@@ -57,12 +57,13 @@ def problem_fields(inp: Inputs, needs_lse: bool = False) -> dict:
     ``torch.compile`` traces."""
     q, k, v = inp.query, inp.key, inp.value
     bias = inp.attn_bias
+    descales = descale_kinds(inp)
     dims = ab.dense_dims(q, k) if bias is None else bias.dims(q, k)
     return dict(
         q_dtype=q.dtype, k_dtype=k.dtype, v_dtype=v.dtype, out_dtype=inp.out_dtype,
         batch=dims.batch, seqlen_q=dims.seqlen_q, seqlen_k=dims.seqlen_k, total_q=q.shape[0] * q.shape[1],
         heads_q=q.shape[2], heads_kv=k.shape[2], head_dim=q.shape[3], head_dim_v=v.shape[3], bias=inp.bias_kind,
-        q_uniform=dims.q_uniform, page_size=dims.page_size, descales=descale_kinds(inp),
+        q_uniform=dims.q_uniform, page_size=dims.page_size, descales=descales,
         quantize_kv=inp.quantize_kv_to_fp8, dropout=inp.p > 0.0, needs_lse=needs_lse or inp.is_partial,
         needs_grad=inp.needs_grad(), v_keys_contiguous=value_layout(v) == "keys",
         window_left=bias.window_left if bias is not None else -1,
@@ -98,7 +99,14 @@ def validate(inp: Inputs) -> None:
     if q.shape[3] == 0 or v.shape[3] == 0:
         raise ValueError(f"query/key head dim K={q.shape[3]} and value head dim Kv={v.shape[3]} must be >= 1")
     _validate_dtypes(inp)
+    if inp.output_dtype == torch.float8_e4m3fn:
+        _validate_fp8_output(inp)
+    if inp.sinks is not None:
+        validate_sinks(inp.sinks, q.shape[2], q.device)
     _validate_descales(inp)
+    if inp.attn_bias is not None:
+        inp.attn_bias.validate(q, k)
+    # the scalars last: each is one argument's own check
     if not (0.0 <= arguments.real("p", inp.p) < 1.0):
         raise ValueError(f"p (dropout) must be in [0, 1), got {inp.p}")
     if inp.scale is not None:
@@ -107,12 +115,8 @@ def validate(inp: Inputs) -> None:
     if inp.softcap < 0.0:
         raise ValueError(f"softcap must be a finite float >= 0 (0 = off), got {inp.softcap}")
     if inp.output_dtype is not None:
-        _validate_output_dtype(inp)
+        arguments.dtype("output_dtype", inp.output_dtype, FLOAT_DTYPES + (torch.float8_e4m3fn,))
     arguments.flag("quantize_kv_to_fp8", inp.quantize_kv_to_fp8)
-    if inp.sinks is not None:
-        validate_sinks(inp.sinks, q.shape[2], q.device)
-    if inp.attn_bias is not None:
-        inp.attn_bias.validate(q, k)
 
 
 def validate_sinks(sinks, heads_q: int, device: torch.device) -> None:
@@ -128,20 +132,16 @@ def validate_sinks(sinks, heads_q: int, device: torch.device) -> None:
         raise ValueError(f"sinks is on {sinks.device} but query is on {device}")
 
 
-def _validate_output_dtype(inp) -> None:
-    """A float output dtype, or float8_e4m3fn (the fp8 output option) when the value is fp8 e4m3fn: the output is
-    then in the value's fp8 units, its descale ``v_descale`` (attention averages value rows, so it cannot
-    saturate)."""
-    if inp.output_dtype == torch.float8_e4m3fn:
-        if inp.value.dtype != torch.float8_e4m3fn:
-            raise ValueError(f"output_dtype=float8_e4m3fn needs an fp8 e4m3fn value (the output is in the value's "
-                             f"fp8 units, descale v_descale); got value dtype {dtype_name(inp.value.dtype)}")
-        if not isinstance(inp.v_descale, torch.Tensor) or inp.v_descale.numel() != 1:
-            shape = None if not isinstance(inp.v_descale, torch.Tensor) else tuple(inp.v_descale.shape)
-            raise ValueError(f"output_dtype=float8_e4m3fn needs a per-tensor v_descale (numel 1: the output's own "
-                             f"descale); got v_descale of shape {shape}")
-        return
-    arguments.dtype("output_dtype", inp.output_dtype, FLOAT_DTYPES + (torch.float8_e4m3fn,))
+def _validate_fp8_output(inp) -> None:
+    """``output_dtype=float8_e4m3fn`` (the fp8 output option) needs an fp8 e4m3fn value: the output is then in the
+    value's fp8 units, its descale ``v_descale`` (attention averages value rows, so it cannot saturate)."""
+    if inp.value.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"output_dtype=float8_e4m3fn needs an fp8 e4m3fn value (the output is in the value's "
+                         f"fp8 units, descale v_descale); got value dtype {dtype_name(inp.value.dtype)}")
+    if not isinstance(inp.v_descale, torch.Tensor) or inp.v_descale.numel() != 1:
+        shape = None if not isinstance(inp.v_descale, torch.Tensor) else tuple(inp.v_descale.shape)
+        raise ValueError(f"output_dtype=float8_e4m3fn needs a per-tensor v_descale (numel 1: the output's own "
+                         f"descale); got v_descale of shape {shape}")
 
 
 def _validate_dtypes(inp: Inputs) -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fmha_ops
-from fmha_ops import measure
+from fmha_ops import timing
 from fmha_ops.dispatch import SELECTOR
 from registry import select
 from registry.measured import MeasuredTimes
@@ -36,7 +36,7 @@ def timed(monkeypatch):
             fn()
         names.extend(fns)
         return {name: 1e-3 for name in fns}
-    monkeypatch.setattr(measure, "calls_seconds", fake)
+    monkeypatch.setattr(timing, "calls_seconds", fake)
     return names
 
 

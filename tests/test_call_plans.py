@@ -304,7 +304,8 @@ def test_call_key_refuses_what_it_cannot_key():
 def test_each_entry_points_finder_takes_every_parameter():
     """The plan finders (and key functions) are generated from the entry points' signatures: one argument per
     parameter, so a call site that leaves one out fails at once; where no parameter is a plain tensor their keys hold
-    call_key's items (behind a marker of the flat layout); a finder returns the plan stored under the key it built."""
+    call_key's items (behind a marker of the flat layout), a number of its parameter's declared type as its bare
+    value; a finder returns the plan stored under the key it built."""
     import inspect
 
     from fmha_ops import flash_attn_interface as fa, quantized
@@ -322,7 +323,8 @@ def test_each_entry_points_finder_takes_every_parameter():
     parts = ([q, q], [q[:, 0, :, 0], q[:, 0, :, 0]], True, None)
     key_merge = plans.key_function(fmha_ops.merge_attentions)
     flat, generic = key_merge(*parts), plans.call_key(fmha_ops.merge_attentions, parts)
-    assert flat[0] == generic[0] and flat[2:] == generic[1:] and flat != generic
+    assert flat[0] == generic[0] and flat != generic
+    assert flat[2:-2] == generic[1:-2] and flat[-2:] == (True, None) and generic[-2:] == ((bool, True), None)
     with pytest.raises(TypeError):
         key_merge(*parts[:3])
     args = (q, k, v, None, 0.0, None, None, None, None, None, None, False, 0.0, None)
@@ -332,6 +334,20 @@ def test_each_entry_points_finder_takes_every_parameter():
     fmha_ops.memory_efficient_attention(q, k, v)
     plan, found = api._FIND_MEA(*args)
     assert found == key and plan is not None and plan is plans.PLANS.get(key)
+
+
+def test_a_number_of_another_type_than_declared_never_finds_the_plan():
+    """A generated key holds a number of its parameter's declared type (``causal: bool``, ``softcap: float``) as the
+    bare value, any other type as (type, value): ``causal=1`` never finds the plan of ``causal=True`` (``True == 1 ==
+    1.0``), so its own check runs and refuses it; the dropout ``p`` as 0.0, 0 and False makes three keys."""
+    q, k, v = _qkv()
+    fmha_ops.flash_attn_func(q, k, v, causal=True)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        fmha_ops.flash_attn_func(q, k, v, causal=1)
+    key = plans.key_function(fmha_ops.memory_efficient_attention)
+    args = [q, k, v, None, 0.0, None, None, None, None, None, None, False, 0.0, None]
+    keys = {key(*args[:4], p, *args[5:]) for p in (0.0, 0, False)}
+    assert len(keys) == 3
 
 
 def test_the_plan_cache_is_one_bounded_lru(monkeypatch):
