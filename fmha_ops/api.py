@@ -61,7 +61,7 @@ def memory_efficient_attention(
     plan, key_ = _FIND_MEA(query, key, value, attn_bias, p, scale, op, output_dtype, q_descale, k_descale, v_descale,
                            quantize_kv_to_fp8, softcap, sinks)
     if plan is not None:
-        return plan.run(query, key, value, attn_bias, q_descale, k_descale, v_descale)[0]
+        return plan.run(query, key, value, attn_bias, q_descale, k_descale, v_descale, sinks)[0]
     inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, output_dtype=output_dtype,
                       q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                       quantize_kv_to_fp8=quantize_kv_to_fp8, softcap=softcap, sinks=sinks)
@@ -79,7 +79,7 @@ def memory_efficient_attention_forward(
     plan, key_ = _FIND_FORWARD(query, key, value, attn_bias, p, scale, op, output_dtype, q_descale, k_descale,
                                v_descale, quantize_kv_to_fp8, softcap, sinks)
     if plan is not None:
-        return plan.run(query, key, value, attn_bias, q_descale, k_descale, v_descale)[0]
+        return plan.run(query, key, value, attn_bias, q_descale, k_descale, v_descale, sinks)[0]
     inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, output_dtype=output_dtype,
                       q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                       quantize_kv_to_fp8=quantize_kv_to_fp8, softcap=softcap, sinks=sinks)
@@ -127,7 +127,7 @@ def memory_efficient_attention_partial(
     plan, key_ = _FIND_PARTIAL(query, key, value, attn_bias, p, scale, op, output_dtype, q_descale, k_descale,
                                v_descale, quantize_kv_to_fp8, softcap, sinks)
     if plan is not None:  # plans exist only for calls that need no gradient (the full path refuses the rest)
-        return plan.run(query, key, value, attn_bias, q_descale, k_descale, v_descale)
+        return plan.run(query, key, value, attn_bias, q_descale, k_descale, v_descale, sinks)
     _no_dropout(p, "memory_efficient_attention_partial")
     output_dtype = output_dtype or torch.float32
     inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, output_dtype=output_dtype,
@@ -165,7 +165,7 @@ def memory_efficient_attention_forward_requires_grad(
     """
     plan, key_ = _FIND_FORWARD_REQUIRES_GRAD(query, key, value, attn_bias, p, scale, op, output_dtype, softcap, sinks)
     if plan is not None:
-        return plan.run(query, key, value, attn_bias, None, None, None)
+        return plan.run(query, key, value, attn_bias, None, None, None, sinks)
     _no_dropout(p, "memory_efficient_attention_forward_requires_grad")
     inp = make_inputs(query, key, value, attn_bias, p=p, scale=scale, output_dtype=output_dtype, softcap=softcap,
                       sinks=sinks)
@@ -191,7 +191,7 @@ def memory_efficient_attention_backward(
     """
     plan, key_ = _FIND_BACKWARD(grad, output, lse, query, key, value, attn_bias, p, scale, op, softcap, sinks)
     if plan is not None:
-        return plan.run(grad, output, lse, query, key, value, attn_bias)
+        return plan.run(grad, output, lse, query, key, value, attn_bias, sinks)
     _no_dropout(p, "memory_efficient_attention_backward")
     if query.ndim == 5:
         raise ValueError("memory_efficient_attention_backward takes BMHK (B, M, H, K) or BMK tensors, got a 5-D "
@@ -208,7 +208,7 @@ def memory_efficient_attention_backward(
     sig = inp.signature()
     bw = SELECTOR.select(sig, lambda: make_problem(inp, True), "bw", op)
     dq, dk, dv = bw.apply_bw(inp, out, lse.float(), grad.contiguous())
-    if inp.layout is BMHK and inp.sinks is None and inp.attn_bias is attn_bias and (attn_bias is None or (
+    if inp.layout is BMHK and inp.attn_bias is attn_bias and (attn_bias is None or (
             attn_bias.tensor_bias is None and not checks_values(type(attn_bias)))):
         PLANS.put(key_, Plan(_backward_plan(bw, inp), (bw,)))
     return inp.layout(dq), inp.layout(dk), inp.layout(dv)
@@ -218,12 +218,13 @@ _FIND_BACKWARD = plan_finder(memory_efficient_attention_backward)
 
 
 def _backward_plan(bw, inp: Inputs):
-    """``run(grad, output, lse, query, key, value, attn_bias) -> (dq, dk, dv)``: the backward op on BMHK calls laid
-    out like ``inp`` (validated, ``bw`` selected for them)."""
+    """``run(grad, output, lse, query, key, value, attn_bias, sinks) -> (dq, dk, dv)``: the backward op on BMHK calls
+    laid out like ``inp`` (validated, ``bw`` selected for them)."""
     p, scale, softcap = inp.p, inp.scale, inp.softcap
 
-    def run(grad, output, lse, query, key, value, attn_bias):
-        call = Inputs(query, key, value, attn_bias, p, scale, None, False, None, None, None, False, BMHK, softcap)
+    def run(grad, output, lse, query, key, value, attn_bias, sinks):
+        call = Inputs(query, key, value, attn_bias, p, scale, None, False, None, None, None, False, BMHK, softcap,
+                      sinks)
         return bw.apply_bw(call, output, lse.float(), grad.contiguous())
     return run
 

@@ -16,8 +16,8 @@ Example
 -------
 >>> key = plans.call_key("attention", (q, k, v, mask))
 >>> plan = plans.PLANS.get(key)
->>> out, lse = plan.run(q, k, v, mask, None, None, None) if plan else run_forward(make_inputs(q, k, v, mask), None,
-...                                                                               False, key)
+>>> out, lse = plan.run(q, k, v, mask, None, None, None, None) if plan else run_forward(
+...     make_inputs(q, k, v, mask), None, False, key)
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def run_forward(inp: Inputs, op: OpArg, needs_lse: bool, plan_key: tuple | None 
 
     Returns out (B, Mq, Hq, Kv) in ``inp.out_dtype`` and lse float32 (B, Hq, Mq) (None unless ``needs_lse``
     or a backward op is attached). ``plan_key``: the call's key (``plans.call_key``); the launch plan of this call,
-    ``run(query, key, value, attn_bias, q_descale, k_descale, v_descale) -> (out, lse)``, is stored under it in
+    ``run(query, key, value, attn_bias, q_descale, k_descale, v_descale, sinks) -> (out, lse)``, is stored under it in
     ``plans.PLANS`` when the call can have one, as ``bind(run)`` when ``bind`` is given (an entry point's own
     arguments and results around the launch), with ``bound`` (what the entry point passes the launch besides the
     call's tensors: its mask) as ``Plan.bound``. A call without a key runs as ``forward`` runs it. Example:
@@ -119,18 +119,17 @@ def _launch_plan_call(inp: Inputs, needs_lse: bool) -> Callable:
     """``repeated(op)`` for autotune's measurement of a call that keeps a launch plan: ``op``'s launch plan
     (``AttentionFwOp.launcher``) bound to the call's arguments, as a call without arguments."""
     def repeated(op):
-        args = (inp.query, inp.key, inp.value, inp.attn_bias, inp.q_descale, inp.k_descale, inp.v_descale)
+        args = (inp.query, inp.key, inp.value, inp.attn_bias, inp.q_descale, inp.k_descale, inp.v_descale, inp.sinks)
         return functools.partial(op.launcher(inp, needs_lse), *args)
     return repeated
 
 
 def _plannable(inp: Inputs) -> bool:
     """Whether repeated calls like ``inp`` may skip the full path: BMHK as given, no per-call value checks (host
-    descales, masks with index tables), no tensor bias (its gradient follows the grad mode), no sinks."""
+    descales, masks with index tables), no tensor bias (its gradient follows the grad mode). Sinks are an argument of
+    the plan's run, like the tensors (the key holds their layout; ``validate_sinks`` reads nothing else)."""
     bias = inp.attn_bias
     if inp.layout is not BMHK or (bias is not None and (bias.tensor_bias is not None or checks_values(type(bias)))):
-        return False
-    if inp.sinks is not None:  # the launch plans take no sinks: such calls keep the full path
         return False
     descales = [d for d in (inp.q_descale, inp.k_descale, inp.v_descale) if d is not None]
     return not descales or not (checks.checks_enabled() or any(d.device.type == "cpu" for d in descales))

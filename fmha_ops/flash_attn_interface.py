@@ -52,10 +52,10 @@ def _attention(key, q, k, v, bias, softmax_scale, q_descale, k_descale, v_descal
     return (out, lse.detach()) if return_lse else out
 
 
-def _run_plan(plan, q, k, v, bias, q_descale, k_descale, v_descale, return_lse: bool):
+def _run_plan(plan, q, k, v, bias, q_descale, k_descale, v_descale, return_lse: bool, sinks):
     """What ``_attention`` returns, by the plan it stored, on this call's mask ``bias`` (a varlen call's own
-    sequence starts, of the signature the key holds)."""
-    out, lse = plan.run(q, k, v, bias, q_descale, k_descale, v_descale)
+    sequence starts, of the signature the key holds) and ``sinks``."""
+    out, lse = plan.run(q, k, v, bias, q_descale, k_descale, v_descale, sinks)
     return (out, lse.detach()) if return_lse else out
 
 
@@ -72,7 +72,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
                            attention_chunk, softcap, num_splits, pack_gqa, deterministic, sm_margin, return_attn_probs,
                            sinks)
     if plan is not None:
-        out, lse = plan.run(q, k, v, plan.bound, q_descale, k_descale, v_descale)
+        out, lse = plan.run(q, k, v, plan.bound, q_descale, k_descale, v_descale, sinks)
         return (out, lse.detach()) if return_attn_probs else out
     _unsupported(qv=(qv, None), attention_chunk=(attention_chunk, 0))
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -130,7 +130,7 @@ def _varlen_mask(masks: dict, kind, window_args: tuple, cu_seqlens_q: torch.Tens
 def _varlen_plan(kind, window_args: tuple, max_seqlen_q, max_seqlen_k, softmax_scale, return_lse: bool, softcap):
     """``run(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale, sinks)``: a validated varlen
     layout's mask (read from the starts, kept per device tensor pair) and the packed call (batch 1) through its own
-    plan (calls with sinks: its full path)."""
+    plan."""
     masks: dict = {}
 
     def run(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale, sinks):
@@ -140,7 +140,7 @@ def _varlen_plan(kind, window_args: tuple, max_seqlen_q, max_seqlen_k, softmax_s
                                     softcap, sinks))
         plan = PLANS.get(key)
         if plan is not None:
-            res = _run_plan(plan, q, k, v, bias, q_descale, k_descale, v_descale, return_lse)
+            res = _run_plan(plan, q, k, v, bias, q_descale, k_descale, v_descale, return_lse, sinks)
         else:
             res = _attention(key, q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_lse, softcap,
                              sinks)
@@ -251,7 +251,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         plan = plan_kvcache_call(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
                                  q_descale, k_descale, v_descale, softmax_scale, causal, window_size, softcap,
                                  return_softmax_lse, sinks)
-    return plan.run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale)
+    return plan.run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale, sinks)
 
 
 _FIND_KVCACHE = plan_finder(flash_attn_with_kvcache)

@@ -3,7 +3,7 @@
 ``plan_kvcache_call`` is the whole miss path of ``flash_attn_with_kvcache``: it validates the arguments
 (``kvcache_call``: ValueError / TypeError / NotImplementedError naming them, the append not yet made) and returns
 the ``Plan`` the entry point runs. Where a repeated call of the same key may skip the checks (paged, device index
-tensors outside check mode, no autograd, no sinks) that is the decode plan, stored in the plan cache
+tensors outside check mode, no autograd, contiguous sinks if any) that is the decode plan, stored in the plan cache
 (``fmha_ops.plans``): the append kernel and the selected op's decode launcher on the call's own index tensors (their
 values are read on the device, where the kernels guard them), no selection. Any other call gets a plan of its own,
 not stored: its value checks, the append and the selected op's forward, on every call. ``fmha_ops.decode_plan``
@@ -13,7 +13,7 @@ Example
 -------
 >>> plan = plan_kvcache_call(key, q, k_cache, v_cache, None, None, lengths, None, table, None, None, None, None,
 ...                          True, (-1, -1), 0.0, False)  # doctest: +SKIP
->>> out = plan.run(q, k_cache, v_cache, None, None, lengths, table, None, None)  # doctest: +SKIP
+>>> out = plan.run(q, k_cache, v_cache, None, None, lengths, table, None, None, None)  # doctest: +SKIP
 """
 from __future__ import annotations
 
@@ -42,16 +42,18 @@ def plan_kvcache_call(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
                       k_descale, v_descale, softmax_scale, causal, window_size, softcap, return_lse: bool,
                       sinks=None) -> Plan:
     """The plan of ``flash_attn_with_kvcache``'s call (its arguments as it takes them, ``key`` its call's plan key):
-    ``run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale)`` returns what the entry point
-    returns. Validates the arguments first (raising as ``flash_attn_with_kvcache`` documents). A call whose repeated
+    ``run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale, sinks)`` returns what the entry
+    point returns. Validates the arguments first (raising as ``flash_attn_with_kvcache`` documents). A call whose repeated
     calls may skip the checks (``_plannable``) gets the decode plan of its layout, stored under ``key``; any other
-    call a plan of its own (``_call_run``), not stored: its sinks and values (host descales and index tables; all of
-    them in check mode) are checked here, before its run appends."""
+    call a plan of its own (``_call_run``), not stored: its values (host descales and index tables; all of them in
+    check mode) are checked here, before its run appends. The sinks are checked here and passed to every run (the key
+    holds their layout)."""
     call = kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, q_descale, k_descale,
                         v_descale, softmax_scale, causal, window_size)
     inp = decode_inputs(call, softmax_scale, softcap, return_lse, sinks)
-    if (key is not None and sinks is None  # the decode plans take no sinks: such calls keep their own plans
-            and _plannable(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table)):
+    if sinks is not None:
+        validate_sinks(sinks, q.shape[2], q.device)
+    if key is not None and _plannable(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, sinks):
         def timed(op):  # what autotune times of a contender: its decode run, nothing appended
             return _timed_decode(op, call, inp, q, k_cache, v_cache, return_lse)
 
@@ -63,8 +65,6 @@ def plan_kvcache_call(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
         if run is not None:
             return PLANS.put(key, Plan(run, (op,), ("validation", "selection", "mask")))
     run = _call_run(call, inp, q.shape, return_lse)
-    if sinks is not None:
-        validate_sinks(sinks, q.shape[2], q.device)
     check_values(inp)
     return Plan(run, (), ())
 
@@ -95,7 +95,8 @@ def _timed_decode(op, call: "KVCacheCall", inp: Inputs, q, k_cache, v_cache, ret
     if run is None:
         return None
     lengths, table = call.bias.k_seqinfo.seqlen, call.bias.block_tables
-    return functools.partial(run, q, k_cache, v_cache, None, None, lengths, table, call.k_descale, call.v_descale)
+    return functools.partial(run, q, k_cache, v_cache, None, None, lengths, table, call.k_descale, call.v_descale,
+                             inp.sinks)
 
 
 def _call_run(call: "KVCacheCall", inp: Inputs, q_shape, return_lse: bool) -> Callable:
@@ -117,11 +118,14 @@ def _call_run(call: "KVCacheCall", inp: Inputs, q_shape, return_lse: bool) -> Ca
     return run
 
 
-def _plannable(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table) -> bool:
+def _plannable(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, sinks) -> bool:
     """Whether repeated calls like this one may run a decode plan: paged, device index tensors outside check mode
-    (host ones are read back on every call), no autograd, index strides the kernels read as they lie, and an
-    append (if any) the append kernel can do (on a GPU, or through Triton's interpreter)."""
+    (host ones are read back on every call), no autograd, index strides the kernels read as they lie, sinks (if
+    any) contiguous as the kernels read them, and an append (if any) the append kernel can do (on a GPU, or through
+    Triton's interpreter)."""
     if cache_batch_idx is not None or type(cache_seqlens) is not torch.Tensor or type(page_table) is not torch.Tensor:
+        return False
+    if sinks is not None and not sinks.is_contiguous():
         return False
     if checks.wanted(cache_seqlens, page_table):  # on q's device (validated): a host q has host indices
         return False
@@ -133,7 +137,7 @@ def _plannable(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_t
 
 
 def decode_run(op, call: "KVCacheCall", inp, q, v_cache, return_lse: bool, new_tokens: torch.Tensor | None = None):
-    """``run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale)`` -> what
+    """``run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale, sinks)`` -> what
     ``flash_attn_with_kvcache`` returns, by ``op``'s ``decode_launcher`` for calls laid out like ``call`` / ``inp``
     (validated, ``op`` selected for them); None when the op has no such launcher. With ``new_tokens`` (the first
     call's ``k``) each run first appends ``k`` / ``v`` at ``cache_seqlens`` (the append kernel) and attends at
@@ -155,13 +159,13 @@ def decode_run(op, call: "KVCacheCall", inp, q, v_cache, return_lse: bool, new_t
         kv_append = None
 
     if like_q and not per_tensor and not return_lse and kv_append is None:  # the common decode step: one launch
-        def run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale):
+        def run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale, sinks):
             out = empty_like(q)
-            launch(q, k_cache, v_cache, k_descale, v_descale, cache_seqlens, page_table, out, None, 0)
+            launch(q, k_cache, v_cache, k_descale, v_descale, cache_seqlens, page_table, out, None, 0, sinks)
             return out
         return run
 
-    def run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale):
+    def run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale, sinks):
         if kv_append is not None:
             kv_append(k, v, k_cache, v_cache, cache_seqlens, block_table=page_table, k_scale=k_descale,
                       v_scale=v_descale)
@@ -170,7 +174,7 @@ def decode_run(op, call: "KVCacheCall", inp, q, v_cache, return_lse: bool, new_t
             v_descale = v_descale.reshape(1, 1, 1).expand(v_cache.shape[:3])
         out = empty_like(q) if like_q else torch.empty(out_shape, dtype=out_dtype, device=device)
         lse = torch.empty((batch, hq, mq), dtype=torch.float32, device=device) if return_lse else None
-        launch(q, k_cache, v_cache, k_descale, v_descale, cache_seqlens, page_table, out, lse, offset)
+        launch(q, k_cache, v_cache, k_descale, v_descale, cache_seqlens, page_table, out, lse, offset, sinks)
         return (out, lse) if return_lse else out
     return run
 

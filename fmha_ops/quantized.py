@@ -85,8 +85,8 @@ def quantized_forward(qk_dtype: torch.dtype, bias, scale: float | None, op, quer
     qd, kd, vd = descales["q_descale"], descales["k_descale"], descales["v_descale"]
     key = call_key(quantized_forward, (q8, k8, v8, bias, op, query.dtype, qd, kd, vd, sinks))
     plan = PLANS.get(key)
-    if plan is not None:  # (calls with sinks store none: they keep the full path)
-        out, lse = plan.run(q8, k8, v8, bias, qd, kd, vd)
+    if plan is not None:
+        out, lse = plan.run(q8, k8, v8, bias, qd, kd, vd, sinks)
     else:
         inp = make_inputs(q8, k8, v8, bias, scale=1.0, output_dtype=query.dtype, is_partial=True, sinks=sinks,
                           **descales)

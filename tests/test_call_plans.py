@@ -117,6 +117,64 @@ def test_gradients_through_a_plan_match_the_full_path():
     assert fmha_ops.memory_efficient_attention_forward(q, k, v, CAUSAL).grad_fn is None
 
 
+def _same(a, b) -> bool:
+    """Whether two results (a tensor or a tuple of tensors) are equal, element by element."""
+    a, b = ((r,) if isinstance(r, torch.Tensor) else r for r in (a, b))
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_plans_take_each_calls_sinks(counted):
+    """Calls with sinks (GPT-OSS: every layer its own) keep plans: a repeated layout runs no validation, and each
+    call's own sinks, not those of the call that made the plan, reach the op: bit-identical to the full path with
+    them, through every entry point that plans (the low-level backward's too)."""
+    q, k, v = _qkv(m=9, hq=4, hkv=2)
+    layers = [torch.randn(4, generator=torch.Generator().manual_seed(i)) * 2 for i in range(2)]
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    out, lse = fmha_ops.memory_efficient_attention_forward_requires_grad(q, k, v, CAUSAL, sinks=layers[0])
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    entry_points = {
+        "memory_efficient_attention": lambda s: fmha_ops.memory_efficient_attention(q, k, v, CAUSAL, sinks=s),
+        "forward": lambda s: fmha_ops.memory_efficient_attention_forward(q, k, v, CAUSAL, sinks=s),
+        "partial": lambda s: fmha_ops.memory_efficient_attention_partial(q, k, v, CAUSAL, sinks=s),
+        "forward_requires_grad": lambda s: fmha_ops.memory_efficient_attention_forward_requires_grad(
+            q, k, v, CAUSAL, sinks=s),
+        "backward": lambda s: fmha_ops.memory_efficient_attention_backward(grad, out, lse, q, k, v, CAUSAL, sinks=s),
+        "flash_attn_func": lambda s: fmha_ops.flash_attn_func(q, k, v, causal=True, sinks=s),
+        "flash_attn_varlen_func": lambda s: fmha_ops.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 5, 5,
+                                                                            causal=True, sinks=s),
+    }
+    for name, fn in entry_points.items():
+        fmha_ops.SELECTOR.clear()
+        first = fn(layers[0])  # the full path, which leaves the plan
+        validated = counted["validate"]
+        planned = fn(layers[1])  # the plan, with another layer's sinks
+        assert counted["validate"] == validated, name
+        fmha_ops.SELECTOR.clear()
+        assert _same(planned, fn(layers[1])), name
+        # the backward reads the sinks through the LSE it is given (they choose its op): the same gradients
+        assert _same(planned, first) == (name == "backward"), name
+
+
+def test_gradients_with_sinks_through_a_plan_match_the_full_path():
+    """The sinks' gradient too (a plan's autograd pair gets the call's sinks); sinks without requires_grad: a plan
+    of its own, no gradient for them."""
+    base = _qkv(m=11, hq=4, hkv=2)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(5))
+    grads = []
+    for _ in range(2):  # the full path, then the plan it left
+        q, k, v, s = (t.clone().requires_grad_() for t in (*base, sinks))
+        out = fmha_ops.memory_efficient_attention(q, k, v, CAUSAL, sinks=s)
+        out.backward(torch.ones_like(out))
+        grads.append((out.detach(), q.grad, k.grad, v.grad, s.grad))
+    assert grads[0][4].abs().sum() > 0
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+    q = base[0].clone().requires_grad_()
+    for _ in range(2):
+        out = fmha_ops.memory_efficient_attention(q, base[1], base[2], CAUSAL, sinks=sinks)
+        assert out.grad_fn is not None and not sinks.requires_grad
+
+
 def test_forward_records_no_graph_whatever_requires_grad():
     q, k, v = _qkv(m=6)
     bias = torch.randn(1, 2, 6, 6, requires_grad=True)

@@ -106,6 +106,51 @@ def _kvcache_decode(paged):
             q, sinks=sinks)
 
 
+@pytest.mark.parametrize("op", ["triton_decoderF", "triton_splitKF"])
+def test_kvcache_decode_plan_takes_each_calls_sinks(op, monkeypatch):
+    """flash_attn_with_kvcache with sinks keeps its decode plan (GPT-OSS: every layer its own sinks, one cache
+    layout): a repeated call skips the checks (no ``kvcache_call``), appends, and attends with its own sinks."""
+    from fmha_ops import checks, kvcache_call
+    from fmha_ops.kv_cache import paged_from_dense
+
+    monkeypatch.setattr(checks, "wanted", lambda *t: False)  # index tensors treated as a GPU's (the plan's path)
+    checked, check = [], kvcache_call.kvcache_call
+    monkeypatch.setattr(kvcache_call, "kvcache_call", lambda *a: checked.append(1) or check(*a))
+    q, k, v, _ = _inputs(b=2, mq=1, mk=32, seed=6)
+    (k_cache, v_cache), table = paged_from_dense([k, v], 8)
+    lengths = torch.tensor([20, 9], dtype=torch.int32, device=DEVICE)
+    layers = [torch.randn(q.shape[2], generator=torch.Generator().manual_seed(i)).to(DEVICE) * 2 for i in range(3)]
+    fmha_ops.SELECTOR.clear()
+    with fmha_ops.use_ops(op):
+        outs = []
+        for i, sinks in enumerate(layers):  # each call appends its token (k / v scaled by the layer) at lengths + i
+            new_k, new_v = k[:, :1] * (i + 2), v[:, :1] * (i + 2)
+            outs.append(fmha_ops.flash_attn_with_kvcache(q, k_cache, v_cache, new_k, new_v, cache_seqlens=lengths + i,
+                                                         page_table=table, causal=True, sinks=sinks))
+    assert len(checked) == 1  # the first call's checks; the plan ran the others
+    for i, (out, sinks) in enumerate(zip(outs, layers)):
+        for b, n in enumerate(lengths.tolist()):
+            kk = torch.cat([k[b:b + 1, :n]] + [k[b:b + 1, :1] * (j + 2) for j in range(i + 1)], 1)
+            vv = torch.cat([v[b:b + 1, :n]] + [v[b:b + 1, :1] * (j + 2) for j in range(i + 1)], 1)
+            ref, _ = reference(q[b:b + 1], kk, vv, q.shape[-1] ** -0.5, True, sinks)
+            assert error_report(out[b:b + 1], ref)["rel"] < 2e-3, (i, b)
+
+
+@pytest.mark.parametrize("fn", ["fp8_attention", "i8fp8_attention"])
+def test_quantized_calls_take_each_calls_sinks(fn, monkeypatch):
+    """fp8_attention / i8fp8_attention called again with another layer's sinks (their plans hit, the quantized
+    forward's launch plan too): the output of the full path with those sinks, not the first call's."""
+    from fmha_ops import call as call_path
+
+    monkeypatch.setattr(call_path, "_plannable", lambda inp: True)  # descales treated as a GPU's (no per-call check)
+    q, k, v, sinks = _inputs(b=1, mq=33, mk=33, d=32, dv=32)
+    call = getattr(fmha_ops, fn)
+    fmha_ops.SELECTOR.clear()
+    first, again = call(q, k, v, causal=True, sinks=sinks), call(q, k, v, causal=True, sinks=-sinks)
+    fmha_ops.SELECTOR.clear()
+    assert torch.equal(again, call(q, k, v, causal=True, sinks=-sinks)) and not torch.equal(again, first)
+
+
 @pytest.mark.parametrize("fn", ["fp8_attention", "i8fp8_attention"])
 def test_quantized_training_sinks_gradient(fn):
     q, k, v, sinks = _inputs(b=1, mq=33, mk=33, d=32, dv=32, grad=True)
@@ -214,17 +259,25 @@ def test_gpu_ops_with_sinks(op, window):
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", [None, "triton_attnF", ("triton_attnF", "triton_attnB"), "fa3F", "fa4F"])
 def test_gpu_value_head_dim_192_128(op):
-    """DeepSeek-V3 heads (K=192, Kv=128, bf16, causal) through the selector and the ops that declare Kv != K."""
+    """DeepSeek-V3 heads (K=192, Kv=128, bf16, causal) through the selector and each op that declares Kv != K (an
+    op whose declaration refuses the shape is skipped with its reason: FA4 declares Kv == K)."""
+    from fmha_ops import inputs
+
     names = [] if op is None else list(op) if isinstance(op, tuple) else [op]
+    grad = op is None or isinstance(op, tuple)
+    q, k, v, _ = _inputs(b=2, mq=1000, mk=1000, hq=16, hkv=16, d=192, dv=128, dtype=torch.bfloat16, grad=grad)
+    mask = LowerTriangularFromBottomRightMask()
     for name in names:
         if name not in [o.NAME for o in fmha_ops.ALL_FW_OPS + fmha_ops.ALL_BW_OPS]:
             pytest.skip(f"{name} is not registered here")
         reason = fmha_ops.get_op(name).available()
         if reason:
             pytest.skip(reason)
-    grad = op is None or isinstance(op, tuple)
-    q, k, v, _ = _inputs(b=2, mq=1000, mk=1000, hq=16, hkv=16, d=192, dv=128, dtype=torch.bfloat16, grad=grad)
-    mask = LowerTriangularFromBottomRightMask()
+        call = inputs.make_inputs(q, k, v, mask)
+        call.validate()
+        refused = fmha_ops.get_op(name).not_supported_reasons(call.problem())
+        if refused:
+            pytest.skip(f"{name}: {'; '.join(refused)}")
     out = memory_efficient_attention(q, k, v, mask, op=op)
     leaves = [t.detach().float().requires_grad_(grad) for t in (q, k, v)]
     ref = memory_efficient_attention(*leaves, mask, op="torch_referenceF")

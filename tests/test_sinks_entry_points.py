@@ -100,12 +100,14 @@ def test_quantized_forward(kind):
 
 @pytest.mark.parametrize("fn, op", [("fp8_attention", "triton_fp8F"), ("i8fp8_attention", "triton_i8fp8F")])
 def test_quantize_inside_attention(fn, op):
-    """fp8_attention / i8fp8_attention with their Triton forward forced: output and the sinks' gradient."""
-    q, k, v, sinks = _inputs(b=1, mq=33, mk=33, d=32, dv=32, grad=True)
+    """fp8_attention / i8fp8_attention with their Triton forward forced (Kv=32 != K=48): output, the sinks' gradient
+    and v's, in v's head dim."""
+    q, k, v, sinks = _inputs(b=1, mq=33, mk=33, grad=True)
     out = getattr(fmha_ops, fn)(q, k, v, causal=True, op=op, sinks=sinks)
     out.float().square().sum().backward()
     leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v, sinks)]
     ref, _ = reference(*leaves[:3], q.shape[-1] ** -0.5, True, leaves[3])
     ref.square().sum().backward()
-    assert error_report(out, ref)["cos"] > QUANTIZED_COS
+    assert out.shape[-1] == v.shape[-1] and error_report(out, ref)["cos"] > QUANTIZED_COS
     assert error_report(sinks.grad, leaves[3].grad)["cos"] > 0.99
+    assert error_report(v.grad, leaves[2].grad)["cos"] > 0.99

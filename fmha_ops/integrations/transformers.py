@@ -19,7 +19,8 @@ through transformers' mask code unchanged); the attention packs the valid tokens
 (padded query rows get 0). Sequences packed into batch rows (position_ids that restart) come as each token's
 sequence index, and transformers' continuous batching (``generate_batch``, its paged cache read back into
 sequences laid end to end: ``cu_seq_lens_q`` / ``cu_seq_lens_k``) with no mask; both become one block-diagonal
-call. Masks transformers composes from other functions (image-token overlays, custom and / or masks) are
+call. Continuous batching's decode-only steps on models whose layers are all full attention read and append to its
+paged cache in place (``flash_attn_with_kvcache`` with its block table). Masks transformers composes from other functions (image-token overlays, custom and / or masks) are
 materialized as a dense additive bias, as SDPA takes them.
 
 Example
@@ -39,6 +40,7 @@ from transformers.masking_utils import (AttentionMaskInterface, bidirectional_ma
 
 from .. import attn_bias as ab
 from ..api import memory_efficient_attention
+from ..flash_attn_interface import flash_attn_with_kvcache
 from ..quant import quantize_i8fp8, quantize_qkv_fp8
 from ..quantized import fp8_attention, i8fp8_attention
 
@@ -141,6 +143,9 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     if attention_mask is not None and attention_mask.dim() == 2:  # the padding of structured_mask
         return _packed(q, k, v, attention_mask, causal, window, options, quantize), None
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    table, k_cache, v_cache = (kwargs.get(name) for name in ("block_table", "k_cache", "v_cache"))
+    if table is not None and k_cache is not None and v_cache is not None:  # continuous batching's decode-only steps
+        return _paged_decode(q, k, v, k_cache, v_cache, table, cu_k, window, options), None
     if attention_mask is None and isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor):
         return _concatenated(q, k, v, cu_q, cu_k, causal, window, options, quantize), None
     if attention_mask is not None:  # a dense mask (B, 1, Mq, Mk): an additive bias, or the allowed pairs (bool)
@@ -219,6 +224,23 @@ def _concatenated(q, k, v, cu_q: torch.Tensor, cu_k: torch.Tensor, causal: bool,
     return torch.nn.functional.pad(out, (0, 0, 0, 0, 0, q.shape[1] - nq))
 
 
+def _paged_decode(q, k, v, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, cu_k: torch.Tensor,
+                  window: int | None, options: dict) -> torch.Tensor:
+    """A decode-only step of transformers' continuous batching on its paged cache, read in place: one new token per
+    sequence, q (1, S, Hq, K) and k / v (1, S, Hkv, K / Kv) in one batch row; the cache's pages k_cache / v_cache
+    (pages, page size, Hkv, K / Kv), ``table`` int32 (S, pages per sequence) (``block_table``), ``cu_k`` int (S + 1,)
+    the sequences' lengths with the new token (``cu_seq_lens_k``). ``flash_attn_with_kvcache`` writes the new tokens
+    into their pages and runs the paged decoders over them, with no host sync (a CUDA-graph batch's padding, sequences
+    of length 0 whose page-table rows hold -1, writes and reads nothing on the GPU). Returns (1, S, Hq, Kv)."""
+    s = q.shape[1]
+    cached = (cu_k[1:s + 1] - cu_k[:s] - 1).clamp_min(0).to(torch.int32)  # tokens before the new one
+    window_size = (-1, -1) if window is None else (window - 1, 0)  # ``window`` keys, the query's own included
+    out = flash_attn_with_kvcache(q[0, :, None], k_cache, v_cache, k[0, :, None], v[0, :, None], cache_seqlens=cached,
+                                  page_table=table, softmax_scale=options["scale"], causal=True,
+                                  window_size=window_size, softcap=options["softcap"], sinks=options["sinks"])
+    return out.transpose(0, 1)
+
+
 def _sequences(q, k, v, q_lens: list[int], k_lens: list[int], causal: bool, window: int | None, options: dict,
                quantize: str | None) -> torch.Tensor:
     """Attention over packed sequences: q (1, sum(q_lens), Hq, K), k / v (1, sum(k_lens), Hkv, K / Kv); per sequence
@@ -284,13 +306,39 @@ def _keep_for_continuous_batching() -> None:
     ContinuousBatchingManager.switch_to_cb_friendly_attn = keep_ours
 
 
+def _keep_decode_fast_path() -> None:
+    """Let transformers' continuous batching read its paged cache in place on decode-only steps (its "decode fast
+    path", which it keeps for FlashAttention 2 / 3 on CUDA only): for the ``IMPLEMENTATIONS`` it stays on wherever
+    every layer's cache takes a block table (full-attention layers; transformers turns it off where a layer slides
+    a window), and those steps reach ``attention`` with ``block_table`` / ``k_cache`` / ``v_cache``
+    (``_paged_decode``) instead of the cache gathered into sequences. ``max_blocks_per_request=0`` in the
+    ``ContinuousBatchingConfig`` still turns it off. Idempotent."""
+    from transformers.generation.continuous_batching import initialization
+
+    check = initialization.ensure_decode_fast_path_is_available
+    if getattr(check, "keeps_fmha_ops", False):
+        return
+
+    @functools.wraps(check)
+    def keep_ours(config, cb_config, *args, **kwargs):
+        if config._attn_implementation not in IMPLEMENTATIONS:
+            return check(config, cb_config, *args, **kwargs)
+        allocators = initialization.ATTN_TYPE_TO_ALLOCATOR
+        if not all(allocators[kind].supports_block_table for kind in initialization.group_layers_by_attn_type(config)):
+            cb_config.max_blocks_per_request = 0
+        return None
+    keep_ours.keeps_fmha_ops = True
+    initialization.ensure_decode_fast_path_is_available = keep_ours
+
+
 def register() -> None:
     """Register the attention and mask functions of ``IMPLEMENTATIONS`` with transformers and let its continuous
-    batching run them (idempotent; importing this module does it)."""
+    batching run them, decode-only steps on its paged cache in place (idempotent; importing this module does it)."""
     for name, kind in IMPLEMENTATIONS.items():
         AttentionInterface.register(name, attention if kind is None else _variant(kind))
         AttentionMaskInterface.register(name, structured_mask)
     _keep_for_continuous_batching()
+    _keep_decode_fast_path()
 
 
 register()

@@ -189,8 +189,8 @@ class AttentionFwOp(AttentionOp):
     @classmethod
     def launcher(cls, inp: Inputs, needs_lse: bool):
         """The launch plan of calls laid out like ``inp`` (validated, BMHK, this op selected for it):
-        ``run(query, key, value, attn_bias, q_descale, k_descale, v_descale)`` -> what ``apply`` returns, for
-        new tensors of the same shapes, dtypes, devices and strides and a mask of the same signature. It keeps
+        ``run(query, key, value, attn_bias, q_descale, k_descale, v_descale, sinks=None)`` -> what ``apply`` returns,
+        for new tensors (sinks too) of the same shapes, dtypes, devices and strides and a mask of the same signature. It keeps
         only ``inp``'s scalars, never its tensors. This default rebuilds the ``Inputs`` and calls ``apply``; ops
         whose launch has per-layout work to skip override it.
 

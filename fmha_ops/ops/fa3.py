@@ -290,17 +290,18 @@ class FA3FwOp(_FA3Op, AttentionFwOp):
 
     @classmethod
     def decode_launcher(cls, inp: Inputs, needs_lse: bool, own_workspace: bool = True):
-        """``launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse, seqlen_offset=0)`` for
-        decode calls like ``inp`` (``fmha_ops.decode_plan``, the ``flash_attn_with_kvcache`` fast path): FA3's
-        KV-cache forward on q (B, Mq, Hq, D) and the caches as ``decode_views`` lays them out, at lengths
+        """``launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse, seqlen_offset=0,
+        sinks=None)`` for decode calls like ``inp`` (``fmha_ops.decode_plan``, the ``flash_attn_with_kvcache`` fast
+        path): FA3's KV-cache forward on q (B, Mq, Hq, D) and the caches as ``decode_views`` lays them out, at lengths
         ``seqlens + seqlen_offset`` (added on the device), its output copied into ``out`` and, when given, ``lse``.
-        FA3 sizes its own splits and workspace per call (``own_workspace`` is not needed); k/v scales are None (the
-        op takes no per-token scales)."""
+        FA3 sizes its own splits and workspace per call (``own_workspace`` is not needed); k/v scales and sinks are
+        None (the op takes no per-token scales, and declares no sinks: the selector never gives it a call with
+        them)."""
         kwargs = _decode_kwargs(inp)
         whole_rows = _whole_rows(inp)
         fwd = forward_kernel()
 
-        def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, table, out, lse, seqlen_offset=0):
+        def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, table, out, lse, seqlen_offset=0, sinks=None):
             if seqlen_offset:
                 seqlens = seqlens + seqlen_offset
             o, row_lse = fwd(q=q, k=k_cache, v=v_cache, seqused_k=seqlens, **_cache_index(table, whole_rows),
