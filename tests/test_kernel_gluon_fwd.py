@@ -134,9 +134,8 @@ import dataclasses, sys
 from fmha_ops.kernels.gluon import attention_fwd_ws as ws
 head_dim, causal, consumers, v_transpose = int(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[3]), sys.argv[4] == "1"
 persistent, qk_int8, block_n = sys.argv[5] == "1", sys.argv[6] == "1", int(sys.argv[7])
-lazy = sys.argv[8] == "1"
 cfg = ws.WsFwdConfig(block_n=block_n or (128 if head_dim <= 128 else 64), v_transpose=v_transpose,
-                     key_order=v_transpose, persistent=persistent, lazy_rescale=lazy)
+                     key_order=v_transpose, persistent=persistent)
 if consumers == 1:
     cfg = dataclasses.replace(cfg, consumers=1, maxnreg=ws.SINGLE_CONSUMER_MAXNREG[head_dim])
 elif consumers == 3:
@@ -152,23 +151,21 @@ print("compiled")
 """
 
 
-@pytest.mark.parametrize("head_dim,causal,consumers,v_transpose,persistent,qk_int8,block_n,lazy",
-                         [(128, True, 2, False, False, False, 0, False), (64, False, 1, False, False, False, 0, False),
-                          (64, True, 3, False, False, False, 0, False), (256, True, 2, True, False, False, 0, False),
-                          (128, True, 2, False, True, True, 192, False), (128, False, 1, False, True, False, 0, True),
-                          (128, True, 2, False, True, True, 192, True)])
-def test_ws_kernel_compiles_for_sm90(head_dim, causal, consumers, v_transpose, persistent, qk_int8, block_n, lazy):
+@pytest.mark.parametrize("head_dim,causal,consumers,v_transpose,persistent,qk_int8,block_n",
+                         [(128, True, 2, False, False, False, 0), (64, False, 1, False, False, False, 0),
+                          (64, True, 3, False, False, False, 0), (256, True, 2, True, False, False, 0),
+                          (128, True, 2, False, True, True, 192)])
+def test_ws_kernel_compiles_for_sm90(head_dim, causal, consumers, v_transpose, persistent, qk_int8, block_n):
     """Ahead-of-time sm90 compile (no GPU): Gluon front end, Triton passes and ptxas accept the kernel (the
-    persistent grid's tile loop, int8 q / k on the s8 wgmma, 192-key tiles in two parts, the lazy rescale). In a
-    child process without ``TRITON_INTERPRET`` (interpreted helpers cannot be called from a compiled kernel)."""
+    persistent grid's tile loop, int8 q / k on the s8 wgmma, 192-key tiles in two parts). In a child process
+    without ``TRITON_INTERPRET`` (interpreted helpers cannot be called from a compiled kernel)."""
     import os
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", _COMPILE_CHECK, str(head_dim), str(int(causal)), str(consumers),
-                          str(int(v_transpose)), str(int(persistent)), str(int(qk_int8)), str(block_n),
-                          str(int(lazy))],
+                          str(int(v_transpose)), str(int(persistent)), str(int(qk_int8)), str(block_n)],
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
 
@@ -226,22 +223,18 @@ def test_gpu_gluon_fwd(shape, descale):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("descale", ["head", "tensor"])
-@pytest.mark.parametrize("consumers,v_transpose,key_order,persistent,block_n,lazy",
-                         [(2, False, False, False, 0, False), (2, True, False, False, 0, False),
-                          (2, True, True, False, 0, False), (2, False, True, False, 0, False),
-                          (1, True, True, False, 0, False), (1, False, False, False, 0, False),
-                          (3, False, False, False, 0, False), (2, False, False, True, 0, False),
-                          (2, False, True, True, 0, False), (1, True, True, True, 0, False),
-                          (1, False, True, True, 0, False), (3, False, False, True, 0, False),
-                          (2, False, True, True, 192, False), (2, False, False, False, 192, False),
-                          (1, False, True, True, 0, True), (2, False, True, True, 192, True)],
+@pytest.mark.parametrize("consumers,v_transpose,key_order,persistent,block_n",
+                         [(2, False, False, False, 0), (2, True, False, False, 0), (2, True, True, False, 0),
+                          (2, False, True, False, 0), (1, True, True, False, 0), (1, False, False, False, 0),
+                          (3, False, False, False, 0), (2, False, False, True, 0), (2, False, True, True, 0),
+                          (1, True, True, True, 0), (1, False, True, True, 0), (3, False, False, True, 0),
+                          (2, False, True, True, 192), (2, False, False, False, 192)],
                          ids=lambda v: str(v))
-def test_gpu_gluon_ws_fwd(shape, descale, consumers, v_transpose, key_order, persistent, block_n, lazy):
+def test_gpu_gluon_ws_fwd(shape, descale, consumers, v_transpose, key_order, persistent, block_n):
     """The warp-specialized kernel: ping-pong (2 or 3 consumer warpgroups) and single-consumer schedules, V^T
     from ``transpose_v`` or transposed in shared memory by the producer warpgroup, keys in order or in the S
     accumulator's order, one CTA per tile or a persistent grid (each CTA several tiles, rings and turns running
-    on across them), 192-key tiles in two parts (``block_n`` 192; D <= 128: D256's accumulators leave no room),
-    the accumulator rescaled only on tiles where a row's max moved past the slack (``lazy``)."""
+    on across them), 192-key tiles in two parts (``block_n`` 192; D <= 128: D256's accumulators leave no room)."""
     import functools
 
     from fmha_ops.kernels.gluon import attention_fwd_ws as ws
@@ -249,7 +242,7 @@ def test_gpu_gluon_ws_fwd(shape, descale, consumers, v_transpose, key_order, per
     if block_n and shape[5] == 256:
         pytest.skip("192-key tiles: S (96) + O (128) + P (24) registers exceed a D256 consumer's 240")
     cfg = ws.WsFwdConfig(block_n=block_n or (128 if shape[5] <= 128 else 64), v_transpose=v_transpose,
-                         key_order=key_order, persistent=persistent, lazy_rescale=lazy)
+                         key_order=key_order, persistent=persistent)
     if consumers == 1:
         cfg = dataclasses.replace(cfg, consumers=1, maxnreg=ws.SINGLE_CONSUMER_MAXNREG[shape[5]])
     elif consumers == 3:
@@ -262,7 +255,7 @@ def test_gpu_gluon_ws_fwd(shape, descale, consumers, v_transpose, key_order, per
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", GPU_SHAPES + [(2, 3000, 3000, 8, 1, 128, True)], ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("schedule", ["default", "persistent", "persistent_key_order", "persistent_192", "lazy"])
+@pytest.mark.parametrize("schedule", ["default", "persistent", "persistent_key_order", "persistent_192"])
 def test_gpu_gluon_ws_i8fp8(shape, schedule):
     """i8fp8 (int8 q / k with (B, Hkv) descales, s8 wgmma into int32; fp8 v) through the same kernel body,
     against the float64 reference of the dequantized inputs, on fresh normal inputs."""
@@ -275,9 +268,7 @@ def test_gpu_gluon_ws_i8fp8(shape, schedule):
     cfg = None
     if schedule == "persistent_192" and D == 256:
         pytest.skip("192-key tiles: D <= 128")
-    if schedule == "lazy":
-        cfg = dataclasses.replace(ws.default_config(D, causal, Mk, True), lazy_rescale=True)
-    elif schedule != "default":
+    if schedule != "default":
         cfg = ws.WsFwdConfig(block_n=192 if schedule == "persistent_192" else 128 if D <= 128 else 64,
                              persistent=True, key_order=schedule == "persistent_key_order")
     ref, ref_lse = reference(_dq(i8.q, i8.q_descale, Hq // Hkv).double(), _dq(i8.k, i8.k_descale).double(),

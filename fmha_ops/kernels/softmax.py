@@ -46,14 +46,6 @@ def p_shift(v_dtype) -> int:
     return {torch.float8_e4m3fn: 8, torch.float8_e4m3fnuz: 7}.get(v_dtype, 0)
 
 
-def rescale_slack(v_dtype) -> float:
-    """The largest growth of a row's max (log2 units) that a lazily rescaling kernel may leave unapplied: P, scaled
-    by 2**``p_shift``, then reaches 2**(p_shift + slack), which must stay at or under the fp8 P operand's largest
-    value (e4m3fn: 448 = 2**8.807 with shift 8; e4m3fnuz: 240 = 2**7.907 with shift 7), so 0.8 for both fp8 kinds;
-    0 (rescale on every growth) when P is not fp8."""
-    return 0.8 if p_shift(v_dtype) else 0.0
-
-
 @triton.jit
 def visible(rows, cols, seqlen_k, lo, hi, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
     """[rows, keys] bool: key ``cols[j]`` is inside the sequence (< ``seqlen_k``) and, for query ``rows[i]``,
@@ -102,8 +94,7 @@ def hide_keys(s, rows, cols, seqlen_k, lo, hi, MASK_LEFT: tl.constexpr, MASK_RIG
 
 
 @triton.jit
-def softmax_step(s, keep, m_i, l_i, qk_scale, OFF: tl.constexpr, P_SHIFT: tl.constexpr, MASKED: tl.constexpr,
-                 RESCALE_SLACK: tl.constexpr = 0.0):
+def softmax_step(s, keep, m_i, l_i, qk_scale, OFF: tl.constexpr, P_SHIFT: tl.constexpr, MASKED: tl.constexpr):
     """One key tile of the online softmax.
 
     ``s`` [rows, keys] fp32 raw scores (``OFF`` added: the int8 path's conversion offset, else 0), scaled by
@@ -111,21 +102,14 @@ def softmax_step(s, keep, m_i, l_i, qk_scale, OFF: tl.constexpr, P_SHIFT: tl.con
     ``MASKED``: some scores are hidden, either by ``keep`` (visible keys) or, with ``keep`` None, already -inf in
     ``s`` (``hide_keys``); rows may then have seen no key yet. ``m_i``, ``l_i``: the running row max and sum.
     Returns (p fp32 scaled by 2**P_SHIFT, new max, new sum, alpha: the factor that rescales the accumulator).
-    qk_scale > 0 commutes with the row max, so one FMA per score feeds exp2, masked or not. ``RESCALE_SLACK`` > 0
-    (log2 units): a row's max moves only when the tile's exceeds it by more than that, so alpha is exactly 1 for
-    the rows whose max stayed and a kernel may skip the accumulator's rescale while none moved; P then reaches
-    2**(P_SHIFT + RESCALE_SLACK) (``rescale_slack``).
+    qk_scale > 0 commutes with the row max, so one FMA per score feeds exp2, masked or not.
     """
     # a zero scale (softmax scale 0, or a zero descale: an all-zero token quantizes to descale 0) becomes the
     # smallest normal float: hidden scores stay -inf (0 * -inf would be NaN) and the visible ones weigh the same
     qk_scale = tl.maximum(qk_scale, MIN_QK_SCALE)
     if MASKED and keep is not None:
         s = tl.where(keep, s, float("-inf"))
-    tile_max = (tl.max(s, 1) - OFF) * qk_scale
-    if RESCALE_SLACK > 0.0:
-        m_new = tl.where(tile_max > m_i + RESCALE_SLACK, tile_max, m_i)
-    else:
-        m_new = tl.maximum(m_i, tile_max)
+    m_new = tl.maximum(m_i, (tl.max(s, 1) - OFF) * qk_scale)
     if MASKED:  # rows that have seen no key yet keep m = -inf; subtract 0 instead to avoid inf - inf
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:

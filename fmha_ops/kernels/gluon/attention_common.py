@@ -108,16 +108,16 @@ def unmasked_end(row0, Mq, Mk, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
 @gluon.jit
 def tile_softmax(s, m_i, l_i, qk_scale, start_n, full_end, seqlen_k, hi, offs_m,
                  CAUSAL: gl.constexpr, P_SHIFT: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
-                 OFF: gl.constexpr = 0.0, RESCALE_SLACK: gl.constexpr = 0.0):
+                 OFF: gl.constexpr = 0.0):
     """``softmax_step`` on one S tile (raw scores, ``OFF`` added: ``int_scores``'s offset, else 0), with the
     key/causal masks only on tiles at or past ``full_end`` (partial or diagonal); returns (p fp32 scaled by
-    2**P_SHIFT, m, l, alpha); ``RESCALE_SLACK`` as in ``softmax_step``."""
+    2**P_SHIFT, m, l, alpha)."""
     if start_n >= full_end:
         cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         s = hide_keys(s, offs_m, cols, seqlen_k, 0, hi, False, CAUSAL)
-        p, m_i, l_i, alpha = softmax_step(s, None, m_i, l_i, qk_scale, OFF, P_SHIFT, True, RESCALE_SLACK)
+        p, m_i, l_i, alpha = softmax_step(s, None, m_i, l_i, qk_scale, OFF, P_SHIFT, True)
     else:
-        p, m_i, l_i, alpha = softmax_step(s, None, m_i, l_i, qk_scale, OFF, P_SHIFT, False, RESCALE_SLACK)
+        p, m_i, l_i, alpha = softmax_step(s, None, m_i, l_i, qk_scale, OFF, P_SHIFT, False)
     return p, m_i, l_i, alpha
 
 

@@ -48,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..attention_host import fp8_forward_args
-from ..softmax import LOG2E, MIN_QK_SCALE, hide_keys, natural_lse, p_shift, rescale_slack, row_inverse
+from ..softmax import LOG2E, MIN_QK_SCALE, hide_keys, natural_lse, p_shift, row_inverse
 from ..triton.launch import cdiv, host_descriptor, launch
 from ..triton.transpose_v import transpose_v
 from .attention_common import (
@@ -66,7 +66,6 @@ from .attention_common import (
 
 HEAD_DIMS = (64, 128, 256)
 _P_SHIFT = p_shift(torch.float8_e4m3fn)
-_RESCALE_SLACK = rescale_slack(torch.float8_e4m3fn)
 #: rows of one consumer warpgroup (one m64 wgmma)
 WG_ROWS = gl.constexpr(64)
 #: warps of one consumer partition (a warpgroup)
@@ -244,18 +243,14 @@ def _pv_operand(p, p_layout: gl.constexpr, BLOCK_N: gl.constexpr, KEY_ORDER: gl.
 
 @gluon.jit
 def _split_softmax_step(s_a, s_b, m_i, l_i, qk_scale, P_SHIFT: gl.constexpr, OFF: gl.constexpr,
-                        MASKED: gl.constexpr, RESCALE_SLACK: gl.constexpr):
+                        MASKED: gl.constexpr):
     """``softmax_step`` over the two parts of one S tile (``_split_tile_softmax``): one row max and one row sum
-    over both; ``RESCALE_SLACK`` as in ``softmax_step``. Returns (p_a, p_b, m, l, alpha)."""
+    over both. Returns (p_a, p_b, m, l, alpha)."""
     a_row: gl.constexpr = gl.SliceLayout(1, s_a.type.layout)
     b_row: gl.constexpr = gl.SliceLayout(1, s_b.type.layout)
     qk_scale = gl.maximum(qk_scale, MIN_QK_SCALE)
     row_max = gl.maximum(gl.max(s_a, 1), gl.convert_layout(gl.max(s_b, 1), a_row))
-    tile_max = (row_max - OFF) * qk_scale
-    if RESCALE_SLACK > 0.0:
-        m_new = gl.where(tile_max > m_i + RESCALE_SLACK, tile_max, m_i)
-    else:
-        m_new = gl.maximum(m_i, tile_max)
+    m_new = gl.maximum(m_i, (row_max - OFF) * qk_scale)
     if MASKED:  # rows that have seen no key yet: avoid inf - inf
         m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
     else:
@@ -271,7 +266,7 @@ def _split_softmax_step(s_a, s_b, m_i, l_i, qk_scale, P_SHIFT: gl.constexpr, OFF
 @gluon.jit
 def _split_tile_softmax(s_a, s_b, m_i, l_i, qk_scale, start_n, full_end, seqlen_k, hi, offs_m,
                         CAUSAL: gl.constexpr, P_SHIFT: gl.constexpr, BLOCK_A: gl.constexpr, BLOCK_B: gl.constexpr,
-                        OFF: gl.constexpr, RESCALE_SLACK: gl.constexpr):
+                        OFF: gl.constexpr):
     """``tile_softmax`` of one S tile held in two accumulators, keys [start_n, + BLOCK_A) in ``s_a`` ([64,
     BLOCK_A]) and the next ``BLOCK_B`` in ``s_b`` (the same arithmetic as ``softmax_step``: one FMA and one exp2
     per score). The whole step sits in each branch, as in ``tile_softmax``: a step after the branches' join is
@@ -285,9 +280,9 @@ def _split_tile_softmax(s_a, s_b, m_i, l_i, qk_scale, start_n, full_end, seqlen_
         cols_b = start_n + BLOCK_A + gl.arange(0, BLOCK_B, layout=gl.SliceLayout(0, b_layout))
         s_b = hide_keys(s_b, gl.convert_layout(offs_m, gl.SliceLayout(1, b_layout)), cols_b, seqlen_k, 0, hi, False,
                         CAUSAL)
-        p_a, p_b, m_i, l_i, alpha = _split_softmax_step(s_a, s_b, m_i, l_i, qk_scale, P_SHIFT, OFF, True, RESCALE_SLACK)
+        p_a, p_b, m_i, l_i, alpha = _split_softmax_step(s_a, s_b, m_i, l_i, qk_scale, P_SHIFT, OFF, True)
     else:
-        p_a, p_b, m_i, l_i, alpha = _split_softmax_step(s_a, s_b, m_i, l_i, qk_scale, P_SHIFT, OFF, False, RESCALE_SLACK)
+        p_a, p_b, m_i, l_i, alpha = _split_softmax_step(s_a, s_b, m_i, l_i, qk_scale, P_SHIFT, OFF, False)
     return p_a, p_b, m_i, l_i, alpha
 
 
@@ -296,15 +291,12 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_
                    k_empty, v_empty, turn_bars, qk_scale, m0, n_tiles, kv, turn, i, Mq, Mk,
                    HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr, STAGES: gl.constexpr,
                    CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr,
-                   QK_INT8: gl.constexpr, RESCALE_SLACK: gl.constexpr):
+                   QK_INT8: gl.constexpr):
     """The online softmax of rows ``m0 + C * WG_ROWS ..`` over their ``n_tiles`` key tiles, the ``i``-th tile of
     this CTA; ``kv`` and ``turn`` are the ring position and the turn count it starts at. ``QK_INT8``: int8 q / k,
     S accumulated in int32 (s8 wgmma) and read as ``int_scores``. ``BLOCK_B`` > 0: each key tile is two parts,
     ``BLOCK_N - BLOCK_B`` keys then ``BLOCK_B`` (tiles of 192 keys as 128 + 64: Gluon tensors are powers of
-    two), two S wgmmas and two P V wgmmas per tile, one softmax over both. ``RESCALE_SLACK`` > 0: a row's max
-    moves only past that slack (``softmax_step``), and the accumulator is rescaled only on tiles where some row's
-    max moved (one reduction over the warpgroup's rows instead of a multiply per accumulator register). Returns
-    (acc, m, l, offs_m)."""
+    two), two S wgmmas and two P V wgmmas per tile, one softmax over both. Returns (acc, m, l, offs_m)."""
     BLOCK_A: gl.constexpr = BLOCK_N - BLOCK_B
     s_layout: gl.constexpr = acc_layout(WG_WARPS, BLOCK_A)
     o_layout: gl.constexpr = acc_layout(WG_WARPS, HEAD_D)
@@ -346,10 +338,10 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_
             s_b = int_scores(s_b)
     if BLOCK_B > 0:
         p, p_b, m_i, l_i, alpha = _split_tile_softmax(s, s_b, m_i, l_i, qk_scale, 0, full_end, Mk, diag, offs_m,
-                                                      CAUSAL, P_SHIFT, BLOCK_A, BLOCK_B, OFF, RESCALE_SLACK)
+                                                      CAUSAL, P_SHIFT, BLOCK_A, BLOCK_B, OFF)
     else:
         p, m_i, l_i, alpha = tile_softmax(s, m_i, l_i, qk_scale, 0, full_end, Mk, diag, offs_m, CAUSAL, P_SHIFT,
-                                          BLOCK_N, s_layout, OFF, RESCALE_SLACK)
+                                          BLOCK_N, s_layout, OFF)
 
     for j in range(n_tiles - 1):
         p8 = _pv_operand(p, p_layout, BLOCK_A, KEY_ORDER)
@@ -377,23 +369,15 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_
             s = int_scores(s)
             if BLOCK_B > 0:
                 s_b = int_scores(s_b)
-        m_prev = m_i
         if BLOCK_B > 0:
             p, p_b, m_i, l_i, alpha = _split_tile_softmax(s, s_b, m_i, l_i, qk_scale, (j + 1) * BLOCK_N, full_end,
-                                                          Mk, diag, offs_m, CAUSAL, P_SHIFT, BLOCK_A, BLOCK_B, OFF,
-                                                          RESCALE_SLACK)
+                                                          Mk, diag, offs_m, CAUSAL, P_SHIFT, BLOCK_A, BLOCK_B, OFF)
         else:
             p, m_i, l_i, alpha = tile_softmax(s, m_i, l_i, qk_scale, (j + 1) * BLOCK_N, full_end, Mk, diag,
-                                              offs_m, CAUSAL, P_SHIFT, BLOCK_N, s_layout, OFF, RESCALE_SLACK)
-        if RESCALE_SLACK > 0.0:  # while P V runs: did any row's max move (alpha is 1 on the others)?
-            moved = gl.max((m_i != m_prev).to(gl.int32), 0)
+                                              offs_m, CAUSAL, P_SHIFT, BLOCK_N, s_layout, OFF)
         acc = warpgroup_mma_wait(0, deps=(o_tok, ))
         mbarrier.arrive(v_empty.index(vs), count=1)
-        if RESCALE_SLACK > 0.0:
-            if moved > 0:
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row), 1)
-        else:
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row), 1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row), 1)
     # every S of this tile is done: the producer may load the next tile's Q while the last P V and the epilogue run
     mbarrier.arrive(q_empty.index(C), count=1)
 
@@ -416,8 +400,7 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_
 @gluon.jit
 def _consumer(C: gl.constexpr, smem, scalars, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr,
               STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
-              P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr, OUT_FP8: gl.constexpr, QK_INT8: gl.constexpr,
-              RESCALE_SLACK: gl.constexpr):
+              P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr, OUT_FP8: gl.constexpr, QK_INT8: gl.constexpr):
     """Consumer ``C`` over this CTA's tiles: the rows ``C * WG_ROWS ..`` of each, their output through ``o_smem``
     and a TMA store that runs on while the next tile starts (waited for before ``o_smem`` is written again).
     ``smem`` and ``scalars``: the kernel's shared buffers and barriers and its runtime arguments, as tuples (every
@@ -442,7 +425,7 @@ def _consumer(C: gl.constexpr, smem, scalars, HEAD_D: gl.constexpr, BLOCK_N: gl.
         acc, m_i, l_i, offs_m = _consumer_tile(C, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_bars, q_empty,
                                                k_ready, v_ready, k_empty, v_empty, turn_bars, qk_scale, m0, n_tiles,
                                                kv, turn, i, Mq, Mk, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS,
-                                               CAUSAL, P_SHIFT, KEY_ORDER, QK_INT8, RESCALE_SLACK)
+                                               CAUSAL, P_SHIFT, KEY_ORDER, QK_INT8)
         inv = gl.convert_layout(row_inverse(l_i) * vd, gl.SliceLayout(1, o_layout))
         tma.store_wait(pendings=0)  # the previous tile's store has read o_tile
         gl.thread_barrier()
@@ -468,7 +451,6 @@ def _attn_fwd_ws_kernel(
     CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr,
     V_TRANSPOSE: gl.constexpr, OUT_FP8: gl.constexpr, PERSISTENT: gl.constexpr, QK_INT8: gl.constexpr,
-    RESCALE_SLACK: gl.constexpr,
 ):
     """Tiles ``program_id(0)``, + ``num_programs(0)``, .. of the ``n_total`` (batch, head, ``CONSUMERS * WG_ROWS``-row
     block) tiles (``_tile_coords``): one per CTA with a grid of ``n_total``, several with a persistent grid.
@@ -527,11 +509,11 @@ def _attn_fwd_ws_kernel(
     if CONSUMERS == 3:
         gl.warp_specialize([
             (_consumer, (0, smem, scalars, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT,
-                         KEY_ORDER, OUT_FP8, QK_INT8, RESCALE_SLACK)),
+                         KEY_ORDER, OUT_FP8, QK_INT8)),
             (_consumer, (1, smem, scalars, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT,
-                         KEY_ORDER, OUT_FP8, QK_INT8, RESCALE_SLACK)),
+                         KEY_ORDER, OUT_FP8, QK_INT8)),
             (_consumer, (2, smem, scalars, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT,
-                         KEY_ORDER, OUT_FP8, QK_INT8, RESCALE_SLACK)),
+                         KEY_ORDER, OUT_FP8, QK_INT8)),
             (_producer, (q_desc, k_desc, kb_desc, v_desc, vb_desc, q_smem, k_smem, kb_smem, v_smem, vb_smem, v_raw,
                          q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready, n_m, n_total, Mq, Mk, Hq,
                          GROUP, BLOCK_N, BLOCK_B, HEAD_D, STAGES, CONSUMERS, CAUSAL, V_TRANSPOSE, KEY_ORDER)),
@@ -539,9 +521,9 @@ def _attn_fwd_ws_kernel(
     elif CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, smem, scalars, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT,
-                         KEY_ORDER, OUT_FP8, QK_INT8, RESCALE_SLACK)),
+                         KEY_ORDER, OUT_FP8, QK_INT8)),
             (_consumer, (1, smem, scalars, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT,
-                         KEY_ORDER, OUT_FP8, QK_INT8, RESCALE_SLACK)),
+                         KEY_ORDER, OUT_FP8, QK_INT8)),
             (_producer, (q_desc, k_desc, kb_desc, v_desc, vb_desc, q_smem, k_smem, kb_smem, v_smem, vb_smem, v_raw,
                          q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready, n_m, n_total, Mq, Mk, Hq,
                          GROUP, BLOCK_N, BLOCK_B, HEAD_D, STAGES, CONSUMERS, CAUSAL, V_TRANSPOSE, KEY_ORDER)),
@@ -549,7 +531,7 @@ def _attn_fwd_ws_kernel(
     else:
         gl.warp_specialize([
             (_consumer, (0, smem, scalars, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT,
-                         KEY_ORDER, OUT_FP8, QK_INT8, RESCALE_SLACK)),
+                         KEY_ORDER, OUT_FP8, QK_INT8)),
             (_producer, (q_desc, k_desc, kb_desc, v_desc, vb_desc, q_smem, k_smem, kb_smem, v_smem, vb_smem, v_raw,
                          q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready, n_m, n_total, Mq, Mk, Hq,
                          GROUP, BLOCK_N, BLOCK_B, HEAD_D, STAGES, CONSUMERS, CAUSAL, V_TRANSPOSE, KEY_ORDER)),
@@ -593,9 +575,6 @@ class WsFwdConfig:
     #: a persistent grid: ``ctas_per_sm()`` CTAs per SM each walk tiles t, t + grid, .. (the rings and turns run on
     #: across tiles, so one tile's loads and epilogue overlap its neighbour's GEMMs); False: one CTA per tile
     persistent: bool = False
-    #: rescale the O accumulator only on tiles where some row's max grew by more than ``rescale_slack`` (0.8 in
-    #: log2 units: P, scaled by 2**8, stays within fp8's 448); otherwise every tile multiplies it by alpha
-    lazy_rescale: bool = False
 
     @property
     def block_b(self) -> int:
@@ -762,7 +741,6 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=
         PRODUCER_WARPS=producer_warps, PRODUCER_REGS=producer_regs, CAUSAL=causal, WRITE_LSE=return_lse,
         P_SHIFT=_P_SHIFT, KEY_ORDER=cfg.key_order, V_TRANSPOSE=v_transpose, OUT_FP8=out.dtype == torch.float8_e4m3fn,
         PERSISTENT=cfg.persistent, QK_INT8=q.dtype == torch.int8,
-        RESCALE_SLACK=_RESCALE_SLACK if cfg.lazy_rescale else 0.0,
         num_warps=WG_WARPS.value, maxnreg=cfg.maxnreg,
     )
     return out, lse
@@ -790,8 +768,7 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, write_lse: bool = Fa
              "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_WARPS": cfg.producer_warps,
              "PRODUCER_REGS": cfg.producer_regs, "CAUSAL": causal, "WRITE_LSE": write_lse, "P_SHIFT": _P_SHIFT,
              "KEY_ORDER": cfg.key_order, "V_TRANSPOSE": cfg.v_transpose, "OUT_FP8": out_fp8,
-             "PERSISTENT": cfg.persistent, "QK_INT8": qk_int8,
-             "RESCALE_SLACK": _RESCALE_SLACK if cfg.lazy_rescale else 0.0}
+             "PERSISTENT": cfg.persistent, "QK_INT8": qk_int8}
 
     def desc(rows, cols, dtype, channels_last=True):
         shape, layout = _box_layout(rows, cols, dtype, channels_last)
