@@ -48,8 +48,8 @@ def plan_kvcache_call(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
     returns. Validates the arguments first (raising as ``flash_attn_with_kvcache`` documents), then selects the
     op(s) once (``call.forward_plan``; under autotune timed as the plan will run them). A call whose repeated calls
     may skip the checks (``_plannable``) and whose op has a decode launcher gets the decode plan of its layout,
-    stored under ``key``; any other call a plan of its own (``_call_run``: the append, then the selected op(s)), not
-    stored, as its values (host descales and index tables; all of them in check mode) are checked by
+    stored under ``key``; any other call a plan of its own (the append, then the selected op(s)' run), not stored, as
+    its values (host descales and index tables; all of them in check mode) are checked by
     ``kvcache_call`` before its run appends."""
     call = kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, q_descale, k_descale,
                         v_descale, softmax_scale, causal, window_size, sinks)
@@ -57,15 +57,27 @@ def plan_kvcache_call(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
     decodes = (key is not None and sinks is None  # the decode plans take no sinks: such calls keep their own plans
                and _plannable(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table))
 
-    def timed(op):  # what autotune times of a contender: its decode run, nothing appended
-        return _timed_decode(op, call, inp, q, k_cache, v_cache, return_lse) if decodes else None
+    def decoded(op, new_tokens=None):  # op's decode run for calls laid out like this one (None: it has none)
+        return decode_run(op, call, inp, q, v_cache, return_lse, new_tokens) if decodes else None
+
+    def timed(op):  # what autotune times of a contender: its decode run on this call's tensors, nothing appended
+        return _timed_decode(decoded(op), call, q, k_cache, v_cache)
 
     forward = forward_plan(inp, None, return_lse, timed)
-    run = decode_run(forward.ops[0], call, inp, q, v_cache, return_lse, k) if decodes else None
-    if run is None:  # a plan for this call alone
-        own = _call_run(call, inp, forward.run, q.shape, return_lse)
-        return Plan(own, forward.ops, ())
-    return PLANS.put(key, Plan(run, forward.ops, ("validation", "selection", "mask")))
+    decode = decoded(forward.ops[0], k)
+    if decode is not None:
+        return PLANS.put(key, Plan(decode, forward.ops, ("validation", "selection", "mask")))
+    batch, mq, hq = q.shape[:3]
+
+    def run(q, k_cache, v_cache, *_):  # this call's own: the append, then the selected op(s) on the caches as appended
+        appended = inp
+        if call.append is not None:  # pool views taken again after the append (a cache without a view was copied)
+            call.append()
+            appended = replace(inp, key=_pool(k_cache), value=_pool(v_cache))
+        out, lse = forward.run(appended)
+        out = out.view(batch, mq, hq, out.shape[3])
+        return (out, lse.view(hq, batch, mq).permute(1, 0, 2)) if return_lse else out
+    return Plan(run, forward.ops, ())
 
 
 def decode_inputs(call: "KVCacheCall", softmax_scale, softcap, return_lse: bool, sinks=None) -> Inputs:
@@ -86,34 +98,14 @@ def select_decode_op(inp: Inputs, return_lse: bool, repeated: Callable):
                                inp.query.device.type))
 
 
-def _timed_decode(op, call: "KVCacheCall", inp: Inputs, q, k_cache, v_cache, return_lse: bool):
-    """What autotune times of ``op`` for a decode plan: its run (``decode_run``) on the call's tensors at the mask's
-    lengths and page table (the appended tokens counted, nothing appended: a timed call leaves the cache as it was);
-    None where the op has no decode launcher."""
-    run = decode_run(op, call, inp, q, v_cache, return_lse)
+def _timed_decode(run: Callable | None, call: "KVCacheCall", q, k_cache, v_cache) -> Callable | None:
+    """What autotune times of a contender for a decode plan: its ``run`` (``decode_run``, without new tokens; None
+    where the op has none) on the call's tensors at the mask's lengths and page table (the appended tokens counted,
+    nothing appended: a timed call leaves the cache as it was), as a call without arguments."""
     if run is None:
         return None
     lengths, table = call.bias.k_seqinfo.seqlen, call.bias.block_tables
     return functools.partial(run, q, k_cache, v_cache, None, None, lengths, table, call.k_descale, call.v_descale)
-
-
-def _call_run(call: "KVCacheCall", inp: Inputs, forward: Callable, q_shape, return_lse: bool) -> Callable:
-    """``run(q, k_cache, v_cache, *rest)`` -> what ``flash_attn_with_kvcache`` returns for this validated ``call`` and
-    its ``inp`` (``decode_inputs``; the index tensors and descales as ``call`` holds them; its values checked by
-    ``plan_kvcache_call``, which makes this plan for one call): the append, then ``forward(inputs) -> (out, lse)``
-    (the run of the op(s) selected for ``inp``: ``call.forward_plan``) on the caches as appended."""
-    def run(q, k_cache, v_cache, *_):
-        appended = inp
-        if call.append is not None:  # pool views taken again after the append (a cache without a view was copied)
-            call.append()
-            appended = replace(inp, key=_pool(k_cache), value=_pool(v_cache))
-        out, lse = forward(appended)
-        batch, mq = q_shape[:2]
-        out = out.view(q_shape[:3] + out.shape[3:])
-        if return_lse:
-            return out, lse.view(lse.shape[1], batch, mq).permute(1, 0, 2)
-        return out
-    return run
 
 
 def _plannable(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table) -> bool:
