@@ -9,7 +9,7 @@ op's decode launcher on the call's own index tensors (their values are read on t
 them). Any other call gets a plan of its own, not stored (its checks read values): the append, then the selected
 op(s) run by the forward plan (the op's ``apply``, the forward and backward pair under autograd, or the traced op
 under torch.compile). ``fmha_ops.decode_plan``
-plans a decode loop on the same checks (``kvcache_call``, ``decode_inputs``, ``select_decode_op``).
+plans a decode loop on the same checks (``kvcache_call``).
 
 Example
 -------
@@ -29,12 +29,10 @@ import torch
 from . import arguments, checks, kv_cache
 from . import attn_bias as ab
 from .call import forward_plan
-from .dispatch import SELECTOR
 from .inputs import Inputs
 from .plan import Plan
 from .plans import PLANS
-from .timing import autotune_seconds
-from .validation import check_descale_values, make_problem
+from .validation import check_descale_values
 
 #: the append kernel runs on CPU tensors through Triton's interpreter
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -53,7 +51,7 @@ def plan_kvcache_call(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
     ``kvcache_call`` before its run appends."""
     call = kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, q_descale, k_descale,
                         v_descale, softmax_scale, causal, window_size, sinks)
-    inp = decode_inputs(call, softmax_scale, softcap, return_lse, sinks)
+    inp = _decode_inputs(call, softmax_scale, softcap, return_lse, sinks)
     decodes = (key is not None and sinks is None  # the decode plans take no sinks: such calls keep their own plans
                and _plannable(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table))
 
@@ -80,22 +78,12 @@ def plan_kvcache_call(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
     return Plan(run, forward.ops, ())
 
 
-def decode_inputs(call: "KVCacheCall", softmax_scale, softcap, return_lse: bool, sinks=None) -> Inputs:
+def _decode_inputs(call: "KVCacheCall", softmax_scale, softcap, return_lse: bool, sinks=None) -> Inputs:
     """The op path's ``Inputs`` of a validated call (``kvcache_call``, which checked the values of its descales and
     index tables too): BMHK, our own paged mask, descales checked, so there is nothing for ``make_inputs`` to
     convert or check."""
     return Inputs(call.query, call.key, call.value, call.bias, scale=softmax_scale, is_partial=return_lse,
                   k_descale=call.k_descale, v_descale=call.v_descale, softcap=softcap, sinks=sinks)
-
-
-def select_decode_op(inp: Inputs, return_lse: bool, repeated: Callable):
-    """The forward op for a decode call (the selector's memo; on a miss validation and the ``Problem``), timed under
-    autotune as its repeated calls run (``timing.autotune_seconds``): ``repeated(op)``, the caller's plan of ``op`` as
-    a call without arguments (None where ``op`` has none: its ``apply``)."""
-    return SELECTOR.select(inp.signature(), lambda: make_problem(inp, return_lse), "fw", None,
-                           lambda ops: autotune_seconds(
-                               ops, lambda op: repeated(op) or functools.partial(op.apply, inp, return_lse),
-                               inp.query.device.type))
 
 
 def _timed_decode(run: Callable | None, call: "KVCacheCall", q, k_cache, v_cache) -> Callable | None:
