@@ -107,6 +107,7 @@ def forward_plan(inp: Inputs, op: OpArg, needs_lse: bool, repeated: Callable | N
     """
     if _is_compiling():
         return compiled.forward_plan(inp, op, needs_lse)
+
     def timed(o):  # what autotune times of a contender
         call = None if repeated is None else repeated(o)
         return functools.partial(o.apply, inp, needs_lse) if call is None else call

@@ -8,8 +8,7 @@ sinks) that is the decode plan, stored in the plan cache (``fmha_ops.plans``): t
 op's decode launcher on the call's own index tensors (their values are read on the device, where the kernels guard
 them). Any other call gets a plan of its own, not stored (its checks read values): the append, then the selected
 op(s) run by the forward plan (the op's ``apply``, the forward and backward pair under autograd, or the traced op
-under torch.compile). ``fmha_ops.decode_plan``
-plans a decode loop on the same checks (``kvcache_call``).
+under torch.compile). ``fmha_ops.decode_plan`` plans a decode loop on the same checks (``kvcache_call``).
 
 Example
 -------
@@ -47,8 +46,8 @@ def plan_kvcache_call(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
     op(s) once (``call.forward_plan``; under autotune timed as the plan will run them). A call whose repeated calls
     may skip the checks (``_plannable``) and whose op has a decode launcher gets the decode plan of its layout,
     stored under ``key``; any other call a plan of its own (the append, then the selected op(s)' run), not stored, as
-    its values (host descales and index tables; all of them in check mode) are checked by
-    ``kvcache_call`` before its run appends."""
+    its values (host descales and index tables; all of them in check mode) are checked by ``kvcache_call`` before
+    its run appends."""
     call = kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, q_descale, k_descale,
                         v_descale, softmax_scale, causal, window_size, sinks)
     inp = _decode_inputs(call, softmax_scale, softcap, return_lse, sinks)
