@@ -25,8 +25,7 @@ from dataclasses import replace
 import torch
 
 from .inputs import make_inputs
-from .call import forward_plan, no_grad
-from .kvcache_call import kvcache_call
+from .kvcache_call import kvcache_call, select_decode_op
 from .validation import validate_sinks
 
 __all__ = ["PagedDecodePlan", "plan_kvcache"]
@@ -157,8 +156,7 @@ def plan_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                         k_descale, v_descale, softmax_scale, causal, window_size)
     inp = make_inputs(call.query, call.key, call.value, call.bias, scale=softmax_scale, k_descale=call.k_descale,
                       v_descale=call.v_descale, softcap=softcap, is_partial=return_softmax_lse, sinks=sinks)
-    with no_grad():  # a plan's run is never differentiated: its op is the one a call without gradients gets
-        op = forward_plan(inp, None, return_softmax_lse, lambda op: _timed_launch(op, inp, return_softmax_lse)).ops[0]
+    op = select_decode_op(inp, return_softmax_lse, lambda op: _timed_launch(op, inp, return_softmax_lse))
     batch, mq, hq, _ = q.shape
     out = torch.empty(q.shape[:3] + (v_cache.shape[3],), dtype=inp.out_dtype, device=q.device)
     lse = torch.empty((batch, hq, mq), dtype=torch.float32, device=q.device)

@@ -8,7 +8,7 @@ sinks) that is the decode plan, stored in the plan cache (``fmha_ops.plans``): t
 op's decode launcher on the call's own index tensors (their values are read on the device, where the kernels guard
 them). Any other call gets a plan of its own, not stored (its checks read values): the append, then the selected
 op(s) run by the forward plan (the op's ``apply``, the forward and backward pair under autograd, or the traced op
-under torch.compile). ``fmha_ops.decode_plan`` plans a decode loop on the same checks (``kvcache_call``).
+under torch.compile). ``fmha_ops.decode_plan`` plans a decode loop on the same checks (``kvcache_call``) and its op with ``select_decode_op``.
 
 Example
 -------
@@ -28,10 +28,12 @@ import torch
 from . import arguments, checks, kv_cache
 from . import attn_bias as ab
 from .call import forward_plan
+from .dispatch import SELECTOR
 from .inputs import Inputs
 from .plan import Plan
 from .plans import PLANS
-from .validation import check_descale_values
+from .timing import autotune_seconds
+from .validation import check_descale_values, make_problem
 
 #: the append kernel runs on CPU tensors through Triton's interpreter
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -83,6 +85,16 @@ def _decode_inputs(call: "KVCacheCall", softmax_scale, softcap, return_lse: bool
     convert or check."""
     return Inputs(call.query, call.key, call.value, call.bias, scale=softmax_scale, is_partial=return_lse,
                   k_descale=call.k_descale, v_descale=call.v_descale, softcap=softcap, sinks=sinks)
+
+
+def select_decode_op(inp: Inputs, return_lse: bool, repeated: Callable):
+    """The forward op of a decode loop's plan (``fmha_ops.decode_plan``; the selector's memo, on a miss validation
+    and the ``Problem``), timed under autotune as its runs run (``timing.autotune_seconds``): ``repeated(op)``, the
+    plan's run of ``op`` as a call without arguments (None where ``op`` has none: its ``apply``)."""
+    return SELECTOR.select(inp.signature(), lambda: make_problem(inp, return_lse), "fw", None,
+                           lambda ops: autotune_seconds(
+                               ops, lambda op: repeated(op) or functools.partial(op.apply, inp, return_lse),
+                               inp.query.device.type))
 
 
 def _timed_decode(run: Callable | None, call: "KVCacheCall", q, k_cache, v_cache) -> Callable | None:
