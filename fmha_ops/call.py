@@ -9,8 +9,9 @@ Repeated calls skip even that: a public function looks its call up in the plan c
 and ``run_forward`` given the call's ``plan_key`` stores there the launch plan of a call that can have one (the
 selected op's ``AttentionFwOp.launcher``): no ``Inputs``, no signature, no selector lookup, no validation on the
 next call of that signature. Calls whose values need per-call checks (host descales, masks with index tables,
-check mode) and non-BMHK layouts keep the full path. ``forward(inp, op, needs_lse)`` is that full path for a
-caller that stores no plan (``kvcache_call``'s plan of one call).
+check mode) and non-BMHK layouts keep the full path. ``forward_plan(inp, op, needs_lse)`` is the selection and run
+of that path, apart: the op(s) chosen once and their run, for a caller that builds a plan of its own around them
+(``kvcache_call``).
 
 Example
 -------
@@ -75,44 +76,54 @@ def run_forward(inp: Inputs, op: OpArg, needs_lse: bool, plan_key: tuple | None 
     ``run(query, key, value, attn_bias, q_descale, k_descale, v_descale, sinks) -> (out, lse)``, is stored under it in
     ``plans.PLANS`` when the call can have one, as ``bind(run)`` when ``bind`` is given (an entry point's own
     arguments and results around the launch), with ``bound`` (what the entry point passes the launch besides the
-    call's tensors: its mask) as ``Plan.bound``. A call without a key runs as ``forward`` runs it. Example:
+    call's tensors: its mask) as ``Plan.bound``. A call without a key runs its ``forward_plan``. Example:
     ``out, _ = run_forward(make_inputs(q, k, v), None, False)``.
     """
-    if _is_compiling():
-        return compiled.run_forward(inp, op, needs_lse)
     plannable = plan_key is not None and _plannable(inp)
-    result, fw, bw = _select_and_run(inp, op, needs_lse, _launch_plan_call(inp, needs_lse) if plannable else None)
+    forward = forward_plan(inp, op, needs_lse, _launch_plan_call(inp, needs_lse) if plannable else None)
+    result = forward.run(inp)
     if plannable:
-        launch = fw.launcher(inp, needs_lse) if bw is None else _autograd_plan(fw, bw, inp)
-        PLANS.put(plan_key, Plan(launch if bind is None else bind(launch), (fw,) if bw is None else (fw, bw),
-                                 bound=bound))
+        fw, *bw = forward.ops
+        launch = fw.launcher(inp, needs_lse) if not bw else _autograd_plan(fw, bw[0], inp)
+        PLANS.put(plan_key, Plan(launch if bind is None else bind(launch), forward.ops, bound=bound))
     return result
 
 
-def forward(inp: Inputs, op: OpArg, needs_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``run_forward`` for a call that stores no plan (a caller's own plan runs it per call): the op(s) selected for
-    ``inp`` (the selector's memo) and run, or the traced twin under ``torch.compile``; the same results. Example:
-    ``out, lse = forward(inp, None, True)``."""
+def forward_plan(inp: Inputs, op: OpArg, needs_lse: bool, repeated: Callable | None = None) -> Plan:
+    """The forward op(s) of calls like ``inp``, selected once, and their run: ``Plan.run(call) -> (out, lse)`` on
+    ``inp`` or a call of its signature (``Inputs`` of the same metadata, e.g. ``inp`` with its caches appended).
+
+    ``Plan.ops``: the forward op from the selector's memo (validation and the ``Problem`` on a miss), and the
+    backward op when autograd needs this call's gradients and the forward op does not differentiate itself; the
+    run is then the pair under ``_Attention``, else the forward op's ``apply``. Under ``torch.compile`` the traced
+    plan (``compiled.forward_plan``). Under autotune without gradients the forward ops are timed as repeated calls
+    will run them (``timing.autotune_seconds``): ``repeated(op)``, the caller's repeated call of ``op`` without
+    arguments (``repeated`` None, or a None from it: ``op.apply`` on ``inp``). lse as ``run_forward`` returns it.
+
+    Example
+    -------
+    >>> plan = forward_plan(make_inputs(q, k, v), None, False)  # doctest: +SKIP
+    >>> out, _ = plan.run(make_inputs(q, k, v))  # doctest: +SKIP
+    """
     if _is_compiling():
-        return compiled.run_forward(inp, op, needs_lse)
-    return _select_and_run(inp, op, needs_lse, None)[0]
+        return compiled.forward_plan(inp, op, needs_lse)
 
+    def timed(o):  # what autotune times of a contender
+        call = None if repeated is None else repeated(o)
+        return functools.partial(o.apply, inp, needs_lse) if call is None else call
 
-def _select_and_run(inp: Inputs, op: OpArg, needs_lse: bool, repeated: Callable | None) -> tuple:
-    """((out, lse), forward op, backward op or None) for ``inp``: the ops from the selector's memo (validation and the
-    ``Problem`` on a miss), the forward op run on ``inp``, under ``_Attention`` with the backward op when there is
-    one. Under autotune without gradients the forward ops are timed as repeated calls will run them
-    (``timing.autotune_seconds``): ``repeated(op)`` (``_launch_plan_call``) where the call keeps a launch plan, else
-    ``apply``."""
     sig = inp.signature()
     fw = SELECTOR.select(sig, lambda: make_problem(inp, needs_lse), "fw", op,
-                         None if sig.needs_grad else lambda ops: autotune_seconds(
-                             ops, repeated or (lambda o: functools.partial(o.apply, inp, needs_lse)),
-                             inp.query.device.type))
+                         None if sig.needs_grad else lambda ops: autotune_seconds(ops, timed, inp.query.device.type))
     if not sig.needs_grad or (fw.AUTOGRAD and inp.query.dtype in FLOAT_DTYPES):
-        return fw.apply(inp, needs_lse), fw, None
+        def run(call: Inputs):
+            return fw.apply(call, needs_lse)
+        return Plan(run, (fw,))
     bw = SELECTOR.select(sig, lambda: make_problem(inp, needs_lse), "bw", op)
-    return _Attention.apply(fw, bw, inp, inp.query, inp.key, inp.value, inp.sinks), fw, bw
+
+    def paired(call: Inputs):
+        return _Attention.apply(fw, bw, call, call.query, call.key, call.value, call.sinks)
+    return Plan(paired, (fw, bw))
 
 
 def _launch_plan_call(inp: Inputs, needs_lse: bool) -> Callable:

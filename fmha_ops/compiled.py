@@ -145,9 +145,9 @@ def flatten_inputs(inp: Inputs) -> tuple[tuple, list]:
 # ---- trace time ----------------------------------------------------------------------------------
 
 @torch.compiler.assume_constant_result
-def _plan(device: str, fields: tuple, op: Any, spec: tuple) -> tuple[str, str, bool]:
-    """Select the ops for a traced call (real Python, at trace time): the ``CallSpec`` string, the forward op's
-    NAME, and whether that op is traced into the graph."""
+def _plan(device: str, fields: tuple, op: Any, spec: tuple) -> tuple[str, str, str, bool]:
+    """Select the ops for a traced call (real Python, at trace time): the ``CallSpec`` string, the forward and
+    backward ops' NAMEs ("": none) and whether the forward op is traced into the graph."""
     problem = Problem(arch=current_arch(device), deterministic=torch.are_deterministic_algorithms_enabled(),
                       graph_capture=False, fp8_backward=fp8_dequantized_backward_enabled(), **dict(fields))
     key = ("compiled", device, fields, spec)
@@ -157,23 +157,32 @@ def _plan(device: str, fields: tuple, op: Any, spec: tuple) -> tuple[str, str, b
         # as eager: a forced fw op alone raises unless it carries its own autograd (then any bw op serves)
         own_autograd = fw.AUTOGRAD and problem.q_dtype in FLOAT_DTYPES and not isinstance(op, tuple)
         bw = SELECTOR.select(key, lambda: problem, "bw", None if own_autograd else op).NAME
-    return CallSpec(fw.NAME, bw, *spec).encode(), fw.NAME, fw.TRACEABLE
+    return CallSpec(fw.NAME, bw, *spec).encode(), fw.NAME, bw, fw.TRACEABLE
 
 
-def run_forward(inp: Inputs, op: Any, needs_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The traced twin of ``call.run_forward``: same arguments, same results."""
+def forward_plan(inp: Inputs, op: Any, needs_lse: bool) -> Plan:
+    """The traced twin of ``call.forward_plan``: same arguments; the ops selected at trace time (``_plan``) and
+    ``run(call) -> (out, lse)`` on a call of ``inp``'s fields: the forward op traced into the graph, or the custom
+    op ``fmha_ops::attention_forward`` with the plan's spec (lse None unless ``needs_lse``)."""
     validate(inp)
     problem = problem_fields(inp, needs_lse)
     # sizes become constants: a dynamic-shape trace specializes (guards on) the sizes the selection reads
     problem = {name: operator.index(x) if isinstance(x, (int, torch.SymInt)) and not isinstance(x, bool) else x
                for name, x in problem.items()}
-    fields, tensors = flatten_inputs(inp)
-    text, fw_name, traceable = _plan(str(inp.query.device), tuple(problem.items()), op,
-                                     (fields, needs_lse or inp.is_partial))
+    fields, _ = flatten_inputs(inp)
+    text, fw_name, bw_name, traceable = _plan(str(inp.query.device), tuple(problem.items()), op,
+                                              (fields, needs_lse or inp.is_partial))
+    ops = tuple(REGISTRY.get(name) for name in (fw_name, bw_name) if name)
     if traceable:
-        return REGISTRY.get(fw_name).apply(inp, needs_lse)
-    out, lse = torch.ops.fmha_ops.attention_forward(inp.query, inp.key, inp.value, tensors, text)
-    return out, (lse if needs_lse else None)
+        def traced(call: Inputs):
+            return ops[0].apply(call, needs_lse)
+        return Plan(traced, ops)
+
+    def custom_op(call: Inputs):
+        _, tensors = flatten_inputs(call)
+        out, lse = torch.ops.fmha_ops.attention_forward(call.query, call.key, call.value, tensors, text)
+        return out, (lse if needs_lse else None)
+    return Plan(custom_op, ops)
 
 
 # ---- the custom ops ------------------------------------------------------------------------------

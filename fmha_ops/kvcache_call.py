@@ -2,12 +2,13 @@
 
 ``plan_kvcache_call`` is the whole miss path of ``flash_attn_with_kvcache``: it validates the arguments
 (``kvcache_call``: ValueError / TypeError / NotImplementedError naming them, the append not yet made) and returns
-the ``Plan`` the entry point runs. Where a repeated call of the same key may skip the checks (paged, device index
-tensors outside check mode, no autograd, contiguous sinks if any) that is the decode plan, stored in the plan cache
-(``fmha_ops.plans``): the append kernel and the selected op's decode launcher on the call's own index tensors (their
-values are read on the device, where the kernels guard them), no selection. Any other call gets a plan of its own,
-not stored: its value checks, the append and the selected op's forward, on every call. ``fmha_ops.decode_plan``
-plans a decode loop on the same checks (``kvcache_call``, ``decode_inputs``, ``select_decode_op``).
+the ``Plan`` the entry point runs, its op(s) selected once, when the plan is made (``call.forward_plan``). Where a
+repeated call of the same key may skip the checks (paged, device index tensors outside check mode, no autograd,
+contiguous sinks if any) that is the decode plan, stored in the plan cache (``fmha_ops.plans``): the append kernel and the selected
+op's decode launcher on the call's own index tensors (their values are read on the device, where the kernels guard
+them). Any other call gets a plan of its own, not stored (its checks read values): the append, then the selected
+op(s) run by the forward plan (the op's ``apply``, the forward and backward pair under autograd, or the traced op
+under torch.compile). ``fmha_ops.decode_plan`` plans a decode loop on the same checks (``kvcache_call``) and its op with ``select_decode_op``.
 
 Example
 -------
@@ -26,13 +27,13 @@ import torch
 
 from . import arguments, checks, kv_cache
 from . import attn_bias as ab
-from .call import forward
+from .call import forward_plan
 from .dispatch import SELECTOR
 from .inputs import Inputs
 from .plan import Plan
 from .plans import PLANS
 from .timing import autotune_seconds
-from .validation import check_values, make_problem, validate_sinks
+from .validation import check_descale_values, make_problem
 
 #: the append kernel runs on CPU tensors through Triton's interpreter
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -43,79 +44,69 @@ def plan_kvcache_call(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
                       sinks=None) -> Plan:
     """The plan of ``flash_attn_with_kvcache``'s call (its arguments as it takes them, ``key`` its call's plan key):
     ``run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale, sinks)`` returns what the entry
-    point returns. Validates the arguments first (raising as ``flash_attn_with_kvcache`` documents). A call whose repeated
-    calls may skip the checks (``_plannable``) gets the decode plan of its layout, stored under ``key``; any other
-    call a plan of its own (``_call_run``), not stored: its values (host descales and index tables; all of them in
-    check mode) are checked here, before its run appends. The sinks are checked here and passed to every run (the key
-    holds their layout)."""
+    point returns. Validates the arguments first (raising as ``flash_attn_with_kvcache`` documents), then selects the
+    op(s) once (``call.forward_plan``; under autotune timed as the plan will run them). A call whose repeated calls
+    may skip the checks (``_plannable``) and whose op has a decode launcher gets the decode plan of its layout,
+    stored under ``key``; any other call a plan of its own (the append, then the selected op(s)' run), not stored, as
+    its values (host descales and index tables; all of them in check mode) are checked by ``kvcache_call`` before
+    its run appends."""
     call = kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, q_descale, k_descale,
-                        v_descale, softmax_scale, causal, window_size)
-    inp = decode_inputs(call, softmax_scale, softcap, return_lse, sinks)
-    if sinks is not None:
-        validate_sinks(sinks, q.shape[2], q.device)
-    if key is not None and _plannable(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, sinks):
-        def timed(op):  # what autotune times of a contender: its decode run, nothing appended
-            return _timed_decode(op, call, inp, q, k_cache, v_cache, return_lse)
+                        v_descale, softmax_scale, causal, window_size, sinks)
+    inp = _decode_inputs(call, softmax_scale, softcap, return_lse, sinks)
+    decodes = key is not None and _plannable(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
+                                             sinks)
 
-        def planned(op):  # the plan's run of the selected op: the append, then its decode launch
-            return decode_run(op, call, inp, q, v_cache, return_lse, k)
+    def decoded(op, new_tokens=None):  # op's decode run for calls laid out like this one (None: it has none)
+        return decode_run(op, call, inp, q, v_cache, return_lse, new_tokens) if decodes else None
 
-        op = select_decode_op(inp, return_lse, timed)
-        run = planned(op)
-        if run is not None:
-            return PLANS.put(key, Plan(run, (op,), ("validation", "selection", "mask")))
-    run = _call_run(call, inp, q.shape, return_lse)
-    check_values(inp)
-    return Plan(run, (), ())
+    def timed(op):  # what autotune times of a contender: its decode run on this call's tensors, nothing appended
+        return _timed_decode(decoded(op), call, q, k_cache, v_cache, sinks)
+
+    forward = forward_plan(inp, None, return_lse, timed)
+    decode = decoded(forward.ops[0], k)
+    if decode is not None:
+        return PLANS.put(key, Plan(decode, forward.ops, ("validation", "selection", "mask")))
+    batch, mq, hq = q.shape[:3]
+
+    def run(q, k_cache, v_cache, *_):  # this call's own: the append, then the selected op(s) on the caches as appended
+        appended = inp
+        if call.append is not None:  # pool views taken again after the append (a cache without a view was copied)
+            call.append()
+            appended = replace(inp, key=_pool(k_cache), value=_pool(v_cache))
+        out, lse = forward.run(appended)
+        out = out.view(batch, mq, hq, out.shape[3])
+        return (out, lse.view(hq, batch, mq).permute(1, 0, 2)) if return_lse else out
+    return Plan(run, forward.ops, ())
 
 
-def decode_inputs(call: "KVCacheCall", softmax_scale, softcap, return_lse: bool, sinks=None) -> Inputs:
-    """The op path's ``Inputs`` of a validated call (``kvcache_call``): BMHK, our own paged mask, descales checked,
-    so there is nothing for ``make_inputs`` to convert. The values of the descales and index tables are checked by a
-    call's own plan (``_call_run``), never by a decode plan (device tensors outside check mode: nothing to check)."""
+def _decode_inputs(call: "KVCacheCall", softmax_scale, softcap, return_lse: bool, sinks=None) -> Inputs:
+    """The op path's ``Inputs`` of a validated call (``kvcache_call``, which checked the values of its descales and
+    index tables too): BMHK, our own paged mask, descales checked, so there is nothing for ``make_inputs`` to
+    convert or check."""
     return Inputs(call.query, call.key, call.value, call.bias, scale=softmax_scale, is_partial=return_lse,
                   k_descale=call.k_descale, v_descale=call.v_descale, softcap=softcap, sinks=sinks)
 
 
 def select_decode_op(inp: Inputs, return_lse: bool, repeated: Callable):
-    """The forward op for a decode call (the selector's memo; on a miss validation and the ``Problem``), timed under
-    autotune as its repeated calls run (``timing.autotune_seconds``): ``repeated(op)``, the caller's plan of ``op`` as
-    a call without arguments (None where ``op`` has none: its ``apply``)."""
+    """The forward op of a decode loop's plan (``fmha_ops.decode_plan``; the selector's memo, on a miss validation
+    and the ``Problem``), timed under autotune as its runs run (``timing.autotune_seconds``): ``repeated(op)``, the
+    plan's run of ``op`` as a call without arguments (None where ``op`` has none: its ``apply``)."""
     return SELECTOR.select(inp.signature(), lambda: make_problem(inp, return_lse), "fw", None,
                            lambda ops: autotune_seconds(
                                ops, lambda op: repeated(op) or functools.partial(op.apply, inp, return_lse),
                                inp.query.device.type))
 
 
-def _timed_decode(op, call: "KVCacheCall", inp: Inputs, q, k_cache, v_cache, return_lse: bool):
-    """What autotune times of ``op`` for a decode plan: its run (``decode_run``) on the call's tensors at the mask's
-    lengths and page table (the appended tokens counted, nothing appended: a timed call leaves the cache as it was);
-    None where the op has no decode launcher."""
-    run = decode_run(op, call, inp, q, v_cache, return_lse)
+def _timed_decode(run: Callable | None, call: "KVCacheCall", q, k_cache, v_cache, sinks) -> Callable | None:
+    """What autotune times of a contender for a decode plan: its ``run`` (``decode_run``, without new tokens; None
+    where the op has none) on the call's tensors at the mask's lengths and page table (the appended tokens counted,
+    nothing appended: a timed call leaves the cache as it was) with the call's ``sinks``, as a call without
+    arguments."""
     if run is None:
         return None
     lengths, table = call.bias.k_seqinfo.seqlen, call.bias.block_tables
     return functools.partial(run, q, k_cache, v_cache, None, None, lengths, table, call.k_descale, call.v_descale,
-                             inp.sinks)
-
-
-def _call_run(call: "KVCacheCall", inp: Inputs, q_shape, return_lse: bool) -> Callable:
-    """``run(q, k_cache, v_cache, *rest)`` -> what ``flash_attn_with_kvcache`` returns for this validated ``call`` and
-    its ``inp`` (``decode_inputs``; the index tensors and descales as ``call`` holds them; its values and sinks checked
-    by ``plan_kvcache_call``, which makes this plan for one call): the append, then the selected op's forward
-    (``call.forward``) on the caches as appended."""
-    def run(q, k_cache, v_cache, *_):
-        appended = inp
-        if call.append is not None:  # pool views taken again after the append (a cache without a view was copied)
-            call.append()
-            appended = replace(inp, key=_pool(k_cache), value=_pool(v_cache))
-        out, lse = forward(appended, None, return_lse)
-        batch, mq = q_shape[:2]
-        out = out.view(q_shape[:3] + out.shape[3:])
-        if return_lse:
-            return out, lse.view(lse.shape[1], batch, mq).permute(1, 0, 2)
-        return out
-    return run
+                             sinks)
 
 
 def _plannable(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, sinks) -> bool:
@@ -202,9 +193,11 @@ class KVCacheCall(NamedTuple):
 
 
 def kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, q_descale, k_descale,
-                 v_descale, softmax_scale, causal, window_size) -> KVCacheCall:
+                 v_descale, softmax_scale, causal, window_size, sinks=None) -> KVCacheCall:
     """Validate ``flash_attn_with_kvcache``'s arguments (ValueError / TypeError / NotImplementedError naming them)
-    and return the call for the op path, its append (of ``k`` / ``v`` when given) not yet made (``KVCacheCall``)."""
+    and return the call for the op path, its append (of ``k`` / ``v`` when given) not yet made (``KVCacheCall``).
+    The values of host index tensors and descales are checked too (device ones in check mode: ``fmha_ops.checks``);
+    ``sinks`` (float32 (Hq,) on q's device) only by their metadata, as the rest."""
     left, right = arguments.window(window_size, causal)
     if not causal and (left, right) != (-1, -1):
         raise NotImplementedError(f"window_size={tuple(window_size)} with causal=False is not implemented by "
@@ -218,7 +211,7 @@ def kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
     mnew = 0 if k is None else k.shape[1]
     paged = page_table is not None
     if paged:
-        _check_index_tensor("page_table", page_table, (batch, None), (torch.int32,), q.device)
+        _check_tensor("page_table", page_table, (batch, None), (torch.int32,), q.device)
         if cache_batch_idx is not None:
             raise ValueError("cache_batch_idx is for dense caches; with page_table, reorder the page table instead")
         capacity = page_table.shape[1] * page
@@ -228,7 +221,7 @@ def kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
                 raise ValueError(f"k_cache has {k_cache.shape[0]} sequences but q has {batch}; pass cache_batch_idx")
             page_table = torch.arange(batch, dtype=torch.int32, device=q.device)[:, None]  # row b is page b
         else:
-            _check_index_tensor("cache_batch_idx", cache_batch_idx, (batch,), (torch.int32, torch.int64), q.device)
+            _check_tensor("cache_batch_idx", cache_batch_idx, (batch,), (torch.int32, torch.int64), q.device)
             page_table = cache_batch_idx.to(torch.int32)[:, None]
         capacity = page
     cache_seqlens = _cache_seqlens(cache_seqlens, q, capacity - mnew)
@@ -259,6 +252,9 @@ def kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
         bias = ab.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask.from_device_seqlens(mq, seqlens, page_table, page)
     else:
         bias = ab.PagedBlockDiagonalPaddedKeysMask.from_device_seqlens(mq, seqlens, page_table, page)
+    if sinks is not None:
+        _check_tensor("sinks", sinks, (q.shape[2],), (torch.float32,), q.device)
+    check_descale_values(("k_descale", kd), ("v_descale", vd))
     # per-token descales pass in the cache's own (num_pages, page_size, Hkv) layout: no copy, any strides
     return KVCacheCall(q.reshape(1, batch * mq, *q.shape[2:]), _pool(k_cache), _pool(v_cache), bias, kd, vd, append)
 
@@ -325,11 +321,11 @@ def _cache_seqlens(cache_seqlens, q: torch.Tensor, most: int) -> torch.Tensor:
     if not isinstance(cache_seqlens, torch.Tensor):
         raise TypeError(f"cache_seqlens must be an int or an int32 tensor of shape ({batch},), got "
                         f"{type(cache_seqlens).__name__}")
-    _check_index_tensor("cache_seqlens", cache_seqlens, (batch,), (torch.int32,), q.device)
+    _check_tensor("cache_seqlens", cache_seqlens, (batch,), (torch.int32,), q.device)
     return cache_seqlens
 
 
-def _check_index_tensor(name: str, t, shape: tuple, dtypes: tuple, device: torch.device) -> None:
+def _check_tensor(name: str, t, shape: tuple, dtypes: tuple, device: torch.device) -> None:
     """``t`` is a tensor of ``shape`` (None: any size there), one of ``dtypes``, on ``device``."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")

@@ -195,23 +195,32 @@ def _validate_descales(inp: Inputs) -> None:
 
 
 def check_values(inp: Inputs) -> None:
-    """Per-call checks of values the signature does not hold: descales must be finite and >= 0, and masks check
-    their index tables. Host-resident tensors always; device-resident ones only in check mode
-    (``fmha_ops.checks``: one host sync), never during a CUDA graph capture or a torch.compile trace."""
+    """Per-call checks of values the signature does not hold: descales must be finite and >= 0
+    (``check_descale_values``), and masks check their index tables. Host-resident tensors always; device-resident
+    ones only in check mode (``fmha_ops.checks``: one host sync), never during a CUDA graph capture or a
+    torch.compile trace."""
     if torch.compiler.is_compiling():
         return
-    descales = [(role, d) for role, d in zip(_DESCALE_ROLES, (inp.q_descale, inp.k_descale, inp.v_descale))
-                if d is not None]
+    check_descale_values(*zip(_DESCALE_ROLES, (inp.q_descale, inp.k_descale, inp.v_descale)))
+    if inp.attn_bias is not None:
+        inp.attn_bias.check_values(inp.key)
+
+
+def check_descale_values(*descales: tuple[str, torch.Tensor | None]) -> None:
+    """Raise ValueError naming the first descale, of ``(argument name, tensor or None)`` pairs, with an entry that
+    is not finite or below 0 (0: an all-zero block or token). Host-resident descales always; device-resident ones
+    only in check mode (one host sync for all of them), never in a CUDA graph capture or a torch.compile trace."""
+    if torch.compiler.is_compiling():
+        return
+    descales = [(role, d) for role, d in descales if d is not None]
     if descales and not all(d.device.type == "cpu" for _, d in descales) and not checks.device_checks_wanted():
         descales = [(role, d) for role, d in descales if d.device.type == "cpu"]  # device ones: in check mode only
-    if descales:  # one read back for all of them: finite and >= 0 (0: an all-zero block or token)
+    if descales:  # one read back for all of them
         ok = [bool(f) for f in torch.stack([(torch.isfinite(d) & (d >= 0)).all() for _, d in descales]).tolist()]
         for (role, d), good in zip(descales, ok):
             if not good:
                 arguments.require_finite(role, d)
                 arguments.require_nonnegative(role, d)
-    if inp.attn_bias is not None:
-        inp.attn_bias.check_values(inp.key)
 
 
 def descale_kinds(inp: Inputs) -> tuple[str, str, str]:

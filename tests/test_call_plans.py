@@ -13,7 +13,7 @@ import torch
 
 import fmha_ops
 from registry import Arch
-from fmha_ops import api, attn_bias as ab, inputs, plans, validation
+from fmha_ops import api, attn_bias as ab, inputs, kvcache_call, plans, validation
 from fmha_ops.testing import normal_qkv
 
 from .test_api import SPECS, _spec_inputs, make_bias
@@ -269,6 +269,55 @@ def test_calls_with_per_call_checks_keep_the_full_path(counted):
     assert counted["make_inputs"] == 5 and not torch.equal(other, full)
     fmha_ops.SELECTOR.clear()
     assert torch.equal(fmha_ops.memory_efficient_attention(q, k, v, swapped), other)
+
+
+def _dense_cache(seed=0):
+    """q (2, 1, 4, 16), a dense float32 KV cache (2, 8, 2, 16) on the CPU, one new token per sequence, the lengths."""
+    q, k_cache, v_cache = _qkv(b=2, m=1, hq=4, hkv=2, mk=8, seed=seed)
+    _, new_k, new_v = _qkv(b=2, m=1, hq=2, hkv=2, seed=seed + 1)
+    return q, k_cache, v_cache, new_k, new_v, torch.tensor([3, 5], dtype=torch.int32)
+
+
+def test_kvcache_call_selects_once_when_its_plan_is_made(counted):
+    """A flash_attn_with_kvcache call that keeps no decode plan (a dense cache on the CPU) selects its op when its
+    plan is made; the plan's run appends and runs that op without selecting again: the entry point's result."""
+    q, k_cache, v_cache, new_k, new_v, lens = _dense_cache()
+    caches = (k_cache.clone(), v_cache.clone())
+    plan = kvcache_call.plan_kvcache_call(None, q, *caches, new_k, new_v, lens, None, None, None, None, None, None,
+                                          True, (-1, -1), 0.0, False)
+    assert counted["signature"] == 1 and [op.KIND for op in plan.ops] == ["fw"]
+    out = plan.run(q, *caches, new_k, new_v, lens, None, None, None)
+    assert counted["signature"] == 1, "the run selects nothing"
+    want = fmha_ops.flash_attn_with_kvcache(q, k_cache, v_cache, new_k, new_v, cache_seqlens=lens, causal=True)
+    assert torch.equal(out, want) and torch.equal(caches[0], k_cache) and torch.equal(caches[1], v_cache)
+
+
+def test_kvcache_call_that_no_op_can_run_raises_before_it_appends():
+    """The op is selected before the append: a call no op can run raises and leaves the cache as it was."""
+    q, k_cache, v_cache, new_k, new_v, lens = _dense_cache()
+    caches = (k_cache.clone(), v_cache.clone())
+    with fmha_ops.use_ops("sdpa_mathF"), pytest.raises(fmha_ops.NoSupportedOpError, match="sdpa_mathF"):
+        fmha_ops.flash_attn_with_kvcache(q, *caches, new_k, new_v, cache_seqlens=lens, causal=True)
+    assert torch.equal(caches[0], k_cache) and torch.equal(caches[1], v_cache)
+
+
+def test_kvcache_call_gradient_through_its_plan_matches_the_reference():
+    """A kvcache call whose q and cache require gradients runs the op(s) its plan selected with autograd (the
+    pair under autograd where the forward op has none): the gradients of a float64 softmax reference."""
+    q, k_cache, v_cache, _, _, lens = _dense_cache()
+    leaves = [t.clone().requires_grad_(True) for t in (q, k_cache, v_cache)]
+    out = fmha_ops.flash_attn_with_kvcache(*leaves, cache_seqlens=lens, causal=True)
+    grads = torch.autograd.grad(out.square().sum(), leaves)
+    refs = [t.detach().double().requires_grad_(True) for t in (q, k_cache, v_cache)]
+    rows = []
+    for b, n in enumerate(lens.tolist()):  # one query per sequence: it sees the sequence's n keys
+        keys, values = (t[b, :n].repeat_interleave(2, dim=1) for t in refs[1:])  # GQA: 2 query heads per kv head
+        scores = torch.einsum("hd,nhd->hn", refs[0][b, 0], keys) * 16 ** -0.5
+        rows.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), values)[None, None])
+    want = torch.cat(rows)
+    assert torch.allclose(out.double(), want, atol=1e-5)
+    for got, ref in zip(grads, torch.autograd.grad(want.square().sum(), refs)):
+        assert torch.allclose(got.double(), ref, atol=1e-5)
 
 
 def test_a_plan_holds_no_tensor_of_its_first_call():

@@ -252,6 +252,9 @@ def test_flash_attn_with_kvcache(monkeypatch, fp8, device_indices):
         "rotary given": lambda: call(rotary_cos=torch.ones(1)),
         "return lse": lambda: call(return_softmax_lse=True),
         "cache_batch_idx with a table": lambda: call(cache_batch_idx=torch.arange(3, dtype=torch.int32)),
+        "sinks a list": lambda: call(sinks=[0.0] * 4),
+        "sinks float16": lambda: call(sinks=torch.zeros(4, dtype=torch.float16)),
+        "sinks 3 heads": lambda: call(sinks=torch.zeros(3)),
     }
     if not device_indices:  # values checked on every call
         variants["cache_seqlens past the cache"] = lambda: call(cache_seqlens=torch.tensor([3, 99, 9],
@@ -261,6 +264,8 @@ def test_flash_attn_with_kvcache(monkeypatch, fp8, device_indices):
         variants.update({"no k_descale": lambda: call(k_descale=None),
                          "k_descale float64": lambda: call(k_descale=ks.double()),
                          "k_descale per tensor": lambda: call(k_descale=torch.ones(1), v_descale=torch.ones(1))})
+        if not device_indices:  # host descales: their values checked on every call
+            variants["v_descale negative"] = lambda: call(v_descale=-vs)
     else:
         variants["a k_descale on a float cache"] = lambda: call(k_descale=torch.ones(1))
     _pin(call, variants)
