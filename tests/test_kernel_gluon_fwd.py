@@ -134,8 +134,9 @@ import dataclasses, sys
 from fmha_ops.kernels.gluon import attention_fwd_ws as ws
 head_dim, causal, consumers, v_transpose = int(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[3]), sys.argv[4] == "1"
 persistent, qk_int8, block_n = sys.argv[5] == "1", sys.argv[6] == "1", int(sys.argv[7])
+direct = sys.argv[8] == "1"
 cfg = ws.WsFwdConfig(block_n=block_n or (128 if head_dim <= 128 else 64), v_transpose=v_transpose,
-                     key_order=v_transpose, persistent=persistent)
+                     key_order=v_transpose, persistent=persistent, direct_store=direct)
 if consumers == 1:
     cfg = dataclasses.replace(cfg, consumers=1, maxnreg=ws.SINGLE_CONSUMER_MAXNREG[head_dim])
 elif consumers == 3:
@@ -145,27 +146,31 @@ kernel = ws.compile_sm90(head_dim, causal=causal, write_lse=True, config=cfg, qk
 assert "wgmma" in kernel.asm["ptx"] and kernel.asm["cubin"]
 assert ("wgmma.mma_async.sync.aligned.m64n" in kernel.asm["ptx"]) and (".s32.s8.s8" in kernel.asm["ptx"]) == qk_int8
 assert kernel.metadata.num_warps == 4 * (consumers + 1), kernel.metadata.num_warps  # + the producer's warpgroup
+# the direct store writes the output with st.global from registers, no TMA store from shared memory
+assert ("cp.async.bulk.tensor.4d.global.shared" in kernel.asm["ptx"]) != direct
 # the persistent grid's CTAs per SM come from this estimate: it must not undercount
 assert cfg.shared_bytes(head_dim) >= kernel.metadata.shared, (cfg.shared_bytes(head_dim), kernel.metadata.shared)
 print("compiled")
 """
 
 
-@pytest.mark.parametrize("head_dim,causal,consumers,v_transpose,persistent,qk_int8,block_n",
-                         [(128, True, 2, False, False, False, 0), (64, False, 1, False, False, False, 0),
-                          (64, True, 3, False, False, False, 0), (256, True, 2, True, False, False, 0),
-                          (128, True, 2, False, True, True, 192)])
-def test_ws_kernel_compiles_for_sm90(head_dim, causal, consumers, v_transpose, persistent, qk_int8, block_n):
+@pytest.mark.parametrize("head_dim,causal,consumers,v_transpose,persistent,qk_int8,block_n,direct",
+                         [(128, True, 2, False, False, False, 0, False), (64, False, 1, False, False, False, 0, False),
+                          (64, True, 3, False, False, False, 0, False), (256, True, 2, True, False, False, 0, False),
+                          (128, True, 2, False, True, True, 192, False), (128, False, 1, False, True, True, 192, True)])
+def test_ws_kernel_compiles_for_sm90(head_dim, causal, consumers, v_transpose, persistent, qk_int8, block_n, direct):
     """Ahead-of-time sm90 compile (no GPU): Gluon front end, Triton passes and ptxas accept the kernel (the
-    persistent grid's tile loop, int8 q / k on the s8 wgmma, 192-key tiles in two parts). In a child process
-    without ``TRITON_INTERPRET`` (interpreted helpers cannot be called from a compiled kernel)."""
+    persistent grid's tile loop, int8 q / k on the s8 wgmma, 192-key tiles in two parts, the output stored from
+    registers). In a child process without ``TRITON_INTERPRET`` (interpreted helpers cannot be called from a
+    compiled kernel)."""
     import os
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", _COMPILE_CHECK, str(head_dim), str(int(causal)), str(consumers),
-                          str(int(v_transpose)), str(int(persistent)), str(int(qk_int8)), str(block_n)],
+                          str(int(v_transpose)), str(int(persistent)), str(int(qk_int8)), str(block_n),
+                          str(int(direct))],
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
 
@@ -223,18 +228,22 @@ def test_gpu_gluon_fwd(shape, descale):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("descale", ["head", "tensor"])
-@pytest.mark.parametrize("consumers,v_transpose,key_order,persistent,block_n",
-                         [(2, False, False, False, 0), (2, True, False, False, 0), (2, True, True, False, 0),
-                          (2, False, True, False, 0), (1, True, True, False, 0), (1, False, False, False, 0),
-                          (3, False, False, False, 0), (2, False, False, True, 0), (2, False, True, True, 0),
-                          (1, True, True, True, 0), (1, False, True, True, 0), (3, False, False, True, 0),
-                          (2, False, True, True, 192), (2, False, False, False, 192)],
+@pytest.mark.parametrize("consumers,v_transpose,key_order,persistent,block_n,direct",
+                         [(2, False, False, False, 0, False), (2, True, False, False, 0, False),
+                          (2, True, True, False, 0, False), (2, False, True, False, 0, False),
+                          (1, True, True, False, 0, False), (1, False, False, False, 0, False),
+                          (3, False, False, False, 0, False), (2, False, False, True, 0, False),
+                          (2, False, True, True, 0, False), (1, True, True, True, 0, False),
+                          (1, False, True, True, 0, False), (3, False, False, True, 0, False),
+                          (2, False, True, True, 192, False), (2, False, False, False, 192, False),
+                          (1, False, True, True, 192, True), (1, True, True, False, 0, True)],
                          ids=lambda v: str(v))
-def test_gpu_gluon_ws_fwd(shape, descale, consumers, v_transpose, key_order, persistent, block_n):
+def test_gpu_gluon_ws_fwd(shape, descale, consumers, v_transpose, key_order, persistent, block_n, direct):
     """The warp-specialized kernel: ping-pong (2 or 3 consumer warpgroups) and single-consumer schedules, V^T
     from ``transpose_v`` or transposed in shared memory by the producer warpgroup, keys in order or in the S
     accumulator's order, one CTA per tile or a persistent grid (each CTA several tiles, rings and turns running
-    on across them), 192-key tiles in two parts (``block_n`` 192; D <= 128: D256's accumulators leave no room)."""
+    on across them), 192-key tiles in two parts (``block_n`` 192; D <= 128: D256's accumulators leave no room),
+    the output stored from the consumers' registers (``direct``)."""
     import functools
 
     from fmha_ops.kernels.gluon import attention_fwd_ws as ws
@@ -242,7 +251,7 @@ def test_gpu_gluon_ws_fwd(shape, descale, consumers, v_transpose, key_order, per
     if block_n and shape[5] == 256:
         pytest.skip("192-key tiles: S (96) + O (128) + P (24) registers exceed a D256 consumer's 240")
     cfg = ws.WsFwdConfig(block_n=block_n or (128 if shape[5] <= 128 else 64), v_transpose=v_transpose,
-                         key_order=key_order, persistent=persistent)
+                         key_order=key_order, persistent=persistent, direct_store=direct)
     if consumers == 1:
         cfg = dataclasses.replace(cfg, consumers=1, maxnreg=ws.SINGLE_CONSUMER_MAXNREG[shape[5]])
     elif consumers == 3:
@@ -255,7 +264,8 @@ def test_gpu_gluon_ws_fwd(shape, descale, consumers, v_transpose, key_order, per
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", GPU_SHAPES + [(2, 3000, 3000, 8, 1, 128, True)], ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("schedule", ["default", "persistent", "persistent_key_order", "persistent_192"])
+@pytest.mark.parametrize("schedule", ["default", "persistent", "persistent_key_order", "persistent_192",
+                                      "single_192_direct"])
 def test_gpu_gluon_ws_i8fp8(shape, schedule):
     """i8fp8 (int8 q / k with (B, Hkv) descales, s8 wgmma into int32; fp8 v) through the same kernel body,
     against the float64 reference of the dequantized inputs, on fresh normal inputs."""
@@ -266,9 +276,12 @@ def test_gpu_gluon_ws_i8fp8(shape, schedule):
     q, k, v = _inputs("normal", B, Mq, Mk, Hq, Hkv, D, D, torch.bfloat16, seed=Mq * 7 + Mk)
     i8 = quantize_i8fp8(q, k, v, qk_granularity="head", v_granularity="tensor")
     cfg = None
-    if schedule == "persistent_192" and D == 256:
+    if "192" in schedule and D == 256:
         pytest.skip("192-key tiles: D <= 128")
-    if schedule != "default":
+    if schedule == "single_192_direct":
+        cfg = ws.WsFwdConfig(consumers=1, maxnreg=ws.SINGLE_CONSUMER_MAXNREG[D], block_n=192, key_order=True,
+                             persistent=True, direct_store=True)
+    elif schedule != "default":
         cfg = ws.WsFwdConfig(block_n=192 if schedule == "persistent_192" else 128 if D <= 128 else 64,
                              persistent=True, key_order=schedule == "persistent_key_order")
     ref, ref_lse = reference(_dq(i8.q, i8.q_descale, Hq // Hkv).double(), _dq(i8.k, i8.k_descale).double(),

@@ -400,15 +400,17 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_
 @gluon.jit
 def _consumer(C: gl.constexpr, smem, scalars, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr,
               STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
-              P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr, OUT_FP8: gl.constexpr, QK_INT8: gl.constexpr):
+              P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr, OUT_FP8: gl.constexpr, QK_INT8: gl.constexpr,
+              DIRECT_STORE: gl.constexpr):
     """Consumer ``C`` over this CTA's tiles: the rows ``C * WG_ROWS ..`` of each, their output through ``o_smem``
-    and a TMA store that runs on while the next tile starts (waited for before ``o_smem`` is written again).
+    and a TMA store that runs on while the next tile starts (waited for before ``o_smem`` is written again), or
+    with ``DIRECT_STORE`` from its registers straight to ``Out`` (no output tile in shared memory).
     ``smem`` and ``scalars``: the kernel's shared buffers and barriers and its runtime arguments, as tuples (every
     consumer takes the same; the constexprs travel one by one, as a tuple would make them tensors)."""
     (q_smem, k_smem, kb_smem, v_smem, vb_smem, o_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
      turn_bars) = smem
-    (o_desc, Lse, QD, KD, VD, sm_scale_log2, stride_lb, stride_lh, qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh, n_m,
-     n_total, Mq, Mk, Hq, GROUP) = scalars
+    (o_desc, Out, Lse, QD, KD, VD, sm_scale_log2, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, qd_sb, qd_sh,
+     kd_sb, kd_sh, vd_sb, vd_sh, n_m, n_total, Mq, Mk, Hq, GROUP) = scalars
     BLOCK_M: gl.constexpr = CONSUMERS * WG_ROWS
     o_layout: gl.constexpr = acc_layout(WG_WARPS, HEAD_D)
     o_tile = o_smem.index(C)
@@ -427,12 +429,19 @@ def _consumer(C: gl.constexpr, smem, scalars, HEAD_D: gl.constexpr, BLOCK_N: gl.
                                                kv, turn, i, Mq, Mk, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS,
                                                CAUSAL, P_SHIFT, KEY_ORDER, QK_INT8)
         inv = gl.convert_layout(row_inverse(l_i) * vd, gl.SliceLayout(1, o_layout))
-        tma.store_wait(pendings=0)  # the previous tile's store has read o_tile
-        gl.thread_barrier()
-        o_tile.store((acc * gl.expand_dims(inv, 1)).to(o_tile.dtype))
-        fence_async_shared()
-        gl.thread_barrier()
-        tma.async_copy_shared_to_global(o_desc, [b, m0 + C * WG_ROWS, hq, 0], _box(o_tile))
+        if DIRECT_STORE:
+            rows = gl.convert_layout(offs_m, gl.SliceLayout(1, o_layout))
+            cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
+            base = Out + b.to(gl.int64) * stride_ob + hq.to(gl.int64) * stride_oh
+            gl.store(base + gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0),
+                     (acc * gl.expand_dims(inv, 1)).to(Out.dtype.element_ty), mask=gl.expand_dims(rows < Mq, 1))
+        else:
+            tma.store_wait(pendings=0)  # the previous tile's store has read o_tile
+            gl.thread_barrier()
+            o_tile.store((acc * gl.expand_dims(inv, 1)).to(o_tile.dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            tma.async_copy_shared_to_global(o_desc, [b, m0 + C * WG_ROWS, hq, 0], _box(o_tile))
         if WRITE_LSE:
             lse_ptr = Lse + b.to(gl.int64) * stride_lb + hq.to(gl.int64) * stride_lh
             gl.store(lse_ptr + offs_m, natural_lse(m_i, l_i, P_SHIFT), mask=offs_m < Mq)
@@ -444,13 +453,14 @@ def _consumer(C: gl.constexpr, smem, scalars, HEAD_D: gl.constexpr, BLOCK_N: gl.
 
 @gluon.jit
 def _attn_fwd_ws_kernel(
-    q_desc, k_desc, kb_desc, v_desc, vb_desc, o_desc, Lse, QD, KD, VD, sm_scale_log2,
-    stride_lb, stride_lh, qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh,
+    q_desc, k_desc, kb_desc, v_desc, vb_desc, o_desc, Out, Lse, QD, KD, VD, sm_scale_log2,
+    stride_ob, stride_om, stride_oh, stride_lb, stride_lh, qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh,
     n_m, n_total, Mq, Mk, Hq, GROUP,
     HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr, STAGES: gl.constexpr,
     CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr,
     V_TRANSPOSE: gl.constexpr, OUT_FP8: gl.constexpr, PERSISTENT: gl.constexpr, QK_INT8: gl.constexpr,
+    DIRECT_STORE: gl.constexpr,
 ):
     """Tiles ``program_id(0)``, + ``num_programs(0)``, .. of the ``n_total`` (batch, head, ``CONSUMERS * WG_ROWS``-row
     block) tiles (``_tile_coords``): one per CTA with a grid of ``n_total``, several with a persistent grid.
@@ -475,13 +485,18 @@ def _attn_fwd_ws_kernel(
                                           fp8_tile_layout(BLOCK_N, V_CHUNK))
         # one tile per CTA: the output tiles reuse the raw ring where it is large enough (a consumer stores its
         # tile after its last PV wgmma, which waited for the last V^T tile, so every raw load and read is over)
-        if not PERSISTENT and STAGES * BLOCK_A >= CONSUMERS * WG_ROWS * o_dtype.primitive_bitwidth // 8:
+        if DIRECT_STORE:
+            o_smem = q_smem  # unused: the consumers store from their registers
+        elif not PERSISTENT and STAGES * BLOCK_A >= CONSUMERS * WG_ROWS * o_dtype.primitive_bitwidth // 8:
             o_smem = v_raw._reinterpret(o_dtype, [CONSUMERS, WG_ROWS, HEAD_D], o_layout)
         else:
             o_smem = gl.allocate_shared_memory(o_dtype, [CONSUMERS, WG_ROWS, HEAD_D], o_layout)
     else:
         v_raw = v_smem
-        o_smem = gl.allocate_shared_memory(o_dtype, [CONSUMERS, WG_ROWS, HEAD_D], o_layout)
+        if DIRECT_STORE:
+            o_smem = q_smem  # unused: the consumers store from their registers
+        else:
+            o_smem = gl.allocate_shared_memory(o_dtype, [CONSUMERS, WG_ROWS, HEAD_D], o_layout)
     q_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -504,16 +519,16 @@ def _attn_fwd_ws_kernel(
     # constexprs travel as arguments of each partition function (a tuple built here would make them tensors)
     smem = (q_smem, k_smem, kb_smem, v_smem, vb_smem, o_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
             turn_bars)
-    scalars = (o_desc, Lse, QD, KD, VD, sm_scale_log2, stride_lb, stride_lh, qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh,
-               n_m, n_total, Mq, Mk, Hq, GROUP)
+    scalars = (o_desc, Out, Lse, QD, KD, VD, sm_scale_log2, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
+               qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh, n_m, n_total, Mq, Mk, Hq, GROUP)
     if CONSUMERS == 3:
         gl.warp_specialize([
             (_consumer, (0, smem, scalars, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT,
-                         KEY_ORDER, OUT_FP8, QK_INT8)),
+                         KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE)),
             (_consumer, (1, smem, scalars, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT,
-                         KEY_ORDER, OUT_FP8, QK_INT8)),
+                         KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE)),
             (_consumer, (2, smem, scalars, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT,
-                         KEY_ORDER, OUT_FP8, QK_INT8)),
+                         KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE)),
             (_producer, (q_desc, k_desc, kb_desc, v_desc, vb_desc, q_smem, k_smem, kb_smem, v_smem, vb_smem, v_raw,
                          q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready, n_m, n_total, Mq, Mk, Hq,
                          GROUP, BLOCK_N, BLOCK_B, HEAD_D, STAGES, CONSUMERS, CAUSAL, V_TRANSPOSE, KEY_ORDER)),
@@ -521,9 +536,9 @@ def _attn_fwd_ws_kernel(
     elif CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, smem, scalars, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT,
-                         KEY_ORDER, OUT_FP8, QK_INT8)),
+                         KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE)),
             (_consumer, (1, smem, scalars, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT,
-                         KEY_ORDER, OUT_FP8, QK_INT8)),
+                         KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE)),
             (_producer, (q_desc, k_desc, kb_desc, v_desc, vb_desc, q_smem, k_smem, kb_smem, v_smem, vb_smem, v_raw,
                          q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready, n_m, n_total, Mq, Mk, Hq,
                          GROUP, BLOCK_N, BLOCK_B, HEAD_D, STAGES, CONSUMERS, CAUSAL, V_TRANSPOSE, KEY_ORDER)),
@@ -531,7 +546,7 @@ def _attn_fwd_ws_kernel(
     else:
         gl.warp_specialize([
             (_consumer, (0, smem, scalars, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT,
-                         KEY_ORDER, OUT_FP8, QK_INT8)),
+                         KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE)),
             (_producer, (q_desc, k_desc, kb_desc, v_desc, vb_desc, q_smem, k_smem, kb_smem, v_smem, vb_smem, v_raw,
                          q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready, n_m, n_total, Mq, Mk, Hq,
                          GROUP, BLOCK_N, BLOCK_B, HEAD_D, STAGES, CONSUMERS, CAUSAL, V_TRANSPOSE, KEY_ORDER)),
@@ -575,6 +590,9 @@ class WsFwdConfig:
     #: a persistent grid: ``ctas_per_sm()`` CTAs per SM each walk tiles t, t + grid, .. (the rings and turns run on
     #: across tiles, so one tile's loads and epilogue overlap its neighbour's GEMMs); False: one CTA per tile
     persistent: bool = False
+    #: consumers store their output from registers (no output tile in shared memory and no TMA store), which
+    #: frees CONSUMERS x 64 x D x 2 bytes: room for a second one-consumer CTA per SM with 192-key tiles
+    direct_store: bool = False
 
     @property
     def block_b(self) -> int:
@@ -584,10 +602,12 @@ class WsFwdConfig:
 
     def shared_bytes(self, head_dim: int, out_bytes: int = 2) -> int:
         """Shared memory of one persistent CTA (8-bit Q, K and V^T tiles, raw V tiles when ``v_transpose``, the
-        output tiles of ``out_bytes`` per element, one slack KiB for barriers and alignment)."""
+        output tiles of ``out_bytes`` per element unless ``direct_store``, one slack KiB for barriers and
+        alignment)."""
         rows = self.consumers * WG_ROWS.value
         ring = self.stages * self.block_n * head_dim
-        return rows * head_dim * (1 + out_bytes) + ring * (3 if self.v_transpose else 2) + SMEM_SLACK
+        out_tile = 0 if self.direct_store else out_bytes
+        return rows * head_dim * (1 + out_tile) + ring * (3 if self.v_transpose else 2) + SMEM_SLACK
 
     def ctas_per_sm(self, head_dim: int, out_bytes: int = 2) -> int:
         """CTAs resident per SM in a persistent grid: what both the register budget (``maxnreg`` for every thread
@@ -732,23 +752,24 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=
     producer_regs = TRANSPOSER_REGS if v_transpose else PRODUCER_REGS.value
     launch(_attn_fwd_ws_kernel)[(grid,)](
         _descriptor(q, WG_ROWS.value, D), k_desc, _descriptor(k, block_b, D) if block_b else k_desc, v_desc, vb_desc,
-        _descriptor(out, WG_ROWS.value, D),
+        _descriptor(out, WG_ROWS.value, D), out,
         lse if lse is not None else prep.qd, prep.qd, prep.kd, prep.vd, scale * LOG2E.value,
+        out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0, *prep.descale_strides,
         n_m, n_total, Mq, Mk, Hq, Hq // Hkv,
         HEAD_D=D, BLOCK_N=cfg.block_n, BLOCK_B=block_b, STAGES=cfg.stages, CONSUMERS=cfg.consumers,
         CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_WARPS=producer_warps, PRODUCER_REGS=producer_regs, CAUSAL=causal, WRITE_LSE=return_lse,
         P_SHIFT=_P_SHIFT, KEY_ORDER=cfg.key_order, V_TRANSPOSE=v_transpose, OUT_FP8=out.dtype == torch.float8_e4m3fn,
-        PERSISTENT=cfg.persistent, QK_INT8=q.dtype == torch.int8,
+        PERSISTENT=cfg.persistent, QK_INT8=q.dtype == torch.int8, DIRECT_STORE=cfg.direct_store,
         num_warps=WG_WARPS.value, maxnreg=cfg.maxnreg,
     )
     return out, lse
 
 
 #: int32 scalar arguments of the kernel (their names in kernel order), for ahead-of-time compiles
-_INT_ARGS = ("stride_lb", "stride_lh", "qd_sb", "qd_sh", "kd_sb", "kd_sh", "vd_sb", "vd_sh", "n_m", "n_total", "Mq",
-             "Mk", "Hq", "GROUP")
+_INT_ARGS = ("stride_ob", "stride_om", "stride_oh", "stride_lb", "stride_lh", "qd_sb", "qd_sh", "kd_sb", "kd_sh",
+             "vd_sb", "vd_sh", "n_m", "n_total", "Mq", "Mk", "Hq", "GROUP")
 
 
 def compile_sm90(head_dim: int = 128, causal: bool = False, write_lse: bool = False,
@@ -768,7 +789,7 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, write_lse: bool = Fa
              "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_WARPS": cfg.producer_warps,
              "PRODUCER_REGS": cfg.producer_regs, "CAUSAL": causal, "WRITE_LSE": write_lse, "P_SHIFT": _P_SHIFT,
              "KEY_ORDER": cfg.key_order, "V_TRANSPOSE": cfg.v_transpose, "OUT_FP8": out_fp8,
-             "PERSISTENT": cfg.persistent, "QK_INT8": qk_int8}
+             "PERSISTENT": cfg.persistent, "QK_INT8": qk_int8, "DIRECT_STORE": cfg.direct_store}
 
     def desc(rows, cols, dtype, channels_last=True):
         shape, layout = _box_layout(rows, cols, dtype, channels_last)
@@ -783,7 +804,7 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, write_lse: bool = Fa
     sig = {"q_desc": desc(WG_ROWS.value, head_dim, qk), "k_desc": desc(block_a, head_dim, qk),
            "kb_desc": desc(block_b, head_dim, qk), "v_desc": v, "vb_desc": vb,
            "o_desc": desc(WG_ROWS.value, head_dim, gl.float8e4nv if out_fp8 else gl.bfloat16),
-           "Lse": "*fp32", "QD": "*fp32", "KD": "*fp32", "VD": "*fp32", "sm_scale_log2": "fp32",
+           "Out": "*fp8e4nv" if out_fp8 else "*bf16", "Lse": "*fp32", "QD": "*fp32", "KD": "*fp32", "VD": "*fp32", "sm_scale_log2": "fp32",
            **dict.fromkeys(_INT_ARGS, "i32"), **dict.fromkeys(const, "constexpr")}
     src = GluonASTSource(_attn_fwd_ws_kernel, sig, constexprs={(list(sig).index(n),): v for n, v in const.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
