@@ -6,9 +6,9 @@ once: ``plan_kvcache`` takes the arguments ``flash_attn_with_kvcache`` takes (wi
 tokens first, e.g. with ``kv_cache.append_to_cache`` or ``flash_attn_with_kvcache``), selects the op, its split
 count and the tile configuration, and allocates the output and the split workspace. ``run(q)`` then only launches
 the kernels. The lengths (``cache_seqlens``) and ``page_table`` tensors are the plan's: their values are read on the
-GPU at every run (``cache_leftpad`` too, when planned with it), so a loop updates them in place (``cache_seqlens += 1``), as a CUDA-graph replay would; ``run``
-is capturable in a CUDA graph. The caches may be swapped per run (one plan for all layers of a model) for caches
-of the planned shape, dtype, strides and device.
+GPU at every run (``cache_leftpad`` too, when planned with it), so a loop updates them in place
+(``cache_seqlens += 1``), as a CUDA-graph replay would; ``run`` is capturable in a CUDA graph. The caches may be
+swapped per run (one plan for all layers of a model) for caches of the planned shape, dtype, strides and device.
 
 Example
 -------

@@ -42,12 +42,12 @@ def plan_kvcache_call(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
                       k_descale, v_descale, softmax_scale, causal, window_size, softcap, return_lse: bool,
                       sinks=None, cache_leftpad=None) -> Plan:
     """The plan of ``flash_attn_with_kvcache``'s call (its arguments as it takes them, ``key`` its call's plan key):
-    ``run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale, sinks, cache_leftpad)`` returns
-    what the entry point returns. Validates the arguments first (raising as ``flash_attn_with_kvcache`` documents). A call whose repeated
-    calls may skip the checks (``_plannable``) gets the decode plan of its layout, stored under ``key``; any other
-    call a plan of its own (``_call_run``), not stored: its values (host descales and index tables; all of them in
-    check mode) are checked here, before its run appends. The sinks are checked here and passed to every run (the key
-    holds their layout)."""
+    ``run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale, sinks, cache_leftpad)``
+    returns what the entry point returns. Validates the arguments first (raising as ``flash_attn_with_kvcache``
+    documents). A call whose repeated calls may skip the checks (``_plannable``) gets the decode plan of its layout,
+    stored under ``key``; any other call a plan of its own (``_call_run``), not stored: its values (host descales
+    and index tables; all of them in check mode) are checked here, before its run appends. The sinks are checked
+    here and passed to every run (the key holds their layout)."""
     call = kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, q_descale, k_descale,
                         v_descale, softmax_scale, causal, window_size, cache_leftpad)
     inp = decode_inputs(call, softmax_scale, softcap, return_lse, sinks)

@@ -10,7 +10,8 @@ On NVIDIA sm89+ the fp8 V tile is converted to fp16 in its load layout (see ``_e
 Local attention (``window_left`` >= 0): query i, at position p_i = seqlen - Mq + i, sees keys
 [p_i - window_left, p_i]; the splits cut only the keys some query of the sequence can see, so key tiles wholly
 left of the window are never read. Key starts (``key_start``, FlashAttention's ``cache_leftpad``): sequence b's
-keys below key_start[b] are masked out like keys past its length, and tiles wholly below it are not read. Softcap c > 0: scores s become c * tanh(s / c) before the softmax.
+keys below key_start[b] are masked out like keys past its length, and tiles wholly below it are not read. Softcap
+c > 0: scores s become c * tanh(s / c) before the softmax.
 
 With ``num_splits == 1`` the decoder writes the final output and LSE. Otherwise each
 split writes a float32 partial output (normalized) and its LSE into a workspace whose size
@@ -391,9 +392,10 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
     reduce); the LSE includes it. ``key_start``: int32 (B,) on q's device (FlashAttention's ``cache_leftpad``), sequence
     b's first key: keys j < key_start[b] are invisible too (a left-padded batch; a start equal to the length leaves
     its rows no key: out 0, lse -inf); None: 0.
-    Index guards: lengths are clamped to [0, capacity] (max_pages_per_seq * page_size, or Lmax), starts to [0, length], and a
-    program's keys stop at the first block-table entry of its split that is not in [0, num_pages); no entry
-    can make the kernel read outside the caches (``fmha_ops.checks`` validates them on the host instead).
+    Index guards: lengths are clamped to [0, capacity] (max_pages_per_seq * page_size, or Lmax), starts to
+    [0, length], and a program's keys stop at the first block-table entry of its split that is not in
+    [0, num_pages); no entry can make the kernel read outside the caches (``fmha_ops.checks`` validates them on
+    the host instead).
     Returns (out (B, Mq, Hq, Dv) in q's dtype, lse float32 (B, Hq, Mq) natural log), written into
     ``out``/``lse`` when given; with ``lse_wanted=False`` (and no ``lse``) no LSE is written or allocated and lse
     is None. ``num_splits > 1`` runs the split kernel into a float32 workspace and the reduce kernel
@@ -453,7 +455,8 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
         G=G, MQ=MQ, D=D, DV=DV, BLOCK_M=bm, BLOCK_N=block_n or cfg.block_n, PAGE_SIZE=page_size, PAGED=paged, FP8=fp8,
         PARTIAL=num_splits > 1, ASM_CVT=fp8 and _asm_cvt(q.device), PDL=pdl, WINDOW=window_left >= 0,
         SOFTCAP=softcap > 0.0, STORE_LSE=num_splits > 1 or lse is not None,
-        HAS_SINKS=sinks is not None and num_splits == 1, HAS_KEY_START=key_start is not None, num_warps=num_warps or cfg.num_warps,
+        HAS_SINKS=sinks is not None and num_splits == 1, HAS_KEY_START=key_start is not None,
+        num_warps=num_warps or cfg.num_warps,
         num_stages=num_stages or cfg.num_stages,
     )
     if num_splits > 1:
