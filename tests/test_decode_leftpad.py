@@ -194,6 +194,13 @@ def test_ops_without_key_starts_say_so():
         assert ("cache_leftpad" in reasons) == (not op.KEY_START), op.NAME
 
 
+def test_forced_op_without_key_starts_raises():
+    q, _, _, kc, vc, table = _kvcache_case(8, MQ=1)
+    with fmha_ops.use_ops("sdpa_mathF"), pytest.raises(fmha_ops.NoSupportedOpError, match="cache_leftpad"):
+        fmha_ops.flash_attn_with_kvcache(q.to(DEVICE), kc, vc, cache_seqlens=_starts([5, 23, 40, 17]),
+                                         page_table=table, cache_leftpad=_starts([0, 1, 2, 3]), causal=True)
+
+
 # ---- GPU ----------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
