@@ -193,7 +193,8 @@ def _timed_launch(op, inp, return_lse: bool):
     out = torch.empty(q.shape[:3] + (v.shape[3],), dtype=inp.out_dtype, device=q.device)
     lse = None if not return_lse else torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32,
                                                    device=q.device)
-    return lambda: launch(q, k, v, k_scale, v_scale, seqlens, table, out, lse, **key_start_arg(inp.attn_bias.key_start))
+    starts = key_start_arg(inp.attn_bias.key_start)
+    return lambda: launch(q, k, v, k_scale, v_scale, seqlens, table, out, lse, **starts)
 
 
 def _apply_launcher(op, inp, batch: int, mq: int, needs_lse: bool):
