@@ -109,6 +109,8 @@ class AttentionBias:
     window_right: int = -1
     #: additive bias broadcastable to (B, Hq, Mq, Mk), or None
     tensor_bias: torch.Tensor | None = None
+    #: int32 (B,) per-sequence first visible key (keys before it are masked out), or None: from key 0
+    key_start: torch.Tensor | None = None
 
     def validate(self, query: torch.Tensor, key: torch.Tensor) -> None:
         """Raise ValueError naming the mask, the value and what it needs, if query / key do not fit."""
@@ -460,11 +462,14 @@ class _PaddedSeqLenInfo(_SeqLenInfo):
     """Keys of sequence b at rows [b * padding, b * padding + seqlen[b]); ``seqlen`` int32 tensor; fields in
     xformers' order. ``seqlen_py`` (host copy) is None when the lengths live only on the device (no host
     sync; ``from_device_seqlens``): then max_seqlen = padding and min_seqlen = 0 are bounds, and
-    ``lengths()`` syncs once, for slow paths only."""
+    ``lengths()`` syncs once, for slow paths only. ``key_start`` int32 (B,) on the device (FlashAttention's
+    ``cache_leftpad``; None: 0): sequence b's keys begin at row b * padding + key_start[b] instead, the slots
+    before it hold no key (a left-padded batch), its length ``seqlen[b]`` still counted from the row's start."""
 
     seqlen: torch.Tensor = field(repr=False)
     seqlen_py: list[int] | None
     padding: int
+    key_start: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
     def from_seqlens(cls, seqlens, device=None):
@@ -483,11 +488,13 @@ class _PaddedSeqLenInfo(_SeqLenInfo):
                    seqstart_py=starts, seqlen=_int32(lens, device), seqlen_py=lens, padding=padding)
 
     @classmethod
-    def from_device_seqlens(cls, seqlen: torch.Tensor, padding: int) -> "_PaddedSeqLenInfo":
-        """Lengths that stay on their device (int32 (B,)): no host copy, no sync."""
+    def from_device_seqlens(cls, seqlen: torch.Tensor, padding: int,
+                            key_start: torch.Tensor | None = None) -> "_PaddedSeqLenInfo":
+        """Lengths (and ``key_start``, when given) that stay on their device (int32 (B,)): no host copy, no sync."""
         n = seqlen.shape[0]
         return cls(seqstart=_padded_starts(seqlen.device, n, padding), max_seqlen=padding, min_seqlen=0,
-                   seqstart_py=[b * padding for b in range(n + 1)], seqlen=seqlen, seqlen_py=None, padding=padding)
+                   seqstart_py=[b * padding for b in range(n + 1)], seqlen=seqlen, seqlen_py=None, padding=padding,
+                   key_start=key_start)
 
     def from_seqlens_padded_inplace(self, seqlens: Sequence[int]) -> None:
         """Update the lengths in place (same count, each <= padding and <= max_seqlen; padding kept)."""
@@ -501,11 +508,15 @@ class _PaddedSeqLenInfo(_SeqLenInfo):
 
     def intervals(self) -> Iterator[tuple[int, int]]:
         """(first row, last row + 1) of each sequence's keys."""
-        for start, n in zip(self.seqstart_py, self.lengths()):
-            yield start, start + n
+        for start, first, n in zip(self.seqstart_py, self.starts(), self.lengths()):
+            yield start + first, start + n
 
     def lengths(self) -> list[int]:
         return self.seqlen_py if self.seqlen_py is not None else self.seqlen.tolist()
+
+    def starts(self) -> list[int]:
+        """Each sequence's first key within its rows (``key_start``; zeros without): one sync, slow paths only."""
+        return [0] * self.seqlen.shape[0] if self.key_start is None else self.key_start.tolist()
 
     def split(self, x, batch_sizes=None):
         raise NotImplementedError("_PaddedSeqLenInfo.split: padded keys are not packed")
@@ -513,7 +524,8 @@ class _PaddedSeqLenInfo(_SeqLenInfo):
     def to(self, device) -> "_PaddedSeqLenInfo":
         return _PaddedSeqLenInfo(seqstart=self.seqstart.to(device), max_seqlen=self.max_seqlen,
                                  min_seqlen=self.min_seqlen, seqstart_py=self.seqstart_py,
-                                 seqlen=self.seqlen.to(device), seqlen_py=self.seqlen_py, padding=self.padding)
+                                 seqlen=self.seqlen.to(device), seqlen_py=self.seqlen_py, padding=self.padding,
+                                 key_start=None if self.key_start is None else self.key_start.to(device))
 
 
 @dataclass
@@ -967,11 +979,12 @@ class PagedBlockDiagonalPaddedKeysMask(_PagedMask):
 
     @classmethod
     def from_device_seqlens(cls, q_seqlen: int | Sequence[int], kv_seqlen: torch.Tensor, block_tables: torch.Tensor,
-                            page_size: int, *fields):
+                            page_size: int, *fields, key_start: torch.Tensor | None = None):
         """Key lengths that stay on their device (int32 (B,): no host copy, no sync, CUDA-graph capturable);
         ``q_seqlen``: per-sequence query lengths, or one int for all; ``block_tables`` int32 (B, max_pages);
-        ``fields``: the mask's own fields after ``page_size`` (a window's size). The kernels clamp each length to
-        the block tables' capacity.
+        ``fields``: the mask's own fields after ``page_size`` (a window's size); ``key_start``: int32 (B,) on the
+        device, each sequence's first key (the keys before it are masked out; FlashAttention's ``cache_leftpad``),
+        None for 0. The kernels clamp each length to the block tables' capacity and each start to [0, length].
 
         Example
         -------
@@ -981,33 +994,52 @@ class PagedBlockDiagonalPaddedKeysMask(_PagedMask):
         """
         arguments.tensor("kv_seqlen", kv_seqlen, ndim=1, dtypes=(torch.int32,), layout="int32 (batch,)")
         arguments.tensor("block_tables", block_tables, ndim=2, layout="int32 (batch, max_pages)")
+        if key_start is not None:
+            arguments.tensor("key_start", key_start, ndim=1, dtypes=(torch.int32,), layout="int32 (batch,)")
         page_size = arguments.integer("page_size", page_size, minimum=1)
-        k = _PaddedSeqLenInfo.from_device_seqlens(kv_seqlen, block_tables.shape[1] * page_size)
+        k = _PaddedSeqLenInfo.from_device_seqlens(kv_seqlen, block_tables.shape[1] * page_size, key_start)
         return cls(_query_info(q_seqlen, kv_seqlen.shape[0]), k, block_tables, page_size, *fields)
 
     def validate(self, query, key):
         _validate_padded_keys(self, query)
         _validate_pages(self, query, key)
+        starts = self.key_start
+        if starts is not None and (starts.shape != self.k_seqinfo.seqlen.shape or starts.device != query.device):
+            raise ValueError(f"attn_bias key_start must be int32 {tuple(self.k_seqinfo.seqlen.shape)} on "
+                             f"{query.device}, got {tuple(starts.shape)} on {starts.device}")
 
     def check_values(self, key):
-        lengths = self.k_seqinfo.seqlen
+        lengths, starts = self.k_seqinfo.seqlen, self.key_start
         if self.block_tables.device != key.device or lengths.device != key.device:
             return  # validate() names the device mismatch
-        if not checks.wanted(self.block_tables, lengths):
+        if not checks.wanted(self.block_tables, lengths, *(() if starts is None else (starts,))):
             return
         pages = key.shape[1] // self.page_size
         checks.validate_indices(
             checks.IndexCheck("attn_bias k_seqinfo.seqlen", lengths, 0, self.k_seqinfo.padding,
                               f"block_tables hold {self.k_seqinfo.padding} keys per sequence"),
             checks.page_table_check("attn_bias block_tables", self.block_tables, lengths, self.page_size, pages,
-                                    f"the key ({key.shape[1]} rows of page_size={self.page_size})"))
+                                    f"the key ({key.shape[1]} rows of page_size={self.page_size})"),
+            *(() if starts is None else (checks.StartCheck("attn_bias key_start", starts, lengths,
+                                                           "k_seqinfo.seqlen"),)))
+
+    @property
+    def key_start(self) -> torch.Tensor | None:
+        return self.k_seqinfo.key_start
 
     def _signature_fields(self):
+        starts = self.k_seqinfo.key_start
         return _packed_queries_signature(self) + (self.k_seqinfo.padding, self.k_seqinfo.seqlen.device,
-                                                  *self._page_signature())
+                                                  *self._page_signature(), _index_signature(starts))
 
     def _key_rows(self):
-        return (_page_rows(self, b, 0, n) for b, n in enumerate(self.k_seqinfo.lengths()))
+        k = self.k_seqinfo
+        return (_page_rows(self, b, first, n) for b, (first, n) in enumerate(zip(k.starts(), k.lengths())))
+
+
+def _index_signature(t: torch.Tensor | None) -> tuple | None:
+    """What validation reads of an optional index tensor: its shape, dtype and device (None when absent)."""
+    return None if t is None else (t.shape, t.dtype, t.device)
 
 
 def _page_rows(mask, b: int, start: int, end: int) -> torch.Tensor:

@@ -94,6 +94,26 @@ class IndexCheck:
                           f"[{self.low}, {self.high}]: {self.bound}")
 
 
+@dataclass(frozen=True)
+class StartCheck:
+    """Entries of ``values`` (int (B,), named ``name`` for the user: each sequence's first key) must lie in
+    [0, ends[b]] (``ends`` int (B,), each sequence's length, named ``ends_name``): a start equal to its length
+    leaves the sequence no key. Checked like an ``IndexCheck`` by ``validate_indices``."""
+
+    name: str
+    values: torch.Tensor
+    ends: torch.Tensor
+    ends_name: str
+
+    def bad(self) -> torch.Tensor:
+        return (self.values < 0) | (self.values > self.ends)
+
+    def error(self) -> ValueError:
+        b = int(self.bad().nonzero()[0, 0])
+        return ValueError(f"{self.name}[{b}] = {int(self.values[b])} is outside [0, {self.ends_name}[{b}] = "
+                          f"{int(self.ends[b])}]: a sequence's keys start at most at its length")
+
+
 def wanted(*tensors: torch.Tensor) -> bool:
     """Whether ``validate_indices`` would check any of these tensors (cheap: no tensor work)."""
     if torch.compiler.is_compiling():

@@ -6,9 +6,9 @@ once: ``plan_kvcache`` takes the arguments ``flash_attn_with_kvcache`` takes (wi
 tokens first, e.g. with ``kv_cache.append_to_cache`` or ``flash_attn_with_kvcache``), selects the op, its split
 count and the tile configuration, and allocates the output and the split workspace. ``run(q)`` then only launches
 the kernels. The lengths (``cache_seqlens``) and ``page_table`` tensors are the plan's: their values are read on the
-GPU at every run, so a loop updates them in place (``cache_seqlens += 1``), as a CUDA-graph replay would; ``run``
-is capturable in a CUDA graph. The caches may be swapped per run (one plan for all layers of a model) for caches
-of the planned shape, dtype, strides and device.
+GPU at every run (``cache_leftpad`` too, when planned with it), so a loop updates them in place
+(``cache_seqlens += 1``), as a CUDA-graph replay would; ``run`` is capturable in a CUDA graph. The caches may be
+swapped per run (one plan for all layers of a model) for caches of the planned shape, dtype, strides and device.
 
 Example
 -------
@@ -25,7 +25,7 @@ from dataclasses import replace
 import torch
 
 from .inputs import make_inputs
-from .kvcache_call import kvcache_call, select_decode_op
+from .kvcache_call import key_start_arg, kvcache_call, select_decode_op
 from .validation import validate_sinks
 
 __all__ = ["PagedDecodePlan", "plan_kvcache"]
@@ -40,12 +40,13 @@ class PagedDecodePlan:
     """
 
     def __init__(self, op, launch, template, cache, descales, index, out, lse, return_lse: bool,
-                 sinks: torch.Tensor | None = None) -> None:
+                 sinks: torch.Tensor | None = None, key_start: dict | None = None) -> None:
         self.op, self.out, self.lse = op, out, lse if return_lse else None
         self._lse = lse  # written by every run (the kernels write an LSE), returned only when planned
         self._launch, self._return_lse = launch, return_lse
         self._cache, self._descales, self._index = cache, descales, index
         self._sinks = sinks
+        self._key_start = key_start or {}  # the launcher's key-start keyword (``kvcache_call.key_start_arg``)
         q = template
         self._q_meta = (q.shape, q.dtype, q.device)
         self._cache_meta = tuple(_meta(t) for t in cache)
@@ -76,9 +77,10 @@ class PagedDecodePlan:
         out = self.out if out is None else _check_out("out", out, self.out)
         lse_buf = self._lse if lse is None else _check_out("lse", lse, self.lse)
         if sinks is None and self._sinks is None:
-            self._launch(q, k, v, ks, vs, *self._index, out, lse_buf)
+            self._launch(q, k, v, ks, vs, *self._index, out, lse_buf, **self._key_start)
         else:
-            self._launch(q, k, v, ks, vs, *self._index, out, lse_buf, sinks=self._swapped_sinks(sinks))
+            self._launch(q, k, v, ks, vs, *self._index, out, lse_buf, sinks=self._swapped_sinks(sinks),
+                         **self._key_start)
         return (out, lse_buf) if self._return_lse else out
 
     def _swapped_sinks(self, sinks):
@@ -131,7 +133,8 @@ def plan_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  cache_batch_idx: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
                  v_descale: torch.Tensor | None = None, softmax_scale: float | None = None, causal: bool = False,
                  window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                 return_softmax_lse: bool = False, sinks: torch.Tensor | None = None) -> PagedDecodePlan:
+                 return_softmax_lse: bool = False, sinks: torch.Tensor | None = None,
+                 cache_leftpad: torch.Tensor | None = None) -> PagedDecodePlan:
     """Plan ``flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=..., ...)`` for repeated calls.
 
     Arguments as ``flash_attn_with_kvcache`` takes them (``q`` fixes the query's shape, dtype and device; its
@@ -141,6 +144,8 @@ def plan_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     ``flash_attn_with_kvcache`` would), selects the op once (``PagedDecodePlan.op``) and allocates the output (and
     for split-K decoders the split workspace) once. ``sinks``: float32 (Hq,) attention sinks (``fmha_ops.sinks``),
     kept by the plan (their values read at every run; ``run(q, sinks=...)`` passes another layer's).
+    ``cache_leftpad``: int32 (B,) on q's device, each sequence's first key (``flash_attn_with_kvcache``'s), kept by the
+    plan like ``cache_seqlens``.
 
     Returns
     -------
@@ -153,7 +158,7 @@ def plan_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     >>> out = plan.run(q)  # doctest: +SKIP
     """
     call = kvcache_call(q, k_cache, v_cache, None, None, cache_seqlens, cache_batch_idx, page_table, None,
-                        k_descale, v_descale, softmax_scale, causal, window_size)
+                        k_descale, v_descale, softmax_scale, causal, window_size, cache_leftpad=cache_leftpad)
     inp = make_inputs(call.query, call.key, call.value, call.bias, scale=softmax_scale, k_descale=call.k_descale,
                       v_descale=call.v_descale, softcap=softcap, is_partial=return_softmax_lse, sinks=sinks)
     op = select_decode_op(inp, return_softmax_lse, lambda op: _timed_launch(op, inp, return_softmax_lse))
@@ -167,11 +172,12 @@ def plan_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         launch = planner(inp, return_softmax_lse)
         views = decode_views(inp)
         index, descales = views[3:5], views[5:]  # lengths and block table; descales per token or broadcast (views)
-    else:
+        key_start = key_start_arg(call.bias.key_start)
+    else:  # the call's mask holds the lengths, table and key starts
         launch = _apply_launcher(op, inp, batch, mq, return_softmax_lse)
-        index, descales = (None, None), (call.k_descale, call.v_descale)
+        index, descales, key_start = (None, None), (call.k_descale, call.v_descale), {}
     return PagedDecodePlan(op, launch, q, (k_cache, v_cache), descales, index, out, lse, return_softmax_lse,
-                           None if sinks is None else sinks.detach().contiguous())
+                           None if sinks is None else sinks.detach().contiguous(), key_start)
 
 
 def _timed_launch(op, inp, return_lse: bool):
@@ -187,7 +193,8 @@ def _timed_launch(op, inp, return_lse: bool):
     out = torch.empty(q.shape[:3] + (v.shape[3],), dtype=inp.out_dtype, device=q.device)
     lse = None if not return_lse else torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32,
                                                    device=q.device)
-    return lambda: launch(q, k, v, k_scale, v_scale, seqlens, table, out, lse)
+    starts = key_start_arg(inp.attn_bias.key_start)
+    return lambda: launch(q, k, v, k_scale, v_scale, seqlens, table, out, lse, **starts)
 
 
 def _apply_launcher(op, inp, batch: int, mq: int, needs_lse: bool):

@@ -6,7 +6,7 @@ Performance hints FA3 takes (``num_splits``, ``pack_gqa``, ``sm_margin``, ``sche
 ``deterministic``) are accepted. ``window_size=(left, right)`` (-1 = unbounded; ``causal`` sets right = 0)
 becomes the matching local attention mask (``fmha_ops.attn_bias``), aligned bottom-right as in FA3, and
 ``softcap`` caps the scores; the selector then picks an op that declares windows / softcap. Features this
-package does not implement (rotary embedding, ``qv``, chunked attention, ``seqused_*``, ``cache_leftpad``,
+package does not implement (rotary embedding, ``qv``, chunked attention, ``seqused_*``,
 non-causal windows on a KV cache) raise ``NotImplementedError`` naming the argument.
 
 Differentiating fp8 inputs needs ``set_fp8_dequantized_backward(True)``: the backward then runs on
@@ -222,13 +222,17 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     contiguous: ``kv_cache.keys_contiguous``) or per tensor (numel 1, no append). ``cache_seqlens`` int32 (B,)
     (or an int): tokens already in the cache. If ``k``/``v`` (B, Mnew, Hkv, D) are given they are written at
     ``cache_seqlens`` (quantized per token into an fp8 cache) and attended too. ``causal`` aligns the
-    queries to the end of each sequence. No host sync: capturable in a CUDA graph. ``sinks``: float32 (Hq,)
+    queries to the end of each sequence. ``cache_leftpad`` int32 (B,) on q's device (FA3's; None: 0): sequence b's
+    keys start at that slot of its cache row, the slots before it are invisible (a left-padded batch), with
+    0 <= cache_leftpad[b] <= cache_seqlens[b] (equal: the sequence's queries see no key but those appended; with
+    none, out 0 and lse -inf). No host sync: capturable in a CUDA graph. ``sinks``: float32 (Hq,)
     attention sinks (GPT-OSS; the LSE includes them). The value cache may have a head dim Dv of its own.
     Returns out (B, Mq, Hq, Dv) [, softmax_lse float32 (B, Hq, Mq)].
 
     Index tensors on the GPU are not read back: an out-of-range ``cache_seqlens`` is clamped to the cache, a
     ``page_table`` / ``cache_batch_idx`` entry that is not a page (row) of the cache ends that sequence's keys
-    there, and appended tokens that fall outside the cache are dropped. ``fmha_ops.check_inputs()`` (or
+    there, a ``cache_leftpad`` entry is clamped to [0, the sequence's length], and appended tokens that fall outside the
+    cache are dropped. ``fmha_ops.check_inputs()`` (or
     ``FMHA_OPS_CHECK=1``) validates them instead (one host sync) and raises ValueError naming the entry; index
     tensors on the CPU are always validated.
 
@@ -245,13 +249,13 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                               return_softmax_lse, sinks)
     if plan is None:  # validated here once per layout; a decode step of a planned one runs its launches alone
         _unsupported(qv=(qv, None), rotary_cos=(rotary_cos, None), rotary_sin=(rotary_sin, None),
-                     cache_leftpad=(cache_leftpad, None), cu_seqlens_q=(cu_seqlens_q, None),
+                     cu_seqlens_q=(cu_seqlens_q, None),
                      cu_seqlens_k_new=(cu_seqlens_k_new, None), rotary_seqlens=(rotary_seqlens, None),
                      attention_chunk=(attention_chunk, 0))
         plan = plan_kvcache_call(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
                                  q_descale, k_descale, v_descale, softmax_scale, causal, window_size, softcap,
-                                 return_softmax_lse, sinks)
-    return plan.run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale, sinks)
+                                 return_softmax_lse, sinks, cache_leftpad)
+    return plan.run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale, sinks, cache_leftpad)
 
 
 _FIND_KVCACHE = plan_finder(flash_attn_with_kvcache)

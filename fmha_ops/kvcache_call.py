@@ -14,7 +14,7 @@ Example
 -------
 >>> plan = plan_kvcache_call(key, q, k_cache, v_cache, None, None, lengths, None, table, None, None, None, None,
 ...                          True, (-1, -1), 0.0, False)  # doctest: +SKIP
->>> out = plan.run(q, k_cache, v_cache, None, None, lengths, table, None, None, None)  # doctest: +SKIP
+>>> out = plan.run(q, k_cache, v_cache, None, None, lengths, table, None, None, None, None)  # doctest: +SKIP
 """
 from __future__ import annotations
 
@@ -41,20 +41,20 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 def plan_kvcache_call(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, q_descale,
                       k_descale, v_descale, softmax_scale, causal, window_size, softcap, return_lse: bool,
-                      sinks=None) -> Plan:
+                      sinks=None, cache_leftpad=None) -> Plan:
     """The plan of ``flash_attn_with_kvcache``'s call (its arguments as it takes them, ``key`` its call's plan key):
-    ``run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale, sinks)`` returns what the entry
-    point returns. Validates the arguments first (raising as ``flash_attn_with_kvcache`` documents), then selects the
+    ``run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale, sinks, cache_leftpad)``
+    returns what the entry point returns. Validates the arguments first (raising as ``flash_attn_with_kvcache`` documents), then selects the
     op(s) once (``call.forward_plan``; under autotune timed as the plan will run them). A call whose repeated calls
     may skip the checks (``_plannable``) and whose op has a decode launcher gets the decode plan of its layout,
     stored under ``key``; any other call a plan of its own (the append, then the selected op(s)' run), not stored, as
     its values (host descales and index tables; all of them in check mode) are checked by ``kvcache_call`` before
     its run appends."""
     call = kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, q_descale, k_descale,
-                        v_descale, softmax_scale, causal, window_size, sinks)
+                        v_descale, softmax_scale, causal, window_size, sinks, cache_leftpad)
     inp = _decode_inputs(call, softmax_scale, softcap, return_lse, sinks)
     decodes = key is not None and _plannable(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
-                                             sinks)
+                                             sinks, cache_leftpad)
 
     def decoded(op, new_tokens=None):  # op's decode run for calls laid out like this one (None: it has none)
         return decode_run(op, call, inp, q, v_cache, return_lse, new_tokens) if decodes else None
@@ -106,10 +106,11 @@ def _timed_decode(run: Callable | None, call: "KVCacheCall", q, k_cache, v_cache
         return None
     lengths, table = call.bias.k_seqinfo.seqlen, call.bias.block_tables
     return functools.partial(run, q, k_cache, v_cache, None, None, lengths, table, call.k_descale, call.v_descale,
-                             sinks)
+                             sinks, call.bias.key_start)
 
 
-def _plannable(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, sinks) -> bool:
+def _plannable(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, sinks,
+               cache_leftpad=None) -> bool:
     """Whether repeated calls like this one may run a decode plan: paged, device index tensors outside check mode
     (host ones are read back on every call), no autograd, index strides the kernels read as they lie, sinks (if
     any) contiguous as the kernels read them, and an append (if any) the append kernel can do (on a GPU, or through
@@ -118,7 +119,10 @@ def _plannable(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_t
         return False
     if sinks is not None and not sinks.is_contiguous():
         return False
-    if checks.wanted(cache_seqlens, page_table):  # on q's device (validated): a host q has host indices
+    starts = () if cache_leftpad is None else (cache_leftpad,)
+    if checks.wanted(cache_seqlens, page_table, *starts):  # on q's device (validated): a host q has host indices
+        return False
+    if not all(_unit_stride(t, 0) for t in starts):
         return False
     if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
         return False
@@ -128,8 +132,8 @@ def _plannable(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_t
 
 
 def decode_run(op, call: "KVCacheCall", inp, q, v_cache, return_lse: bool, new_tokens: torch.Tensor | None = None):
-    """``run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale, sinks)`` -> what
-    ``flash_attn_with_kvcache`` returns, by ``op``'s ``decode_launcher`` for calls laid out like ``call`` / ``inp``
+    """``run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale, sinks, cache_leftpad)`` ->
+    what ``flash_attn_with_kvcache`` returns, by ``op``'s ``decode_launcher`` for calls laid out like ``call`` / ``inp``
     (validated, ``op`` selected for them); None when the op has no such launcher. With ``new_tokens`` (the first
     call's ``k``) each run first appends ``k`` / ``v`` at ``cache_seqlens`` (the append kernel) and attends at
     ``cache_seqlens`` + their count (added on the device). Per run: the output (``torch.empty_like(q)`` where it has
@@ -150,13 +154,14 @@ def decode_run(op, call: "KVCacheCall", inp, q, v_cache, return_lse: bool, new_t
         kv_append = None
 
     if like_q and not per_tensor and not return_lse and kv_append is None:  # the common decode step: one launch
-        def run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale, sinks):
+        def run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale, sinks, cache_leftpad):
             out = empty_like(q)
-            launch(q, k_cache, v_cache, k_descale, v_descale, cache_seqlens, page_table, out, None, 0, sinks)
+            launch(q, k_cache, v_cache, k_descale, v_descale, cache_seqlens, page_table, out, None, 0, sinks,
+                   **key_start_arg(cache_leftpad))
             return out
         return run
 
-    def run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale, sinks):
+    def run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale, sinks, cache_leftpad):
         if kv_append is not None:
             kv_append(k, v, k_cache, v_cache, cache_seqlens, block_table=page_table, k_scale=k_descale,
                       v_scale=v_descale)
@@ -165,9 +170,16 @@ def decode_run(op, call: "KVCacheCall", inp, q, v_cache, return_lse: bool, new_t
             v_descale = v_descale.reshape(1, 1, 1).expand(v_cache.shape[:3])
         out = empty_like(q) if like_q else torch.empty(out_shape, dtype=out_dtype, device=device)
         lse = torch.empty((batch, hq, mq), dtype=torch.float32, device=device) if return_lse else None
-        launch(q, k_cache, v_cache, k_descale, v_descale, cache_seqlens, page_table, out, lse, offset, sinks)
+        launch(q, k_cache, v_cache, k_descale, v_descale, cache_seqlens, page_table, out, lse, offset, sinks,
+               **key_start_arg(cache_leftpad))
         return (out, lse) if return_lse else out
     return run
+
+
+def key_start_arg(key_start: torch.Tensor | None) -> dict:
+    """The keyword a decode launcher takes the key starts by: only an op declaring ``KEY_START`` is selected for
+    calls with them, so launchers of other ops are never passed one."""
+    return {} if key_start is None else {"key_start": key_start}
 
 
 def _unit_stride(t, dim: int) -> bool:
@@ -193,11 +205,12 @@ class KVCacheCall(NamedTuple):
 
 
 def kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, q_descale, k_descale,
-                 v_descale, softmax_scale, causal, window_size, sinks=None) -> KVCacheCall:
+                 v_descale, softmax_scale, causal, window_size, sinks=None, cache_leftpad=None) -> KVCacheCall:
     """Validate ``flash_attn_with_kvcache``'s arguments (ValueError / TypeError / NotImplementedError naming them)
     and return the call for the op path, its append (of ``k`` / ``v`` when given) not yet made (``KVCacheCall``).
     The values of host index tensors and descales are checked too (device ones in check mode: ``fmha_ops.checks``);
-    ``sinks`` (float32 (Hq,) on q's device) only by their metadata, as the rest."""
+    ``sinks`` (float32 (Hq,) on q's device) only by their metadata, as the rest. ``cache_leftpad`` int32 (B,) on
+    q's device, or None: each sequence's first key, the mask's ``key_start``."""
     left, right = arguments.window(window_size, causal)
     if not causal and (left, right) != (-1, -1):
         raise NotImplementedError(f"window_size={tuple(window_size)} with causal=False is not implemented by "
@@ -229,7 +242,12 @@ def kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
         cache_seqlens = cache_seqlens.contiguous()
     if paged and not _unit_stride(page_table, 1):
         page_table = page_table.contiguous()
-    _validate_indices(cache_seqlens, cache_batch_idx, page_table if paged else None, capacity, mnew, k_cache)
+    if cache_leftpad is not None:
+        _check_tensor("cache_leftpad", cache_leftpad, (batch,), (torch.int32,), q.device)
+        if not _unit_stride(cache_leftpad, 0):
+            cache_leftpad = cache_leftpad.contiguous()
+    _validate_indices(cache_seqlens, cache_batch_idx, page_table if paged else None, capacity, mnew, k_cache,
+                      cache_leftpad)
     kd, vd = _cache_descales(k_cache, k_descale, v_descale, q.device)
     if k is not None:
         if kd is not None and kd.shape != k_cache.shape[:3]:
@@ -247,11 +265,13 @@ def kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
         append, seqlens = None, cache_seqlens
     if left >= 0:
         bias = ab.PagedBlockDiagonalCausalLocalPaddedKeysMask.from_device_seqlens(mq, seqlens, page_table, page,
-                                                                                 left + 1)
+                                                                                 left + 1, key_start=cache_leftpad)
     elif causal:
-        bias = ab.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask.from_device_seqlens(mq, seqlens, page_table, page)
+        bias = ab.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask.from_device_seqlens(mq, seqlens, page_table, page,
+                                                                                      key_start=cache_leftpad)
     else:
-        bias = ab.PagedBlockDiagonalPaddedKeysMask.from_device_seqlens(mq, seqlens, page_table, page)
+        bias = ab.PagedBlockDiagonalPaddedKeysMask.from_device_seqlens(mq, seqlens, page_table, page,
+                                                                       key_start=cache_leftpad)
     if sinks is not None:
         _check_tensor("sinks", sinks, (q.shape[2],), (torch.float32,), q.device)
     check_descale_values(("k_descale", kd), ("v_descale", vd))
@@ -339,9 +359,10 @@ def _check_tensor(name: str, t, shape: tuple, dtypes: tuple, device: torch.devic
         raise ValueError(f"{name} is on {t.device} but q is on {device}")
 
 
-def _validate_indices(cache_seqlens, cache_batch_idx, page_table, capacity: int, mnew: int, k_cache) -> None:
+def _validate_indices(cache_seqlens, cache_batch_idx, page_table, capacity: int, mnew: int, k_cache,
+                      cache_leftpad=None) -> None:
     """Host checks of the index tensors (always on the CPU, with ``fmha_ops.checks`` enabled on a GPU)."""
-    tensors = [t for t in (cache_seqlens, cache_batch_idx, page_table) if t is not None]
+    tensors = [t for t in (cache_seqlens, cache_batch_idx, page_table, cache_leftpad) if t is not None]
     if not checks.wanted(*tensors):
         return
     lens = [checks.IndexCheck("cache_seqlens", cache_seqlens, 0, capacity - mnew,
@@ -353,6 +374,8 @@ def _validate_indices(cache_seqlens, cache_batch_idx, page_table, capacity: int,
     if page_table is not None:
         lens.append(checks.page_table_check("page_table", page_table, cache_seqlens + mnew, k_cache.shape[1],
                                             k_cache.shape[0], "k_cache"))
+    if cache_leftpad is not None:
+        lens.append(checks.StartCheck("cache_leftpad", cache_leftpad, cache_seqlens, "cache_seqlens"))
     checks.validate_indices(*lens)
 
 

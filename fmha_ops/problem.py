@@ -65,6 +65,7 @@ class Problem:
     negative_scale: bool = False  # the softmax scale is below 0 (``AttentionOp.NEGATIVE_SCALE``)
     bias_grad: bool = False  # autograd differentiates a tensor attn_bias
     sinks: bool = False  # attention sinks join the softmax denominators (fmha_ops.sinks)
+    key_start: bool = False  # keys before a per-sequence start are masked out (cache_leftpad; the mask's key_start)
 
     @property
     def causal(self) -> bool:
@@ -93,7 +94,8 @@ class Problem:
             f"qkv{int(self.quantize_kv)}", f"bh{_p2(self.batch * self.heads_kv)}", f"q{_p2(self.seqlen_q)}",
             f"k{_p2(self.seqlen_k)}", f"grad{int(self.needs_grad)}",
         ] + ([f"w{_p2(self.window_left + 1)}/{_p2(self.window_right + 1)}"] if self.windowed else [])
-          + (["softcap"] if self.softcap else []) + (["sinks"] if self.sinks else []))
+          + (["softcap"] if self.softcap else []) + (["sinks"] if self.sinks else [])
+          + (["key_start"] if self.key_start else []))
 
     def size_point(self) -> tuple[float, float, float, float]:
         """log2 of the call's sizes, unrounded: batch x query heads (the work's head count), query length, key
@@ -133,6 +135,7 @@ class Problem:
         extra += ["softcap"] if self.softcap else []
         extra += ["bias_grad"] if self.bias_grad else []
         extra += ["sinks"] if self.sinks else []
+        extra += ["key_start"] if self.key_start else []
         return (f"{dts}->{dtype_name(self.out_dtype)} B={self.batch} Mq={self.seqlen_q} Mk={self.seqlen_k} "
                 f"Hq={self.heads_q} Hkv={self.heads_kv} K={self.head_dim} Kv={self.head_dim_v} "
                 f"bias={self.bias} " + " ".join(extra + [f"on {self.arch}"]))

@@ -69,6 +69,7 @@ def problem_fields(inp: Inputs, needs_lse: bool = False) -> dict:
         window_left=bias.window_left if bias is not None else -1,
         window_right=bias.window_right if bias is not None else -1,
         softcap=inp.softcap > 0.0, bias_grad=inp.bias_needs_grad(), sinks=inp.sinks is not None,
+        key_start=bias is not None and bias.key_start is not None,
         negative_scale=inp.scale is not None and inp.scale < 0.0)
 
 

@@ -18,11 +18,12 @@ from fmha_ops.testing import error_report, transformer_like
 CPU_DTYPE = torch.float16
 
 
-def reference(q, k, v, seqlens, scale, key_ends=None, window_left=-1, softcap=0.0):
+def reference(q, k, v, seqlens, scale, key_ends=None, window_left=-1, softcap=0.0, key_start=None):
     """float64 decode attention on q's device; k, v dense (B, L, Hkv, D); returns CPU (out, lse (B, Hq, Mq)).
     Query i of sequence b sits at position seqlens[b] - Mq + i and sees keys j <= that position and
     j < key_ends[b] (default: seqlens), and with ``window_left`` >= 0 keys j >= that position - window_left;
-    ``softcap`` > 0 caps the scaled scores s to softcap * tanh(s / softcap)."""
+    ``softcap`` > 0 caps the scaled scores s to softcap * tanh(s / softcap); ``key_start`` (B,) ints: keys
+    j >= key_start[b] only (None: all)."""
     B, MQ, HQ, D = q.shape
     HKV = k.shape[2]
     G = HQ // HKV
@@ -41,6 +42,8 @@ def reference(q, k, v, seqlens, scale, key_ends=None, window_left=-1, softcap=0.
         seen = keys <= pos[:, None]
         if window_left >= 0:
             seen &= keys >= pos[:, None] - window_left
+        if key_start is not None:
+            seen &= keys >= int(key_start[b])
         s = s.masked_fill(~seen, float("-inf"))
         lb = torch.logsumexp(s, -1)
         p = torch.exp(s - lb[..., None]).nan_to_num(0.0)
@@ -121,8 +124,9 @@ def run_gluon(q, kw, num_splits=1):
 
 def check(q, kw, k, v, *, rel, lse_tol=2e-4, runner=run, **extra):
     out, lse = runner(q, kw, **extra)
+    starts = extra.get("key_start")
     ref, ref_lse = reference(q, k, v, kw["seqlens"].cpu(), kw["scale"], window_left=extra.get("window_left", -1),
-                             softcap=extra.get("softcap", 0.0))
+                             softcap=extra.get("softcap", 0.0), key_start=None if starts is None else starts.cpu())
     out, lse = out.cpu(), lse.cpu()
     assert not out.isnan().any() and not lse.isnan().any(), "unwritten output"
     rep = error_report(out, ref)

@@ -1,6 +1,6 @@
 """Compile for sm90 ahead of time (no GPU, no interpreter) the kernels that sinks and value head dims of their own
-changed: the backward at K=192 / Kv=128 (tiles padded to 256 and 128, masked columns), the decoder with sinks and
-Kv != K, its split reduce with sinks. The interpreter runs code the compiler may reject; this catches that on CPU."""
+changed: the backward at K=192 / Kv=128 (tiles padded to 256 and 128, masked columns), the decoder with sinks, key
+starts (``cache_leftpad``) and Kv != K, its split reduce with sinks. The interpreter runs code the compiler may reject; this catches that on CPU."""
 import os
 import subprocess
 import sys
@@ -32,10 +32,10 @@ build(_bwd_preprocess, {"BLOCK_M": 64, "HEAD_DIM_V": 128}, bwd_ptrs)
 build(_bwd_dkdv, meta, bwd_ptrs, floats, warps=8)
 build(_bwd_dq, {**meta, "BLOCK_M": 128, "BLOCK_N": 32}, bwd_ptrs, floats, warps=8)
 dec_ptrs = {"Q": bf16, "K": bf16, "V": bf16, "KS": "*fp32", "VS": "*fp32", "SEQ": "*i32", "BT": "*i32",
-            "OUT": "*fp32", "LSE": "*fp32", "SINKS": "*fp32"}
+            "OUT": "*fp32", "LSE": "*fp32", "SINKS": "*fp32", "KEY_START": "*i32"}
 build(_decode_kernel, {"G": 8, "MQ": 1, "D": 192, "DV": 128, "BLOCK_M": 16, "BLOCK_N": 32, "PAGE_SIZE": 64,
                        "PAGED": True, "FP8": False, "PARTIAL": False, "ASM_CVT": False, "PDL": False,
-                       "WINDOW": True, "SOFTCAP": False, "STORE_LSE": True, "HAS_SINKS": True},
+                       "WINDOW": True, "SOFTCAP": False, "STORE_LSE": True, "HAS_SINKS": True, "HAS_KEY_START": True},
       dec_ptrs, ("qk_scale", "softcap_log2"))
 build(_reduce_kernel, {"S_PAD": 8, "D": 128, "BLOCK_D": 32, "PDL": False, "STORE_LSE": True, "HAS_SINKS": True},
       {"PO": "*fp32", "PL": "*fp32", "OUT": bf16, "LSE": "*fp32", "SINKS": "*fp32"})

@@ -258,23 +258,38 @@ def test_triton_ops_through_models(arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt-oss"])
-def test_generate_static_cache_compiled(arch):
-    """The static cache's decode steps under torch.compile (aot_eager on the CPU: dynamo traces the mask and
-    attention functions; data-dependent packing breaks the graph there) stay token-identical; GPT-OSS: sinks and
-    sliding layers' static caches. The decode steps did go through dynamo (graphs captured)."""
+def test_generate_static_cache_compiled(arch, monkeypatch):
+    """The static cache's decode steps of a left-padded batch under torch.compile (aot_eager on the CPU: dynamo
+    traces the mask and attention functions) are whole graphs: dynamo reports no graph break (the padding reaches
+    ``flash_attn_with_kvcache`` as ``cache_leftpad`` / ``cache_seqlens`` computed on the device, where packing by
+    data-dependent lengths broke the graph at every layer), over 12 new tokens without reaching dynamo's recompile
+    limit; tokens identical to eager's, logits within float32 tolerance. GPT-OSS: sinks and sliding layers' static
+    caches."""
     from torch._dynamo.utils import counters
     from transformers import CompileConfig
 
     eager, ours = _models(arch)
     ids, mask = _left_padded_batch()
+    packed, pack = [], fmha_hf._packed
+
+    def packing(q, *args):  # the eager path: the prefill's (11 queries); a decode step's where dynamo did not trace it
+        packed.append(q.shape[1])
+        return pack(q, *args)
+    monkeypatch.setattr(fmha_hf, "_packed", packing)
     config = CompileConfig(backend="aot_eager", fullgraph=False)
     config._compile_all_devices = True  # transformers compiles only on accelerators unless told
-    kwargs = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, cache_implementation="static")
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, cache_implementation="static",
+                  output_logits=True, return_dict_in_generate=True)
     torch._dynamo.reset()
-    captured = counters["stats"]["calls_captured"]
+    counters.clear()
     got = ours.generate(input_ids=ids, attention_mask=mask, compile_config=config, **kwargs)
-    assert counters["stats"]["calls_captured"] > captured
-    assert torch.equal(got, eager.generate(input_ids=ids, attention_mask=mask, **kwargs))
+    assert counters["stats"]["calls_captured"] > 0
+    assert not counters["graph_break"], list(counters["graph_break"])
+    assert packed and set(packed) == {ids.shape[1]}, packed
+    want = eager.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    assert torch.equal(got.sequences, want.sequences)
+    logits, want_logits = torch.stack(got.logits), torch.stack(want.logits)
+    assert ((logits - want_logits).norm() / want_logits.norm()).item() < 1e-5
 
 
 def test_gpt_oss_sinks_get_gradients():
@@ -289,6 +304,23 @@ def test_gpt_oss_sinks_get_gradients():
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if "sinks" in n or "q_proj" in n})
     for name, g in grads[0].items():
         assert torch.allclose(grads[1][name], g, atol=1e-5, rtol=1e-4), name
+
+
+@pytest.mark.parametrize("mq,window", [(1, None), (2, None), (1, 4), (3, 6)])
+def test_left_padded_decode_matches_packing(mq, window):
+    """The traced decode step's call (``cache_leftpad`` / ``cache_seqlens`` from the padding, on the cache as it is)
+    equals the eager packing of the same left-padded keys: a static cache longer than the tokens, a sequence with
+    no padding, sinks, windows and several queries."""
+    g = torch.Generator().manual_seed(mq)
+    b, mk, slots = 3, 16, 12
+    keys = torch.ones(b, slots, dtype=torch.bool)
+    keys[1, :5], keys[2, :slots - mq] = False, False  # the last sequence: its queries only
+    q = torch.randn(b, mq, 4, 8, generator=g)
+    k, v = (torch.randn(b, mk, 2, 8, generator=g) for _ in range(2))
+    options = dict(scale=0.4, softcap=0.0, sinks=torch.randn(4, generator=g), p=0.0)
+    got = fmha_hf._left_padded_decode(q, k, v, keys, window, options)
+    want = fmha_hf._packed(q, k, v, keys, True, window, options, None)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_structured_mask():

@@ -20,8 +20,12 @@ through transformers' mask code unchanged); the attention packs the valid tokens
 sequence index, and transformers' continuous batching (``generate_batch``, its paged cache read back into
 sequences laid end to end: ``cu_seq_lens_q`` / ``cu_seq_lens_k``) with no mask; both become one block-diagonal
 call. Continuous batching's decode-only steps on models whose layers are all full attention read and append to its
-paged cache in place (``flash_attn_with_kvcache`` with its block table). Masks transformers composes from other functions (image-token overlays, custom and / or masks) are
-materialized as a dense additive bias, as SDPA takes them.
+paged cache in place (``flash_attn_with_kvcache`` with its block table). Under torch.compile a causal decode step (at
+most ``DECODE_QUERIES`` queries) with padding keeps static shapes instead of packing: each sequence's keys run from its
+first token's slot to its last's, passed as ``cache_leftpad`` / ``cache_seqlens`` computed on the device
+(``_left_padded_decode``; left padding, as ``generate()`` pads decoder-only models), so the step is one graph. Masks
+transformers composes from other functions (image-token overlays, custom and / or masks) are materialized as a dense
+additive bias, as SDPA takes them.
 
 Example
 -------
@@ -58,17 +62,21 @@ def structured_mask(batch_size: int, q_length: int, kv_length: int, q_offset: in
 
     Returns None (no padded key: the layer's causal flag and window say the rest); or the padding: bool
     (B, slots), slot j (key j of the layer's keys) holding a token, the slots ending with the last query's (a
-    static cache's later, empty slots left out; the queries are the last q_length slots); or, for sequences
+    static cache's later, empty slots left out; the queries are the last q_length slots); under torch.compile, for
+    a decode step (at most ``DECODE_QUERIES`` queries) on keys from slot 0, bool (B, kv_length) instead, every slot
+    of the layer's keys (shapes that do not follow the step; ``_left_padded_decode``); or, for sequences
     packed into batch rows (position_ids that restart, no attention_mask, no cache), the sequence index of each
     token: int64 (B, q_length), as transformers finds it; or, for mask functions other than transformers' causal /
     bidirectional / sliding-window ones, a dense float additive bias (B, 1, q_length, kv_length) in
     ``kwargs["dtype"]``.
     """
     use_vmap = kwargs.get("use_vmap", False)
-    segments = None if use_vmap else _packed_sequences(mask_function)
+    # transformers' plain functions by identity: a traced call never reaches the closure reads of the others
+    plain = mask_function is causal_mask_function or mask_function is bidirectional_mask_function
+    segments = None if use_vmap or plain else _packed_sequences(mask_function)
     if segments is not None:
         return segments
-    if not _structured(mask_function) or use_vmap:
+    if use_vmap or not (plain or _structured(mask_function)):
         allowed = sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                             kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
                             allow_is_causal_skip=False, device=kwargs.get("device", "cpu"), use_vmap=use_vmap)
@@ -78,6 +86,8 @@ def structured_mask(batch_size: int, q_length: int, kv_length: int, q_offset: in
     if attention_mask is None and q_offset + q_length == kv_offset + kv_length:
         return None
     device = kwargs.get("device", attention_mask.device if attention_mask is not None else "cpu")
+    if _is_compiling() and attention_mask is not None and _static_decode(q_length, kv_offset):
+        return prepare_padding_mask(attention_mask.bool(), kv_length, 0)[:, :kv_length]
     end = q_offset + q_length  # absolute position after the last query
     if attention_mask is None:
         padding = torch.ones((batch_size, end), dtype=torch.bool, device=device)
@@ -87,6 +97,12 @@ def structured_mask(batch_size: int, q_length: int, kv_length: int, q_offset: in
     if not _is_compiling() and keys.shape[1] == kv_length and bool(keys.all()):
         return None
     return keys
+
+
+def _static_decode(q_length: int, kv_offset) -> bool:
+    """Whether a traced call is a decode step whose keys start at slot 0 (the static cache's full layers, a sliding
+    layer's cache until it wraps): ``_left_padded_decode`` takes it."""
+    return q_length <= DECODE_QUERIES and isinstance(kv_offset, int) and kv_offset == 0
 
 
 def _closure(fn) -> dict:
@@ -140,6 +156,9 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
                    p=dropout if module.training else 0.0)
     if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.dtype != torch.bool:
         return _segments(q, k, v, attention_mask, causal, window, options, quantize), None  # packed sequences
+    if attention_mask is not None and attention_mask.dim() == 2 and causal and _is_compiling() \
+            and q.shape[1] <= DECODE_QUERIES and not options["p"]:  # a traced decode step: no data-dependent shape
+        return _left_padded_decode(q, k, v, attention_mask, window, options), None
     if attention_mask is not None and attention_mask.dim() == 2:  # the padding of structured_mask
         return _packed(q, k, v, attention_mask, causal, window, options, quantize), None
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
@@ -188,6 +207,22 @@ def _packed(q, k, v, keys: torch.Tensor, causal: bool, window: int | None, optio
     out = _sequences(qp, kp, vp, q_lens, k_lens, causal, window, options, quantize if mq > DECODE_QUERIES else None)
     full = out.new_zeros((b * mq, hq, out.shape[3]))
     return full.index_copy(0, q_rows, out[0]).view(b, mq, hq, out.shape[3])
+
+
+def _left_padded_decode(q, k, v, keys: torch.Tensor, window: int | None, options: dict) -> torch.Tensor:
+    """A traced decode step on a left-padded batch, shapes static: q (B, Mq, Hq, K), k / v (B, Mk, Hkv, K / Kv) the
+    layer's cache (a static cache's every slot), ``keys`` bool (B, slots <= Mk) from ``structured_mask``, slot j
+    holding a token. Each sequence's keys run from its first token to its last, the last query's (left padding, as
+    ``generate()`` pads decoder-only models): ``flash_attn_with_kvcache`` on the cache as it is, ``cache_leftpad``
+    the first token's slot and ``cache_seqlens`` the last one's + 1, both computed on the device (argmax, no host
+    read). Returns (B, Mq, Hq, Kv)."""
+    slots = keys.int()
+    starts = slots.argmax(1).to(torch.int32)
+    ends = (keys.shape[1] - slots.flip(1).argmax(1)).to(torch.int32)
+    window_size = (-1, -1) if window is None else (window - 1, 0)  # ``window`` keys, the query's own included
+    return flash_attn_with_kvcache(q, k, v, cache_seqlens=ends, cache_leftpad=starts, softmax_scale=options["scale"],
+                                   causal=True, window_size=window_size, softcap=options["softcap"],
+                                   sinks=options["sinks"])
 
 
 def _segments(q, k, v, segments: torch.Tensor, causal: bool, window: int | None, options: dict,

@@ -31,6 +31,8 @@ Declarations (class attributes; every check below reads only these):
   SINKS          attention sinks (Problem.sinks: a float32 logit per query head in every softmax denominator,
                  fmha_ops.sinks); a backward op declaring it takes the sink-inclusive LSE (the sinks' own gradient
                  is computed apart, ``sinks.sink_grad``)
+  KEY_START      per-sequence key starts on the device (Problem.key_start: the paged masks' ``key_start``,
+                 ``flash_attn_with_kvcache``'s ``cache_leftpad``): keys before a sequence's start are masked out
   HOST_US        host time of one eager call on the H200's host, microseconds (the selector ranks a GPU op by
                  max(estimate, host time); not counted during a CUDA graph capture, whose replays skip the host)
 Ops add op-specific reasons in ``extra_reasons``.
@@ -79,6 +81,7 @@ class AttentionOp(Op):
     #: maximum score need scale >= 0; a zero scale, or a zero descale, they take)
     NEGATIVE_SCALE: ClassVar[bool] = False
     SINKS: ClassVar[bool] = False
+    KEY_START: ClassVar[bool] = False
     BACKWARD_RATES: ClassVar[dict[int, float] | None] = None
     BACKWARD_OVERHEAD_US: ClassVar[float] = 0.0
 
@@ -145,6 +148,8 @@ class AttentionOp(Op):
             r.append("softcap > 0 not supported; only softcap=0")
         if p.sinks and not cls.SINKS:
             r.append("attention sinks (sinks=) not supported; only sinks=None")
+        if p.key_start and not cls.KEY_START:
+            r.append("per-sequence key starts (cache_leftpad, a mask's key_start) not supported; only None")
         if p.negative_scale and not cls.NEGATIVE_SCALE:
             r.append("a softmax scale below 0 not supported; scale >= 0 (SDPA and the reference ops take any finite "
                      "scale)")

@@ -101,6 +101,11 @@ def decode_window(inp: Inputs) -> int:
     return -1 if inp.attn_bias is None else inp.attn_bias.window_left
 
 
+def decode_key_start(inp: Inputs) -> torch.Tensor | None:
+    """The decode kernels' ``key_start``: the mask's per-sequence first keys, int32 (B,) on the device, or None."""
+    return None if inp.attn_bias is None else inp.attn_bias.key_start
+
+
 def decode_keys(max_len: int, window_left: int, mq: int) -> int:
     """Keys a sequence's queries can see at most (what a split count is chosen for): ``max_len``, or a window's
     ``window_left + mq`` when that is shorter."""

@@ -128,6 +128,7 @@ class ReferenceFwOp(AttentionFwOp):
     WINDOW = True
     SOFTCAP = True
     SINKS = True
+    KEY_START = True  # the paged masks' segments start at each sequence's key start
     PRIORITY = -100
 
     @classmethod

@@ -7,7 +7,8 @@ packed into one program, so each KV byte is read once. fp8 KV carries per-token 
 (``k_descale``/``v_descale`` shaped like the cache without its last dim); with
 ``quantize_kv_to_fp8=True`` a bf16/fp16 KV is quantized per token for this call first. On sm90 the fp8-KV
 shapes the Gluon decoder takes go to ``gluon_fp8_decodeF`` (``ops/gluon_decode.py``), which ranks first there.
-Local windows (the masks' ``window_left``; key tiles left of the window are not read) and softcap.
+Local windows (the masks' ``window_left``; key tiles left of the window are not read), softcap and per-sequence key
+starts (the paged masks' ``key_start``, ``flash_attn_with_kvcache``'s ``cache_leftpad``).
 """
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ from ..dispatch import register
 from ..dtypes import FP8_DTYPES
 from ..problem import Problem
 from .base import AttentionFwOp
-from .common import (DECODE_MASKS, TRITON_ARCHS, decode_keys, decode_outputs, decode_reasons, decode_views,
-                     decode_window, interpreter_reasons, sink_arg)
+from .common import (DECODE_MASKS, TRITON_ARCHS, decode_key_start, decode_keys, decode_outputs, decode_reasons,
+                     decode_views, decode_window, interpreter_reasons, sink_arg)
 from .cost import attention_bytes
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -49,6 +50,7 @@ class _DecodeOp(AttentionFwOp):
     WINDOW = True
     SOFTCAP = True
     SINKS = True  # the single pass adds them in its epilogue, the split reduce once
+    KEY_START = True  # keys below the start masked like keys past the length
     SPLIT_K: ClassVar[bool]
 
     @classmethod
@@ -75,13 +77,13 @@ class _DecodeOp(AttentionFwOp):
         out = torch.empty((*q.shape[:3], v.shape[3]), dtype=inp.out_dtype, device=q.device)
         out, lse = paged_decode(q, k, v, seqlens, block_table=table, scale=inp.softmax_scale, k_scale=ks,
                                 v_scale=vs, num_splits=splits, out=out, lse_wanted=needs_lse, window_left=window,
-                                softcap=inp.softcap, sinks=sink_arg(inp))
+                                softcap=inp.softcap, sinks=sink_arg(inp), key_start=decode_key_start(inp))
         return decode_outputs(inp, q, out, lse, needs_lse)
 
     @classmethod
     def decode_launcher(cls, inp, needs_lse, own_workspace: bool = True):
         """``launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse, seqlen_offset=0,
-        sinks=None)`` for
+        sinks=None, key_start=None)`` for
         calls like ``inp`` (same shapes, strides, mask kind and window): tensors as ``decode_views`` lays them out,
         written into ``out`` / ``lse`` (None: no LSE written), lengths ``seqlens + seqlen_offset``; the split count (and, with ``own_workspace``, one split workspace for every launch: one
         stream at a time) fixed here (``fmha_ops.decode_plan``, the ``flash_attn_with_kvcache`` fast path)."""
@@ -95,11 +97,12 @@ class _DecodeOp(AttentionFwOp):
         workspace = (split_buffers(q, splits, None, None, head_dim_v=v.shape[3])[:2] if splits > 1 and own_workspace
                      else None)
 
-        def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, table, out, lse, seqlen_offset=0, sinks=None):
+        def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, table, out, lse, seqlen_offset=0, sinks=None,
+                   key_start=None):
             paged_decode(q, k_cache, v_cache, seqlens, block_table=table, scale=scale, k_scale=k_scale,
                          v_scale=v_scale, num_splits=splits, out=out, lse=lse, lse_wanted=lse is not None,
                          seqlen_offset=seqlen_offset, window_left=window, softcap=softcap, workspace=workspace,
-                         sinks=sinks)
+                         sinks=sinks, key_start=key_start)
         return launch
 
     @classmethod

@@ -214,7 +214,11 @@ def _variants(b: str) -> list[tuple[str, tuple[str, ...], Change]]:
     v += [(f"softmax_scale={l}", ("softmax_scale",), set_args(softmax_scale=x)) for l, x in BAD_FLOATS]
     v += [("q_descale", ("q_descale",), set_args(q_descale=torch.ones(1))),
           ("rotary_cos", ("rotary_cos",), set_args(rotary_cos=torch.ones(8, 8))),
-          ("cache_leftpad", ("cache_leftpad",), set_args(cache_leftpad=_i32(0, 0))),
+          ("cache_leftpad/beyond", ("cache_leftpad",), set_args(cache_leftpad=_i32(0, 4))),
+          ("cache_leftpad/negative", ("cache_leftpad",), set_args(cache_leftpad=_i32(-1, 0))),
+          ("cache_leftpad/int64", ("cache_leftpad",), set_args(cache_leftpad=torch.tensor([0, 0]))),
+          ("cache_leftpad/shape3", ("cache_leftpad",), set_args(cache_leftpad=_i32(0, 0, 0))),
+          ("cache_leftpad/list", ("cache_leftpad",), set_args(cache_leftpad=[0, 0])),
           ("causal=str", ("causal",), set_args(causal="yes"))]
     return v
 

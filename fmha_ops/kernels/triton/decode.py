@@ -9,7 +9,9 @@ On NVIDIA sm89+ the fp8 V tile is converted to fp16 in its load layout (see ``_e
 
 Local attention (``window_left`` >= 0): query i, at position p_i = seqlen - Mq + i, sees keys
 [p_i - window_left, p_i]; the splits cut only the keys some query of the sequence can see, so key tiles wholly
-left of the window are never read. Softcap c > 0: scores s become c * tanh(s / c) before the softmax.
+left of the window are never read. Key starts (``key_start``, FlashAttention's ``cache_leftpad``): sequence b's
+keys below key_start[b] are masked out like keys past its length, and tiles wholly below it are not read. Softcap
+c > 0: scores s become c * tanh(s / c) before the softmax.
 
 With ``num_splits == 1`` the decoder writes the final output and LSE. Otherwise each
 split writes a float32 partial output (normalized) and its LSE into a workspace whose size
@@ -66,7 +68,7 @@ def valid_end(bt_row, start, end, num_pages, PAGE_SIZE: tl.constexpr):
 
 @triton.jit(do_not_specialize=["NUM_PAGES", "CAPACITY", "WINDOW_LEFT", "SEQ_OFFSET"])
 def _decode_kernel(
-    Q, K, V, KS, VS, SEQ, BT, OUT, LSE, SINKS,
+    Q, K, V, KS, VS, SEQ, BT, OUT, LSE, SINKS, KEY_START,
     stride_qb, stride_qm, stride_qh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
@@ -81,12 +83,13 @@ def _decode_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, FP8: tl.constexpr, PARTIAL: tl.constexpr,
     ASM_CVT: tl.constexpr, PDL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    STORE_LSE: tl.constexpr, HAS_SINKS: tl.constexpr,
+    STORE_LSE: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_KEY_START: tl.constexpr,
 ):
     """One program: the rows (query heads x new tokens) of one KV head over one key split. D / DV: the q/k and the
     value head dims, each padded to a power of two in registers (loads past it read 0, stores stop at it).
     HAS_SINKS (one split only, not PARTIAL): the head's sink logit ``SINKS[qh]`` joins each row's denominator
-    after the last tile; with splits the reduce adds it, once."""
+    after the last tile; with splits the reduce adds it, once. HAS_KEY_START: keys below ``KEY_START[b]`` (clamped
+    to [0, seqlen]) are invisible and the splits cut only the keys from its tile on."""
     BLOCK_D: tl.constexpr = pow2_width(D)
     BLOCK_DV: tl.constexpr = pow2_width(DV)
     if PDL:  # the split reduce may launch now and wait for this grid on the device (programmatic dependent launch)
@@ -108,10 +111,14 @@ def _decode_kernel(
     # lengths (SEQ[b] + SEQ_OFFSET) outside [0, CAPACITY] are clamped: the block-table reads below stay inside
     # its rows
     seqlen = tl.minimum(tl.maximum(tl.load(SEQ + b) + SEQ_OFFSET, 0), CAPACITY)
-    if WINDOW:  # the first tile holding a key that the sequence's first query sees
-        first = tl.maximum(seqlen - MQ - WINDOW_LEFT, 0) // BLOCK_N * BLOCK_N
+    if HAS_KEY_START:  # the sequence's first key; clamped, so the block-table reads below stay inside its row
+        key_start = tl.minimum(tl.maximum(tl.load(KEY_START + b), 0), seqlen)
     else:
-        first = 0
+        key_start = 0
+    if WINDOW:  # the first tile holding a key that the sequence's first query sees
+        first = tl.maximum(tl.maximum(seqlen - MQ - WINDOW_LEFT, 0), key_start) // BLOCK_N * BLOCK_N
+    else:
+        first = key_start // BLOCK_N * BLOCK_N
     chunk = tl.cdiv(tl.cdiv(seqlen - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = first + split * chunk
     end = tl.minimum(start + chunk, seqlen)
@@ -169,6 +176,8 @@ def _decode_kernel(
         if SOFTCAP:  # qk_scale is then the natural scale / c: c * tanh(scale * q.k / c) in log2 units
             s = tanh(s) * softcap_log2
         visible = (offs_n[None, :] <= last_key[:, None]) & kv_ok[None, :]
+        if HAS_KEY_START:
+            visible = visible & (offs_n[None, :] >= key_start)
         if WINDOW:
             visible = visible & (offs_n[None, :] >= last_key[:, None] - WINDOW_LEFT)
         s = tl.where(visible, s, float("-inf"))
@@ -362,7 +371,7 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
                  k_scale=None, v_scale=None, num_splits: int = 1, out=None, lse=None, lse_wanted: bool = True,
                  seqlen_offset: int = 0, window_left: int = -1, softcap: float = 0.0, workspace=None,
                  block_n: int | None = None, num_warps: int | None = None,
-                 num_stages: int | None = None, sinks=None):
+                 num_stages: int | None = None, sinks=None, key_start=None):
     """Attention of ``Mq`` new query tokens per sequence against a (paged) KV cache.
 
     q: (B, Mq, Hq, D) bf16/fp16, Mq in 1..16, last dim contiguous; D a multiple of 16 up to 256.
@@ -380,10 +389,13 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
     -1 = unbounded); key tiles left of every query's window are skipped. ``softcap`` > 0: scores s (scaled
     by ``scale``) become softcap * tanh(s / softcap) before the softmax; 0 = off. ``sinks``: float32 (Hq,)
     attention sinks (GPT-OSS), each query head's logit joining its rows' denominators once (with splits: in the
-    reduce); the LSE includes it.
-    Index guards: lengths are clamped to [0, capacity] (max_pages_per_seq * page_size, or Lmax), and a
-    program's keys stop at the first block-table entry of its split that is not in [0, num_pages); no entry
-    can make the kernel read outside the caches (``fmha_ops.checks`` validates them on the host instead).
+    reduce); the LSE includes it. ``key_start``: int32 (B,) on q's device (FlashAttention's ``cache_leftpad``), sequence
+    b's first key: keys j < key_start[b] are invisible too (a left-padded batch; a start equal to the length leaves
+    its rows no key: out 0, lse -inf); None: 0.
+    Index guards: lengths are clamped to [0, capacity] (max_pages_per_seq * page_size, or Lmax), starts to
+    [0, length], and a program's keys stop at the first block-table entry of its split that is not in
+    [0, num_pages); no entry can make the kernel read outside the caches (``fmha_ops.checks`` validates them on
+    the host instead).
     Returns (out (B, Mq, Hq, Dv) in q's dtype, lse float32 (B, Hq, Mq) natural log), written into
     ``out``/``lse`` when given; with ``lse_wanted=False`` (and no ``lse``) no LSE is written or allocated and lse
     is None. ``num_splits > 1`` runs the split kernel into a float32 workspace and the reduce kernel
@@ -406,6 +418,10 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
                          f"multiple of theirs")
     if sinks is not None and (sinks.shape != (HQ,) or sinks.dtype != torch.float32 or sinks.stride(0) != 1):
         raise ValueError(f"sinks must be float32 ({HQ},) contiguous, got {sinks.dtype} {tuple(sinks.shape)}")
+    if key_start is not None and (key_start.shape != (B,) or key_start.dtype != torch.int32
+                                  or key_start.stride(0) != 1 or key_start.device != q.device):
+        raise ValueError(f"key_start must be int32 ({B},) contiguous on {q.device}, got {key_start.dtype} "
+                         f"{tuple(key_start.shape)} on {key_start.device}")
     if q.stride(3) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("q, k_cache and v_cache must be contiguous in their last dim")
     if fp8 and (k_scale is None or v_scale is None):
@@ -429,6 +445,7 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
     launch(_decode_kernel)[(B * HKV, num_splits, cdiv(rows, bm))](
         q, k_cache, v_cache, k_scale if fp8 else k_cache, v_scale if fp8 else v_cache, seqlens,
         block_table if paged else seqlens, o_buf, l_buf, l_buf if sinks is None else sinks,
+        seqlens if key_start is None else key_start,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -438,7 +455,8 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
         G=G, MQ=MQ, D=D, DV=DV, BLOCK_M=bm, BLOCK_N=block_n or cfg.block_n, PAGE_SIZE=page_size, PAGED=paged, FP8=fp8,
         PARTIAL=num_splits > 1, ASM_CVT=fp8 and _asm_cvt(q.device), PDL=pdl, WINDOW=window_left >= 0,
         SOFTCAP=softcap > 0.0, STORE_LSE=num_splits > 1 or lse is not None,
-        HAS_SINKS=sinks is not None and num_splits == 1, num_warps=num_warps or cfg.num_warps,
+        HAS_SINKS=sinks is not None and num_splits == 1, HAS_KEY_START=key_start is not None,
+        num_warps=num_warps or cfg.num_warps,
         num_stages=num_stages or cfg.num_stages,
     )
     if num_splits > 1:
