@@ -776,9 +776,13 @@ _INT_ARGS = ("stride_ob", "stride_om", "stride_oh", "stride_lb", "stride_lh", "q
 
 
 def compile_sm90(head_dim: int = 128, causal: bool = False, write_lse: bool = False,
-                 config: WsFwdConfig | None = None, out_fp8: bool = False, qk_int8: bool = False):
+                 config: WsFwdConfig | None = None, out_fp8: bool = False, qk_int8: bool = False,
+                 launch_ints: dict | None = None):
     """Compile the kernel ahead of time for sm90 (no GPU needed); returns the CompiledKernel (asm: ttgir, ptx,
-    cubin).
+    cubin). ``launch_ints``: values of the int arguments (``_INT_ARGS`` names) to specialize on as a launch does
+    (1 made a constexpr, multiples of 16 marked divisible, but for the kernel's ``do_not_specialize`` ones; the
+    pointers marked 16-byte aligned): the register allocation, hence spills, can differ from the unspecialized
+    compile's.
 
     Example: ``"wgmma" in compile_sm90(128, causal=True).asm["ptx"]`` -> True.
     """
@@ -807,8 +811,21 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, write_lse: bool = Fa
     sig = {"q_desc": desc(WG_ROWS.value, head_dim, qk), "k_desc": desc(block_a, head_dim, qk),
            "kb_desc": desc(block_b, head_dim, qk), "v_desc": v, "vb_desc": vb,
            "o_desc": desc(WG_ROWS.value, head_dim, gl.float8e4nv if out_fp8 else gl.bfloat16),
-           "Out": "*fp8e4nv" if out_fp8 else "*bf16", "Lse": "*fp32", "QD": "*fp32", "KD": "*fp32", "VD": "*fp32", "sm_scale_log2": "fp32",
-           **dict.fromkeys(_INT_ARGS, "i32"), **dict.fromkeys(const, "constexpr")}
-    src = GluonASTSource(_attn_fwd_ws_kernel, sig, constexprs={(list(sig).index(n),): v for n, v in const.items()})
+           "Out": "*fp8e4nv" if out_fp8 else "*bf16", "Lse": "*fp32", "QD": "*fp32", "KD": "*fp32", "VD": "*fp32",
+           "sm_scale_log2": "fp32", **dict.fromkeys(_INT_ARGS, "i32")}
+    kept = {p.name for p in _attn_fwd_ws_kernel.params if p.do_not_specialize}
+    attrs = {}  # a launch's 16-byte aligned tensors: their pointers are marked divisible too
+    if launch_ints is not None:
+        attrs = {(list(sig).index(name),): [["tt.divisibility", 16]] for name in ("Out", "Lse", "QD", "KD", "VD")}
+    for name, value in (launch_ints or {}).items():
+        if name in kept:
+            continue
+        if value == 1:
+            sig[name], const[name] = "constexpr", 1
+        elif value % 16 == 0:
+            attrs[(list(sig).index(name),)] = [["tt.divisibility", 16]]
+    sig.update(dict.fromkeys(const, "constexpr"))
+    src = GluonASTSource(_attn_fwd_ws_kernel, sig, constexprs={(list(sig).index(n),): v for n, v in const.items()},
+                         attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": WG_WARPS.value, "maxnreg": cfg.maxnreg})
