@@ -16,7 +16,7 @@ quantizes inside, runs the fp8 forward and returns bf16 gradients to the bf16 te
 from __future__ import annotations
 
 import ast
-from typing import Hashable, Optional
+from typing import Optional
 
 import torch
 
@@ -101,25 +101,25 @@ def _read_is_a_sync(cu: torch.Tensor) -> bool:
     return cu.is_cuda
 
 
-def _starts_key(cu: torch.Tensor) -> Hashable:
-    """What a kept mask is found by, for one cu_seqlens tensor: a device tensor's identity and version
-    (``Tensor._version``, which every torch write bumps; reading the values would be a sync that waits for all queued
-    GPU work), a host tensor's values (read without a sync, so a write torch does not count, e.g. through a numpy
-    view, finds no stale mask either)."""
+def _starts_key(cu: torch.Tensor) -> tuple:
+    """What a kept mask is found by, for one cu_seqlens tensor: its identity (the mask holds the tensor itself) with,
+    on the device, its version (``Tensor._version``, which every torch write bumps; reading the values would be a
+    sync that waits for all queued GPU work), on the host its values (read without a sync, so a write torch does not
+    count, e.g. through a numpy view, finds no stale mask either)."""
     if _read_is_a_sync(cu):
         return id(cu), cu._version
-    return tuple(cu.tolist())
+    return id(cu), tuple(cu.tolist())
 
 
 def _varlen_plan(kind, window_args: tuple, max_seqlen_q, max_seqlen_k, softmax_scale, return_lse: bool, softcap):
     """``run(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale, sinks)`` of one validated varlen
-    layout: the packed call (batch 1) under the mask ``kind.from_cu_seqlens`` reads from the starts. The mask and
-    the packed call's plan are kept per starts pair (``_starts_key``; at most ``VARLEN_MASKS_PER_PLAN`` pairs, the
-    oldest dropped first), so a repeated call with the same starts is one lookup and the packed call's launch.
-    An entry holds the starts it was read from: device tensors as given (their ids stay theirs while kept), host
-    tensors copied (the kernels never read a tensor the caller may write). Nothing made while a CUDA graph is
-    captured is kept (a copy recorded in a graph holds its values only once that graph replays)."""
-    kept: dict = {}  # (starts key q, starts key k) -> (mask, packed call's plan or None, the starts read)
+    layout: the packed call (batch 1) under the mask ``kind.from_cu_seqlens`` reads from the starts. Where the
+    starts are on q's device (the mask then holds them, nothing newly allocated), the mask and the packed call's
+    plan are kept per starts pair (``_starts_key``; at most ``VARLEN_MASKS_PER_PLAN`` pairs, the oldest dropped
+    first), so a repeated call with the same unchanged starts tensors is one lookup and the packed call's launch.
+    An entry holds its two starts tensors, so their ids stay theirs while kept. Host starts of a CUDA call are read
+    and copied to the device on every call (a kept copy would be memory a CUDA graph pool may own)."""
+    kept: dict = {}  # (starts key q, starts key k) -> (mask, packed call's plan or None, cu_seqlens_q, cu_seqlens_k)
 
     def run(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale, sinks):
         starts_q = _starts_key(cu_seqlens_q)
@@ -132,12 +132,10 @@ def _varlen_plan(kind, window_args: tuple, max_seqlen_q, max_seqlen_k, softmax_s
             res = _attention(None, q, k, v, entry[0], softmax_scale, q_descale, k_descale, v_descale, return_lse,
                              softcap, sinks)
         else:
-            read = [cu if _read_is_a_sync(cu) else cu.clone() for cu in (cu_seqlens_q, cu_seqlens_k)]
-            if cu_seqlens_k is cu_seqlens_q:
-                read[1] = read[0]  # self-attention's one tensor is read once
-            bias = kind.from_cu_seqlens(*read, *window_args, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                        total_q=q.shape[1], total_k=k.shape[1])
-            if bias.q_seqinfo.seqstart.device != q.device or bias.k_seqinfo.seqstart.device != q.device:
+            bias = kind.from_cu_seqlens(cu_seqlens_q, cu_seqlens_k, *window_args, max_seqlen_q=max_seqlen_q,
+                                        max_seqlen_k=max_seqlen_k, total_q=q.shape[1], total_k=k.shape[1])
+            on_device = bias.q_seqinfo.seqstart.device == q.device and bias.k_seqinfo.seqstart.device == q.device
+            if not on_device:
                 bias = bias.to(q.device)  # starts given on the host: read there, the kernels read a device copy
             key = call_key(_attention, (q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_lse,
                                         softcap, sinks))
@@ -148,10 +146,10 @@ def _varlen_plan(kind, window_args: tuple, max_seqlen_q, max_seqlen_k, softmax_s
                 res = _attention(key, q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_lse,
                                  softcap, sinks)
                 plan = PLANS.get(key)
-            if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+            if on_device:
                 if len(kept) >= VARLEN_MASKS_PER_PLAN:
                     del kept[next(iter(kept))]
-                kept[starts] = (bias, plan, read)
+                kept[starts] = (bias, plan, cu_seqlens_q, cu_seqlens_k)
         return (res[0][0], res[1][0]) if return_lse else res[0]
     return run
 
