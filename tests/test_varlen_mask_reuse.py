@@ -58,18 +58,18 @@ def test_host_starts_keep_their_mask_while_their_values_stay_and_a_write_reads_t
     reads = _counting_reads(monkeypatch, ab.BlockDiagonalMask)
     q, k, v = _qkv(9, seed=1)
     cu = torch.tensor([0, 4, 9], dtype=torch.int32)
-    first = flash_attn_varlen_func(q, k, v, cu, cu, 5, 5)
-    torch.testing.assert_close(flash_attn_varlen_func(q, k, v, cu, cu, 5, 5), first)
+    first = flash_attn_varlen_func(q, k, v, cu, cu, 9, 9)
+    torch.testing.assert_close(flash_attn_varlen_func(q, k, v, cu, cu, 9, 9), first)
     assert reads == [[0, 4, 9]]
 
     cu.numpy()[1] = 2  # a write torch does not count (no version bump): the values still find no stale mask
-    after = flash_attn_varlen_func(q, k, v, cu, cu, 7, 7)
+    after = flash_attn_varlen_func(q, k, v, cu, cu, 9, 9)
     assert reads == [[0, 4, 9], [0, 2, 9]]
-    torch.testing.assert_close(after, flash_attn_varlen_func(q, k, v, cu.clone(), cu.clone(), 7, 7))
+    torch.testing.assert_close(after, flash_attn_varlen_func(q, k, v, cu.clone(), cu.clone(), 9, 9))
     assert not torch.allclose(after[2:4], first[2:4])
 
     cu.numpy()[1] = 4  # the first starts again, in the tensor the first mask holds: that mask, consistent again
-    torch.testing.assert_close(flash_attn_varlen_func(q, k, v, cu, cu, 5, 5), first)
+    torch.testing.assert_close(flash_attn_varlen_func(q, k, v, cu, cu, 9, 9), first)
     assert reads[-1] == [0, 2, 9]
 
 
@@ -80,13 +80,14 @@ def test_in_place_write_between_calls_with_distinct_q_and_k_starts(monkeypatch):
         PLANS.clear()
         q, k, v = _qkv(8, seed=3)
         cu_q, cu_k = (torch.tensor([0, 3, 8], dtype=torch.int32) for _ in range(2))
-        first = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 8, 8, causal=True)
-        cu_k.copy_(torch.tensor([0, 6, 8], dtype=torch.int32))
-        cu_q.copy_(torch.tensor([0, 1, 8], dtype=torch.int32))
-        after = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 8, 8, causal=True)
-        expected = flash_attn_varlen_func(q, k, v, cu_q.clone(), cu_k.clone(), 8, 8, causal=True)
-        torch.testing.assert_close(after, expected)
-        assert not torch.allclose(after, first)
+        before = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 8, 8, causal=True)
+        for written, starts in ((cu_k, [0, 6, 8]), (cu_q, [0, 1, 8])):  # one tensor at a time
+            written.copy_(torch.tensor(starts, dtype=torch.int32))
+            after = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 8, 8, causal=True)
+            expected = flash_attn_varlen_func(q, k, v, cu_q.clone(), cu_k.clone(), 8, 8, causal=True)
+            torch.testing.assert_close(after, expected)
+            assert not torch.allclose(after, before)
+            before = after
 
 
 def test_bad_starts_still_raise_after_a_kept_layout():
