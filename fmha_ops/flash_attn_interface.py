@@ -16,7 +16,7 @@ quantizes inside, runs the fp8 forward and returns bf16 gradients to the bf16 te
 from __future__ import annotations
 
 import ast
-from typing import Optional
+from typing import Hashable, Optional
 
 import torch
 
@@ -101,36 +101,37 @@ def _read_is_a_sync(cu: torch.Tensor) -> bool:
     return cu.is_cuda
 
 
-def _starts_key(cu: torch.Tensor) -> tuple:
-    """What a kept mask is found by, for one cu_seqlens tensor: its identity (the mask holds the tensor itself) with,
-    on the device, its version (``Tensor._version``, which every torch write bumps; reading the values would be a
-    sync that waits for all queued GPU work), on the host its values (read without a sync, so a write torch does not
-    count, e.g. through a numpy view, finds no stale mask either)."""
-    if _read_is_a_sync(cu):
-        return id(cu), cu._version
-    return id(cu), tuple(cu.tolist())
+def _starts_stamp(cu: torch.Tensor) -> Hashable:
+    """What a kept mask read from ``cu`` needs to be reused: a device tensor's version (``Tensor._version``, which
+    every torch write bumps; reading the values would be a sync that waits for all queued GPU work), a host tensor's
+    values (read without a sync, so a write torch does not count, e.g. through a numpy view, finds no stale mask)."""
+    return cu._version if _read_is_a_sync(cu) else tuple(cu.tolist())
 
 
 def _varlen_plan(kind, window_args: tuple, max_seqlen_q, max_seqlen_k, softmax_scale, return_lse: bool, softcap):
     """``run(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale, sinks)`` of one validated varlen
     layout: the packed call (batch 1) under the mask ``kind.from_cu_seqlens`` reads from the starts. Where the
-    starts are on q's device (the mask then holds them, nothing newly allocated), the mask and the packed call's
-    plan are kept per starts pair (``_starts_key``; at most ``VARLEN_MASKS_PER_PLAN`` pairs, the oldest dropped
-    first), so a repeated call with the same unchanged starts tensors is one lookup and the packed call's launch.
-    An entry holds its two starts tensors, so their ids stay theirs while kept. Host starts of a CUDA call are read
-    and copied to the device on every call (a kept copy would be memory a CUDA graph pool may own)."""
-    kept: dict = {}  # (starts key q, starts key k) -> (mask, packed call's plan or None, cu_seqlens_q, cu_seqlens_k)
+    starts are on q's device (the mask then holds those tensors, nothing newly allocated), the mask and the packed
+    call's plan are kept per pair of starts tensors, with their stamps (``_starts_stamp``), so a repeated call with
+    the same unchanged tensors is one lookup and the packed call's launch, and a written tensor replaces its entry.
+    At most ``VARLEN_MASKS_PER_PLAN`` pairs, the oldest dropped first; an entry holds its two tensors, so their ids
+    stay theirs while kept. Host starts of a CUDA call are read and copied to the device on every call (a kept copy
+    would be memory a CUDA graph pool may own)."""
+    kept: dict = {}  # (id q starts, id k starts) -> (stamps, mask, packed call's plan or None, the two tensors)
 
     def run(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale, sinks):
-        starts_q = _starts_key(cu_seqlens_q)
-        starts = (starts_q, starts_q if cu_seqlens_k is cu_seqlens_q else _starts_key(cu_seqlens_k))
-        entry = kept.get(starts)
+        pair = (id(cu_seqlens_q), id(cu_seqlens_k))
+        stamp_q = _starts_stamp(cu_seqlens_q)
+        stamps = (stamp_q, stamp_q if cu_seqlens_k is cu_seqlens_q else _starts_stamp(cu_seqlens_k))
+        entry = kept.get(pair)
         q, k, v = q[None], k[None], v[None]
-        if entry is not None and entry[1] is not None:
-            res = _run_plan(entry[1], q, k, v, entry[0], q_descale, k_descale, v_descale, return_lse, sinks)
-        elif entry is not None:  # no plan (the packed call checks values on every call): its full path
-            res = _attention(None, q, k, v, entry[0], softmax_scale, q_descale, k_descale, v_descale, return_lse,
-                             softcap, sinks)
+        if entry is not None and entry[0] == stamps:
+            _, bias, plan, _ = entry
+            if plan is not None:
+                res = _run_plan(plan, q, k, v, bias, q_descale, k_descale, v_descale, return_lse, sinks)
+            else:  # no plan (the packed call checks values on every call): its full path
+                res = _attention(None, q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_lse,
+                                 softcap, sinks)
         else:
             bias = kind.from_cu_seqlens(cu_seqlens_q, cu_seqlens_k, *window_args, max_seqlen_q=max_seqlen_q,
                                         max_seqlen_k=max_seqlen_k, total_q=q.shape[1], total_k=k.shape[1])
@@ -147,9 +148,10 @@ def _varlen_plan(kind, window_args: tuple, max_seqlen_q, max_seqlen_k, softmax_s
                                  softcap, sinks)
                 plan = PLANS.get(key)
             if on_device:
+                kept.pop(pair, None)
                 if len(kept) >= VARLEN_MASKS_PER_PLAN:
                     del kept[next(iter(kept))]
-                kept[starts] = (bias, plan, cu_seqlens_q, cu_seqlens_k)
+                kept[pair] = (stamps, bias, plan, (cu_seqlens_q, cu_seqlens_k))
         return (res[0][0], res[1][0]) if return_lse else res[0]
     return run
 

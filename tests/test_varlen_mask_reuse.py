@@ -68,9 +68,9 @@ def test_host_starts_keep_their_mask_while_their_values_stay_and_a_write_reads_t
     torch.testing.assert_close(after, flash_attn_varlen_func(q, k, v, cu.clone(), cu.clone(), 9, 9))
     assert not torch.allclose(after[2:4], first[2:4])
 
-    cu.numpy()[1] = 4  # the first starts again, in the tensor the first mask holds: that mask, consistent again
+    cu.numpy()[1] = 4  # the first starts again: the written tensor's entry was replaced, so they are read again
     torch.testing.assert_close(flash_attn_varlen_func(q, k, v, cu, cu, 9, 9), first)
-    assert reads[-1] == [0, 2, 9]
+    assert reads[-1] == [0, 4, 9]
 
 
 def test_in_place_write_between_calls_with_distinct_q_and_k_starts(monkeypatch):
