@@ -16,7 +16,7 @@ quantizes inside, runs the fp8 forward and returns bf16 gradients to the bf16 te
 from __future__ import annotations
 
 import ast
-from typing import Optional
+from typing import Hashable, Optional
 
 import torch
 
@@ -92,8 +92,7 @@ _FIND_FUNC = plan_finder(flash_attn_func)
 _CAUSAL = ab.LowerTriangularFromBottomRightMask()
 
 
-#: device cu_seqlens pairs whose mask a varlen plan keeps (reading device starts on the host is a sync that waits
-#: for all queued GPU work; a workload alternates few pairs per layout)
+#: cu_seqlens pairs whose mask and packed call's plan a varlen plan keeps (a workload alternates few pairs per layout)
 VARLEN_MASKS_PER_PLAN = 8
 
 
@@ -102,48 +101,57 @@ def _read_is_a_sync(cu: torch.Tensor) -> bool:
     return cu.is_cuda
 
 
-def _varlen_mask(masks: dict, kind, window_args: tuple, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                 max_seqlen_q, max_seqlen_k, q: torch.Tensor, k: torch.Tensor):
-    """``kind.from_cu_seqlens`` on q's device. Device starts are read once per tensor and version: a repeated call
-    with the same two tensors, unchanged (``Tensor._version``, which every torch write bumps), reuses the mask kept
-    in ``masks`` (a varlen plan's own: an entry holds its two tensors, so their ids stay theirs while kept)."""
-    key = None
-    if _read_is_a_sync(cu_seqlens_q) and _read_is_a_sync(cu_seqlens_k):
-        key = (id(cu_seqlens_q), id(cu_seqlens_k))
-        hit = masks.get(key)
-        if hit is not None:
-            mask, held_q, held_k, versions = hit
-            if (held_q is cu_seqlens_q and held_k is cu_seqlens_k
-                    and versions == (cu_seqlens_q._version, cu_seqlens_k._version)):
-                return mask
-    bias = kind.from_cu_seqlens(cu_seqlens_q, cu_seqlens_k, *window_args, max_seqlen_q=max_seqlen_q,
-                                max_seqlen_k=max_seqlen_k, total_q=q.shape[0], total_k=k.shape[0])
-    if bias.q_seqinfo.seqstart.device != q.device or bias.k_seqinfo.seqstart.device != q.device:
-        bias = bias.to(q.device)  # starts given on the host: read there, the kernels read a device copy
-    if key is not None:
-        if len(masks) >= VARLEN_MASKS_PER_PLAN and key not in masks:
-            del masks[next(iter(masks))]
-        masks[key] = (bias, cu_seqlens_q, cu_seqlens_k, (cu_seqlens_q._version, cu_seqlens_k._version))
-    return bias
+def _starts_stamp(cu: torch.Tensor) -> Hashable:
+    """What a kept mask read from ``cu`` needs to be reused: a device tensor's version (``Tensor._version``, which
+    every torch write bumps; reading the values would be a sync that waits for all queued GPU work), a host tensor's
+    values (read without a sync, so a write torch does not count, e.g. through a numpy view, finds no stale mask)."""
+    return cu._version if _read_is_a_sync(cu) else tuple(cu.tolist())
 
 
 def _varlen_plan(kind, window_args: tuple, max_seqlen_q, max_seqlen_k, softmax_scale, return_lse: bool, softcap):
-    """``run(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale, sinks)``: a validated varlen
-    layout's mask (read from the starts, kept per device tensor pair) and the packed call (batch 1) through its own
-    plan."""
-    masks: dict = {}
+    """``run(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale, sinks)`` of one validated varlen
+    layout: the packed call (batch 1) under the mask ``kind.from_cu_seqlens`` reads from the starts. Where the
+    starts are on q's device (the mask then holds those tensors, nothing newly allocated), the mask and the packed
+    call's plan are kept per pair of starts tensors, with their stamps (``_starts_stamp``), so a repeated call with
+    the same unchanged tensors is one lookup and the packed call's launch, and a written tensor replaces its entry.
+    At most ``VARLEN_MASKS_PER_PLAN`` pairs, the oldest dropped first; an entry holds its two tensors, so their ids
+    stay theirs while kept. Host starts of a CUDA call are read and copied to the device on every call (a kept copy
+    would be memory a CUDA graph pool may own)."""
+    kept: dict = {}  # (id q starts, id k starts) -> (stamps, mask, packed call's plan or None, the two tensors)
 
     def run(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale, sinks):
-        bias = _varlen_mask(masks, kind, window_args, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
+        pair = (id(cu_seqlens_q), id(cu_seqlens_k))
+        stamp_q = _starts_stamp(cu_seqlens_q)
+        stamps = (stamp_q, stamp_q if cu_seqlens_k is cu_seqlens_q else _starts_stamp(cu_seqlens_k))
+        entry = kept.get(pair)
         q, k, v = q[None], k[None], v[None]
-        key = call_key(_attention, (q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_lse,
-                                    softcap, sinks))
-        plan = PLANS.get(key)
-        if plan is not None:
-            res = _run_plan(plan, q, k, v, bias, q_descale, k_descale, v_descale, return_lse, sinks)
+        if entry is not None and entry[0] == stamps:
+            _, bias, plan, _ = entry
+            if plan is not None:
+                res = _run_plan(plan, q, k, v, bias, q_descale, k_descale, v_descale, return_lse, sinks)
+            else:  # no plan (the packed call checks values on every call): its full path
+                res = _attention(None, q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_lse,
+                                 softcap, sinks)
         else:
-            res = _attention(key, q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_lse, softcap,
-                             sinks)
+            bias = kind.from_cu_seqlens(cu_seqlens_q, cu_seqlens_k, *window_args, max_seqlen_q=max_seqlen_q,
+                                        max_seqlen_k=max_seqlen_k, total_q=q.shape[1], total_k=k.shape[1])
+            on_device = bias.q_seqinfo.seqstart.device == q.device and bias.k_seqinfo.seqstart.device == q.device
+            if not on_device:
+                bias = bias.to(q.device)  # starts given on the host: read there, the kernels read a device copy
+            key = call_key(_attention, (q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_lse,
+                                        softcap, sinks))
+            plan = PLANS.get(key)
+            if plan is not None:
+                res = _run_plan(plan, q, k, v, bias, q_descale, k_descale, v_descale, return_lse, sinks)
+            else:
+                res = _attention(key, q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_lse,
+                                 softcap, sinks)
+                plan = PLANS.get(key)
+            if on_device:
+                kept.pop(pair, None)
+                if len(kept) >= VARLEN_MASKS_PER_PLAN:
+                    del kept[next(iter(kept))]
+                kept[pair] = (stamps, bias, plan, (cu_seqlens_q, cu_seqlens_k))
         return (res[0][0], res[1][0]) if return_lse else res[0]
     return run
 
