@@ -108,6 +108,12 @@ def _starts_stamp(cu: torch.Tensor) -> Hashable:
     return cu._version if _read_is_a_sync(cu) else tuple(cu.tolist())
 
 
+def _starts_stamps(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> tuple:
+    """``_starts_stamp`` of both starts tensors (one read where they are the same tensor)."""
+    stamp_q = _starts_stamp(cu_seqlens_q)
+    return stamp_q, stamp_q if cu_seqlens_k is cu_seqlens_q else _starts_stamp(cu_seqlens_k)
+
+
 def _varlen_plan(kind, window_args: tuple, max_seqlen_q, max_seqlen_k, softmax_scale, return_lse: bool, softcap):
     """``run(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale, sinks)`` of one validated varlen
     layout: the packed call (batch 1) under the mask ``kind.from_cu_seqlens`` reads from the starts. Where the
@@ -121,11 +127,9 @@ def _varlen_plan(kind, window_args: tuple, max_seqlen_q, max_seqlen_k, softmax_s
 
     def run(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale, sinks):
         pair = (id(cu_seqlens_q), id(cu_seqlens_k))
-        stamp_q = _starts_stamp(cu_seqlens_q)
-        stamps = (stamp_q, stamp_q if cu_seqlens_k is cu_seqlens_q else _starts_stamp(cu_seqlens_k))
-        entry = kept.get(pair)
+        entry = kept.get(pair)  # only starts on q's device are kept: the others are never stamped
         q, k, v = q[None], k[None], v[None]
-        if entry is not None and entry[0] == stamps:
+        if entry is not None and entry[0] == _starts_stamps(cu_seqlens_q, cu_seqlens_k):
             _, bias, plan, _ = entry
             if plan is not None:
                 res = _run_plan(plan, q, k, v, bias, q_descale, k_descale, v_descale, return_lse, sinks)
@@ -151,7 +155,7 @@ def _varlen_plan(kind, window_args: tuple, max_seqlen_q, max_seqlen_k, softmax_s
                 kept.pop(pair, None)
                 if len(kept) >= VARLEN_MASKS_PER_PLAN:
                     del kept[next(iter(kept))]
-                kept[pair] = (stamps, bias, plan, (cu_seqlens_q, cu_seqlens_k))
+                kept[pair] = (_starts_stamps(cu_seqlens_q, cu_seqlens_k), bias, plan, (cu_seqlens_q, cu_seqlens_k))
         return (res[0][0], res[1][0]) if return_lse else res[0]
     return run
 
@@ -239,8 +243,8 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
     Index tensors on the GPU are not read back: an out-of-range ``cache_seqlens`` is clamped to the cache, a
     ``page_table`` / ``cache_batch_idx`` entry that is not a page (row) of the cache ends that sequence's keys
-    there, a ``cache_leftpad`` entry is clamped to [0, the sequence's length], and appended tokens that fall outside the
-    cache are dropped. ``fmha_ops.check_inputs()`` (or
+    there, a ``cache_leftpad`` entry is clamped to [0, the sequence's length], and appended tokens that fall outside
+    the cache are dropped. ``fmha_ops.check_inputs()`` (or
     ``FMHA_OPS_CHECK=1``) validates them instead (one host sync) and raises ValueError naming the entry; index
     tensors on the CPU are always validated.
 

@@ -4,11 +4,12 @@
 (``kvcache_call``: ValueError / TypeError / NotImplementedError naming them, the append not yet made) and returns
 the ``Plan`` the entry point runs, its op(s) selected once, when the plan is made (``call.forward_plan``). Where a
 repeated call of the same key may skip the checks (paged, device index tensors outside check mode, no autograd,
-contiguous sinks if any) that is the decode plan, stored in the plan cache (``fmha_ops.plans``): the append kernel and the selected
-op's decode launcher on the call's own index tensors (their values are read on the device, where the kernels guard
-them). Any other call gets a plan of its own, not stored (its checks read values): the append, then the selected
-op(s) run by the forward plan (the op's ``apply``, the forward and backward pair under autograd, or the traced op
-under torch.compile). ``fmha_ops.decode_plan`` plans a decode loop on the same checks (``kvcache_call``) and its op with ``select_decode_op``.
+contiguous sinks if any) that is the decode plan, stored in the plan cache (``fmha_ops.plans``): the append kernel
+and the selected op's decode launcher on the call's own index tensors (their values are read on the device, where
+the kernels guard them). Any other call gets a plan of its own, not stored (its checks read values): the append,
+then the selected op(s) run by the forward plan (the op's ``apply``, the forward and backward pair under autograd,
+or the traced op under torch.compile). ``fmha_ops.decode_plan`` plans a decode loop on the same checks
+(``kvcache_call``) and its op with ``select_decode_op``.
 
 Example
 -------
@@ -33,7 +34,7 @@ from .inputs import Inputs
 from .plan import Plan
 from .plans import PLANS
 from .timing import autotune_seconds
-from .validation import check_descale_values, make_problem
+from .validation import check_descale_values, make_problem, validate_sinks
 
 #: the append kernel runs on CPU tensors through Triton's interpreter
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -44,12 +45,12 @@ def plan_kvcache_call(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
                       sinks=None, cache_leftpad=None) -> Plan:
     """The plan of ``flash_attn_with_kvcache``'s call (its arguments as it takes them, ``key`` its call's plan key):
     ``run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale, sinks, cache_leftpad)``
-    returns what the entry point returns. Validates the arguments first (raising as ``flash_attn_with_kvcache`` documents), then selects the
-    op(s) once (``call.forward_plan``; under autotune timed as the plan will run them). A call whose repeated calls
-    may skip the checks (``_plannable``) and whose op has a decode launcher gets the decode plan of its layout,
-    stored under ``key``; any other call a plan of its own (the append, then the selected op(s)' run), not stored, as
-    its values (host descales and index tables; all of them in check mode) are checked by ``kvcache_call`` before
-    its run appends."""
+    returns what the entry point returns. Validates the arguments first (raising as ``flash_attn_with_kvcache``
+    documents), then selects the op(s) once (``call.forward_plan``; under autotune timed as the plan will run
+    them). A call whose repeated calls may skip the checks (``_plannable``) and whose op has a decode launcher gets
+    the decode plan of its layout, stored under ``key``; any other call a plan of its own (the append, then the
+    selected op(s)' run), not stored, as its values (host descales and index tables; all of them in check mode) are
+    checked by ``kvcache_call`` before its run appends."""
     call = kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, q_descale, k_descale,
                         v_descale, softmax_scale, causal, window_size, sinks, cache_leftpad)
     inp = _decode_inputs(call, softmax_scale, softcap, return_lse, sinks)
@@ -273,7 +274,7 @@ def kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
         bias = ab.PagedBlockDiagonalPaddedKeysMask.from_device_seqlens(mq, seqlens, page_table, page,
                                                                        key_start=cache_leftpad)
     if sinks is not None:
-        _check_tensor("sinks", sinks, (q.shape[2],), (torch.float32,), q.device)
+        validate_sinks(sinks, q.shape[2], q.device)
     check_descale_values(("k_descale", kd), ("v_descale", vd))
     # per-token descales pass in the cache's own (num_pages, page_size, Hkv) layout: no copy, any strides
     return KVCacheCall(q.reshape(1, batch * mq, *q.shape[2:]), _pool(k_cache), _pool(v_cache), bias, kd, vd, append)
