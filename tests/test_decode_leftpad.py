@@ -183,12 +183,12 @@ def test_flash_attn_with_kvcache_leftpad_errors():
 
 def test_ops_without_key_starts_say_so():
     """An op that does not declare KEY_START gives a reason naming cache_leftpad, so the selector never picks it
-    for such a call; the Triton decoders and the reference op declare them."""
+    for such a call; the Triton decoders, FA3 (``leftpad_k``) and the reference op declare them."""
     from fmha_ops.dispatch import REGISTRY
 
     p = replace(_decode_problem(kv=torch.bfloat16), key_start=True)
     declared = {op.NAME for op in REGISTRY.ops("fw") if op.KEY_START}
-    assert declared == {"triton_decoderF", "triton_splitKF", "torch_referenceF"}
+    assert declared == {"triton_decoderF", "triton_splitKF", "fa3F", "torch_referenceF"}
     for op in REGISTRY.ops("fw"):
         reasons = " ".join(op.not_supported_reasons(p))
         assert ("cache_leftpad" in reasons) == (not op.KEY_START), op.NAME
