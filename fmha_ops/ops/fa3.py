@@ -25,7 +25,9 @@ GQA / LSE       yes / natural log (B, Hq, Mq) (varlen: (Hq, total))
 
 The forward returns the LSE, so a call that needs gradients pairs it with a selected backward op (``fa3B``
 where the build has one). Not taken: dropout, dense tensor biases, gappy keys, per-token KV scales (the fp8-KV
-decoders take those), bf16 queries over an fp8 cache, keys-contiguous values.
+decoders take those), bf16 queries over an fp8 cache, keys-contiguous values. FA3 reads device lengths and key
+starts as given (it clamps neither, unlike our decoders' index guards): their values are checked on the host, or
+on the device in check mode (``fmha_ops.checks``).
 """
 from __future__ import annotations
 
