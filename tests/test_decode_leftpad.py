@@ -19,8 +19,8 @@ from fmha_ops import attn_bias as ab
 from fmha_ops.kv_cache import paged_from_dense
 from fmha_ops.testing import error_report
 from tests.conftest import DEVICE
-from tests.test_kernel_decode import (FP16_REL, GPU_REL, _decode_problem, _gluon_runs, check, make_case, ranked,
-                                      reference, run, run_gluon)
+from tests.test_kernel_decode import (FP16_REL, GPU_REL, _decode_problem, _gluon_runs, check, check_gluon, make_case,
+                                      ranked, reference, run)
 
 DTYPE = torch.float16 if DEVICE == "cpu" else torch.bfloat16
 DECODE_OPS = ("triton_decoderF", "triton_splitKF")
@@ -282,13 +282,8 @@ def test_gpu_gluon_key_start(page_size, G, MQ, D, window_left):
     sequence; pages spanning a tile (8), 16-key tiles (48), D64 head pairs, D256 on two warps; splits 1 / 3 / 8."""
     if not _gluon_runs():
         pytest.skip("the Gluon decoder runs on sm90")
-    lens = [0, 33, 17, 1000, 4097, 70, 129]
-    starts = _starts([0, 1, 17, 999, 2000, 65, 100])
-    q, kw, k, v = make_case(7, MQ, 2 * G, 2, D, lens, page_size=page_size, dtype=torch.bfloat16,
-                            fp8=torch.float8_e4m3fn, dist="transformer", seed=G + MQ + D)
-    for s in (1, 3, 8):
-        check(q, kw, k, v, rel=GPU_REL[torch.bfloat16], runner=run_gluon, num_splits=s, key_start=starts,
-              window_left=window_left)
+    check_gluon([0, 33, 17, 1000, 4097, 70, 129], G, MQ, D, page_size, G + MQ + D,
+                key_start=_starts([0, 1, 17, 999, 2000, 65, 100]), window_left=window_left)
 
 
 @pytest.mark.gpu

@@ -16,7 +16,7 @@ from fmha_ops import attn_bias as ab
 from fmha_ops.kv_cache import paged_from_dense
 from fmha_ops.testing import error_report
 from tests.conftest import DEVICE, HAS_CUDA
-from tests.test_kernel_decode import FP16_REL, GPU_REL, _gluon_runs, check, make_case, reference, run, run_gluon
+from tests.test_kernel_decode import FP16_REL, GPU_REL, _gluon_runs, check, check_gluon, make_case, reference, run
 
 DTYPE = torch.float16 if DEVICE == "cpu" else torch.bfloat16
 DECODE_OPS = ("triton_decoderF", "triton_splitKF")
@@ -204,12 +204,8 @@ def test_gpu_window_softcap_real_sizes(fp8, page_size, window_left, softcap):
 def test_gpu_gluon_window_softcap(page_size, G, MQ, D, window_left, softcap):
     if not _gluon_runs():
         pytest.skip("the Gluon decoder runs on sm90")
-    lens = [0, 1, 17, 1000, 4097, 33]
-    q, kw, k, v = make_case(6, MQ, 2 * G, 2, D, lens, page_size=page_size, dtype=torch.bfloat16,
-                            fp8=torch.float8_e4m3fn, dist="transformer", seed=G + MQ + window_left)
-    for s in (1, 3, 8):
-        check(q, kw, k, v, rel=GPU_REL[torch.bfloat16], runner=run_gluon, num_splits=s, window_left=window_left,
-              softcap=softcap)
+    check_gluon([0, 1, 17, 1000, 4097, 33], G, MQ, D, page_size, G + MQ + window_left, window_left=window_left,
+                softcap=softcap)
 
 
 @pytest.mark.gpu

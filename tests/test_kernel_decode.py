@@ -140,6 +140,15 @@ def check(q, kw, k, v, *, rel, lse_tol=2e-4, runner=run, **extra):
     return out, lse, rep
 
 
+def check_gluon(lens, G, MQ, D, page_size, seed, **extra):
+    """The Gluon fp8 decoder against the float reference on a transformer-like bf16 case quantized to fp8 (2 KV heads
+    of G query heads, ``lens`` keys per sequence), with 1, 3 and 8 splits; ``extra``: ``launch``'s keywords."""
+    q, kw, k, v = make_case(len(lens), MQ, 2 * G, 2, D, lens, page_size=page_size, dtype=torch.bfloat16,
+                            fp8=torch.float8_e4m3fn, dist="transformer", seed=seed)
+    for s in (1, 3, 8):
+        check(q, kw, k, v, rel=GPU_REL[torch.bfloat16], runner=run_gluon, num_splits=s, **extra)
+
+
 # fp16 out rounding (2^-11) and P rounded to fp16 before P @ V give rel ~5e-4 on random inputs.
 FP16_REL = 2e-3
 

@@ -127,8 +127,9 @@ def fa3_package_reason() -> str | None:
 
 #: the keyword arguments of FA3's C++ forward this adapter passes (checked against the installed op's schema)
 FWD_ARGUMENTS = frozenset({"q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "max_seqlen_q", "max_seqlen_k",
-                           "page_table", "kv_batch_idx", "leftpad_k", "q_descale", "k_descale", "v_descale", "softmax_scale",
-                           "is_causal", "window_size_left", "window_size_right", "softcap", "num_splits"})
+                           "page_table", "kv_batch_idx", "leftpad_k", "q_descale", "k_descale", "v_descale",
+                           "softmax_scale", "is_causal", "window_size_left", "window_size_right", "softcap",
+                           "num_splits"})
 
 
 @functools.lru_cache(maxsize=1)
