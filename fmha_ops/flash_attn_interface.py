@@ -244,7 +244,8 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     Index tensors on the GPU are not read back: an out-of-range ``cache_seqlens`` is clamped to the cache, a
     ``page_table`` / ``cache_batch_idx`` entry that is not a page (row) of the cache ends that sequence's keys
     there, a ``cache_leftpad`` entry is clamped to [0, the sequence's length], and appended tokens that fall outside
-    the cache are dropped. ``fmha_ops.check_inputs()`` (or
+    the cache are dropped (our kernels' guards; the ``fa3F`` op hands lengths and starts to FlashAttention-3 as
+    they are). ``fmha_ops.check_inputs()`` (or
     ``FMHA_OPS_CHECK=1``) validates them instead (one host sync) and raises ValueError naming the entry; index
     tensors on the CPU are always validated.
 

@@ -19,7 +19,8 @@ from fmha_ops import attn_bias as ab
 from fmha_ops.kv_cache import paged_from_dense
 from fmha_ops.testing import error_report
 from tests.conftest import DEVICE
-from tests.test_kernel_decode import FP16_REL, GPU_REL, _decode_problem, check, make_case, reference, run
+from tests.test_kernel_decode import (FP16_REL, GPU_REL, _decode_problem, _gluon_runs, check, check_gluon, make_case,
+                                      ranked, reference, run)
 
 DTYPE = torch.float16 if DEVICE == "cpu" else torch.bfloat16
 DECODE_OPS = ("triton_decoderF", "triton_splitKF")
@@ -183,15 +184,69 @@ def test_flash_attn_with_kvcache_leftpad_errors():
 
 def test_ops_without_key_starts_say_so():
     """An op that does not declare KEY_START gives a reason naming cache_leftpad, so the selector never picks it
-    for such a call; the Triton decoders and the reference op declare them."""
+    for such a call; the Triton and Gluon decoders, FA3 (``leftpad_k``) and the reference op declare them."""
     from fmha_ops.dispatch import REGISTRY
 
     p = replace(_decode_problem(kv=torch.bfloat16), key_start=True)
     declared = {op.NAME for op in REGISTRY.ops("fw") if op.KEY_START}
-    assert declared == {"triton_decoderF", "triton_splitKF", "torch_referenceF"}
+    assert declared == {"triton_decoderF", "triton_splitKF", "gluon_fp8_decodeF", "fa3F", "torch_referenceF"}
     for op in REGISTRY.ops("fw"):
         reasons = " ".join(op.not_supported_reasons(p))
         assert ("cache_leftpad" in reasons) == (not op.KEY_START), op.NAME
+
+
+def test_gluon_decoder_takes_key_starts():
+    """The Gluon fp8-KV decoder declares key starts: an fp8-KV call with them on the H200 has no reason against it
+    and still ranks it first (its kernel reads no tile wholly below the start: the cost of the call without)."""
+    from fmha_ops.ops.gluon_decode import GluonFp8DecodeFwOp as Gluon
+
+    for page in (0, 16, 64):
+        p = replace(_decode_problem(page=page), key_start=True)
+        assert Gluon.not_supported_reasons(p) == [] and ranked(p) == "gluon_fp8_decodeF", page
+
+
+_GLUON_COMPILE = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from fmha_ops.kernels.gluon.decode import _decode_fp8_kernel as kernel
+
+TYPES = {"Q": "*bf16", "K": "*fp8e4nv", "V": "*fp8e4nv", "KS": "*fp32", "VS": "*fp32", "SEQ": "*i32", "BT": "*i32",
+         "OUT": "*fp32", "LSE": "*fp32", "KEY_START": "*i32", "qk_scale": "fp32", "softcap_log2": "fp32"}
+# what a launch specializes: 16-byte aligned pointers and cache strides (cp.async copies 16 bytes), unit scale strides
+ALIGNED = ("stride_kp", "stride_ks", "stride_kh", "stride_vp", "stride_vs", "stride_vh", "stride_ksp", "stride_ksh",
+           "stride_vsp", "stride_vsh")
+BASE = dict(G=4, MQ=1, D=128, HEADS=1, WARPS=1, BLOCK_N=32, PAGE_SIZE=64, PAGED=True, PARTIAL=True, STAGES=2,
+            PDL=False, SC_VEC=4, WINDOW=False, SOFTCAP=False, STORE_LSE=True, HAS_KEY_START=True, stride_kss=1,
+            stride_vss=1)
+for change in ({}, dict(MQ=3, WINDOW=True, SOFTCAP=True), dict(G=2, D=64, HEADS=2, PAGE_SIZE=8),
+               dict(D=256, WARPS=2, PAGED=False, PARTIAL=False), dict(BLOCK_N=16, PAGE_SIZE=48, STAGES=4)):
+    consts = {**BASE, **change}
+    sig = {n: "constexpr" if n in consts else TYPES.get(n, "i32") for n in kernel.arg_names}
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in kernel.arg_names
+             if sig[n].startswith("*") or n in ALIGNED}
+    src = GluonASTSource(kernel, sig, constexprs={(kernel.arg_names.index(n),): v for n, v in consts.items()},
+                         attrs=attrs)
+    assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": consts["WARPS"]}).asm["cubin"]
+    print("compiled", change)
+"""
+
+
+def test_gluon_decoder_with_key_starts_compiles_for_sm90():
+    """Ahead-of-time sm90 compile (no GPU: Gluon does not run in the interpreter) of the decoder with HAS_KEY_START:
+    one query (the one-add mask), several with a window and softcap, D64 head pairs over 8-key pages (tiles
+    spanning pages), D256 on two warps over a dense cache, 16-key tiles. In a child process without
+    ``TRITON_INTERPRET``."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", _GLUON_COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.count("compiled") == 5, r.stderr[-3000:]
 
 
 def test_forced_op_without_key_starts_raises():
@@ -215,3 +270,56 @@ def test_gpu_key_start_real_sizes(fp8, page_size):
     starts = _starts([2000, 0, 1, 999, 64, 3])
     for s in (1, 4, choose_num_splits(6 * 8, 4097, 132)):
         check(q, kw, k, v, rel=GPU_REL[torch.bfloat16], num_splits=s, key_start=starts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [None, 8, 16, 48, 64])
+@pytest.mark.parametrize("G,MQ,D", [(4, 1, 128), (8, 2, 64), (1, 5, 128), (4, 1, 256), (4, 1, 64)])
+@pytest.mark.parametrize("window_left", [-1, 300])
+def test_gpu_gluon_key_start(page_size, G, MQ, D, window_left):
+    """The Gluon fp8 decoder with key starts against the float reference on the dequantized cache: odd lengths,
+    starts 0, 1, past a page / a tile, one key left, equal to the length (no key: out 0, lse -inf) and an empty
+    sequence; pages spanning a tile (8), 16-key tiles (48), D64 head pairs, D256 on two warps; splits 1 / 3 / 8."""
+    if not _gluon_runs():
+        pytest.skip("the Gluon decoder runs on sm90")
+    check_gluon([0, 33, 17, 1000, 4097, 70, 129], G, MQ, D, page_size, G + MQ + D,
+                key_start=_starts([0, 1, 17, 999, 2000, 65, 100]), window_left=window_left)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [None, 64])
+def test_gpu_gluon_flash_attn_with_kvcache_leftpad(page_size):
+    """``flash_attn_with_kvcache(cache_leftpad=)`` and ``plan_kvcache`` on an fp8 cache (per-token descales) with
+    the Gluon op forced, against the Triton decoder on the same cache; the plan follows starts written in place."""
+    from fmha_ops.kv_cache import quantize_kv_fp8
+
+    if not _gluon_runs():
+        pytest.skip("the Gluon decoder runs on sm90")
+    g = torch.Generator().manual_seed(1)
+    B, L, lens = 5, 2100, [1, 2048, 700, 65, 2100]
+    q = torch.randn(B, 1, 32, 128, generator=g).to(DEVICE, torch.bfloat16)
+    k, v = (torch.randn(B, L, 8, 128, generator=g).to(torch.bfloat16) for _ in range(2))
+    if page_size is None:
+        table = None
+        kc, vc, ks, vs = (t.to(DEVICE) for t in quantize_kv_fp8(k, v, torch.float8_e4m3fn))
+    else:
+        (kc, vc), table = paged_from_dense([k, v], page_size, generator=g)
+        kc, vc, ks, vs = (t.to(DEVICE) for t in quantize_kv_fp8(kc, vc, torch.float8_e4m3fn))
+        table = table.to(DEVICE)
+    lengths, starts = _starts(lens), _starts([0, 1, 699, 64, 2100])
+    call = dict(cache_seqlens=lengths, page_table=table, k_descale=ks, v_descale=vs, cache_leftpad=starts,
+                causal=True)
+    outs = {}
+    for op in ("gluon_fp8_decodeF", "triton_splitKF"):
+        with fmha_ops.use_ops(op):
+            outs[op] = fmha_ops.flash_attn_with_kvcache(q, kc, vc, **call)
+    assert error_report(outs["gluon_fp8_decodeF"], outs["triton_splitKF"])["rel"] < GPU_REL[torch.bfloat16]
+    assert (outs["gluon_fp8_decodeF"][4] == 0).all()
+    with fmha_ops.use_ops("gluon_fp8_decodeF"):
+        plan = fmha_ops.plan_kvcache(q, kc, vc, **call)
+    assert plan.op.NAME == "gluon_fp8_decodeF"
+    for values in ([0, 1, 699, 64, 2100], [1, 2000, 0, 33, 7]):
+        starts.copy_(_starts(values))
+        with fmha_ops.use_ops("triton_splitKF"):
+            want = fmha_ops.flash_attn_with_kvcache(q, kc, vc, **call)
+        assert error_report(plan.run(q), want)["rel"] < GPU_REL[torch.bfloat16], values

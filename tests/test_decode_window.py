@@ -16,7 +16,7 @@ from fmha_ops import attn_bias as ab
 from fmha_ops.kv_cache import paged_from_dense
 from fmha_ops.testing import error_report
 from tests.conftest import DEVICE, HAS_CUDA
-from tests.test_kernel_decode import FP16_REL, GPU_REL, _gluon_runs, check, make_case, reference, run
+from tests.test_kernel_decode import FP16_REL, GPU_REL, _gluon_runs, check, check_gluon, make_case, reference, run
 
 DTYPE = torch.float16 if DEVICE == "cpu" else torch.bfloat16
 DECODE_OPS = ("triton_decoderF", "triton_splitKF")
@@ -197,25 +197,6 @@ def test_gpu_window_softcap_real_sizes(fp8, page_size, window_left, softcap):
         check(q, kw, k, v, rel=GPU_REL[torch.bfloat16], num_splits=s, window_left=window_left, softcap=softcap)
 
 
-def run_gluon(q, kw, num_splits=1, window_left=-1, softcap=0.0):
-    """The Gluon fp8 decoder (+ the split reduce) with a window / softcap, into NaN-poisoned outputs."""
-    from fmha_ops.kernels.gluon import decode as gd
-    from fmha_ops.kernels.softmax import LOG2E
-    from fmha_ops.kernels.triton.decode import reduce_splits, split_buffers
-
-    B, MQ, HQ, D = q.shape
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full((B, HQ, MQ), float("nan"), device=q.device)
-    o_buf, l_buf, o_strides, l_strides = split_buffers(q, num_splits, out, lse)
-    table = kw["block_table"]
-    gd.launch(q, kw["k_cache"], kw["v_cache"], kw["k_scale"], kw["v_scale"], kw["seqlens"], table, o_buf, l_buf,
-              o_strides, l_strides, kw["scale"] * LOG2E.value, num_splits,
-              None if table is None else kw["k_cache"].shape[1], window_left=window_left, softcap=softcap)
-    if num_splits > 1:
-        reduce_splits(o_buf, l_buf, out, lse)
-    return out, lse
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [None, 16, 64])
 @pytest.mark.parametrize("G,MQ,D", [(4, 1, 128), (8, 2, 64), (1, 5, 128), (4, 1, 256), (4, 1, 64)])
@@ -223,12 +204,8 @@ def run_gluon(q, kw, num_splits=1, window_left=-1, softcap=0.0):
 def test_gpu_gluon_window_softcap(page_size, G, MQ, D, window_left, softcap):
     if not _gluon_runs():
         pytest.skip("the Gluon decoder runs on sm90")
-    lens = [0, 1, 17, 1000, 4097, 33]
-    q, kw, k, v = make_case(6, MQ, 2 * G, 2, D, lens, page_size=page_size, dtype=torch.bfloat16,
-                            fp8=torch.float8_e4m3fn, dist="transformer", seed=G + MQ + window_left)
-    for s in (1, 3, 8):
-        check(q, kw, k, v, rel=GPU_REL[torch.bfloat16], runner=run_gluon, num_splits=s, window_left=window_left,
-              softcap=softcap)
+    check_gluon([0, 1, 17, 1000, 4097, 33], G, MQ, D, page_size, G + MQ + window_left, window_left=window_left,
+                softcap=softcap)
 
 
 @pytest.mark.gpu

@@ -107,3 +107,58 @@ def test_the_backward_declares_equal_head_dims_and_no_cache_masks():
     decode = ab.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([1, 1], 64, [9, 64])
     assert "attn_bias padded_keys_causal not supported" in reasons(FA3BwOp, problem(H200, b=1, mq=2, mk=128,
                                                                                      bias=decode))
+
+
+def _leftpad_mask(page_size: int, pages: int = 1):
+    """A causal decode mask over two sequences of ``pages`` pages with key starts 3 and 0 (``cache_leftpad``)."""
+    lens, starts = torch.tensor([9, 40], dtype=torch.int32), torch.tensor([3, 0], dtype=torch.int32)
+    table = torch.arange(2 * pages, dtype=torch.int32).view(2, pages)
+    return ab.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask.from_device_seqlens(1, lens, table, page_size,
+                                                                                  key_start=starts)
+
+
+def test_fa3_declares_key_starts_the_wheel_too(fa3_fwd_build):
+    """FA3's forward takes ``leftpad_k`` (fa3-fwd 0.0.3 and upstream 3.0): the decode op declares key starts, on
+    whole cache rows with the wheel (it has no paged KV), on any page size with a paged build."""
+    assert FA3FwOp.KEY_START and "leftpad_k" in fa3.FWD_ARGUMENTS
+    p = problem(H200, b=1, mq=2, mk=128, bias=_leftpad_mask(64))
+    assert p.key_start and reasons(FA3FwOp, p) == "", "whole rows (kv_batch_idx) with starts"
+    paged = reasons(FA3FwOp, problem(H200, b=1, mq=2, mk=128, bias=_leftpad_mask(32, pages=2)))
+    assert "FLASHATTENTION_DISABLE_PAGEDKV" in paged and "cache_leftpad" not in paged
+
+
+def test_fa3_import_reason_names_a_forward_without_leftpad_k(monkeypatch):
+    """A FlashAttention-3 forward older than the one this adapter calls (no ``leftpad_k``) is refused by name."""
+    arguments = [type("Arg", (), {"name": n}) for n in sorted(fa3.FWD_ARGUMENTS - {"leftpad_k"})]
+    fwd = type("Fwd", (), {"default": type("Overload", (), {"_schema": type("Schema", (), {"arguments": arguments})})})
+    monkeypatch.setattr(fa3, "import_failure", lambda module: None)
+    monkeypatch.setattr(fa3, "forward_kernel", lambda: fwd)
+    assert "takes no ['leftpad_k']" in fa3.fa3_import_reason()
+
+
+def test_fa3_passes_the_key_starts_as_leftpad_k(monkeypatch, fa3_fwd_build):
+    """The adapter hands FA3 the mask's starts (the tensor itself, no copy) as ``leftpad_k``, through ``apply`` and
+    the decode launcher; a call without starts passes None. FA3's forward is replaced by a recorder (CPU)."""
+    from fmha_ops.inputs import make_inputs
+
+    calls = []
+
+    def fwd(q, **kw):
+        calls.append(kw)
+        return torch.zeros(q.shape[:3] + (kw["v"].shape[3],), dtype=q.dtype), torch.zeros(q.shape[0], q.shape[2],
+                                                                                          q.shape[1])
+
+    monkeypatch.setattr(fa3, "forward_kernel", lambda: fwd)
+    mask = _leftpad_mask(64)
+    q, kv = torch.randn(1, 2, 4, 64).to(torch.bfloat16), torch.randn(1, 128, 2, 64).to(torch.bfloat16)
+    inp = make_inputs(q, kv, kv, mask)
+    FA3FwOp.apply(inp, False)
+    assert calls[-1]["leftpad_k"] is mask.key_start and calls[-1]["kv_batch_idx"].tolist() == [0, 1]
+    launch = FA3FwOp.decode_launcher(inp, False)
+    out = torch.empty(2, 1, 4, 64, dtype=torch.bfloat16)
+    cache = kv.view(2, 64, 2, 64)
+    lens, table = mask.k_seqinfo.seqlen, mask.block_tables
+    launch(q.view(2, 1, 4, 64), cache, cache, None, None, lens, table, out, None, key_start=mask.key_start)
+    assert calls[-1]["leftpad_k"] is mask.key_start
+    launch(q.view(2, 1, 4, 64), cache, cache, None, None, lens, table, out, None)
+    assert calls[-1]["leftpad_k"] is None

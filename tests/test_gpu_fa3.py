@@ -189,3 +189,62 @@ def test_fa3_planned_decode_steps_follow_the_lengths(return_lse):
         if return_lse:
             assert torch.allclose(got[1], want[1], atol=2e-2)
         lens += 1
+
+
+@needs(FA3FwOp)
+@pytest.mark.parametrize("append", [False, True])
+def test_fa3_decode_with_key_starts(append):
+    """``cache_leftpad`` as FA3's ``leftpad_k`` on a contiguous cache (the fa3-fwd wheel has no paged KV): odd
+    lengths, starts 0, 1, mid-row, past 128 keys and equal to the length (an empty sequence: zeros), GQA, against
+    the reference op on the same cache; then a plan's steps with the starts written in place."""
+    b, cap, hkv, d, mq = 6, 4097 + 64, 2, 128, 1
+    lens = [1, 17, 1000, 4097, 300, 33]  # after the append, if any
+    starts = [0, 1, 999, 2000, 300 - (mq if append else 0), 5]  # sequence 4: no key, or the appended one only
+    g = torch.Generator(DEV).manual_seed(5)
+    k_cache = torch.randn(b, cap, hkv, d, device=DEV, generator=g, dtype=torch.bfloat16)
+    v_cache = torch.randn(b, cap, hkv, d, device=DEV, generator=g, dtype=torch.bfloat16)
+    q = torch.randn(b, mq, 8, d, device=DEV, generator=g, dtype=torch.bfloat16)
+    new = [torch.randn(b, mq, hkv, d, device=DEV, generator=g, dtype=torch.bfloat16) for _ in range(2)] if append \
+        else [None, None]
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEV) - (mq if append else 0)
+    pad = torch.tensor(starts, dtype=torch.int32, device=DEV)
+    outs = {}
+    for op in ("fa3F", "torch_referenceF"):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        with fmha_ops.use_ops(op):
+            outs[op] = fmha_ops.flash_attn_with_kvcache(q, kc, vc, *new, cache_seqlens=seq, cache_leftpad=pad,
+                                                        causal=True, return_softmax_lse=True)
+    (out, lse), (want, want_lse) = outs["fa3F"], outs["torch_referenceF"]
+    assert error_report(out, want)["cos"] > 0.9999
+    assert append or ((out[4] == 0).all() and torch.isinf(lse[4]).all()), "start == length: no key"
+    seen = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), seen) and torch.allclose(lse[seen], want_lse[seen], atol=2e-2)
+    if append:
+        return
+    with fmha_ops.use_ops("fa3F"):
+        plan = fmha_ops.plan_kvcache(q, k_cache, v_cache, cache_seqlens=seq, cache_leftpad=pad, causal=True)
+    assert plan.op.NAME == "fa3F"
+    for values in (starts, [0, 16, 3, 4096, 64, 32]):
+        pad.copy_(torch.tensor(values, dtype=torch.int32))
+        with fmha_ops.use_ops("torch_referenceF"):
+            want = fmha_ops.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seq, cache_leftpad=pad,
+                                                    causal=True)
+        assert error_report(plan.run(q), want)["cos"] > 0.9999, values
+
+
+@pytest.mark.skipif(not BUILD.has("PAGEDKV") or FA3FwOp.available() is not None,
+                    reason=f"FlashAttention-3 with a paged KV cache is not installed ({BUILD.package})")
+def test_fa3_paged_decode_with_key_starts():
+    b, hkv, d, page = 3, 2, 128, 64
+    lens, starts = [100, 1, 700], [65, 1, 0]
+    pages = torch.randperm(3 * 12, device=DEV).to(torch.int32).view(3, 12)
+    k_pool = torch.randn(36, page, hkv, d, device=DEV, dtype=torch.bfloat16)
+    v_pool = torch.randn_like(k_pool)
+    q = torch.randn(b, 1, 8, d, device=DEV, dtype=torch.bfloat16)
+    seq, pad = (torch.tensor(x, dtype=torch.int32, device=DEV) for x in (lens, starts))
+    outs = {}
+    for op in ("fa3F", "torch_referenceF"):
+        with fmha_ops.use_ops(op):
+            outs[op] = fmha_ops.flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=seq, page_table=pages,
+                                                        cache_leftpad=pad, causal=True)
+    assert error_report(outs["fa3F"], outs["torch_referenceF"])["cos"] > 0.9999

@@ -103,8 +103,9 @@ def _gluon_runs() -> bool:
     return HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
 
 
-def run_gluon(q, kw, num_splits=1):
-    """The Gluon fp8 decoder (+ the split reduce) on ``make_case``'s inputs, into NaN-poisoned outputs."""
+def run_gluon(q, kw, num_splits=1, **extra):
+    """The Gluon fp8 decoder (+ the split reduce) on ``make_case``'s inputs, into NaN-poisoned outputs; ``extra``:
+    ``launch``'s keywords (``window_left``, ``softcap``, ``key_start``)."""
     from fmha_ops.kernels.gluon import decode as gd
     from fmha_ops.kernels.softmax import LOG2E
     from fmha_ops.kernels.triton.decode import reduce_splits, split_buffers
@@ -116,7 +117,7 @@ def run_gluon(q, kw, num_splits=1):
     table = kw["block_table"]
     gd.launch(q, kw["k_cache"], kw["v_cache"], kw["k_scale"], kw["v_scale"], kw["seqlens"], table, o_buf, l_buf,
               o_strides, l_strides, kw["scale"] * LOG2E.value, num_splits,
-              None if table is None else kw["k_cache"].shape[1])
+              None if table is None else kw["k_cache"].shape[1], **extra)
     if num_splits > 1:
         reduce_splits(o_buf, l_buf, out, lse)
     return out, lse
@@ -137,6 +138,15 @@ def check(q, kw, k, v, *, rel, lse_tol=2e-4, runner=run, **extra):
     err = (lse.double() - ref_lse).abs()[~empty]
     assert err.numel() == 0 or err.max() < lse_tol * (1 + ref_lse.abs()[~empty].max()), err.max()
     return out, lse, rep
+
+
+def check_gluon(lens, G, MQ, D, page_size, seed, **extra):
+    """The Gluon fp8 decoder against the float reference on a transformer-like bf16 case quantized to fp8 (2 KV heads
+    of G query heads, ``lens`` keys per sequence), with 1, 3 and 8 splits; ``extra``: ``launch``'s keywords."""
+    q, kw, k, v = make_case(len(lens), MQ, 2 * G, 2, D, lens, page_size=page_size, dtype=torch.bfloat16,
+                            fp8=torch.float8_e4m3fn, dist="transformer", seed=seed)
+    for s in (1, 3, 8):
+        check(q, kw, k, v, rel=GPU_REL[torch.bfloat16], runner=run_gluon, num_splits=s, **extra)
 
 
 # fp16 out rounding (2^-11) and P rounded to fp16 before P @ V give rel ~5e-4 on random inputs.
@@ -365,23 +375,26 @@ def test_gluon_decode_op_declaration():
     assert gd.resident_programs(48, 128) == 8  # 16-key tiles
 
 
+def ranked(p) -> str:
+    """The decode op (Gluon or Triton) the H200's tuning table, else its calibrated estimates, rank first for ``p``
+    (an H200 problem)."""
+    from fmha_ops.dispatch import REGISTRY, SELECTOR
+
+    est = {}
+    for name in ("gluon_fp8_decodeF", "triton_decoderF", "triton_splitKF"):
+        op = REGISTRY.get(name)
+        if op.not_supported_reasons(p):
+            continue
+        e = SELECTOR.tables.lookup(H200.name, name, p.bucket())
+        if e is None:
+            e = op.estimate(p) * (SELECTOR.tables.calibration(H200.name, name) or 1.0)
+        est[name] = e
+    return min(est, key=est.get)
+
+
 def test_gluon_decode_op_ranks_first_for_fp8_kv_on_h200():
     """With the H200 tuning table, the Gluon op's estimate beats both Triton decode ops wherever it supports an
     fp8-KV call (an fp8 cache or quantize_kv_to_fp8), so the selector picks it there; bf16 KV is not its."""
-    from fmha_ops.dispatch import REGISTRY, SELECTOR
-
-    def ranked(p):
-        est = {}
-        for name in ("gluon_fp8_decodeF", "triton_decoderF", "triton_splitKF"):
-            op = REGISTRY.get(name)
-            if op.not_supported_reasons(p):
-                continue
-            e = SELECTOR.tables.lookup(H200.name, name, p.bucket())
-            if e is None:
-                e = op.estimate(p) * (SELECTOR.tables.calibration(H200.name, name) or 1.0)
-            est[name] = e
-        return min(est, key=est.get)
-
     for B, L, hq in ((1, 131072, 64), (8, 32768, 32), (64, 4096, 32), (128, 1024, 32), (3, 5000, 8)):
         for D in (64, 128, 256):
             for page in (0, 1, 16, 48, 64, 256):

@@ -37,7 +37,8 @@ def _stream_kernel(K, V, BT, SEQ, OUT, stride_kp, stride_ks, stride_kh, stride_b
     pid = gl.program_id(0)
     split = gl.program_id(1)
     b = pid // NUM_KV_HEADS
-    _, start, end, n_tiles = split_range(SEQ, 0, b, split, NUM_SPLITS, 2**31 - 1, 0, 1, BLOCK_N, False)  # the decoder's splits
+    # the decoder's splits (no window, no key starts)
+    _, _, start, end, n_tiles = split_range(SEQ, 0, SEQ, b, split, NUM_SPLITS, 2**31 - 1, 0, 1, BLOCK_N, False, False)
     rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, W, layout=gl.SliceLayout(0, layout))
     off = gl.expand_dims(rows * stride_ks, 1) + gl.expand_dims(cols, 0) + (pid % NUM_KV_HEADS) * stride_kh

@@ -25,7 +25,9 @@ GQA / LSE       yes / natural log (B, Hq, Mq) (varlen: (Hq, total))
 
 The forward returns the LSE, so a call that needs gradients pairs it with a selected backward op (``fa3B``
 where the build has one). Not taken: dropout, dense tensor biases, gappy keys, per-token KV scales (the fp8-KV
-decoders take those), bf16 queries over an fp8 cache, keys-contiguous values.
+decoders take those), bf16 queries over an fp8 cache, keys-contiguous values. FA3 reads device lengths and key
+starts as given (it clamps neither, unlike our decoders' index guards): their values are checked on the host, or
+on the device in check mode (``fmha_ops.checks``).
 """
 from __future__ import annotations
 
@@ -42,8 +44,8 @@ from ..dispatch import register
 from ..inputs import Inputs
 from ..problem import Problem
 from .base import AttentionBwOp, AttentionFwOp
-from .common import (OptionalPackage, decode_outputs, decode_views, decode_window, half_backward_operands,
-                     import_failure, kv_head_descales, varlen_args, window_fields, window_size)
+from .common import (OptionalPackage, decode_key_start, decode_outputs, decode_views, decode_window,
+                     half_backward_operands, import_failure, kv_head_descales, varlen_args, window_fields, window_size)
 from .cost import attention_time, backward_time, head_dim_rate
 
 _BF16, _FP16, _FP8 = (torch.bfloat16,) * 3, (torch.float16,) * 3, (torch.float8_e4m3fn,) * 3
@@ -125,8 +127,9 @@ def fa3_package_reason() -> str | None:
 
 #: the keyword arguments of FA3's C++ forward this adapter passes (checked against the installed op's schema)
 FWD_ARGUMENTS = frozenset({"q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "max_seqlen_q", "max_seqlen_k",
-                           "page_table", "kv_batch_idx", "q_descale", "k_descale", "v_descale", "softmax_scale",
-                           "is_causal", "window_size_left", "window_size_right", "softcap", "num_splits"})
+                           "page_table", "kv_batch_idx", "leftpad_k", "q_descale", "k_descale", "v_descale",
+                           "softmax_scale", "is_causal", "window_size_left", "window_size_right", "softcap",
+                           "num_splits"})
 
 
 @functools.lru_cache(maxsize=1)
@@ -250,6 +253,8 @@ class FA3FwOp(_FA3Op, AttentionFwOp):
     BIAS_KINDS = _DENSE | _PADDED | _PAGED | _built({"VARLEN": _VARLEN})
     #: any page size with a paged build; without one, pages as long as the cache (``one_page_per_sequence``)
     PAGE_SIZES = range(1, 1 << 24)
+    #: ``leftpad_k``: sequence b's keys are slots [start, length) of its row, the causal mask aligned to the length
+    KEY_START = True
     #: achieved TFLOP/s on the H200 at 8192 tokens by (dtype family, causal) and head dim (the tuning grid's fa3F
     #: rows, medians over GQA 1 and 4); shorter calls pay ``LATENCY_US`` and, causal, the diagonal tiles' waste
     RATES: ClassVar[dict[tuple[str, bool], dict[int, float]]] = {
@@ -291,9 +296,11 @@ class FA3FwOp(_FA3Op, AttentionFwOp):
     @classmethod
     def decode_launcher(cls, inp: Inputs, needs_lse: bool, own_workspace: bool = True):
         """``launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse, seqlen_offset=0,
-        sinks=None)`` for decode calls like ``inp`` (``fmha_ops.decode_plan``, the ``flash_attn_with_kvcache`` fast
-        path): FA3's KV-cache forward on q (B, Mq, Hq, D) and the caches as ``decode_views`` lays them out, at lengths
-        ``seqlens + seqlen_offset`` (added on the device), its output copied into ``out`` and, when given, ``lse``.
+        sinks=None, key_start=None)`` for decode calls like ``inp`` (``fmha_ops.decode_plan``, the
+        ``flash_attn_with_kvcache`` fast path): FA3's KV-cache forward on q (B, Mq, Hq, D) and the caches as
+        ``decode_views`` lays them out, at lengths ``seqlens + seqlen_offset`` (added on the device) from the key
+        starts ``key_start`` (int32 (B,), FA3's ``leftpad_k``; None: 0), its output copied into ``out`` and, when
+        given, ``lse``.
         FA3 sizes its own splits and workspace per call (``own_workspace`` is not needed); k/v scales and sinks are
         None (the op takes no per-token scales, and declares no sinks: the selector never gives it a call with
         them)."""
@@ -301,11 +308,12 @@ class FA3FwOp(_FA3Op, AttentionFwOp):
         whole_rows = _whole_rows(inp)
         fwd = forward_kernel()
 
-        def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, table, out, lse, seqlen_offset=0, sinks=None):
+        def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, table, out, lse, seqlen_offset=0, sinks=None,
+                   key_start=None):
             if seqlen_offset:
                 seqlens = seqlens + seqlen_offset
-            o, row_lse = fwd(q=q, k=k_cache, v=v_cache, seqused_k=seqlens, **_cache_index(table, whole_rows),
-                             **kwargs)[:2]
+            o, row_lse = fwd(q=q, k=k_cache, v=v_cache, seqused_k=seqlens, leftpad_k=key_start,
+                             **_cache_index(table, whole_rows), **kwargs)[:2]
             out.copy_(o.view(out.shape))
             if lse is not None:
                 lse.copy_(row_lse)
@@ -321,9 +329,10 @@ class FA3FwOp(_FA3Op, AttentionFwOp):
 
 
 def _decode(inp: Inputs, needs_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A decode-mask call through FA3's KV-cache path: per-sequence lengths (``seqused_k``), the page table."""
+    """A decode-mask call through FA3's KV-cache path: per-sequence lengths (``seqused_k``) and key starts
+    (``leftpad_k``), the page table."""
     q, k_cache, v_cache, seqlens, block_table, _, _ = decode_views(inp)
-    out, lse = forward_kernel()(q=q, k=k_cache, v=v_cache, seqused_k=seqlens,
+    out, lse = forward_kernel()(q=q, k=k_cache, v=v_cache, seqused_k=seqlens, leftpad_k=decode_key_start(inp),
                                 **_cache_index(block_table, _whole_rows(inp)),
                                 **_decode_kwargs(inp), **kv_head_descales(inp))[:2]
     if out.dtype != inp.out_dtype:

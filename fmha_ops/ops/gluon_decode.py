@@ -5,8 +5,10 @@ for the call with ``quantize_kv_to_fp8=True``), through the decode masks, plain 
 and ``flash_attn_with_kvcache``; one-warp programs (two at D256) whose fp8 K and V reach mma.sync operands by
 16-byte shared loads. Split-K with the Triton reduce kernel when the wave model asks for splits. sm90 only
 (measured and tuned there); Gluon kernels do not run in the Triton interpreter, so the op never runs on a CPU.
-Local windows (the masks' ``window_left``; key tiles left of the window are not read), softcap, and attention
-sinks, which the reduce adds (``MIN_SINK_SPLITS``: a call with sinks always takes the split path).
+Local windows (the masks' ``window_left``; key tiles left of the window are not read), softcap, per-sequence key
+starts (the paged masks' ``key_start``, ``flash_attn_with_kvcache``'s ``cache_leftpad``; key tiles wholly below the
+start are not read), and attention sinks, which the reduce adds (``MIN_SINK_SPLITS``: a call with sinks always
+takes the split path).
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from registry.arch import sm_count
 from ..dispatch import register
 from ..problem import Problem
 from .base import AttentionFwOp
-from .common import DECODE_MASKS, decode_keys, decode_outputs, decode_reasons, decode_views, decode_window, sink_arg
+from .common import (DECODE_MASKS, decode_key_start, decode_keys, decode_outputs, decode_reasons, decode_views,
+                     decode_window, sink_arg)
 from .cost import attention_bytes
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -55,6 +58,7 @@ class GluonFp8DecodeFwOp(AttentionFwOp):
     WINDOW = True
     SOFTCAP = True
     SINKS = True  # through the split reduce (MIN_SINK_SPLITS)
+    KEY_START = True  # keys below the start masked like keys past the length
 
     @classmethod
     def extra_reasons(cls, p: Problem) -> list[str]:
@@ -101,7 +105,7 @@ class GluonFp8DecodeFwOp(AttentionFwOp):
         pdl = splits > 1 and programmatic_launch(q.device)
         gluon.launch(q, k, v, ks, vs, seqlens, table, o_buf, l_buf, o_strides, l_strides,
                      inp.softmax_scale * LOG2E.value, splits, page_size, pdl, window_left=window, softcap=inp.softcap,
-                     store_lse=needs_lse)
+                     store_lse=needs_lse, key_start=decode_key_start(inp))
         if splits > 1:
             reduce_splits(o_buf, l_buf, out, lse, pdl, sink_arg(inp))
         return decode_outputs(inp, q, out, lse, needs_lse)
@@ -109,9 +113,11 @@ class GluonFp8DecodeFwOp(AttentionFwOp):
     @classmethod
     def decode_launcher(cls, inp, needs_lse, own_workspace: bool = True):
         """``launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse, seqlen_offset=0,
-        sinks=None)`` for calls like ``inp`` (a plan for calls with sinks takes the split path) (same shapes, strides, mask kind and window): tensors as ``decode_views`` lays them out,
-        written into ``out`` / ``lse`` (None: no LSE written), lengths ``seqlens + seqlen_offset``; the split count (and, with ``own_workspace``, one split workspace for every launch: one
-        stream at a time) fixed here (``fmha_ops.decode_plan``, the ``flash_attn_with_kvcache`` fast path)."""
+        sinks=None, key_start=None)`` for calls like ``inp`` (same shapes, strides, mask kind and window; a plan for
+        calls with sinks takes the split path): tensors as ``decode_views`` lays them out, written into ``out`` /
+        ``lse`` (None: no LSE written), lengths ``seqlens + seqlen_offset``, keys from ``key_start`` (int32 (B,);
+        None: 0); the split count (and, with ``own_workspace``, one split workspace for every launch: one stream at a
+        time) fixed here (``fmha_ops.decode_plan``, the ``flash_attn_with_kvcache`` fast path)."""
         from ..kernels.gluon import decode as gluon
         from ..kernels.softmax import LOG2E
         from ..kernels.triton.decode import programmatic_launch, reduce_splits, split_buffers
@@ -128,11 +134,12 @@ class GluonFp8DecodeFwOp(AttentionFwOp):
         workspace = split_buffers(q, splits, None, None)[:2] if splits > 1 and own_workspace else None
         pdl = splits > 1 and programmatic_launch(q.device)
 
-        def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, table, out, lse, seqlen_offset=0, sinks=None):
+        def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, table, out, lse, seqlen_offset=0, sinks=None,
+                   key_start=None):
             o_buf, l_buf, o_strides, l_strides = split_buffers(q, splits, out, lse, workspace)
             gluon.launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, table, o_buf, l_buf, o_strides, l_strides,
                          scale_log2, splits, page_size, pdl, window_left=window, softcap=softcap,
-                         store_lse=lse is not None, seqlen_offset=seqlen_offset)
+                         store_lse=lse is not None, seqlen_offset=seqlen_offset, key_start=key_start)
             if splits > 1:
                 reduce_splits(o_buf, l_buf, out, lse, pdl, sinks)
         return launch

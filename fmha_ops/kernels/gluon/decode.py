@@ -20,8 +20,10 @@ takes two adjacent KV heads (``heads_per_program``) as one 128-byte tile per key
 their q in that head's half of the reduction dim and zeros in the other's. At D256 two warps split the mma N
 (``warps_per_program``): half of QK^T's keys and half of PV's columns each. Numerics as the Triton decoder: fp16
 products with float32 accumulation, V scales folded into P relative to the tile's largest (the accumulator is
-kept in units of it), exp2 online softmax. Local windows and softcap as the Triton decoder's: with ``window_left``
->= 0 the splits cut only the keys some query of the sequence sees, and scores s become c * tanh(s / c) with softcap c.
+kept in units of it), exp2 online softmax. Local windows, softcap and key starts as the Triton decoder's: with
+``window_left`` >= 0 the splits cut only the keys some query of the sequence sees, scores s become c * tanh(s / c)
+with softcap c, and with ``key_start`` (FlashAttention's ``cache_leftpad``) keys below a sequence's start are masked
+out and the splits cut only the keys from its tile on (tiles wholly below it are not read).
 """
 from __future__ import annotations
 
@@ -142,21 +144,26 @@ def valid_end(bt_row, start, end, NUM_PAGES, PAGE_SIZE: gl.constexpr, WARPS: gl.
 
 
 @gluon.jit
-def split_range(SEQ, SEQ_OFFSET, b, split, NUM_SPLITS, CAPACITY, WINDOW_LEFT, MQ: gl.constexpr,
-                BLOCK_N: gl.constexpr, WINDOW: gl.constexpr):
-    """(seqlen, start, end, tiles) of split ``split`` of sequence ``b``: splits of whole BLOCK_N-key tiles, the
-    last ones possibly empty; the length SEQ[b] + SEQ_OFFSET clamped to [0, CAPACITY] (block-table reads stay
-    inside its row). With a WINDOW the splits start at the first tile holding a key the sequence's first query
-    sees."""
+def split_range(SEQ, SEQ_OFFSET, KEY_START, b, split, NUM_SPLITS, CAPACITY, WINDOW_LEFT, MQ: gl.constexpr,
+                BLOCK_N: gl.constexpr, WINDOW: gl.constexpr, HAS_KEY_START: gl.constexpr):
+    """(seqlen, key_start, start, end, tiles) of split ``split`` of sequence ``b``: splits of whole BLOCK_N-key
+    tiles, the last ones possibly empty; the length SEQ[b] + SEQ_OFFSET clamped to [0, CAPACITY] (block-table reads
+    stay inside its row); with HAS_KEY_START the sequence's first key KEY_START[b] clamped to [0, seqlen] (else 0).
+    The splits start at the tile holding the first key (and with a WINDOW, the first key the sequence's first query
+    sees)."""
     seqlen = gl.minimum(gl.maximum(gl.load(SEQ + b) + SEQ_OFFSET, 0), CAPACITY)
-    if WINDOW:
-        first = gl.maximum(seqlen - MQ - WINDOW_LEFT, 0) // BLOCK_N * BLOCK_N
+    if HAS_KEY_START:
+        key_start = gl.minimum(gl.maximum(gl.load(KEY_START + b), 0), seqlen)
     else:
-        first = 0
+        key_start = 0
+    if WINDOW:
+        first = gl.maximum(gl.maximum(seqlen - MQ - WINDOW_LEFT, 0), key_start) // BLOCK_N * BLOCK_N
+    else:
+        first = key_start // BLOCK_N * BLOCK_N
     chunk = gl.cdiv(gl.cdiv(seqlen - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = first + split * chunk
     end = gl.minimum(start + chunk, seqlen)
-    return seqlen, start, end, gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+    return seqlen, key_start, start, end, gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
 
 
 @gluon.jit
@@ -180,7 +187,7 @@ def _tile_origin(bt_row, b, n, end, kv_rows, sc_layout: gl.constexpr, BLOCK_N: g
 
 @gluon.jit(do_not_specialize=["Q_ROWS", "NUM_PAGES", "CAPACITY", "WINDOW_LEFT", "SEQ_OFFSET"])
 def _decode_fp8_kernel(
-    Q, K, V, KS, VS, SEQ, BT, OUT, LSE,
+    Q, K, V, KS, VS, SEQ, BT, OUT, LSE, KEY_START,
     stride_qb, stride_qm, stride_qh,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
@@ -191,7 +198,7 @@ def _decode_fp8_kernel(
     G: gl.constexpr, MQ: gl.constexpr, D: gl.constexpr, HEADS: gl.constexpr, WARPS: gl.constexpr,
     BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGED: gl.constexpr, PARTIAL: gl.constexpr,
     STAGES: gl.constexpr, PDL: gl.constexpr, SC_VEC: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
-    STORE_LSE: gl.constexpr,
+    STORE_LSE: gl.constexpr, HAS_KEY_START: gl.constexpr,
 ):
     STRADDLE: gl.constexpr = PAGED and PAGE_SIZE < BLOCK_N  # a tile spans BLOCK_N / PAGE_SIZE pages
     # HEADS (1 or 2) adjacent KV heads per program: the tile is DT = HEADS * D bytes of each key; query row r
@@ -217,8 +224,8 @@ def _decode_fp8_kernel(
     split = gl.program_id(1)
     b = pid_bh // (NUM_KV_HEADS // HEADS)
     hkv0 = (pid_bh % (NUM_KV_HEADS // HEADS)) * HEADS
-    seqlen, start, end, n_tiles = split_range(SEQ, SEQ_OFFSET, b, split, NUM_SPLITS, CAPACITY, WINDOW_LEFT, MQ,
-                                              BLOCK_N, WINDOW)
+    seqlen, key_start, start, end, n_tiles = split_range(SEQ, SEQ_OFFSET, KEY_START, b, split, NUM_SPLITS, CAPACITY,
+                                                         WINDOW_LEFT, MQ, BLOCK_N, WINDOW, HAS_KEY_START)
     K = K + hkv0 * stride_kh  # the program's (first) KV head
     V = V + hkv0 * stride_vh
     bt_row = BT + b * stride_btb
@@ -304,13 +311,17 @@ def _decode_fp8_kernel(
             s = tanh(s * k_sc) * softcap_log2
         else:
             s = s * k_sc
+        # keys of the sequence's rows: below the end (past it K is zero-filled) and, with starts, from the start on
+        key_ok = cols < end
+        if HAS_KEY_START:
+            key_ok = key_ok & (cols >= key_start)
         if MQ > 1 or WINDOW:
-            visible = (gl.expand_dims(cols, 0) <= gl.expand_dims(last_key, 1)) & gl.expand_dims(cols < end, 0)
+            visible = (gl.expand_dims(cols, 0) <= gl.expand_dims(last_key, 1)) & gl.expand_dims(key_ok, 0)
             if WINDOW:
                 visible = visible & (gl.expand_dims(cols, 0) >= gl.expand_dims(last_key - WINDOW_LEFT, 1))
             s = gl.where(visible, s, float("-inf"))
-        else:  # one FMA per score (the product above and this sum): keys past the end (zero-filled K) get -inf
-            s = s + gl.expand_dims(gl.where(cols < end, 0.0, float("-inf")), 0)
+        else:  # one FMA per score (the product above and this sum): the keys not in the rows get -inf
+            s = s + gl.expand_dims(gl.where(key_ok, 0.0, float("-inf")), 0)
         m_new = gl.maximum(m_i, gl.max(s, 1))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
@@ -422,14 +433,17 @@ def vector_scales(k_scale: torch.Tensor, v_scale: torch.Tensor) -> bool:
 
 def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse, out_strides, lse_strides,
            qk_scale_log2: float, num_splits: int, page_size: int | None, pdl: bool = False, *,
-           window_left: int = -1, softcap: float = 0.0, store_lse: bool = True, seqlen_offset: int = 0) -> None:
+           window_left: int = -1, softcap: float = 0.0, store_lse: bool = True, seqlen_offset: int = 0,
+           key_start: torch.Tensor | None = None) -> None:
     """Run the kernel into ``out`` / ``lse`` (the final tensors, or the split workspace with its leading split
     strides in ``out_strides`` / ``lse_strides``, see ``kernels.triton.decode.split_buffers``); arguments as
     ``kernels.triton.decode.paged_decode``'s, ``page_size`` None for a dense cache, the shape one that
     ``takes_shape`` accepts; ``pdl``: a split reduce follows by programmatic dependent launch; ``window_left``
     (-1 = unbounded) and ``softcap`` (0 = off) as ``paged_decode``'s, ``qk_scale_log2`` the softmax scale times
     log2(e) either way; ``store_lse`` False: the one-split decoder writes no LSE (``lse`` is then a placeholder,
-    see ``split_buffers``); ``seqlen_offset``: an int added to every length on the device.
+    see ``split_buffers``); ``seqlen_offset``: an int added to every length on the device; ``key_start``: int32
+    (B,) contiguous on q's device (FlashAttention's ``cache_leftpad``; None: 0), as ``paged_decode``'s (keys below
+    it invisible, clamped to [0, length]), not checked here (the op path validates it).
 
     Example
     -------
@@ -449,7 +463,7 @@ def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse
     qk_scale, softcap_log2 = (qk_scale_log2 / (LOG2E.value * softcap), softcap * LOG2E.value) if softcap else \
         (qk_scale_log2, 0.0)
     launch_cached(_decode_fp8_kernel)[(programs_per_split(B, hkv, heads), num_splits)](
-        q, k_cache, v_cache, k_scale, v_scale, seqlens, bt, out, lse,
+        q, k_cache, v_cache, k_scale, v_scale, seqlens, bt, out, lse, seqlens if key_start is None else key_start,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), *k_scale.stride(), *v_scale.stride(),
@@ -458,5 +472,6 @@ def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse
         seqlen_offset,
         G=HQ // hkv, MQ=MQ, D=D, HEADS=heads, WARPS=warps, BLOCK_N=tiles.block_n, PAGE_SIZE=page_size or 1,
         PAGED=paged, PARTIAL=num_splits > 1, STAGES=tiles.stages, PDL=pdl, SC_VEC=4 if vec else 1,
-        WINDOW=window_left >= 0, SOFTCAP=softcap > 0.0, STORE_LSE=store_lse or num_splits > 1, num_warps=warps,
+        WINDOW=window_left >= 0, SOFTCAP=softcap > 0.0, STORE_LSE=store_lse or num_splits > 1,
+        HAS_KEY_START=key_start is not None, num_warps=warps,
     )
