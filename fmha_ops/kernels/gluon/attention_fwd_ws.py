@@ -60,7 +60,6 @@ from .attention_common import (
     key_tiles,
     out_tile_layout,
     p_operand_layout,
-    tile_softmax,
     unmasked_end,
 )
 
@@ -242,48 +241,72 @@ def _pv_operand(p, p_layout: gl.constexpr, BLOCK_N: gl.constexpr, KEY_ORDER: gl.
 
 
 @gluon.jit
-def _split_softmax_step(s_a, s_b, m_i, l_i, qk_scale, P_SHIFT: gl.constexpr, OFF: gl.constexpr,
-                        MASKED: gl.constexpr):
-    """``softmax_step`` over the two parts of one S tile (``_split_tile_softmax``): one row max and one row sum
-    over both. Returns (p_a, p_b, m, l, alpha)."""
+def _quad_partials(x, MAX: gl.constexpr):
+    """Row maxima (``MAX``) or sums of ``x`` ([64, N], wgmma accumulator layout) within each thread: [64, 4], the
+    four lanes that share a row on the second axis. A thread holds keys 8j + 2 (lane % 4) + e of its rows, so the
+    reshape moves no data; only a reduction of the result over its second axis shuffles between lanes."""
+    y = x.reshape([x.shape[0], x.shape[1] // 8, 4, 2])
+    if MAX:
+        part = gl.max(gl.max(y, 3), 1)
+    else:
+        part = gl.sum(gl.sum(y, 3), 1)
+    return part
+
+
+@gluon.jit
+def _tile_softmax_step(s_a, s_b, m_i, l_q, qk_scale, P_SHIFT: gl.constexpr, OFF: gl.constexpr,
+                       MASKED: gl.constexpr, BLOCK_B: gl.constexpr):
+    """``softmax_step`` over one S tile, in two parts when ``BLOCK_B`` > 0 (``s_b`` is ignored otherwise): each
+    thread takes the max over its scores of both parts first, so one cross-lane reduction per row serves the whole
+    tile, and the row sums stay per lane (``l_q``, [64, 4] as ``_quad_partials`` gives; the epilogue adds the
+    four), so the sums cost no shuffles at all: 4 shuffles per tile and thread instead of 16 for 192-key tiles.
+    Returns (p_a, p_b, m, l_q, alpha)."""
     a_row: gl.constexpr = gl.SliceLayout(1, s_a.type.layout)
-    b_row: gl.constexpr = gl.SliceLayout(1, s_b.type.layout)
+    q_layout: gl.constexpr = l_q.type.layout
     qk_scale = gl.maximum(qk_scale, MIN_QK_SCALE)
-    row_max = gl.maximum(gl.max(s_a, 1), gl.convert_layout(gl.max(s_b, 1), a_row))
-    m_new = gl.maximum(m_i, (row_max - OFF) * qk_scale)
+    part = _quad_partials(s_a, True)
+    if BLOCK_B > 0:
+        part = gl.maximum(part, gl.convert_layout(_quad_partials(s_b, True), part.type.layout))
+    m_new = gl.maximum(m_i, (gl.convert_layout(gl.max(part, 1), a_row) - OFF) * qk_scale)
     if MASKED:  # rows that have seen no key yet: avoid inf - inf
         m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_sub = m_new
     bias = m_sub + (OFF * qk_scale - P_SHIFT)
     p_a = gl.exp2(s_a * qk_scale - gl.expand_dims(bias, 1))
-    p_b = gl.exp2(s_b * qk_scale - gl.expand_dims(gl.convert_layout(bias, b_row), 1))
+    sums = gl.convert_layout(_quad_partials(p_a, False), q_layout)
+    if BLOCK_B > 0:
+        b_row: gl.constexpr = gl.SliceLayout(1, s_b.type.layout)
+        p_b = gl.exp2(s_b * qk_scale - gl.expand_dims(gl.convert_layout(bias, b_row), 1))
+        sums = sums + gl.convert_layout(_quad_partials(p_b, False), q_layout)
+    else:
+        p_b = p_a
     alpha = gl.exp2(m_i - m_sub)
-    l_i = l_i * alpha + gl.sum(p_a, 1) + gl.convert_layout(gl.sum(p_b, 1), a_row)
-    return p_a, p_b, m_new, l_i, alpha
+    l_q = l_q * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, q_layout)), 1) + sums
+    return p_a, p_b, m_new, l_q, alpha
 
 
 @gluon.jit
-def _split_tile_softmax(s_a, s_b, m_i, l_i, qk_scale, start_n, full_end, seqlen_k, hi, offs_m,
-                        CAUSAL: gl.constexpr, P_SHIFT: gl.constexpr, BLOCK_A: gl.constexpr, BLOCK_B: gl.constexpr,
-                        OFF: gl.constexpr):
-    """``tile_softmax`` of one S tile held in two accumulators, keys [start_n, + BLOCK_A) in ``s_a`` ([64,
-    BLOCK_A]) and the next ``BLOCK_B`` in ``s_b`` (the same arithmetic as ``softmax_step``: one FMA and one exp2
-    per score). The whole step sits in each branch, as in ``tile_softmax``: a step after the branches' join is
-    scheduled after the wait for P V, which then no longer overlaps the softmax. Returns (p_a, p_b, m, l,
-    alpha)."""
+def _tile_softmax(s_a, s_b, m_i, l_q, qk_scale, start_n, full_end, seqlen_k, hi, offs_m,
+                  CAUSAL: gl.constexpr, P_SHIFT: gl.constexpr, BLOCK_A: gl.constexpr, BLOCK_B: gl.constexpr,
+                  OFF: gl.constexpr):
+    """``_tile_softmax_step`` of the S tile of keys [start_n, + BLOCK_A) in ``s_a`` ([64, BLOCK_A]) and, when
+    ``BLOCK_B`` > 0, the next ``BLOCK_B`` in ``s_b``, with the key / causal masks only on tiles at or past
+    ``full_end``. The whole step sits in each branch: a step after the branches' join is scheduled after the
+    wait for P V, which then no longer overlaps the softmax. Returns (p_a, p_b, m, l_q, alpha)."""
     if start_n >= full_end:
         a_layout: gl.constexpr = acc_layout(WG_WARPS, BLOCK_A)
-        b_layout: gl.constexpr = acc_layout(WG_WARPS, BLOCK_B)
         cols_a = start_n + gl.arange(0, BLOCK_A, layout=gl.SliceLayout(0, a_layout))
         s_a = hide_keys(s_a, offs_m, cols_a, seqlen_k, 0, hi, False, CAUSAL)
-        cols_b = start_n + BLOCK_A + gl.arange(0, BLOCK_B, layout=gl.SliceLayout(0, b_layout))
-        s_b = hide_keys(s_b, gl.convert_layout(offs_m, gl.SliceLayout(1, b_layout)), cols_b, seqlen_k, 0, hi, False,
-                        CAUSAL)
-        p_a, p_b, m_i, l_i, alpha = _split_softmax_step(s_a, s_b, m_i, l_i, qk_scale, P_SHIFT, OFF, True)
+        if BLOCK_B > 0:
+            b_layout: gl.constexpr = acc_layout(WG_WARPS, BLOCK_B)
+            cols_b = start_n + BLOCK_A + gl.arange(0, BLOCK_B, layout=gl.SliceLayout(0, b_layout))
+            s_b = hide_keys(s_b, gl.convert_layout(offs_m, gl.SliceLayout(1, b_layout)), cols_b, seqlen_k, 0, hi,
+                            False, CAUSAL)
+        p_a, p_b, m_i, l_q, alpha = _tile_softmax_step(s_a, s_b, m_i, l_q, qk_scale, P_SHIFT, OFF, True, BLOCK_B)
     else:
-        p_a, p_b, m_i, l_i, alpha = _split_softmax_step(s_a, s_b, m_i, l_i, qk_scale, P_SHIFT, OFF, False)
-    return p_a, p_b, m_i, l_i, alpha
+        p_a, p_b, m_i, l_q, alpha = _tile_softmax_step(s_a, s_b, m_i, l_q, qk_scale, P_SHIFT, OFF, False, BLOCK_B)
+    return p_a, p_b, m_i, l_q, alpha
 
 
 @gluon.jit
@@ -309,7 +332,7 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_
     full_end = unmasked_end(row0, Mq, Mk, BLOCK_N, CAUSAL)  # no tile before it needs a mask for these rows
     offs_m = row0 + gl.arange(0, WG_ROWS, layout=s_row)
     m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, layout=s_row)
-    l_i = gl.zeros([WG_ROWS], gl.float32, layout=s_row)
+    l_q = gl.zeros_like(_quad_partials(gl.zeros([WG_ROWS, BLOCK_A], gl.float32, layout=s_layout), False))
     s_dtype: gl.constexpr = gl.int32 if QK_INT8 else gl.float32
     s_zero = gl.zeros([WG_ROWS, BLOCK_A], s_dtype, layout=s_layout)
     if BLOCK_B > 0:
@@ -336,12 +359,10 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_
         s = int_scores(s)
         if BLOCK_B > 0:
             s_b = int_scores(s_b)
-    if BLOCK_B > 0:
-        p, p_b, m_i, l_i, alpha = _split_tile_softmax(s, s_b, m_i, l_i, qk_scale, 0, full_end, Mk, diag, offs_m,
-                                                      CAUSAL, P_SHIFT, BLOCK_A, BLOCK_B, OFF)
-    else:
-        p, m_i, l_i, alpha = tile_softmax(s, m_i, l_i, qk_scale, 0, full_end, Mk, diag, offs_m, CAUSAL, P_SHIFT,
-                                          BLOCK_N, s_layout, OFF)
+    if BLOCK_B == 0:
+        s_b = s
+    p, p_b, m_i, l_q, alpha = _tile_softmax(s, s_b, m_i, l_q, qk_scale, 0, full_end, Mk, diag, offs_m, CAUSAL,
+                                            P_SHIFT, BLOCK_A, BLOCK_B, OFF)
 
     for j in range(n_tiles - 1):
         p8 = _pv_operand(p, p_layout, BLOCK_A, KEY_ORDER)
@@ -369,12 +390,10 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_
             s = int_scores(s)
             if BLOCK_B > 0:
                 s_b = int_scores(s_b)
-        if BLOCK_B > 0:
-            p, p_b, m_i, l_i, alpha = _split_tile_softmax(s, s_b, m_i, l_i, qk_scale, (j + 1) * BLOCK_N, full_end,
-                                                          Mk, diag, offs_m, CAUSAL, P_SHIFT, BLOCK_A, BLOCK_B, OFF)
-        else:
-            p, m_i, l_i, alpha = tile_softmax(s, m_i, l_i, qk_scale, (j + 1) * BLOCK_N, full_end, Mk, diag,
-                                              offs_m, CAUSAL, P_SHIFT, BLOCK_N, s_layout, OFF)
+        if BLOCK_B == 0:
+            s_b = s
+        p, p_b, m_i, l_q, alpha = _tile_softmax(s, s_b, m_i, l_q, qk_scale, (j + 1) * BLOCK_N, full_end, Mk, diag,
+                                                offs_m, CAUSAL, P_SHIFT, BLOCK_A, BLOCK_B, OFF)
         acc = warpgroup_mma_wait(0, deps=(o_tok, ))
         mbarrier.arrive(v_empty.index(vs), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row), 1)
@@ -394,7 +413,7 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_
     _pass_turn(turn_bars, C, CONSUMERS)
     acc = warpgroup_mma_wait(0, deps=(o_tok, ))
     mbarrier.arrive(v_empty.index(vs), count=1)
-    return acc, m_i, l_i, offs_m
+    return acc, m_i, gl.convert_layout(gl.sum(l_q, 1), s_row), offs_m
 
 
 @gluon.jit
