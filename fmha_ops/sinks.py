@@ -7,9 +7,9 @@ With sinks s_h the attention of query row i of head h is
 (scores after the softmax scale, the softcap and the mask; the sink is neither scaled nor capped, and has no value
 row). A row that sees no key gets out 0 and lse s_h. The LSE the ops return includes the sink, so a backward that
 recomputes P = exp(score - lse) needs nothing more for dq / dk / dv, and the sinks' own gradient is
-``sink_grad_from_delta`` of the row sums delta = rowsum(dO * O) that a backward computes anyway (``sink_grad`` when it
-does not expose them: a pass over out and dO of its own; their checks: ``validation.validate_sinks``). transformers passes them as ``s_aux``,
-FlashAttention-4 as ``learnable_sink``.
+``sink_grad_from_delta`` of the row sums delta = rowsum(dO * O) that a backward computes anyway (``sink_grad`` for a
+backward that does not expose them: a pass over out and dO of its own). Their checks: ``validation.validate_sinks``.
+transformers passes them as ``s_aux``, FlashAttention-4 as ``learnable_sink``.
 A helper any layer may import; it imports no attention layer.
 """
 from __future__ import annotations
@@ -24,8 +24,8 @@ def sink_grad_from_delta(delta: torch.Tensor, lse: torch.Tensor, sinks: torch.Te
     A sink joins each row's denominator without a value row, so d out_i / d sink = -exp(sink - lse_i) out_i.
     delta and lse float32 (B, Hq, Mq) (varlen: (1, Hq, total_q)), lse in natural log, the sink included; sinks
     float32 (Hq,). Rows with a non-finite lse contribute 0 (with sinks a row that sees no key has lse = sink and out
-    0, so it contributes 0 too). Returns float32 (Hq,). It reads 8 bytes per row where ``sink_grad`` reads out and
-    dO: 1/Kv of the traffic.
+    0, so it contributes 0 too). Returns float32 (Hq,). It reads 8 bytes per row (delta, lse), where ``sink_grad``
+    passes over out and dO, 2 x Kv elements per row, and their float32 copies.
 
     Example
     -------

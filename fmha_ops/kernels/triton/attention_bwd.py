@@ -384,8 +384,9 @@ def attention_backward(do, q, k, v, out, lse, *, scale: float, causal: bool = Fa
     c * tanh(scale * q.k / c). Varlen sequence bounds are clamped to the tensors' rows in the kernels.
     ``dq``/``dk``/``dv``: optional outputs (shapes of q/k/v, last dim contiguous), else allocated
     like q/k/v. ``delta``: optional float32 output shaped like ``lse`` (last dim contiguous) that receives the row
-    sums rowsum(dO * O) the kernels read (the sinks' gradient is a weighted sum of them,
-    ``sinks.sink_grad_from_delta``). Returns (dq, dk, dv). ``config``: tiles of the two kernels (default ``default_config``).
+    sums rowsum(dO * O) the kernels read, for every row of ``out`` (the sinks' gradient is a weighted sum of them,
+    ``sinks.sink_grad_from_delta``). Returns (dq, dk, dv). ``config``: tiles of the two kernels (default
+    ``default_config``).
 
     Example::
 
