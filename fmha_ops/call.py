@@ -33,7 +33,6 @@ from .dtypes import FLOAT_DTYPES
 from .inputs import BMHK, Inputs, checks_values
 from .plan import Plan
 from .plans import PLANS
-from .sinks import sink_grad
 from .timing import autotune_seconds
 from .validation import make_problem
 
@@ -161,7 +160,7 @@ def _autograd_plan(fw, bw, inp: Inputs):
 
 class _Attention(torch.autograd.Function):
     """Autograd for a forward op without native autograd, paired with a backward op; the sinks' gradient (when
-    they require one) from the output and the sink-inclusive LSE (``sinks.sink_grad``)."""
+    they require one) from the backward op with dq / dk / dv (``AttentionBwOp.apply_bw_sinks``)."""
 
     @staticmethod
     def forward(ctx, fw, bw, inp: Inputs, query, key, value, sinks=None):
@@ -175,7 +174,8 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_lse):
         out, lse = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        dq, dk, dv = ctx.bw.apply_bw(ctx.inp, out, lse, grad_out)
-        sinks = ctx.inp.sinks
-        dsinks = sink_grad(out, grad_out, lse, sinks) if sinks is not None and ctx.needs_input_grad[6] else None
+        if ctx.inp.sinks is not None and ctx.needs_input_grad[6]:
+            dq, dk, dv, dsinks = ctx.bw.apply_bw_sinks(ctx.inp, out, lse, grad_out)
+        else:
+            (dq, dk, dv), dsinks = ctx.bw.apply_bw(ctx.inp, out, lse, grad_out), None
         return None, None, None, dq, dk, dv, dsinks

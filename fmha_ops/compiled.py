@@ -7,9 +7,9 @@ runs once at trace time on those constants (``torch.compiler.assume_constant_res
 op, and the backward op when gradients are needed, and returns them as a ``CallSpec`` string. Ops whose
 ``apply`` is plain torch (``AttentionOp.TRACEABLE``: the SDPA ops) are traced into the graph; every other op
 runs behind the custom op ``fmha_ops::attention_forward`` (a fake implementation gives the output shapes;
-autograd goes through ``fmha_ops::attention_backward``). ``fp8_attention`` / ``i8fp8_attention`` and
-``flash_attn_varlen_func`` have custom ops of their own next to them (``fmha_ops.quantized``,
-``fmha_ops.flash_attn_interface``), built from this module's helpers.
+autograd goes through ``fmha_ops::attention_backward``, the sinks' gradient included). ``fp8_attention`` /
+``i8fp8_attention`` and ``flash_attn_varlen_func`` have custom ops of their own next to them
+(``fmha_ops.quantized``, ``fmha_ops.flash_attn_interface``), built from this module's helpers.
 
 What a trace fixes: the selected ops, and with them ``use_ops``, ``set_fp8_dequantized_backward``, the
 ``FMHA_OPS_*`` environment and ``torch.use_deterministic_algorithms`` as they were when the function was
@@ -40,7 +40,6 @@ from .inputs import Inputs
 from .plan import Plan
 from .plans import PLANS
 from .problem import Problem
-from .sinks import sink_grad
 from .validation import problem_fields, tma_misaligned, validate
 
 _F32 = torch.float32
@@ -217,13 +216,18 @@ def _attention_forward_fake(query, key, value, tensors, spec):
 @torch.library.custom_op("fmha_ops::attention_backward", mutates_args=())
 def attention_backward_op(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           out: torch.Tensor, lse: torch.Tensor, tensors: list[Optional[torch.Tensor]],
-                          spec: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients (dq, dk, dv), contiguous, in query / key / value's dtypes, from the backward op ``spec`` names."""
+                          spec: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv), contiguous, in query / key / value's dtypes, and dsinks, from the backward op ``spec``
+    names: float32 (Hq,) when the call has sinks (``AttentionBwOp.apply_bw_sinks``), else empty."""
     call = decode_spec(spec)
+    inp = call.inputs(query, key, value, tensors)
+    bw = REGISTRY.get(call.bw)
     with autograd_dispatch():  # the reference backward differentiates with torch.autograd
-        grads = REGISTRY.get(call.bw).apply_bw(call.inputs(query, key, value, tensors), out, lse,
-                                               grad_out.contiguous())
-    return tuple(g.to(t.dtype).contiguous() for g, t in zip(grads, (query, key, value)))
+        if inp.sinks is None:
+            grads, dsinks = bw.apply_bw(inp, out, lse, grad_out.contiguous()), lse.new_empty((0,))
+        else:
+            *grads, dsinks = bw.apply_bw_sinks(inp, out, lse, grad_out.contiguous())
+    return (*(g.to(t.dtype).contiguous() for g, t in zip(grads, (query, key, value))), dsinks)
 
 
 def autograd_dispatch():
@@ -236,23 +240,29 @@ def autograd_dispatch():
 
 @attention_backward_op.register_fake
 def _attention_backward_fake(grad_out, query, key, value, out, lse, tensors, spec):
-    return tuple(t.new_empty(t.shape) for t in (query, key, value))
+    dsinks = lse.new_empty((0,) if _sinks_index(spec) is None else (query.shape[2],))
+    return (*(t.new_empty(t.shape) for t in (query, key, value)), dsinks)
+
+
+def _sinks_index(spec: str) -> int | None:
+    """The index in the custom op's ``tensors`` of the call's sinks, or None."""
+    sinks = dict(decode_spec(spec).fields).get("sinks")
+    return sinks[1] if sinks is not None and sinks[0] == "tensor" else None
 
 
 def _forward_setup(ctx, inputs, output):
     query, key, value, tensors, spec = inputs
-    ctx.spec, ctx.n_tensors = spec, len(tensors)
-    sinks = dict(decode_spec(spec).fields).get("sinks")
-    ctx.sinks_index = sinks[1] if sinks is not None and sinks[0] == "tensor" else None
+    ctx.spec, ctx.n_tensors, ctx.sinks_index = spec, len(tensors), _sinks_index(spec)
     ctx.save_for_backward(query, key, value, *output, *tensors)
 
 
 def _forward_backward(ctx, grad_out, _grad_lse):
     query, key, value, out, lse, *tensors = ctx.saved_tensors
-    dq, dk, dv = torch.ops.fmha_ops.attention_backward(grad_out, query, key, value, out, lse, tensors, ctx.spec)
+    dq, dk, dv, dsinks = torch.ops.fmha_ops.attention_backward(grad_out, query, key, value, out, lse, tensors,
+                                                               ctx.spec)
     grads = [None] * ctx.n_tensors
-    if ctx.sinks_index is not None:  # the sinks' gradient, from the output and the sink-inclusive LSE
-        grads[ctx.sinks_index] = sink_grad(out, grad_out, lse, tensors[ctx.sinks_index])
+    if ctx.sinks_index is not None:
+        grads[ctx.sinks_index] = dsinks
     return dq, dk, dv, grads, None
 
 

@@ -42,7 +42,6 @@ from .quant import (
     quantize_blocks,
     quantize_fp8_channels,
 )
-from .sinks import sink_grad
 from .validation import make_problem, validate_sinks
 
 __all__ = ["fp8_attention", "i8fp8_attention"]
@@ -94,24 +93,28 @@ def quantized_forward(qk_dtype: torch.dtype, bias, scale: float | None, op, quer
     return out, lse, dequantized
 
 
-def quantized_backward(bias, scale: float | None, qh, kh, vh, out, lse, grad_out, sinks=None):
-    """(dq, dk, dv) by the selected bf16/fp16 backward op at the dequantized inputs (straight-through); with
-    ``sinks`` a backward op that takes the sink-inclusive LSE."""
+def quantized_backward(bias, scale: float | None, qh, kh, vh, out, lse, grad_out, sinks=None, sinks_grad=False):
+    """(dq, dk, dv, dsinks) by the selected bf16/fp16 backward op at the dequantized inputs (straight-through); with
+    ``sinks`` a backward op that takes the sink-inclusive LSE, and with ``sinks_grad`` also the sinks' gradient
+    (``AttentionBwOp.apply_bw_sinks``; dsinks None without it)."""
     key = call_key(quantized_backward, (qh, kh, vh, bias, scale, sinks))
     plan = PLANS.get(key)
     if plan is not None:  # these tensors come from the forward's quantization: validated when first selected
-        return plan.run(qh, kh, vh, out, lse, grad_out, sinks)
+        return plan.run(qh, kh, vh, out, lse, grad_out, sinks, sinks_grad)
     inp = make_inputs(qh, kh, vh, bias, scale=scale, is_partial=True, sinks=sinks)
     bw = SELECTOR.select(("quantized backward", inp.signature()), lambda: make_problem(inp, True), "bw")
-    return PLANS.put(key, Plan(_backward_plan(bw, bias, scale), (bw,))).run(qh, kh, vh, out, lse, grad_out, sinks)
+    plan = PLANS.put(key, Plan(_backward_plan(bw, bias, scale), (bw,)))
+    return plan.run(qh, kh, vh, out, lse, grad_out, sinks, sinks_grad)
 
 
 def _backward_plan(bw, bias, scale: float | None):
-    """``run(qh, kh, vh, out, lse, grad_out, sinks) -> (dq, dk, dv)``: ``bw`` at dequantized inputs of one layout
-    (the sinks, when given, of the layout the key holds)."""
-    def run(qh, kh, vh, out, lse, grad_out, sinks):
+    """``run(qh, kh, vh, out, lse, grad_out, sinks, sinks_grad) -> (dq, dk, dv, dsinks)``: ``bw`` at dequantized
+    inputs of one layout (the sinks, when given, of the layout the key holds; dsinks None unless ``sinks_grad``)."""
+    def run(qh, kh, vh, out, lse, grad_out, sinks, sinks_grad):
         inp = Inputs(qh, kh, vh, bias, 0.0, scale, None, True, sinks=sinks)
-        return bw.apply_bw(inp, out, lse, grad_out.contiguous())
+        if sinks_grad:
+            return bw.apply_bw_sinks(inp, out, lse, grad_out.contiguous())
+        return (*bw.apply_bw(inp, out, lse, grad_out.contiguous()), None)
     return run
 
 
@@ -126,8 +129,8 @@ class _QuantizedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         qh, kh, vh, out, lse = ctx.saved_tensors
-        dq, dk, dv = quantized_backward(ctx.bias, ctx.scale, qh, kh, vh, out, lse, grad_out, ctx.sinks)
-        dsinks = sink_grad(out, grad_out, lse, ctx.sinks) if ctx.needs_input_grad[7] else None
+        dq, dk, dv, dsinks = quantized_backward(ctx.bias, ctx.scale, qh, kh, vh, out, lse, grad_out, ctx.sinks,
+                                                ctx.needs_input_grad[7])
         return None, None, None, None, dq, dk, dv, dsinks
 
 
@@ -259,7 +262,7 @@ def quantized_attention_backward_op(grad_out: torch.Tensor, qh: torch.Tensor, kh
     """``quantized.quantized_backward``: (dq, dk, dv), contiguous."""
     _, bias, scale, _ = _quantized_args(spec)
     with compiled.autograd_dispatch():
-        grads = quantized_backward(bias, scale, qh, kh, vh, out, lse, grad_out)
+        grads = quantized_backward(bias, scale, qh, kh, vh, out, lse, grad_out)[:3]
     return tuple(g.to(t.dtype).contiguous() for g, t in zip(grads, (qh, kh, vh)))
 
 

@@ -122,10 +122,11 @@ def test_decode_sinks_value_dim(splits, page, mq):
 @pytest.mark.parametrize("model", ["gpt-oss", "deepseek-v3"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_bf16_forward_backward(model, causal):
-    """bf16 on the H200 at model head dims: GPT-OSS (GQA 64/8, D64, sinks), DeepSeek-V3 (K=192, Kv=128)."""
+    """bf16 on the H200 at model head dims: GPT-OSS (GQA 64/8, D64, sinks; their gradient from the backward's row
+    sums), DeepSeek-V3 (K=192, Kv=128)."""
     from fmha_ops.kernels.triton.attention_bwd import attention_backward
     from fmha_ops.kernels.triton.attention_fwd import attention_forward
-    from fmha_ops.sinks import sink_grad
+    from fmha_ops.sinks import sink_grad_from_delta
 
     b, mq, mk = 2, 1000, 1000
     hq, hkv, d, dv, with_sinks = (64, 8, 64, 64, True) if model == "gpt-oss" else (16, 16, 192, 128, False)
@@ -133,13 +134,14 @@ def test_gpu_bf16_forward_backward(model, causal):
     sinks = sinks if with_sinks else None
     out, lse = attention_forward(q, k, v, scale=d ** -0.5, causal=causal, return_lse=True, sinks=sinks)
     grad = torch.randn_like(out)
-    dq, dk, dv_ = attention_backward(grad, q, k, v, out, lse, scale=d ** -0.5, causal=causal)
+    delta = torch.empty_like(lse)
+    dq, dk, dv_ = attention_backward(grad, q, k, v, out, lse, scale=d ** -0.5, causal=causal, delta=delta)
     leaves = [t.float().requires_grad_(True) for t in (q, k, v)]
     s_leaf = None if sinks is None else sinks.clone().requires_grad_(True)
     ref, _ = reference(*leaves, d ** -0.5, causal, s_leaf)
     assert error_report(out, ref)["rel"] < 1e-2
     want = torch.autograd.grad(ref, leaves + ([s_leaf] if sinks is not None else []), grad.double())
-    got = [dq, dk, dv_] + ([sink_grad(out, grad, lse, sinks)] if sinks is not None else [])
+    got = [dq, dk, dv_] + ([sink_grad_from_delta(delta, lse, sinks)] if sinks is not None else [])
     for name, g, w in zip(("dq", "dk", "dv", "dsinks"), got, want):
         assert error_report(g, w)["rel"] < 2e-2, name
 

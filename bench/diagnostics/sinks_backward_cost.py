@@ -1,5 +1,6 @@
 """Where the time of a GPT-OSS training call with sinks goes: the route the selector takes, the Triton pair, and the
-sinks' gradient (``fmha_ops.sinks.sink_grad``) against the same gradient from the backward's row sums.
+sinks' gradient from the backward's row sums (``TritonBwOp.apply_bw_sinks``) against the pass before it
+(``fmha_ops.sinks.sink_grad`` after the backward).
 
     python bench/diagnostics/sinks_backward_cost.py [--out DIR] [--quick]
 
@@ -9,14 +10,17 @@ CUDA-event medians (ms) of:
   (``route`` / ``route_sinks``: the forward op; sdpa_cudnnF carries cuDNN's backward, triton_attnF pairs with
   triton_attnB);
 * ``triton`` / ``triton_sinks``: the same forced to ``("triton_attnF", "triton_attnB")``: what sinks cost on one
-  route (the sinks' gradient included);
-* ``sink_grad``: ``sink_grad(out, grad, lse, sinks)`` alone, as the autograd function runs it after the backward
-  (float32 copies of out and grad, their product, a row sum: a pass over (B, M, Hq, Kv));
-* ``from_delta``: the same gradient from the (B, Hq, M) float32 row sums rowsum(dO * O) that the Triton backward's
-  preprocess kernel already writes: what the sinks' gradient would cost if the backward returned it.
+  route, the sinks' gradient from the row sums rowsum(dO * O) that the backward's preprocess kernel writes;
+* ``triton_sinks_before``: the same with the sinks' gradient as ``sink_grad`` after the backward (what backward ops
+  without row sums of their own run: float32 copies of out and grad, their product, a row sum);
+* ``sink_grad`` / ``from_delta``: the sinks' gradient alone, by ``sink_grad(out, grad, lse, sinks)`` (a pass over
+  (B, M, Hq, Kv)) and by ``sink_grad_from_delta(delta, lse, sinks)`` on the (B, Hq, M) float32 row sums.
+Ratios: ``ratio_triton`` = triton_sinks / triton (issue 38's bound: 1.03), ``ratio_before`` = triton_sinks_before /
+triton.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -27,7 +31,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from bench.common import base_parser, out_dir, print_table, time_ms, write_json  # noqa: E402
 import fmha_ops  # noqa: E402
 from fmha_ops import LowerTriangularFromBottomRightMask  # noqa: E402
-from fmha_ops.sinks import sink_grad  # noqa: E402
+from fmha_ops.ops.base import AttentionBwOp  # noqa: E402
+from fmha_ops.ops.triton_attention import TritonBwOp  # noqa: E402
+from fmha_ops.sinks import sink_grad, sink_grad_from_delta  # noqa: E402
 
 HQ, HKV, D = 64, 8, 64
 WINDOW = 128
@@ -38,6 +44,18 @@ TRITON_PAIR = ("triton_attnF", "triton_attnB")
 def _train(q, k, v, mask, grad, sinks, op=None):
     out = fmha_ops.memory_efficient_attention(q, k, v, mask, sinks=sinks, op=op)
     torch.autograd.backward(out, grad)
+
+
+@contextlib.contextmanager
+def sink_grad_after_backward():
+    """Within the block triton_attnB gives the sinks' gradient as a backward op without row sums does: the base
+    class's ``apply_bw_sinks`` (``sink_grad`` after ``apply_bw``)."""
+    own = TritonBwOp.__dict__["apply_bw_sinks"]
+    TritonBwOp.apply_bw_sinks = AttentionBwOp.__dict__["apply_bw_sinks"]
+    try:
+        yield
+    finally:
+        TritonBwOp.apply_bw_sinks = own
 
 
 def shape_row(b: int, n: int, window: int | None) -> dict:
@@ -59,11 +77,13 @@ def shape_row(b: int, n: int, window: int | None) -> dict:
     row["selected_sinks"] = time_ms(lambda: _train(q, k, v, mask, grad, sinks))
     row["triton"] = time_ms(lambda: _train(q, k, v, mask, grad, None, TRITON_PAIR))
     row["triton_sinks"] = time_ms(lambda: _train(q, k, v, mask, grad, sinks, TRITON_PAIR))
+    with sink_grad_after_backward():
+        row["triton_sinks_before"] = time_ms(lambda: _train(q, k, v, mask, grad, sinks, TRITON_PAIR))
     row["sink_grad"] = time_ms(lambda: sink_grad(out, grad, lse, sinks.detach()))
-    weight = torch.exp(sinks.detach()[None, :, None] - lse)
-    row["from_delta"] = time_ms(lambda: -(torch.where(torch.isfinite(lse), weight, 0.0) * delta).sum((0, 2)))
+    row["from_delta"] = time_ms(lambda: sink_grad_from_delta(delta, lse, sinks.detach()))
     row["ratio_selected"] = row["selected_sinks"] / row["selected"]
     row["ratio_triton"] = row["triton_sinks"] / row["triton"]
+    row["ratio_before"] = row["triton_sinks_before"] / row["triton"]
     return row
 
 
@@ -71,7 +91,8 @@ def main() -> None:
     args = base_parser(__doc__.splitlines()[0]).parse_args()
     rows = [shape_row(b, n, w) for b, n in SHAPES["quick" if args.quick else "full"] for w in (None, WINDOW)]
     print_table(rows, ["shape", "route", "route_sinks", "selected", "selected_sinks", "ratio_selected", "triton",
-                       "triton_sinks", "ratio_triton", "sink_grad", "from_delta"])
+                       "triton_sinks", "ratio_triton", "triton_sinks_before", "ratio_before", "sink_grad",
+                       "from_delta"])
     if args.out:
         print(write_json(out_dir(args.out), "sinks_backward_cost", rows))
 

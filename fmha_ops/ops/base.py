@@ -29,8 +29,8 @@ Declarations (class attributes; every check below reads only these):
   SOFTCAP        score capping (Problem.softcap: s * tanh(score / s) before the softmax)
   NEGATIVE_SCALE a softmax scale below 0 (Problem.negative_scale)
   SINKS          attention sinks (Problem.sinks: a float32 logit per query head in every softmax denominator,
-                 fmha_ops.sinks); a backward op declaring it takes the sink-inclusive LSE (the sinks' own gradient
-                 is computed apart, ``sinks.sink_grad``)
+                 fmha_ops.sinks); a backward op declaring it takes the sink-inclusive LSE, and gives the sinks'
+                 own gradient with dq / dk / dv (``apply_bw_sinks``)
   KEY_START      per-sequence key starts on the device (Problem.key_start: the paged masks' ``key_start``,
                  ``flash_attn_with_kvcache``'s ``cache_leftpad``): keys before a sequence's start are masked out
   HOST_US        host time of one eager call on the H200's host, microseconds (the selector ranks a GPU op by
@@ -49,6 +49,7 @@ from .. import attn_bias as ab
 from ..dtypes import FLOAT_DTYPES, dtype_name
 from ..inputs import Inputs
 from ..problem import Problem
+from ..sinks import sink_grad
 from ..validation import TMA_ALIGNMENT
 from .cost import BACKWARD_WORK, backward_time
 
@@ -228,6 +229,22 @@ class AttentionBwOp(AttentionOp):
                  grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients (dq, dk, dv) of the attention output w.r.t. the dequantized query, key, value."""
         raise NotImplementedError
+
+    @classmethod
+    def apply_bw_sinks(cls, inp: Inputs, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``apply_bw``'s (dq, dk, dv) and the gradient of ``inp.sinks``, float32 (Hq,), for a call with sinks.
+
+        This default computes the sinks' gradient apart (``sinks.sink_grad``: float32 copies of out and grad_out);
+        a backward op whose kernels compute the row sums rowsum(dO * O) anyway overrides it with
+        ``sinks.sink_grad_from_delta`` of those (``TritonBwOp``).
+
+        Example
+        -------
+        >>> dq, dk, dv, dsinks = TritonBwOp.apply_bw_sinks(inp, out, lse, grad_out)  # doctest: +SKIP
+        """
+        dq, dk, dv = cls.apply_bw(inp, out, lse, grad_out)
+        return dq, dk, dv, sink_grad(out, grad_out, lse, inp.sinks)
 
 
 def _fmt(c: Collection[int]) -> str:

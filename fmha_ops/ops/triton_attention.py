@@ -18,6 +18,7 @@ from ..dispatch import register
 from ..dtypes import FP8_DTYPES
 from ..inputs import Inputs
 from ..problem import Problem
+from ..sinks import sink_grad_from_delta
 from .base import AttentionBwOp, AttentionFwOp
 from .common import TRITON_ARCHS, dequantized_qkv, interpreter_reasons, sink_arg
 from .cost import attention_time, backward_time, head_dim_rate
@@ -153,7 +154,7 @@ class TritonBwOp(AttentionBwOp):
     PARTIAL = True
     WINDOW = True
     SOFTCAP = True
-    SINKS = True  # dq / dk / dv from the sink-inclusive LSE (the sinks' gradient: fmha_ops.sinks.sink_grad)
+    SINKS = True  # dq / dk / dv from the sink-inclusive LSE, the sinks' gradient from the kernels' row sums
     DESCALES = {r: kinds | {"none"} for r, kinds in TritonI8Fp8FwOp.DESCALES.items()}
     HOST_US = 100.0  # three launches
     #: achieved TFLOP/s of the backward's work by head dim on the H200 (346 at D64, 408-427 at D128, 237 at D256 on
@@ -167,13 +168,27 @@ class TritonBwOp(AttentionBwOp):
 
     @classmethod
     def apply_bw(cls, inp, out, lse, grad_out):
+        return cls._backward(inp, out, lse, grad_out, None)
+
+    @classmethod
+    def apply_bw_sinks(cls, inp, out, lse, grad_out):
+        """The sinks' gradient from the row sums delta = rowsum(dO * O) the kernels' preprocess writes: a (B, Hq, Mq)
+        float32 pass instead of ``sink_grad``'s float32 copies of out and dO (0.9 GB at 1x8192, Hq 64, D64)."""
+        delta = torch.empty(lse.shape, device=lse.device, dtype=torch.float32)
+        dq, dk, dv = cls._backward(inp, out, lse, grad_out, delta)
+        return dq, dk, dv, sink_grad_from_delta(delta, lse, inp.sinks)
+
+    @classmethod
+    def _backward(cls, inp, out, lse, grad_out, delta):
+        """(dq, dk, dv) by the kernels; ``delta``: None, or the float32 (like lse) output of their row sums."""
         from ..kernels.triton.attention_bwd import attention_backward
 
         q, k, v = inp.query, inp.key, inp.value
         if q.dtype not in (torch.bfloat16, torch.float16):
             q, k, v = (t.to(torch.bfloat16) for t in dequantized_qkv(inp))
             out, grad_out = out.to(q.dtype), grad_out.to(q.dtype)
-        return attention_backward(grad_out, q, k, v, out, lse, scale=inp.softmax_scale, **mask_args(inp))
+        return attention_backward(grad_out, q, k, v, out, lse, scale=inp.softmax_scale, delta=delta,
+                                  **mask_args(inp))
 
     @classmethod
     def estimate(cls, p: Problem) -> float:

@@ -368,7 +368,7 @@ def _bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_q_ptr, c
 def attention_backward(do, q, k, v, out, lse, *, scale: float, causal: bool = False, causal_bottom_right: bool = True,
                        window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                       dq=None, dk=None, dv=None, config: BwdConfig | None = None):
+                       dq=None, dk=None, dv=None, delta=None, config: BwdConfig | None = None):
     """Gradients (dq, dk, dv) of ``out = softmax(scale * q @ k^T [+ mask]) @ v``.
 
     Layout BMHK: ``q``, ``do``, ``out`` (B, Mq, Hq, D) / (B, Mq, Hq, Dv); ``k`` (B, Mk, Hkv, D);
@@ -383,7 +383,10 @@ def attention_backward(do, q, k, v, out, lse, *, scale: float, causal: bool = Fa
     arguments the forward got): blocks outside the window are skipped; softcap c differentiates
     c * tanh(scale * q.k / c). Varlen sequence bounds are clamped to the tensors' rows in the kernels.
     ``dq``/``dk``/``dv``: optional outputs (shapes of q/k/v, last dim contiguous), else allocated
-    like q/k/v. Returns (dq, dk, dv). ``config``: tiles of the two kernels (default ``default_config``).
+    like q/k/v. ``delta``: optional float32 output shaped like ``lse`` (last dim contiguous) that receives the row
+    sums rowsum(dO * O) the kernels read, for every row of ``out`` (the sinks' gradient is a weighted sum of them,
+    ``sinks.sink_grad_from_delta``). Returns (dq, dk, dv). ``config``: tiles of the two kernels (default
+    ``default_config``).
 
     Example::
 
@@ -408,6 +411,16 @@ def attention_backward(do, q, k, v, out, lse, *, scale: float, causal: bool = Fa
     else:
         nseq, max_q, max_k = B, Mq, Mk
         cu_seqlens_q = cu_seqlens_k = q  # unused placeholder pointer
+
+    if delta is None:
+        delta = torch.empty(lse.shape, device=q.device, dtype=torch.float32)
+    assert delta.dtype == torch.float32 and delta.shape == lse.shape and delta.stride(-1) == 1
+    pre_block = 64
+    if out.numel():  # every row: a caller's delta is defined wherever out is
+        launch(_bwd_preprocess)[(cdiv(Mq, pre_block), Hq, B)](
+            out, do, delta, Mq, out.stride(0), out.stride(1), out.stride(2),
+            do.stride(0), do.stride(1), do.stride(2), delta.stride(0), delta.stride(1),
+            BLOCK_M=pre_block, HEAD_DIM_V=Dv, num_warps=4)
     if q.numel() == 0 or k.numel() == 0 or nseq == 0:
         dq.zero_(), dk.zero_(), dv.zero_()
         return dq, dk, dv
@@ -422,12 +435,6 @@ def attention_backward(do, q, k, v, out, lse, *, scale: float, causal: bool = Fa
             "BOTTOM_RIGHT": causal_bottom_right, "SOFTCAP": softcap > 0, "IS_VARLEN": varlen,
             "HEAD_DIM": D, "HEAD_DIM_V": Dv}
     qk_scale, softcap_log2 = (scale / softcap, softcap * LOG2E.value) if softcap else (scale * LOG2E.value, 0.0)
-    pre_block = 64
-    delta = torch.empty(lse.shape, device=q.device, dtype=torch.float32)
-    launch(_bwd_preprocess)[(cdiv(Mq, pre_block), Hq, B)](
-        out, do, delta, Mq, out.stride(0), out.stride(1), out.stride(2),
-        do.stride(0), do.stride(1), do.stride(2), delta.stride(0), delta.stride(1),
-        BLOCK_M=pre_block, HEAD_DIM_V=Dv, num_warps=4)
 
     common = (bstride(q), q.stride(1), q.stride(2), bstride(k), k.stride(1), k.stride(2),
               bstride(v), v.stride(1), v.stride(2), bstride(do), do.stride(1), do.stride(2),
