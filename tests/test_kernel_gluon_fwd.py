@@ -129,6 +129,20 @@ def test_ws_launcher_finishes_empty_problems_and_rejects_bad_configs():
                              torch.randn(1, 5, 2, 96).to(FP8), scale=1.0)
 
 
+def test_ws_default_config_by_keys():
+    """fp8 and int8 q/k take the same schedules: 192-key tiles on two consumers from ``LONG_KEYS`` keys when not
+    causal, one consumer per CTA with 128-key tiles otherwise, 64-key tiles at D256."""
+    from fmha_ops.kernels.gluon import attention_fwd_ws as ws
+
+    long_dense = ws.default_config(128, False, ws.LONG_KEYS)
+    assert (long_dense.block_n, long_dense.consumers, long_dense.persistent) == (192, 2, True)
+    assert ws.default_config(64, False, None).block_n == 192
+    for causal, keys in ((True, ws.LONG_KEYS), (False, ws.LONG_KEYS - 1), (False, 1000)):
+        cfg = ws.default_config(128, causal, keys)
+        assert (cfg.block_n, cfg.consumers, cfg.persistent, cfg.key_order) == (128, 1, True, True), (causal, keys)
+    assert ws.default_config(256, False, ws.LONG_KEYS).block_n == 64
+
+
 _SPILL_CHECK = """
 import os, re, subprocess, sys, tempfile
 import triton
@@ -147,11 +161,16 @@ print(re.search(r"(\\d+) bytes spill stores", err).group(1))
 """
 
 
-def test_ws_kernel_compiled_as_launched_does_not_spill():
-    """The dense 192-key fp8 consumer compiled with a launch's specialization (ints, aligned pointers) has no
-    spills. With Mk specialized on divisibility by 16 ptxas spilled 1008 B there (488-530 TFLOP/s on the H100 where
-    the int8 tiles ran 730-791), so the kernel leaves Mk unspecialized. In a child process without
-    ``TRITON_INTERPRET``."""
+#: spill stores the dense 192-key fp8 consumer may keep: one register, saved and restored once per masked tile (a
+#: sequence's partial last tile), with the per-lane row sums
+SPILL_ALLOWANCE_BYTES = 16
+
+
+def test_ws_kernel_compiled_as_launched_spills_at_most_one_register():
+    """The dense 192-key fp8 consumer compiled with a launch's specialization (ints, aligned pointers) spills at
+    most ``SPILL_ALLOWANCE_BYTES``. With Mk specialized on divisibility by 16 ptxas spilled 1008 B there (488-530
+    TFLOP/s on the H100 where the int8 tiles ran 730-791), so the kernel leaves Mk unspecialized. In a child
+    process without ``TRITON_INTERPRET``."""
     import os
     import subprocess
     import sys
@@ -162,7 +181,7 @@ def test_ws_kernel_compiled_as_launched_does_not_spill():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", _SPILL_CHECK], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split()[-1] == "0", run.stdout
+    assert int(run.stdout.split()[-1]) <= SPILL_ALLOWANCE_BYTES, run.stdout
 
 
 _COMPILE_CHECK = """
@@ -333,10 +352,11 @@ def test_gpu_gluon_ws_i8fp8(shape, schedule):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", GPU_SHAPES + [(2, 5000, 5000, 4, 2, 128, True)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", GPU_SHAPES + [(2, 5000, 5000, 4, 2, 128, True), (1, 4500, 4500, 4, 2, 128, False)],
+                         ids=lambda s: "x".join(map(str, s)))
 def test_gpu_gluon_ws_fwd_default_schedule(shape):
-    """The schedule ``default_config`` picks from the head dim (one consumer per CTA on a persistent grid at
-    D <= 128, two at D256)."""
+    """The schedule ``default_config`` picks from the head dim and the keys (one consumer per CTA on a persistent
+    grid at D <= 128, two consumers with 192-key tiles from ``LONG_KEYS`` keys when not causal, two at D256)."""
     from fmha_ops.kernels.gluon import attention_fwd_ws as ws
 
     _check_fp8_forward(ws.attention_forward, shape, "tensor")

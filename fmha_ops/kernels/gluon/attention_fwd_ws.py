@@ -29,7 +29,9 @@ host TMA descriptors of the whole 4-D tensors ([1, rows, 1, D] boxes; V^T [1, 1,
 
 Both consumers walk the same key tiles (the CTA's last row bounds them under causal masking; a consumer whose
 rows see fewer keys masks the extra tile), so the rings and turns stay in step. Softmax in exp2 with
-scale * q_descale * k_descale folded into one multiplier; P is scaled by 2**P_SHIFT before the fp8 cast.
+scale * q_descale * k_descale folded into one multiplier; P is scaled by 2**P_SHIFT before the fp8 cast. Each
+thread reduces its own scores of a row first (both parts of a 192-key tile), so a tile's row max costs one
+cross-lane reduction, and keeps its share of the row sum until the epilogue adds the four lanes of a row.
 """
 from __future__ import annotations
 
@@ -666,24 +668,25 @@ SINGLE_CONSUMER_MAXNREG = {64: 128, 128: 128, 256: 168}
 TRANSPOSER_REGS = 32
 
 
-#: keys per sequence from which an int8-QK^T call at D <= 128 (not causal) takes 192-key tiles
+#: keys per sequence from which a call at D <= 128 (not causal) takes 192-key tiles
 LONG_KEYS = 4096
 
 
-def default_config(head_dim: int, causal: bool, seqlen_k: int | None = None, int8_qk: bool = False) -> WsFwdConfig:
-    """Schedule for head dim ``head_dim``, ``seqlen_k`` keys per sequence (None: a long sequence) and int8 (True) or
-    fp8 q/k.
+def default_config(head_dim: int, causal: bool, seqlen_k: int | None = None) -> WsFwdConfig:
+    """Schedule for head dim ``head_dim`` and ``seqlen_k`` keys per sequence (None: a long sequence), fp8 or int8
+    q/k alike.
 
     H200, kernel time replayed from CUDA graphs (TFLOP/s, D128; bench/diagnostics/fa3_profile.md): at D <= 128 one
     consumer per CTA, two CTAs per SM, on a persistent grid, V^T from ``transpose_v`` in the accumulator's key
     order: fp8 590 / 683 / 772 / 695 / 782 at 8x16x1000, 3x24/8x3000 causal, 4x32x4096 (causal) and 2x16x16384,
-    against 528 / 576 / 760 / 654 / 782 for the earlier per-length choice, and within 1.3% of the best of five
-    schedules at every shape but 4x32x4096 (pko 782); the in-kernel V transpose on the same grid runs 25-32%
-    slower. int8 QK^T with ``LONG_KEYS`` keys or more, not causal: 192-key tiles (128 + 64) on two consumers,
-    775 / 821 against 767 / 782 at 4x32x4096 and 2x16x16384. D256: two consumers, 64-key tiles."""
+    against 528 / 576 / 760 / 654 / 782 for the earlier per-length choice; the in-kernel V transpose on the same
+    grid runs 25-32% slower. With ``LONG_KEYS`` keys or more, not causal: 192-key tiles (128 + 64) on two
+    consumers, whose row max and row sums cost one cross-lane reduction per tile (H100, same run: fp8 824 / 857
+    against 808 / 820 for one consumer at 4x32x4096 and 2x16x16384, int8 804 / 885). D256: two consumers, 64-key
+    tiles."""
     if head_dim not in (64, 128):  # D256 (other head dims are rejected later)
         return WsFwdConfig(block_n=64)
-    if int8_qk and not causal and (seqlen_k is None or seqlen_k >= LONG_KEYS):
+    if not causal and (seqlen_k is None or seqlen_k >= LONG_KEYS):
         return WsFwdConfig(block_n=192, persistent=True, key_order=True)
     return WsFwdConfig(consumers=1, block_n=128, maxnreg=SINGLE_CONSUMER_MAXNREG[head_dim], key_order=True,
                        persistent=True)
@@ -741,7 +744,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=
     """
     B, Mq, Hq, D = q.shape
     Mk, Hkv = k.shape[1], k.shape[2]
-    cfg = config or default_config(D, causal, Mk, q.dtype == torch.int8)
+    cfg = config or default_config(D, causal, Mk)
     if cfg.consumers not in (1, 2, 3) or cfg.stages < 2:
         raise ValueError(f"config {cfg}: consumers must be 1, 2 or 3 and stages >= 2")
     block_b = cfg.block_b
