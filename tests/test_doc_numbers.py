@@ -1,4 +1,5 @@
-"""Every measured number the README and BENCHMARKS.md's findings quote comes from a benchmark record.
+"""Every measured number the README, DESIGN.md and BENCHMARKS.md's findings quote comes from a benchmark record,
+and every BENCHMARKS.md section the README or DESIGN.md names exists.
 
 A quoted number is one written with a decimal point (``1.79x``, ``0.9996``, ``21.6 us``) or an integer with a unit
 (``43-82 us``, ``52.3%``); shapes (``B64``, ``4x32/8x4096x128``), versions, counts and inline code are not. Each
@@ -23,6 +24,10 @@ INLINE_CODE = re.compile(r"`[^`\n]*`")
 #: a number or a range "a-b", not part of a name (D128, sm90) or a version (2.13.0), with an optional unit
 QUOTED = re.compile(r"(?<![\w./])(\d+(?:\.\d+)?)(?:-(\d+(?:\.\d+)?))?(?![\d.]*\d)(x\b|%| us\b| ms\b| TB/s| TFLOP/s)?")
 RECORD_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+#: a named BENCHMARKS.md section: BENCHMARKS.md's "Decode", BENCHMARKS.md, "Training"
+SECTION_REF = re.compile(r"BENCHMARKS\.md(?:'s|,)\s+\"([^\"]+)\"")
+#: the pages a newcomer reads, beside BENCHMARKS.md itself
+DOCS = ("README.md", "DESIGN.md")
 
 
 def quoted_numbers(text: str) -> list[str]:
@@ -80,5 +85,16 @@ def test_benchmarks_findings_quote_their_records():
     assert unrecorded(findings, record_numbers()) == []
 
 
-def test_readme_quotes_only_recorded_numbers():
-    assert unrecorded(_read("README.md"), record_numbers()) == []
+def test_docs_quote_only_recorded_numbers():
+    records = record_numbers()
+    for doc in DOCS:
+        assert unrecorded(_read(doc), records) == [], doc
+
+
+def test_docs_name_existing_benchmarks_sections():
+    headings = [ln[3:] for ln in _read("BENCHMARKS.md").splitlines() if ln.startswith("## ")]
+    for doc in DOCS:
+        names = [" ".join(n.split()) for n in SECTION_REF.findall(_read(doc))]
+        assert doc != "README.md" or names, "the README points at the tables its claims come from"
+        for name in names:
+            assert any(h.startswith(name) for h in headings), (doc, name, headings)
