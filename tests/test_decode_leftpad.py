@@ -18,6 +18,7 @@ import fmha_ops
 from fmha_ops import attn_bias as ab
 from fmha_ops.kv_cache import paged_from_dense
 from fmha_ops.testing import error_report
+from tests.compiled_child import run_compiled
 from tests.conftest import DEVICE
 from tests.test_kernel_decode import (FP16_REL, GPU_REL, _decode_problem, _gluon_runs, check, check_gluon, make_case,
                                       ranked, reference, run)
@@ -238,14 +239,7 @@ def test_gluon_decoder_with_key_starts_compiles_for_sm90():
     one query (the one-add mask), several with a window and softcap, D64 head pairs over 8-key pages (tiles
     spanning pages), D256 on two warps over a dense cache, 16-key tiles. In a child process without
     ``TRITON_INTERPRET``."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", _GLUON_COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    r = run_compiled(_GLUON_COMPILE)
     assert r.returncode == 0 and r.stdout.count("compiled") == 5, r.stderr[-3000:]
 
 

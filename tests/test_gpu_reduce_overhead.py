@@ -10,11 +10,10 @@ the compiled calls run in a fresh interpreter, all of them before any eager call
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+
+from tests.compiled_child import run_compiled
 
 pytestmark = pytest.mark.gpu
 
@@ -80,11 +79,7 @@ REL_TOL = 4 * 2.0 ** -8
 
 @pytest.fixture(scope="module")
 def reduce_overhead_results() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", _SCRIPT, str(CALLS)], env=env, capture_output=True, text=True,
-                       timeout=600)
+    r = run_compiled(_SCRIPT, str(CALLS))
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 

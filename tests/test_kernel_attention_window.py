@@ -19,6 +19,7 @@ import triton.language as tl
 import tests.test_kernel_attention_bwd  # noqa: F401  (patches the interpreter's loop bounds / bf16 dot)
 from fmha_ops.kernels.softmax import hide_keys
 from fmha_ops.testing import error_report
+from tests.compiled_child import run_compiled
 from tests.conftest import DEVICE
 
 REF = torch.float64 if DEVICE == "cpu" else torch.float32
@@ -312,14 +313,7 @@ def test_forward_softcap_window_compiles_for_sm90():
     """The interpreter runs what the compiler may reject (a constexpr rebound in a branch): compile softcap +
     window / causal kernels (fp8, bf16, i8fp8; with sinks but the one-loop one) for sm90 ahead of time, in a
     process without the interpreter."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    r = run_compiled(_SM90_COMPILE)
     assert r.returncode == 0 and r.stdout.count("compiled") == 4, r.stderr[-3000:]
 
 

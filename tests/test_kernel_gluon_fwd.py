@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from registry.arch import CPU, Arch
+from tests.compiled_child import run_compiled
 from tests.conftest import HAS_CUDA
 from fmha_ops.testing import error_report
 from tests.test_kernel_attention_fwd import (
@@ -171,15 +172,10 @@ def test_ws_kernel_compiled_as_launched_spills_at_most_one_register():
     most ``SPILL_ALLOWANCE_BYTES``. With Mk specialized on divisibility by 16 ptxas spilled 1008 B there (488-530
     TFLOP/s on the H100 where the int8 tiles ran 730-791), so the kernel leaves Mk unspecialized. In a child
     process without ``TRITON_INTERPRET``."""
-    import os
-    import subprocess
-    import sys
-
     from fmha_ops.kernels.gluon import attention_fwd_ws as ws
 
     assert [p.name for p in ws._attn_fwd_ws_kernel.params if p.do_not_specialize] == ["Mk"]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _SPILL_CHECK], capture_output=True, text=True, env=env, timeout=300)
+    run = run_compiled(_SPILL_CHECK, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert int(run.stdout.split()[-1]) <= SPILL_ALLOWANCE_BYTES, run.stdout
 
@@ -218,15 +214,8 @@ def test_ws_kernel_compiles_for_sm90(head_dim, causal, consumers, v_transpose, p
     persistent grid's tile loop, int8 q / k on the s8 wgmma, 192-key tiles in two parts, the output stored from
     registers). In a child process without ``TRITON_INTERPRET`` (interpreted helpers cannot be called from a
     compiled kernel)."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _COMPILE_CHECK, str(head_dim), str(int(causal)), str(consumers),
-                          str(int(v_transpose)), str(int(persistent)), str(int(qk_int8)), str(block_n),
-                          str(int(direct))],
-                         capture_output=True, text=True, env=env, timeout=300)
+    run = run_compiled(_COMPILE_CHECK, str(head_dim), str(int(causal)), str(consumers), str(int(v_transpose)),
+                       str(int(persistent)), str(int(qk_int8)), str(block_n), str(int(direct)), timeout=300)
     assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
 
 

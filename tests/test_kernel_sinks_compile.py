@@ -1,9 +1,7 @@
 """Compile for sm90 ahead of time (no GPU, no interpreter) the kernels that sinks and value head dims of their own
 changed: the backward at K=192 / Kv=128 (tiles padded to 256 and 128, masked columns), the decoder with sinks, key
 starts (``cache_leftpad``) and Kv != K, its split reduce with sinks. The interpreter runs code the compiler may reject; this catches that on CPU."""
-import os
-import subprocess
-import sys
+from tests.compiled_child import run_compiled
 
 _COMPILE = """
 import triton
@@ -46,8 +44,5 @@ build(_kv_append_kernel, {"D": 192, "DV": 128, "PAGE_SIZE": 64, "PAGED": True, "
 
 
 def test_kernels_compile_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    r = run_compiled(_COMPILE)
     assert r.returncode == 0 and r.stdout.count("compiled") == 6, r.stderr[-3000:]
