@@ -414,7 +414,8 @@ def attention_backward(do, q, k, v, out, lse, *, scale: float, causal: bool = Fa
 
     if delta is None:
         delta = torch.empty(lse.shape, device=q.device, dtype=torch.float32)
-    assert delta.dtype == torch.float32 and delta.shape == lse.shape and delta.stride(-1) == 1
+    else:
+        assert delta.dtype == torch.float32 and delta.shape == lse.shape and delta.stride(-1) == 1
     pre_block = 64
     if out.numel():  # every row: a caller's delta is defined wherever out is
         launch(_bwd_preprocess)[(cdiv(Mq, pre_block), Hq, B)](
