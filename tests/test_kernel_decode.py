@@ -667,3 +667,78 @@ def test_gpu_fp8_cache_through_the_api_runs_the_gluon_op(page_size):
                                vc.reshape(pool + vc.shape[2:]), bias, k_descale=ks.reshape(pool + ks.shape[2:]),
                                v_descale=vs.reshape(pool + vs.shape[2:]))
         assert rep.selected.NAME == "gluon_fp8_decodeF", str(rep)
+
+
+def _stand_in(monkeypatch, kernel_name: str):
+    """Replace ``decode``'s launcher of ``kernel_name`` by a ``CachedKernel`` of a compiled (not interpreted)
+    JITFunction of the same parameters, whose compiles return stand-in kernels recording every direct launch."""
+    from types import SimpleNamespace
+
+    from triton.runtime.jit import JITFunction
+
+    from fmha_ops.kernels.triton import decode as dec
+    from fmha_ops.kernels.triton import launch as launch_mod
+
+    source = getattr(dec, kernel_name)
+    fn = JITFunction(getattr(source, "fn", source))
+    compiled = []
+
+    class Run:
+        launch_cooperative_grid, launch_pdl, num_ctas = False, False, 1
+        global_scratch_size = global_scratch_align = profile_scratch_size = profile_scratch_align = 0
+
+        def __init__(self, record):
+            def launcher(gx, gy, gz, stream, *rest):  # the C launcher, behind Triton's descriptor wrapper
+                record(((gx, gy, gz), rest[9:]))
+
+            def inner(*args):
+                return launcher(*args)
+
+            self.launch = inner
+
+    def compile_(*args, grid, warmup, **kwargs):
+        kernel = SimpleNamespace(function="f", packed_metadata="m", launches=[],
+                                 src=SimpleNamespace(signature={p.name: "i32" for p in fn.params}),
+                                 metadata=SimpleNamespace(tensordesc_meta=None))
+        kernel.run = Run(kernel.launches.append)
+        compiled.append(kernel)
+        return kernel
+
+    monkeypatch.setattr(fn, "run", compile_)
+    monkeypatch.setattr(launch_mod, "driver", SimpleNamespace(active=SimpleNamespace(
+        get_current_device=lambda: 0, get_current_stream=lambda device: 0)))
+    monkeypatch.setattr(dec, "_DECODE" if kernel_name == "_decode_kernel" else "_REDUCE", launch_mod.CachedKernel(fn))
+    return compiled
+
+
+def test_bound_decoder_launches_what_the_keyed_one_does_and_respecializes(monkeypatch):
+    """A plan's decoder (``PagedDecoder(bound=True)``) passes each call's own tensors and strides, exactly what the
+    keyed launch passes, without rebuilding the launch key; a call whose q is not 16-byte aligned (a specialization
+    of its own) compiles and launches its own binary."""
+    from fmha_ops.kernels.triton.decode import PagedDecoder
+
+    decodes, reduces = _stand_in(monkeypatch, "_decode_kernel"), _stand_in(monkeypatch, "_reduce_kernel")
+    q, kw, _, _ = make_case(2, 1, 4, 2, 32, [5, 9], page_size=4)
+    cache = (kw["k_cache"], kw["v_cache"])
+    settings = dict(block_table=kw["block_table"], scale=kw["scale"], num_splits=2, lse_wanted=True)
+    bound, keyed = PagedDecoder(q, *cache, **settings, bound=True), PagedDecoder(q, *cache, **settings)
+    calls = [(q.clone(), torch.empty(2, 1, 4, 32, dtype=q.dtype)) for _ in range(3)]
+    for decoder in (keyed, bound):
+        for q_i, out in calls:
+            decoder(q_i, *cache, kw["seqlens"], kw["block_table"], None, None, out, None, None, None, None)
+    assert len(decodes) == len(reduces) == 1  # one compile each: the bound launches reuse the keyed ones' binaries
+
+    def layout(args):  # what a launch passes, buffers allocated per call by their layout
+        return [(t.shape, t.stride(), t.dtype) if isinstance(t, torch.Tensor) else (type(t), t) for t in args]
+
+    for launches in (decodes[0].launches, reduces[0].launches):
+        assert len(launches) == 5  # keyed: calls 2 and 3 (the first compiled); bound: all three
+        for (grid_k, args_k), (grid_b, args_b) in zip(launches[:2], launches[3:]):
+            assert grid_k == grid_b and layout(args_k) == layout(args_b)
+    for (_, args), (q_i, out) in zip(decodes[0].launches[2:], calls):
+        assert args[0] is q_i  # each call's own q
+    for (_, args), (q_i, out) in zip(reduces[0].launches[2:], calls):
+        assert args[2] is out  # each call's own out
+    odd = torch.zeros(q.numel() + 8, dtype=q.dtype)[1:q.numel() + 1].view(q.shape)  # q's strides, 2 bytes off
+    bound(odd, *cache, kw["seqlens"], kw["block_table"], None, None, calls[0][1], None, None, None, None)
+    assert len(decodes) == 2 and decodes[1].launches == []  # compiled for it (its first launch is Triton's)
