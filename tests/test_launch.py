@@ -460,3 +460,30 @@ def test_bound_launch_of_an_interpreted_kernel_always_takes_tritons_path():
     bound(1, 2)
     bound(1, 2)
     assert calls == [((2,), (1, 2), {"BLOCK": 8})] * 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_bound_launch_equals_triton_through_respecializations_and_a_graph():
+    """A bound launch computes what Triton's does for aligned and misaligned views and other sizes (those through
+    the keyed path), and its direct launches capture in a CUDA graph."""
+    ck = CachedKernel(_axpy_kernel)
+    bound = ck.bind((16,), BLOCK=256)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    base, y = torch.randn(4096 + 8, device="cuda", generator=g), torch.randn(4096 + 8, device="cuda", generator=g)
+    for n, off in ((4096, 0), (4096, 0), (4096, 1), (4000, 0), (4096, 4), (4096, 0)):
+        x = base[off:off + n]
+        out = torch.full((n,), float("nan"), device="cuda")
+        bound(x, y, out, n, 1.5)
+        torch.testing.assert_close(out, 1.5 * x + y[:n], rtol=1e-6, atol=1e-6)
+    x, out = base[:4096], torch.empty(4096, device="cuda")
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=s):
+            bound(x, y, out, 4096, 1.5)  # the bound specialization: its direct launch is captured
+    out.fill_(float("nan"))
+    x.copy_(torch.randn(4096, device="cuda", generator=g))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, 1.5 * x + y[:4096], rtol=1e-6, atol=1e-6)
