@@ -669,17 +669,16 @@ def test_gpu_fp8_cache_through_the_api_runs_the_gluon_op(page_size):
         assert rep.selected.NAME == "gluon_fp8_decodeF", str(rep)
 
 
-def _stand_in(monkeypatch, kernel_name: str):
-    """Replace ``decode``'s launcher of ``kernel_name`` by a ``CachedKernel`` of a compiled (not interpreted)
-    JITFunction of the same parameters, whose compiles return stand-in kernels recording every direct launch."""
+def _stand_in(monkeypatch, source, install):
+    """Launch ``source`` (a kernel) through a ``CachedKernel`` of a compiled (not interpreted) JITFunction of the
+    same parameters, whose compiles return stand-in kernels recording every direct launch; ``install(cached)``
+    puts it where the code under test takes the kernel's launcher. Returns the list of stand-in kernels."""
     from types import SimpleNamespace
 
     from triton.runtime.jit import JITFunction
 
-    from fmha_ops.kernels.triton import decode as dec
     from fmha_ops.kernels.triton import launch as launch_mod
 
-    source = getattr(dec, kernel_name)
     fn = JITFunction(getattr(source, "fn", source))
     compiled = []
 
@@ -699,7 +698,7 @@ def _stand_in(monkeypatch, kernel_name: str):
     def compile_(*args, grid, warmup, **kwargs):
         kernel = SimpleNamespace(function="f", packed_metadata="m", launches=[],
                                  src=SimpleNamespace(signature={p.name: "i32" for p in fn.params}),
-                                 metadata=SimpleNamespace(tensordesc_meta=None))
+                                 metadata=SimpleNamespace(tensordesc_meta=None), constexprs=kwargs)
         kernel.run = Run(kernel.launches.append)
         compiled.append(kernel)
         return kernel
@@ -707,7 +706,7 @@ def _stand_in(monkeypatch, kernel_name: str):
     monkeypatch.setattr(fn, "run", compile_)
     monkeypatch.setattr(launch_mod, "driver", SimpleNamespace(active=SimpleNamespace(
         get_current_device=lambda: 0, get_current_stream=lambda device: 0)))
-    monkeypatch.setattr(dec, "_DECODE" if kernel_name == "_decode_kernel" else "_REDUCE", launch_mod.CachedKernel(fn))
+    install(launch_mod.CachedKernel(fn))
     return compiled
 
 
@@ -715,9 +714,11 @@ def test_bound_decoder_launches_what_the_keyed_one_does_and_respecializes(monkey
     """A plan's decoder (``PagedDecoder(bound=True)``) passes each call's own tensors and strides, exactly what the
     keyed launch passes, without rebuilding the launch key; a call whose q is not 16-byte aligned (a specialization
     of its own) compiles and launches its own binary."""
-    from fmha_ops.kernels.triton.decode import PagedDecoder
+    from fmha_ops.kernels.triton import decode as dec
 
-    decodes, reduces = _stand_in(monkeypatch, "_decode_kernel"), _stand_in(monkeypatch, "_reduce_kernel")
+    decodes = _stand_in(monkeypatch, dec._decode_kernel, lambda ck: monkeypatch.setattr(dec, "_DECODE", ck))
+    reduces = _stand_in(monkeypatch, dec._reduce_kernel, lambda ck: monkeypatch.setattr(dec, "_REDUCE", ck))
+    PagedDecoder = dec.PagedDecoder
     q, kw, _, _ = make_case(2, 1, 4, 2, 32, [5, 9], page_size=4)
     cache = (kw["k_cache"], kw["v_cache"])
     settings = dict(block_table=kw["block_table"], scale=kw["scale"], num_splits=2, lse_wanted=True)
@@ -742,3 +743,40 @@ def test_bound_decoder_launches_what_the_keyed_one_does_and_respecializes(monkey
     odd = torch.zeros(q.numel() + 8, dtype=q.dtype)[1:q.numel() + 1].view(q.shape)  # q's strides, 2 bytes off
     bound(odd, *cache, kw["seqlens"], kw["block_table"], None, None, calls[0][1], None, None, None, None)
     assert len(decodes) == 2 and decodes[1].launches == []  # compiled for it (its first launch is Triton's)
+
+
+def test_bound_fp8_decoder_launches_what_the_one_shot_launch_does(monkeypatch):
+    """The Gluon fp8 decoder of a plan (``FP8Decoder(bound=True)``) passes what ``launch`` passes, each call's own
+    tensors; a call whose scales have other strides (another choice of scale copies) takes a decoder of its own."""
+    from fmha_ops.kernels.gluon import decode as gluon
+
+    seen = []
+    launches = _stand_in(monkeypatch, gluon._decode_fp8_kernel, lambda ck: monkeypatch.setattr(
+        gluon, "launch_cached", lambda fn: seen.append(fn) or ck))
+    B, MQ, HQ, HKV, D, PAGE, PAGES = 2, 1, 8, 2, 128, 64, 4
+    q = torch.randn(B, MQ, HQ, D, dtype=torch.bfloat16)
+    k8, v8 = (torch.zeros(PAGES, PAGE, HKV, D, dtype=torch.float8_e4m3fn) for _ in range(2))
+    ks, vs = (torch.ones(PAGES, HKV, PAGE).transpose(1, 2) for _ in range(2))  # each head's slots contiguous
+    table, lengths = torch.arange(PAGES, dtype=torch.int32).view(B, -1), torch.tensor([70, 100], dtype=torch.int32)
+    out, lse = torch.empty(B, MQ, HQ, D, dtype=torch.bfloat16), torch.empty(B, HQ, MQ)
+    strides = ((0, *out.stride()[:3]), (0, *lse.stride()))
+    settings = (0.125 * 1.4426950408889634, 1, PAGE)
+    calls = [q.clone() for _ in range(3)]
+    for q_i in calls:
+        gluon.launch(q_i, k8, v8, ks, vs, lengths, table, out, lse, *strides, *settings)
+    decoder = gluon.FP8Decoder(q, k8, v8, ks, vs, table, *settings, bound=True)
+    for q_i in calls:
+        decoder(q_i, k8, v8, ks, vs, lengths, table, out, lse, *strides)
+    assert seen[0] is gluon._decode_fp8_kernel and len(launches) == 1
+    recorded = launches[0].launches  # one-shot calls 2 and 3 (the first compiled), then the bound calls 1 to 3
+    assert len(recorded) == 5
+
+    def same(a, b):
+        return a[0] == b[0] and len(a[1]) == len(b[1]) and all(
+            x is y if isinstance(x, torch.Tensor) else type(x) is type(y) and x == y for x, y in zip(a[1], b[1]))
+
+    assert same(recorded[0], recorded[3]) and same(recorded[1], recorded[4])
+    assert [args[0] is q_i for (_, args), q_i in zip(recorded[2:], calls)] == [True] * 3
+    other = ks.contiguous()  # per-slot rows: 4-byte scale copies, another specialization of the kernel
+    decoder(q, k8, v8, other, vs, lengths, table, out, lse, *strides)
+    assert len(launches) == 2 and (launches[0].constexprs["SC_VEC"], launches[1].constexprs["SC_VEC"]) == (4, 1)

@@ -366,18 +366,13 @@ class SplitReduce:
         fixed = dict(S_PAD=next_pow2(num_splits), D=D, BLOCK_D=next_pow2(cdiv(D, chunks)), PDL=pdl,
                      STORE_LSE=store_lse, HAS_SINKS=has_sinks, num_warps=4, launch_pdl=pdl)
         grid = (B * MQ * HQ, chunks)
-        self._launch = _REDUCE.bind(grid, **fixed) if bound else _keyed(_REDUCE, grid, fixed)
+        self._launch = _REDUCE.bind(grid, **fixed) if bound else functools.partial(_REDUCE[grid], **fixed)
 
     def __call__(self, o_buf: torch.Tensor, l_buf: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
                  sinks: torch.Tensor | None = None) -> None:
         self._launch(o_buf, l_buf, out, l_buf if lse is None else lse, l_buf if sinks is None else sinks,
                      o_buf.stride(0), l_buf.stride(0), *out.stride()[:3], *((0, 0, 0) if lse is None else lse.stride()),
                      o_buf.shape[3], o_buf.shape[2], o_buf.shape[0])
-
-
-def _keyed(kernel, grid: tuple, fixed: dict):
-    """``launch(*args)``: ``kernel[grid](*args, **fixed)``, one launch keyed as ``CachedKernel`` keys it."""
-    return lambda *args: kernel._launch(grid, args, fixed)
 
 
 def reduce_splits(o_buf: torch.Tensor, l_buf: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
@@ -449,7 +444,7 @@ class PagedDecoder:
                      WINDOW=window_left >= 0, SOFTCAP=softcap > 0.0, STORE_LSE=num_splits > 1 or lse_wanted,
                      HAS_SINKS=sinks is not None and num_splits == 1, HAS_KEY_START=key_start is not None,
                      num_warps=num_warps or cfg.num_warps, num_stages=num_stages or cfg.num_stages)
-        self._decode = _DECODE.bind(grid, **fixed) if bound else _keyed(_DECODE, grid, fixed)
+        self._decode = _DECODE.bind(grid, **fixed) if bound else functools.partial(_DECODE[grid], **fixed)
         self._reduce = (SplitReduce((num_splits, B, MQ, HQ, DV), lse_wanted, sinks is not None, pdl, bound)
                         if num_splits > 1 else None)
 
