@@ -780,3 +780,24 @@ def test_bound_fp8_decoder_launches_what_the_one_shot_launch_does(monkeypatch):
     other = ks.contiguous()  # per-slot rows: 4-byte scale copies, another specialization of the kernel
     decoder(q, k8, v8, other, vs, lengths, table, out, lse, *strides)
     assert len(launches) == 2 and (launches[0].constexprs["SC_VEC"], launches[1].constexprs["SC_VEC"]) == (4, 1)
+
+
+def test_bound_appender_launches_what_kv_append_does(monkeypatch):
+    """A plan's append (``KVAppender(bound=True)``) passes what ``kv_append`` passes, each call's own tensors."""
+    from fmha_ops.kernels.triton import kv_append as mod
+
+    launches = _stand_in(monkeypatch, mod._kv_append_kernel, lambda ck: monkeypatch.setattr(mod, "launch",
+                                                                                             lambda fn: ck))
+    kc, vc = torch.zeros(4, 8, 2, 32, dtype=CPU_DTYPE), torch.zeros(4, 8, 2, 32, dtype=CPU_DTYPE)
+    table, lengths = torch.arange(4, dtype=torch.int32).view(2, 2), torch.tensor([3, 9], dtype=torch.int32)
+    calls = [tuple(torch.randn(2, 1, 2, 32, dtype=CPU_DTYPE) for _ in range(2)) for _ in range(3)]
+    for k, v in calls:
+        mod.kv_append(k, v, kc, vc, lengths, block_table=table)
+    appender = mod.KVAppender(*calls[0], kc, vc, block_table=table, bound=True)
+    for k, v in calls:
+        appender(k, v, kc, vc, lengths, table, None, None)
+    recorded = launches[0].launches  # kv_append's calls 2 and 3 (the first compiled), then the bound calls 1 to 3
+    assert len(launches) == 1 and len(recorded) == 5
+    for a, b in zip(recorded[:2], recorded[3:]):
+        assert a[0] == b[0] and all(x is y if isinstance(x, torch.Tensor) else x == y for x, y in zip(a[1], b[1]))
+    assert [args[0] is k for (_, args), (k, _) in zip(recorded[2:], calls)] == [True] * 3
