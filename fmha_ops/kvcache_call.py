@@ -149,12 +149,18 @@ def decode_run(op, call: "KVCacheCall", inp, q, v_cache, return_lse: bool, new_t
     like_q = out_shape == q.shape and out_dtype == q.dtype and q.is_contiguous()
     empty_like = torch.empty_like
     offset = 0 if new_tokens is None else new_tokens.shape[1]
-    if new_tokens is not None:
-        from .kernels.triton.kv_append import kv_append
-    else:
-        kv_append = None
+    appender = None  # the append's bound launch, made at the first run (``KVAppender``)
 
-    if like_q and not per_tensor and not return_lse and kv_append is None:  # the common decode step: one launch
+    def kv_append(k, v, k_cache, v_cache, cache_seqlens, page_table, k_descale, v_descale):
+        nonlocal appender
+        if appender is None:
+            from .kernels.triton.kv_append import KVAppender
+
+            appender = KVAppender(k, v, k_cache, v_cache, block_table=page_table, k_scale=k_descale,
+                                  v_scale=v_descale, bound=True)
+        appender(k, v, k_cache, v_cache, cache_seqlens, page_table, k_descale, v_descale)
+
+    if like_q and not per_tensor and not return_lse and new_tokens is None:  # the common decode step: one launch
         def run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale, sinks, cache_leftpad):
             out = empty_like(q)
             launch(q, k_cache, v_cache, k_descale, v_descale, cache_seqlens, page_table, out, None, 0, sinks,
@@ -163,9 +169,8 @@ def decode_run(op, call: "KVCacheCall", inp, q, v_cache, return_lse: bool, new_t
         return run
 
     def run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale, sinks, cache_leftpad):
-        if kv_append is not None:
-            kv_append(k, v, k_cache, v_cache, cache_seqlens, block_table=page_table, k_scale=k_descale,
-                      v_scale=v_descale)
+        if new_tokens is not None:
+            kv_append(k, v, k_cache, v_cache, cache_seqlens, page_table, k_descale, v_descale)
         if per_tensor:
             k_descale = k_descale.reshape(1, 1, 1).expand(k_cache.shape[:3])
             v_descale = v_descale.reshape(1, 1, 1).expand(v_cache.shape[:3])

@@ -170,8 +170,8 @@ def test_a_decode_step_with_an_append_is_timed_without_the_write(cache, timed, m
     from fmha_ops.kv_cache import paged_from_dense
 
     monkeypatch.setattr(checks, "wanted", lambda *t: False)  # index tensors treated as a GPU's (the fast path)
-    appends, append = [], append_kernel.kv_append
-    monkeypatch.setattr(append_kernel, "kv_append", lambda *a, **kw: appends.append(1) or append(*a, **kw))
+    appends, append = [], append_kernel.KVAppender.__call__  # every append launch, one-shot or a plan's bound one
+    monkeypatch.setattr(append_kernel.KVAppender, "__call__", lambda *a: appends.append(1) or append(*a))
     g = torch.Generator().manual_seed(0)
     k, v = (torch.randn(3, 40, 2, 16, generator=g).to(torch.float16) for _ in range(2))
     (k_cache, v_cache), table = paged_from_dense([k, v], 8, generator=g)

@@ -667,3 +667,137 @@ def test_gpu_fp8_cache_through_the_api_runs_the_gluon_op(page_size):
                                vc.reshape(pool + vc.shape[2:]), bias, k_descale=ks.reshape(pool + ks.shape[2:]),
                                v_descale=vs.reshape(pool + vs.shape[2:]))
         assert rep.selected.NAME == "gluon_fp8_decodeF", str(rep)
+
+
+def _stand_in(monkeypatch, source, install):
+    """Launch ``source`` (a kernel) through a ``CachedKernel`` of a compiled (not interpreted) JITFunction of the
+    same parameters, whose compiles return stand-in kernels recording every direct launch; ``install(cached)``
+    puts it where the code under test takes the kernel's launcher. Returns the list of stand-in kernels."""
+    from types import SimpleNamespace
+
+    from triton.runtime.jit import JITFunction
+
+    from fmha_ops.kernels.triton import launch as launch_mod
+
+    fn = JITFunction(getattr(source, "fn", source))
+    compiled = []
+
+    class Run:
+        launch_cooperative_grid, launch_pdl, num_ctas = False, False, 1
+        global_scratch_size = global_scratch_align = profile_scratch_size = profile_scratch_align = 0
+
+        def __init__(self, record):
+            def launcher(gx, gy, gz, stream, *rest):  # the C launcher, behind Triton's descriptor wrapper
+                record(((gx, gy, gz), rest[9:]))
+
+            def inner(*args):
+                return launcher(*args)
+
+            self.launch = inner
+
+    def compile_(*args, grid, warmup, **kwargs):
+        kernel = SimpleNamespace(function="f", packed_metadata="m", launches=[],
+                                 src=SimpleNamespace(signature={p.name: "i32" for p in fn.params}),
+                                 metadata=SimpleNamespace(tensordesc_meta=None), constexprs=kwargs)
+        kernel.run = Run(kernel.launches.append)
+        compiled.append(kernel)
+        return kernel
+
+    monkeypatch.setattr(fn, "run", compile_)
+    monkeypatch.setattr(launch_mod, "driver", SimpleNamespace(active=SimpleNamespace(
+        get_current_device=lambda: 0, get_current_stream=lambda device: 0)))
+    install(launch_mod.CachedKernel(fn))
+    return compiled
+
+
+def test_bound_decoder_launches_what_the_keyed_one_does_and_respecializes(monkeypatch):
+    """A plan's decoder (``PagedDecoder(bound=True)``) passes each call's own tensors and strides, exactly what the
+    keyed launch passes, without rebuilding the launch key; a call whose q is not 16-byte aligned (a specialization
+    of its own) compiles and launches its own binary."""
+    from fmha_ops.kernels.triton import decode as dec
+
+    decodes = _stand_in(monkeypatch, dec._decode_kernel, lambda ck: monkeypatch.setattr(dec, "_DECODE", ck))
+    reduces = _stand_in(monkeypatch, dec._reduce_kernel, lambda ck: monkeypatch.setattr(dec, "_REDUCE", ck))
+    PagedDecoder = dec.PagedDecoder
+    q, kw, _, _ = make_case(2, 1, 4, 2, 32, [5, 9], page_size=4)
+    cache = (kw["k_cache"], kw["v_cache"])
+    settings = dict(block_table=kw["block_table"], scale=kw["scale"], num_splits=2, lse_wanted=True)
+    bound, keyed = PagedDecoder(q, *cache, **settings, bound=True), PagedDecoder(q, *cache, **settings)
+    calls = [(q.clone(), torch.empty(2, 1, 4, 32, dtype=q.dtype)) for _ in range(3)]
+    for decoder in (keyed, bound):
+        for q_i, out in calls:
+            decoder(q_i, *cache, kw["seqlens"], kw["block_table"], None, None, out, None, None, None, None)
+    assert len(decodes) == len(reduces) == 1  # one compile each: the bound launches reuse the keyed ones' binaries
+
+    def layout(args):  # what a launch passes, buffers allocated per call by their layout
+        return [(t.shape, t.stride(), t.dtype) if isinstance(t, torch.Tensor) else (type(t), t) for t in args]
+
+    for launches in (decodes[0].launches, reduces[0].launches):
+        assert len(launches) == 5  # keyed: calls 2 and 3 (the first compiled); bound: all three
+        for (grid_k, args_k), (grid_b, args_b) in zip(launches[:2], launches[3:]):
+            assert grid_k == grid_b and layout(args_k) == layout(args_b)
+    for (_, args), (q_i, out) in zip(decodes[0].launches[2:], calls):
+        assert args[0] is q_i  # each call's own q
+    for (_, args), (q_i, out) in zip(reduces[0].launches[2:], calls):
+        assert args[2] is out  # each call's own out
+    odd = torch.zeros(q.numel() + 8, dtype=q.dtype)[1:q.numel() + 1].view(q.shape)  # q's strides, 2 bytes off
+    bound(odd, *cache, kw["seqlens"], kw["block_table"], None, None, calls[0][1], None, None, None, None)
+    assert len(decodes) == 2 and decodes[1].launches == []  # compiled for it (its first launch is Triton's)
+
+
+def test_bound_fp8_decoder_launches_what_the_one_shot_launch_does(monkeypatch):
+    """The Gluon fp8 decoder of a plan (``FP8Decoder(bound=True)``) passes what ``launch`` passes, each call's own
+    tensors; a call whose scales have other strides (another choice of scale copies) takes a decoder of its own."""
+    from fmha_ops.kernels.gluon import decode as gluon
+
+    seen = []
+    launches = _stand_in(monkeypatch, gluon._decode_fp8_kernel, lambda ck: monkeypatch.setattr(
+        gluon, "launch_cached", lambda fn: seen.append(fn) or ck))
+    B, MQ, HQ, HKV, D, PAGE, PAGES = 2, 1, 8, 2, 128, 64, 4
+    q = torch.randn(B, MQ, HQ, D, dtype=torch.bfloat16)
+    k8, v8 = (torch.zeros(PAGES, PAGE, HKV, D, dtype=torch.float8_e4m3fn) for _ in range(2))
+    ks, vs = (torch.ones(PAGES, HKV, PAGE).transpose(1, 2) for _ in range(2))  # each head's slots contiguous
+    table, lengths = torch.arange(PAGES, dtype=torch.int32).view(B, -1), torch.tensor([70, 100], dtype=torch.int32)
+    out, lse = torch.empty(B, MQ, HQ, D, dtype=torch.bfloat16), torch.empty(B, HQ, MQ)
+    strides = ((0, *out.stride()[:3]), (0, *lse.stride()))
+    settings = (0.125 * 1.4426950408889634, 1, PAGE)
+    calls = [q.clone() for _ in range(3)]
+    for q_i in calls:
+        gluon.launch(q_i, k8, v8, ks, vs, lengths, table, out, lse, *strides, *settings)
+    decoder = gluon.FP8Decoder(q, k8, v8, ks, vs, table, *settings, bound=True)
+    for q_i in calls:
+        decoder(q_i, k8, v8, ks, vs, lengths, table, out, lse, *strides)
+    assert seen[0] is gluon._decode_fp8_kernel and len(launches) == 1
+    recorded = launches[0].launches  # one-shot calls 2 and 3 (the first compiled), then the bound calls 1 to 3
+    assert len(recorded) == 5
+
+    def same(a, b):
+        return a[0] == b[0] and len(a[1]) == len(b[1]) and all(
+            x is y if isinstance(x, torch.Tensor) else type(x) is type(y) and x == y for x, y in zip(a[1], b[1]))
+
+    assert same(recorded[0], recorded[3]) and same(recorded[1], recorded[4])
+    assert [args[0] is q_i for (_, args), q_i in zip(recorded[2:], calls)] == [True] * 3
+    other = ks.contiguous()  # per-slot rows: 4-byte scale copies, another specialization of the kernel
+    decoder(q, k8, v8, other, vs, lengths, table, out, lse, *strides)
+    assert len(launches) == 2 and (launches[0].constexprs["SC_VEC"], launches[1].constexprs["SC_VEC"]) == (4, 1)
+
+
+def test_bound_appender_launches_what_kv_append_does(monkeypatch):
+    """A plan's append (``KVAppender(bound=True)``) passes what ``kv_append`` passes, each call's own tensors."""
+    from fmha_ops.kernels.triton import kv_append as mod
+
+    launches = _stand_in(monkeypatch, mod._kv_append_kernel, lambda ck: monkeypatch.setattr(mod, "launch",
+                                                                                             lambda fn: ck))
+    kc, vc = torch.zeros(4, 8, 2, 32, dtype=CPU_DTYPE), torch.zeros(4, 8, 2, 32, dtype=CPU_DTYPE)
+    table, lengths = torch.arange(4, dtype=torch.int32).view(2, 2), torch.tensor([3, 9], dtype=torch.int32)
+    calls = [tuple(torch.randn(2, 1, 2, 32, dtype=CPU_DTYPE) for _ in range(2)) for _ in range(3)]
+    for k, v in calls:
+        mod.kv_append(k, v, kc, vc, lengths, block_table=table)
+    appender = mod.KVAppender(*calls[0], kc, vc, block_table=table, bound=True)
+    for k, v in calls:
+        appender(k, v, kc, vc, lengths, table, None, None)
+    recorded = launches[0].launches  # kv_append's calls 2 and 3 (the first compiled), then the bound calls 1 to 3
+    assert len(launches) == 1 and len(recorded) == 5
+    for a, b in zip(recorded[:2], recorded[3:]):
+        assert a[0] == b[0] and all(x is y if isinstance(x, torch.Tensor) else x == y for x, y in zip(a[1], b[1]))
+    assert [args[0] is k for (_, args), (k, _) in zip(recorded[2:], calls)] == [True] * 3

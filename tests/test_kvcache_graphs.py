@@ -60,15 +60,22 @@ def test_calls_keep_no_tensor_they_allocate(name):
 
 
 def _launched_tensors(monkeypatch) -> list:
-    """The tensors every kernel launch of ``fmha_ops.kernels.triton.launch`` receives, appended per launch."""
+    """The tensors every kernel launch of ``fmha_ops.kernels.triton.launch`` receives, appended per launch, keyed
+    (``CachedKernel``) or bound (``BoundLaunch``: a plan's repeated launches; its first call, which takes the keyed
+    path, is appended twice)."""
     seen: list = []
-    launch = launch_module.CachedKernel._launch
+    launch, bound = launch_module.CachedKernel._launch, launch_module.BoundLaunch.__call__
 
     def spy(self, grid, args, kwargs):
         seen.append([a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)])
         return launch(self, grid, args, kwargs)
 
+    def bound_spy(self, *args):
+        seen.append([a for a in args if isinstance(a, torch.Tensor)])
+        return bound(self, *args)
+
     monkeypatch.setattr(launch_module.CachedKernel, "_launch", spy)
+    monkeypatch.setattr(launch_module.BoundLaunch, "__call__", bound_spy)
     return seen
 
 

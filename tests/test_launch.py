@@ -346,3 +346,144 @@ def test_a_launch_that_triton_hands_to_a_compile_hook_is_not_cached(fake):
     assert ck[(1,)](x, y, 64, 0.5, BLOCK=32) is None and not ck._cache
     ck.fn.run = real
     assert ck[(1,)](x, y, 64, 0.5, BLOCK=32) is rec.kernels[0] and len(ck._cache) == 1
+
+
+# ---- BoundLaunch: a plan's repeated launches check the launch key instead of rebuilding it ----------------------
+
+@pytest.fixture
+def keyed_calls(fake, monkeypatch):
+    """(CachedKernel, recorder, list of the argument tuples that took ``CachedKernel``'s keyed path)."""
+    ck, rec = fake
+    seen = []
+    real = ck._launch
+
+    def spy(grid, args, kwargs):
+        seen.append(args)
+        return real(grid, args, kwargs)
+
+    monkeypatch.setattr(ck, "_launch", spy)
+    return ck, rec, seen
+
+
+def test_bound_launch_repeats_skip_the_keyed_path_and_pass_each_calls_arguments(keyed_calls):
+    ck, rec, keyed = keyed_calls
+    bound = ck.bind((4, 2), BLOCK=32, num_warps=4)
+    x, y = torch.zeros(64), torch.zeros(64)
+    assert bound(x, y, 64, 0.5) is rec.kernels[0]  # first call: compiled through the keyed path
+    others = [(torch.ones(64), torch.zeros(64)) for _ in range(3)]
+    for a, b in others:
+        assert bound(a, b, 64, 0.5) is rec.kernels[0]
+    assert rec.calls == 1 and len(keyed) == 1
+    launches = rec.kernels[0].launches
+    assert len(launches) == 3 and all(grid == (4, 2, 1) for grid, _ in launches)
+    for (a, b), (_, args) in zip(others, launches):
+        assert args[0] is a and args[1] is b and args[2:] == (64, 0.5, 32, True)  # constexprs, FLAG's default
+
+
+def _native(a):
+    """Triton's own specialization of one runtime argument (what picks the compiled binary)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    return native_specialize_impl(BaseBackend, a, False, True, True)
+
+
+_INTS = (0, 1, 2, 15, 16, 17, 32, -16, 2**31 - 16, 2**31, 2**31 + 16, -2**31, -2**31 - 16)
+
+
+@pytest.mark.parametrize("bound_n", _INTS)
+def test_bound_launch_never_reuses_a_binary_for_an_int_triton_specializes_differently(keyed_calls, bound_n):
+    """Every int whose Triton specialization (== 1 constexpr, divisible by 16, int32 / int64) differs from the
+    bound one goes back through the keyed path; so do a bool or a float of the same value."""
+    ck, rec, keyed = keyed_calls
+    x, y = torch.zeros(64), torch.zeros(64)
+    bound = ck.bind((1,), BLOCK=32)
+    bound(x, y, bound_n, 0.5)
+    for n in (*_INTS, True, False, float(bound_n)):
+        before = len(keyed)
+        bound(x, y, n, 0.5)
+        direct = len(keyed) == before
+        if direct:
+            assert type(n) is int and _native(n) == _native(bound_n), n
+        else:
+            assert n != bound_n or type(n) is not int, n
+
+
+@pytest.mark.parametrize("change", ["misaligned", "aligned", "dtype", "float", "none", "subclass", "device", "hook"])
+def test_bound_launch_any_key_change_goes_back_through_the_keyed_path(keyed_calls, monkeypatch, change):
+    ck, rec, keyed = keyed_calls
+    base = torch.zeros(80)
+    x, y = (base[1:65], torch.zeros(64)) if change == "aligned" else (base[:64], torch.zeros(64))
+    current = [0]
+    monkeypatch.setattr(launch_mod.driver.active, "get_current_device", lambda: current[0])
+    bound = ck.bind((1,), BLOCK=32)
+    bound(x, y, 64, 0.5)
+    args = [x, y, 64, 0.5]
+    if change == "misaligned":
+        args[0] = base[1:65]
+    elif change == "aligned":
+        args[0] = base[:64]
+    elif change == "dtype":
+        args[1] = y.double()
+    elif change == "float":
+        args[3] = 0.25
+    elif change == "none":
+        args[3] = None
+    elif change == "subclass":  # the same specialization: the keyed path launches the same binary
+        args[1] = torch.nn.Parameter(y)
+    elif change == "device":
+        current[0] = 1
+    if change == "hook":
+        hook = lambda metadata: None  # noqa: E731
+        triton.knobs.runtime.launch_enter_hook.add(hook)
+        try:
+            bound(*args)
+        finally:
+            triton.knobs.runtime.launch_enter_hook.remove(hook)
+    else:
+        bound(*args)
+    assert len(keyed) == 2
+    launched = {"hook": ["hooked"], "subclass": [(1, 1, 1)]}.get(change, [])
+    assert [entry[0] for entry in rec.kernels[0].launches] == launched
+    if _native(args[0]) != _native(x) or args[1].dtype != y.dtype:
+        assert rec.calls == 2  # a binary of its own
+
+
+def test_bound_launch_of_an_interpreted_kernel_always_takes_tritons_path():
+    calls = []
+
+    class Interpreted:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((grid, args, kwargs))
+
+    bound = CachedKernel(Interpreted()).bind((2,), BLOCK=8)
+    bound(1, 2)
+    bound(1, 2)
+    assert calls == [((2,), (1, 2), {"BLOCK": 8})] * 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_bound_launch_equals_triton_through_respecializations_and_a_graph():
+    """A bound launch computes what Triton's does for aligned and misaligned views and other sizes (those through
+    the keyed path), and its direct launches capture in a CUDA graph."""
+    ck = CachedKernel(_axpy_kernel)
+    bound = ck.bind((16,), BLOCK=256)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    base, y = torch.randn(4096 + 8, device="cuda", generator=g), torch.randn(4096 + 8, device="cuda", generator=g)
+    for n, off in ((4096, 0), (4096, 0), (4096, 1), (4000, 0), (4096, 4), (4096, 0)):
+        x = base[off:off + n]
+        out = torch.full((n,), float("nan"), device="cuda")
+        bound(x, y, out, n, 1.5)
+        torch.testing.assert_close(out, 1.5 * x + y[:n], rtol=1e-6, atol=1e-6)
+    x, out = base[:4096], torch.empty(4096, device="cuda")
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=s):
+            bound(x, y, out, 4096, 1.5)  # the bound specialization: its direct launch is captured
+    out.fill_(float("nan"))
+    x.copy_(torch.randn(4096, device="cuda", generator=g))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, 1.5 * x + y[:4096], rtol=1e-6, atol=1e-6)

@@ -1,5 +1,5 @@
 """Where the host time of a call goes on the GPU machine: Triton kernel launches (Triton's own path, ``CachedKernel``,
-the compiled kernel's runner alone), the layers of the fp8 training path, and autograd's share of a backward.
+a plan's ``BoundLaunch``, the compiled kernel's runner alone), the layers of the fp8 training path, and autograd's share of a backward.
 Whole public calls against SDPA are the record of ``bench/host_time.py``.
 
 Host wall time of back-to-back calls (``time.perf_counter`` over ``--iters`` calls after a warm-up, then one sync;
@@ -44,7 +44,7 @@ def captured_launch(fn, call):
 
 def launch_rows(iters: int) -> list[dict]:
     """Each Triton launch of the fp8 training path at a tiny size (1x64x1x64 bf16 q/k/v): Triton's launch,
-    CachedKernel's, and the compiled kernel's runner alone."""
+    CachedKernel's, a plan's bound launch of it (``CachedKernel.bind``), and the compiled kernel's runner alone."""
     from fmha_ops.kernels.triton import attention_bwd as ab, quantize as qz
 
     qkv = [torch.randn(1, 64, 1, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
@@ -69,13 +69,15 @@ def launch_rows(iters: int) -> list[dict]:
     rows = []
     for name, (fn, call) in cases.items():
         ck, grid, args, kwargs = captured_launch(fn, call)
-        kernel, rest = next(v for v in ck._cache.values())
+        kernel, rest, _ = next(v for v in ck._cache.values())
+        bound = ck.bind(grid, **kwargs)
         full = list(args) + [kwargs[n] if n in kwargs else d for n, d in rest]
         grid3 = (*grid, 1, 1)[:3]
         rows.append({"case": f"launch: {name}", "args": len(args) + len(kwargs),
                      "tensors": sum(isinstance(a, torch.Tensor) for a in args),
                      "triton_us": common.host_us(lambda: fn[grid](*args, **kwargs), iters),
                      "cached_us": common.host_us(lambda: ck[grid](*args, **kwargs), iters),
+                     "bound_us": common.host_us(lambda: bound(*args), iters),
                      "runner_us": common.host_us(lambda: kernel[grid3](*full), iters)})
     return rows
 
@@ -194,14 +196,15 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=2000)
     args = p.parse_args()
     launches = launch_rows(args.iters)
-    common.print_table(launches, ["case", "args", "tensors", "triton_us", "cached_us", "runner_us"])
+    common.print_table(launches, ["case", "args", "tensors", "triton_us", "cached_us", "bound_us",
+                                    "runner_us"])
     layers = layer_rows(max(args.iters // 2, 50))
     common.print_table(layers, ["case", "host_us"])
     engine = autograd_rows(max(args.iters // 2, 50))
     common.print_table(engine, ["case", "node_apply_us", "autograd_grad_us", "engine_us"])
     out = common.out_dir(args.out)
     common.write_json(out, "launch_overhead", launches + layers + engine)
-    common.bar_plot(out, "launch_overhead", launches, "case", ["triton_us", "cached_us", "runner_us"], "host us",
+    common.bar_plot(out, "launch_overhead", launches, "case", ["triton_us", "cached_us", "bound_us", "runner_us"], "host us",
                     "Triton launch host time (H200 host)")
 
 

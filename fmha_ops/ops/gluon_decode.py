@@ -117,10 +117,12 @@ class GluonFp8DecodeFwOp(AttentionFwOp):
         calls with sinks takes the split path): tensors as ``decode_views`` lays them out, written into ``out`` /
         ``lse`` (None: no LSE written), lengths ``seqlens + seqlen_offset``, keys from ``key_start`` (int32 (B,);
         None: 0); the split count (and, with ``own_workspace``, one split workspace for every launch: one stream at a
-        time) fixed here (``fmha_ops.decode_plan``, the ``flash_attn_with_kvcache`` fast path)."""
+        time) fixed here (``fmha_ops.decode_plan``, the ``flash_attn_with_kvcache`` fast path). Each kind of call
+        (LSE or not, offset, sinks or not, key starts or not) gets a bound decoder and reduce at its first launch: a
+        repeated call checks its launch keys instead of rebuilding them (``BoundLaunch``)."""
         from ..kernels.gluon import decode as gluon
         from ..kernels.softmax import LOG2E
-        from ..kernels.triton.decode import programmatic_launch, reduce_splits, split_buffers
+        from ..kernels.triton.decode import SplitReduce, programmatic_launch, split_buffers
 
         q, k, v, _, table, _, _ = decode_views(inp)
         B, MQ, HQ, D = q.shape
@@ -133,15 +135,25 @@ class GluonFp8DecodeFwOp(AttentionFwOp):
             splits = max(splits, MIN_SINK_SPLITS)
         workspace = split_buffers(q, splits, None, None)[:2] if splits > 1 and own_workspace else None
         pdl = splits > 1 and programmatic_launch(q.device)
+        planned: dict = {}  # by (LSE, offset, sinks, key starts): a few kinds per plan at most
 
         def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, table, out, lse, seqlen_offset=0, sinks=None,
                    key_start=None):
             o_buf, l_buf, o_strides, l_strides = split_buffers(q, splits, out, lse, workspace)
-            gluon.launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, table, o_buf, l_buf, o_strides, l_strides,
-                         scale_log2, splits, page_size, pdl, window_left=window, softcap=softcap,
-                         store_lse=lse is not None, seqlen_offset=seqlen_offset, key_start=key_start)
-            if splits > 1:
-                reduce_splits(o_buf, l_buf, out, lse, pdl, sinks)
+            kind = (lse is None, seqlen_offset, sinks is None, key_start is None)
+            bound = planned.get(kind)
+            if bound is None:
+                bound = planned[kind] = (
+                    gluon.FP8Decoder(q, k_cache, v_cache, k_scale, v_scale, table, scale_log2, splits, page_size,
+                                     pdl, window_left=window, softcap=softcap, store_lse=lse is not None,
+                                     seqlen_offset=seqlen_offset, key_start=key_start, bound=True),
+                    SplitReduce(tuple(o_buf.shape), lse is not None, sinks is not None, pdl, bound=True)
+                    if splits > 1 else None)
+            decoder, reduce = bound
+            decoder(q, k_cache, v_cache, k_scale, v_scale, seqlens, table, o_buf, l_buf, o_strides, l_strides,
+                    key_start)
+            if reduce is not None:
+                reduce(o_buf, l_buf, out, lse, sinks)
         return launch
 
     @classmethod

@@ -83,11 +83,13 @@ class _DecodeOp(AttentionFwOp):
     @classmethod
     def decode_launcher(cls, inp, needs_lse, own_workspace: bool = True):
         """``launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse, seqlen_offset=0,
-        sinks=None, key_start=None)`` for
-        calls like ``inp`` (same shapes, strides, mask kind and window): tensors as ``decode_views`` lays them out,
-        written into ``out`` / ``lse`` (None: no LSE written), lengths ``seqlens + seqlen_offset``; the split count (and, with ``own_workspace``, one split workspace for every launch: one
-        stream at a time) fixed here (``fmha_ops.decode_plan``, the ``flash_attn_with_kvcache`` fast path)."""
-        from ..kernels.triton.decode import paged_decode, split_buffers
+        sinks=None, key_start=None)`` for calls like ``inp`` (same shapes, strides, mask kind and window): tensors as
+        ``decode_views`` lays them out, written into ``out`` / ``lse`` (None: no LSE written), lengths ``seqlens +
+        seqlen_offset``; the split count (and, with ``own_workspace``, one split workspace for every launch: one
+        stream at a time) fixed here (``fmha_ops.decode_plan``, the ``flash_attn_with_kvcache`` fast path). Each
+        kind of call (LSE or not, offset, sinks or not, key starts or not) gets a bound ``PagedDecoder`` at its
+        first launch: a repeated call checks its launch key instead of rebuilding it (``BoundLaunch``)."""
+        from ..kernels.triton.decode import PagedDecoder, split_buffers
 
         q, k, v, _, table, _, _ = decode_views(inp)
         window, scale, softcap = decode_window(inp), inp.softmax_scale, inp.softcap
@@ -96,13 +98,18 @@ class _DecodeOp(AttentionFwOp):
                                 k.dtype != q.dtype, _arch(q.device))
         workspace = (split_buffers(q, splits, None, None, head_dim_v=v.shape[3])[:2] if splits > 1 and own_workspace
                      else None)
+        decoders: dict = {}  # by (LSE, offset, sinks, key starts): a few kinds per plan at most
 
         def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, table, out, lse, seqlen_offset=0, sinks=None,
                    key_start=None):
-            paged_decode(q, k_cache, v_cache, seqlens, block_table=table, scale=scale, k_scale=k_scale,
-                         v_scale=v_scale, num_splits=splits, out=out, lse=lse, lse_wanted=lse is not None,
-                         seqlen_offset=seqlen_offset, window_left=window, softcap=softcap, workspace=workspace,
-                         sinks=sinks, key_start=key_start)
+            kind = (lse is None, seqlen_offset, sinks is None, key_start is None)
+            decoder = decoders.get(kind)
+            if decoder is None:
+                decoder = decoders[kind] = PagedDecoder(
+                    q, k_cache, v_cache, block_table=table, scale=scale, k_scale=k_scale, v_scale=v_scale,
+                    num_splits=splits, lse_wanted=lse is not None, seqlen_offset=seqlen_offset, window_left=window,
+                    softcap=softcap, sinks=sinks, key_start=key_start, bound=True)
+            decoder(q, k_cache, v_cache, seqlens, table, k_scale, v_scale, out, lse, sinks, key_start, workspace)
         return launch
 
     @classmethod

@@ -27,6 +27,7 @@ out and the splits cut only the keys from its tile on (tiles wholly below it are
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -431,6 +432,71 @@ def vector_scales(k_scale: torch.Tensor, v_scale: torch.Tensor) -> bool:
     return all(t.stride(1) == 1 and t.shape[1] % 4 == 0 for t in (k_scale, v_scale))
 
 
+class FP8Decoder:
+    """``launch``'s kernel for calls of one layout: tile choices, grid and constexprs made once from the tensors and
+    settings given here (``launch``'s), ``decoder(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out,
+    lse, out_strides, lse_strides, key_start)`` per call, each call's pointers, strides and sizes read from its own
+    tensors. Calls pass tensors of the shapes given here (``key_start`` given or None as here); one whose caches or
+    scales have other strides (which the heads per program and the scale copies are chosen from) runs a decoder of
+    its own. ``bound``: the launch is a ``BoundLaunch`` (a plan's repeated calls: the launch key is checked, not
+    rebuilt).
+
+    Example
+    -------
+    >>> decoder = FP8Decoder(q, k8, v8, k_scale, v_scale, table, 128 ** -0.5 * 1.4426950408889634, 1, 64,
+    ...                      bound=True)  # doctest: +SKIP
+    >>> decoder(q, k8, v8, k_scale, v_scale, lengths, table, out, lse, (0, *out.stride()[:3]),
+    ...         (0, *lse.stride()), None)  # doctest: +SKIP
+    """
+
+    def __init__(self, q, k_cache, v_cache, k_scale, v_scale, block_table, qk_scale_log2: float, num_splits: int,
+                 page_size: int | None, pdl: bool = False, *, window_left: int = -1, softcap: float = 0.0,
+                 store_lse: bool = True, seqlen_offset: int = 0, key_start: torch.Tensor | None = None,
+                 bound: bool = False) -> None:
+        B, MQ, HQ, D = q.shape
+        hkv = k_cache.shape[2]
+        heads = heads_per_program(D, hkv, MQ * (HQ // hkv), heads_adjacent(k_cache, v_cache))
+        warps = warps_per_program(D)
+        paged = page_size is not None
+        capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
+        vec = vector_scales(k_scale, v_scale)
+        keys = capacity if window_left < 0 else min(capacity, window_left + MQ)
+        tiles = tile_config(page_size, heads * D, -(-keys // num_splits), vec)
+        qk_scale, softcap_log2 = ((qk_scale_log2 / (LOG2E.value * softcap), softcap * LOG2E.value) if softcap
+                                  else (qk_scale_log2, 0.0))
+        self._paged, self._page_size = paged, page_size or 1
+        self._strides = (k_cache.stride(), v_cache.stride(), k_scale.stride(), v_scale.stride())
+        self._settings = (qk_scale_log2, num_splits, page_size, pdl, dict(
+            window_left=window_left, softcap=softcap, store_lse=store_lse, seqlen_offset=seqlen_offset))
+        self._constants = (qk_scale, softcap_log2, hkv, num_splits)
+        self._tail = (MQ * (HQ // hkv), max(window_left, 0), seqlen_offset)
+        grid = (programs_per_split(B, hkv, heads), num_splits)
+        fixed = dict(G=HQ // hkv, MQ=MQ, D=D, HEADS=heads, WARPS=warps, BLOCK_N=tiles.block_n,
+                     PAGE_SIZE=page_size or 1, PAGED=paged, PARTIAL=num_splits > 1, STAGES=tiles.stages, PDL=pdl,
+                     SC_VEC=4 if vec else 1, WINDOW=window_left >= 0, SOFTCAP=softcap > 0.0,
+                     STORE_LSE=store_lse or num_splits > 1, HAS_KEY_START=key_start is not None, num_warps=warps)
+        kernel = launch_cached(_decode_fp8_kernel)
+        self._launch = kernel.bind(grid, **fixed) if bound else functools.partial(kernel[grid], **fixed)
+
+    def __call__(self, q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse, out_strides,
+                 lse_strides, key_start=None) -> None:
+        strides = k_cache.stride(), v_cache.stride(), k_scale.stride(), v_scale.stride()
+        if strides != self._strides:  # heads per program and scale copies were chosen for the given strides
+            qk_scale_log2, num_splits, page_size, pdl, options = self._settings
+            FP8Decoder(q, k_cache, v_cache, k_scale, v_scale, block_table, qk_scale_log2, num_splits, page_size, pdl,
+                       key_start=key_start, **options)(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table,
+                                                       out, lse, out_strides, lse_strides, key_start)
+            return
+        ks, vs, kss, vss = strides
+        paged = self._paged
+        self._launch(
+            q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table if paged else seqlens, out, lse,
+            seqlens if key_start is None else key_start,
+            *q.stride()[:3], *ks[:3], *vs[:3], *kss, *vss, block_table.stride(0) if paged else 0, *out_strides,
+            *lse_strides, *self._constants, k_cache.shape[0],
+            block_table.shape[1] * self._page_size if paged else k_cache.shape[1], *self._tail)
+
+
 def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse, out_strides, lse_strides,
            qk_scale_log2: float, num_splits: int, page_size: int | None, pdl: bool = False, *,
            window_left: int = -1, softcap: float = 0.0, store_lse: bool = True, seqlen_offset: int = 0,
@@ -450,28 +516,7 @@ def launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse
     >>> launch(q, k8, v8, k_scale, v_scale, lengths, table, out, lse, (0, *out.stride()[:3]), (0, *lse.stride()),
     ...        128 ** -0.5 * 1.4426950408889634, 1, 64)  # doctest: +SKIP
     """
-    B, MQ, HQ, D = q.shape
-    hkv = k_cache.shape[2]
-    heads = heads_per_program(D, hkv, MQ * (HQ // hkv), heads_adjacent(k_cache, v_cache))
-    warps = warps_per_program(D)
-    paged = page_size is not None
-    capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
-    vec = vector_scales(k_scale, v_scale)
-    keys = capacity if window_left < 0 else min(capacity, window_left + MQ)
-    tiles = tile_config(page_size, heads * D, -(-keys // num_splits), vec)
-    bt = block_table if paged else seqlens
-    qk_scale, softcap_log2 = (qk_scale_log2 / (LOG2E.value * softcap), softcap * LOG2E.value) if softcap else \
-        (qk_scale_log2, 0.0)
-    launch_cached(_decode_fp8_kernel)[(programs_per_split(B, hkv, heads), num_splits)](
-        q, k_cache, v_cache, k_scale, v_scale, seqlens, bt, out, lse, seqlens if key_start is None else key_start,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), *k_scale.stride(), *v_scale.stride(),
-        block_table.stride(0) if paged else 0, *out_strides, *lse_strides,
-        qk_scale, softcap_log2, hkv, num_splits, k_cache.shape[0], capacity, MQ * (HQ // hkv), max(window_left, 0),
-        seqlen_offset,
-        G=HQ // hkv, MQ=MQ, D=D, HEADS=heads, WARPS=warps, BLOCK_N=tiles.block_n, PAGE_SIZE=page_size or 1,
-        PAGED=paged, PARTIAL=num_splits > 1, STAGES=tiles.stages, PDL=pdl, SC_VEC=4 if vec else 1,
-        WINDOW=window_left >= 0, SOFTCAP=softcap > 0.0, STORE_LSE=store_lse or num_splits > 1,
-        HAS_KEY_START=key_start is not None, num_warps=warps,
-    )
+    FP8Decoder(q, k_cache, v_cache, k_scale, v_scale, block_table, qk_scale_log2, num_splits, page_size, pdl,
+               window_left=window_left, softcap=softcap, store_lse=store_lse, seqlen_offset=seqlen_offset,
+               key_start=key_start)(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse, out_strides,
+                                    lse_strides, key_start)

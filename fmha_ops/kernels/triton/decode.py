@@ -350,21 +350,126 @@ def split_buffers(q: torch.Tensor, num_splits: int, out: torch.Tensor, lse: torc
     return o_buf, l_buf, o_buf.stride()[:4], l_buf.stride()
 
 
+class SplitReduce:
+    """The split reduce's launch for one layout: grid and constexprs fixed here, ``reduce(o_buf, l_buf, out, lse,
+    sinks)`` per call (``reduce_splits``'s arguments, tensors of the shapes given here).
+
+    ``o_shape``: the partial outputs' (S, B, Mq, Hq, Dv); ``store_lse``: an ``lse`` is written; ``has_sinks``: sinks
+    are passed; ``pdl``: the decoder was launched by programmatic dependent launch; ``bound``: the launch is a
+    ``BoundLaunch`` (repeated calls of a plan) instead of ``CachedKernel``'s keyed one (a single call)."""
+
+    __slots__ = ("_launch",)
+
+    def __init__(self, o_shape: tuple, store_lse: bool, has_sinks: bool, pdl: bool, bound: bool = False) -> None:
+        num_splits, B, MQ, HQ, D = o_shape
+        chunks = _reduce_chunks(B * MQ * HQ, D)
+        fixed = dict(S_PAD=next_pow2(num_splits), D=D, BLOCK_D=next_pow2(cdiv(D, chunks)), PDL=pdl,
+                     STORE_LSE=store_lse, HAS_SINKS=has_sinks, num_warps=4, launch_pdl=pdl)
+        grid = (B * MQ * HQ, chunks)
+        self._launch = _REDUCE.bind(grid, **fixed) if bound else functools.partial(_REDUCE[grid], **fixed)
+
+    def __call__(self, o_buf: torch.Tensor, l_buf: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
+                 sinks: torch.Tensor | None = None) -> None:
+        self._launch(o_buf, l_buf, out, l_buf if lse is None else lse, l_buf if sinks is None else sinks,
+                     o_buf.stride(0), l_buf.stride(0), *out.stride()[:3], *((0, 0, 0) if lse is None else lse.stride()),
+                     o_buf.shape[3], o_buf.shape[2], o_buf.shape[0])
+
+
 def reduce_splits(o_buf: torch.Tensor, l_buf: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
                   pdl: bool = False, sinks: torch.Tensor | None = None) -> None:
     """Combine the partial outputs ``o_buf`` (S, B, Mq, Hq, Dv) float32 and their LSEs ``l_buf`` (S, B, Hq, Mq)
     into ``out`` (B, Mq, Hq, Dv) and ``lse`` (B, Hq, Mq) (None: not written) with log-sum-exp weights; ``pdl``: the
     decoder was launched with programmatic dependent launch (``programmatic_launch``); ``sinks``: float32 (Hq,)
     sink logits, each joining its head's denominators once (the splits' partials leave them out)."""
-    num_splits, B, MQ, HQ, D = o_buf.shape
-    chunks = _reduce_chunks(B * MQ * HQ, D)
-    launch(_reduce_kernel)[(B * MQ * HQ, chunks)](
-        o_buf, l_buf, out, l_buf if lse is None else lse, l_buf if sinks is None else sinks,
-        o_buf.stride(0), l_buf.stride(0),
-        out.stride(0), out.stride(1), out.stride(2), *((0, 0, 0) if lse is None else lse.stride()), HQ, MQ,
-        num_splits, S_PAD=next_pow2(num_splits), D=D, BLOCK_D=next_pow2(cdiv(D, chunks)), PDL=pdl,
-        STORE_LSE=lse is not None, HAS_SINKS=sinks is not None, num_warps=4, launch_pdl=pdl,
-    )
+    SplitReduce(tuple(o_buf.shape), lse is not None, sinks is not None, pdl)(o_buf, l_buf, out, lse, sinks)
+
+
+class PagedDecoder:
+    """``paged_decode``'s launches for calls of one layout: the checks, the tile config, the grids and the
+    constexprs are made once, from the tensors given here (their shapes, dtypes and strides; ``paged_decode``'s
+    arguments), and ``decoder(q, k_cache, v_cache, seqlens, block_table, k_scale, v_scale, out, lse, sinks,
+    key_start, workspace)`` launches the kernels, each call's pointers, strides and sizes read from its own tensors.
+    Calls pass tensors of the shapes and dtypes given here and the same kinds of arguments (``block_table``,
+    ``k_scale`` / ``v_scale``, ``sinks``, ``key_start`` given or None as here; ``lse`` given or None as
+    ``lse_wanted``): the grids are these shapes'. ``bound``: the launches are ``BoundLaunch``es (a plan's repeated
+    calls: the launch key is checked, not rebuilt); otherwise keyed by ``CachedKernel`` (a single call).
+
+    Example
+    -------
+    >>> decoder = PagedDecoder(q, k_pages, v_pages, block_table=table, scale=128 ** -0.5, num_splits=4,
+    ...                        bound=True)  # doctest: +SKIP
+    >>> out, lse = decoder(q, k_pages, v_pages, lengths, table, None, None, None, None, None, None,
+    ...                    None)  # doctest: +SKIP
+    """
+
+    def __init__(self, q, k_cache, v_cache, *, block_table=None, scale: float, k_scale=None, v_scale=None,
+                 num_splits: int = 1, lse_wanted: bool = True, seqlen_offset: int = 0, window_left: int = -1,
+                 softcap: float = 0.0, block_n: int | None = None, num_warps: int | None = None,
+                 num_stages: int | None = None, sinks=None, key_start=None, bound: bool = False) -> None:
+        B, MQ, HQ, D = q.shape
+        HKV, DV = k_cache.shape[2], v_cache.shape[3]
+        G = HQ // HKV
+        fp8 = k_cache.dtype != q.dtype
+        if G * HKV != HQ or k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[3] != D:
+            raise ValueError(f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}: "
+                             f"the caches must agree in (pages, slots, heads), k_cache's head dim be q's and q's heads "
+                             f"be a multiple of theirs")
+        if sinks is not None and (sinks.shape != (HQ,) or sinks.dtype != torch.float32 or sinks.stride(0) != 1):
+            raise ValueError(f"sinks must be float32 ({HQ},) contiguous, got {sinks.dtype} {tuple(sinks.shape)}")
+        if key_start is not None and (key_start.shape != (B,) or key_start.dtype != torch.int32
+                                      or key_start.stride(0) != 1 or key_start.device != q.device):
+            raise ValueError(f"key_start must be int32 ({B},) contiguous on {q.device}, got {key_start.dtype} "
+                             f"{tuple(key_start.shape)} on {key_start.device}")
+        if q.stride(3) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+            raise ValueError("q, k_cache and v_cache must be contiguous in their last dim")
+        if fp8 and (k_scale is None or v_scale is None):
+            raise ValueError(f"an {k_cache.dtype} cache needs k_scale and v_scale")
+        if window_left < -1 or not softcap >= 0.0 or softcap == float("inf"):
+            raise ValueError(f"window_left={window_left} must be >= -1 (-1 = unbounded) and softcap={softcap} "
+                             f"finite and >= 0 (0 = off)")
+        paged = block_table is not None
+        self._page_size = k_cache.shape[1] if paged else 1
+        self._shape, self._dv, self._fp8, self._paged = (B, MQ, HQ, D), DV, fp8, paged
+        self._num_splits, self._lse_wanted = num_splits, lse_wanted
+        pdl = num_splits > 1 and programmatic_launch(q.device)
+        rows = G * MQ
+        bm = block_m(rows)
+        cfg = default_config(next_pow2(max(D, DV)), fp8, not paged or self._page_size % 64 == 0, bm)
+        qk_scale, softcap_log2 = (scale / softcap, softcap * LOG2E.value) if softcap else (scale * LOG2E.value, 0.0)
+        self._constants = (qk_scale, softcap_log2, HKV, num_splits)
+        self._window_offset = (max(window_left, 0), seqlen_offset)
+        grid = (B * HKV, num_splits, cdiv(rows, bm))
+        fixed = dict(G=G, MQ=MQ, D=D, DV=DV, BLOCK_M=bm, BLOCK_N=block_n or cfg.block_n, PAGE_SIZE=self._page_size,
+                     PAGED=paged, FP8=fp8, PARTIAL=num_splits > 1, ASM_CVT=fp8 and _asm_cvt(q.device), PDL=pdl,
+                     WINDOW=window_left >= 0, SOFTCAP=softcap > 0.0, STORE_LSE=num_splits > 1 or lse_wanted,
+                     HAS_SINKS=sinks is not None and num_splits == 1, HAS_KEY_START=key_start is not None,
+                     num_warps=num_warps or cfg.num_warps, num_stages=num_stages or cfg.num_stages)
+        self._decode = _DECODE.bind(grid, **fixed) if bound else functools.partial(_DECODE[grid], **fixed)
+        self._reduce = (SplitReduce((num_splits, B, MQ, HQ, DV), lse_wanted, sinks is not None, pdl, bound)
+                        if num_splits > 1 else None)
+
+    def __call__(self, q, k_cache, v_cache, seqlens, block_table, k_scale, v_scale, out, lse, sinks, key_start,
+                 workspace):
+        """Out (B, Mq, Hq, Dv) in q's dtype and lse float32 (B, Hq, Mq) (None without ``lse_wanted``), written into
+        ``out`` / ``lse`` when given (``paged_decode``'s arguments; ``workspace`` as ``split_buffers`` takes it)."""
+        if out is None:
+            out = q.new_empty((*self._shape[:3], self._dv))
+        if lse is None and self._lse_wanted:
+            B, MQ, HQ, _ = self._shape
+            lse = torch.empty((B, HQ, MQ), device=q.device, dtype=torch.float32)
+        o_buf, l_buf, o_strides, l_strides = split_buffers(q, self._num_splits, out, lse, workspace, self._dv)
+        fp8, paged = self._fp8, self._paged
+        self._decode(
+            q, k_cache, v_cache, k_scale if fp8 else k_cache, v_scale if fp8 else v_cache, seqlens,
+            block_table if paged else seqlens, o_buf, l_buf, l_buf if sinks is None else sinks,
+            seqlens if key_start is None else key_start,
+            *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
+            *(k_scale.stride() if fp8 else (0, 0, 0)), *(v_scale.stride() if fp8 else (0, 0, 0)),
+            block_table.stride(0) if paged else 0, *o_strides, *l_strides, *self._constants, k_cache.shape[0],
+            block_table.shape[1] * self._page_size if paged else k_cache.shape[1], *self._window_offset)
+        if self._reduce is not None:
+            self._reduce(o_buf, l_buf, out, lse, sinks)
+        return out, lse
 
 
 def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float,
@@ -408,57 +513,12 @@ def paged_decode(q, k_cache, v_cache, seqlens, *, block_table=None, scale: float
     >>> out, lse = paged_decode(q, k_pages, v_pages, lengths, block_table=table, scale=128 ** -0.5,
     ...                         num_splits=4)  # doctest: +SKIP
     """
-    B, MQ, HQ, D = q.shape
-    HKV, DV = k_cache.shape[2], v_cache.shape[3]
-    G = HQ // HKV
-    fp8 = k_cache.dtype != q.dtype
-    if G * HKV != HQ or k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[3] != D:
-        raise ValueError(f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}: the "
-                         f"caches must agree in (pages, slots, heads), k_cache's head dim be q's and q's heads be a "
-                         f"multiple of theirs")
-    if sinks is not None and (sinks.shape != (HQ,) or sinks.dtype != torch.float32 or sinks.stride(0) != 1):
-        raise ValueError(f"sinks must be float32 ({HQ},) contiguous, got {sinks.dtype} {tuple(sinks.shape)}")
-    if key_start is not None and (key_start.shape != (B,) or key_start.dtype != torch.int32
-                                  or key_start.stride(0) != 1 or key_start.device != q.device):
-        raise ValueError(f"key_start must be int32 ({B},) contiguous on {q.device}, got {key_start.dtype} "
-                         f"{tuple(key_start.shape)} on {key_start.device}")
-    if q.stride(3) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
-        raise ValueError("q, k_cache and v_cache must be contiguous in their last dim")
-    if fp8 and (k_scale is None or v_scale is None):
-        raise ValueError(f"an {k_cache.dtype} cache needs k_scale and v_scale")
-    if out is None:
-        out = q.new_empty((B, MQ, HQ, DV))
-    if lse is None and lse_wanted:
-        lse = torch.empty((B, HQ, MQ), device=q.device, dtype=torch.float32)
-    paged = block_table is not None
-    page_size = k_cache.shape[1] if paged else 1
-    capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
-    o_buf, l_buf, o_strides, l_strides = split_buffers(q, num_splits, out, lse, workspace, DV)
-    pdl = num_splits > 1 and programmatic_launch(q.device)
-    if window_left < -1 or not softcap >= 0.0 or softcap == float("inf"):
-        raise ValueError(f"window_left={window_left} must be >= -1 (-1 = unbounded) and softcap={softcap} finite "
-                         f"and >= 0 (0 = off)")
-    rows = G * MQ
-    bm = block_m(rows)
-    cfg = default_config(next_pow2(max(D, DV)), fp8, not paged or page_size % 64 == 0, bm)
-    qk_scale, softcap_log2 = (scale / softcap, softcap * LOG2E.value) if softcap else (scale * LOG2E.value, 0.0)
-    launch(_decode_kernel)[(B * HKV, num_splits, cdiv(rows, bm))](
-        q, k_cache, v_cache, k_scale if fp8 else k_cache, v_scale if fp8 else v_cache, seqlens,
-        block_table if paged else seqlens, o_buf, l_buf, l_buf if sinks is None else sinks,
-        seqlens if key_start is None else key_start,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        *(k_scale.stride() if fp8 else (0, 0, 0)), *(v_scale.stride() if fp8 else (0, 0, 0)),
-        block_table.stride(0) if paged else 0, *o_strides, *l_strides,
-        qk_scale, softcap_log2, HKV, num_splits, k_cache.shape[0], capacity, max(window_left, 0), seqlen_offset,
-        G=G, MQ=MQ, D=D, DV=DV, BLOCK_M=bm, BLOCK_N=block_n or cfg.block_n, PAGE_SIZE=page_size, PAGED=paged, FP8=fp8,
-        PARTIAL=num_splits > 1, ASM_CVT=fp8 and _asm_cvt(q.device), PDL=pdl, WINDOW=window_left >= 0,
-        SOFTCAP=softcap > 0.0, STORE_LSE=num_splits > 1 or lse is not None,
-        HAS_SINKS=sinks is not None and num_splits == 1, HAS_KEY_START=key_start is not None,
-        num_warps=num_warps or cfg.num_warps,
-        num_stages=num_stages or cfg.num_stages,
-    )
-    if num_splits > 1:
-        reduce_splits(o_buf, l_buf, out, lse, pdl, sinks)
-    return out, lse
+    decoder = PagedDecoder(q, k_cache, v_cache, block_table=block_table, scale=scale, k_scale=k_scale,
+                           v_scale=v_scale, num_splits=num_splits, lse_wanted=lse_wanted or lse is not None,
+                           seqlen_offset=seqlen_offset, window_left=window_left, softcap=softcap, block_n=block_n,
+                           num_warps=num_warps, num_stages=num_stages, sinks=sinks, key_start=key_start)
+    return decoder(q, k_cache, v_cache, seqlens, block_table, k_scale, v_scale, out, lse, sinks, key_start, workspace)
+
+
+#: the kernels' launchers (``launch``), held here: looking one up hashes its JITFunction in Python
+_DECODE, _REDUCE = launch(_decode_kernel), launch(_reduce_kernel)

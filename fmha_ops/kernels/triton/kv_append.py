@@ -1,6 +1,8 @@
 """Append new K/V tokens into a (paged) KV cache, quantizing per token when the cache is fp8."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -82,28 +84,55 @@ def kv_append(k_new, v_new, k_cache, v_cache, cache_seqlens, *, block_table=None
     -------
     >>> kv_append(k_new, v_new, k_cache, v_cache, lengths, block_table=table)  # doctest: +SKIP
     """
-    B, MNEW, HKV, D = k_new.shape
-    fp8 = k_cache.element_size() == 1
-    if any(t.stride(3) != 1 for t in (k_new, v_new, k_cache, v_cache)):
-        raise ValueError("k_new, v_new, k_cache and v_cache must be contiguous in their last dim")
-    DV = v_new.shape[3]
-    if (v_new.shape[:3] != k_new.shape[:3] or k_cache.shape[2:] != (HKV, D)
-            or v_cache.shape != k_cache.shape[:3] + (DV,)):
-        raise ValueError(f"k_new {tuple(k_new.shape)}, v_new {tuple(v_new.shape)}: each new token needs the "
-                         f"caches' {k_cache.shape[2]} heads of their head dims (k_cache "
-                         f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)})")
-    if fp8 and (k_scale is None or v_scale is None):
-        raise ValueError(f"appending to an {k_cache.dtype} cache needs per-token k_scale and v_scale")
-    if B * MNEW == 0:
-        return
-    paged = block_table is not None
-    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)
-    launch(_kv_append_kernel)[(B * MNEW, HKV)](
-        k_new, v_new, k_cache, v_cache, ks, vs, cache_seqlens, block_table if paged else cache_seqlens,
-        *k_new.stride()[:3], *v_new.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
-        *(k_scale.stride() if fp8 else (0, 0, 0)), *(v_scale.stride() if fp8 else (0, 0, 0)),
-        block_table.stride(0) if paged else 0, MNEW, k_cache.shape[0], capacity,
-        D=D, DV=DV, PAGE_SIZE=k_cache.shape[1] if paged else 1, PAGED=paged, FP8=fp8,
-        FP8_MAX=float(torch.finfo(k_cache.dtype).max) if fp8 else 0.0, num_warps=1,
-    )
+    KVAppender(k_new, v_new, k_cache, v_cache, block_table=block_table, k_scale=k_scale, v_scale=v_scale)(
+        k_new, v_new, k_cache, v_cache, cache_seqlens, block_table, k_scale, v_scale)
+
+
+class KVAppender:
+    """``kv_append``'s launch for calls of one layout: the checks, grid and constexprs made once from the tensors
+    given here (``kv_append``'s), ``appender(k_new, v_new, k_cache, v_cache, cache_seqlens, block_table, k_scale,
+    v_scale)`` per call (tensors of these shapes and dtypes, ``block_table`` / scales given or None as here), each
+    call's pointers, strides and sizes read from its own tensors. ``bound``: the launch is a ``BoundLaunch`` (a
+    plan's repeated calls: the launch key is checked, not rebuilt).
+
+    Example
+    -------
+    >>> append = KVAppender(k_new, v_new, k_cache, v_cache, block_table=table, bound=True)  # doctest: +SKIP
+    >>> append(k_new, v_new, k_cache, v_cache, lengths, table, None, None)  # doctest: +SKIP
+    """
+
+    def __init__(self, k_new, v_new, k_cache, v_cache, *, block_table=None, k_scale=None, v_scale=None,
+                 bound: bool = False) -> None:
+        B, MNEW, HKV, D = k_new.shape
+        fp8 = k_cache.element_size() == 1
+        if any(t.stride(3) != 1 for t in (k_new, v_new, k_cache, v_cache)):
+            raise ValueError("k_new, v_new, k_cache and v_cache must be contiguous in their last dim")
+        DV = v_new.shape[3]
+        if (v_new.shape[:3] != k_new.shape[:3] or k_cache.shape[2:] != (HKV, D)
+                or v_cache.shape != k_cache.shape[:3] + (DV,)):
+            raise ValueError(f"k_new {tuple(k_new.shape)}, v_new {tuple(v_new.shape)}: each new token needs the "
+                             f"caches' {k_cache.shape[2]} heads of their head dims (k_cache "
+                             f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)})")
+        if fp8 and (k_scale is None or v_scale is None):
+            raise ValueError(f"appending to an {k_cache.dtype} cache needs per-token k_scale and v_scale")
+        paged = block_table is not None
+        self._fp8, self._paged, self._new = fp8, paged, MNEW
+        self._page_size = k_cache.shape[1] if paged else 1
+        grid = (B * MNEW, HKV)
+        fixed = dict(D=D, DV=DV, PAGE_SIZE=self._page_size, PAGED=paged, FP8=fp8,
+                     FP8_MAX=float(torch.finfo(k_cache.dtype).max) if fp8 else 0.0, num_warps=1)
+        kernel = launch(_kv_append_kernel)
+        self._launch = (None if B * MNEW == 0 else kernel.bind(grid, **fixed) if bound
+                        else functools.partial(kernel[grid], **fixed))
+
+    def __call__(self, k_new, v_new, k_cache, v_cache, cache_seqlens, block_table, k_scale, v_scale) -> None:
+        if self._launch is None:  # no new token
+            return
+        fp8, paged = self._fp8, self._paged
+        ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)
+        self._launch(
+            k_new, v_new, k_cache, v_cache, ks, vs, cache_seqlens, block_table if paged else cache_seqlens,
+            *k_new.stride()[:3], *v_new.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
+            *(k_scale.stride() if fp8 else (0, 0, 0)), *(v_scale.stride() if fp8 else (0, 0, 0)),
+            block_table.stride(0) if paged else 0, self._new, k_cache.shape[0],
+            block_table.shape[1] * self._page_size if paged else k_cache.shape[1])

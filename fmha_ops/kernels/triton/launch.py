@@ -12,6 +12,9 @@ profiler has registered any, take Triton's own launch path (an empty hook chain 
 and two Python calls from the C launcher). Interpreted kernels (``TRITON_INTERPRET=1``) always take Triton's own
 path. Host time per launch: bench/diagnostics/launch_overhead.py.
 
+Bound launches: ``launch(kernel).bind(grid, **constexprs_and_options)`` is for a plan's repeated launches of one
+grid: the key is checked against the first call's (one generated comparison) instead of rebuilt (``BoundLaunch``).
+
 Host descriptors: ``host_descriptor(tensor, shape, strides, block_shape)`` is a plain record (no checks, no
 encoding); the launch validates and encodes it as ``triton.tools.tensor_descriptor.TensorDescriptor`` would, once
 per distinct (kernel parameter, address, shape, strides). Triton's own ``TensorDescriptor`` is accepted too.
@@ -70,6 +73,8 @@ def _triton_descriptor(d: HostDescriptor):
 
 #: argument types keyed by (type, value), as ``_spec`` keys them (checked inline before calling it)
 _BY_VALUE = frozenset({float, bool, str, type(None)})
+#: argument types a ``BoundLaunch`` checks by type and value (any other non-tensor argument: the keyed path)
+_SCALARS = _BY_VALUE | {int}
 
 
 def _spec(a):
@@ -99,7 +104,7 @@ class _DirectLaunch:
     descriptor: expanded to Triton's encoded form through a per-parameter cache), or None (passed unchanged)."""
 
     __slots__ = ("kernel", "c_launch", "function", "metadata", "cooperative", "pdl", "num_ctas", "scratch",
-                 "profile_scratch", "bind")
+                 "profile_scratch", "kinds", "bind")
 
     def __init__(self, kernel, c_launch, kinds: list, descriptor_meta: list) -> None:
         run = kernel.run
@@ -108,6 +113,7 @@ class _DirectLaunch:
         self.cooperative, self.pdl, self.num_ctas = run.launch_cooperative_grid, run.launch_pdl, run.num_ctas
         self.scratch = (run.global_scratch_size, run.global_scratch_align)
         self.profile_scratch = (run.profile_scratch_size, run.profile_scratch_align)
+        self.kinds = tuple(kinds)
         self.bind = _binder(kinds, descriptor_meta)
 
     def __call__(self, grid: tuple, stream, args: tuple) -> None:
@@ -212,6 +218,13 @@ def _descriptor_encoder(meta):
     return encode
 
 
+def _launch_key(device, args: tuple, kwargs: dict) -> tuple:
+    """``CachedKernel``'s key of one launch on ``device`` (see the module docstring)."""
+    return (device, tuple([a if (tp := type(a)) is int else (tp, a) if tp in _BY_VALUE else _spec(a) for a in args]),
+            tuple(kwargs),
+            tuple([v if (tp := type(v)) is int else (tp, v) if tp in _BY_VALUE else _spec(v) for v in kwargs.values()]))
+
+
 class CachedKernel:
     """``launch(kernel)[grid](*args, **constexprs_and_options)`` launches like ``kernel[grid](...)``.
 
@@ -227,14 +240,16 @@ class CachedKernel:
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
 
+    def bind(self, grid, **constexprs_and_options) -> "BoundLaunch":
+        """``bound(*args)`` launches like ``self[grid](*args, **constexprs_and_options)`` (``BoundLaunch``)."""
+        return BoundLaunch(self, tuple(grid), constexprs_and_options)
+
     def _launch(self, grid, args, kwargs):
         if not self._compiled:
             return self.fn[grid](*[_for_triton(a) for a in args],
                                  **{n: _for_triton(v) for n, v in kwargs.items()})
         device = driver.active.get_current_device()
-        key = (device, tuple([a if (tp := type(a)) is int else (tp, a) if tp in _BY_VALUE else _spec(a) for a in args]),
-               tuple(kwargs),
-               tuple([v if (tp := type(v)) is int else (tp, v) if tp in _BY_VALUE else _spec(v) for v in kwargs.values()]))
+        key = _launch_key(device, args, kwargs)
         hit = self._cache.get(key)
         if hit is not None:
             kernel, rest, direct = hit
@@ -255,6 +270,95 @@ class CachedKernel:
             self._cache.clear()
         self._cache[key] = (kernel, rest, _DirectLaunch.of(kernel, full))
         return kernel
+
+
+class BoundLaunch:
+    """One kernel's launches at one grid with fixed constexprs and launch options (``CachedKernel.bind``):
+    ``bound(*args)`` takes every runtime argument positionally, as ``kernel[grid](*args, **fixed)`` would, and
+    returns what ``CachedKernel`` returns (the compiled kernel, or None).
+
+    The first call launches through ``CachedKernel`` and generates, for the specialization of its arguments, one
+    function for the calls after it: it checks what the launch key holds - each tensor's exact type, dtype, CUDA or
+    not and 16-byte alignment (the pointer divisibility Triton specializes on), every other argument's type and
+    value (ints equal to 1 or divisible by 16, the int32 / int64 choice, floats, None), no launch hook registered,
+    the bound device current - and then calls the compiled kernel's C launcher with the tensors' addresses and the
+    other arguments as given. A call that differs in any of them takes ``CachedKernel``'s keyed path, which
+    launches the binary of its own specialization, so a bound launch never runs a binary compiled for other
+    arguments. Kernels with descriptor arguments, interpreted kernels and compiles taken over by a hook always take
+    the keyed path.
+
+    Example
+    -------
+    >>> bound = launch(kernel).bind((programs,), BLOCK=64, num_warps=4)  # doctest: +SKIP
+    >>> bound(x, y, n)  # doctest: +SKIP
+    """
+
+    __slots__ = ("kernel", "grid", "fixed", "_run")
+
+    def __init__(self, kernel: CachedKernel, grid: tuple, fixed: dict) -> None:
+        self.kernel, self.grid, self.fixed = kernel, grid, fixed
+        self._run = self._first
+
+    def __call__(self, *args):
+        return self._run(*args)
+
+    def _keyed(self, args: tuple):
+        return self.kernel._launch(self.grid, args, self.fixed)
+
+    def _first(self, *args):
+        compiled = self._keyed(args)
+        if compiled is not None and self.kernel._compiled:
+            device = driver.active.get_current_device()
+            entry = self.kernel._cache.get(_launch_key(device, args, self.fixed))
+            if (entry is not None and entry[2] is not None and "desc" not in entry[2].kinds
+                    and all(type(a) is _Tensor or type(a) in _SCALARS for a in args)
+                    and not any(isinstance(v, _Tensor) for v in self.fixed.values())):
+                self._run = _bound_launch(entry, device, (*self.grid, 1, 1)[:3], args, self.fixed, self._keyed)
+        return compiled
+
+
+def _bound_launch(entry: tuple, device, grid: tuple, args: tuple, fixed: dict, keyed):
+    """``BoundLaunch``'s generated launch for the specialization of ``args`` with the keywords ``fixed`` (a launch
+    already made with them: ``entry`` is its ``CachedKernel`` entry, ``grid`` three ints); ``keyed(args)`` launches
+    any call it does not take."""
+    kernel, rest, direct = entry
+    names = [f"a{i}" for i in range(len(args))]
+    checks, launch_args, aligned, unaligned = [], [], [], []
+    scalars = [i for i, a in enumerate(args) if type(a) is not _Tensor]
+    env = {"_Tensor": _Tensor, "_hooks": knobs.runtime, "_device": driver.active.get_current_device,
+           "_stream": driver.active.get_current_stream, "_DEV": device, "_keyed": keyed, "_kernel": kernel,
+           "_S": tuple(args[i] for i in scalars), "_TYPES": tuple(type(args[i]) for i in scalars),
+           "_TAIL": tuple(fixed[n] if n in fixed else d for n, d in rest), "_G": grid, "_direct": direct,
+           "_c_launch": direct.c_launch, "_function": direct.function, "_meta": direct.metadata,
+           "_coop": direct.cooperative, "_pdl": direct.pdl}
+    for i, (a, x, kind) in enumerate(zip(args, names, direct.kinds)):
+        if type(a) is not _Tensor:
+            launch_args.append(x)
+            continue
+        env[f"_d{i}"] = a.dtype
+        checks.append(f"type({x}) is _Tensor and {x}.dtype is _d{i} and {'' if a.is_cuda else 'not '}{x}.is_cuda")
+        (aligned if a.data_ptr() & 15 == 0 else unaligned).append(f"p{i}")
+        launch_args.append(f"p{i}" if kind == "tensor" else x)
+    scalar_tuple = f"({''.join(names[i] + ', ' for i in scalars)})"
+    checks += [f"(s := {scalar_tuple}) == _S and tuple(map(type, s)) == _TYPES",
+               "not _hooks.launch_enter_hook.calls and not _hooks.launch_exit_hook.calls and _device() == _DEV"]
+    pointers = [f"p{i} = {x}.data_ptr()" for i, x in enumerate(names) if type(args[i]) is _Tensor]
+    alignment = [f"not ({' | '.join(aligned)}) & 15"] if aligned else []
+    alignment += [f"{p} & 15" for p in unaligned]
+    if direct.scratch[0] > 0 or direct.profile_scratch[0] > 0:  # scratch allocated per launch, as Triton does
+        call = f"_direct(_G, _stream(_DEV), ({''.join(x + ', ' for x in names)}*_TAIL))"
+    else:
+        call = (f"_c_launch(*_G, _stream(_DEV), _function, _coop, _pdl, None, "
+                f"None, _meta, None, None, None, {''.join(x + ', ' for x in launch_args)}*_TAIL)")
+    source = (f"def run({', '.join(names)}):\n"
+              f"    if {' and '.join(checks)}:\n"
+              + "".join(f"        {line}\n" for line in pointers)
+              + f"        if {' and '.join(alignment) or 'True'}:\n"
+              f"            {call}\n"
+              f"            return _kernel\n"
+              f"    return _keyed(({''.join(x + ', ' for x in names)}))\n")
+    exec(compile(source, "<fmha_ops.launch bound launch>", "exec"), env)  # noqa: S102 - our own generated code
+    return env["run"]
 
 
 def cdiv(a: int, b: int) -> int:
