@@ -29,7 +29,7 @@ def _args(dtype: str, D: int, bm: int, bn: int) -> list[tuple[str, str, int | No
     v_block = f"[1, 1, {D}, {bn}]" if dtype != "bf16" else f"[1, 1, {bn}, {D}]"
     a = [("Q", f"tensordesc<{qk}[1, 1, {bm}, {D}]>", None), ("K", f"tensordesc<{qk}[1, 1, {bn}, {D}]>", None),
          ("V", f"tensordesc<{v}{v_block}>", None), ("Out", f"tensordesc<{out}[1, 1, {bm}, {D}]>", None)]
-    a += [(n, "*fp32", 0) for n in ("Lse", "QD", "KD", "VD", "CuQ", "CuK", "CuVT")]
+    a += [(n, "*fp32", 0) for n in ("Lse", "QD", "KD", "VD", "CuQ", "CuK", "CuVT", "Sinks")]
     a += [("sm_scale_log2", "fp32", None), ("softcap_log2", "fp32", None)]
     row = H * D
     v_strides = (N * row, 1, D * N) if dtype != "bf16" else (N * row, row, D)  # keys-contiguous fp8 v
@@ -56,7 +56,7 @@ def compile_one(dtype="fp8", D=128, causal=False, descale="block", bm=None, bn=N
     consts = {"D": D, "DV": D, "BLOCK_M": bm, "BLOCK_N": bn, "MASK_LEFT": False, "MASK_RIGHT": causal,
               "BOTTOM_RIGHT": True, "SOFTCAP": False, "VARLEN": False, "V_T": quantized, "P_SHIFT": 8 if quantized else 0,
               "Q_BLOCKSCALE": block, "K_BLOCKSCALE": block, "V_PER_CHANNEL": block, "WRITE_LSE": False,
-              "Q_DESCALED": quantized, "K_DESCALED": quantized, "V_DESCALED": quantized, "ONE_LOOP": False}
+              "Q_DESCALED": quantized, "K_DESCALED": quantized, "V_DESCALED": quantized, "ONE_LOOP": False, "SINKS": False}
     r = compile_sm90(_attn_fwd_kernel, _args(dtype, D, bm, bn), consts, warps=warps, stages=stages, maxnreg=maxnreg,
                      dump=dump)
     row = {"dtype": dtype, "D": D, "causal": causal, "descale": descale if quantized else "-",
