@@ -76,6 +76,15 @@ def hide_keys(s, rows, cols, seqlen_k, lo, hi, MASK_LEFT: tl.constexpr, MASK_RIG
         last = tl.minimum(rows + hi, seqlen_k - 1)
     else:
         last = rows * 0 + (seqlen_k - 1)
+    if not MASK_LEFT:  # keys [0, last]: one signed compare of the key itself, no offset per score
+        key = tl.broadcast_to(cols[None, :], s.shape)
+        bound = tl.broadcast_to(last[:, None], s.shape)
+        if _INTERPRETED:
+            return tl.where(key <= bound, s, float("-inf"))
+        else:
+            return tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.le.s32 p, $2, $3; selp.f32 $0, $1, 0fFF800000, p; }", "=f,f,r,r",
+                [s, key, bound], dtype=tl.float32, is_pure=True, pack=1)
     if MASK_LEFT:
         first = rows + lo
     else:
