@@ -68,14 +68,24 @@ def hide_keys(s, rows, cols, seqlen_k, lo, hi, MASK_LEFT: tl.constexpr, MASK_RIG
     ``j - first <= width`` as unsigned integers: one compare and one select per score, in one inline-asm
     statement on the GPU (built from i1 tensors, LLVM packs the row masks into bit vectors and unpacks them per
     score: ~2x the instructions of an unmasked tile for a causal or window tile of the fp8 forward), an
-    ordinary ``where`` of the same compare in the interpreter. Without either mask only the sequence end
-    applies (one compare per key)."""
+    ordinary ``where`` of the same compare in the interpreter. Without a left bound (causal, no window) a key is
+    kept iff j <= last, the row's last visible key: the same compare and select without the offset j - first,
+    one integer add per score fewer. Without either mask only the sequence end applies (one compare per key)."""
     if not MASK_LEFT and not MASK_RIGHT:
         return tl.where(cols[None, :] < seqlen_k, s, float("-inf"))
     if MASK_RIGHT:
         last = tl.minimum(rows + hi, seqlen_k - 1)
     else:
         last = rows * 0 + (seqlen_k - 1)
+    if not MASK_LEFT:
+        key = tl.broadcast_to(cols[None, :], s.shape)
+        bound = tl.broadcast_to(last[:, None], s.shape)
+        if _INTERPRETED:
+            return tl.where(key <= bound, s, float("-inf"))
+        else:
+            return tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.le.s32 p, $2, $3; selp.f32 $0, $1, 0fFF800000, p; }", "=f,f,r,r",
+                [s, key, bound], dtype=tl.float32, is_pure=True, pack=1)
     if MASK_LEFT:
         first = rows + lo
     else:
