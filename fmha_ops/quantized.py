@@ -21,6 +21,7 @@ The forward op is selected by dtype (triton_fp8F / triton_i8fp8F where available
 from __future__ import annotations
 
 import ast
+import contextvars
 from typing import Any
 
 import torch
@@ -119,18 +120,21 @@ def _backward_plan(bw, bias, scale: float | None):
 
 
 class _QuantizedAttention(torch.autograd.Function):
+    """The backward selects its op in the forward's context (``use_ops``, ``set_fp8_dequantized_backward`` are
+    context-local, and autograd runs CUDA backwards on its own thread)."""
+
     @staticmethod
     def forward(ctx, qk_dtype, bias, scale, op, query, key, value, sinks=None):
         out, lse, dequantized = quantized_forward(qk_dtype, bias, scale, op, query, key, value, sinks)
         ctx.save_for_backward(*dequantized, out, lse)
-        ctx.bias, ctx.scale, ctx.sinks = bias, scale, sinks
+        ctx.bias, ctx.scale, ctx.sinks, ctx.context = bias, scale, sinks, contextvars.copy_context()
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         qh, kh, vh, out, lse = ctx.saved_tensors
-        dq, dk, dv, dsinks = quantized_backward(ctx.bias, ctx.scale, qh, kh, vh, out, lse, grad_out, ctx.sinks,
-                                                ctx.needs_input_grad[7])
+        dq, dk, dv, dsinks = ctx.context.run(quantized_backward, ctx.bias, ctx.scale, qh, kh, vh, out, lse, grad_out,
+                                             ctx.sinks, ctx.needs_input_grad[7])
         return None, None, None, None, dq, dk, dv, dsinks
 
 

@@ -164,3 +164,20 @@ def test_quantize_qkv_strided_views_match_contiguous():
     b = quantize_qkv(*(t.contiguous() for t in views), torch.int8, FP8, scale=0.3, q_block=16, k_block=16)
     for xa, xb in zip((*a[0], *a[1], *a[2]), (*b[0], *b[1], *b[2])):
         assert torch.equal(xa.float(), xb.float())
+
+
+@pytest.mark.parametrize("fn", ["fp8_attention", "i8fp8_attention"])
+def test_quantized_backward_selects_in_the_forwards_context(fn, monkeypatch):
+    """The backward op comes from the forward's ``use_ops`` scope even when the backward runs outside it (autograd
+    runs CUDA backwards on a thread of its own, where the caller's context variables are not set)."""
+    ran = []
+    ref = fmha_ops.get_op("torch_referenceB")
+    original = ref.apply_bw.__func__
+    monkeypatch.setattr(ref, "apply_bw", classmethod(lambda cls, *a: ran.append(cls.NAME) or original(cls, *a)))
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 17, 2, 16, generator=g).to(DEVICE, torch.bfloat16).requires_grad_() for _ in range(3))
+    with fmha_ops.use_ops("torch_referenceF", "torch_referenceB"):
+        out = getattr(fmha_ops, fn)(q, k, v, causal=True)
+    with fmha_ops.use_ops(exclude=["torch_referenceB"]):
+        out.backward(torch.randn_like(out))
+    assert ran == ["torch_referenceB"] and q.grad is not None and torch.isfinite(q.grad.float()).all()
