@@ -132,7 +132,7 @@ def test_ws_launcher_finishes_empty_problems_and_rejects_bad_configs():
 
 def test_ws_default_config_by_keys():
     """fp8 and int8 q/k take the same schedules: 192-key tiles on two consumers from ``LONG_KEYS`` keys when not
-    causal, one consumer per CTA with 128-key tiles otherwise, 64-key tiles at D256."""
+    causal, one consumer per CTA with 128-key tiles otherwise; at D256 two consumers on 128-key tiles."""
     from fmha_ops.kernels.gluon import attention_fwd_ws as ws
 
     long_dense = ws.default_config(128, False, ws.LONG_KEYS)
@@ -141,7 +141,9 @@ def test_ws_default_config_by_keys():
     for causal, keys in ((True, ws.LONG_KEYS), (False, ws.LONG_KEYS - 1), (False, 1000)):
         cfg = ws.default_config(128, causal, keys)
         assert (cfg.block_n, cfg.consumers, cfg.persistent, cfg.key_order) == (128, 1, True, True), (causal, keys)
-    assert ws.default_config(256, False, ws.LONG_KEYS).block_n == 64
+    for causal, keys in ((False, ws.LONG_KEYS), (True, 1000)):
+        cfg = ws.default_config(256, causal, keys)
+        assert (cfg.block_n, cfg.consumers, cfg.persistent, cfg.key_order) == (128, 2, True, True), (causal, keys)
 
 
 _SPILL_CHECK = """

@@ -682,10 +682,13 @@ def default_config(head_dim: int, causal: bool, seqlen_k: int | None = None) -> 
     against 528 / 576 / 760 / 654 / 782 for the earlier per-length choice; the in-kernel V transpose on the same
     grid runs 25-32% slower. With ``LONG_KEYS`` keys or more, not causal: 192-key tiles (128 + 64) on two
     consumers, whose row max and row sums cost one cross-lane reduction per tile (H100, same run: fp8 824 / 857
-    against 808 / 820 for one consumer at 4x32x4096 and 2x16x16384, int8 804 / 885). D256: two consumers, 64-key
-    tiles."""
+    against 808 / 820 for one consumer at 4x32x4096 and 2x16x16384, int8 804 / 885). D256: two consumers, 128-key
+    tiles on the persistent grid in the accumulator's key order (H100, same run: fp8 1099 / 936 at 4x16x4096 and
+    2x16x8192 causal, int8 1158 / 1001, against 919 / 886 and 896 / 866 for 64-key tiles on a grid of tiles; 96-key
+    tiles 1008 / 892). The fp8 build spills 104 B there and still wins: the O rescale of 256 channels per tile is
+    what 128 keys amortize."""
     if head_dim not in (64, 128):  # D256 (other head dims are rejected later)
-        return WsFwdConfig(block_n=64)
+        return WsFwdConfig(block_n=128, persistent=True, key_order=True)
     if not causal and (seqlen_k is None or seqlen_k >= LONG_KEYS):
         return WsFwdConfig(block_n=192, persistent=True, key_order=True)
     return WsFwdConfig(consumers=1, block_n=128, maxnreg=SINGLE_CONSUMER_MAXNREG[head_dim], key_order=True,
