@@ -131,8 +131,8 @@ def test_ws_launcher_finishes_empty_problems_and_rejects_bad_configs():
 
 
 def test_ws_default_config_by_keys():
-    """fp8 and int8 q/k take the same schedules: 192-key tiles on two consumers from ``LONG_KEYS`` keys when not
-    causal, one consumer per CTA with 128-key tiles otherwise; at D256 two consumers on 128-key tiles."""
+    """192-key tiles on two consumers from ``LONG_KEYS`` keys when not causal (int8 q/k at D64: 128-key tiles), one
+    consumer per CTA with 128-key tiles otherwise; at D256 two consumers on 128-key tiles, persistent when dense."""
     from fmha_ops.kernels.gluon import attention_fwd_ws as ws
 
     long_dense = ws.default_config(128, False, ws.LONG_KEYS)
@@ -143,7 +143,9 @@ def test_ws_default_config_by_keys():
         assert (cfg.block_n, cfg.consumers, cfg.persistent, cfg.key_order) == (128, 1, True, True), (causal, keys)
     for causal, keys in ((False, ws.LONG_KEYS), (True, 1000)):
         cfg = ws.default_config(256, causal, keys)
-        assert (cfg.block_n, cfg.consumers, cfg.persistent, cfg.key_order) == (128, 2, True, True), (causal, keys)
+        assert (cfg.block_n, cfg.consumers, cfg.persistent, cfg.key_order) == (128, 2, not causal, True), causal
+    assert ws.default_config(64, False, ws.LONG_KEYS, qk_int8=True).block_n == 128
+    assert ws.default_config(128, False, ws.LONG_KEYS, qk_int8=True).block_n == 192
 
 
 _SPILL_CHECK = """

@@ -672,9 +672,9 @@ TRANSPOSER_REGS = 32
 LONG_KEYS = 4096
 
 
-def default_config(head_dim: int, causal: bool, seqlen_k: int | None = None) -> WsFwdConfig:
-    """Schedule for head dim ``head_dim`` and ``seqlen_k`` keys per sequence (None: a long sequence), fp8 or int8
-    q/k alike.
+def default_config(head_dim: int, causal: bool, seqlen_k: int | None = None, qk_int8: bool = False) -> WsFwdConfig:
+    """Schedule for head dim ``head_dim`` and ``seqlen_k`` keys per sequence (None: a long sequence), fp8 q/k or
+    int8 (``qk_int8``): the same schedules but at D64 with long keys.
 
     H200, kernel time replayed from CUDA graphs (TFLOP/s, D128; bench/diagnostics/fa3_profile.md): at D <= 128 one
     consumer per CTA, two CTAs per SM, on a persistent grid, V^T from ``transpose_v`` in the accumulator's key
@@ -682,15 +682,17 @@ def default_config(head_dim: int, causal: bool, seqlen_k: int | None = None) -> 
     against 528 / 576 / 760 / 654 / 782 for the earlier per-length choice; the in-kernel V transpose on the same
     grid runs 25-32% slower. With ``LONG_KEYS`` keys or more, not causal: 192-key tiles (128 + 64) on two
     consumers, whose row max and row sums cost one cross-lane reduction per tile (H100, same run: fp8 824 / 857
-    against 808 / 820 for one consumer at 4x32x4096 and 2x16x16384, int8 804 / 885). D256: two consumers, 128-key
-    tiles on the persistent grid in the accumulator's key order (H100, same run: fp8 1099 / 936 at 4x16x4096 and
-    2x16x8192 causal, int8 1158 / 1001, against 919 / 886 and 896 / 866 for 64-key tiles on a grid of tiles; 96-key
-    tiles 1008 / 892). The fp8 build spills 104 B there and still wins: the O rescale of 256 channels per tile is
-    what 128 keys amortize."""
+    against 808 / 820 for one consumer at 4x32x4096 and 2x16x16384, int8 804 / 885); int8 q/k at D64 take 128-key
+    tiles there (H100: 485 against 417-422 for 192 keys at 4x16x4096; fp8 559 against 489). D256: two consumers,
+    128-key tiles in the accumulator's key order (H100, same run: fp8 1099 / 936 at 4x16x4096 and 2x16x8192 causal,
+    int8 1158 / 1001, against 919 / 886 and 896 / 866 for 64-key tiles; 96-key tiles 1008 / 892), on the persistent
+    grid when not causal and on a grid of tiles when causal (fp8 1105 against 1043 dense, 982 against 941 causal;
+    int8 1092 / 1083 and 1028 / 979). The fp8 build spills 104 B there and still wins: the O rescale of 256 channels
+    per tile is what 128 keys amortize."""
     if head_dim not in (64, 128):  # D256 (other head dims are rejected later)
-        return WsFwdConfig(block_n=128, persistent=True, key_order=True)
+        return WsFwdConfig(block_n=128, persistent=not causal, key_order=True)
     if not causal and (seqlen_k is None or seqlen_k >= LONG_KEYS):
-        return WsFwdConfig(block_n=192, persistent=True, key_order=True)
+        return WsFwdConfig(block_n=128 if qk_int8 and head_dim == 64 else 192, persistent=True, key_order=True)
     return WsFwdConfig(consumers=1, block_n=128, maxnreg=SINGLE_CONSUMER_MAXNREG[head_dim], key_order=True,
                        persistent=True)
 
@@ -747,7 +749,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=
     """
     B, Mq, Hq, D = q.shape
     Mk, Hkv = k.shape[1], k.shape[2]
-    cfg = config or default_config(D, causal, Mk)
+    cfg = config or default_config(D, causal, Mk, q.dtype == torch.int8)
     if cfg.consumers not in (1, 2, 3) or cfg.stages < 2:
         raise ValueError(f"config {cfg}: consumers must be 1, 2 or 3 and stages >= 2")
     block_b = cfg.block_b
@@ -815,7 +817,7 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, write_lse: bool = Fa
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    cfg = config or default_config(head_dim, causal)
+    cfg = config or default_config(head_dim, causal, qk_int8=qk_int8)
     const = {"HEAD_D": head_dim, "BLOCK_N": cfg.block_n, "BLOCK_B": cfg.block_b, "STAGES": cfg.stages,
              "CONSUMERS": cfg.consumers,
              "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_WARPS": cfg.producer_warps,
