@@ -1,0 +1,307 @@
+"""cuDNN's bf16/fp16 attention forward and backward through ``nvidia-cudnn-frontend`` (``pip install
+'fmha-ops[cudnn]'``): the ops that take attention sinks and a value head dim of its own on cuDNN's kernels.
+
+torch's SDPA already runs cuDNN's fused attention (``sdpa_cudnnF``), but neither with sinks nor with Kv != K: calls
+with sinks (GPT-OSS) took the Triton backward, and K=192 / Kv=128 (DeepSeek-V3) ran V zero-padded. These ops build
+the frontend's ``sdpa`` / ``sdpa_backward`` graphs themselves (one per call signature, cached with its workspace:
+``cudnn_graphs.GraphCache``), with:
+
+* sinks as cuDNN's ``sink_token`` (float32 (1, Hq, 1, 1)); the forward's Stats then include the sink, as our LSE does
+  (``fmha_ops.sinks``), and the backward returns the sinks' gradient as ``dSink_token`` (``apply_bw_sinks``);
+* K != Kv where cuDNN has kernels for it: both at most 128, or K=192 with Kv=128;
+* masks as cuDNN's diagonal band (``band``): causal top-left or bottom-right, and local windows on either, or
+  without causality (bottom-right aligned, as our non-causal kinds are), with Mq <= Mk;
+* GQA / MQA, the natural-log LSE (B, Hq, Mq) for partial attention and any forward's backward.
+
+Declined, with reasons: varlen, padded and paged masks (cuDNN takes those as ragged offsets and sequence lengths,
+not wired here), tensor biases, dropout, softcap, fp8 / fp32 inputs (``cudnn_fp8F`` serves fp8), Kv > K, empty
+sequences, one query token with sinks (cuDNN's decode mode has no sink), bottom-right causal or windows with Mq > Mk
+(the frontend refuses them; their first rows would see no key), cuDNN backends before 9.13 (the first with
+``sink_token``).
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+
+from .. import attn_bias as ab
+from ..dispatch import register
+from ..inputs import Inputs
+from ..problem import Problem
+from .base import AttentionBwOp, AttentionFwOp
+from .common import OptionalPackage, half_backward_operands, sink_arg, window_fields
+from .cost import attention_time, backward_time, head_dim_rate
+from .cudnn_graphs import GraphCache, backend_reason, bhsd, build_plans, cudnn_package_reason, execute, rows_of
+
+#: the first cuDNN backend with ``sink_token`` (forward and backward), which also has head dims up to 256 forward
+#: and backward on Hopper (the large-head-dim backward bug of 9.11 / 9.12 is fixed there)
+MIN_BACKEND = 91300
+_HALF = frozenset({(torch.bfloat16,) * 3, (torch.float16,) * 3})
+_BIAS = frozenset({ab.NONE, ab.CAUSAL, ab.CAUSAL_BR})
+_HEAD_DIMS = range(8, 257, 8)
+#: head dims cuDNN takes with K != Kv: both up to this, or exactly ``_WIDE_PAIR``
+_UNEQUAL_MAX = 128
+_WIDE_PAIR = (192, 128)
+_IO_TYPES = {torch.bfloat16: "BFLOAT16", torch.float16: "HALF"}
+
+
+class Band(NamedTuple):
+    """cuDNN's diagonal band for one call: key j is visible from query i iff
+    i_al - left < j <= i_al + right, i_al = i (``TOP_LEFT``) or i + Mk - Mq (``BOTTOM_RIGHT``); None: unbounded.
+    ``alignment`` None: no band (no mask)."""
+
+    alignment: str | None
+    left: int | None
+    right: int | None
+
+    def kwargs(self, cudnn: Any) -> dict:
+        """The frontend's ``sdpa`` / ``sdpa_backward`` keywords for this band."""
+        if self.alignment is None:
+            return {}
+        kw = dict(diagonal_alignment=getattr(cudnn.diagonal_alignment, self.alignment),
+                  diagonal_band_right_bound=self.right)
+        if self.left is not None:
+            kw["diagonal_band_left_bound"] = self.left
+        return kw
+
+
+def band(kind: str, mk: int, window_left: int, window_right: int) -> Band:
+    """The band of our mask kind and window (``attn_bias``: key j visible iff i_al - window_left <= j <=
+    i_al + window_right, -1 unbounded, and causal kinds add j <= i_al). cuDNN's left bound counts the query's own
+    key (left = window_left + 1); it takes a left bound only with a right bound, so a window unbounded on the right
+    gets one past the last key (Mk: with Mq <= Mk, i_al >= 0).
+
+    >>> band("causal_bottom_right", 4096, 127, -1)
+    Band(alignment='BOTTOM_RIGHT', left=128, right=0)
+    >>> band("none", 4096, -1, -1)
+    Band(alignment=None, left=None, right=None)
+    """
+    left = window_left + 1 if window_left >= 0 else None
+    if kind in ab.CAUSAL_KINDS:
+        return Band("TOP_LEFT" if kind == ab.CAUSAL else "BOTTOM_RIGHT", left, 0)
+    if left is None and window_right < 0:
+        return Band(None, None, None)
+    return Band("BOTTOM_RIGHT", left, window_right if window_right >= 0 else mk)
+
+
+def call_band(inp: Inputs) -> Band:
+    return band(inp.bias_kind, inp.key.shape[1], *window_fields(inp))
+
+
+def cudnn_sdpa_unavailable_reason() -> str | None:
+    """None when the frontend imports and its cuDNN backend has ``sink_token``, else why not."""
+    return backend_reason(MIN_BACKEND, "attention with sink_token")
+
+
+def forward_key(inp: Inputs, needs_lse: bool) -> tuple:
+    """Everything a built forward graph depends on: dtype, shapes, strides, band, scale, sinks, LSE, device."""
+    q, k, v = inp.query, inp.key, inp.value
+    return (q.device, q.dtype, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), call_band(inp),
+            inp.softmax_scale, inp.sinks is not None, needs_lse)
+
+
+def backward_key(inp: Inputs, deterministic: bool) -> tuple:
+    """Everything a built backward graph depends on (out, dO and the LSE are passed contiguous)."""
+    return forward_key(inp, True) + (deterministic,)
+
+
+class _Graph:
+    """What both graphs declare: q / k / v in cuDNN's (B, H, S, D) order and the sinks (1, Hq, 1, 1)."""
+
+    def __init__(self, cudnn: Any, handle: Any, inp: Inputs) -> None:
+        q, k, v = inp.query, inp.key, inp.value
+        self.io, self.f32 = getattr(cudnn.data_type, _IO_TYPES[q.dtype]), cudnn.data_type.FLOAT
+        self.g = cudnn.pygraph(io_data_type=self.io, intermediate_data_type=self.f32, compute_data_type=self.f32,
+                               handle=handle)
+        self.handle = handle
+        self.q, self.k, self.v = (self.input(name, t) for name, t in (("q", q), ("k", k), ("v", v)))
+        hq = q.shape[2]
+        self.sinks = None if inp.sinks is None else self.g.tensor(
+            name="sink", dim=[1, hq, 1, 1], stride=[hq, 1, 1, 1], data_type=self.f32)
+        b, mq, _, _ = q.shape
+        self.out_shape = (b, mq, hq, v.shape[3])
+        self.lse_dims = rows_of(b, hq, mq)
+
+    def input(self, name: str, t: torch.Tensor) -> Any:
+        dims, strides = bhsd(t)
+        return self.g.tensor(name=name, dim=dims, stride=strides, data_type=self.io)
+
+    def output(self, t: Any, like: torch.Tensor | tuple, data_type: Any) -> None:
+        """Mark ``t`` an output laid out like a contiguous BMHK tensor of ``like``'s shape."""
+        dims, strides = bhsd(torch.empty(like if isinstance(like, tuple) else like.shape, device="meta"))
+        t.set_output(True).set_dim(dims).set_stride(strides).set_data_type(data_type)
+
+    def pack(self, inp: Inputs) -> dict:
+        pack = {self.q: inp.query, self.k: inp.key, self.v: inp.value}
+        if self.sinks is not None:
+            pack[self.sinks] = sink_arg(inp)
+        return pack
+
+
+class ForwardGraph(_Graph):
+    """One built ``sdpa`` graph for one call signature, with its workspace."""
+
+    def __init__(self, cudnn: Any, handle: Any, inp: Inputs, needs_lse: bool) -> None:
+        super().__init__(cudnn, handle, inp)
+        sinks = {} if self.sinks is None else {"sink_token": self.sinks}
+        o, stats = self.g.sdpa(q=self.q, k=self.k, v=self.v, attn_scale=inp.softmax_scale, generate_stats=needs_lse,
+                               name="sdpa", **call_band(inp).kwargs(cudnn), **sinks)
+        self.output(o, self.out_shape, self.io)
+        self.o, self.stats = o, None
+        if needs_lse:
+            dims, strides = self.lse_dims
+            stats.set_output(True).set_dim(dims).set_stride(strides).set_data_type(self.f32)
+            self.stats = stats
+        self.workspace = build_plans(self.g, cudnn, inp.query.device)
+
+    def run(self, inp: Inputs, cudnn: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """out (B, Mq, Hq, Kv) in q's dtype and the LSE float32 (B, Hq, Mq) (the sink included) or None."""
+        q = inp.query
+        out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
+        pack = self.pack(inp)
+        pack[self.o] = out
+        lse = None
+        if self.stats is not None:
+            lse = torch.empty(self.lse_dims[0][:3], dtype=torch.float32, device=q.device)
+            pack[self.stats] = lse
+        execute(self.g, self.handle, pack, self.workspace, cudnn)
+        return out, lse
+
+
+class BackwardGraph(_Graph):
+    """One built ``sdpa_backward`` graph for one call signature, with its workspace; with sinks it also gives
+    their gradient (``dSink_token``)."""
+
+    def __init__(self, cudnn: Any, handle: Any, inp: Inputs, deterministic: bool) -> None:
+        super().__init__(cudnn, handle, inp)
+        self.o, self.do = (self.input(name, torch.empty(self.out_shape, device="meta")) for name in ("o", "dO"))
+        dims, strides = self.lse_dims
+        self.stats = self.g.tensor(name="stats", dim=dims, stride=strides, data_type=self.f32)
+        sinks, self.dsinks = {}, None
+        if self.sinks is not None:
+            self.dsinks = self.g.tensor(name="dsink", dim=[1, dims[1], 1, 1], stride=[dims[1], 1, 1, 1],
+                                        data_type=self.f32)
+            sinks = {"sink_token": self.sinks, "dSink_token": self.dsinks}
+        self.dq, self.dk, self.dv = self.g.sdpa_backward(
+            q=self.q, k=self.k, v=self.v, o=self.o, dO=self.do, stats=self.stats, attn_scale=inp.softmax_scale,
+            use_deterministic_algorithm=deterministic, name="sdpa_backward", **call_band(inp).kwargs(cudnn), **sinks)
+        for grad, t in ((self.dq, inp.query), (self.dk, inp.key), (self.dv, inp.value)):
+            self.output(grad, t, self.io)
+        self.workspace = build_plans(self.g, cudnn, inp.query.device)
+
+    def run(self, inp: Inputs, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor, cudnn: Any
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(dq, dk, dv) contiguous BMHK in q's dtype, and the sinks' gradient float32 (Hq,) or None. out and
+        grad_out contiguous (B, Mq, Hq, Kv) in q's dtype, lse contiguous float32 (B, Hq, Mq)."""
+        q, k, v = inp.query, inp.key, inp.value
+        grads = [torch.empty(t.shape, dtype=q.dtype, device=q.device) for t in (q, k, v)]
+        pack = self.pack(inp)
+        pack.update({self.o: out, self.do: grad_out, self.stats: lse, self.dq: grads[0], self.dk: grads[1],
+                     self.dv: grads[2]})
+        dsinks = None
+        if self.dsinks is not None:
+            dsinks = torch.zeros(q.shape[2], dtype=torch.float32, device=q.device)
+            pack[self.dsinks] = dsinks
+        execute(self.g, self.handle, pack, self.workspace, cudnn)
+        return grads[0], grads[1], grads[2], dsinks
+
+
+FORWARD_GRAPHS = GraphCache("bf16/fp16 attention", forward_key, ForwardGraph)
+BACKWARD_GRAPHS = GraphCache("bf16/fp16 attention backward", backward_key, BackwardGraph)
+
+
+class _CudnnSdpaOp(OptionalPackage):
+    """Declarations shared by the forward and backward ops."""
+
+    ARCHS = ("cuda>=9.0",)
+    DTYPES = _HALF
+    OUT_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})  # cuDNN writes q's dtype; others cast
+    HEAD_DIMS = _HEAD_DIMS
+    HEAD_DIMS_V = _HEAD_DIMS
+    BIAS_KINDS = _BIAS
+    GQA = True
+    PARTIAL = True
+    WINDOW = True
+    SINKS = True
+    #: cuDNN's fused kernels read q / k / v (and write the gradients) through TMA
+    ALIGNMENT = "cuDNN fused kernels' TMA loads"
+    #: on ties with torch's cuDNN path (``sdpa_cudnnF``: the same kernels, less host time) that op wins
+    PRIORITY = -1
+    package_reason = staticmethod(cudnn_package_reason)
+    import_reason = staticmethod(cudnn_sdpa_unavailable_reason)
+
+    @classmethod
+    def extra_reasons(cls, p: Problem) -> list[str]:
+        r = []
+        k, kv = p.head_dim, p.head_dim_v
+        if k != kv and (k, kv) != _WIDE_PAIR and (kv > k or max(k, kv) > _UNEQUAL_MAX):
+            r.append(f"head dims K={k} != Kv={kv} not supported; cuDNN takes Kv <= K <= {_UNEQUAL_MAX}, or "
+                     f"K={_WIDE_PAIR[0]} with Kv={_WIDE_PAIR[1]}")
+        if p.seqlen_q == 0 or p.seqlen_k == 0:
+            r.append(f"empty sequences (Mq={p.seqlen_q}, Mk={p.seqlen_k}) not supported")
+            return r
+        if p.sinks and p.seqlen_q == 1:
+            r.append("sinks with one query token not supported (cuDNN's decode mode takes no sink_token); the decode "
+                     "ops serve it")
+        if p.seqlen_q > p.seqlen_k and (p.bias == ab.CAUSAL_BR or p.windowed):
+            r.append(f"{'a local window' if p.windowed else 'bottom-right causal'} with Mq={p.seqlen_q} > "
+                     f"Mk={p.seqlen_k} not supported (cuDNN takes bottom-right bands and windows with Mq <= Mk only)")
+        return r
+
+
+@register
+class CudnnSdpaFwOp(_CudnnSdpaOp, AttentionFwOp):
+    """cuDNN attention forward (frontend ``sdpa`` graph): bf16/fp16, sinks, K != Kv, windows, GQA, LSE."""
+
+    NAME = "cudnnF"
+    #: achieved TFLOP/s by head dim on the H200 (torch's cuDNN path, the same kernels: 477 / 677 / 728 at D64 / 128 /
+    #: 256, 4096 tokens, bench/results/backends.md; held at ``sdpa_cudnnF``'s 600 beyond D64), TB/s, overhead us
+    HEAD_DIM_TFLOPS: ClassVar[dict[int, float]] = {64: 480.0, 128: 600.0, 256: 600.0}
+    TBPS, OVERHEAD_US = 3.9, 8.0
+    HOST_US = 30.0  # the graph-cache lookup, binding the tensors and executing the graph
+
+    @classmethod
+    def apply(cls, inp: Inputs, needs_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        graph, cudnn = FORWARD_GRAPHS.get(inp, needs_lse)
+        out, lse = graph.run(inp, cudnn)
+        return (out if out.dtype == inp.out_dtype else out.to(inp.out_dtype)), lse
+
+    @classmethod
+    def estimate(cls, p: Problem) -> float:
+        return attention_time(p, head_dim_rate(cls.HEAD_DIM_TFLOPS, p.head_dim), cls.TBPS, cls.OVERHEAD_US)
+
+
+@register
+class CudnnSdpaBwOp(_CudnnSdpaOp, AttentionBwOp):
+    """cuDNN attention backward (frontend ``sdpa_backward`` graph) given any forward's output and sink-inclusive
+    natural-log LSE (B, Hq, Mq); with sinks it gives their gradient too (``dSink_token``). Deterministic when
+    torch.use_deterministic_algorithms is on (cuDNN's deterministic algorithm)."""
+
+    NAME = "cudnnB"
+    #: cuDNN's backward on the H200 (``sdpa_cudnnF``'s own: 446 / 551 / 411 TFLOP/s of the backward's work at D64 /
+    #: 128 / 256 on long sequences), TB/s, and its fixed ~110 us
+    RATES: ClassVar[dict[int, float]] = {64: 480.0, 128: 560.0, 256: 415.0}
+    TBPS, OVERHEAD_US = 2.5, 110.0
+    HOST_US = 40.0
+
+    @classmethod
+    def apply_bw(cls, inp: Inputs, out: torch.Tensor, lse: torch.Tensor,
+                 grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return cls._backward(inp, out, lse, grad_out)[:3]
+
+    @classmethod
+    def apply_bw_sinks(cls, inp: Inputs, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(dq, dk, dv) and the sinks' gradient as cuDNN's ``dSink_token`` of the same graph (no pass of its own)."""
+        return cls._backward(inp, out, lse, grad_out)
+
+    @classmethod
+    def _backward(cls, inp, out, lse, grad_out):
+        _, _, _, out, grad_out = half_backward_operands(inp, out, grad_out)
+        graph, cudnn = BACKWARD_GRAPHS.get(inp, torch.are_deterministic_algorithms_enabled())
+        return graph.run(inp, out.contiguous(), lse.contiguous(), grad_out.contiguous(), cudnn)
+
+    @classmethod
+    def estimate(cls, p: Problem) -> float:
+        return backward_time(p, cls.RATES, cls.TBPS, cls.OVERHEAD_US)
