@@ -54,8 +54,9 @@ def test_fa4_unavailable_names_the_package_and_the_extra():
 
 
 @pytest.mark.skipif(cudnn_package_reason() is None, reason="nvidia-cudnn-frontend is installed here")
-def test_cudnn_fp8_unavailable_names_the_package_and_the_extra():
-    why = CudnnFp8FwOp.available()
+@pytest.mark.parametrize("name", ["cudnn_fp8F", "cudnnF", "cudnnB"])
+def test_cudnn_ops_unavailable_name_the_package_and_the_extra(name):
+    why = fmha_ops.get_op(name).available()
     assert "nvidia-cudnn-frontend" in why and "fmha-ops[cudnn]" in why, why
 
 
