@@ -325,6 +325,7 @@ GPU_CASES = {  # name: (B, Mq, Mk, Hq, Hkv, K, Kv, mask, sinks)
     "deepseek_1000": (1, 1000, 1000, 8, 8, 192, 128, CAUSAL_BR, False),
     "deepseek_17_sinks": (2, 17, 17, 8, 1, 192, 128, None, True),
     "band_17_of_33": (1, 17, 33, 8, 8, 128, 64, ab.LocalAttentionFromBottomRightMask(5, 3), True),
+    "left_window_only_1000": (1, 1000, 1000, 8, 2, 64, 64, ab.LocalAttentionFromBottomRightMask(64, -1), False),
 }
 #: bf16 against float64: out and grads within these (relative Frobenius error, cosine)
 OUT_REL, GRAD_REL, DSINKS_REL, MIN_COS = 1e-2, 2e-2, 3e-2, 0.9995

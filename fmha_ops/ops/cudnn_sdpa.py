@@ -1,23 +1,23 @@
 """cuDNN's bf16/fp16 attention forward and backward through ``nvidia-cudnn-frontend`` (``pip install
 'fmha-ops[cudnn]'``): the ops that take attention sinks and a value head dim of its own on cuDNN's kernels.
 
-torch's SDPA already runs cuDNN's fused attention (``sdpa_cudnnF``), but neither with sinks nor with Kv != K: calls
-with sinks (GPT-OSS) took the Triton backward, and K=192 / Kv=128 (DeepSeek-V3) ran V zero-padded. These ops build
-the frontend's ``sdpa`` / ``sdpa_backward`` graphs themselves (one per call signature, cached with its workspace:
-``cudnn_graphs.GraphCache``), with:
+torch's SDPA runs cuDNN's fused attention (``sdpa_cudnnF``) without sinks and with Kv == K only. These ops build the
+frontend's ``sdpa`` / ``sdpa_backward`` graphs themselves (one per call signature, cached with its workspace:
+``cudnn_graphs.GraphCache``), so that calls with sinks (GPT-OSS) and with K=192 / Kv=128 (DeepSeek-V3) run on cuDNN's
+kernels too, with:
 
 * sinks as cuDNN's ``sink_token`` (float32 (1, Hq, 1, 1)); the forward's Stats then include the sink, as our LSE does
   (``fmha_ops.sinks``), and the backward returns the sinks' gradient as ``dSink_token`` (``apply_bw_sinks``);
-* K != Kv where cuDNN has kernels for it: both at most 128, or K=192 with Kv=128;
+* K != Kv where cuDNN has kernels for it: Kv < K <= 128, or K=192 with Kv=128;
 * masks as cuDNN's diagonal band (``band``): causal top-left or bottom-right, and local windows on either, or
   without causality (bottom-right aligned, as our non-causal kinds are), with Mq <= Mk;
 * GQA / MQA, the natural-log LSE (B, Hq, Mq) for partial attention and any forward's backward.
 
 Declined, with reasons: varlen, padded and paged masks (cuDNN takes those as ragged offsets and sequence lengths,
-not wired here), tensor biases, dropout, softcap, fp8 / fp32 inputs (``cudnn_fp8F`` serves fp8), Kv > K, empty
-sequences, one query token with sinks (cuDNN's decode mode has no sink), bottom-right causal or windows with Mq > Mk
-(the frontend refuses them; their first rows would see no key), cuDNN backends before 9.13 (the first with
-``sink_token``).
+not wired here), tensor biases, dropout, softcap, fp8 / fp32 inputs (``cudnn_fp8F`` serves fp8), Kv > K (the
+frontend's own tests draw Kv <= K only), empty sequences, one query token with sinks (cuDNN's decode mode has no
+sink), bottom-right causal or windows with Mq > Mk (the frontend refuses them), cuDNN backends before 9.13 (the first
+with ``sink_token``).
 """
 from __future__ import annotations
 
