@@ -107,30 +107,34 @@ def backward_key(inp: Inputs, deterministic: bool) -> tuple:
 
 
 class _Graph:
-    """What both graphs declare: q / k / v in cuDNN's (B, H, S, D) order and the sinks (1, Hq, 1, 1)."""
+    """What both graphs declare: q / k / v in cuDNN's (B, H, S, D) order, the sinks (1, Hq, 1, 1), and the shapes
+    of the output (B, Mq, Hq, Kv) and the LSE (B, Hq, Mq)."""
 
     def __init__(self, cudnn: Any, handle: Any, inp: Inputs) -> None:
-        q, k, v = inp.query, inp.key, inp.value
+        q, v = inp.query, inp.value
         self.io, self.f32 = getattr(cudnn.data_type, _IO_TYPES[q.dtype]), cudnn.data_type.FLOAT
         self.g = cudnn.pygraph(io_data_type=self.io, intermediate_data_type=self.f32, compute_data_type=self.f32,
                                handle=handle)
         self.handle = handle
-        self.q, self.k, self.v = (self.input(name, t) for name, t in (("q", q), ("k", k), ("v", v)))
-        hq = q.shape[2]
-        self.sinks = None if inp.sinks is None else self.g.tensor(
-            name="sink", dim=[1, hq, 1, 1], stride=[hq, 1, 1, 1], data_type=self.f32)
-        b, mq, _, _ = q.shape
-        self.out_shape = (b, mq, hq, v.shape[3])
-        self.lse_dims = rows_of(b, hq, mq)
+        self.q, self.k, self.v = (self.bmhk(name, t) for name, t in (("q", q), ("k", inp.key), ("v", v)))
+        b, mq, hq, _ = q.shape
+        self.out_shape, self.lse_shape = (b, mq, hq, v.shape[3]), (b, hq, mq)
+        self.sinks = None if inp.sinks is None else self.per_head("sink")
 
-    def input(self, name: str, t: torch.Tensor) -> Any:
+    def bmhk(self, name: str, t: torch.Tensor) -> Any:
+        """A q / k / v-like tensor of the graph, laid out as ``t`` (a BMHK tensor) is."""
         dims, strides = bhsd(t)
         return self.g.tensor(name=name, dim=dims, stride=strides, data_type=self.io)
 
-    def output(self, t: Any, like: torch.Tensor | tuple, data_type: Any) -> None:
-        """Mark ``t`` an output laid out like a contiguous BMHK tensor of ``like``'s shape."""
-        dims, strides = bhsd(torch.empty(like if isinstance(like, tuple) else like.shape, device="meta"))
-        t.set_output(True).set_dim(dims).set_stride(strides).set_data_type(data_type)
+    def per_head(self, name: str) -> Any:
+        """A float32 (1, Hq, 1, 1) tensor of the graph: the sinks, their gradient."""
+        hq = self.lse_shape[1]
+        return self.g.tensor(name=name, dim=[1, hq, 1, 1], stride=[hq, 1, 1, 1], data_type=self.f32)
+
+    def output(self, t: Any, shape: tuple[int, ...]) -> None:
+        """Mark ``t`` an output of the graph, laid out as a contiguous BMHK tensor of ``shape``."""
+        dims, strides = bhsd(torch.empty(shape, device="meta"))
+        t.set_output(True).set_dim(dims).set_stride(strides).set_data_type(self.io)
 
     def pack(self, inp: Inputs) -> dict:
         pack = {self.q: inp.query, self.k: inp.key, self.v: inp.value}
@@ -147,10 +151,10 @@ class ForwardGraph(_Graph):
         sinks = {} if self.sinks is None else {"sink_token": self.sinks}
         o, stats = self.g.sdpa(q=self.q, k=self.k, v=self.v, attn_scale=inp.softmax_scale, generate_stats=needs_lse,
                                name="sdpa", **call_band(inp).kwargs(cudnn), **sinks)
-        self.output(o, self.out_shape, self.io)
+        self.output(o, self.out_shape)
         self.o, self.stats = o, None
         if needs_lse:
-            dims, strides = self.lse_dims
+            dims, strides = rows_of(*self.lse_shape)
             stats.set_output(True).set_dim(dims).set_stride(strides).set_data_type(self.f32)
             self.stats = stats
         self.workspace = build_plans(self.g, cudnn, inp.query.device)
@@ -163,7 +167,7 @@ class ForwardGraph(_Graph):
         pack[self.o] = out
         lse = None
         if self.stats is not None:
-            lse = torch.empty(self.lse_dims[0][:3], dtype=torch.float32, device=q.device)
+            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
             pack[self.stats] = lse
         execute(self.g, self.handle, pack, self.workspace, cudnn)
         return out, lse
@@ -175,36 +179,35 @@ class BackwardGraph(_Graph):
 
     def __init__(self, cudnn: Any, handle: Any, inp: Inputs, deterministic: bool) -> None:
         super().__init__(cudnn, handle, inp)
-        self.o, self.do = (self.input(name, torch.empty(self.out_shape, device="meta")) for name in ("o", "dO"))
-        dims, strides = self.lse_dims
+        out = torch.empty(self.out_shape, device="meta")
+        self.o, self.do = self.bmhk("o", out), self.bmhk("dO", out)
+        dims, strides = rows_of(*self.lse_shape)
         self.stats = self.g.tensor(name="stats", dim=dims, stride=strides, data_type=self.f32)
         sinks, self.dsinks = {}, None
         if self.sinks is not None:
-            self.dsinks = self.g.tensor(name="dsink", dim=[1, dims[1], 1, 1], stride=[dims[1], 1, 1, 1],
-                                        data_type=self.f32)
+            self.dsinks = self.per_head("dsink")
             sinks = {"sink_token": self.sinks, "dSink_token": self.dsinks}
         self.dq, self.dk, self.dv = self.g.sdpa_backward(
             q=self.q, k=self.k, v=self.v, o=self.o, dO=self.do, stats=self.stats, attn_scale=inp.softmax_scale,
             use_deterministic_algorithm=deterministic, name="sdpa_backward", **call_band(inp).kwargs(cudnn), **sinks)
         for grad, t in ((self.dq, inp.query), (self.dk, inp.key), (self.dv, inp.value)):
-            self.output(grad, t, self.io)
+            self.output(grad, tuple(t.shape))
         self.workspace = build_plans(self.g, cudnn, inp.query.device)
 
     def run(self, inp: Inputs, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor, cudnn: Any
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(dq, dk, dv) contiguous BMHK in q's dtype, and the sinks' gradient float32 (Hq,) or None. out and
-        grad_out contiguous (B, Mq, Hq, Kv) in q's dtype, lse contiguous float32 (B, Hq, Mq)."""
-        q, k, v = inp.query, inp.key, inp.value
-        grads = [torch.empty(t.shape, dtype=q.dtype, device=q.device) for t in (q, k, v)]
+        grad_out contiguous (B, Mq, Hq, Kv) in q's dtype, lse contiguous float32 (B, Hq, Mq), the sink included."""
+        q = inp.query
+        dq, dk, dv = (torch.empty(t.shape, dtype=q.dtype, device=q.device) for t in (q, inp.key, inp.value))
         pack = self.pack(inp)
-        pack.update({self.o: out, self.do: grad_out, self.stats: lse, self.dq: grads[0], self.dk: grads[1],
-                     self.dv: grads[2]})
+        pack.update({self.o: out, self.do: grad_out, self.stats: lse, self.dq: dq, self.dk: dk, self.dv: dv})
         dsinks = None
         if self.dsinks is not None:
-            dsinks = torch.zeros(q.shape[2], dtype=torch.float32, device=q.device)
+            dsinks = torch.zeros(self.lse_shape[1], dtype=torch.float32, device=q.device)
             pack[self.dsinks] = dsinks
         execute(self.g, self.handle, pack, self.workspace, cudnn)
-        return grads[0], grads[1], grads[2], dsinks
+        return dq, dk, dv, dsinks
 
 
 FORWARD_GRAPHS = GraphCache("bf16/fp16 attention", forward_key, ForwardGraph)
