@@ -22,6 +22,7 @@ from fmha_ops.ops.base import AttentionBwOp
 from fmha_ops.ops.cudnn_graphs import GraphCache
 from fmha_ops.ops.cudnn_sdpa import (Band, CudnnSdpaBwOp, CudnnSdpaFwOp, backward_key, band, call_band,
                                      forward_key)
+from fmha_ops.ops.reference import reference_attention
 from fmha_ops.ops.sdpa import SdpaCudnnFwOp
 from fmha_ops.testing import error_report
 from registry import Arch
@@ -300,20 +301,11 @@ def test_backward_beats_the_triton_backward_model_at_gpt_oss_heads():
 # ---- GPU: against the float64 reference ---------------------------------------------------------------------------
 
 def reference(q, k, v, mask, sinks):
-    """float64 (out BMHK, lse (B, Hq, Mq)) of any dense mask (``materialize``), GQA by head grouping, sinks (Hq,)."""
-    b, mq, hq, _ = q.shape
-    mk, g = k.shape[1], hq // k.shape[2]
-    kf, vf = k.double().repeat_interleave(g, 2), v.double().repeat_interleave(g, 2)
-    s = torch.einsum("bmhd,bnhd->bhmn", q.double(), kf) * q.shape[-1] ** -0.5
-    if mask is not None:
-        s = s + mask.materialize((mq, mk), dtype=torch.float64, device=q.device)
-    if sinks is not None:
-        s = torch.cat([s, sinks.double()[None, :, None, None].expand(b, hq, mq, 1)], -1)
-    lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - lse[..., None])
-    if sinks is not None:
-        p = p[..., :-1]
-    return torch.einsum("bhmn,bnhd->bmhd", p, vf), lse
+    """(out, lse) of ``reference_attention`` in float64 on float32 copies of the inputs (leaves of their own where
+    the inputs require grad, so autograd through it gives the reference gradients): (out, lse, leaves)."""
+    leaves = [None if t is None else t.detach().float().requires_grad_(t.requires_grad) for t in (q, k, v, sinks)]
+    out, lse = reference_attention(make_inputs(*leaves[:3], mask, sinks=leaves[3]), torch.float64)
+    return out, lse, leaves
 
 
 GPU_CASES = {  # name: (B, Mq, Mk, Hq, Hkv, K, Kv, mask, sinks)
@@ -352,7 +344,7 @@ def test_forward_and_lse_match_reference(case):
     inp.validate()
     assert CudnnSdpaFwOp.not_supported_reasons(inp.problem(needs_lse=True)) == []
     out, lse = CudnnSdpaFwOp.apply(inp, True)
-    want, want_lse = reference(q, k, v, mask, s)
+    want, want_lse, _ = reference(q, k, v, mask, s)
     rep = error_report(out, want)
     assert rep["rel"] < OUT_REL and rep["cos"] > MIN_COS, rep
     assert (lse.double() - want_lse).abs().max().item() < 1e-2
@@ -368,11 +360,9 @@ def test_backward_matches_reference(case, forward):
     q, k, v, s, mask = _gpu_inputs(case, grad=True)
     out = fmha_ops.memory_efficient_attention(q, k, v, mask, op=(forward, "cudnnB"), sinks=s)
     grad = torch.randn_like(out)
-    leaves = [t for t in (q, k, v, s) if t is not None]
-    got = torch.autograd.grad(out, leaves, grad)
-    ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
-    want_out, _ = reference(*ref_leaves[:3], mask, ref_leaves[3] if s is not None else None)
-    want = torch.autograd.grad(want_out, ref_leaves, grad.double())
+    got = torch.autograd.grad(out, [t for t in (q, k, v, s) if t is not None], grad)
+    want_out, _, leaves = reference(q, k, v, mask, s)
+    want = torch.autograd.grad(want_out, [t for t in leaves if t is not None], grad.double())
     for name, g, w in zip(("dq", "dk", "dv", "dsinks"), got, want):
         rep = error_report(g, w)
         assert rep["rel"] < (DSINKS_REL if name == "dsinks" else GRAD_REL) and rep["cos"] > MIN_COS, (name, rep)
