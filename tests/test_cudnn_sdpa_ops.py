@@ -247,6 +247,10 @@ def test_forward_graph_binds_sinks_band_and_lse(fake_cudnn):
     assert set(pack) == {"q", "k", "v", "sink", "o", "stats"} and torch.equal(pack["sink"], s)
     assert out.shape == (2, 17, 4, 16) and out.dtype == torch.bfloat16 and lse.shape == (2, 4, 17)
     assert bool((out == 1).all()) and bool((lse == 1).all())
+    q2, s2 = q.clone(), s.clone()
+    CudnnSdpaFwOp.launcher(inp, True)(q2, k, v, inp.attn_bias, None, None, None, s2)  # the same graph, new tensors
+    assert fake_cudnn["pack"]["q"] is q2 and torch.equal(fake_cudnn["pack"]["sink"], s2)
+    assert len(cudnn_sdpa.FORWARD_GRAPHS) == 1
     out32, none = CudnnSdpaFwOp.apply(make_inputs(q, k, v, output_dtype=torch.float32), False)
     assert none is None and out32.dtype == torch.float32 and "sink_token" not in fake_cudnn["sdpa"]
     assert "diagonal_alignment" not in fake_cudnn["sdpa"] and len(cudnn_sdpa.FORWARD_GRAPHS) == 2

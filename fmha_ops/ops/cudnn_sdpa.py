@@ -30,7 +30,7 @@ from ..dispatch import register
 from ..inputs import Inputs
 from ..problem import Problem
 from .base import AttentionBwOp, AttentionFwOp
-from .common import OptionalPackage, half_backward_operands, sink_arg, window_fields
+from .common import OptionalPackage, half_backward_operands, window_fields
 from .cost import attention_time, backward_time, head_dim_rate
 from .cudnn_graphs import GraphCache, backend_reason, bhsd, build_plans, cudnn_package_reason, execute, rows_of
 
@@ -136,10 +136,10 @@ class _Graph:
         dims, strides = bhsd(torch.empty(shape, device="meta"))
         t.set_output(True).set_dim(dims).set_stride(strides).set_data_type(self.io)
 
-    def pack(self, inp: Inputs) -> dict:
-        pack = {self.q: inp.query, self.k: inp.key, self.v: inp.value}
+    def pack(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sinks: torch.Tensor | None) -> dict:
+        pack = {self.q: query, self.k: key, self.v: value}
         if self.sinks is not None:
-            pack[self.sinks] = sink_arg(inp)
+            pack[self.sinks] = sinks.detach().contiguous()
         return pack
 
 
@@ -159,11 +159,13 @@ class ForwardGraph(_Graph):
             self.stats = stats
         self.workspace = build_plans(self.g, cudnn, inp.query.device)
 
-    def run(self, inp: Inputs, cudnn: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """out (B, Mq, Hq, Kv) in q's dtype and the LSE float32 (B, Hq, Mq) (the sink included) or None."""
-        q = inp.query
+    def run(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sinks: torch.Tensor | None,
+            cudnn: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """out (B, Mq, Hq, Kv) in q's dtype and the LSE float32 (B, Hq, Mq) (the sink included) or None, for tensors
+        laid out as the graph's call's were (sinks float32 (Hq,) where it had them)."""
+        q = query
         out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
-        pack = self.pack(inp)
+        pack = self.pack(query, key, value, sinks)
         pack[self.o] = out
         lse = None
         if self.stats is not None:
@@ -200,7 +202,7 @@ class BackwardGraph(_Graph):
         grad_out contiguous (B, Mq, Hq, Kv) in q's dtype, lse contiguous float32 (B, Hq, Mq), the sink included."""
         q = inp.query
         dq, dk, dv = (torch.empty(t.shape, dtype=q.dtype, device=q.device) for t in (q, inp.key, inp.value))
-        pack = self.pack(inp)
+        pack = self.pack(q, inp.key, inp.value, inp.sinks)
         pack.update({self.o: out, self.do: grad_out, self.stats: lse, self.dq: dq, self.dk: dk, self.dv: dv})
         dsinks = None
         if self.dsinks is not None:
@@ -266,9 +268,18 @@ class CudnnSdpaFwOp(_CudnnSdpaOp, AttentionFwOp):
 
     @classmethod
     def apply(cls, inp: Inputs, needs_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return cls.launcher(inp, needs_lse)(inp.query, inp.key, inp.value, inp.attn_bias, None, None, None, inp.sinks)
+
+    @classmethod
+    def launcher(cls, inp: Inputs, needs_lse: bool):
+        """The call's built graph, looked up once: a repeated call binds its tensors to it and executes it."""
         graph, cudnn = FORWARD_GRAPHS.get(inp, needs_lse)
-        out, lse = graph.run(inp, cudnn)
-        return (out if out.dtype == inp.out_dtype else out.to(inp.out_dtype)), lse
+        out_dtype = inp.out_dtype
+
+        def run(query, key, value, attn_bias, q_descale, k_descale, v_descale, sinks=None):
+            out, lse = graph.run(query, key, value, sinks, cudnn)
+            return (out if out.dtype == out_dtype else out.to(out_dtype)), lse
+        return run
 
     @classmethod
     def estimate(cls, p: Problem) -> float:
