@@ -101,7 +101,7 @@ class GraphCache:
 
     Example
     -------
-    >>> GRAPHS = GraphCache("fp8 attention", graph_key, Fp8Graph)
+    >>> GRAPHS = GraphCache("fp8 attention", graph_key, Fp8Graph)  # doctest: +SKIP
     >>> graph, cudnn = GRAPHS.get(inp, needs_lse)  # doctest: +SKIP
     """
 

@@ -86,6 +86,7 @@ def band(kind: str, mk: int, window_left: int, window_right: int) -> Band:
 
 
 def call_band(inp: Inputs) -> Band:
+    """``band`` of the call's mask kind, key length and window."""
     return band(inp.bias_kind, inp.key.shape[1], *window_fields(inp))
 
 
