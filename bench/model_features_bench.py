@@ -15,7 +15,8 @@ would start after that many seconds are left out (empty cells, counted at the en
 cpu``: a smoke run, the same code at a few heads and 40 tokens (the Triton kernels through the interpreter,
 wall-clock timings, no record).
 
-    python bench/model_features_bench.py [--quick] [--budget SECONDS] [--out DIR] [--no-record] [--device cpu]
+    python bench/model_features_bench.py [--quick] [--budget SECONDS] [--parts sinks decode value_dim] [--out DIR]
+                                         [--no-record] [--device cpu]
 """
 from __future__ import annotations
 
@@ -101,15 +102,15 @@ def sinks_rows(run: Run) -> list[dict]:
                 out = memory_efficient_attention(qg, kg, vg, mask, sinks=s)
                 torch.autograd.backward(out, grad)
             rows.append(_row(label, "bf16 fwd+bwd", run.time(lambda: train(None)), run.time(lambda: train(sg))))
-    rows += decode_rows(run, sinks)
     return rows
 
 
-def decode_rows(run: Run, sinks) -> list[dict]:
+def decode_rows(run: Run) -> list[dict]:
     from fmha_ops.kv_cache import build_fp8_paged_cache, paged_from_dense
 
     rows = []
     hq, hkv, d = run.gpt_oss_heads()
+    sinks = torch.randn(hq, device=run.device)
     for b, length in run.shapes("decode"):
         k, v = run.randn(b, length, hkv, d), run.randn(b, length, hkv, d)
         q = run.randn(b, 1, hq, d)
@@ -183,6 +184,8 @@ def _fa3(q, k, v):
     return calls["fa3_bf16"]
 
 
+#: the parts of the run, in order (``--parts``): GPT-OSS sinks in prefill, in paged decode; DeepSeek-V3's value dim
+PARTS = {"sinks": sinks_rows, "decode": decode_rows, "value_dim": value_dim_rows}
 COMMAND = "python bench/model_features_bench.py"
 RECORD = Record(
     "model_features", "Attention sinks and a value head dim of its own", COMMAND,
@@ -208,11 +211,15 @@ def main(argv: list[str] | None = None) -> None:
                    help="seconds; leave out calls that would start later (0: none)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"),
                    help="cpu: a smoke run at tiny shapes (no record)")
+    p.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS),
+                   help="which parts to measure (a record needs all of them: with fewer, pass --no-record)")
     args = p.parse_args(argv)
+    if set(args.parts) != set(PARTS) and not (args.no_record or args.device == "cpu"):
+        p.error("--parts with fewer than all parts writes no record: pass --no-record")
     began = time.perf_counter()
     tiny = args.device == "cpu"
     run = Run(args.device, "tiny" if tiny else "quick" if args.quick else "full", args.budget)
-    rows = sinks_rows(run) + value_dim_rows(run)
+    rows = [row for part in args.parts for row in PARTS[part](run)]
     out = out_dir(args.out)
     print_table(rows, list(RECORD.columns))
     write_json(out, "model_features", rows, {"left_out_calls": run.left_out})

@@ -13,7 +13,8 @@ import torch
 import fmha_ops
 from fmha_ops import attn_bias as ab
 from fmha_ops.inputs import make_inputs
-from fmha_ops.ops.cudnn_fp8 import CudnnFp8FwOp, cudnn_package_reason, graph_key
+from fmha_ops.ops.cudnn_fp8 import CudnnFp8FwOp, graph_key
+from fmha_ops.ops.cudnn_graphs import cudnn_package_reason
 from fmha_ops.ops.fa4 import FA4BwOp, FA4FwOp, fa4_package_reason, window_size
 from fmha_ops.quant import quantize_fp8_tensor
 from fmha_ops.tune import prefill_call, tune
@@ -53,8 +54,9 @@ def test_fa4_unavailable_names_the_package_and_the_extra():
 
 
 @pytest.mark.skipif(cudnn_package_reason() is None, reason="nvidia-cudnn-frontend is installed here")
-def test_cudnn_fp8_unavailable_names_the_package_and_the_extra():
-    why = CudnnFp8FwOp.available()
+@pytest.mark.parametrize("name", ["cudnn_fp8F", "cudnnF", "cudnnB"])
+def test_cudnn_ops_unavailable_name_the_package_and_the_extra(name):
+    why = fmha_ops.get_op(name).available()
     assert "nvidia-cudnn-frontend" in why and "fmha-ops[cudnn]" in why, why
 
 
@@ -205,7 +207,7 @@ def test_extras_install_what_the_ops_check_for():
     import os
     import re
 
-    from fmha_ops.ops.cudnn_fp8 import MIN_FRONTEND
+    from fmha_ops.ops.cudnn_graphs import MIN_FRONTEND
     from fmha_ops.ops.fa4 import FA4_VERSION
 
     with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml"), "rb") as f:
@@ -302,20 +304,18 @@ def test_cudnn_graphs_and_handles_are_released_at_exit(monkeypatch):
     import sys
     import types
 
-    from fmha_ops.ops import cudnn_fp8
+    from fmha_ops.ops import cudnn_graphs
 
     destroyed, registered = [], []
     fake = types.SimpleNamespace(create_handle=lambda: "handle", destroy_handle=destroyed.append)
     monkeypatch.setitem(sys.modules, "cudnn", fake)
-    monkeypatch.setattr(cudnn_fp8.atexit, "register", registered.append)
-    monkeypatch.setattr(cudnn_fp8.torch.cuda, "device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(cudnn_fp8, "_Constants", lambda device: "constants")
-    monkeypatch.setattr(cudnn_fp8, "Fp8Graph", lambda cudnn, handle, inp, needs_lse: ("graph", handle))
-    monkeypatch.setattr(cudnn_fp8, "graph_key", lambda inp, needs_lse: needs_lse)
-    cache = cudnn_fp8.GraphCache()
+    monkeypatch.setattr(cudnn_graphs.atexit, "register", registered.append)
+    monkeypatch.setattr(cudnn_graphs.torch.cuda, "device", lambda device: contextlib.nullcontext())
+    cache = cudnn_graphs.GraphCache("test", lambda inp, needs_lse: needs_lse,
+                                    lambda cudnn, handle, inp, needs_lse: ("graph", handle))
     q = torch.zeros(1, 4, 2, 16)
     inp = types.SimpleNamespace(query=q)
-    assert cache.get(inp, False) == (("graph", "handle"), "constants", fake)
+    assert cache.get(inp, False) == (("graph", "handle"), fake)
     cache.get(inp, True)
     assert registered == [cache.release] and len(cache) == 2
     registered[0]()

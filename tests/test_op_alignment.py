@@ -80,7 +80,8 @@ def test_sdpa_cudnn_refuses_rows_off_16_bytes():
 
 
 #: ops whose kernels read q / k / v in 16-byte vectors or through TMA on the GPU, by the dtype they run
-_ALIGNED_OPS = {torch.float16: ("sdpa_flashF", "sdpa_cudnnF", "sdpa_efficientF", "triton_attnF", "fa4F", "fa4B"),
+_ALIGNED_OPS = {torch.float16: ("sdpa_flashF", "sdpa_cudnnF", "sdpa_efficientF", "triton_attnF", "fa4F", "fa4B", "cudnnF",
+                                 "cudnnB"),
                 torch.float8_e4m3fn: ("triton_fp8F", "gluon_fp8F", "gluon_ws_fp8F", "cudnn_fp8F")}
 
 

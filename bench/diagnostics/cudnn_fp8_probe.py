@@ -25,7 +25,8 @@ from bench.common import attention_tflops, base_parser, or_none, out_dir, time_m
 import fmha_ops  # noqa: E402
 from fmha_ops import attn_bias as ab  # noqa: E402
 from fmha_ops.inputs import make_inputs  # noqa: E402
-from fmha_ops.ops.cudnn_fp8 import FP8_MAX, GRAPHS, _bhsd  # noqa: E402
+from fmha_ops.ops.cudnn_fp8 import FP8_MAX, GRAPHS  # noqa: E402
+from fmha_ops.ops.cudnn_graphs import bhsd  # noqa: E402
 from fmha_ops.quant import quantize_fp8_tensor  # noqa: E402
 from fmha_ops.testing import error_report, transformer_like  # noqa: E402
 
@@ -48,8 +49,8 @@ class Fp8Backward:
         g = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=f32, compute_data_type=f32, handle=self.handle)
         b, mq, hq, d = q8.shape
         self.t = {n: g.tensor(name=n, dim=dim, stride=st, data_type=e4m3)
-                  for n, (dim, st) in (("q", _bhsd(q8)), ("k", _bhsd(k8)), ("v", _bhsd(v8)), ("o", _bhsd(q8)),
-                                       ("dO", _bhsd(q8)))}
+                  for n, (dim, st) in (("q", bhsd(q8)), ("k", bhsd(k8)), ("v", bhsd(v8)), ("o", bhsd(q8)),
+                                       ("dO", bhsd(q8)))}
         self.t["stats"] = g.tensor(name="stats", dim=[b, hq, mq, 1], stride=[hq * mq, mq, 1, 1], data_type=f32)
         for n in _SCALARS:
             self.t[n] = g.tensor(name=n, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=f32)
@@ -57,7 +58,7 @@ class Fp8Backward:
                                    attn_scale=scale, use_causal_mask=causal)
         self.dq, self.dk, self.dv, *self.amax = outs
         for t, like in ((self.dq, q8), (self.dk, k8), (self.dv, v8)):
-            dim, st = _bhsd(like)
+            dim, st = bhsd(like)
             t.set_output(True).set_dim(dim).set_stride(st).set_data_type(out_type)
         for a in self.amax:
             a.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(f32)
@@ -87,9 +88,9 @@ def forward_row(q8, k8, v8, kw, causal) -> dict:
     b, n, hq, d = q8.shape
     bias = ab.LowerTriangularFromBottomRightMask() if causal else None
     inp = make_inputs(q8, k8, v8, bias, **kw)
-    graph, consts, cudnn = GRAPHS.get(inp, False)
+    graph, cudnn = GRAPHS.get(inp, False)
     tf = lambda ms: attention_tflops(b, hq, n, d, causal, ms)  # noqa: E731
-    row = {"fp8_out": tf(or_none(lambda: time_ms(lambda: graph.run(inp, consts, cudnn), warmup=3, rep=20))),
+    row = {"fp8_out": tf(or_none(lambda: time_ms(lambda: graph.run(inp, cudnn), warmup=3, rep=20))),
            "bf16_out": tf(or_none(lambda: time_ms(lambda: fmha_ops.memory_efficient_attention(
                q8, k8, v8, bias, op="cudnn_fp8F", **kw), warmup=3, rep=20))),
            "triton_fp8F": tf(or_none(lambda: time_ms(lambda: fmha_ops.memory_efficient_attention(

@@ -1,7 +1,7 @@
 """cuDNN's fp8 attention forward through ``nvidia-cudnn-frontend`` (``pip install 'fmha-ops[cudnn]'``).
 
-One cuDNN graph (``sdpa_fp8``) per call signature, built on the first call and cached with its workspace;
-a repeated call binds its tensors to the cached graph and executes it (no graph building per call).
+One cuDNN graph (``sdpa_fp8``) per call signature, built on the first call and cached with its workspace
+(``cudnn_graphs.GraphCache``).
 
 Contract: fp8 e4m3 q/k/v with per-tensor float32 descales; out = attention(q*q_descale, k*k_descale,
 v*v_descale) in bfloat16 / float16 / float32 (default bfloat16), or with ``output_dtype=float8_e4m3fn`` in fp8
@@ -23,9 +23,6 @@ float32 reference. fp8 forwards are differentiated at the dequantized values by 
 """
 from __future__ import annotations
 
-import atexit
-import functools
-import threading
 from typing import Any, ClassVar
 
 import torch
@@ -35,41 +32,21 @@ from ..dispatch import register
 from ..inputs import Inputs
 from ..problem import Problem
 from .base import AttentionFwOp
-from .common import OptionalPackage, import_failure, installed_version
+from .common import OptionalPackage
 from .cost import attention_time, head_dim_rate
+from .cudnn_graphs import GraphCache, backend_reason, bhsd, build_plans, cudnn_package_reason, execute, rows_of
 
-#: the oldest frontend release whose ``sdpa_fp8`` graph this op builds
-MIN_FRONTEND = (1, 16)
-#: the oldest cuDNN backend with an fp8 forward on Hopper that is not known-broken (9.10.0 is)
-MIN_BACKEND = 90100
+#: the oldest cuDNN backend with an fp8 forward on Hopper, and the one release of it that is known-broken
+MIN_BACKEND, BROKEN_BACKEND = 90100, 91000
 FP8_MAX = 448.0  # largest e4m3 value
 MIN_SEQLEN_Q = 2  # cuDNN 9.19 finds no sdpa_fp8 engine for one query token (measured on the H200)
 _FP8 = torch.float8_e4m3fn
 _BIAS = frozenset({ab.NONE, ab.CAUSAL, ab.CAUSAL_BR})
 
 
-@functools.lru_cache(maxsize=None)
-def cudnn_package_reason() -> str | None:
-    """None when a recent enough nvidia-cudnn-frontend is installed, else why not (no import, no GPU needed)."""
-    version, missing = installed_version("nvidia-cudnn-frontend", "cudnn")
-    if missing:
-        return missing
-    if tuple(int(x) for x in version.split(".")[:2] if x.isdigit()) < MIN_FRONTEND:
-        return f"nvidia-cudnn-frontend {version} is older than {'.'.join(map(str, MIN_FRONTEND))}"
-    return None
-
-
 def cudnn_unavailable_reason() -> str | None:
     """None when the frontend imports and its cuDNN backend has the fp8 forward, else why not."""
-    failed = import_failure("cudnn")
-    if failed:
-        return failed
-    import cudnn
-
-    backend = cudnn.backend_version()
-    if backend < MIN_BACKEND or backend == 91000:
-        return f"cuDNN backend {backend} has no usable fp8 attention forward (needs >= 9.1, not 9.10.0)"
-    return None
+    return backend_reason(MIN_BACKEND, "fp8 attention forward", broken=(BROKEN_BACKEND,))
 
 
 def graph_key(inp: Inputs, needs_lse: bool) -> tuple:
@@ -83,14 +60,8 @@ def _causal(inp: Inputs) -> bool:
     return inp.bias_kind in (ab.CAUSAL, ab.CAUSAL_BR)
 
 
-def _bhsd(t: torch.Tensor) -> tuple[list[int], list[int]]:
-    """cuDNN's (B, H, S, D) dims and strides of a BMHK tensor."""
-    view = t.transpose(1, 2)
-    return list(view.shape), list(view.stride())
-
-
 class _Constants:
-    """Per-device float32 scalars the graphs read: 1, the softmax-probability scale 448 and its inverse."""
+    """float32 scalars a graph reads, on its device: 1, the softmax-probability scale 448 and its inverse."""
 
     def __init__(self, device: torch.device) -> None:
         def scalar(x: float) -> torch.Tensor:
@@ -100,14 +71,14 @@ class _Constants:
 
 
 class Fp8Graph:
-    """One built ``sdpa_fp8`` graph for one call signature, with its workspace and tensor handles."""
+    """One built ``sdpa_fp8`` graph for one call signature, with its workspace, tensor handles and constants."""
 
     def __init__(self, cudnn: Any, handle: Any, inp: Inputs, needs_lse: bool) -> None:
         q, k, v = inp.query, inp.key, inp.value
         e4m3, f32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
         g = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
         self.q, self.k, self.v = (g.tensor(name=n, dim=d, stride=s, data_type=e4m3)
-                                  for n, (d, s) in (("q", _bhsd(q)), ("k", _bhsd(k)), ("v", _bhsd(v))))
+                                  for n, (d, s) in (("q", bhsd(q)), ("k", bhsd(k)), ("v", bhsd(v))))
         scalar = dict(dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=f32)
         self.scalars = [g.tensor(name=n, **scalar)
                         for n in ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")]
@@ -116,25 +87,21 @@ class Fp8Graph:
             use_causal_mask=_causal(inp), name="sdpa_fp8")
         b, mq, hq, _ = q.shape
         self.out_shape = (b, mq, hq, v.shape[3])
-        o_dims, o_strides = _bhsd(torch.empty(self.out_shape, device="meta"))
+        o_dims, o_strides = bhsd(torch.empty(self.out_shape, device="meta"))
         o.set_output(True).set_dim(o_dims).set_stride(o_strides).set_data_type(e4m3)
         for amax in (amax_s, amax_o):
             amax.set_output(False).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(f32)
         self.o, self.stats = o, None
         if needs_lse:
-            stats.set_output(True).set_dim([b, hq, mq, 1]).set_stride([hq * mq, mq, 1, 1]).set_data_type(f32)
+            dims, strides = rows_of(b, hq, mq)
+            stats.set_output(True).set_dim(dims).set_stride(strides).set_data_type(f32)
             self.stats = stats
-        g.validate()
-        g.build_operation_graph()
-        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        g.check_support()
-        g.build_plans()
-        self.graph, self.handle = g, handle
-        self.workspace = torch.empty(max(g.get_workspace_size(), 1), dtype=torch.uint8, device=q.device)
+        self.workspace = build_plans(g, cudnn, q.device)
+        self.graph, self.handle, self.consts = g, handle, _Constants(q.device)
 
-    def run(self, inp: Inputs, consts: _Constants, cudnn: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, inp: Inputs, cudnn: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """o_fp8 (B, Mq, Hq, Kv) in v's fp8 units (times v_descale is the output) and the LSE or None."""
-        q, k, v = inp.query, inp.key, inp.value
+        q, k, v, consts = inp.query, inp.key, inp.value, self.consts
         o8 = torch.empty(self.out_shape, dtype=_FP8, device=q.device)
         pack = {self.q: q, self.k: k, self.v: v, self.o: o8}
         for t, value in zip(self.scalars, (inp.q_descale, inp.k_descale, consts.one, consts.descale_s,
@@ -145,60 +112,11 @@ class Fp8Graph:
             b, mq, hq, _ = self.out_shape
             lse = torch.empty((b, hq, mq), dtype=torch.float32, device=q.device)
             pack[self.stats] = lse
-        cudnn.set_stream(handle=self.handle, stream=torch.cuda.current_stream(q.device).cuda_stream)
-        self.graph.execute(pack, self.workspace, handle=self.handle)
+        execute(self.graph, self.handle, pack, self.workspace, cudnn)
         return o8, lse
 
 
-class GraphCache:
-    """Built graphs by ``graph_key``, one cuDNN handle and one set of constants per device."""
-
-    def __init__(self) -> None:
-        self._graphs: dict[tuple, Fp8Graph] = {}
-        self._handles: dict[torch.device, tuple[Any, _Constants]] = {}
-        self._lock = threading.Lock()
-
-    def get(self, inp: Inputs, needs_lse: bool) -> tuple[Fp8Graph, _Constants, Any]:
-        import cudnn
-
-        key = graph_key(inp, needs_lse)
-        graph = self._graphs.get(key)
-        device = inp.query.device
-        if graph is None:
-            with self._lock:
-                if device not in self._handles:
-                    if not self._handles:
-                        atexit.register(self.release)
-                    with torch.cuda.device(device):
-                        self._handles[device] = (cudnn.create_handle(), _Constants(device))
-                graph = self._graphs.get(key)
-                if graph is None:
-                    with torch.cuda.device(device):
-                        try:
-                            graph = Fp8Graph(cudnn, self._handles[device][0], inp, needs_lse)
-                        except cudnn.cudnnGraphNotSupportedError as e:
-                            raise NotImplementedError(
-                                f"cuDNN has no fp8 attention plan for q {tuple(inp.query.shape)}, k "
-                                f"{tuple(inp.key.shape)}, causal={_causal(inp)}: {str(e).splitlines()[0]}") from e
-                    self._graphs[key] = graph
-        return graph, self._handles[device][1], cudnn
-
-    def __len__(self) -> int:
-        return len(self._graphs)
-
-    def release(self) -> None:
-        """Drop every built graph and destroy the cuDNN handles. Run at exit: graphs still alive when the interpreter
-        shuts down make the frontend's nanobind bindings print "leaked" lines into the user's stderr."""
-        import cudnn
-
-        with self._lock:
-            self._graphs.clear()
-            for handle, _ in self._handles.values():
-                cudnn.destroy_handle(handle)
-            self._handles.clear()
-
-
-GRAPHS = GraphCache()
+GRAPHS = GraphCache("fp8 attention", graph_key, Fp8Graph)
 
 
 @register
@@ -248,8 +166,8 @@ class CudnnFp8FwOp(OptionalPackage, AttentionFwOp):
     def apply(cls, inp: Inputs, needs_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         from ..kernels.triton.dequantize import dequantize
 
-        graph, consts, cudnn = GRAPHS.get(inp, needs_lse)
-        o8, lse = graph.run(inp, consts, cudnn)
+        graph, cudnn = GRAPHS.get(inp, needs_lse)
+        o8, lse = graph.run(inp, cudnn)
         if inp.out_dtype == _FP8:
             return o8, lse
         return dequantize(o8, inp.v_descale, inp.out_dtype), lse
