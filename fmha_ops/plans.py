@@ -225,7 +225,8 @@ def _generated(entry: Callable, kind: str) -> Callable:
             if number is not None:  # the declared number type keyed by its value alone: no (type, value) pair
                 item = f"({x} if type({x}) is {number} else {item})"
             if "Tensor" in str(param.annotation):  # an optional tensor: a plain one's item inline, as ``_item``'s
-                item = f"(None if {x} is None else ({{meta}}) if type({x}) is _Tensor else {item})"
+                item = (f"(None if {x} is None else ({{meta}}) if type({x}) is _Tensor else "
+                        f"{item.replace('_item(', '_other(')})")
             items.append(item.format(cuda=False, meta=meta))
             cuda_items.append(item.format(cuda=True, meta=cuda_meta))
     plain = " and ".join(f"type({x}) is _Tensor" for x in tensors) or "True"
@@ -321,6 +322,6 @@ def _tensor(t, cuda: bool) -> tuple:
 
 #: the names ``key_function``'s generated code reads
 _ENV = {"_is_compiling": _is_compiling, "_Tensor": _Tensor, "_Bias": _Bias, "_NUMBERS": _NUMBERS, "_VALUES": _VALUES,
-        "_item": _item, "_FLAT": _FLAT, "_INT_PAIR": _INT_PAIR, "_NoKey": _NoKey, "_MISS": (None, None), "_capturing": _capturing,
+        "_item": _item, "_other": _other, "_FLAT": _FLAT, "_INT_PAIR": _INT_PAIR, "_NoKey": _NoKey, "_MISS": (None, None), "_capturing": _capturing,
         "call_key": call_key, "_grad_enabled": _grad_enabled, "_deterministic": _deterministic, "_scope": _scope,
         "_fp8_backward": _fp8_backward, "_checks_scoped": _checks_scoped, "_checks_env": _checks_env}
