@@ -20,8 +20,8 @@ values
 - a list or tuple: its type, then its items as above;
 
 and the process state that validation and selection read: the grad mode, torch's deterministic switch, the
-``use_ops`` scope, the fp8-backward switch, check mode (``fmha_ops.checks``) and, with a CUDA tensor, whether a
-CUDA graph is being captured. Any other argument (an object of another library, a mask class, an unhashable value)
+``use_ops`` scope, the fp8-backward switch, check mode (``fmha_ops.checks``: the ``check_inputs`` scope and the
+environment's switch) and, with a CUDA tensor, whether a CUDA graph is being captured. Any other argument (an object of another library, a mask class, an unhashable value)
 gives no key: the call takes the full path, which converts or names it. So a check added to any entry point reads
 only what the key already holds, unless it reads a tensor's values: those checks (host index tensors, host
 descales, everything in check mode) belong to the full path, whose calls store no plan, or to the plan's own run.
