@@ -51,6 +51,12 @@ def checks_enabled() -> bool:
     return _env[0] if scoped is None else scoped
 
 
+#: what ``checks_enabled`` reads, for a key that holds it without a Python call: the innermost ``check_inputs``
+#: block's switch (None outside any, one C call) and the environment's (item 0 of ``ENV``, set by ``refresh_env``)
+scoped_now = _scope.get
+ENV = _env
+
+
 @contextlib.contextmanager
 def check_inputs(enabled: bool = True) -> Iterator[None]:
     """Validate device-resident index tensors on the host inside this block (``enabled=False``: do not, even

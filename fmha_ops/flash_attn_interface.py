@@ -131,11 +131,12 @@ def _varlen_plan(kind, window_args: tuple, max_seqlen_q, max_seqlen_k, softmax_s
         q, k, v = q[None], k[None], v[None]
         if entry is not None and entry[0] == _starts_stamps(cu_seqlens_q, cu_seqlens_k):
             _, bias, plan, _ = entry
-            if plan is not None:
-                res = _run_plan(plan, q, k, v, bias, q_descale, k_descale, v_descale, return_lse, sinks)
-            else:  # no plan (the packed call checks values on every call): its full path
-                res = _attention(None, q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_lse,
-                                 softcap, sinks)
+            if plan is not None:  # the repeated call: the packed call's plan, as _run_plan runs it, without its frame
+                out, lse = plan.run(q, k, v, bias, q_descale, k_descale, v_descale, sinks)
+                return (out[0], lse[0].detach()) if return_lse else out[0]
+            # no plan (the packed call checks values on every call): its full path
+            res = _attention(None, q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_lse, softcap,
+                             sinks)
         else:
             bias = kind.from_cu_seqlens(cu_seqlens_q, cu_seqlens_k, *window_args, max_seqlen_q=max_seqlen_q,
                                         max_seqlen_k=max_seqlen_k, total_q=q.shape[1], total_k=k.shape[1])

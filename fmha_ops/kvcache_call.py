@@ -160,11 +160,11 @@ def decode_run(op, call: "KVCacheCall", inp, q, v_cache, return_lse: bool, new_t
                                   v_scale=v_descale, bound=True)
         appender(k, v, k_cache, v_cache, cache_seqlens, page_table, k_descale, v_descale)
 
-    if like_q and not per_tensor and not return_lse and new_tokens is None:  # the common decode step: one launch
+    if like_q and not per_tensor and not return_lse and new_tokens is None and call.bias.key_start is None:
+        # the common decode step: one launch (the key holds cache_leftpad None, so no call of this plan passes one)
         def run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale, sinks, cache_leftpad):
             out = empty_like(q)
-            launch(q, k_cache, v_cache, k_descale, v_descale, cache_seqlens, page_table, out, None, 0, sinks,
-                   **key_start_arg(cache_leftpad))
+            launch(q, k_cache, v_cache, k_descale, v_descale, cache_seqlens, page_table, out, None, 0, sinks)
             return out
         return run
 

@@ -20,8 +20,8 @@ values
 - a list or tuple: its type, then its items as above;
 
 and the process state that validation and selection read: the grad mode, torch's deterministic switch, the
-``use_ops`` scope, the fp8-backward switch, check mode (``fmha_ops.checks``) and, with a CUDA tensor, whether a
-CUDA graph is being captured. Any other argument (an object of another library, a mask class, an unhashable value)
+``use_ops`` scope, the fp8-backward switch, check mode (``fmha_ops.checks``: the ``check_inputs`` scope and the
+environment's switch) and, with a CUDA tensor, whether a CUDA graph is being captured. Any other argument (an object of another library, a mask class, an unhashable value)
 gives no key: the call takes the full path, which converts or names it. So a check added to any entry point reads
 only what the key already holds, unless it reads a tensor's values: those checks (host index tensors, host
 descales, everything in check mode) belong to the full path, whose calls store no plan, or to the plan's own run.
@@ -63,7 +63,7 @@ _grad_enabled = torch._C.is_grad_enabled
 _deterministic = torch._C._get_deterministic_algorithms
 _scope = SELECTOR.current_scope
 _fp8_backward = fp8_backward.enabled_now
-_checks = checks.checks_enabled
+_checks_scoped, _checks_env = checks.scoped_now, checks.ENV  # check mode as ``checks_enabled`` reads it, no call
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
 #: the low address bits a 16-byte alignment rule reads
 _ALIGN_BITS = 15
@@ -171,7 +171,8 @@ def call_key(entry: Hashable, args: tuple) -> tuple | None:
         return None
     if cuda:
         item(_capturing())
-    return (entry, _grad_enabled(), _deterministic(), _scope(), _fp8_backward(), _checks(), *items)
+    return (entry, _grad_enabled(), _deterministic(), _scope(), _fp8_backward(), _checks_scoped(), _checks_env[0],
+            *items)
 
 
 def key_function(entry: Callable) -> Callable[..., tuple | None]:
@@ -210,10 +211,11 @@ def _generated(entry: Callable, kind: str) -> Callable:
     tensors = [x for x, p in zip(local, params) if p.annotation in ("torch.Tensor", torch.Tensor)]
     items, cuda_items = [], []
     for x, param in zip(local, params):
+        meta = f"{x}.shape, {x}.dtype, {x}.device, {x}.stride(), {x}.requires_grad"
+        cuda_meta = f"{meta}, {x}.data_ptr() & {_ALIGN_BITS}"
         if x in tensors:
-            meta = f"{x}.shape, {x}.dtype, {x}.device, {x}.stride(), {x}.requires_grad"
             items.append(meta)
-            cuda_items.append(f"{meta}, {x}.data_ptr() & {_ALIGN_BITS}")
+            cuda_items.append(cuda_meta)
         else:  # None, a number with its type, a value, a mask's signature, or what ``_item`` makes of it
             item = (f"(None if {x} is None else (type({x}), {x}) if type({x}) in _NUMBERS else {x} "
                     f"if type({x}) in _VALUES else {x}.signature() if isinstance({x}, _Bias) "
@@ -222,11 +224,14 @@ def _generated(entry: Callable, kind: str) -> Callable:
             number = _ANNOTATED_NUMBERS.get(str(param.annotation))
             if number is not None:  # the declared number type keyed by its value alone: no (type, value) pair
                 item = f"({x} if type({x}) is {number} else {item})"
-            items.append(item.format(cuda=False))
-            cuda_items.append(item.format(cuda=True))
+            if "Tensor" in str(param.annotation):  # an optional tensor: a plain one's item inline, as ``_item``'s
+                item = (f"(None if {x} is None else ({{meta}}) if type({x}) is _Tensor else "
+                        f"{item.replace('_item(', '_other(')})")
+            items.append(item.format(cuda=False, meta=meta))
+            cuda_items.append(item.format(cuda=True, meta=cuda_meta))
     plain = " and ".join(f"type({x}) is _Tensor" for x in tensors) or "True"
     first = tensors[0] if tensors else None
-    state = "_grad_enabled(), _deterministic(), _scope(), _fp8_backward(), _checks()"
+    state = "_grad_enabled(), _deterministic(), _scope(), _fp8_backward(), _checks_scoped(), _checks_env[0]"
     no_key = "None" if kind == "key" else "_MISS"
     source = (f"def {kind}({', '.join(local)}):\n"
               f"    if _is_compiling():\n"
@@ -291,14 +296,22 @@ def _other(a, cuda: bool):
             return a.signature()
         except Exception:  # a mask whose state its own checks reject: the full path names it
             raise _NoKey from None
-    if kind is list or kind is tuple:
-        return (kind, *[None if x is None else (type(x), x) if type(x) in _NUMBERS else x if type(x) in _VALUES
-                        else _tensor(x, cuda) if type(x) is _Tensor else _other(x, cuda) for x in a])
+    if kind is list or kind is tuple:  # merge_attentions' parts: ``_tensor``'s items inline, no call per part
+        if cuda:
+            return (kind, *[(x.shape, x.dtype, x.device, x.stride(), x.requires_grad, x.data_ptr() & _ALIGN_BITS)
+                             if type(x) is _Tensor else _listed(x, cuda) for x in a])
+        return (kind, *[(x.shape, x.dtype, x.device, x.stride(), x.requires_grad) if type(x) is _Tensor
+                        else _listed(x, cuda) for x in a])
     if isinstance(a, _Tensor):  # a subclass (nn.Parameter): its type is part of the key
         return (kind, *_tensor(a, cuda))
     if isinstance(a, type):
         return a
     raise _NoKey
+
+
+def _listed(x, cuda: bool):
+    """``call_key``'s item for an item of a list or tuple argument that is not a plain tensor."""
+    return None if x is None else (type(x), x) if type(x) in _NUMBERS else x if type(x) in _VALUES else _other(x, cuda)
 
 
 def _tensor(t, cuda: bool) -> tuple:
@@ -309,6 +322,6 @@ def _tensor(t, cuda: bool) -> tuple:
 
 #: the names ``key_function``'s generated code reads
 _ENV = {"_is_compiling": _is_compiling, "_Tensor": _Tensor, "_Bias": _Bias, "_NUMBERS": _NUMBERS, "_VALUES": _VALUES,
-        "_item": _item, "_FLAT": _FLAT, "_INT_PAIR": _INT_PAIR, "_NoKey": _NoKey, "_MISS": (None, None), "_capturing": _capturing,
+        "_item": _item, "_other": _other, "_FLAT": _FLAT, "_INT_PAIR": _INT_PAIR, "_NoKey": _NoKey, "_MISS": (None, None), "_capturing": _capturing,
         "call_key": call_key, "_grad_enabled": _grad_enabled, "_deterministic": _deterministic, "_scope": _scope,
-        "_fp8_backward": _fp8_backward, "_checks": _checks}
+        "_fp8_backward": _fp8_backward, "_checks_scoped": _checks_scoped, "_checks_env": _checks_env}

@@ -399,6 +399,39 @@ def test_a_number_of_another_type_than_declared_never_finds_the_plan():
     assert len(keys) == 3
 
 
+def test_optional_tensor_arguments_are_keyed_by_their_metadata_and_type(monkeypatch):
+    """A generated key holds an optional tensor argument (a descale, the sinks, a cache's lengths) as a plain tensor's
+    metadata, a subclass with its type, and a list of parts item by item: any change of shape, dtype, strides,
+    requires_grad or type gives another key, the same metadata the same key; check mode is keyed as its scope and
+    its environment switch."""
+    q, k, v = _qkv(hq=4)
+    key = plans.key_function(fmha_ops.memory_efficient_attention)
+    args = [q, k, v, None, 0.0, None, None, None, None, None, None, False, 0.0]
+    sinks = torch.zeros(4)
+    variants = [None, sinks, torch.zeros(4, dtype=torch.float64), torch.zeros(8)[::2], torch.zeros(5),
+                torch.zeros(4).requires_grad_(), torch.nn.Parameter(torch.zeros(4))]
+    keys = [key(*args, s) for s in variants]
+    assert len(set(keys)) == len(variants)
+    assert key(*args, torch.ones(4)) == keys[1]  # values are not keyed
+    merge = plans.key_function(fmha_ops.merge_attentions)
+    lse = q[:, 0, :, 0]
+    parts = [merge([q, q], [lse, lse], True, None), merge([q, q.clone()], [lse, lse], True, None),
+             merge([q, q.transpose(1, 2)], [lse, lse], True, None), merge((q, q), [lse, lse], True, None),
+             merge([q, torch.nn.Parameter(q)], [lse, lse], True, None)]
+    assert parts[0] == parts[1] and len(set(parts[1:])) == 4
+    base = key(*args, None)
+    with fmha_ops.checks.check_inputs():
+        assert key(*args, None) != base
+    monkeypatch.setenv(fmha_ops.checks.ENV_VAR, "1")
+    fmha_ops.checks.refresh_env()
+    on = key(*args, None)
+    monkeypatch.undo()
+    fmha_ops.checks.refresh_env()
+    assert on != base
+    with fmha_ops.checks.check_inputs(False):
+        assert key(*args, None) not in (base, on)  # checks off in the block: a key of its own
+
+
 def test_the_plan_cache_is_one_bounded_lru(monkeypatch):
     """A hit makes a plan the most recently used; a store past the limit drops the least recently used; the plans go
     with the selector's memo."""
