@@ -41,6 +41,10 @@ class Op:
     #: host time of one eager call of the op (launch path, allocations, argument handling), microseconds,
     #: measured on the reference GPU machine's host; 0 when negligible or unknown
     HOST_US: ClassVar[float] = 0.0
+    #: another op whose tuning-table calibration (measured / cost-model time) stands in for this op's where a table
+    #: has none of its own: the same kernels reached by another route (``cudnnF`` runs ``sdpa_cudnnF``'s), so the
+    #: device-wide median would misjudge it
+    CALIBRATED_AS: ClassVar[str | None] = None
 
     @classmethod
     def arch_specs(cls) -> tuple[ArchSpec, ...]:

@@ -269,8 +269,7 @@ class Selector:
         estimate, source = self._measured_estimate(op, problem)
         if estimate is None:
             estimate, source = op.estimate(problem), "model"
-            # the tables time forward ops: a backward model stands as measured (no device-wide median)
-            factor = self.tables.calibration(problem.arch.name, op.NAME, median_fallback=op.KIND == "fw")
+            factor = self._calibration(op, problem.arch.name)
             if estimate is None or not math.isfinite(estimate):
                 return None, "priority", None
             if factor is not None:
@@ -281,6 +280,19 @@ class Selector:
             if host > estimate:
                 estimate, source = host, f"{source}, host-bound"
         return estimate, source, device
+
+    def _calibration(self, op: type[Op], device: str) -> float | None:
+        """The table's measured / model factor for ``op``'s model: its own, else that of the op it is
+        ``CALIBRATED_AS``, else (forward ops) the device-wide median; the tables time forward ops, so a backward
+        model without its own factor stands as measured."""
+        own = self.tables.calibration(device, op.NAME, median_fallback=False)
+        if own is not None:
+            return own
+        if op.CALIBRATED_AS is not None:
+            stand_in = self.tables.calibration(device, op.CALIBRATED_AS, median_fallback=False)
+            if stand_in is not None:
+                return stand_in
+        return self.tables.calibration(device, op.NAME, median_fallback=op.KIND == "fw")
 
     def host_estimate(self, op: type[Op], problem: Any) -> float:
         """Host seconds per eager call of ``op`` on ``problem``: 0 where the op declares none (a CUDA graph

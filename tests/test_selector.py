@@ -27,7 +27,8 @@ class Prob:
         return f"P(size={self.size}, {self.flavor})"
 
 
-def op(name, kind="fw", est=None, priority=0, archs=("cpu",), refuse=(), aliases=(), legacy=(), requires=()):
+def op(name, kind="fw", est=None, priority=0, archs=("cpu",), refuse=(), aliases=(), legacy=(), requires=(),
+       calibrated_as=None):
     """Dummy op: estimate ``est`` (a number, a callable of the problem, or None) and refuses flavors in ``refuse``."""
 
     def not_supported_reasons(cls, p):
@@ -37,7 +38,7 @@ def op(name, kind="fw", est=None, priority=0, archs=("cpu",), refuse=(), aliases
         return est(p) if callable(est) else est
 
     ns = dict(NAME=name, KIND=kind, ARCHS=tuple(archs), PRIORITY=priority, ALIASES=tuple(aliases),
-              LEGACY_ALIASES=tuple(legacy), REQUIRES=tuple(requires),
+              LEGACY_ALIASES=tuple(legacy), REQUIRES=tuple(requires), CALIBRATED_AS=calibrated_as,
               not_supported_reasons=classmethod(not_supported_reasons), estimate=classmethod(estimate))
     return type(f"Op_{name}", (Op,), ns)
 
@@ -106,6 +107,25 @@ def test_unmeasured_op_gets_the_device_median_calibration(tmp_path):
     # no table for the device: raw models
     assert make_selector(measured, newcomer).explain(Prob()).selected is measured
     assert make_selector(measured, newcomer).explain(Prob()).verdicts[0].source == "model"
+
+
+def test_an_op_calibrated_as_another_takes_its_factor(tmp_path):
+    """An op the table has not measured but that runs another op's kernels (``CALIBRATED_AS``) is scaled by that
+    op's factor, not the device-wide median; its own factor, once measured, wins; a stand-in the table lacks falls
+    back to the median."""
+    measured = op("kernelsF", est=1e-6)  # calibrated 1x
+    other = op("otherF", est=1e-6)  # calibrated 5x: the median 3x
+    route = op("routeF", est=1e-6, calibrated_as="kernelsF")
+    lost = op("lostF", est=1e-6, calibrated_as="missingF")
+    os.makedirs(tmp_path, exist_ok=True)
+    path = os.path.join(tmp_path, "t.json")
+    TuningTable("cpu", {"torch": "x"}, {}, calibration={"kernelsF": 1.0, "otherF": 5.0}).save(path)
+    sel = make_selector(measured, other, route, lost, tables=TuningTables([str(tmp_path)]))
+    estimates = {v.op.NAME: v.estimate for v in sel.explain(Prob()).verdicts}
+    assert estimates["routeF"] == pytest.approx(1e-6) and estimates["lostF"] == pytest.approx(3e-6)
+    TuningTable("cpu", {"torch": "x"}, {}, calibration={"kernelsF": 1.0, "otherF": 5.0, "routeF": 2.0}).save(path)
+    sel.tables.reload()
+    assert {v.op.NAME: v.estimate for v in sel.explain(Prob()).verdicts}["routeF"] == pytest.approx(2e-6)
 
 
 def test_priority_ranks_ops_without_estimates():
