@@ -36,7 +36,7 @@ from . import attn_bias as ab
 from .dtypes import FLOAT_DTYPES
 from .fp8_backward import fp8_dequantized_backward_enabled
 from .problem import Problem
-from .validation import alignment_bits, check_values, problem, validate, value_layout
+from .validation import TMA_ALIGNMENT, check_values, problem, validate, value_layout
 
 
 class Signature(NamedTuple):
@@ -49,7 +49,7 @@ class Signature(NamedTuple):
     last_strides: tuple  # (q, k) stride of the head dim
     value_layout: Any  # validation.value_layout
     bias: Any  # AttentionBias.signature() or None
-    misaligned: int  # the data pointers' and strides' bits below validation.TMA_ALIGNMENT (16 bytes, alignment_bits)
+    misaligned: int  # the data pointers' and strides' bits below TMA_ALIGNMENT (16 bytes, alignment_bits)
     descales: tuple | None  # (dtype, shape, device) or None per role; None when no descale is given
     p: float
     scale: float | None
@@ -151,7 +151,8 @@ class Inputs:
                 or (sinks is not None and sinks.requires_grad)),
             (q.dtype, k.dtype, v.dtype), (q.shape, k.shape, v.shape), (q.device, k.device, v.device),
             (q.stride()[-1], k.stride()[-1]), "last" if v.stride()[-1] == 1 else value_layout(v),
-            None if bias is None else bias.signature(), (alignment_bits(q) | alignment_bits(k) | alignment_bits(v)) & 15,
+            None if bias is None else bias.signature(),
+            (alignment_bits(q) | alignment_bits(k) | alignment_bits(v)) & (TMA_ALIGNMENT - 1),
             None if qd is None and kd is None and vd is None else
             (_tensor_signature(qd), _tensor_signature(kd), _tensor_signature(vd)),
             self.p, self.scale, self.output_dtype, self.is_partial, self.quantize_kv_to_fp8,
@@ -274,3 +275,18 @@ def _expanded_over_heads(t: torch.Tensor) -> bool:
 
 def _tensor_signature(t: torch.Tensor | None) -> Any:
     return None if t is None else (t.dtype, t.shape, t.device)
+
+
+def alignment_bits(t: torch.Tensor) -> int:
+    """The start address OR every stride in bytes of ``t``: its bits below ``validation.TMA_ALIGNMENT`` are a memo
+    key as fine as ``validation.tma_misaligned`` (which ignores unit strides and dims of length 1).
+
+    Example
+    -------
+    >>> alignment_bits(torch.empty(2, 8, 1, 36, dtype=torch.float16)[..., :32]) % 16  # rows 72 bytes apart: 8 | 2
+    10
+    """
+    bits = t.data_ptr()
+    for stride in t.stride():
+        bits |= stride * t.element_size()
+    return bits

@@ -304,7 +304,7 @@ def misalignment(t: torch.Tensor) -> str | None:
 def misaligned_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[str, ...]:
     """One phrase per input that breaks the 16-byte rule (``misalignment``), naming the input and the value, e.g.
     ``('query sequence stride 196 elements (392 bytes)',)``; empty when all are aligned. The call signature holds
-    the bits this depends on (``alignment_bits``)."""
+    the bits this depends on (``inputs.alignment_bits``)."""
     return tuple(f"{name} {why}" for name, t in (("query", q), ("key", k), ("value", v))
                  if (why := misalignment(t)) is not None)
 
@@ -320,12 +320,3 @@ def tma_misaligned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[s
     ('query',)
     """
     return tuple(name for name, t in (("query", q), ("key", k), ("value", v)) if misalignment(t) is not None)
-
-
-def alignment_bits(t: torch.Tensor) -> int:
-    """The start address OR every stride in bytes of ``t``: its bits below ``TMA_ALIGNMENT`` are a memo key as fine
-    as ``tma_misaligned`` (which ignores unit strides and dims of length 1)."""
-    bits = t.data_ptr()
-    for stride in t.stride():
-        bits |= stride * t.element_size()
-    return bits
