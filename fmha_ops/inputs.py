@@ -148,7 +148,7 @@ class Inputs:
         return _new_tuple(Signature, (
             _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
                 bias is not None and bias.tensor_bias is not None and bias.tensor_bias.requires_grad)
-                or (sinks is not None and sinks.requires_grad)),
+                or (isinstance(sinks, _Tensor) and sinks.requires_grad)),
             (q.dtype, k.dtype, v.dtype), (q.shape, k.shape, v.shape), (q.device, k.device, v.device),
             (q.stride()[-1], k.stride()[-1]), "last" if v.stride()[-1] == 1 else value_layout(v),
             None if bias is None else bias.signature(),
@@ -274,7 +274,11 @@ def _expanded_over_heads(t: torch.Tensor) -> bool:
 
 
 def _tensor_signature(t: torch.Tensor | None) -> Any:
-    return None if t is None else (t.dtype, t.shape, t.device)
+    """An optional tensor argument's part of the memo key: None, (dtype, shape, device), or the type of anything
+    else (which validation rejects on the memo miss, so no selection is ever stored under it)."""
+    if t is None:
+        return None
+    return (t.dtype, t.shape, t.device) if isinstance(t, _Tensor) else type(t)
 
 
 def alignment_bits(t: torch.Tensor) -> int:

@@ -1,15 +1,16 @@
 """``flash_attn_with_kvcache``'s plans: its checks, the append, the decode mask, and the plan a call runs.
 
 ``plan_kvcache_call`` is the whole miss path of ``flash_attn_with_kvcache``: it validates the arguments
-(``kvcache_call``: ValueError / TypeError / NotImplementedError naming them, the append not yet made) and returns
-the ``Plan`` the entry point runs, its op(s) selected once, when the plan is made (``call.forward_plan``). Where a
-repeated call of the same key may skip the checks (paged, device index tensors outside check mode, no autograd,
-contiguous sinks if any) that is the decode plan, stored in the plan cache (``fmha_ops.plans``): the append kernel
-and the selected op's decode launcher on the call's own index tensors (their values are read on the device, where
-the kernels guard them). Any other call gets a plan of its own, not stored (its checks read values): the append,
-then the selected op(s) run by the forward plan (the op's ``apply``, the forward and backward pair under autograd,
-or the traced op under torch.compile). ``fmha_ops.decode_plan`` plans a decode loop on the same checks
-(``kvcache_call``) and its op with ``select_decode_op``.
+(``kvcache_call``: ValueError / TypeError / NotImplementedError naming them, the append not yet made; the sinks with
+the op path's ``Inputs``, when the op is selected) and returns the ``Plan`` the entry point runs, its op(s) selected
+once, when the plan is made (``call.forward_plan``). Where a repeated call of the same key may skip the checks
+(paged, device index tensors outside check mode, no autograd, contiguous sinks if any) that is the decode plan,
+stored in the plan cache (``fmha_ops.plans``): the append kernel and the selected op's decode launcher on the call's
+own index tensors (their values are read on the device, where the kernels guard them). Any other call gets a plan of
+its own, not stored (its checks read values): the append, then the selected op(s) run by the forward plan (the op's
+``apply``, the forward and backward pair under autograd, or the traced op under torch.compile).
+``fmha_ops.decode_plan`` plans a decode loop on the same checks (``kvcache_call``) and its op with
+``select_decode_op``.
 
 Example
 -------
@@ -34,7 +35,7 @@ from .inputs import Inputs
 from .plan import Plan
 from .plans import PLANS
 from .timing import autotune_seconds
-from .validation import check_descale_values, make_problem, validate_sinks
+from .validation import check_descale_values, make_problem
 
 #: the append kernel runs on CPU tensors through Triton's interpreter
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -46,13 +47,15 @@ def plan_kvcache_call(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
     """The plan of ``flash_attn_with_kvcache``'s call (its arguments as it takes them, ``key`` its call's plan key):
     ``run(q, k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale, sinks, cache_leftpad)``
     returns what the entry point returns. Validates the arguments first (raising as ``flash_attn_with_kvcache``
-    documents), then selects the op(s) once (``call.forward_plan``; under autotune timed as the plan will run
-    them). A call whose repeated calls may skip the checks (``_plannable``) and whose op has a decode launcher gets
-    the decode plan of its layout, stored under ``key``; any other call a plan of its own (the append, then the
-    selected op(s)' run), not stored, as its values (host descales and index tables; all of them in check mode) are
-    checked by ``kvcache_call`` before its run appends."""
+    documents; ``sinks`` by the selection's validation, on its memo miss, as every ``Inputs`` field: the signature
+    holds all that ``validation.validate_sinks`` reads), then selects the op(s) once (``call.forward_plan``; under
+    autotune timed as the plan will run them). Nothing is appended before the plan is made. A call whose repeated
+    calls may skip the checks (``_plannable``) and whose op has a decode launcher gets the decode plan of its
+    layout, stored under ``key``; any other call a plan of its own (the append, then the selected op(s)' run), not
+    stored, as its values (host descales and index tables; all of them in check mode) are checked by
+    ``kvcache_call`` before its run appends."""
     call = kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, q_descale, k_descale,
-                        v_descale, softmax_scale, causal, window_size, sinks, cache_leftpad)
+                        v_descale, softmax_scale, causal, window_size, cache_leftpad)
     inp = _decode_inputs(call, softmax_scale, softcap, return_lse, sinks)
     decodes = key is not None and _plannable(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
                                              sinks, cache_leftpad)
@@ -118,7 +121,7 @@ def _plannable(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_t
     Triton's interpreter)."""
     if cache_batch_idx is not None or type(cache_seqlens) is not torch.Tensor or type(page_table) is not torch.Tensor:
         return False
-    if sinks is not None and not sinks.is_contiguous():
+    if sinks is not None and not (isinstance(sinks, torch.Tensor) and sinks.is_contiguous()):
         return False
     starts = () if cache_leftpad is None else (cache_leftpad,)
     if checks.wanted(cache_seqlens, page_table, *starts):  # on q's device (validated): a host q has host indices
@@ -211,12 +214,13 @@ class KVCacheCall(NamedTuple):
 
 
 def kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, q_descale, k_descale,
-                 v_descale, softmax_scale, causal, window_size, sinks=None, cache_leftpad=None) -> KVCacheCall:
+                 v_descale, softmax_scale, causal, window_size, cache_leftpad=None) -> KVCacheCall:
     """Validate ``flash_attn_with_kvcache``'s arguments (ValueError / TypeError / NotImplementedError naming them)
     and return the call for the op path, its append (of ``k`` / ``v`` when given) not yet made (``KVCacheCall``).
-    The values of host index tensors and descales are checked too (device ones in check mode: ``fmha_ops.checks``);
-    ``sinks`` (float32 (Hq,) on q's device) only by their metadata, as the rest. ``cache_leftpad`` int32 (B,) on
-    q's device, or None: each sequence's first key, the mask's ``key_start``."""
+    The values of host index tensors and descales are checked too (device ones in check mode: ``fmha_ops.checks``).
+    ``sinks`` are not an argument here: the op path's ``Inputs`` carry them, and ``validation.validate`` checks them
+    on the selection's memo miss, with the call's other fields. ``cache_leftpad`` int32 (B,) on q's device, or None:
+    each sequence's first key, the mask's ``key_start``."""
     left, right = arguments.window(window_size, causal)
     if not causal and (left, right) != (-1, -1):
         raise NotImplementedError(f"window_size={tuple(window_size)} with causal=False is not implemented by "
@@ -278,8 +282,6 @@ def kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
     else:
         bias = ab.PagedBlockDiagonalPaddedKeysMask.from_device_seqlens(mq, seqlens, page_table, page,
                                                                        key_start=cache_leftpad)
-    if sinks is not None:
-        validate_sinks(sinks, q.shape[2], q.device)
     check_descale_values(("k_descale", kd), ("v_descale", vd))
     # per-token descales pass in the cache's own (num_pages, page_size, Hkv) layout: no copy, any strides
     return KVCacheCall(q.reshape(1, batch * mq, *q.shape[2:]), _pool(k_cache), _pool(v_cache), bias, kd, vd, append)

@@ -1,6 +1,7 @@
 """``sinks=`` and value head dims of their own through the public entry points (CPU: the reference and the Triton
 ops under the interpreter, float16), against a float64 reference; the ops' declarations; validation errors."""
 import math
+import re
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from fmha_ops import LowerTriangularFromBottomRightMask, memory_efficient_attent
 from fmha_ops.testing import error_report
 from tests.conftest import DEVICE
 from fmha_ops.ops.common import dequantize
+from fmha_ops.validation import validate_sinks
 from tests.test_kernel_sinks import FP8_P_TOLERANCE, reference
 
 TRITON_PAIR = ("triton_attnF", "triton_attnB")
@@ -187,6 +189,29 @@ def test_sinks_validated(bad, error):
     q, k, v, _ = _inputs(dtype=torch.float32)
     with pytest.raises((ValueError, TypeError), match=error):
         memory_efficient_attention(q, k, v, sinks=bad)
+
+
+class _NotSinks:
+    """An argument of no kind the package knows."""
+
+
+@pytest.mark.parametrize("bad", [[0.0] * 4, 1.0, _NotSinks(), torch.zeros(4, dtype=torch.float16), torch.zeros(3),
+                                 torch.zeros(1, 4)], ids=["list", "float", "object", "float16", "3 heads", "2-D"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_sinks_validated_before_the_append(bad, paged):
+    """flash_attn_with_kvcache checks ``sinks`` as the other entry points do (``validation.validate_sinks``'s own
+    error, whatever the object), before anything is appended, on a repeated call too."""
+    q, k, v, _ = _inputs(b=2, mq=1, mk=16, d=16, dv=16)
+    new_k, new_v = k[:, :1].contiguous(), v[:, :1].contiguous()
+    caches = [k.view(4, 8, 2, 16).clone(), v.view(4, 8, 2, 16).clone()] if paged else [k.clone(), v.clone()]
+    table = dict(page_table=torch.arange(4, dtype=torch.int32, device=DEVICE).view(2, 2)) if paged else {}
+    before = [c.clone() for c in caches]
+    with pytest.raises((TypeError, ValueError)) as want:
+        validate_sinks(bad, 4, q.device)
+    for _ in range(2):
+        with pytest.raises(want.type, match=re.escape(str(want.value))):
+            fmha_ops.flash_attn_with_kvcache(q, *caches, new_k, new_v, cache_seqlens=3, sinks=bad, **table)
+        assert all(torch.equal(c, b) for c, b in zip(caches, before))
 
 
 def test_sinks_equal_an_extra_zero_value_key():
