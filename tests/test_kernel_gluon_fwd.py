@@ -209,6 +209,23 @@ print("compiled")
 """
 
 
+_SECTIONS_CHECK = """
+import dataclasses
+from fmha_ops.kernels.gluon import attention_fwd_ws as ws
+cfg = dataclasses.replace(ws.default_config(128, True, 4096), head_section=8, persistent=False)
+kernel = ws.compile_sm90(128, causal=True, config=cfg)
+assert "wgmma" in kernel.asm["ptx"] and kernel.asm["cubin"]
+print("compiled")
+"""
+
+
+def test_ws_kernel_with_head_sections_compiles_for_sm90():
+    """Causal tiles ordered across sections of (batch, head) pairs (``WsFwdConfig.head_section``): the producer's
+    and the consumer's tile walks compile for sm90 (their GPU test: ``test_gpu_gluon_ws_i8fp8[head_sections]``)."""
+    run = run_compiled(_SECTIONS_CHECK, timeout=300)
+    assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
+
+
 @pytest.mark.parametrize("head_dim,causal,consumers,v_transpose,persistent,qk_int8,block_n,direct",
                          [(128, True, 2, False, False, False, 0, False), (64, False, 1, False, False, False, 0, False),
                           (64, True, 3, False, False, False, 0, False), (256, True, 2, True, False, False, 0, False),
@@ -313,10 +330,12 @@ def test_gpu_gluon_ws_fwd(shape, descale, consumers, v_transpose, key_order, per
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", GPU_SHAPES + [(2, 3000, 3000, 8, 1, 128, True)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("schedule", ["default", "persistent", "persistent_key_order", "persistent_192",
-                                      "single_192_direct"])
+                                      "single_192_direct", "head_sections"])
 def test_gpu_gluon_ws_i8fp8(shape, schedule):
     """i8fp8 (int8 q / k with (B, Hkv) descales, s8 wgmma into int32; fp8 v) through the same kernel body,
-    against the float64 reference of the dequantized inputs, on fresh normal inputs."""
+    against the float64 reference of the dequantized inputs, on fresh normal inputs. ``head_sections``: causal
+    tiles ordered heaviest first across sections of 3 (batch, head) pairs (a partial last section where the pairs
+    do not divide), on a grid of one CTA per tile."""
     from fmha_ops.kernels.gluon import attention_fwd_ws as ws
     from fmha_ops.quant import quantize_i8fp8
 
@@ -326,7 +345,9 @@ def test_gpu_gluon_ws_i8fp8(shape, schedule):
     cfg = None
     if "192" in schedule and D == 256:
         pytest.skip("192-key tiles: D <= 128")
-    if schedule == "single_192_direct":
+    if schedule == "head_sections":
+        cfg = dataclasses.replace(ws.default_config(D, causal, Mk, qk_int8=True), head_section=3, persistent=False)
+    elif schedule == "single_192_direct":
         cfg = ws.WsFwdConfig(consumers=1, maxnreg=ws.SINGLE_CONSUMER_MAXNREG[D], block_n=192, key_order=True,
                              persistent=True, direct_store=True)
     elif schedule != "default":
