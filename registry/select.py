@@ -7,8 +7,8 @@ hands the problem to each op's ``not_supported_reasons`` and ``estimate``.
 Ranking: measured time from the tuning table for this device and bucket; for a problem between the measured
 buckets, the op's cost model scaled by measured / model at the nearest measured buckets of its kind
 (``nearest_ratio``); else the op's cost model (scaled by the table's calibration of that op), else declared PRIORITY (ops with an estimate rank first). On a GPU
-the estimate is at least the op's host time per call (``host_estimate``: the table's host row at the nearest
-measured bucket of the call's kind, else the op's one measured host time, else ``Op.host_time``): a small problem
+the estimate is at least the op's host time per call (``host_estimate``: the table's host rows at the nearest
+measured buckets of the call's kind (``nearest_host``), else the op's one measured host time, else ``Op.host_time``): a small problem
 runs at the pace its launch path is issued, so the op that is fastest for the whole call wins (source "... ,
 host-bound"). Estimates within ``TIE_MARGIN`` of the fastest are a tie, broken on the device estimate, then
 PRIORITY, then NAME, so the choice is deterministic and a host-bound ranking does not flip on host-time noise.
@@ -296,8 +296,8 @@ class Selector:
 
     def host_estimate(self, op: type[Op], problem: Any) -> float:
         """Host seconds per eager call of ``op`` on ``problem``: 0 where the op declares none (a CUDA graph
-        capture); else the table's host row of the problem's kind nearest in ``size_point()`` (the row of its own
-        bucket for problems without ``at_bucket``), else the op's one measured host time, else the declared
+        capture); else from the table's host rows of the problem's kind nearest in ``size_point()`` (``nearest_host``;
+        the row of its own bucket for problems without ``at_bucket``), else the op's one measured host time, else the declared
         ``Op.host_time``."""
         declared = op.host_time(problem)
         if declared <= 0:
@@ -464,8 +464,18 @@ class Selector:
 
 #: measured buckets (at most) whose measured / model ratios set an unmeasured problem's estimate
 NEIGHBOURS = 2
-#: the log2-size distance at which the op's device-wide factor weighs as much as a measured bucket
-PRIOR_DISTANCE = 2.0
+#: the log2-size distance at which the op's device-wide factor weighs as much as a measured bucket. An op's measured
+#: / model ratio follows the call's sizes (H200 table: 1.08 / 0.98 / 0.97 medians at 512 / 2048 / 8192 tokens, an
+#: op's own spread 1.31x), so its one median factor stands in for far buckets only: leaving each H200 grid point out
+#: in turn, the 8192-token points' worst regret is 3.7% with the factor at 4 against 10.7% at 2 (where it pulled the
+#: long calls' ratio toward the op's median and ranked fa3F over fa4F at D256); the 2048-token points' 7.9% / 8.9%
+PRIOR_DISTANCE = 4.0
+#: host rows (at most) whose times set a problem's host estimate. Host rows of one op and kind measured in one run
+#: differ up to 1.8x at the same sizes (sdpa_cudnnF bf16 D128 at 512 tokens: 50 and 89 us at GQA 4 and 1), and an
+#: op's host work grows with the sizes where its launches do (fa3F decode: 39 us at 1K keys, 120 us at 128K): the
+#: weighted mean of the 3 nearest rows follows the sizes and evens out one row's noise (leaving each H200 grid point
+#: out in turn, the 512-token points' worst regret 36% against 48% from the nearest row alone)
+HOST_NEIGHBOURS = 3
 
 
 def measured_points(op: type[Op], problem: Any, rows: dict[str, float]) -> list[tuple[tuple, float]]:
@@ -478,6 +488,20 @@ def measured_points(op: type[Op], problem: Any, rows: dict[str, float]) -> list[
         if model and math.isfinite(model) and seconds > 0:
             points.append((at.size_point(), math.log(seconds / model)))
     return points
+
+
+def _weighted_log_mean(here: tuple, points: list[tuple[tuple, float]], count: int,
+                       prior: float | None = None) -> float | None:
+    """exp of the mean of the logs at the ``count`` ``points`` ((size point, log value)) nearest to ``here``,
+    weighted by 1 / (distance + 1/2)^2, with ``prior`` (a log value) weighted as a point at ``PRIOR_DISTANCE``;
+    None without points."""
+    near = sorted((math.dist(here, at), value) for at, value in points)[:count]
+    if not near:
+        return None
+    if prior is not None:
+        near.append((PRIOR_DISTANCE, prior))
+    weights = [1.0 / (d + 0.5) ** 2 for d, _ in near]
+    return math.exp(sum(w * v for w, (_, v) in zip(weights, near)) / sum(weights))
 
 
 def nearest_ratio(op: type[Op], problem: Any, rows: dict[str, float], prior: float | None = None,
@@ -494,39 +518,33 @@ def nearest_ratio(op: type[Op], problem: Any, rows: dict[str, float], prior: flo
     >>> nearest_ratio(op, problem, {"...|q1024|...": 2e-4})  # doctest: +SKIP
     (1.31, 1)
     """
-    here = problem.size_point()
-    near = sorted((math.dist(here, at), log_ratio)
-                  for at, log_ratio in (measured_points(op, problem, rows) if points is None else points))
-    if not near:
-        return None
-    near = near[:NEIGHBOURS]
-    used = len(near)
-    if prior:
-        near.append((PRIOR_DISTANCE, math.log(prior)))
-    weights = [1.0 / (d + 0.5) ** 2 for d, _ in near]
-    return math.exp(sum(w * r for w, (_, r) in zip(weights, near)) / sum(weights)), used
+    points = measured_points(op, problem, rows) if points is None else points
+    ratio = _weighted_log_mean(problem.size_point(), points, NEIGHBOURS, math.log(prior) if prior else None)
+    return None if ratio is None else (ratio, min(len(points), NEIGHBOURS))
 
 
 def host_points(problem: Any, rows: dict[str, float]) -> list[tuple[tuple, float]]:
-    """(``size_point()``, host seconds) at each of an op's host ``rows`` (``{bucket: host seconds}``) whose bucket
-    is of the problem's kind (``problem.at_bucket(bucket)`` is not None)."""
-    return [(at.size_point(), seconds) for bucket, seconds in rows.items()
-            if (at := problem.at_bucket(bucket)) is not None]
+    """(``size_point()``, log host seconds) at each of an op's host ``rows`` (``{bucket: host seconds}``) whose
+    bucket is of the problem's kind (``problem.at_bucket(bucket)`` is not None)."""
+    return [(at.size_point(), math.log(seconds)) for bucket, seconds in rows.items()
+            if seconds > 0 and (at := problem.at_bucket(bucket)) is not None]
 
 
 def nearest_host(problem: Any, points: list[tuple[tuple, float]]) -> float | None:
-    """Host seconds of the one of ``points`` (``host_points``) nearest to ``problem.size_point()`` (ties: the lower
-    time); None without points. An op's host work follows the call's kind (masks, paging, a quantize step) more
-    than its sizes (where it does follow them, as a decoder's split count and so its launches follow the cache
-    length, the nearest row is the one measured at sizes most like the problem's).
+    """Host seconds at ``problem`` from ``points`` (``host_points``): the row at the problem's own sizes as
+    measured, else the geometric mean of the ``HOST_NEIGHBOURS`` nearest to ``problem.size_point()``, weighted by
+    1 / (distance + 1/2)^2 (a row at distance 0.5 weighs 4x one at distance 1.5); None without points. An op's host work follows the call's kind (masks,
+    paging, a quantize step) and, where its launches do, its sizes (a decoder's split count follows the cache
+    length): the nearest rows are those measured at sizes most like the problem's.
 
     Example
     -------
-    >>> nearest_host(problem, [((8.0, 9.0, 9.0, 0.0), 1.1e-4), ((7.0, 11.0, 11.0, 0.0), 1.3e-4)])  # doctest: +SKIP
-    0.00011
+    >>> nearest_host(problem, host_points(problem, {"...|q512|...": 1.1e-4, "...|q2048|...": 1.3e-4}))  # doctest: +SKIP
+    0.000113
     """
     here = problem.size_point()
-    return min(((math.dist(here, at), seconds) for at, seconds in points), default=(None, None))[1]
+    own = [math.exp(value) for at, value in points if at == here]
+    return own[0] if own else _weighted_log_mean(here, points, HOST_NEIGHBOURS)
 
 
 def _no_op_error(report: Report, forced: bool) -> NoSupportedOpError:

@@ -2,10 +2,15 @@
 the table in turn and every op measured there is estimated from the rest (``method``: "nearest", the op's model
 scaled by measured / model at the nearest measured buckets of the same kind; "factor", the op's model scaled by
 its one median measured / model factor). regret = t(op ranked first) / t(fastest op measured there) - 1.
+The summary splits the points into the interior of the grid (2048 tokens) and its edges (512 and 8192 tokens,
+where an estimate extrapolates). ``--hide size``: each point hidden with every point of its kind at its lengths
+(all GQA ratios), so an edge point is estimated from the other lengths only, as a call past the grid is.
 ``--measured selector.json``: also the regret the selector (``Selector.estimate`` on this table) would have on a
-selector bench's measured prefill calls, data the table did not see.
+selector bench's measured prefill calls, data the table did not see. ``--recalibrate OUT``: write the table with
+each op's calibration (median measured / model over its rows) recomputed under the current cost models.
 
-    python bench/diagnostics/selector_offline.py [--table fmha_ops/tuning/NVIDIA_H200.json] [--measured JSON]
+    python bench/diagnostics/selector_offline.py [--table fmha_ops/tuning/NVIDIA_H200.json] [--hide size]
+        [--measured JSON] [--recalibrate OUT]
 
 Needs no GPU: the points' problems are rebuilt from their bucket keys for the table's device (an sm90 H200).
 """
@@ -33,6 +38,10 @@ from fmha_ops.problem import Problem  # noqa: E402
 TABLE = os.path.join(os.path.dirname(__file__), "..", "..", "fmha_ops", "tuning", "NVIDIA_H200.json")
 H200 = Arch("cuda", (9, 0), name="NVIDIA H200")
 METHODS = ("nearest", "factor")
+#: what a leave-one-out run hides with each point: the point alone, or every point of its kind at its lengths
+HIDE = ("bucket", "size")
+#: the grid's lengths: the interior one and the edges (``summary``)
+INTERIOR, EDGES = "q2048", ("q512", "q8192")
 
 
 def problem_of(bucket: str, arch: Arch = H200) -> Problem | None:
@@ -51,10 +60,11 @@ def problem_of(bucket: str, arch: Arch = H200) -> Problem | None:
                    False, False, grad == "grad1", False, False)
 
 
-def host_time(table: TuningTable, op, problem: Problem, hidden: str | None = None) -> float:
-    """The op's host seconds at ``problem`` as the selector takes them: its host row of the problem's kind nearest
-    in size (the row of bucket ``hidden`` left out), else its one measured host time, else its declared one."""
-    rows = {b: t for b, t in table.host_timings.get(op.NAME, {}).items() if b != hidden}
+def host_time(table: TuningTable, op, problem: Problem, hidden: frozenset[str] = frozenset()) -> float:
+    """The op's host seconds at ``problem`` as the selector takes them: from its host rows of the problem's kind
+    nearest in size (``nearest_host``; the rows of the buckets ``hidden`` left out), else its one measured host time,
+    else its declared one."""
+    rows = {b: t for b, t in table.host_timings.get(op.NAME, {}).items() if b not in hidden}
     return nearest_host(problem, host_points(problem, rows)) or table.host.get(op.NAME) or op.host_time(problem)
 
 
@@ -70,9 +80,19 @@ def estimate(op, problem: Problem, rows: dict[str, float], factor: float | None,
     return max(model * (ratio or 1.0), host)
 
 
-def leave_one_out(table: TuningTable, method: str) -> list[dict]:
-    """One row per bucket measured for two or more ops: the op ranked first with that bucket hidden, the fastest
-    measured op, the regret."""
+def hidden_with(bucket: str, buckets: set[str], hide: str) -> frozenset[str]:
+    """The buckets a leave-one-out run hides with ``bucket`` (``HIDE``): itself, or with ``hide`` "size" every one
+    of ``buckets`` that differs from it in the GQA ratio and batch x heads only (its kind at its lengths)."""
+    if hide == "bucket":
+        return frozenset([bucket])
+    mine = bucket.split("|")
+    return frozenset(b for b in buckets if len(f := b.split("|")) == len(mine)
+                     and all(x == y for i, (x, y) in enumerate(zip(f, mine)) if i not in (3, 6)))
+
+
+def leave_one_out(table: TuningTable, method: str, hide: str = "bucket") -> list[dict]:
+    """One row per bucket measured for two or more ops: the op ranked first with that bucket hidden (with ``hide``
+    "size": with the buckets ``hidden_with`` it), the fastest measured op, the regret."""
     buckets = sorted({b for rows in table.timings.values() for b in rows})
     out = []
     for bucket in buckets:
@@ -85,12 +105,13 @@ def leave_one_out(table: TuningTable, method: str) -> list[dict]:
         if len(times) < 2:
             continue
         ests = {}
+        hidden = hidden_with(bucket, set(buckets), hide)
         for name in times:
             op = REGISTRY.get(name)
-            rows = {b: t for b, t in table.timings[name].items() if b != bucket}
+            rows = {b: t for b, t in table.timings[name].items() if b not in hidden}
             ratios = [t / m for b, t in rows.items() if (p := problem_of(b)) and (m := op.estimate(p))]
             e = estimate(op, problem, rows, statistics.median(ratios) if ratios else None, method,
-                         host_time(table, op, problem, hidden=bucket))
+                         host_time(table, op, problem, hidden=hidden))
             if e is not None:
                 ests[name] = e
         if len(ests) < 2:
@@ -139,33 +160,68 @@ def held_out(table: TuningTable, measured: list[dict]) -> list[dict]:
         return out
 
 
+def summary(rows: list[dict]) -> dict:
+    """Median and worst regret and the misses over 3% of ``leave_one_out`` rows: all, the grid's interior
+    (``INTERIOR``) and its edges (``EDGES``)."""
+    def stats(regrets: list[float]) -> dict:
+        return {"points": len(regrets), "median": statistics.median(regrets), "worst": max(regrets),
+                "misses_over_3pct": sum(r > 0.03 for r in regrets)}
+
+    def at(lengths) -> list[float]:
+        return [r["regret"] for r in rows if r["bucket"].split("|")[7] in lengths]
+
+    return {"all": stats([r["regret"] for r in rows]), "interior": stats(at((INTERIOR,))), "edge": stats(at(EDGES))}
+
+
+def recalibrated(table: TuningTable) -> TuningTable:
+    """``table`` with each op's calibration the median measured / model over its rows under the current cost
+    models (the rows ``problem_of`` rebuilds); ops of decode rows only (q1: models that read no roofline) keep
+    theirs."""
+    calibration = dict(table.calibration)
+    for name, rows in table.timings.items():
+        op = REGISTRY.get(name)
+        if all("|q1|" in b for b in rows):
+            continue
+        ratios = [t / m for b, t in rows.items() if (p := problem_of(b)) and (m := op.estimate(p))]
+        if ratios:
+            calibration[name] = statistics.median(ratios)
+    return TuningTable(table.device, table.versions, table.timings, calibration, table.host, table.host_timings)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--table", default=TABLE)
+    parser.add_argument("--hide", choices=HIDE, default="bucket", help="what each point is hidden with")
     parser.add_argument("--measured", default=None, help="a selector bench's selector.json (held-out calls)")
+    parser.add_argument("--recalibrate", default=None, metavar="OUT", help="write the recalibrated table here")
     args = parser.parse_args(argv)
     table = TuningTable.load(args.table)
-    summary = {}
+    out = {}
     for method in METHODS:
-        rows = leave_one_out(table, method)
-        regrets = [r["regret"] for r in rows]
-        worst = max(rows, key=lambda r: r["regret"])
-        summary[method] = {"points": len(rows), "median": statistics.median(regrets), "worst": worst["regret"],
-                           "misses_over_3pct": sum(r > 0.03 for r in regrets)}
+        rows = leave_one_out(table, method, args.hide)
         for r in sorted(rows, key=lambda r: -r["regret"])[:6]:
             print(f"{method:8s} {r['regret']:6.1%} {r['selected']:>16s} vs {r['best']:<16s} {r['bucket']}")
-        inner = [r["regret"] for r in rows if "|q2048|" in r["bucket"]]
-        summary[method]["interior_median"], summary[method]["interior_worst"] = statistics.median(inner), max(inner)
-        print(f"{method}: {summary[method]}")
+        out[method] = summary(rows)
+    print(f"\nleave-one-out (hide {args.hide}) | points | median | worst | misses > 3%")
+    for method, parts in out.items():
+        for part, st in parts.items():
+            print(f"{method} {part} | {st['points']} | {st['median']:.1%} | {st['worst']:.1%} | "
+                  f"{st['misses_over_3pct']}")
     if args.measured:
         with open(args.measured) as f:
             rows = held_out(table, json.load(f)["rows"])
         for r in rows:
             print(f"held-out {r['regret']:6.1%} {r['selected']:>16s} vs {r['best']:<16s} {r['call']}")
         regrets = [r["regret"] for r in rows]
-        summary["held_out"] = {"calls": len(rows), "median": statistics.median(regrets), "worst": max(regrets)}
-        print(f"held-out: {summary['held_out']}")
-    return summary
+        out["held_out"] = {"calls": len(rows), "median": statistics.median(regrets), "worst": max(regrets)}
+        print(f"held-out: {out['held_out']}")
+    if args.recalibrate:
+        fresh = recalibrated(table)
+        for name in sorted(fresh.calibration):
+            print(f"calibration {name}: {table.calibration.get(name, float('nan')):.3f} -> "
+                  f"{fresh.calibration[name]:.3f}")
+        fresh.save(args.recalibrate)
+    return out
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Roofline cost model shared by the ops: time = max(flops / rate, bytes / bandwidth) + overhead.
+"""Roofline cost model shared by the ops: time = max(compute, memory) + EXPOSED x min(compute, memory) + overhead,
+compute = flops / rate, memory = bytes / bandwidth.
 
 Each op passes its own achieved rates (calibrated from measurements on the H200, see BENCHMARKS.md);
 rates are scaled for other GPUs by their SM count relative to the H200's 132.
@@ -28,8 +29,11 @@ def head_dim_rate(rates: dict[int, float], head_dim: int) -> float:
 
 def backward_time(p: Problem, rates: dict[int, float], tbps: float, overhead_us: float) -> float:
     """Seconds for one backward at ``rates`` (head dim -> achieved TFLOP/s counted over the backward's
-    BACKWARD_WORK x the forward's FLOPs), ``tbps`` TB/s and a fixed overhead."""
-    return BACKWARD_WORK * attention_time(p, head_dim_rate(rates, p.head_dim), tbps, 0.0) + overhead_us * 1e-6
+    BACKWARD_WORK x the forward's FLOPs), ``tbps`` TB/s and a fixed overhead. The greater of compute and memory
+    time only (``exposed`` 0): the rates were fitted that way on long sequences and no tuning table times a
+    backward to fit ``EXPOSED`` on."""
+    return (BACKWARD_WORK * attention_time(p, head_dim_rate(rates, p.head_dim), tbps, 0.0, exposed=0.0)
+            + overhead_us * 1e-6)
 
 
 def attention_bytes(p: Problem) -> float:
@@ -43,8 +47,28 @@ def attention_bytes(p: Problem) -> float:
     return float(q + kv)
 
 
-def attention_time(p: Problem, tflops: float, tbps: float, overhead_us: float, passes: float = 1.0) -> float:
-    """Seconds for one call at ``tflops`` achieved TFLOP/s and ``tbps`` achieved TB/s."""
+#: the share of the lesser of compute and memory time a call does not overlap with the greater (its per-tile loads
+#: of Q and stores of O, the pipeline's fill and drain: work that grows with the tokens, as the bytes do). With
+#: max() alone, measured / model on the H200 table's prefill rows (151 op x kind pairs measured at 512, 2048 and
+#: 8192 tokens) is 2.01 / 1.23 / 1.05 (medians per length): short calls ran ~2x their model, a slope the selector
+#: carried past the grid's edges; with 1.5 x the lesser term added, 1.08 / 0.98 / 0.97 (0.5: 1.56 / 1.11 / 1.03;
+#: 2.0: 0.95 / 0.90 / 0.96), one pair's spread across the three lengths 1.31x (median; 1.66x with max() alone).
+#: Estimating each 512-token grid point from the other lengths only (bench/diagnostics/selector_offline.py --hide
+#: size), the selector's worst regret there is 36% against 86% with max() alone. A memory-bound decode's compute
+#: term is small: it barely moves.
+EXPOSED = 1.5
+
+
+def attention_time(p: Problem, tflops: float, tbps: float, overhead_us: float, passes: float = 1.0,
+                   exposed: float = EXPOSED) -> float:
+    """Seconds for one call at ``tflops`` achieved TFLOP/s and ``tbps`` achieved TB/s: the greater of compute and
+    memory time plus ``exposed`` x the lesser, plus ``overhead_us``.
+
+    Example
+    -------
+    >>> attention_time(problem, tflops=600.0, tbps=3.0, overhead_us=6.0)  # doctest: +SKIP
+    6.9e-05
+    """
     scale = 1.0
     if p.arch.kind != "cpu":
         from registry.arch import sm_count
@@ -52,4 +76,4 @@ def attention_time(p: Problem, tflops: float, tbps: float, overhead_us: float, p
         scale = sm_count(p.arch) / 132.0
     compute = attention_flops(p) / (tflops * 1e12 * scale)
     memory = passes * attention_bytes(p) / (tbps * 1e12 * scale)
-    return max(compute, memory) + overhead_us * 1e-6
+    return max(compute, memory) + exposed * min(compute, memory) + overhead_us * 1e-6
