@@ -6,11 +6,12 @@ hands the problem to each op's ``not_supported_reasons`` and ``estimate``.
 
 Ranking: measured time from the tuning table for this device and bucket; for a problem between the measured
 buckets, the op's cost model scaled by measured / model at the nearest measured buckets of its kind
-(``nearest_ratio``); else the op's cost model (scaled by the table's calibration of that op), else declared PRIORITY (ops with an estimate rank first). On a GPU
-the estimate is at least the op's host time per call (``host_estimate``: the table's host rows at the nearest
-measured buckets of the call's kind (``nearest_host``), else the op's one measured host time, else ``Op.host_time``): a small problem
-runs at the pace its launch path is issued, so the op that is fastest for the whole call wins (source "... ,
-host-bound"). Estimates within ``TIE_MARGIN`` of the fastest are a tie, broken on the device estimate, then
+(``nearest_ratio``); else the op's cost model (scaled by the table's calibration of that op), else declared
+PRIORITY (ops with an estimate rank first). On a GPU the estimate is at least the op's host time per call
+(``host_estimate``: the table's host rows at the nearest measured buckets of the call's kind (``nearest_host``),
+else the op's one measured host time, else ``Op.host_time``): a small problem runs at the pace its launch path is
+issued, so the op that is fastest for the whole call wins (source "... , host-bound"). Estimates within ``TIE_MARGIN``
+of the fastest are a tie, broken on the device estimate, then
 PRIORITY, then NAME, so the choice is deterministic and a host-bound ranking does not flip on host-time noise.
 ``select`` is memoized on the caller's hashable signature plus the active overrides, so a repeated call is one
 dict lookup.
@@ -296,9 +297,9 @@ class Selector:
 
     def host_estimate(self, op: type[Op], problem: Any) -> float:
         """Host seconds per eager call of ``op`` on ``problem``: 0 where the op declares none (a CUDA graph
-        capture); else from the table's host rows of the problem's kind nearest in ``size_point()`` (``nearest_host``;
-        the row of its own bucket for problems without ``at_bucket``), else the op's one measured host time, else the declared
-        ``Op.host_time``."""
+        capture); else from the table's host rows of the problem's kind nearest in ``size_point()``
+        (``nearest_host``; the row of its own bucket for problems without ``at_bucket``), else the op's one measured
+        host time, else the declared ``Op.host_time``."""
         declared = op.host_time(problem)
         if declared <= 0:
             return declared
@@ -533,9 +534,10 @@ def host_points(problem: Any, rows: dict[str, float]) -> list[tuple[tuple, float
 def nearest_host(problem: Any, points: list[tuple[tuple, float]]) -> float | None:
     """Host seconds at ``problem`` from ``points`` (``host_points``): the row at the problem's own sizes as
     measured, else the geometric mean of the ``HOST_NEIGHBOURS`` nearest to ``problem.size_point()``, weighted by
-    1 / (distance + 1/2)^2 (a row at distance 0.5 weighs 4x one at distance 1.5); None without points. An op's host work follows the call's kind (masks,
-    paging, a quantize step) and, where its launches do, its sizes (a decoder's split count follows the cache
-    length): the nearest rows are those measured at sizes most like the problem's.
+    1 / (distance + 1/2)^2 (a row at distance 0.5 weighs 4x one at distance 1.5); None without points. An op's
+    host work follows the call's kind (masks, paging, a quantize step) and, where its launches do, its sizes (a
+    decoder's split count follows the cache length): the nearest rows are those measured at sizes most like the
+    problem's.
 
     Example
     -------
