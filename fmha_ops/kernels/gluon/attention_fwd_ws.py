@@ -281,21 +281,20 @@ def _producer(q_desc, k_desc, kb_desc, v_desc, vb_desc, q_smem, k_smem, kb_smem,
             q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready)
     kv = 0
     i = 0
+    t = gl.program_id(0)
     if DYNAMIC:
-        t = gl.program_id(0)
         _publish_tile(sched, t, i)
-        while t < n_total:
-            kv += _load_tile(t, kv, i, ring, n_m, n_total, Mq, Mk, Hq, GROUP, BLOCK_N, BLOCK_B, HEAD_D, STAGES,
-                             CONSUMERS, CAUSAL, V_TRANSPOSE, KEY_ORDER, HEAD_SECTION)
-            i += 1
+    while t < n_total:
+        kv += _load_tile(t, kv, i, ring, n_m, n_total, Mq, Mk, Hq, GROUP, BLOCK_N, BLOCK_B, HEAD_D, STAGES,
+                         CONSUMERS, CAUSAL, V_TRANSPOSE, KEY_ORDER, HEAD_SECTION)
+        i += 1
+        if DYNAMIC:
             t = gl.num_programs(0) + gl.atomic_add(Counter, 1, sem="relaxed")
             _publish_tile(sched, t, i)
+        else:
+            t += gl.num_programs(0)
+    if DYNAMIC:
         _retire(Counter)
-    else:
-        for t in range(gl.program_id(0), n_total, gl.num_programs(0)):
-            kv += _load_tile(t, kv, i, ring, n_m, n_total, Mq, Mk, Hq, GROUP, BLOCK_N, BLOCK_B, HEAD_D, STAGES,
-                             CONSUMERS, CAUSAL, V_TRANSPOSE, KEY_ORDER, HEAD_SECTION)
-            i += 1
 
 
 @gluon.jit
@@ -563,22 +562,18 @@ def _consumer(C: gl.constexpr, smem, scalars, sched, n_total, HEAD_D: gl.constex
     i = 0
     if DYNAMIC:
         t = _take_tile(sched, i)
-        while t < n_total:
-            n_tiles = _consume_tile(C, t, kv, turn, i, smem, scalars, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS,
-                                    CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE,
-                                    HEAD_SECTION)
-            kv += n_tiles
-            turn += n_tiles + 1
-            i += 1
-            t = _take_tile(sched, i)
     else:
-        for t in range(gl.program_id(0), n_total, gl.num_programs(0)):
-            n_tiles = _consume_tile(C, t, kv, turn, i, smem, scalars, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS,
-                                    CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE,
-                                    HEAD_SECTION)
-            kv += n_tiles
-            turn += n_tiles + 1
-            i += 1
+        t = gl.program_id(0)
+    while t < n_total:
+        n_tiles = _consume_tile(C, t, kv, turn, i, smem, scalars, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS,
+                                CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION)
+        kv += n_tiles
+        turn += n_tiles + 1
+        i += 1
+        if DYNAMIC:
+            t = _take_tile(sched, i)
+        else:
+            t += gl.num_programs(0)
     tma.store_wait(pendings=0)
 
 
