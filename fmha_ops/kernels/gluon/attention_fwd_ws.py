@@ -255,9 +255,11 @@ def _take_tile(sched, i):
 @gluon.jit
 def _retire(Counter):
     """Count this CTA out of the launch (``Counter[1]``); the last one resets both counters to 0 for the next
-    launch. Every CTA's last take from ``Counter[0]`` precedes its count-out in program order, and the count-outs
-    are acq_rel read-modify-writes of one address: the last one synchronizes with all the others, so its reset
-    comes after every take of this launch; the next launch on the stream sees the zeros (kernel boundary)."""
+    launch. Memory order: a CTA's last take from ``Counter[0]`` happens before its count-out (one elected thread
+    issues each scalar atomic, and the take's result reaches the partition through shared memory and a barrier
+    before the count-out is issued); the count-outs are acq_rel read-modify-writes of one address, so the last
+    one acquires every other CTA's release and its reset comes after every take of this launch. The next launch
+    on the stream starts after this one has ended and sees the zeros."""
     done = gl.atomic_add(Counter + 1, 1, sem="acq_rel")
     if done == gl.num_programs(0) - 1:
         gl.atomic_xchg(Counter, 0, sem="relaxed")
