@@ -122,7 +122,7 @@ def test_ws_launcher_finishes_empty_problems_and_rejects_bad_configs():
     out, lse = ws.attention_forward(q, k, k, scale=0.125, return_lse=True)
     assert out.float().eq(0).all() and lse.eq(float("-inf")).all()
     for bad in (ws.WsFwdConfig(consumers=4), ws.WsFwdConfig(stages=1), ws.WsFwdConfig(block_n=224),
-                ws.WsFwdConfig(block_n=192, v_transpose=True)):
+                ws.WsFwdConfig(block_n=192, v_transpose=True), ws.WsFwdConfig(dynamic=True, persistent=False)):
         with pytest.raises(ValueError, match="config"):
             ws.attention_forward(q, k, k, scale=0.125, config=bad)
     with pytest.raises(ValueError, match="head dim"):
@@ -189,9 +189,9 @@ import dataclasses, sys
 from fmha_ops.kernels.gluon import attention_fwd_ws as ws
 head_dim, causal, consumers, v_transpose = int(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[3]), sys.argv[4] == "1"
 persistent, qk_int8, block_n = sys.argv[5] == "1", sys.argv[6] == "1", int(sys.argv[7])
-direct = sys.argv[8] == "1"
+direct, dynamic = sys.argv[8] == "1", sys.argv[9] == "1"
 cfg = ws.WsFwdConfig(block_n=block_n or (128 if head_dim <= 128 else 64), v_transpose=v_transpose,
-                     key_order=v_transpose, persistent=persistent, direct_store=direct)
+                     key_order=v_transpose, persistent=persistent, direct_store=direct, dynamic=dynamic)
 if consumers == 1:
     cfg = dataclasses.replace(cfg, consumers=1, maxnreg=ws.SINGLE_CONSUMER_MAXNREG[head_dim])
 elif consumers == 3:
@@ -226,17 +226,61 @@ def test_ws_kernel_with_head_sections_compiles_for_sm90():
     assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
 
 
-@pytest.mark.parametrize("head_dim,causal,consumers,v_transpose,persistent,qk_int8,block_n,direct",
-                         [(128, True, 2, False, False, False, 0, False), (64, False, 1, False, False, False, 0, False),
-                          (64, True, 3, False, False, False, 0, False), (256, True, 2, True, False, False, 0, False),
-                          (128, True, 2, False, True, True, 192, False), (128, False, 1, False, True, True, 192, True)])
-def test_ws_kernel_compiles_for_sm90(head_dim, causal, consumers, v_transpose, persistent, qk_int8, block_n, direct):
+_DYNAMIC_CHECK = """
+import dataclasses, os, re, subprocess, sys, tempfile
+import triton
+from fmha_ops.kernels.gluon import attention_fwd_ws as ws
+head_dim, qk_int8 = int(sys.argv[1]), sys.argv[2] == "1"
+B, H, N = 4, 32, 4096  # a launch's ints at 4x4096x32 causal, (B, Hkv) descales
+base = dataclasses.replace(ws.default_config(head_dim, True, N, qk_int8=qk_int8), persistent=True)
+n_m = N // (64 * base.consumers)
+ints = dict(stride_ob=H * head_dim, stride_om=H * head_dim, stride_oh=head_dim, stride_lb=0, stride_lh=0, qd_sb=H,
+            qd_sh=1, kd_sb=H, kd_sh=1, vd_sb=H, vd_sh=1, n_m=n_m, n_total=n_m * B * H, Mq=N, Mk=N, Hq=H, GROUP=1)
+ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+for cfg in (base, dataclasses.replace(base, dynamic=True, head_section=8)):
+    kernel = ws.compile_sm90(head_dim, causal=True, config=cfg, qk_int8=qk_int8, launch_ints=ints)
+    ptx = kernel.asm["ptx"]
+    assert ("atom.global.gpu.relaxed.add" in ptx) == cfg.dynamic
+    assert cfg.shared_bytes(head_dim) >= kernel.metadata.shared, (cfg.shared_bytes(head_dim), kernel.metadata.shared)
+    path = os.path.join(tempfile.mkdtemp(), "k.ptx")
+    open(path, "w").write(ptx)
+    err = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", path, "-o", path + ".o"], capture_output=True,
+                         text=True, check=True).stderr
+    print(re.search(r"(\\d+) bytes spill stores", err).group(1))
+"""
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("qk_int8", [False, True], ids=["fp8", "int8"])
+def test_ws_dynamic_tiles_compile_for_sm90_without_more_spills(head_dim, qk_int8):
+    """``WsFwdConfig.dynamic`` (tiles taken from a launch-wide counter, heaviest first across sections of 8 heads)
+    on the causal schedule ``default_config`` picks, made persistent: compiled as launched at 4x4096x32, it spills
+    at most ``SPILL_ALLOWANCE_BYTES`` more than the same schedule on fixed strides (ptxas, spill stores; at the
+    time of writing 0 / 0 at D64 and D128, 140 / 152 fp8 and 0 / 4 int8 at D256)."""
+    run = run_compiled(_DYNAMIC_CHECK, str(head_dim), str(int(qk_int8)), timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    strided, dynamic = map(int, run.stdout.split()[-2:])
+    print(f"D{head_dim} {'int8' if qk_int8 else 'fp8'}: spill stores {dynamic} B dynamic, {strided} B strided")
+    assert dynamic <= strided + SPILL_ALLOWANCE_BYTES, (dynamic, strided)
+
+
+@pytest.mark.parametrize("head_dim,causal,consumers,v_transpose,persistent,qk_int8,block_n,direct,dynamic",
+                         [(128, True, 2, False, False, False, 0, False, False),
+                          (64, False, 1, False, False, False, 0, False, False),
+                          (64, True, 3, False, False, False, 0, False, False),
+                          (256, True, 2, True, False, False, 0, False, False),
+                          (128, True, 2, False, True, True, 192, False, False),
+                          (128, False, 1, False, True, True, 192, True, False),
+                          (128, True, 2, True, True, False, 0, False, True)])
+def test_ws_kernel_compiles_for_sm90(head_dim, causal, consumers, v_transpose, persistent, qk_int8, block_n, direct,
+                                     dynamic):
     """Ahead-of-time sm90 compile (no GPU): Gluon front end, Triton passes and ptxas accept the kernel (the
     persistent grid's tile loop, int8 q / k on the s8 wgmma, 192-key tiles in two parts, the output stored from
-    registers). In a child process without ``TRITON_INTERPRET`` (interpreted helpers cannot be called from a
-    compiled kernel)."""
+    registers, tiles taken from a counter by a V-transposing producer warpgroup). In a child process without
+    ``TRITON_INTERPRET`` (interpreted helpers cannot be called from a compiled kernel)."""
     run = run_compiled(_COMPILE_CHECK, str(head_dim), str(int(causal)), str(consumers), str(int(v_transpose)),
-                       str(int(persistent)), str(int(qk_int8)), str(block_n), str(int(direct)), timeout=300)
+                       str(int(persistent)), str(int(qk_int8)), str(block_n), str(int(direct)), str(int(dynamic)),
+                       timeout=300)
     assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
 
 
@@ -363,6 +407,96 @@ def test_gpu_gluon_ws_i8fp8(shape, schedule):
     assert not torch.isnan(o).any(), "unwritten or NaN output"
     assert e["rel"] < 4e-2 and e["cos"] > 0.999, e
     _check_lse(lse, ref_lse, 2e-2)
+
+
+DYNAMIC_SHAPES = [  # B, Mq, Mk, Hq, Hkv, D, all causal: 1 / 17 / 1000 / 3000 rows, GQA 1 / 4 / 8, D 64 / 128 / 256
+    (1, 1, 1, 1, 1, 128),
+    (2, 17, 1000, 4, 1, 128),
+    (1, 17, 17, 8, 2, 64),
+    (2, 1000, 1000, 6, 3, 64),  # 12 (batch, head) pairs: a partial last section of 8
+    (2, 1000, 17, 4, 4, 256),
+    (3, 3000, 3000, 8, 8, 128),  # 1128 tiles: most taken from the counter
+    (1, 3000, 3000, 8, 1, 256),
+]
+
+
+def _quantized(qk, q, k, v):
+    """(q8, k8, v8, q_descale, k_descale, v_descale, scale): fp8 with (B, Hkv) descales, or i8fp8 (int8 q / k with
+    (B, Hkv) descales, fp8 v per tensor)."""
+    from fmha_ops.quant import quantize_i8fp8, quantize_qkv_fp8
+
+    if qk == "int8":
+        i8 = quantize_i8fp8(q, k, v, qk_granularity="head", v_granularity="tensor")
+        return i8.q, i8.k, i8.v, i8.q_descale, i8.k_descale, i8.v_descale, i8.softmax_scale
+    return (*quantize_qkv_fp8(q, k, v), q.shape[-1] ** -0.5)
+
+
+def _dynamic_config(D, Mk, qk):
+    """The causal schedule ``default_config`` picks, on a persistent grid taking tiles from the counter, heaviest
+    first across sections of 8 (batch, head) pairs."""
+    from fmha_ops.kernels.gluon import attention_fwd_ws as ws
+
+    return dataclasses.replace(ws.default_config(D, True, Mk, qk_int8=qk == "int8"), persistent=True, dynamic=True,
+                               head_section=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", DYNAMIC_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("qk", ["fp8", "int8"])
+def test_gpu_gluon_ws_dynamic_tiles(shape, qk):
+    """``WsFwdConfig.dynamic``: against the float64 reference of the dequantized inputs, twice in a row: the
+    counters are back to zero after each launch (the last CTA resets them) and the second output equals the first
+    bit for bit (a tile's result does not depend on the CTA that takes it)."""
+    from fmha_ops.kernels.gluon import attention_fwd_ws as ws
+    from fmha_ops.kernels.tile_counter import tile_counters
+
+    B, Mq, Mk, Hq, Hkv, D = shape
+    q8, k8, v8, qd, kd, vd, scale = _quantized(qk, *_inputs("normal", B, Mq, Mk, Hq, Hkv, D, D, torch.bfloat16,
+                                                            seed=Mq * 5 + Mk))
+    ref, ref_lse = reference(_dq(q8, qd, Hq // Hkv).double(), _dq(k8, kd).double(), _dq(v8, vd).double(), scale,
+                             True, dtype=torch.float64)
+    outs = []
+    for _ in range(2):
+        o, lse = ws.attention_forward(q8, k8, v8, scale=scale, causal=True, q_descale=qd, k_descale=kd,
+                                      v_descale=vd, return_lse=True, config=_dynamic_config(D, Mk, qk),
+                                      out=_poisoned(B, Mq, Hq, D, torch.bfloat16))
+        assert tile_counters(q8.device).eq(0).all(), "the counters must be reset by the launch's last CTA"
+        e = error_report(o, ref)
+        print(f"\n{shape} {qk} dynamic: {e}")
+        assert not torch.isnan(o).any(), "unwritten or NaN output"
+        assert e["rel"] < 4e-2 and e["cos"] > 0.999, e
+        _check_lse(lse, ref_lse, 2e-2)
+        outs.append(o)
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("warm", [True, False], ids=["stream_warmed", "cold_stream"])
+def test_gpu_gluon_ws_dynamic_tiles_in_cuda_graph(warm):
+    """Captured in a CUDA graph and replayed three times, the dynamic schedule gives the eager output: on a stream
+    that ran it before the capture (its kept counters, no memset in the graph) and on a fresh stream (a zeroed
+    pair captured with it)."""
+    from fmha_ops.kernels.gluon import attention_fwd_ws as ws
+
+    B, Mq, Mk, Hq, Hkv, D = DYNAMIC_SHAPES[5]
+    q8, k8, v8, qd, kd, vd, scale = _quantized("int8", *_inputs("normal", B, Mq, Mk, Hq, Hkv, D, D, torch.bfloat16,
+                                                                seed=11))
+    kw = {"scale": scale, "causal": True, "q_descale": qd, "k_descale": kd, "v_descale": vd,
+          "config": _dynamic_config(D, Mk, "int8")}
+    eager, _ = ws.attention_forward(q8, k8, v8, **kw)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    if warm:
+        with torch.cuda.stream(stream):
+            ws.attention_forward(q8, k8, v8, **kw)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        captured, _ = ws.attention_forward(q8, k8, v8, **kw)
+    for _ in range(3):
+        captured.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager)
 
 
 @pytest.mark.gpu

@@ -9,7 +9,8 @@ wgmma, int32 accumulators; ``QK_INT8``, the same kernel body), v fp8.
 A tile is ``CONSUMERS * WG_ROWS`` query rows of one (batch, query head); tiles are numbered with a head's row
 blocks consecutive (``_tile_coords``). CTA p runs tiles p, p + grid, ..: with a grid of one CTA per tile each runs
 one, with a persistent grid (``WsFwdConfig.persistent``: ``ctas_per_sm()`` CTAs per SM) each runs several and the
-rings, turns and Q buffers run on from one tile to the next. q, k, v (or V^T), out are read and written through
+rings, turns and Q buffers run on from one tile to the next; with ``WsFwdConfig.dynamic`` a persistent CTA runs
+tile p and then those its producer takes from a launch-wide atomic counter as it gets through them. q, k, v (or V^T), out are read and written through
 host TMA descriptors of the whole 4-D tensors ([1, rows, 1, D] boxes; V^T [1, 1, D, keys]), so a CTA changes
 (batch, head) by its coordinates alone.
 
@@ -50,6 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..attention_host import fp8_forward_args
+from ..tile_counter import tile_counters
 from ..softmax import LOG2E, MIN_QK_SCALE, hide_keys, natural_lse, p_shift, row_inverse
 from ..triton.launch import cdiv, host_descriptor, launch
 from ..triton.transpose_v import transpose_v
@@ -75,6 +77,9 @@ WG_WARPS = gl.constexpr(4)
 PRODUCER_REGS = gl.constexpr(24)
 #: channels of one raw V box (keys x V_CHUNK) that a transposing producer moves at a time
 V_CHUNK = gl.constexpr(64)
+#: slots of the tile ring (``WsFwdConfig.dynamic``): the producer may publish the next tile while the consumers
+#: have yet to read the current one
+TILE_SLOTS = gl.constexpr(2)
 
 
 def _box_layout(rows, cols, dtype, channels_last):
@@ -171,58 +176,127 @@ def _tile_coords(t, n_m, n_total, Hq, GROUP, CAUSAL: gl.constexpr, HEAD_SECTION:
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, kb_desc, v_desc, vb_desc, q_smem, k_smem, kb_smem, v_smem, vb_smem, v_raw, q_bars,
-              q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready, n_m, n_total, Mq, Mk, Hq, GROUP,
-              BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-              CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, V_TRANSPOSE: gl.constexpr, KEY_ORDER: gl.constexpr,
-              HEAD_SECTION: gl.constexpr):
-    """For each tile of this CTA: its Q tiles once the consumers are done with the previous ones, then K_j, V_j
-    for every key tile, each into its ring slot once all consumers freed it (``kv`` counts key tiles over the
-    CTA's tiles: the rings run on across tiles, so the next tile's loads overlap this one's last GEMMs).
+def _load_tile(t, kv, i, ring, n_m, n_total, Mq, Mk, Hq, GROUP, BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr,
+               HEAD_D: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
+               V_TRANSPOSE: gl.constexpr, KEY_ORDER: gl.constexpr, HEAD_SECTION: gl.constexpr):
+    """Tile ``t``, the ``i``-th of this CTA, its key tiles from ring position ``kv``: its Q tiles once the
+    consumers are done with the previous ones, then K_j, V_j for every key tile, each into its ring slot once all
+    consumers freed it. ``ring``: the descriptors, shared buffers and barriers (``_producer``). Returns the key
+    tiles loaded.
 
     ``V_TRANSPOSE``: v arrives as stored (keys x channels) and this partition (a warpgroup) transposes each tile
     in shared memory, loading tile j + 1 before it transposes tile j; otherwise V^T tiles arrive by TMA.
     ``BLOCK_B`` > 0 (a key tile in two parts, not with ``V_TRANSPOSE``): the last ``BLOCK_B`` keys of each K and
     V^T tile go to ``kb_smem`` / ``vb_smem`` through their own descriptors, under the same barriers."""
+    (q_desc, k_desc, kb_desc, v_desc, vb_desc, q_smem, k_smem, kb_smem, v_smem, vb_smem, v_raw, q_bars, q_empty,
+     k_ready, v_ready, k_empty, v_empty, raw_ready) = ring
     BLOCK_M: gl.constexpr = CONSUMERS * WG_ROWS
     BLOCK_A: gl.constexpr = BLOCK_N - BLOCK_B
+    b, hq, hkv, pid_m = _tile_coords(t, n_m, n_total, Hq, GROUP, CAUSAL, HEAD_SECTION)
+    m0 = pid_m * BLOCK_M
+    n_tiles = key_tiles(m0, BLOCK_M, Mq, Mk, BLOCK_N, CAUSAL)
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.wait(q_empty.index(c), (i & 1) ^ 1)
+        mbarrier.expect(q_bars.index(c), WG_ROWS * HEAD_D)
+        tma.async_copy_global_to_shared(q_desc, [b, m0 + c * WG_ROWS, hq, 0], q_bars.index(c),
+                                        _box(q_smem.index(c)))
+    if V_TRANSPOSE:
+        _load_k(k_desc, kb_desc, k_smem, kb_smem, k_ready, k_empty, kv, b, hkv, 0, BLOCK_A, BLOCK_B, HEAD_D,
+                STAGES)
+        _load_v_rows(v_desc, v_raw, raw_ready, kv, b, hkv, 0, BLOCK_N, HEAD_D, STAGES)
+        for j in range(n_tiles):
+            if j + 1 < n_tiles:
+                _load_k(k_desc, kb_desc, k_smem, kb_smem, k_ready, k_empty, kv + j + 1, b, hkv,
+                        (j + 1) * BLOCK_N, BLOCK_A, BLOCK_B, HEAD_D, STAGES)
+                _load_v_rows(v_desc, v_raw, raw_ready, kv + j + 1, b, hkv, (j + 1) * BLOCK_N, BLOCK_N, HEAD_D,
+                             STAGES)
+            _transpose_v_tile(v_raw, v_smem, raw_ready, v_ready, v_empty, kv + j, BLOCK_N, HEAD_D, STAGES,
+                              KEY_ORDER, gl.num_warps())
+    else:
+        for j in range(n_tiles):
+            _load_k(k_desc, kb_desc, k_smem, kb_smem, k_ready, k_empty, kv + j, b, hkv, j * BLOCK_N, BLOCK_A,
+                    BLOCK_B, HEAD_D, STAGES)
+            slot = (kv + j) % STAGES
+            mbarrier.wait(v_empty.index(slot), (((kv + j) // STAGES) & 1) ^ 1)
+            mbarrier.expect(v_ready.index(slot), BLOCK_N * HEAD_D)
+            tma.async_copy_global_to_shared(v_desc, [b, hkv, 0, j * BLOCK_N], v_ready.index(slot),
+                                            _box(v_smem.index(slot), False))
+            if BLOCK_B > 0:
+                tma.async_copy_global_to_shared(vb_desc, [b, hkv, 0, j * BLOCK_N + BLOCK_A], v_ready.index(slot),
+                                                _box(vb_smem.index(slot), False))
+    return n_tiles
+
+
+@gluon.jit
+def _publish_tile(sched, t, i):
+    """Hand tile ``t``, this CTA's ``i``-th (``t`` >= the tile count: no more), to the consumers through slot
+    ``i % TILE_SLOTS`` of the tile ring once every consumer has read that slot's previous tile. The mbarrier
+    arrive releases the shared store at CTA scope and the consumers' wait acquires it."""
+    tile_smem, tile_ready, tile_empty = sched
+    slot = i % TILE_SLOTS
+    mbarrier.wait(tile_empty.index(slot), ((i // TILE_SLOTS) & 1) ^ 1)
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    tile_smem.index(slot).store(gl.full([1], t, gl.int32, layout))
+    mbarrier.arrive(tile_ready.index(slot), count=1)
+
+
+@gluon.jit
+def _take_tile(sched, i):
+    """This CTA's ``i``-th tile as ``_publish_tile`` handed it over; frees its slot for the producer."""
+    tile_smem, tile_ready, tile_empty = sched
+    slot = i % TILE_SLOTS
+    mbarrier.wait(tile_ready.index(slot), (i // TILE_SLOTS) & 1)
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    t = gl.max(tile_smem.index(slot).load(layout), 0)
+    mbarrier.arrive(tile_empty.index(slot), count=1)
+    return t
+
+
+@gluon.jit
+def _retire(Counter):
+    """Count this CTA out of the launch (``Counter[1]``); the last one resets both counters to 0 for the next
+    launch. Memory order: a CTA's last take from ``Counter[0]`` happens before its count-out (one elected thread
+    issues each scalar atomic, and the take's result reaches the partition through shared memory and a barrier
+    before the count-out is issued); the count-outs are acq_rel read-modify-writes of one address, so the last
+    one acquires every other CTA's release and its reset comes after every take of this launch. The next launch
+    on the stream starts after this one has ended and sees the zeros."""
+    done = gl.atomic_add(Counter + 1, 1, sem="acq_rel")
+    if done == gl.num_programs(0) - 1:
+        gl.atomic_xchg(Counter, 0, sem="relaxed")
+        gl.atomic_xchg(Counter + 1, 0, sem="relaxed")
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, kb_desc, v_desc, vb_desc, q_smem, k_smem, kb_smem, v_smem, vb_smem, v_raw, q_bars,
+              q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready, sched, Counter, n_m, n_total, Mq, Mk, Hq,
+              GROUP, BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+              CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, V_TRANSPOSE: gl.constexpr, KEY_ORDER: gl.constexpr,
+              HEAD_SECTION: gl.constexpr, DYNAMIC: gl.constexpr):
+    """The loads of this CTA's tiles (``_load_tile``; ``kv`` counts key tiles over the CTA's tiles: the rings run
+    on across tiles, so the next tile's loads overlap this one's last GEMMs).
+
+    Which tiles: ``program_id``, + ``num_programs``, .. or, with ``DYNAMIC``, ``program_id`` first and then
+    ``num_programs`` + a take from the launch's tile counter ``Counter[0]`` (a relaxed atomic add: only its
+    uniqueness matters), taken once the current tile's loads are issued (the consumers still have the ring's
+    tiles to work through) and handed to the consumers through the tile ring ``sched`` (``_publish_tile``)."""
+    ring = (q_desc, k_desc, kb_desc, v_desc, vb_desc, q_smem, k_smem, kb_smem, v_smem, vb_smem, v_raw, q_bars,
+            q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready)
     kv = 0
     i = 0
-    for t in range(gl.program_id(0), n_total, gl.num_programs(0)):
-        b, hq, hkv, pid_m = _tile_coords(t, n_m, n_total, Hq, GROUP, CAUSAL, HEAD_SECTION)
-        m0 = pid_m * BLOCK_M
-        n_tiles = key_tiles(m0, BLOCK_M, Mq, Mk, BLOCK_N, CAUSAL)
-        for c in gl.static_range(CONSUMERS):
-            mbarrier.wait(q_empty.index(c), (i & 1) ^ 1)
-            mbarrier.expect(q_bars.index(c), WG_ROWS * HEAD_D)
-            tma.async_copy_global_to_shared(q_desc, [b, m0 + c * WG_ROWS, hq, 0], q_bars.index(c),
-                                            _box(q_smem.index(c)))
-        if V_TRANSPOSE:
-            _load_k(k_desc, kb_desc, k_smem, kb_smem, k_ready, k_empty, kv, b, hkv, 0, BLOCK_A, BLOCK_B, HEAD_D,
-                    STAGES)
-            _load_v_rows(v_desc, v_raw, raw_ready, kv, b, hkv, 0, BLOCK_N, HEAD_D, STAGES)
-            for j in range(n_tiles):
-                if j + 1 < n_tiles:
-                    _load_k(k_desc, kb_desc, k_smem, kb_smem, k_ready, k_empty, kv + j + 1, b, hkv,
-                            (j + 1) * BLOCK_N, BLOCK_A, BLOCK_B, HEAD_D, STAGES)
-                    _load_v_rows(v_desc, v_raw, raw_ready, kv + j + 1, b, hkv, (j + 1) * BLOCK_N, BLOCK_N, HEAD_D,
-                                 STAGES)
-                _transpose_v_tile(v_raw, v_smem, raw_ready, v_ready, v_empty, kv + j, BLOCK_N, HEAD_D, STAGES,
-                                  KEY_ORDER, gl.num_warps())
-        else:
-            for j in range(n_tiles):
-                _load_k(k_desc, kb_desc, k_smem, kb_smem, k_ready, k_empty, kv + j, b, hkv, j * BLOCK_N, BLOCK_A,
-                        BLOCK_B, HEAD_D, STAGES)
-                slot = (kv + j) % STAGES
-                mbarrier.wait(v_empty.index(slot), (((kv + j) // STAGES) & 1) ^ 1)
-                mbarrier.expect(v_ready.index(slot), BLOCK_N * HEAD_D)
-                tma.async_copy_global_to_shared(v_desc, [b, hkv, 0, j * BLOCK_N], v_ready.index(slot),
-                                                _box(v_smem.index(slot), False))
-                if BLOCK_B > 0:
-                    tma.async_copy_global_to_shared(vb_desc, [b, hkv, 0, j * BLOCK_N + BLOCK_A], v_ready.index(slot),
-                                                    _box(vb_smem.index(slot), False))
-        kv += n_tiles
+    t = gl.program_id(0)
+    if DYNAMIC:
+        _publish_tile(sched, t, i)
+    while t < n_total:
+        kv += _load_tile(t, kv, i, ring, n_m, n_total, Mq, Mk, Hq, GROUP, BLOCK_N, BLOCK_B, HEAD_D, STAGES,
+                         CONSUMERS, CAUSAL, V_TRANSPOSE, KEY_ORDER, HEAD_SECTION)
         i += 1
+        if DYNAMIC:
+            t = gl.num_programs(0) + gl.atomic_add(Counter, 1, sem="relaxed")
+            _publish_tile(sched, t, i)
+        else:
+            t += gl.num_programs(0)
+    if DYNAMIC:
+        _retire(Counter)
 
 
 @gluon.jit
@@ -430,15 +504,14 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_
 
 
 @gluon.jit
-def _consumer(C: gl.constexpr, smem, scalars, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr,
-              STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
-              P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr, OUT_FP8: gl.constexpr, QK_INT8: gl.constexpr,
-              DIRECT_STORE: gl.constexpr, HEAD_SECTION: gl.constexpr):
-    """Consumer ``C`` over this CTA's tiles: the rows ``C * WG_ROWS ..`` of each, their output through ``o_smem``
-    and a TMA store that runs on while the next tile starts (waited for before ``o_smem`` is written again), or
-    with ``DIRECT_STORE`` from its registers straight to ``Out`` (no output tile in shared memory).
-    ``smem`` and ``scalars``: the kernel's shared buffers and barriers and its runtime arguments, as tuples (every
-    consumer takes the same; the constexprs travel one by one, as a tuple would make them tensors)."""
+def _consume_tile(C: gl.constexpr, t, kv, turn, i, smem, scalars, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr,
+                  BLOCK_B: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
+                  WRITE_LSE: gl.constexpr, P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr, OUT_FP8: gl.constexpr,
+                  QK_INT8: gl.constexpr, DIRECT_STORE: gl.constexpr, HEAD_SECTION: gl.constexpr):
+    """Consumer ``C``'s rows ``C * WG_ROWS ..`` of tile ``t``, the ``i``-th of this CTA, from ring position ``kv``
+    and turn ``turn``: their output through ``o_smem`` and a TMA store that runs on while the next tile starts
+    (waited for before ``o_smem`` is written again), or with ``DIRECT_STORE`` from its registers straight to
+    ``Out`` (no output tile in shared memory). Returns the key tiles consumed."""
     (q_smem, k_smem, kb_smem, v_smem, vb_smem, o_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
      turn_bars) = smem
     (o_desc, Out, Lse, QD, KD, VD, sm_scale_log2, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, qd_sb, qd_sh,
@@ -446,40 +519,63 @@ def _consumer(C: gl.constexpr, smem, scalars, HEAD_D: gl.constexpr, BLOCK_N: gl.
     BLOCK_M: gl.constexpr = CONSUMERS * WG_ROWS
     o_layout: gl.constexpr = acc_layout(WG_WARPS, HEAD_D)
     o_tile = o_smem.index(C)
+    b, hq, hkv, pid_m = _tile_coords(t, n_m, n_total, Hq, GROUP, CAUSAL, HEAD_SECTION)
+    m0 = pid_m * BLOCK_M
+    n_tiles = key_tiles(m0, BLOCK_M, Mq, Mk, BLOCK_N, CAUSAL)
+    qk_scale, vd = head_descales(QD, KD, VD, b, hkv, qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh, sm_scale_log2)
+    if OUT_FP8:  # an fp8 output stays in v's units (attention = out * v_descale)
+        vd = vd * 0.0 + 1.0
+    acc, m_i, l_i, offs_m = _consumer_tile(C, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_bars, q_empty,
+                                           k_ready, v_ready, k_empty, v_empty, turn_bars, qk_scale, m0, n_tiles,
+                                           kv, turn, i, Mq, Mk, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS,
+                                           CAUSAL, P_SHIFT, KEY_ORDER, QK_INT8)
+    inv = gl.convert_layout(row_inverse(l_i) * vd, gl.SliceLayout(1, o_layout))
+    if DIRECT_STORE:
+        rows = gl.convert_layout(offs_m, gl.SliceLayout(1, o_layout))
+        cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
+        base = Out + b.to(gl.int64) * stride_ob + hq.to(gl.int64) * stride_oh
+        gl.store(base + gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0),
+                 (acc * gl.expand_dims(inv, 1)).to(Out.dtype.element_ty), mask=gl.expand_dims(rows < Mq, 1))
+    else:
+        tma.store_wait(pendings=0)  # the previous tile's store has read o_tile
+        gl.thread_barrier()
+        o_tile.store((acc * gl.expand_dims(inv, 1)).to(o_tile.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(o_desc, [b, m0 + C * WG_ROWS, hq, 0], _box(o_tile))
+    if WRITE_LSE:
+        lse_ptr = Lse + b.to(gl.int64) * stride_lb + hq.to(gl.int64) * stride_lh
+        gl.store(lse_ptr + offs_m, natural_lse(m_i, l_i, P_SHIFT), mask=offs_m < Mq)
+    return n_tiles
+
+
+@gluon.jit
+def _consumer(C: gl.constexpr, smem, scalars, sched, n_total, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr,
+              BLOCK_B: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
+              WRITE_LSE: gl.constexpr, P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr, OUT_FP8: gl.constexpr,
+              QK_INT8: gl.constexpr, DIRECT_STORE: gl.constexpr, HEAD_SECTION: gl.constexpr,
+              DYNAMIC: gl.constexpr):
+    """Consumer ``C`` over this CTA's tiles (``_consume_tile``): ``program_id``, + ``num_programs``, .. or, with
+    ``DYNAMIC``, those the producer hands over through the tile ring ``sched`` until one past the last tile.
+    ``smem`` and ``scalars``: the kernel's shared buffers and barriers and its runtime arguments, as tuples (every
+    consumer takes the same; the constexprs travel one by one, as a tuple would make them tensors)."""
     kv = 0
     turn = 0
     i = 0
-    for t in range(gl.program_id(0), n_total, gl.num_programs(0)):
-        b, hq, hkv, pid_m = _tile_coords(t, n_m, n_total, Hq, GROUP, CAUSAL, HEAD_SECTION)
-        m0 = pid_m * BLOCK_M
-        n_tiles = key_tiles(m0, BLOCK_M, Mq, Mk, BLOCK_N, CAUSAL)
-        qk_scale, vd = head_descales(QD, KD, VD, b, hkv, qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh, sm_scale_log2)
-        if OUT_FP8:  # an fp8 output stays in v's units (attention = out * v_descale)
-            vd = vd * 0.0 + 1.0
-        acc, m_i, l_i, offs_m = _consumer_tile(C, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_bars, q_empty,
-                                               k_ready, v_ready, k_empty, v_empty, turn_bars, qk_scale, m0, n_tiles,
-                                               kv, turn, i, Mq, Mk, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS,
-                                               CAUSAL, P_SHIFT, KEY_ORDER, QK_INT8)
-        inv = gl.convert_layout(row_inverse(l_i) * vd, gl.SliceLayout(1, o_layout))
-        if DIRECT_STORE:
-            rows = gl.convert_layout(offs_m, gl.SliceLayout(1, o_layout))
-            cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
-            base = Out + b.to(gl.int64) * stride_ob + hq.to(gl.int64) * stride_oh
-            gl.store(base + gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0),
-                     (acc * gl.expand_dims(inv, 1)).to(Out.dtype.element_ty), mask=gl.expand_dims(rows < Mq, 1))
-        else:
-            tma.store_wait(pendings=0)  # the previous tile's store has read o_tile
-            gl.thread_barrier()
-            o_tile.store((acc * gl.expand_dims(inv, 1)).to(o_tile.dtype))
-            fence_async_shared()
-            gl.thread_barrier()
-            tma.async_copy_shared_to_global(o_desc, [b, m0 + C * WG_ROWS, hq, 0], _box(o_tile))
-        if WRITE_LSE:
-            lse_ptr = Lse + b.to(gl.int64) * stride_lb + hq.to(gl.int64) * stride_lh
-            gl.store(lse_ptr + offs_m, natural_lse(m_i, l_i, P_SHIFT), mask=offs_m < Mq)
+    if DYNAMIC:
+        t = _take_tile(sched, i)
+    else:
+        t = gl.program_id(0)
+    while t < n_total:
+        n_tiles = _consume_tile(C, t, kv, turn, i, smem, scalars, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS,
+                                CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION)
         kv += n_tiles
         turn += n_tiles + 1
         i += 1
+        if DYNAMIC:
+            t = _take_tile(sched, i)
+        else:
+            t += gl.num_programs(0)
     tma.store_wait(pendings=0)
 
 
@@ -488,17 +584,20 @@ def _consumer(C: gl.constexpr, smem, scalars, HEAD_D: gl.constexpr, BLOCK_N: gl.
 #: without it neither spills
 @gluon.jit(do_not_specialize=["Mk"])
 def _attn_fwd_ws_kernel(
-    q_desc, k_desc, kb_desc, v_desc, vb_desc, o_desc, Out, Lse, QD, KD, VD, sm_scale_log2,
+    q_desc, k_desc, kb_desc, v_desc, vb_desc, o_desc, Out, Lse, QD, KD, VD, Counter, sm_scale_log2,
     stride_ob, stride_om, stride_oh, stride_lb, stride_lh, qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh,
     n_m, n_total, Mq, Mk, Hq, GROUP,
     HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr, STAGES: gl.constexpr,
     CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr,
     V_TRANSPOSE: gl.constexpr, OUT_FP8: gl.constexpr, PERSISTENT: gl.constexpr, QK_INT8: gl.constexpr,
-    DIRECT_STORE: gl.constexpr, HEAD_SECTION: gl.constexpr,
+    DIRECT_STORE: gl.constexpr, HEAD_SECTION: gl.constexpr, DYNAMIC: gl.constexpr,
 ):
     """Tiles ``program_id(0)``, + ``num_programs(0)``, .. of the ``n_total`` (batch, head, ``CONSUMERS * WG_ROWS``-row
-    block) tiles (``_tile_coords``): one per CTA with a grid of ``n_total``, several with a persistent grid.
+    block) tiles (``_tile_coords``): one per CTA with a grid of ``n_total``, several with a persistent grid; with
+    ``DYNAMIC`` (a persistent grid) the producer takes tiles from the int32 counters ``Counter`` [2] (zeros at
+    launch, zeros again at exit: ``_retire``) and hands them to the consumers (``_publish_tile``), else ``Counter``
+    is unused.
     ``BLOCK_B`` > 0: key tiles of ``BLOCK_N`` keys in two parts (``_consumer_tile``), the second read through
     ``kb_desc`` / ``vb_desc``; otherwise those are unused copies of ``k_desc`` / ``v_desc``."""
     BLOCK_A: gl.constexpr = BLOCK_N - BLOCK_B
@@ -540,6 +639,17 @@ def _attn_fwd_ws_kernel(
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     raw_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    if DYNAMIC:  # the tile ring: tile indices the producer hands to the consumers
+        tile_smem = gl.allocate_shared_memory(gl.int32, [TILE_SLOTS, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        tile_ready = gl.allocate_shared_memory(gl.int64, [TILE_SLOTS, 1], mbarrier.MBarrierLayout())
+        tile_empty = gl.allocate_shared_memory(gl.int64, [TILE_SLOTS, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(TILE_SLOTS):
+            mbarrier.init(tile_ready.index(s), count=1)
+            mbarrier.init(tile_empty.index(s), count=CONSUMERS)
+    else:
+        tile_smem = q_bars  # unused
+        tile_ready = q_bars
+        tile_empty = q_bars
     for c in gl.static_range(CONSUMERS):
         mbarrier.init(q_bars.index(c), count=1)
         mbarrier.init(q_empty.index(c), count=1)
@@ -556,38 +666,39 @@ def _attn_fwd_ws_kernel(
             turn_bars)
     scalars = (o_desc, Out, Lse, QD, KD, VD, sm_scale_log2, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
                qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh, n_m, n_total, Mq, Mk, Hq, GROUP)
+    sched = (tile_smem, tile_ready, tile_empty)
     if CONSUMERS == 3:
         gl.warp_specialize([
-            (_consumer, (0, smem, scalars, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT,
-                         KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION)),
-            (_consumer, (1, smem, scalars, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT,
-                         KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION)),
-            (_consumer, (2, smem, scalars, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT,
-                         KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION)),
+            (_consumer, (0, smem, scalars, sched, n_total, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL,
+                         WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION, DYNAMIC)),
+            (_consumer, (1, smem, scalars, sched, n_total, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL,
+                         WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION, DYNAMIC)),
+            (_consumer, (2, smem, scalars, sched, n_total, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL,
+                         WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION, DYNAMIC)),
             (_producer, (q_desc, k_desc, kb_desc, v_desc, vb_desc, q_smem, k_smem, kb_smem, v_smem, vb_smem, v_raw,
-                         q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready, n_m, n_total, Mq, Mk, Hq,
-                         GROUP, BLOCK_N, BLOCK_B, HEAD_D, STAGES, CONSUMERS, CAUSAL, V_TRANSPOSE, KEY_ORDER,
-                         HEAD_SECTION)),
+                         q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready, sched, Counter, n_m,
+                         n_total, Mq, Mk, Hq, GROUP, BLOCK_N, BLOCK_B, HEAD_D, STAGES, CONSUMERS, CAUSAL,
+                         V_TRANSPOSE, KEY_ORDER, HEAD_SECTION, DYNAMIC)),
         ], [WG_WARPS, WG_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     elif CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (0, smem, scalars, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT,
-                         KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION)),
-            (_consumer, (1, smem, scalars, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT,
-                         KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION)),
+            (_consumer, (0, smem, scalars, sched, n_total, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL,
+                         WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION, DYNAMIC)),
+            (_consumer, (1, smem, scalars, sched, n_total, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL,
+                         WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION, DYNAMIC)),
             (_producer, (q_desc, k_desc, kb_desc, v_desc, vb_desc, q_smem, k_smem, kb_smem, v_smem, vb_smem, v_raw,
-                         q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready, n_m, n_total, Mq, Mk, Hq,
-                         GROUP, BLOCK_N, BLOCK_B, HEAD_D, STAGES, CONSUMERS, CAUSAL, V_TRANSPOSE, KEY_ORDER,
-                         HEAD_SECTION)),
+                         q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready, sched, Counter, n_m,
+                         n_total, Mq, Mk, Hq, GROUP, BLOCK_N, BLOCK_B, HEAD_D, STAGES, CONSUMERS, CAUSAL,
+                         V_TRANSPOSE, KEY_ORDER, HEAD_SECTION, DYNAMIC)),
         ], [WG_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (0, smem, scalars, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL, WRITE_LSE, P_SHIFT,
-                         KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION)),
+            (_consumer, (0, smem, scalars, sched, n_total, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL,
+                         WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION, DYNAMIC)),
             (_producer, (q_desc, k_desc, kb_desc, v_desc, vb_desc, q_smem, k_smem, kb_smem, v_smem, vb_smem, v_raw,
-                         q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready, n_m, n_total, Mq, Mk, Hq,
-                         GROUP, BLOCK_N, BLOCK_B, HEAD_D, STAGES, CONSUMERS, CAUSAL, V_TRANSPOSE, KEY_ORDER,
-                         HEAD_SECTION)),
+                         q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready, sched, Counter, n_m,
+                         n_total, Mq, Mk, Hq, GROUP, BLOCK_N, BLOCK_B, HEAD_D, STAGES, CONSUMERS, CAUSAL,
+                         V_TRANSPOSE, KEY_ORDER, HEAD_SECTION, DYNAMIC)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
     for c in gl.static_range(CONSUMERS):
@@ -600,6 +711,10 @@ def _attn_fwd_ws_kernel(
         mbarrier.invalidate(k_empty.index(i))
         mbarrier.invalidate(v_empty.index(i))
         mbarrier.invalidate(raw_ready.index(i))
+    if DYNAMIC:
+        for s in gl.static_range(TILE_SLOTS):
+            mbarrier.invalidate(tile_ready.index(s))
+            mbarrier.invalidate(tile_empty.index(s))
 
 
 @dataclass(frozen=True)
@@ -637,6 +752,14 @@ class WsFwdConfig:
     #: 3x24x3000 and 4x32x2048 causal (64-row tiles, 264 CTA slots): 1.001 / 1.023 / 1.017 with sections of 8
     #: against 1.035 / 1.089 / 1.072 per pair, and 1.12 / 1.09 / 1.21 for the persistent grid's fixed strides
     head_section: int = 0
+    #: on a persistent grid: each CTA's producer takes its next tile from a launch-wide atomic counter once it has
+    #: issued the current tile's loads and hands it to the consumers through shared memory, so a CTA that finishes
+    #: early takes more tiles while the rings and turns still run on across its tiles (a grid of tiles balances
+    #: alike but loses that overlap). Makespan over the ideal with ``head_section`` 8, simulated at 4x32x4096,
+    #: 3x24x3000, 4x32x2048 and 16x32x512 causal (bench/diagnostics/causal_balance.py: 64-row tiles, 264 CTA
+    #: slots, a tile taken 2 key tiles before the current one ends): 1.001 / 1.023 / 1.017 / 1.057, against
+    #: 1.12 / 1.09 / 1.21 / 1.58 for the fixed strides. The counters: ``kernels/tile_counter.py``
+    dynamic: bool = False
 
     @property
     def block_b(self) -> int:
@@ -772,6 +895,9 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=
     cfg = config or default_config(D, causal, Mk, q.dtype == torch.int8)
     if cfg.consumers not in (1, 2, 3) or cfg.stages < 2:
         raise ValueError(f"config {cfg}: consumers must be 1, 2 or 3 and stages >= 2")
+    if cfg.dynamic and not cfg.persistent:
+        raise ValueError(f"config {cfg}: dynamic tiles need persistent=True (a grid of tiles is handed out in "
+                         "order by the hardware already)")
     block_b = cfg.block_b
     if block_b and (block_b & (block_b - 1) or block_b < 16 or cfg.v_transpose):
         raise ValueError(f"config {cfg}: block_n must be a power of two or one plus a smaller one >= 16 (e.g. 192), "
@@ -803,7 +929,8 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=
     launch(_attn_fwd_ws_kernel)[(grid,)](
         _descriptor(q, WG_ROWS.value, D), k_desc, _descriptor(k, block_b, D) if block_b else k_desc, v_desc, vb_desc,
         _descriptor(out, WG_ROWS.value, D), out,
-        lse if lse is not None else prep.qd, prep.qd, prep.kd, prep.vd, scale * LOG2E.value,
+        lse if lse is not None else prep.qd, prep.qd, prep.kd, prep.vd,
+        tile_counters(q.device) if cfg.dynamic else prep.qd, scale * LOG2E.value,
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0, *prep.descale_strides,
         n_m, n_total, Mq, Mk, Hq, Hq // Hkv,
@@ -812,7 +939,8 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=
         PRODUCER_WARPS=producer_warps, PRODUCER_REGS=producer_regs, CAUSAL=causal, WRITE_LSE=return_lse,
         P_SHIFT=_P_SHIFT, KEY_ORDER=cfg.key_order, V_TRANSPOSE=v_transpose, OUT_FP8=out.dtype == torch.float8_e4m3fn,
         PERSISTENT=cfg.persistent, QK_INT8=q.dtype == torch.int8, DIRECT_STORE=cfg.direct_store,
-        HEAD_SECTION=cfg.head_section if causal else 0, num_warps=WG_WARPS.value, maxnreg=cfg.maxnreg,
+        HEAD_SECTION=cfg.head_section if causal else 0, DYNAMIC=cfg.dynamic, num_warps=WG_WARPS.value,
+        maxnreg=cfg.maxnreg,
     )
     return out, lse
 
@@ -844,7 +972,7 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, write_lse: bool = Fa
              "PRODUCER_REGS": cfg.producer_regs, "CAUSAL": causal, "WRITE_LSE": write_lse, "P_SHIFT": _P_SHIFT,
              "KEY_ORDER": cfg.key_order, "V_TRANSPOSE": cfg.v_transpose, "OUT_FP8": out_fp8,
              "PERSISTENT": cfg.persistent, "QK_INT8": qk_int8, "DIRECT_STORE": cfg.direct_store,
-             "HEAD_SECTION": cfg.head_section if causal else 0}
+             "HEAD_SECTION": cfg.head_section if causal else 0, "DYNAMIC": cfg.dynamic}
 
     def desc(rows, cols, dtype, channels_last=True):
         shape, layout = _box_layout(rows, cols, dtype, channels_last)
@@ -860,11 +988,11 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, write_lse: bool = Fa
            "kb_desc": desc(block_b, head_dim, qk), "v_desc": v, "vb_desc": vb,
            "o_desc": desc(WG_ROWS.value, head_dim, gl.float8e4nv if out_fp8 else gl.bfloat16),
            "Out": "*fp8e4nv" if out_fp8 else "*bf16", "Lse": "*fp32", "QD": "*fp32", "KD": "*fp32", "VD": "*fp32",
-           "sm_scale_log2": "fp32", **dict.fromkeys(_INT_ARGS, "i32")}
+           "Counter": "*i32" if cfg.dynamic else "*fp32", "sm_scale_log2": "fp32", **dict.fromkeys(_INT_ARGS, "i32")}
     kept = {p.name for p in _attn_fwd_ws_kernel.params if p.do_not_specialize}
     attrs = {}  # a launch's 16-byte aligned tensors: their pointers are marked divisible too
     if launch_ints is not None:
-        attrs = {(list(sig).index(name),): [["tt.divisibility", 16]] for name in ("Out", "Lse", "QD", "KD", "VD")}
+        attrs = {(list(sig).index(name),): [["tt.divisibility", 16]] for name in ("Out", "Lse", "QD", "KD", "VD", "Counter")}
     for name, value in (launch_ints or {}).items():
         if name in kept:
             continue
