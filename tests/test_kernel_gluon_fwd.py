@@ -473,9 +473,9 @@ def test_gpu_gluon_ws_dynamic_tiles(shape, qk):
 @pytest.mark.gpu
 @pytest.mark.parametrize("warm", [True, False], ids=["stream_warmed", "cold_stream"])
 def test_gpu_gluon_ws_dynamic_tiles_in_cuda_graph(warm):
-    """Captured in a CUDA graph and replayed three times, the dynamic schedule gives the eager output: on a stream
-    that ran it before the capture (its kept counters, no memset in the graph) and on a fresh stream (a zeroed
-    pair captured with it)."""
+    """Captured in a CUDA graph and replayed three times, the dynamic schedule gives the eager output, on a stream
+    that ran it before the capture and on a fresh one (a zeroed pair of the graph's own either way), with eager
+    launches on the capture stream between replays."""
     from fmha_ops.kernels.gluon import attention_fwd_ws as ws
 
     B, Mq, Mk, Hq, Hkv, D = DYNAMIC_SHAPES[5]
@@ -495,6 +495,8 @@ def test_gpu_gluon_ws_dynamic_tiles_in_cuda_graph(warm):
     for _ in range(3):
         captured.fill_(float("nan"))
         graph.replay()
+        with torch.cuda.stream(stream):
+            ws.attention_forward(q8, k8, v8, **kw)
         torch.cuda.synchronize()
         assert torch.equal(captured, eager)
 

@@ -3,13 +3,12 @@ next tile with an atomic add): one int32 pair per (device, stream), zero between
 
 A kernel takes tiles from word 0 and counts its CTAs out on word 1; the last CTA out sets both back to 0 (the
 ordering argument: ``kernels/gluon/attention_fwd_ws.py``, ``_retire``). So the pair is zeroed once, when it is
-made, and a launch costs no memset: in eager calls and in CUDA-graph replays alike. Kernels of one stream run one
+made, and an eager launch costs no memset. Kernels of one stream run one
 after another and share its pair; kernels on two streams may run at once, so each stream has its own.
 
-Under CUDA-graph capture a stream without a pair gets a fresh zeroed one that is not kept: its fill is captured
-with the kernel, one memset node per call in the graph (a pair made before the capture, by a call on the capturing
-stream, avoids it). A graph's kernels use the pair of the stream they were captured on: replaying two graphs
-captured on one stream concurrently, or replaying one while that stream runs the kernel eagerly, is not supported.
+Under CUDA-graph capture every call gets a fresh zeroed pair, not kept: its fill is captured with the kernel (one
+memset node per call in the graph, no host work at replay), so a graph's kernels share no counters with eager calls
+or with other graphs, whichever streams they are captured on and replayed on.
 """
 from __future__ import annotations
 
@@ -24,7 +23,7 @@ _PAIRS: dict[tuple, torch.Tensor] = {}
 
 def tile_counters(device: torch.device) -> torch.Tensor:
     """The zeroed int32 counters (``COUNTER_WORDS``,) of ``device``'s current stream (a CPU device: one pair),
-    made on first use and kept; a fresh pair, not kept, while that stream captures a CUDA graph.
+    made on first use and kept; a fresh pair, not kept, for each call while that stream captures a CUDA graph.
 
     Example::
 
@@ -36,13 +35,18 @@ def tile_counters(device: torch.device) -> torch.Tensor:
     else:
         index = torch.cuda.current_device() if device.index is None else device.index
         device = torch.device("cuda", index)
+        if _capturing(index):
+            return torch.zeros(COUNTER_WORDS, dtype=torch.int32, device=device)
         key = (device, driver.active.get_current_stream(index))
     pair = _PAIRS.get(key)
     if pair is None:
-        pair = torch.zeros(COUNTER_WORDS, dtype=torch.int32, device=device)
-        if device.type == "cuda":
-            with torch.cuda.device(device):
-                if torch.cuda.is_current_stream_capturing():
-                    return pair
-        _PAIRS[key] = pair
+        pair = _PAIRS[key] = torch.zeros(COUNTER_WORDS, dtype=torch.int32, device=device)
     return pair
+
+
+def _capturing(index: int) -> bool:
+    """Whether device ``index``'s current stream is capturing a CUDA graph."""
+    if index == torch.cuda.current_device():
+        return torch.cuda.is_current_stream_capturing()
+    with torch.cuda.device(index):
+        return torch.cuda.is_current_stream_capturing()

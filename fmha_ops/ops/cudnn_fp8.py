@@ -34,7 +34,8 @@ from ..problem import Problem
 from .base import AttentionFwOp
 from .common import OptionalPackage
 from .cost import attention_time, head_dim_rate
-from .cudnn_graphs import GraphCache, backend_reason, bhsd, build_plans, cudnn_package_reason, execute, rows_of
+from .cudnn_graphs import (GraphCache, backend_reason, bhsd, build_plans, cudnn_package_reason, empty_reason,
+                           execute, rows_of)
 
 #: the oldest cuDNN backend with an fp8 forward on Hopper, and the one release of it that is known-broken
 MIN_BACKEND, BROKEN_BACKEND = 90100, 91000
@@ -155,8 +156,8 @@ class CudnnFp8FwOp(OptionalPackage, AttentionFwOp):
             r.append(f"head dim K={p.head_dim} not supported on Blackwell; supported: multiples of 16 from 16 to 128")
         if p.out_dtype == _FP8 and p.needs_grad:
             r.append("gradients through an fp8 output (output_dtype=float8_e4m3fn) not supported")
-        if p.seqlen_k == 0 or p.seqlen_q == 0:
-            r.append(f"empty sequences (Mq={p.seqlen_q}, Mk={p.seqlen_k}) not supported")
+        if (empty := empty_reason(p)) is not None:
+            r.append(empty)
         elif p.seqlen_q < MIN_SEQLEN_Q:
             r.append(f"query length {p.seqlen_q} < {MIN_SEQLEN_Q} not supported (cuDNN builds no fp8 plan for it on "
                      f"the H200; the decode ops serve single-token queries)")

@@ -47,6 +47,15 @@ def backend_reason(minimum: int, what: str, broken: tuple[int, ...] = ()) -> str
     return None
 
 
+def empty_reason(p: Any) -> str | None:
+    """Why cuDNN cannot take problem ``p`` (a ``Problem``) when it is empty: its graphs reject a zero tensor
+    dimension (batch, query or key length); None when nothing is empty."""
+    if p.batch == 0 or p.seqlen_q == 0 or p.seqlen_k == 0:
+        return (f"empty problems (B={p.batch}, Mq={p.seqlen_q}, Mk={p.seqlen_k}) not supported (cuDNN rejects a zero "
+                "tensor dimension)")
+    return None
+
+
 def version_name(version: int) -> str:
     """cuDNN's version number as text.
 

@@ -32,7 +32,8 @@ from ..problem import Problem
 from .base import AttentionBwOp, AttentionFwOp
 from .common import OptionalPackage, half_backward_operands, window_fields
 from .cost import attention_time, backward_time, head_dim_rate
-from .cudnn_graphs import GraphCache, backend_reason, bhsd, build_plans, cudnn_package_reason, execute, rows_of
+from .cudnn_graphs import (GraphCache, backend_reason, bhsd, build_plans, cudnn_package_reason, empty_reason,
+                           execute, rows_of)
 
 #: the first cuDNN backend with ``sink_token`` (forward and backward), which also has head dims up to 256 forward
 #: and backward on Hopper (the large-head-dim backward bug of 9.11 / 9.12 is fixed there)
@@ -102,9 +103,9 @@ def forward_key(inp: Inputs, needs_lse: bool) -> tuple:
             inp.softmax_scale, inp.sinks is not None, needs_lse)
 
 
-def backward_key(inp: Inputs, deterministic: bool) -> tuple:
+def backward_key(inp: Inputs) -> tuple:
     """Everything a built backward graph depends on (out, dO and the LSE are passed contiguous)."""
-    return forward_key(inp, True) + (deterministic,)
+    return forward_key(inp, True)
 
 
 class _Graph:
@@ -180,7 +181,7 @@ class BackwardGraph(_Graph):
     """One built ``sdpa_backward`` graph for one call signature, with its workspace; with sinks it also gives
     their gradient (``dSink_token``)."""
 
-    def __init__(self, cudnn: Any, handle: Any, inp: Inputs, deterministic: bool) -> None:
+    def __init__(self, cudnn: Any, handle: Any, inp: Inputs) -> None:
         super().__init__(cudnn, handle, inp)
         out = torch.empty(self.out_shape, device="meta")
         self.o, self.do = self.bmhk("o", out), self.bmhk("dO", out)
@@ -192,7 +193,7 @@ class BackwardGraph(_Graph):
             sinks = {"sink_token": self.sinks, "dSink_token": self.dsinks}
         self.dq, self.dk, self.dv = self.g.sdpa_backward(
             q=self.q, k=self.k, v=self.v, o=self.o, dO=self.do, stats=self.stats, attn_scale=inp.softmax_scale,
-            use_deterministic_algorithm=deterministic, name="sdpa_backward", **call_band(inp).kwargs(cudnn), **sinks)
+            name="sdpa_backward", **call_band(inp).kwargs(cudnn), **sinks)
         for grad, t in ((self.dq, inp.query), (self.dk, inp.key), (self.dv, inp.value)):
             self.output(grad, tuple(t.shape))
         self.workspace = build_plans(self.g, cudnn, inp.query.device)
@@ -244,9 +245,8 @@ class _CudnnSdpaOp(OptionalPackage):
         if k != kv and (k, kv) != _WIDE_PAIR and (kv > k or max(k, kv) > _UNEQUAL_MAX):
             r.append(f"head dims K={k} != Kv={kv} not supported; cuDNN takes Kv <= K <= {_UNEQUAL_MAX}, or "
                      f"K={_WIDE_PAIR[0]} with Kv={_WIDE_PAIR[1]}")
-        if p.seqlen_q == 0 or p.seqlen_k == 0:
-            r.append(f"empty sequences (Mq={p.seqlen_q}, Mk={p.seqlen_k}) not supported")
-            return r
+        if (empty := empty_reason(p)) is not None:
+            return r + [empty]
         if p.sinks and p.seqlen_q == 1:
             r.append("sinks with one query token not supported (cuDNN's decode mode takes no sink_token); the decode "
                      "ops serve it")
@@ -291,10 +291,12 @@ class CudnnSdpaFwOp(_CudnnSdpaOp, AttentionFwOp):
 @register
 class CudnnSdpaBwOp(_CudnnSdpaOp, AttentionBwOp):
     """cuDNN attention backward (frontend ``sdpa_backward`` graph) given any forward's output and sink-inclusive
-    natural-log LSE (B, Hq, Mq); with sinks it gives their gradient too (``dSink_token``). Deterministic when
-    torch.use_deterministic_algorithms is on (cuDNN's deterministic algorithm)."""
+    natural-log LSE (B, Hq, Mq); with sinks it gives their gradient too (``dSink_token``). Declined under
+    torch.use_deterministic_algorithms: with cuDNN's deterministic algorithm asked for, two backward calls of a
+    GPT-OSS layer (sinks, 128-token window, 1000 tokens) still gave gradients that differ bitwise (H100)."""
 
     NAME = "cudnnB"
+    DETERMINISTIC = False
     #: cuDNN's backward on the H200 (``sdpa_cudnnF``'s own: 446 / 551 / 411 TFLOP/s of the backward's work at D64 /
     #: 128 / 256 on long sequences), TB/s, and its fixed ~110 us
     RATES: ClassVar[dict[int, float]] = {64: 480.0, 128: 560.0, 256: 415.0}
@@ -315,7 +317,7 @@ class CudnnSdpaBwOp(_CudnnSdpaOp, AttentionBwOp):
     @classmethod
     def _backward(cls, inp, out, lse, grad_out):
         _, _, _, out, grad_out = half_backward_operands(inp, out, grad_out)
-        graph, cudnn = BACKWARD_GRAPHS.get(inp, torch.are_deterministic_algorithms_enabled())
+        graph, cudnn = BACKWARD_GRAPHS.get(inp)
         return graph.run(inp, out.contiguous(), lse.contiguous(), grad_out.contiguous(), cudnn)
 
     @classmethod
