@@ -132,7 +132,8 @@ def test_ws_launcher_finishes_empty_problems_and_rejects_bad_configs():
 
 def test_ws_default_config_by_keys():
     """192-key tiles on two consumers from ``LONG_KEYS`` keys when not causal (int8 q/k at D64: 128-key tiles), one
-    consumer per CTA with 128-key tiles otherwise; at D256 two consumers on 128-key tiles, persistent when dense."""
+    consumer per CTA with 128-key tiles otherwise, causal tiles from the counter from ``CAUSAL_DYNAMIC_KEYS`` keys;
+    at D256 two consumers on 128-key tiles, persistent when dense, causal tiles in sections of heads."""
     from fmha_ops.kernels.gluon import attention_fwd_ws as ws
 
     long_dense = ws.default_config(128, False, ws.LONG_KEYS)
@@ -144,6 +145,12 @@ def test_ws_default_config_by_keys():
     for causal, keys in ((False, ws.LONG_KEYS), (True, 1000)):
         cfg = ws.default_config(256, causal, keys)
         assert (cfg.block_n, cfg.consumers, cfg.persistent, cfg.key_order) == (128, 2, not causal, True), causal
+        assert cfg.head_section == (ws.CAUSAL_HEAD_SECTION if causal else 0) and not cfg.dynamic
+    for head_dim, causal, keys, dynamic in ((128, True, ws.CAUSAL_DYNAMIC_KEYS, True), (64, True, None, True),
+                                            (128, True, ws.CAUSAL_DYNAMIC_KEYS - 1, False),
+                                            (128, False, ws.CAUSAL_DYNAMIC_KEYS, False)):
+        cfg = ws.default_config(head_dim, causal, keys)
+        assert (cfg.dynamic, cfg.head_section) == (dynamic, ws.CAUSAL_HEAD_SECTION if dynamic else 0), (causal, keys)
     assert ws.default_config(64, False, ws.LONG_KEYS, qk_int8=True).block_n == 128
     assert ws.default_config(128, False, ws.LONG_KEYS, qk_int8=True).block_n == 192
 
@@ -232,7 +239,8 @@ import triton
 from fmha_ops.kernels.gluon import attention_fwd_ws as ws
 head_dim, qk_int8 = int(sys.argv[1]), sys.argv[2] == "1"
 B, H, N = 4, 32, 4096  # a launch's ints at 4x4096x32 causal, (B, Hkv) descales
-base = dataclasses.replace(ws.default_config(head_dim, True, N, qk_int8=qk_int8), persistent=True)
+base = dataclasses.replace(ws.default_config(head_dim, True, N, qk_int8=qk_int8), persistent=True, dynamic=False,
+                           head_section=0)
 n_m = N // (64 * base.consumers)
 ints = dict(stride_ob=H * head_dim, stride_om=H * head_dim, stride_oh=head_dim, stride_lb=0, stride_lh=0, qd_sb=H,
             qd_sh=1, kd_sb=H, kd_sh=1, vd_sb=H, vd_sh=1, n_m=n_m, n_total=n_m * B * H, Mq=N, Mk=N, Hq=H, GROUP=1)
