@@ -67,7 +67,7 @@ def plan_kvcache_call(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
         return _timed_decode(decoded(op), call, q, k_cache, v_cache, sinks)
 
     forward = forward_plan(inp, None, return_lse, timed)
-    decode = decoded(forward.ops[0], k)
+    decode = decoded(forward.ops[0], k) if decodes else None  # (a traced plan, made without a key, has no ops)
     if decode is not None:
         return PLANS.put(key, Plan(decode, forward.ops, ("validation", "selection", "mask")))
     batch, mq, hq = q.shape[:3]
@@ -75,6 +75,7 @@ def plan_kvcache_call(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
     def run(q, k_cache, v_cache, *_):  # this call's own: the append, then the selected op(s) on the caches as appended
         appended = inp
         if call.append is not None:  # pool views taken again after the append (a cache without a view was copied)
+            forward.check(inp)  # a traced plan's checks: nothing is appended to a call they reject
             call.append()
             appended = replace(inp, key=_pool(k_cache), value=_pool(v_cache))
         out, lse = forward.run(appended)
