@@ -3,8 +3,9 @@
 ``plan_kvcache_call`` is the whole miss path of ``flash_attn_with_kvcache``: it validates the arguments
 (``kvcache_call``: ValueError / TypeError / NotImplementedError naming them, the append not yet made; the sinks with
 the op path's ``Inputs``, when the op is selected) and returns the ``Plan`` the entry point runs, its op(s) selected
-once, when the plan is made (``call.forward_plan``). Where a repeated call of the same key may skip the checks
-(paged, device index tensors outside check mode, no autograd, contiguous sinks if any) that is the decode plan,
+once, when the plan is made (``call.forward_plan``; under torch.compile where the trace checks the plan, before any
+append, or runs it). Where a repeated call of the same key may skip the checks (paged, device index tensors outside
+check mode, no autograd, contiguous sinks if any) that is the decode plan,
 stored in the plan cache (``fmha_ops.plans``): the append kernel and the selected op's decode launcher on the call's
 own index tensors (their values are read on the device, where the kernels guard them). Any other call gets a plan of
 its own, not stored (its checks read values): the append, then the selected op(s) run by the forward plan (the op's
