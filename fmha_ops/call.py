@@ -95,17 +95,18 @@ def forward_plan(inp: Inputs, op: OpArg, needs_lse: bool, repeated: Callable | N
     ``Plan.ops``: the forward op from the selector's memo (validation and the ``Problem`` on a miss), and the
     backward op when autograd needs this call's gradients and the forward op does not differentiate itself; the
     run is then the pair under ``_Attention``, else the forward op's ``apply``. Under ``torch.compile`` the traced
-    plan (``compiled.forward_plan``). Under autotune without gradients the forward ops are timed as repeated calls
-    will run them (``timing.autotune_seconds``): ``repeated(op)``, the caller's repeated call of ``op`` without
-    arguments (``repeated`` None, or a None from it: ``op.apply`` on ``inp``). lse as ``run_forward`` returns it.
+    plan (``compiled.traced_plan``: no ops; its ``check`` and ``run`` validate the call and select in the trace).
+    Under autotune without gradients the forward ops are timed as repeated calls will run them
+    (``timing.autotune_seconds``): ``repeated(op)``, the caller's repeated call of ``op`` without arguments
+    (``repeated`` None, or a None from it: ``op.apply`` on ``inp``). lse as ``run_forward`` returns it.
 
     Example
     -------
     >>> plan = forward_plan(make_inputs(q, k, v), None, False)  # doctest: +SKIP
     >>> out, _ = plan.run(make_inputs(q, k, v))  # doctest: +SKIP
     """
-    if _is_compiling():
-        return compiled.forward_plan(inp, op, needs_lse)
+    if _is_compiling():  # validated and selected at trace time, where the trace checks or runs the plan
+        return compiled.traced_plan(op, needs_lse)
 
     def timed(o):  # what autotune times of a contender
         call = None if repeated is None else repeated(o)

@@ -1,7 +1,8 @@
 """``torch.compile`` support: the selector runs at trace time and the graph calls the chosen op.
 
 Under ``torch.compile`` (``torch.compiler.is_compiling()``) the call path of the public functions comes
-here instead of the eager memo. The call is validated and its ``Problem`` fields computed in traced code
+here instead of the eager memo: ``call.forward_plan`` returns the traced plan (``traced_plan``), which does its
+work where the trace runs (or checks) it. The call is validated and its ``Problem`` fields computed in traced code
 (shapes, dtypes, strides and the mask's host values are constants of the trace); ``_plan``, which Dynamo
 runs once at trace time on those constants (``torch.compiler.assume_constant_result``), selects the forward
 op, and the backward op when gradients are needed, and returns them as a ``CallSpec`` string. Ops whose
@@ -144,9 +145,9 @@ def flatten_inputs(inp: Inputs) -> tuple[tuple, list]:
 # ---- trace time ----------------------------------------------------------------------------------
 
 @torch.compiler.assume_constant_result
-def _plan(device: str, fields: tuple, op: Any, spec: tuple) -> tuple[str, str, str, bool]:
-    """Select the ops for a traced call (real Python, at trace time): the ``CallSpec`` string, the forward and
-    backward ops' NAMEs ("": none) and whether the forward op is traced into the graph."""
+def _plan(device: str, fields: tuple, op: Any, spec: tuple) -> tuple[str, str, bool]:
+    """Select the ops for a traced call (real Python, at trace time): the ``CallSpec`` string, the forward op's NAME
+    and whether it is traced into the graph."""
     problem = Problem(arch=current_arch(device), deterministic=torch.are_deterministic_algorithms_enabled(),
                       graph_capture=False, fp8_backward=fp8_dequantized_backward_enabled(), **dict(fields))
     key = ("compiled", device, fields, spec)
@@ -156,32 +157,46 @@ def _plan(device: str, fields: tuple, op: Any, spec: tuple) -> tuple[str, str, s
         # as eager: a forced fw op alone raises unless it carries its own autograd (then any bw op serves)
         own_autograd = fw.AUTOGRAD and problem.q_dtype in FLOAT_DTYPES and not isinstance(op, tuple)
         bw = SELECTOR.select(key, lambda: problem, "bw", None if own_autograd else op).NAME
-    return CallSpec(fw.NAME, bw, *spec).encode(), fw.NAME, bw, fw.TRACEABLE
+    return CallSpec(fw.NAME, bw, *spec).encode(), fw.NAME, fw.TRACEABLE
 
 
-def forward_plan(inp: Inputs, op: Any, needs_lse: bool) -> Plan:
-    """The traced twin of ``call.forward_plan``: same arguments; the ops selected at trace time (``_plan``) and
-    ``run(call) -> (out, lse)`` on a call of ``inp``'s fields: the forward op traced into the graph, or the custom
-    op ``fmha_ops::attention_forward`` with the plan's spec (lse None unless ``needs_lse``)."""
+def traced_plan(op: Any, needs_lse: bool) -> Plan:
+    """The traced twin of ``call.forward_plan`` (same ``op`` and ``needs_lse``), made before it has seen a call:
+    ``check(call)`` validates the call and selects its op(s) at trace time (``_traced_choice``); ``run(call) -> (out,
+    lse)`` does so and runs them, the forward op traced into the graph or the custom op ``fmha_ops::attention_forward``
+    with the plan's spec (lse None unless ``needs_lse``). The checks and the choice are made where the trace runs
+    them, as often as it does (they add nothing to the graph); ``ops`` is empty (the trace holds the op it calls).
+
+    Example
+    -------
+    >>> plan = traced_plan(None, False)  # doctest: +SKIP
+    >>> out, _ = plan.run(make_inputs(q, k, v))  # inside a torch.compile trace  # doctest: +SKIP
+    """
+    def check(call: Inputs) -> None:
+        _traced_choice(call, op, needs_lse)
+
+    def run(call: Inputs):
+        text, fw_name, traceable, tensors = _traced_choice(call, op, needs_lse)
+        if traceable:
+            return REGISTRY.get(fw_name).apply(call, needs_lse)
+        out, lse = torch.ops.fmha_ops.attention_forward(call.query, call.key, call.value, tensors, text)
+        return out, (lse if needs_lse else None)
+    return Plan(run, (), check=check)
+
+
+def _traced_choice(inp: Inputs, op: Any, needs_lse: bool) -> tuple[str, str, bool, list]:
+    """A traced call validated and its ``Problem`` fields computed in traced code, then its ops selected at trace time
+    (``_plan``): (the ``CallSpec`` string, the forward op's NAME, whether it is traced into the graph, the tensors
+    the spec references by index)."""
     validate(inp)
     problem = problem_fields(inp, needs_lse)
     # sizes become constants: a dynamic-shape trace specializes (guards on) the sizes the selection reads
     problem = {name: operator.index(x) if isinstance(x, (int, torch.SymInt)) and not isinstance(x, bool) else x
                for name, x in problem.items()}
-    fields, _ = flatten_inputs(inp)
-    text, fw_name, bw_name, traceable = _plan(str(inp.query.device), tuple(problem.items()), op,
-                                              (fields, needs_lse or inp.is_partial))
-    ops = tuple(REGISTRY.get(name) for name in (fw_name, bw_name) if name)
-    if traceable:
-        def traced(call: Inputs):
-            return ops[0].apply(call, needs_lse)
-        return Plan(traced, ops)
-
-    def custom_op(call: Inputs):
-        _, tensors = flatten_inputs(call)
-        out, lse = torch.ops.fmha_ops.attention_forward(call.query, call.key, call.value, tensors, text)
-        return out, (lse if needs_lse else None)
-    return Plan(custom_op, ops)
+    fields, tensors = flatten_inputs(inp)
+    text, fw_name, traceable = _plan(str(inp.query.device), tuple(problem.items()), op,
+                                     (fields, needs_lse or inp.is_partial))
+    return text, fw_name, traceable, tensors
 
 
 # ---- the custom ops ------------------------------------------------------------------------------

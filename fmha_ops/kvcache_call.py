@@ -3,8 +3,9 @@
 ``plan_kvcache_call`` is the whole miss path of ``flash_attn_with_kvcache``: it validates the arguments
 (``kvcache_call``: ValueError / TypeError / NotImplementedError naming them, the append not yet made; the sinks with
 the op path's ``Inputs``, when the op is selected) and returns the ``Plan`` the entry point runs, its op(s) selected
-once, when the plan is made (``call.forward_plan``). Where a repeated call of the same key may skip the checks
-(paged, device index tensors outside check mode, no autograd, contiguous sinks if any) that is the decode plan,
+once, when the plan is made (``call.forward_plan``; under torch.compile where the trace checks the plan, before any
+append, or runs it). Where a repeated call of the same key may skip the checks (paged, device index tensors outside
+check mode, no autograd, contiguous sinks if any) that is the decode plan,
 stored in the plan cache (``fmha_ops.plans``): the append kernel and the selected op's decode launcher on the call's
 own index tensors (their values are read on the device, where the kernels guard them). Any other call gets a plan of
 its own, not stored (its checks read values): the append, then the selected op(s) run by the forward plan (the op's
@@ -67,7 +68,7 @@ def plan_kvcache_call(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
         return _timed_decode(decoded(op), call, q, k_cache, v_cache, sinks)
 
     forward = forward_plan(inp, None, return_lse, timed)
-    decode = decoded(forward.ops[0], k)
+    decode = decoded(forward.ops[0], k) if decodes else None  # (a traced plan, made without a key, has no ops)
     if decode is not None:
         return PLANS.put(key, Plan(decode, forward.ops, ("validation", "selection", "mask")))
     batch, mq, hq = q.shape[:3]
@@ -75,6 +76,7 @@ def plan_kvcache_call(key, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
     def run(q, k_cache, v_cache, *_):  # this call's own: the append, then the selected op(s) on the caches as appended
         appended = inp
         if call.append is not None:  # pool views taken again after the append (a cache without a view was copied)
+            forward.check(inp)  # a traced plan's checks: nothing is appended to a call they reject
             call.append()
             appended = replace(inp, key=_pool(k_cache), value=_pool(v_cache))
         out, lse = forward.run(appended)

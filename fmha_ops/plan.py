@@ -15,6 +15,10 @@ from __future__ import annotations
 from typing import Callable
 
 
+def _checked_when_made(call) -> None:
+    """A plan made from its call checks nothing more when it runs: the call was checked when the plan was made."""
+
+
 class Plan:
     """What a repeated call of one signature runs: ``run(*args)`` (the entry point says which arguments it passes:
     the tensors whose values change between calls) launches the selected op(s) with everything else bound.
@@ -22,14 +26,16 @@ class Plan:
     ``ops``: the selected op classes (forward[, backward]; empty where the entry point chooses none, e.g. a merge).
     ``skips``: what a hit does not redo (names, for readers and tests), e.g. ``("validation", "selection")``;
     what reads tensor values is never among them. ``bound``: the constants ``run`` is bound to where a caller
-    reads them (a traced call's ``compiled.CallSpec``), else None.
+    reads them (a traced call's ``compiled.CallSpec``), else None. ``check(call)``: what ``run`` checks of a call,
+    for a caller with work of its own on the call before the run (an append); it raises as ``run`` would: nothing
+    for a plan made from its call (checked when it was made), a traced plan's validation and selection.
     """
 
-    __slots__ = ("run", "ops", "skips", "bound", "used")
+    __slots__ = ("run", "ops", "skips", "bound", "check", "used")
 
     def __init__(self, run: Callable, ops: tuple = (), skips: tuple = ("validation", "selection"),
-                 bound: object = None) -> None:
-        self.run, self.ops, self.skips, self.bound = run, ops, skips, bound
+                 bound: object = None, check: Callable = _checked_when_made) -> None:
+        self.run, self.ops, self.skips, self.bound, self.check = run, ops, skips, bound, check
         self.used = False  # looked up since the cache last considered dropping it (``PlanCache``)
 
     def __repr__(self) -> str:

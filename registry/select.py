@@ -42,7 +42,7 @@ import os
 import dataclasses
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Iterable, Iterator
+from typing import Any, Callable, ContextManager, Hashable, Iterable, Iterator
 
 from .measured import MeasuredTimes
 from .op import Op
@@ -195,15 +195,22 @@ class Selector:
         self._foreign = translate
         self.clear()
 
+    def use_ops(self, *ops: type[Op] | str, exclude: Iterable[type[Op] | str] = ()) -> ContextManager[None]:
+        """Restrict selection to ``ops`` (any kind; one op per kind forces it) and/or exclude some, for a ``with``
+        block. Nested blocks narrow the enclosing one: allowed sets intersect, exclusions add up. The ops are
+        resolved here, so ``use_ops(3)`` or an unknown name raises at the call, before any block.
+
+        Example: ``with SELECTOR.use_ops("sdpa_flashF", exclude=["torch_referenceF"]): ...``
+        """
+        return self._scoped_ops(frozenset(self._name(o) for o in ops) or None,
+                                frozenset(self._name(o) for o in exclude))
+
     @contextlib.contextmanager
-    def use_ops(self, *ops: type[Op] | str, exclude: Iterable[type[Op] | str] = ()) -> Iterator[None]:
-        """Restrict selection to ``ops`` (any kind; one op per kind forces it) and/or exclude some.
-        Nested blocks narrow the enclosing one: allowed sets intersect, exclusions add up."""
+    def _scoped_ops(self, include: frozenset | None, exclude: frozenset) -> Iterator[None]:
         outer_include, outer_exclude, tuning = self._scope.get()
-        include = frozenset(self._name(o) for o in ops) or None
         if outer_include is not None:
             include = outer_include if include is None else include & outer_include
-        token = self._scope.set((include, outer_exclude | frozenset(self._name(o) for o in exclude), tuning))
+        token = self._scope.set((include, outer_exclude | exclude, tuning))
         try:
             yield
         finally:

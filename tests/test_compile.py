@@ -148,6 +148,25 @@ def test_kvcache_decode_compiles_fullgraph():
     _check(decode, q, k, v)
 
 
+@pytest.mark.parametrize("fullgraph", [True, False])
+@pytest.mark.parametrize("bad", [dict(sinks=torch.zeros(3)), dict(sinks=torch.zeros(4, dtype=torch.float16)),
+                                 dict(softcap=-1.0)])
+def test_kvcache_append_traced_call_rejected_before_the_append(fullgraph, bad):
+    """A traced flash_attn_with_kvcache call that appends k/v and fails the op path's checks (sinks, softcap: the
+    traced plan validates where the trace checks it) appends nothing, as an eager call: with fullgraph the trace
+    raises before any graph runs; without it, where Dynamo breaks the graph at the failing call, the eager path
+    raises naming the argument."""
+    q, k, v = _qkv(b=2, m=1, seed=7)
+    k_cache, v_cache = torch.zeros(2, 8, HKV, D), torch.zeros(2, 8, HKV, D)
+    lengths = torch.tensor([3, 5], dtype=torch.int32)
+    append = lambda q, kc, vc, k, v: fmha_ops.flash_attn_with_kvcache(  # noqa: E731
+        q, kc, vc, k, v, cache_seqlens=lengths, **bad)
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported if fullgraph else ValueError):
+        torch.compile(append, fullgraph=fullgraph, backend="aot_eager")(q, k_cache, v_cache, k, v)
+    assert not k_cache.any() and not v_cache.any()
+
+
 def test_new_sequence_lengths_recompile_with_dynamic_shapes():
     """A second length makes Dynamo trace with symbolic sizes; the selection specializes on them."""
     fn = _compiled(lambda q, k, v: fmha_ops.memory_efficient_attention(q, k, v, CAUSAL, op="torch_referenceF"))

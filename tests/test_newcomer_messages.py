@@ -76,3 +76,13 @@ def test_use_ops_of_a_number_raises_type_error():
     with pytest.raises(TypeError, match="use_ops takes op classes or op names"):
         with fmha_ops.use_ops(3):
             pass
+
+
+def test_use_ops_checks_its_ops_when_called_not_when_entered():
+    """``use_ops(3)`` alone raises (not only in a ``with``), and so does an unknown name or one among the excluded."""
+    with pytest.raises(TypeError, match="use_ops takes op classes or op names"):
+        fmha_ops.use_ops(3)
+    with pytest.raises(TypeError, match="got float 2.5"):
+        fmha_ops.use_ops(exclude=[2.5])
+    with pytest.raises(ValueError, match="not a registered op"):
+        fmha_ops.use_ops("sdpa_flashF", "no_such_op")
