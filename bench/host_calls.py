@@ -79,8 +79,8 @@ def _stub_sdpa(op, out_bhmk: torch.Tensor):
     real = op.kernel.__func__
 
     def kernel(cls, inp, causal, scale):
-        fn, args, kwargs, bmhk = real(cls, inp, causal, scale)
-        return type(real(cls, inp, causal, scale))(lambda q, k, v, *a, **kw: (out_bhmk,), args, kwargs, bmhk)
+        found = real(cls, inp, causal, scale)
+        return found._replace(fn=lambda q, k, v, *a, **kw: (out_bhmk,))
     return mock.patch.object(op, "kernel", classmethod(kernel))
 
 
@@ -233,9 +233,7 @@ def counted(fn: Call, warmup: int = 3) -> tuple[int, int, collections.Counter]:
         fn()
     finally:
         sys.setprofile(None)
-    names[f"{os.path.basename(__file__)}:counted"] -= 0
-    top = sum(names.values())
-    return top, c_calls, names
+    return sum(names.values()), c_calls, names
 
 
 def host_us(fn: Call, iters: int) -> float:
