@@ -15,7 +15,7 @@ BUDGETS = {
     "memory_efficient_attention_forward -> sdpa_cudnnF": (8, 16),
     "flash_attn_func causal -> sdpa_cudnnF": (7, 16),
     "memory_efficient_attention op=sdpa_cudnnF": (8, 16),
-    "flash_attn_varlen_func causal -> fa3F": (12, 18),  # 21 / 21 through the generic launcher (Inputs + apply)
+    "flash_attn_varlen_func causal -> fa3F": (11, 18),  # 21 / 21 through batch-1 views and the generic launcher
     "flash_attn_func fp8 + descales -> fa3F": (8, 18),  # 17 / 28 through the generic launcher
     "merge_attentions (2 parts) -> triton merge": (14, 15),
     "flash_attn_with_kvcache paged decode -> triton_decoderF": (7, 15),
