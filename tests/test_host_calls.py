@@ -17,7 +17,7 @@ BUDGETS = {
     "memory_efficient_attention op=sdpa_cudnnF": (8, 16),
     "flash_attn_varlen_func causal -> fa3F": (11, 18),  # 21 / 21 through batch-1 views and the generic launcher
     "flash_attn_func fp8 + descales -> fa3F": (8, 18),  # 17 / 28 through the generic launcher
-    "merge_attentions (2 parts) -> triton merge": (14, 15),
+    "merge_attentions (2 parts) -> triton merge": (9, 19),  # 14 / 15 with the parts listed again per call
     "flash_attn_with_kvcache paged decode -> triton_decoderF": (7, 15),
     "flash_attn_with_kvcache fp8 cache -> gluon_fp8_decodeF": (7, 17),
 }
