@@ -10,10 +10,13 @@ miss path, which alone tells them apart, is told they are on a device (``call._p
 ``kvcache_call._plannable`` answer as on a GPU). CPU tensors skip the CUDA-only key items (address bits, the
 capture flag): 7 C calls per call fewer than on a GPU, on both sides alike where direct reads none.
 
-    PYTHONPATH=$PWD python bench/host_calls.py [--iters 2000] [--rounds 7] [--calls]
+    PYTHONPATH=$PWD python bench/host_calls.py [--iters 2000] [--rounds 7] [--calls] [--pieces cpu|cuda]
 
 prints per row: Python calls and C calls per call of ours and direct, and microseconds per call of each (median
 of ``--rounds`` rounds of ``--iters`` back-to-back calls, one thread); ``--calls`` lists ours' functions by count.
+``--pieces DEVICE`` times instead the C-level pieces a hit path pays per call on that device's tensors (key
+items, the CUDA capture flag, a view, an output allocation, a plan finder): on a GPU host these set the
+overhead that call counts cannot show.
 """
 from __future__ import annotations
 
@@ -245,13 +248,43 @@ def host_us(fn: Call, iters: int) -> float:
     return (time.perf_counter() - t0) / iters * 1e6
 
 
+def pieces(device: str, iters: int) -> dict[str, float]:
+    """Microseconds per call of the C-level pieces every hit path pays beside its Python (what call counts do not
+    show), on ``device``'s tensors: one tensor's key items, the capture flag (CUDA), a view, an output allocation,
+    and memory_efficient_attention's plan finder (3 tensors and a mask)."""
+    from fmha_ops import api
+    from fmha_ops.plans import _capturing
+
+    q, k, v = normal_qkv(GPU_SHAPE, GPU_SHAPE, dtype=torch.bfloat16, device=device)
+    mask = ab.LowerTriangularMask()
+    calls = {
+        "tensor key items (shape, dtype, device, stride, requires_grad)":
+            lambda: (q.shape, q.dtype, q.device, q.stride(), q.requires_grad),
+        "data_ptr() & 15": lambda: q.data_ptr() & 15,
+        "transpose(1, 2)": lambda: q.transpose(1, 2),
+        "[None]": lambda: q[None],
+        "empty_like": lambda: torch.empty_like(q),
+        "memory_efficient_attention's plan finder": lambda: api._FIND_MEA(
+            q, k, v, mask, 0.0, None, None, None, None, None, None, False, 0.0, None),
+    }
+    if device == "cuda":
+        calls["capture flag"] = _capturing
+    return {name: statistics.median(host_us(fn, iters) for _ in range(5)) for name, fn in calls.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=2000)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--calls", action="store_true", help="list ours' Python functions by count per row")
+    p.add_argument("--pieces", choices=("cpu", "cuda"), help="time the C-level pieces of a hit path on this device's "
+                   "tensors instead")
     args = p.parse_args()
     torch.set_num_threads(1)
+    if args.pieces:
+        for name, us in pieces(args.pieces, args.iters).items():
+            print(f"{us:8.3f} us  {name}")
+        return
     print(f"{'row':58s} {'py ours':>7s} {'py dir':>6s} {'C ours':>6s} {'C dir':>6s} {'us ours':>8s} {'us dir':>7s}")
     for label, (ours, direct, spec) in rows().items():
         with installed(spec):
