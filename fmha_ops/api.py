@@ -273,8 +273,8 @@ def merge_attentions(
     if (lp.shape[0], lp.shape[-1], *lp.shape[1:-1]) != tuple(a.shape[:-1]):  # lse (B, [G,] H, M) vs (B, M, [G,] H)
         raise ValueError(f"lse_split {_stacked_shape(lses)} does not match attn_split {_stacked_shape(attns)}")
     if key_ is not None:
-        PLANS.put(key_, Plan(_merge_plan(a.is_cuda, _as_they_lie(attns, lses), output_dtype or a.dtype, write_lse),
-                             skips=("validation",)))
+        PLANS.put(key_, Plan(_merge_plan(a.is_cuda, _as_they_lie(attns, lses), output_dtype or a.dtype, write_lse,
+                                         type(attn_split) is list and type(lse_split) is list), skips=("validation",)))
     if a.is_cuda and not _is_compiling():
         return _merge_on_device(attns, lses, output_dtype or a.dtype, write_lse)
     return _merge_torch(attn_split, lse_split, output_dtype, write_lse)
@@ -283,14 +283,18 @@ def merge_attentions(
 _FIND_MERGE = plan_finder(merge_attentions)
 
 
-def _merge_plan(on_device: bool, as_they_lie: bool, out_dtype: torch.dtype, write_lse: bool):
+def _merge_plan(on_device: bool, as_they_lie: bool, out_dtype: torch.dtype, write_lse: bool, lists: bool = False):
     """``run(attn_split, lse_split)`` for validated merges of one layout: the merge kernel on the parts as they lie
-    (``_as_they_lie``), the kernel after layout conversions, or torch ops (CPU; they check host lse values)."""
+    (``_as_they_lie``), the kernel after layout conversions, or torch ops (CPU; they check host lse values).
+    ``lists``: both splits are lists (the key holds their types), which the kernel takes as they are."""
     if not on_device:
         return lambda attn_split, lse_split: _merge_torch(attn_split, lse_split, out_dtype, write_lse)
     if as_they_lie:  # BMHK parts with one stride set, float32 lse
-        return lambda attn_split, lse_split: _merge_kernel()(_part_list(attn_split), _part_list(lse_split),
-                                                             out_dtype, write_lse)
+        merge = _merge_kernel()
+        if lists:
+            return lambda attn_split, lse_split: merge(attn_split, lse_split, out_dtype, write_lse)
+        return lambda attn_split, lse_split: merge(_part_list(attn_split), _part_list(lse_split), out_dtype,
+                                                   write_lse)
     return lambda attn_split, lse_split: _merge_on_device(_part_list(attn_split), _part_list(lse_split), out_dtype,
                                                           write_lse)
 

@@ -123,21 +123,28 @@ def _varlen_plan(kind, window_args: tuple, max_seqlen_q, max_seqlen_k, softmax_s
     At most ``VARLEN_MASKS_PER_PLAN`` pairs, the oldest dropped first; an entry holds its two tensors, so their ids
     stay theirs while kept. Host starts of a CUDA call are read and copied to the device on every call (a kept copy
     would be memory a CUDA graph pool may own)."""
-    kept: dict = {}  # (id q starts, id k starts) -> (stamps, mask, packed call's plan or None, the two tensors)
+    # (id q starts, id k starts) -> [stamps, mask, packed call's plan or None, its packed launch (``_packed_run``,
+    # made at the pair's first reuse: calls with new starts tensors each time never pay for it), the two tensors]
+    kept: dict = {}
 
     def run(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale, sinks):
         pair = (id(cu_seqlens_q), id(cu_seqlens_k))
         entry = kept.get(pair)  # only starts on q's device are kept: the others are never stamped
-        q, k, v = q[None], k[None], v[None]
         if entry is not None and entry[0] == _starts_stamps(cu_seqlens_q, cu_seqlens_k):
-            _, bias, plan, _ = entry
-            if plan is not None:  # the repeated call: the packed call's plan, as _run_plan runs it, without its frame
-                out, lse = plan.run(q, k, v, bias, q_descale, k_descale, v_descale, sinks)
-                return (out[0], lse[0].detach()) if return_lse else out[0]
+            _, bias, plan, packed, _ = entry
+            if packed is not None:  # the repeated call: the packed call's launch on the tensors as given
+                out, lse = packed(q, k, v, bias, q_descale, k_descale, v_descale, sinks)
+                return (out, lse.detach()) if return_lse else out
+            if plan is not None:  # the pair's first reuse: its packed launch made once, then run as above
+                packed = entry[3] = _packed_run(plan, q[None], k[None], v[None], bias, softmax_scale, q_descale,
+                                                k_descale, v_descale, return_lse, softcap, sinks)
+                out, lse = packed(q, k, v, bias, q_descale, k_descale, v_descale, sinks)
+                return (out, lse.detach()) if return_lse else out
             # no plan (the packed call checks values on every call): its full path
-            res = _attention(None, q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_lse, softcap,
-                             sinks)
+            res = _attention(None, q[None], k[None], v[None], bias, softmax_scale, q_descale, k_descale, v_descale,
+                             return_lse, softcap, sinks)
         else:
+            q, k, v = q[None], k[None], v[None]
             bias = kind.from_cu_seqlens(cu_seqlens_q, cu_seqlens_k, *window_args, max_seqlen_q=max_seqlen_q,
                                         max_seqlen_k=max_seqlen_k, total_q=q.shape[1], total_k=k.shape[1])
             on_device = bias.q_seqinfo.seqstart.device == q.device and bias.k_seqinfo.seqstart.device == q.device
@@ -156,8 +163,27 @@ def _varlen_plan(kind, window_args: tuple, max_seqlen_q, max_seqlen_k, softmax_s
                 kept.pop(pair, None)
                 if len(kept) >= VARLEN_MASKS_PER_PLAN:
                     del kept[next(iter(kept))]
-                kept[pair] = (_starts_stamps(cu_seqlens_q, cu_seqlens_k), bias, plan, (cu_seqlens_q, cu_seqlens_k))
+                kept[pair] = [_starts_stamps(cu_seqlens_q, cu_seqlens_k), bias, plan, None,
+                              (cu_seqlens_q, cu_seqlens_k)]
         return (res[0][0], res[1][0]) if return_lse else res[0]
+    return run
+
+
+def _packed_run(plan: Plan, q, k, v, bias, softmax_scale, q_descale, k_descale, v_descale, return_lse: bool,
+                softcap, sinks):
+    """``run(q, k, v, mask, q_descale, k_descale, v_descale, sinks) -> (out, lse)`` on packed tensors (total, H, D)
+    of the packed call ``plan`` serves (``q`` / ``k`` / ``v`` its batch-1 tensors, validated): its op's
+    ``varlen_launcher`` where the plan is that op's launch alone, else the plan's run on batch-1 views (an
+    autograd pair)."""
+    if len(plan.ops) == 1:
+        inp = make_inputs(q, k, v, bias, is_partial=return_lse, scale=softmax_scale, q_descale=q_descale,
+                          k_descale=k_descale, v_descale=v_descale, softcap=softcap, sinks=sinks)
+        return plan.ops[0].varlen_launcher(inp, return_lse)
+    batched = plan.run
+
+    def run(q, k, v, mask, q_descale, k_descale, v_descale, sinks):
+        out, lse = batched(q[None], k[None], v[None], mask, q_descale, k_descale, v_descale, sinks)
+        return out[0], (None if lse is None else lse[0])
     return run
 
 

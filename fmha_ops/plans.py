@@ -296,12 +296,19 @@ def _other(a, cuda: bool):
             return a.signature()
         except Exception:  # a mask whose state its own checks reject: the full path names it
             raise _NoKey from None
-    if kind is list or kind is tuple:  # merge_attentions' parts: ``_tensor``'s items inline, no call per part
+    if kind is list or kind is tuple:  # merge_attentions' parts: ``_tensor``'s items inline, no call per part (a
+        # loop, not a comprehension: one frame less per list)
+        items = [kind]
+        item = items.append
         if cuda:
-            return (kind, *[(x.shape, x.dtype, x.device, x.stride(), x.requires_grad, x.data_ptr() & _ALIGN_BITS)
-                             if type(x) is _Tensor else _listed(x, cuda) for x in a])
-        return (kind, *[(x.shape, x.dtype, x.device, x.stride(), x.requires_grad) if type(x) is _Tensor
-                        else _listed(x, cuda) for x in a])
+            for x in a:
+                item((x.shape, x.dtype, x.device, x.stride(), x.requires_grad, x.data_ptr() & _ALIGN_BITS)
+                     if type(x) is _Tensor else _listed(x, cuda))
+        else:
+            for x in a:
+                item((x.shape, x.dtype, x.device, x.stride(), x.requires_grad) if type(x) is _Tensor
+                     else _listed(x, cuda))
+        return tuple(items)
     if isinstance(a, _Tensor):  # a subclass (nn.Parameter): its type is part of the key
         return (kind, *_tensor(a, cuda))
     if isinstance(a, type):

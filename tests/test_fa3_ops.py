@@ -162,3 +162,69 @@ def test_fa3_passes_the_key_starts_as_leftpad_k(monkeypatch, fa3_fwd_build):
     assert calls[-1]["leftpad_k"] is mask.key_start
     launch(q.view(2, 1, 4, 64), cache, cache, None, None, lens, table, out, None)
     assert calls[-1]["leftpad_k"] is None
+
+
+def _fa3_recorder(calls: list):
+    """FA3's forward replaced by a recorder of its keywords: out (total or B, Mq, Hq, Kv) in bf16, lse zeros."""
+    def fwd(q, **kw):
+        calls.append(dict(kw, q=q))
+        out = torch.zeros(q.shape[:-1] + (kw["v"].shape[-1],), dtype=torch.bfloat16)
+        return out, torch.zeros(q.shape[0], q.shape[-2], q.shape[1]) if q.ndim == 4 else torch.zeros(q.shape[1],
+                                                                                                      q.shape[0])
+    return fwd
+
+
+def _same_keywords(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for name, w in want.items():
+        g = got[name]
+        if isinstance(w, torch.Tensor):
+            strides = [(a, b) for n, a, b in zip(g.shape, g.stride(), w.stride()) if n > 1]  # size-1 dims: any stride
+            assert (g.shape, g.dtype, g.data_ptr()) == (w.shape, w.dtype, w.data_ptr()), name
+            assert all(a == b for a, b in strides), name
+        else:
+            assert g == w and type(g) is type(w), name
+
+
+LAUNCHER_CASES = {
+    "bf16 causal": (torch.bfloat16, "causal", None),
+    "bf16 window, lse": (torch.bfloat16, "window", None),
+    "fp8, per-tensor descales (1,)": (F8, "causal", (1,)),
+    "fp8, per-tensor descales ()": (F8, "none", ()),
+    "fp8, per-tensor descales (1, 1, 1)": (F8, "causal", (1, 1, 1)),
+    "fp8, (B, Hkv) descales": (F8, "causal", (2, 2)),
+    "fp8, per-tensor descales (1, 1)": (F8, "causal", (1, 1)),
+    "varlen fp8, per-tensor descales": (F8, "varlen", (1,)),
+    "varlen bf16, lse": (torch.bfloat16, "varlen", None),
+}
+
+
+@pytest.mark.parametrize("case", list(LAUNCHER_CASES))
+def test_fa3_launcher_passes_what_apply_passes(monkeypatch, case):
+    """The launch plan of repeated calls hands FA3 the keywords ``apply`` does (values, shapes, strides), on the
+    new call's tensors, descales and varlen starts; it returns what ``apply`` returns."""
+    from fmha_ops.inputs import make_inputs
+
+    calls = []
+    monkeypatch.setattr(fa3, "forward_kernel", lambda: _fa3_recorder(calls))
+    dtype, mask, descale_shape = LAUNCHER_CASES[case]
+    needs_lse = "lse" in case
+    q, k, v = (torch.randn(2, 10, h, 64).to(dtype) for h in (4, 2, 2))
+    if mask == "varlen":
+        q, k, v = (t.reshape(1, 20, t.shape[2], 64) for t in (q, k, v))
+    descales = {} if descale_shape is None else {f"{r}_descale": torch.rand(descale_shape) + 0.5 for r in "qkv"}
+    bias = {"causal": ab.LowerTriangularFromBottomRightMask(), "none": None,
+            "window": ab.LowerTriangularFromBottomRightLocalAttentionMask(4),
+            "varlen": ab.BlockDiagonalCausalFromBottomRightMask.from_seqlens([3, 17])}[mask]
+    inp = make_inputs(q, k, v, bias, **descales)
+    run = FA3FwOp.launcher(inp, needs_lse)
+    q2, k2, v2 = (t.clone() for t in (q, k, v))  # another call of the same layout
+    descales2 = {name: d * 2 for name, d in descales.items()}
+    bias2 = (ab.BlockDiagonalCausalFromBottomRightMask.from_seqlens([11, 9]) if mask == "varlen" else bias)
+    inp2 = make_inputs(q2, k2, v2, bias2, **descales2)
+    want = FA3FwOp.apply(inp2, needs_lse)
+    got = run(q2, k2, v2, bias2, descales2.get("q_descale"), descales2.get("k_descale"), descales2.get("v_descale"))
+    assert len(calls) == 2
+    _same_keywords(calls[1], calls[0])
+    assert got[0].shape == want[0].shape and got[0].dtype == want[0].dtype
+    assert (got[1] is None) == (want[1] is None) and (got[1] is None or got[1].shape == want[1].shape)

@@ -248,3 +248,45 @@ def test_fa3_paged_decode_with_key_starts():
             outs[op] = fmha_ops.flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=seq, page_table=pages,
                                                         cache_leftpad=pad, causal=True)
     assert error_report(outs["fa3F"], outs["torch_referenceF"])["cos"] > 0.9999
+
+
+@needs(FA3FwOp)
+@pytest.mark.parametrize("case", ["bf16 window", "fp8 per-tensor", "fp8 per-head", "varlen bf16 lse",
+                                  "varlen fp8 per-tensor"])
+def test_fa3_repeated_calls_match_the_full_path_bitwise(case):
+    """A repeated call runs FA3's launch plan (``FA3FwOp.launcher`` / ``varlen_launcher``, keywords bound once): its
+    output (and lse) equal the full path's (``apply``) on the same tensors bit for bit."""
+    from fmha_ops.plans import PLANS
+
+    if "window" in case and not BUILD.has("LOCAL"):
+        pytest.skip(f"this FlashAttention-3 build ({BUILD.package}) has no local windows")
+    fp8, varlen = "fp8" in case, case.startswith("varlen")
+    first, second = (qkv(1 if varlen else 2, 333, 333, 8, 2, 128, seed=s) for s in (1, 2))
+    calls = []
+    for q, k, v in (first, second):
+        kw = {}
+        if fp8 and "per-head" in case:
+            q, k, v, qd, kd, vd = quantize_qkv_fp8(q, k, v)
+            kw = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+        elif fp8:
+            (q, k, v), kw = per_tensor(q, k, v)
+        calls.append(((q, k, v), kw))
+    cu = torch.tensor([0, 100, 333], dtype=torch.int32, device=DEV)
+
+    def call(tensors, kw):
+        q, k, v = tensors
+        if varlen:
+            res = fmha_ops.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 233, 233, causal=True,
+                                                  return_attn_probs="lse" in case, **kw)
+        else:
+            res = fmha_ops.flash_attn_func(q, k, v, causal=True, window_size=(64, 0) if "window" in case else (-1, -1),
+                                           **kw)
+        return res if isinstance(res, tuple) else (res,)
+
+    with fmha_ops.use_ops("fa3F"):
+        PLANS.clear()
+        full = call(*calls[1])  # the full path: apply
+        PLANS.clear()
+        call(*calls[0])
+        planned = call(*calls[1])  # the plan's launch on new tensors of the layout
+    assert len(planned) == len(full) and all(torch.equal(p, f) for p, f in zip(planned, full))

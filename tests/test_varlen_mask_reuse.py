@@ -126,3 +126,32 @@ def test_plans_keep_no_mask_of_their_first_call():
     torch.testing.assert_close(again, first)
     packed = PLANS.plans(fai._attention)
     assert packed and all(plan.bound is None for plan in packed)
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_kept_layout_runs_the_packed_launch_as_the_full_path_runs(monkeypatch, return_lse, grad):
+    """A repeated call of a kept starts pair runs its op's packed launch (``varlen_launcher``, or the autograd pair's
+    plan on batch-1 views) on the tensors as given: bit-identical output, lse and gradients to the full path's
+    first call on new tensors of the same layout."""
+    monkeypatch.setattr(fai, "_read_is_a_sync", lambda cu: True)
+    cu = torch.tensor([0, 5, 17], dtype=torch.int32)
+    results = []
+    for seed in (0, 1, 1):  # the full path (a new plan cache), the kept layout's first, then its repeated call
+        if seed == 0:
+            PLANS.clear()
+        q, k, v = (t.requires_grad_(grad) for t in _qkv(17, seed=seed))
+        res = flash_attn_varlen_func(q, k, v, cu, cu, 12, 12, causal=True, return_attn_probs=return_lse)
+        out = res[0] if return_lse else res
+        grads = torch.autograd.grad(out.sum(), (q, k, v)) if grad else ()
+        results.append([t.detach() for t in ((res if return_lse else (res,)) + tuple(grads))])
+    PLANS.clear()
+    q, k, v = (t.requires_grad_(grad) for t in _qkv(17, seed=1))
+    res = flash_attn_varlen_func(q, k, v, cu.clone(), cu.clone(), 12, 12, causal=True, return_attn_probs=return_lse)
+    out = res[0] if return_lse else res
+    want = [t.detach() for t in ((res if return_lse else (res,))
+                                  + (torch.autograd.grad(out.sum(), (q, k, v)) if grad else ()))]
+    for got in results[1:]:
+        assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
+    if return_lse:
+        assert not results[2][1].requires_grad

@@ -214,6 +214,27 @@ class AttentionFwOp(AttentionOp):
         return run
 
 
+    @classmethod
+    def varlen_launcher(cls, inp: Inputs, needs_lse: bool):
+        """The launch plan of packed varlen calls laid out like ``inp`` (validated, batch 1 under a ``BlockDiagonal*``
+        mask, this op selected for it, no autograd pair): ``run(query, key, value, attn_bias, q_descale, k_descale,
+        v_descale, sinks=None)`` on the packed tensors (total, H, D) -> out (total, Hq, Kv) and, when
+        ``needs_lse``, lse float32 (Hq, total_q), else None (``flash_attn_varlen_func``'s repeated calls). This
+        default runs ``launcher`` on batch-1 views; ops whose kernels take packed tensors override it.
+
+        Example
+        -------
+        >>> run = FA3FwOp.varlen_launcher(make_inputs(q[None], k[None], v[None], mask), False)  # doctest: +SKIP
+        >>> out, _ = run(q, k, v, mask, None, None, None)  # doctest: +SKIP
+        """
+        batched = cls.launcher(inp, needs_lse)
+
+        def run(query, key, value, attn_bias, q_descale, k_descale, v_descale, sinks=None):
+            out, lse = batched(query[None], key[None], value[None], attn_bias, q_descale, k_descale, v_descale, sinks)
+            return out[0], (None if lse is None else lse[0])
+        return run
+
+
 class AttentionBwOp(AttentionOp):
     KIND = "bw"
 

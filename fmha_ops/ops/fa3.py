@@ -294,6 +294,49 @@ class FA3FwOp(_FA3Op, AttentionFwOp):
         return out, (lse if needs_lse else None)
 
     @classmethod
+    def launcher(cls, inp: Inputs, needs_lse: bool):
+        """The launch plan of dense and varlen calls laid out like ``inp`` (``AttentionFwOp.launcher``'s contract):
+        FA3's forward with the layout's keywords bound once (``_bound_forward``), per call only the tensors and the
+        descales; a varlen call's is ``varlen_launcher``'s on the batch-1 views. Decode masks: ``apply``'s plan
+        (``decode_launcher`` is their fast path)."""
+        kind = inp.bias_kind
+        if kind in _PADDED | _PAGED:
+            return super().launcher(inp, needs_lse)
+        if kind in _VARLEN:
+            packed = cls.varlen_launcher(inp, needs_lse)
+
+            def run(query, key, value, attn_bias, q_descale, k_descale, v_descale, sinks=None):
+                out, lse = packed(query[0], key[0], value[0], attn_bias, q_descale, k_descale, v_descale)
+                return out[None], (lse[None] if needs_lse else None)
+            return run
+        fwd, descales, out_dtype = _bound_forward(inp)
+        if descales is None:
+            def run(query, key, value, attn_bias, q_descale, k_descale, v_descale, sinks=None):
+                out, lse = fwd(q=query, k=key, v=value)[:2]
+                return (out if out.dtype == out_dtype else out.to(out_dtype)), (lse if needs_lse else None)
+            return run
+
+        def run(query, key, value, attn_bias, q_descale, k_descale, v_descale, sinks=None):
+            out, lse = fwd(q=query, k=key, v=value, **descales(q_descale, k_descale, v_descale, attn_bias))[:2]
+            return (out if out.dtype == out_dtype else out.to(out_dtype)), (lse if needs_lse else None)
+        return run
+
+    @classmethod
+    def varlen_launcher(cls, inp: Inputs, needs_lse: bool):
+        """FA3's varlen forward on the packed tensors (``AttentionFwOp.varlen_launcher``'s contract), its keywords
+        bound once (``_bound_forward``); per call the tensors, the mask's starts and longest sequences and the
+        descales."""
+        fwd, descales, out_dtype = _bound_forward(inp)
+
+        def run(query, key, value, attn_bias, q_descale, k_descale, v_descale, sinks=None):
+            q_info, k_info = attn_bias.q_seqinfo, attn_bias.k_seqinfo
+            out, lse = fwd(q=query, k=key, v=value, cu_seqlens_q=q_info.seqstart, cu_seqlens_k=k_info.seqstart,
+                           max_seqlen_q=q_info.max_seqlen, max_seqlen_k=k_info.max_seqlen,
+                           **({} if descales is None else descales(q_descale, k_descale, v_descale, attn_bias)))[:2]
+            return (out if out.dtype == out_dtype else out.to(out_dtype)), (lse if needs_lse else None)
+        return run
+
+    @classmethod
     def decode_launcher(cls, inp: Inputs, needs_lse: bool, own_workspace: bool = True):
         """``launch(q, k_cache, v_cache, k_scale, v_scale, seqlens, block_table, out, lse, seqlen_offset=0,
         sinks=None, key_start=None)`` for decode calls like ``inp`` (``fmha_ops.decode_plan``, the
@@ -326,6 +369,43 @@ class FA3FwOp(_FA3Op, AttentionFwOp):
         if p.causal:
             tflops /= 1.0 + cls.CAUSAL_TILE / max(p.seqlen_k, 1)
         return attention_time(p, tflops, cls.TBPS, cls.LATENCY_US)
+
+
+def _bound_forward(inp: Inputs):
+    """(fwd, descales, out dtype) of dense and varlen calls laid out like ``inp``: FA3's forward with the layout's
+    keywords bound (scale, causal, window, softcap, splits), and ``descales(q_descale, k_descale, v_descale, mask)``
+    -> its descale keywords, as ``kv_head_descales`` makes them (None for a call without descales). Which descale
+    is per tensor, and so broadcast to (sequences, Hkv), is fixed by the plan key's shapes (``_descale_views``)."""
+    causal, (left, right) = window_size(inp.bias_kind, *window_fields(inp))
+    fwd = functools.partial(forward_kernel(), softmax_scale=inp.softmax_scale, is_causal=causal,
+                            window_size_left=-1 if left is None else left,
+                            window_size_right=-1 if right is None else right, softcap=inp.softcap,
+                            num_splits=PREFILL_SPLITS)
+    flat, given = _descale_views(inp)
+    if not given:
+        return fwd, None, inp.out_dtype
+    kv_heads, batch, varlen = inp.key.shape[2], inp.query.shape[0], inp.bias_kind in _VARLEN
+    q_flat, k_flat, v_flat = flat
+
+    def descales(q_descale, k_descale, v_descale, bias) -> dict:
+        shape = (len(bias.q_seqinfo.seqstart_py) - 1 if varlen else batch, kv_heads)
+        return dict(q_descale=q_descale if q_flat is None else q_descale.expand(shape) if q_flat else
+                    q_descale.reshape(()).expand(shape),
+                    k_descale=k_descale if k_flat is None else k_descale.expand(shape) if k_flat else
+                    k_descale.reshape(()).expand(shape),
+                    v_descale=v_descale if v_flat is None else v_descale.expand(shape) if v_flat else
+                    v_descale.reshape(()).expand(shape))
+    return fwd, descales, inp.out_dtype
+
+
+def _descale_views(inp: Inputs) -> tuple[tuple[bool | None, ...], bool]:
+    """How ``FA3FwOp.launcher`` hands FA3 a call's descales: per descale None (a (sequences, Hkv) one, as given), True
+    (a per-tensor one of at most 2 dims: ``expand`` alone) or False (a per-tensor one of more dims: ``reshape(())``
+    first), and whether the call has descales (``kv_head_descales``: none without a q descale)."""
+    descales = (inp.q_descale, inp.k_descale, inp.v_descale)
+    if inp.q_descale is None:
+        return (None,) * 3, False
+    return tuple(None if d.numel() != 1 else d.ndim <= 2 for d in descales), True
 
 
 def _decode(inp: Inputs, needs_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
