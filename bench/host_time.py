@@ -1,9 +1,9 @@
 """Host time per call of every public entry point against calling the chosen backend directly, CPU and GPU.
 
 Tiny shapes, so the host path sets the pace. Per entry point three columns, microseconds per call:
-``ours`` (the public function), ``direct`` (the op the selector chose, called without our call path: the aten
-function an SDPA op calls, on tensors already in its layout, and the op's kernel launcher with a prebuilt ``Inputs``
-for ours) and ``SDPA`` (``torch.nn.functional.scaled_dot_product_attention`` on BHMK tensors, where a float call has
+``ours`` (the public function), ``direct`` (the op the selector chose, called without our call path: its launcher
+``apply`` with a prebuilt ``Inputs``; an SDPA op's makes the BHMK views its aten function takes, as any caller with
+BMHK tensors must) and ``SDPA`` (``torch.nn.functional.scaled_dot_product_attention`` on BHMK tensors, where a float call has
 one); merge_attentions' direct is its kernel's launch on CUDA, its torch arithmetic on the parts (stacked in the
 call) on the CPU.
 fp8_attention / i8fp8_attention's direct is the same launches ours makes: ``quantize_smooth`` (on CUDA the two
@@ -69,13 +69,9 @@ def _selected(inp, kind="fw", needs_lse=False):
 
 
 def _direct(inp, needs_lse=False) -> tuple[str, Call]:
-    """(op name, a call of that op without our call path)."""
+    """(op name, a call of that op's launcher without our call path: ``apply`` on a prebuilt ``Inputs``, which
+    for an SDPA op lays the tensors out for the aten function and calls it)."""
     op = _selected(inp, needs_lse=needs_lse)
-    if issubclass(op, _SdpaOp):  # an SDPA op: the aten function it calls, on tensors laid out for it
-        causal = inp.bias_kind == ab.CAUSAL or (inp.bias_kind == ab.CAUSAL_BR and inp.query.shape[1] > 1)
-        fn, args, kwargs, bmhk = op.kernel(inp, causal, inp.scale)
-        q, k, v = (inp.query, inp.key, inp.value) if bmhk else _bhmk(inp.query, inp.key, inp.value)
-        return op.NAME, lambda: fn(q, k, v, *args, **kwargs)
     return op.NAME, lambda: op.apply(inp, needs_lse)
 
 
