@@ -1,9 +1,9 @@
 """Host time per call of every public entry point against calling the chosen backend directly, CPU and GPU.
 
 Tiny shapes, so the host path sets the pace. Per entry point three columns, microseconds per call:
-``ours`` (the public function), ``direct`` (the op the selector chose, called without our call path: its launcher
-``apply`` with a prebuilt ``Inputs``; an SDPA op's makes the BHMK views its aten function takes, as any caller with
-BMHK tensors must) and ``SDPA`` (``torch.nn.functional.scaled_dot_product_attention`` on BHMK tensors, where a float call has
+``ours`` (the public function), ``direct`` (the op the selector chose, called without our call path: its launch
+plan (``launcher``) made once and run on the call's tensors; an SDPA op's makes the BHMK views its aten function
+takes, as any caller with BMHK tensors must) and ``SDPA`` (``torch.nn.functional.scaled_dot_product_attention`` on BHMK tensors, where a float call has
 one); merge_attentions' direct is its kernel's launch on CUDA, its torch arithmetic on the parts (stacked in the
 call) on the CPU.
 fp8_attention / i8fp8_attention's direct is the same launches ours makes: ``quantize_smooth`` (on CUDA the two
@@ -69,10 +69,13 @@ def _selected(inp, kind="fw", needs_lse=False):
 
 
 def _direct(inp, needs_lse=False) -> tuple[str, Call]:
-    """(op name, a call of that op's launcher without our call path: ``apply`` on a prebuilt ``Inputs``, which
-    for an SDPA op lays the tensors out for the aten function and calls it)."""
+    """(op name, a call of that op without our call path: its launch plan for calls laid out like ``inp``
+    (``launcher``), made once, run on the call's tensors; an SDPA op's makes the BHMK views its aten function
+    takes, as any caller with BMHK tensors must)."""
     op = _selected(inp, needs_lse=needs_lse)
-    return op.NAME, lambda: op.apply(inp, needs_lse)
+    run = op.launcher(inp, needs_lse)
+    tensors = (inp.query, inp.key, inp.value, inp.attn_bias, inp.q_descale, inp.k_descale, inp.v_descale, inp.sinks)
+    return op.NAME, lambda: run(*tensors)
 
 
 def _sdpa(q, k, v, causal) -> Call:
