@@ -40,6 +40,8 @@ Example
 """
 from __future__ import annotations
 
+import atexit
+
 import inspect
 from typing import Callable, Hashable
 
@@ -126,6 +128,9 @@ class PlanCache:
 
 
 PLANS = PlanCache(LIMIT)
+#: plans can hold extension objects (cuDNN-frontend graphs bound into a launcher) whose bindings report every object
+#: still alive when they unload after the exit handlers ("nanobind: leaked N instances"): the plans go first
+atexit.register(PLANS.clear)
 
 
 def _hashable(key) -> bool:

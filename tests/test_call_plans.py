@@ -629,3 +629,26 @@ def make_problem_for(q, k, v, mask):
     inp = inputs.make_inputs(q, k, v, mask)
     inp.validate()
     return inp.problem()
+
+
+def test_plans_are_dropped_by_the_exit_handlers():
+    """The plan cache empties at exit, before extension modules that report objects still alive when they unload
+    (cuDNN-frontend graphs held by launchers): an exit handler registered before fmha_ops runs after its own."""
+    import subprocess
+    import sys
+
+    script = (
+        "import atexit\n"
+        "def report():\n"
+        "    from fmha_ops.plans import PLANS\n"
+        "    print('plans at exit', len(PLANS))\n"
+        "atexit.register(report)\n"
+        "import torch, fmha_ops\n"
+        "q = torch.randn(1, 8, 2, 16)\n"
+        "fmha_ops.memory_efficient_attention(q, q, q)\n"
+        "from fmha_ops.plans import PLANS\n"
+        "print('plans', len(PLANS))\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    during, at_exit = (int(line.split()[-1]) for line in run.stdout.splitlines()[-2:])
+    assert during > 0 and at_exit == 0, run.stdout
