@@ -219,11 +219,12 @@ def _generated(entry: Callable, kind: str) -> Callable:
         else:  # None, a number with its type, a value, a mask's signature, or what ``_item`` makes of it
             item = (f"(None if {x} is None else (type({x}), {x}) if type({x}) in _NUMBERS else {x} "
                     f"if type({x}) in _VALUES else {x}.signature() if isinstance({x}, _Bias) "
-                    f"else (_INT_PAIR, {x}) if type({x}) is tuple and len({x}) == 2 and type({x}[0]) is int "
-                    f"and type({x}[1]) is int else _item({x}, {{cuda}}))")
+                    f"else (_INT_PAIR, {x}) if {_int_pair(x)} else _item({x}, {{cuda}}))")
             number = _ANNOTATED_NUMBERS.get(str(param.annotation))
             if number is not None:  # the declared number type keyed by its value alone: no (type, value) pair
                 item = f"({x} if type({x}) is {number} else {item})"
+            elif str(param.annotation) in _ANNOTATED_INT_PAIRS:  # the same item, its declared kind tested first
+                item = f"((_INT_PAIR, {x}) if {_int_pair(x)} else {item})"
             if "Tensor" in str(param.annotation):  # an optional tensor: a plain one's item inline, as ``_item``'s
                 item = (f"(None if {x} is None else ({{meta}}) if type({x}) is _Tensor else "
                         f"{item.replace('_item(', '_other(')})")
@@ -270,10 +271,18 @@ def _generated(entry: Callable, kind: str) -> Callable:
 #: holds as the bare value: the type is the parameter's own, so a value of another type (``1`` for a float, ``True``
 #: for an int), keyed as (type, value), never equals it
 _ANNOTATED_NUMBERS = {"float": "float", "float | None": "float", "bool": "bool", "int": "int", "int | None": "int"}
+#: parameter annotations of a pair of ints (a window size): a generated key tests that kind first (the item is the
+#: one the generic test order makes; the three tests it skips cost ~0.1 us per call on the CPU)
+_ANNOTATED_INT_PAIRS = frozenset({"tuple[int, int]"})
 #: marks the keys ``key_function`` lays out flat (tensor metadata as items of the key), apart from ``call_key``'s
 _FLAT = object()
 #: marks a tuple of two plain ints (a window size) kept as it is: without the per-item types ``_other`` adds
 _INT_PAIR = object()
+
+
+def _int_pair(x: str) -> str:
+    """Generated code: whether the argument named ``x`` is a tuple of two plain ints."""
+    return f"type({x}) is tuple and len({x}) == 2 and type({x}[0]) is int and type({x}[1]) is int"
 
 
 def _item(a, cuda: bool):
