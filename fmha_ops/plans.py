@@ -7,8 +7,8 @@ stores a ``Plan`` under the key (``PLANS.put``).
 
 The key is derived from the arguments themselves, never listed by hand: ``key_function(entry)`` (and
 ``plan_finder(entry)``) generates, from the entry point's signature, a function that takes every parameter (``call_key(entry, args)`` builds the same items in
-a loop, for the call layer's inner calls), and keeps for each argument what any check may read short of a tensor's
-values
+a loop, for the call layer's inner calls; ``unkeyed`` parameters, which the entry point checks on every call before
+its lookup, are left out), and keeps for each argument what any check may read short of a tensor's values
 
 - a tensor: its shape, dtype, device, strides and ``requires_grad`` (a subclass also its type; on CUDA the low bits
   of its address, which the 16-byte alignment rules read);
