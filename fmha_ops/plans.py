@@ -7,8 +7,8 @@ stores a ``Plan`` under the key (``PLANS.put``).
 
 The key is derived from the arguments themselves, never listed by hand: ``key_function(entry)`` (and
 ``plan_finder(entry)``) generates, from the entry point's signature, a function that takes every parameter (``call_key(entry, args)`` builds the same items in
-a loop, for the call layer's inner calls), and keeps for each argument what any check may read short of a tensor's
-values
+a loop, for the call layer's inner calls; ``unkeyed`` parameters, which the entry point checks on every call before
+its lookup, are left out), and keeps for each argument what any check may read short of a tensor's values
 
 - a tensor: its shape, dtype, device, strides and ``requires_grad`` (a subclass also its type; on CUDA the low bits
   of its address, which the 16-byte alignment rules read);
@@ -180,60 +180,67 @@ def call_key(entry: Hashable, args: tuple) -> tuple | None:
             *items)
 
 
-def key_function(entry: Callable) -> Callable[..., tuple | None]:
+def key_function(entry: Callable, unkeyed: tuple[str, ...] = ()) -> Callable[..., tuple | None]:
     """``call_key`` for ``entry``, specialized to its parameters: ``key(*args)`` takes every parameter of ``entry``
-    (positionally, in its order; leaving one out is a TypeError) and returns a key as ``call_key`` builds it, as
-    one expression instead of a loop. The parameters annotated ``torch.Tensor`` give their metadata as items of the
-    key itself when they are plain tensors (no tuple per tensor); any other call takes ``call_key``.
+    but those named in ``unkeyed`` (positionally, in its order; leaving one out is a TypeError) and returns a key as
+    ``call_key`` builds it, as one expression instead of a loop. The parameters annotated ``torch.Tensor`` give their
+    metadata as items of the key's argument tuples when they are plain tensors (no tuple per tensor); any other
+    call takes ``call_key``. ``unkeyed``: parameters ``entry`` checks on every call before its lookup, by a check that reads
+    nothing else (FA3 features it rejects unless left at their defaults): no key needs them.
 
     Example
     -------
     >>> _KEY = key_function(flash_attn_func)  # once, after the function
     >>> key = _KEY(q, k, v, softmax_scale, causal, ...)  # every parameter of flash_attn_func
     """
-    return _generated(entry, "key")
+    return _generated(entry, "key", unkeyed)
 
 
-def plan_finder(entry: Callable) -> Callable[..., tuple]:
-    """The hot path of every repeated call: ``find(*args)`` takes what ``key_function(entry)`` takes and returns
-    ``(plan, key)``: the plan ``PLANS`` holds under the call's key (marked used, as ``PlanCache.get`` marks it) or
-    None, and the key, for the full path to store its plan under (None where the call can have none). One frame:
-    the key built as ``key_function``'s, then one dict lookup.
+def plan_finder(entry: Callable, unkeyed: tuple[str, ...] = ()) -> Callable[..., tuple]:
+    """The hot path of every repeated call: ``find(*args)`` takes what ``key_function(entry, unkeyed)`` takes and
+    returns ``(plan, key)``: the plan ``PLANS`` holds under the call's key (marked used, as ``PlanCache.get`` marks
+    it) or None, and the key, for the full path to store its plan under (None where the call can have none). One
+    frame: the key built as ``key_function``'s, then one dict lookup.
 
     Example
     -------
     >>> _FIND = plan_finder(flash_attn_func)  # once, after the function
     >>> plan, key = _FIND(q, k, v, softmax_scale, causal, ...)  # every parameter of flash_attn_func
     """
-    return _generated(entry, "find")
+    return _generated(entry, "find", unkeyed)
 
 
-def _generated(entry: Callable, kind: str) -> Callable:
+def _generated(entry: Callable, kind: str, unkeyed: tuple[str, ...] = ()) -> Callable:
     """``key_function``'s (``kind`` "key") or ``plan_finder``'s ("find") function for ``entry``: source generated
-    from its signature, compiled once."""
+    from its signature (less the ``unkeyed`` parameters), compiled once."""
     params = list(inspect.signature(entry).parameters.values())
+    missing = set(unkeyed) - {p.name for p in params}
+    if missing:
+        raise ValueError(f"unkeyed names {sorted(missing)}, which are not parameters of {entry.__qualname__}")
+    params = [p for p in params if p.name not in unkeyed]
     local = [f"_a{i}" for i in range(len(params))]  # the arguments' names here, whatever the entry calls them
     tensors = [x for x, p in zip(local, params) if p.annotation in ("torch.Tensor", torch.Tensor)]
     items, cuda_items = [], []
     for x, param in zip(local, params):
-        meta = f"{x}.shape, {x}.dtype, {x}.device, {x}.stride(), {x}.requires_grad"
-        cuda_meta = f"{meta}, {x}.data_ptr() & {_ALIGN_BITS}"
+        meta = [f"{x}.shape", f"{x}.dtype", f"{x}.device", f"{x}.stride()", f"{x}.requires_grad"]
+        cuda_meta = [*meta, f"{x}.data_ptr() & {_ALIGN_BITS}"]
         if x in tensors:
-            items.append(meta)
-            cuda_items.append(cuda_meta)
+            items += meta
+            cuda_items += cuda_meta
         else:  # None, a number with its type, a value, a mask's signature, or what ``_item`` makes of it
             item = (f"(None if {x} is None else (type({x}), {x}) if type({x}) in _NUMBERS else {x} "
                     f"if type({x}) in _VALUES else {x}.signature() if isinstance({x}, _Bias) "
-                    f"else (_INT_PAIR, {x}) if type({x}) is tuple and len({x}) == 2 and type({x}[0]) is int "
-                    f"and type({x}[1]) is int else _item({x}, {{cuda}}))")
+                    f"else (_INT_PAIR, {x}) if {_int_pair(x)} else _item({x}, {{cuda}}))")
             number = _ANNOTATED_NUMBERS.get(str(param.annotation))
             if number is not None:  # the declared number type keyed by its value alone: no (type, value) pair
                 item = f"({x} if type({x}) is {number} else {item})"
+            elif str(param.annotation) in _ANNOTATED_INT_PAIRS:  # the same item, its declared kind tested first
+                item = f"((_INT_PAIR, {x}) if {_int_pair(x)} else {item})"
             if "Tensor" in str(param.annotation):  # an optional tensor: a plain one's item inline, as ``_item``'s
                 item = (f"(None if {x} is None else ({{meta}}) if type({x}) is _Tensor else "
                         f"{item.replace('_item(', '_other(')})")
-            items.append(item.format(cuda=False, meta=meta))
-            cuda_items.append(item.format(cuda=True, meta=cuda_meta))
+            items.append(item.format(cuda=False, meta=", ".join(meta)))
+            cuda_items.append(item.format(cuda=True, meta=", ".join(cuda_meta)))
     plain = " and ".join(f"type({x}) is _Tensor" for x in tensors) or "True"
     first = tensors[0] if tensors else None
     state = "_grad_enabled(), _deterministic(), _scope(), _fp8_backward(), _checks_scoped(), _checks_env[0]"
@@ -244,9 +251,9 @@ def _generated(entry: Callable, kind: str) -> Callable:
               f"    try:\n"
               f"        if {plain}:\n"
               f"            if {first} is None or not {first or '_a0'}.is_cuda:\n"
-              f"                key = (_entry, _FLAT, {state}, {', '.join(items)})\n"
+              f"                key = (_entry, _FLAT, {state}, {_displays(items)})\n"
               f"            else:\n"
-              f"                key = (_entry, _FLAT, {state}, {', '.join(cuda_items)}, _capturing())\n"
+              f"                key = (_entry, _FLAT, {state}, {_displays(cuda_items)}, _capturing())\n"
               f"        else:\n"
               f"            key = call_key(_entry, ({', '.join(local)},))\n"
               f"    except _NoKey:\n"
@@ -275,10 +282,28 @@ def _generated(entry: Callable, kind: str) -> Callable:
 #: holds as the bare value: the type is the parameter's own, so a value of another type (``1`` for a float, ``True``
 #: for an int), keyed as (type, value), never equals it
 _ANNOTATED_NUMBERS = {"float": "float", "float | None": "float", "bool": "bool", "int": "int", "int | None": "int"}
-#: marks the keys ``key_function`` lays out flat (tensor metadata as items of the key), apart from ``call_key``'s
+#: parameter annotations of a pair of ints (a window size): a generated key tests that kind first (the item is the
+#: one the generic test order makes; the three tests it skips cost ~0.1 us per call on the CPU)
+_ANNOTATED_INT_PAIRS = frozenset({"tuple[int, int]"})
+#: the most items of one tuple display (or call) in generated code: CPython compiles a longer one as a list built
+#: item by item and converted (on 3.11 ~190 ns more for a key of 51 items, ~300 ns more for a call of 31 arguments,
+#: on the CPU), so a generated key holds its argument items in tuples of at most this many
+_DISPLAY_ITEMS = 30
+#: marks the keys ``key_function`` lays out flat (tensor metadata as items of its argument tuples), apart from
+#: ``call_key``'s
 _FLAT = object()
 #: marks a tuple of two plain ints (a window size) kept as it is: without the per-item types ``_other`` adds
 _INT_PAIR = object()
+
+
+def _displays(items: list[str]) -> str:
+    """Generated code: ``items`` as tuple displays of at most ``_DISPLAY_ITEMS`` items each, comma-separated."""
+    return ", ".join(f"({', '.join(items[i:i + _DISPLAY_ITEMS])},)" for i in range(0, len(items), _DISPLAY_ITEMS))
+
+
+def _int_pair(x: str) -> str:
+    """Generated code: whether the argument named ``x`` is a tuple of two plain ints."""
+    return f"type({x}) is tuple and len({x}) == 2 and type({x}[0]) is int and type({x}[1]) is int"
 
 
 def _item(a, cuda: bool):

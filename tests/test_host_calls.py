@@ -13,13 +13,13 @@ from bench import host_calls
 BUDGETS = {
     "memory_efficient_attention causal -> sdpa_cudnnF": (8, 16),
     "memory_efficient_attention_forward -> sdpa_cudnnF": (8, 16),
-    "flash_attn_func causal -> sdpa_cudnnF": (7, 16),
+    "flash_attn_func causal -> sdpa_cudnnF": (7, 15),
     "memory_efficient_attention op=sdpa_cudnnF": (8, 16),
-    "flash_attn_varlen_func causal -> fa3F": (11, 18),  # 21 / 21 through batch-1 views and the generic launcher
-    "flash_attn_func fp8 + descales -> fa3F": (8, 18),  # 17 / 28 through the generic launcher
+    "flash_attn_varlen_func causal -> fa3F": (11, 17),  # 21 / 21 through batch-1 views and the generic launcher
+    "flash_attn_func fp8 + descales -> fa3F": (8, 17),  # 17 / 28 through the generic launcher
     "merge_attentions (2 parts) -> triton merge": (9, 19),  # 14 / 15 with the parts listed again per call
-    "flash_attn_with_kvcache paged decode -> triton_decoderF": (7, 15),
-    "flash_attn_with_kvcache fp8 cache -> gluon_fp8_decodeF": (7, 17),
+    "flash_attn_with_kvcache paged decode -> triton_decoderF": (7, 14),
+    "flash_attn_with_kvcache fp8 cache -> gluon_fp8_decodeF": (7, 16),
 }
 
 

@@ -16,6 +16,7 @@ import torch
 import fmha_ops
 from fmha_ops import attn_bias as ab
 from fmha_ops import checks
+from fmha_ops.flash_attn_interface import _KVCACHE_UNKEYED
 from fmha_ops.kv_cache import paged_from_dense, quantize_kv_fp8
 from fmha_ops.plans import PLANS
 
@@ -249,13 +250,15 @@ def test_flash_attn_with_kvcache(monkeypatch, fp8, device_indices):
         "softcap 2": lambda: call(softcap=2.0),
         "softmax_scale nan": lambda: call(softmax_scale=math.nan),
         "q_descale given": lambda: call(q_descale=torch.ones(1)),
-        "rotary given": lambda: call(rotary_cos=torch.ones(1)),
+        "attention_chunk 0.0": lambda: call(attention_chunk=0.0),
         "return lse": lambda: call(return_softmax_lse=True),
         "cache_batch_idx with a table": lambda: call(cache_batch_idx=torch.arange(3, dtype=torch.int32)),
         "sinks a list": lambda: call(sinks=[0.0] * 4),
         "sinks float16": lambda: call(sinks=torch.zeros(4, dtype=torch.float16)),
         "sinks 3 heads": lambda: call(sinks=torch.zeros(3)),
     }
+    for name in _KVCACHE_UNKEYED:  # checked before the lookup on every call, as no key holds them
+        variants[f"{name} given"] = lambda name=name: call(**{name: 1 if name == "attention_chunk" else torch.ones(1)})
     if not device_indices:  # values checked on every call
         variants["cache_seqlens past the cache"] = lambda: call(cache_seqlens=torch.tensor([3, 99, 9],
                                                                                          dtype=torch.int32))
