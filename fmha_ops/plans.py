@@ -1,14 +1,15 @@
 """The plan cache: one ``Plan`` per call signature of every public entry point.
 
-A public function turns its arguments into one key and looks it up (its ``plan_finder``: the key as
-``key_function`` builds it, then one dict lookup in ``PLANS``) and, on a hit, runs the plan it finds; on a miss its full path validates the arguments (raising ValueError / TypeError /
-NotImplementedError naming them), selects the op(s), runs the call and, where a repeated call may skip that work,
-stores a ``Plan`` under the key (``PLANS.put``).
+A public function turns its arguments into one key and looks it up (its ``plan_finder``: the key as ``key_function``
+builds it, then one dict lookup in ``PLANS``) and, on a hit, runs the plan it finds; on a miss its full path validates
+the arguments (raising ValueError / TypeError / NotImplementedError naming them), selects the op(s), runs the call
+and, where a repeated call may skip that work, stores a ``Plan`` under the key (``PLANS.put``).
 
 The key is derived from the arguments themselves, never listed by hand: ``key_function(entry)`` (and
-``plan_finder(entry)``) generates, from the entry point's signature, a function that takes every parameter (``call_key(entry, args)`` builds the same items in
-a loop, for the call layer's inner calls; ``unkeyed`` parameters, which the entry point checks on every call before
-its lookup, are left out), and keeps for each argument what any check may read short of a tensor's values
+``plan_finder(entry)``) generates, from the entry point's signature, a function that takes every parameter
+(``call_key(entry, args)`` builds the same items in a loop, for the call layer's inner calls; ``unkeyed`` parameters,
+which the entry point checks on every call before its lookup, are left out), and keeps for each argument what any
+check may read short of a tensor's values
 
 - a tensor: its shape, dtype, device, strides and ``requires_grad`` (a subclass also its type; on CUDA the low bits
   of its address, which the 16-byte alignment rules read);
@@ -19,12 +20,13 @@ its lookup, are left out), and keeps for each argument what any check may read s
 - None, a str, torch.dtype, torch.device or a class: the value;
 - a list or tuple: its type, then its items as above;
 
-and the process state that validation and selection read: the grad mode, torch's deterministic switch, the
-``use_ops`` scope, the fp8-backward switch, check mode (``fmha_ops.checks``: the ``check_inputs`` scope and the
-environment's switch) and, with a CUDA tensor, whether a CUDA graph is being captured. Any other argument (an object of another library, a mask class, an unhashable value)
-gives no key: the call takes the full path, which converts or names it. So a check added to any entry point reads
-only what the key already holds, unless it reads a tensor's values: those checks (host index tensors, host
-descales, everything in check mode) belong to the full path, whose calls store no plan, or to the plan's own run.
+and the process state that validation and selection read: the grad mode, torch's deterministic switch, the ``use_ops``
+scope, the fp8-backward switch, check mode (``fmha_ops.checks``: the ``check_inputs`` scope and the environment's
+switch) and, with a CUDA tensor, whether a CUDA graph is being captured. Any other argument (an object of another
+library, a mask class, an unhashable value) gives no key: the call takes the full path, which converts or names it. So
+a check added to any entry point reads only what the key already holds, unless it reads a tensor's values: those
+checks (host index tensors, host descales, everything in check mode) belong to the full path, whose calls store no
+plan, or to the plan's own run.
 
 The cache is one bounded LRU (``LIMIT`` plans, in its second-chance form: a hit marks the plan used; a store past
 the limit drops the oldest plan unused since its last chance, moving used ones to the young end) cleared with the
@@ -359,6 +361,7 @@ def _tensor(t, cuda: bool) -> tuple:
 
 #: the names ``key_function``'s generated code reads
 _ENV = {"_is_compiling": _is_compiling, "_Tensor": _Tensor, "_Bias": _Bias, "_NUMBERS": _NUMBERS, "_VALUES": _VALUES,
-        "_item": _item, "_other": _other, "_FLAT": _FLAT, "_INT_PAIR": _INT_PAIR, "_NoKey": _NoKey, "_MISS": (None, None), "_capturing": _capturing,
+        "_item": _item, "_other": _other, "_FLAT": _FLAT, "_INT_PAIR": _INT_PAIR, "_NoKey": _NoKey,
+        "_MISS": (None, None), "_capturing": _capturing,
         "call_key": call_key, "_grad_enabled": _grad_enabled, "_deterministic": _deterministic, "_scope": _scope,
         "_fp8_backward": _fp8_backward, "_checks_scoped": _checks_scoped, "_checks_env": _checks_env}

@@ -4,16 +4,15 @@ The problem object is the domain's: the selector needs only ``problem.arch``
 (an :class:`~registry.arch.Arch`) and ``problem.bucket()`` (a tuning-table key), and
 hands the problem to each op's ``not_supported_reasons`` and ``estimate``.
 
-Ranking: measured time from the tuning table for this device and bucket; for a problem between the measured
-buckets, the op's cost model scaled by measured / model at the nearest measured buckets of its kind
-(``nearest_ratio``); else the op's cost model (scaled by the table's calibration of that op), else declared
-PRIORITY (ops with an estimate rank first). On a GPU the estimate is at least the op's host time per call
-(``host_estimate``: the table's host rows at the nearest measured buckets of the call's kind (``nearest_host``),
-else the op's one measured host time, else ``Op.host_time``): a small problem runs at the pace its launch path is
-issued, so the op that is fastest for the whole call wins (source "... , host-bound"). Estimates within ``TIE_MARGIN``
-of the fastest are a tie, broken on the device estimate, then
-PRIORITY, then NAME, so the choice is deterministic and a host-bound ranking does not flip on host-time noise.
-``select`` is memoized on the caller's hashable signature plus the active overrides, so a repeated call is one
+Ranking: measured time from the tuning table for this device and bucket; for a problem between the measured buckets,
+the op's cost model scaled by measured / model at the nearest measured buckets of its kind (``nearest_ratio``); else
+the op's cost model (scaled by the table's calibration of that op), else declared PRIORITY (ops with an estimate rank
+first). On a GPU the estimate is at least the op's host time per call (``host_estimate``: the table's host rows at the
+nearest measured buckets of the call's kind (``nearest_host``), else the op's one measured host time, else
+``Op.host_time``): a small problem runs at the pace its launch path is issued, so the op that is fastest for the whole
+call wins (source "... , host-bound"). Estimates within ``TIE_MARGIN`` of the fastest are a tie, broken on the device
+estimate, then PRIORITY, then NAME, so the choice is deterministic and a host-bound ranking does not flip on host-time
+noise. ``select`` is memoized on the caller's hashable signature plus the active overrides, so a repeated call is one
 dict lookup.
 
 Autotune (``with selector.autotune():`` or ``FMHA_OPS_AUTOTUNE=1``, the convention of
