@@ -187,8 +187,8 @@ def key_function(entry: Callable, unkeyed: tuple[str, ...] = ()) -> Callable[...
     but those named in ``unkeyed`` (positionally, in its order; leaving one out is a TypeError) and returns a key as
     ``call_key`` builds it, as one expression instead of a loop. The parameters annotated ``torch.Tensor`` give their
     metadata as items of the key's argument tuples when they are plain tensors (no tuple per tensor); any other
-    call takes ``call_key``. ``unkeyed``: parameters ``entry`` checks on every call before its lookup, by a check that reads
-    nothing else (FA3 features it rejects unless left at their defaults): no key needs them.
+    call takes ``call_key``. ``unkeyed``: parameters ``entry`` checks on every call before its lookup, by a check
+    that reads nothing else (FA3 features it rejects unless left at their defaults): no key needs them.
 
     Example
     -------
