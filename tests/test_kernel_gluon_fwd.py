@@ -398,7 +398,8 @@ def test_gpu_gluon_ws_i8fp8(shape, schedule):
     if "192" in schedule and D == 256:
         pytest.skip("192-key tiles: D <= 128")
     if schedule == "head_sections":
-        cfg = dataclasses.replace(ws.default_config(D, causal, Mk, qk_int8=True), head_section=3, persistent=False)
+        cfg = dataclasses.replace(ws.default_config(D, causal, Mk, qk_int8=True), head_section=3, persistent=False,
+                                  dynamic=False)
     elif schedule == "single_192_direct":
         cfg = ws.WsFwdConfig(consumers=1, maxnreg=ws.SINGLE_CONSUMER_MAXNREG[D], block_n=192, key_order=True,
                              persistent=True, direct_store=True)
