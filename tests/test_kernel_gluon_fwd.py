@@ -132,7 +132,7 @@ def test_ws_launcher_finishes_empty_problems_and_rejects_bad_configs():
 
 def test_ws_default_config_by_keys():
     """192-key tiles on two consumers from ``LONG_KEYS`` keys when not causal (int8 q/k at D64: 128-key tiles), one
-    consumer per CTA with 128-key tiles otherwise, causal tiles from the counter from ``CAUSAL_DYNAMIC_KEYS`` keys;
+    consumer per CTA with 128-key tiles otherwise, causal tiles from the counter at every length;
     at D256 two consumers on 128-key tiles, persistent when dense, causal tiles in sections of heads."""
     from fmha_ops.kernels.gluon import attention_fwd_ws as ws
 
@@ -146,9 +146,8 @@ def test_ws_default_config_by_keys():
         cfg = ws.default_config(256, causal, keys)
         assert (cfg.block_n, cfg.consumers, cfg.persistent, cfg.key_order) == (128, 2, not causal, True), causal
         assert cfg.head_section == (ws.CAUSAL_HEAD_SECTION if causal else 0) and not cfg.dynamic
-    for head_dim, causal, keys, dynamic in ((128, True, ws.CAUSAL_DYNAMIC_KEYS, True), (64, True, None, True),
-                                            (128, True, ws.CAUSAL_DYNAMIC_KEYS - 1, False),
-                                            (128, False, ws.CAUSAL_DYNAMIC_KEYS, False)):
+    for head_dim, causal, keys, dynamic in ((128, True, 4096, True), (64, True, None, True), (64, True, 256, True),
+                                            (128, False, 1000, False)):
         cfg = ws.default_config(head_dim, causal, keys)
         assert (cfg.dynamic, cfg.head_section) == (dynamic, ws.CAUSAL_HEAD_SECTION if dynamic else 0), (causal, keys)
     assert ws.default_config(64, False, ws.LONG_KEYS, qk_int8=True).block_n == 128
@@ -583,3 +582,4 @@ def test_gpu_gluon_op_through_api():
                                                    k_descale=kd, v_descale=vd)
             ref, _ = reference(_dq(q8, qd, 4), _dq(k8, kd), _dq(v8, vd), 128 ** -0.5, bias is not None)
             assert error_report(o, ref)["rel"] < 4e-2, op
+

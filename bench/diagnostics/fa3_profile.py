@@ -3,7 +3,7 @@
     python bench/diagnostics/fa3_profile.py [--out DIR] [--shapes a,b] [--kernels a,b] [--variants JSON]
                                             [--ncu] [--ncu-shapes a,b] [--ncu-kernels a,b] [--no-time]
 
-Per shape (``SHAPES``: key -> B, Hq, Hkv, N, D, causal), inputs already quantized (fp8 with (B, Hkv) descales,
+Per shape (``BxNxHq[/Hkv][dD][c]``, see ``parse_shape``), inputs already quantized (fp8 with (B, Hkv) descales,
 the FA3 convention; i8fp8 int8 q/k with (B, Hkv) descales and fp8 v), every kernel is
 
 * checked against a float64 reference of its own dequantized inputs (batch 0, first and last query head):
@@ -24,6 +24,7 @@ import glob
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -41,18 +42,20 @@ from fmha_ops.kernels.triton.attention_fwd import attention_forward as triton_fw
 from fmha_ops.quant import quantize_i8fp8, quantize_qkv_fp8  # noqa: E402
 from fmha_ops.testing import error_report, normal_qkv, transformer_like  # noqa: E402
 
-SHAPES = {  # key -> B, Hq, Hkv, N, D, causal
-    "4x4096x32": (4, 32, 32, 4096, 128, False),
-    "4x4096x32c": (4, 32, 32, 4096, 128, True),
-    "2x16384x16": (2, 16, 16, 16384, 128, False),
-    "4x4096x32/8": (4, 32, 8, 4096, 128, False),
-    "8x1000x16": (8, 16, 16, 1000, 128, False),
-    "3x3000x24/8c": (3, 24, 8, 3000, 128, True),
-    "4x4096x16d64": (4, 16, 16, 4096, 64, False),
-    "4x4096x16d256": (4, 16, 16, 4096, 256, False),
-    "2x8192x16d256c": (2, 16, 16, 8192, 256, True),
-    "16x512x32/8d64c": (16, 32, 8, 512, 64, True),
-}
+SHAPE_KEY = re.compile(r"^(\d+)x(\d+)x(\d+)(?:/(\d+))?(?:d(\d+))?(c?)$")
+
+
+def parse_shape(key: str) -> tuple[int, int, int, int, int, bool]:
+    """``BxNxHq[/Hkv][dD][c]`` (D 128 unless given, ``c``: causal) -> (B, Hq, Hkv, N, D, causal).
+
+    Example: ``parse_shape("3x3000x24/8c") == (3, 24, 8, 3000, 128, True)``."""
+    m = SHAPE_KEY.match(key)
+    if m is None:
+        raise SystemExit(f"shape {key!r}: expected BxNxHq[/Hkv][dD][c], e.g. 3x3000x24/8c or 16x512x32/8d64c")
+    B, N, Hq, Hkv, D, causal = m.groups()
+    return int(B), int(Hq), int(Hkv or Hq), int(N), int(D or 128), causal == "c"
+
+
 DEFAULT_SHAPES = "4x4096x32,4x4096x32c,8x1000x16,3x3000x24/8c,4x4096x16d256"
 DEFAULT_KERNELS = "fa3_bf16,fa3_fp8,triton_fp8,triton_i8fp8,ws,api_fp8"
 
@@ -173,7 +176,7 @@ def check(call, deq, causal, heads):
 
 
 def time_shape(key, names, variants, graph=False):
-    B, Hq, Hkv, N, D, causal = SHAPES[key]
+    B, Hq, Hkv, N, D, causal = parse_shape(key)
     kernels, _ = kernels_for(B, Hq, Hkv, N, D, causal, names, variants, seed=hash(key) % 1000)
     row = {"shape": key}
     for name, (call, deq) in kernels.items():
@@ -227,7 +230,7 @@ def accuracy_row(names, variants, B=1, Hq=16, N=8192, D=128):
 def ncu_one(key, name, variants):
     """Warm a kernel up, then run it once between cudaProfilerStart / Stop (what ``ncu --profile-from-start
     off`` profiles)."""
-    B, Hq, Hkv, N, D, causal = SHAPES[key]
+    B, Hq, Hkv, N, D, causal = parse_shape(key)
     kernels, _ = kernels_for(B, Hq, Hkv, N, D, causal, [name, name.split(":")[0]], variants)  # ws_i8:X needs ws_i8
     call = kernels[name][0]
     call()

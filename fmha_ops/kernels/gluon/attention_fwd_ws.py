@@ -813,9 +813,7 @@ TRANSPOSER_REGS = 32
 
 #: keys per sequence from which a call at D <= 128 (not causal) takes 192-key tiles
 LONG_KEYS = 4096
-#: keys per sequence from which a causal call at D <= 128 takes its tiles from the launch-wide counter (the
-#: shortest causal length timed with it: 3000); sections of (batch, head) pairs of causal schedules
-CAUSAL_DYNAMIC_KEYS = 2048
+#: (batch, head) pairs per section of the causal schedules' heaviest-first tile order
 CAUSAL_HEAD_SECTION = 8
 
 
@@ -839,17 +837,17 @@ def default_config(head_dim: int, causal: bool, seqlen_k: int | None = None, qk_
 
     Causal tiles go heaviest first across sections of ``CAUSAL_HEAD_SECTION`` (batch, head) pairs (H100, same run,
     CUDA graphs, against FA3 fp8): D256 on its grid of tiles, fp8 1056 against 1003 per pair at 2x16x8192 (FA3
-    1083), int8 1061 against 1036; at D <= 128 from ``CAUSAL_DYNAMIC_KEYS`` keys, the persistent grid's CTAs take
-    them from a launch-wide counter (``WsFwdConfig.dynamic``): fp8 741 / 734 against 697 / 722 on fixed strides at
-    4x32x4096 and 3x24/8x3000 (FA3 792 / 735)."""
+    1083), int8 1061 against 1036; at D <= 128 the persistent grid's CTAs take them from a launch-wide counter
+    (``WsFwdConfig.dynamic``): fp8 741 / 734 against 697 / 722 on fixed strides at 4x32x4096 and 3x24/8x3000 (FA3
+    792 / 735), and at short lengths fp8 414 / 220 / 247 / 113 against 396 / 175 / 215 / 111 at 8x16x1000,
+    2x12/4x1500 D64, 16x32/8x512 D64 and 32x16x256 D64 (int8 392 / 204 / 230 / 106 against 372 / 160 / 197 / 102)."""
     if head_dim not in (64, 128):  # D256 (other head dims are rejected later)
         return WsFwdConfig(block_n=128, persistent=not causal, key_order=True,
                            head_section=CAUSAL_HEAD_SECTION if causal else 0)
     if not causal and (seqlen_k is None or seqlen_k >= LONG_KEYS):
         return WsFwdConfig(block_n=128 if qk_int8 and head_dim == 64 else 192, persistent=True, key_order=True)
-    dynamic = causal and (seqlen_k is None or seqlen_k >= CAUSAL_DYNAMIC_KEYS)
     return WsFwdConfig(consumers=1, block_n=128, maxnreg=SINGLE_CONSUMER_MAXNREG[head_dim], key_order=True,
-                       persistent=True, dynamic=dynamic, head_section=CAUSAL_HEAD_SECTION if dynamic else 0)
+                       persistent=True, dynamic=causal, head_section=CAUSAL_HEAD_SECTION if causal else 0)
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
