@@ -157,7 +157,8 @@ KV_SHAPE = (4, 512, 8, 2, 128, 64)  # B, cache length, Hq, Hkv, D, page size: on
 
 def _kvcache_rows(device) -> list:
     """flash_attn_with_kvcache paged decode (bf16 cache, with a one-token append, fp8 cache) against the selected
-    decode op's launch (``decode_launcher``) on prebuilt outputs, after the append kernel where the call appends."""
+    decode op's launch (``decode_launcher``) on a prebuilt output, after the append kernel where the call appends.
+    Both sides bind the same decoder: no LSE, the call's lengths plus the appended tokens as the launch's offset."""
     from fmha_ops.flash_attn_interface import flash_attn_with_kvcache
     from fmha_ops.kvcache_call import kvcache_call
     from fmha_ops.kernels.triton.kv_append import kv_append
@@ -182,13 +183,11 @@ def _kvcache_rows(device) -> list:
         op = _selected(inp)
         launch = op.decode_launcher(inp, False, own_workspace=False)
         out = torch.empty(q.shape, dtype=q.dtype, device=device)
-        lse = torch.empty((b, hq, 1), dtype=torch.float32, device=device)
-        after = lens + int(append)
 
         def direct(kcache=kcache, vcache=vcache, tab=tab, kd=kd, vd=vd, append=append, launch=launch):
             if append:
                 kv_append(knew, vnew, kcache, vcache, lens, block_table=tab, k_scale=kd, v_scale=vd)
-            launch(q, kcache, vcache, kd, vd, after, tab, out, lse)
+            launch(q, kcache, vcache, kd, vd, lens, tab, out, None, int(append))
 
         def ours(kcache=kcache, vcache=vcache, tab=tab, kd=kd, vd=vd, new=new):
             return flash_attn_with_kvcache(q, kcache, vcache, cache_seqlens=lens, page_table=tab, k_descale=kd,
