@@ -197,19 +197,18 @@ def _kvcache_rows(device) -> list:
 
 
 def _training_row(q, k, v, causal) -> tuple:
-    """memory_efficient_attention forward + backward against the selected op's own: an SDPA op's aten function
-    and torch's autograd of it (on leaf tensors laid out for it), our ops' apply and apply_bw."""
+    """memory_efficient_attention forward + backward against the selected op's own: an SDPA op's launch plan (its
+    aten function on the BHMK views any caller with BMHK tensors makes, as the forward rows' direct) under torch's
+    autograd, our ops' apply and apply_bw."""
     grads = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     do = torch.randn_like(q)
     inp = make_inputs(*grads, causal)
     fw = _selected(inp)
     ours = lambda: torch.autograd.grad(fmha_ops.memory_efficient_attention(*grads, causal), grads, do)  # noqa: E731
     if issubclass(fw, _SdpaOp):
-        fn, args, kwargs, bmhk = fw.kernel(inp, True, inp.scale)
-        leaves = [t.detach().clone().requires_grad_() for t in (grads if bmhk else _bhmk(*grads))]
-        do_in = do if bmhk else do.transpose(1, 2)
+        run = fw.launcher(inp, False)
         return ("memory_efficient_attention forward + backward", fw.NAME, ours,
-                lambda: torch.autograd.grad(fn(*leaves, *args, **kwargs)[0], leaves, do_in), None)
+                lambda: torch.autograd.grad(run(*grads, causal, None, None, None, None)[0], grads, do), None)
     bw = _selected(inp, "bw", needs_lse=True)
     return ("memory_efficient_attention forward + backward", f"{fw.NAME} + {bw.NAME}", ours,
             lambda: bw.apply_bw(inp, *fw.apply(inp, True), do), None)
@@ -393,8 +392,10 @@ def record(rows: list[dict], short: list[dict], env: dict, png: str | None, tag:
     """Write bench/results/host_time.md (with GPU rows) or host_time_cpu.md (CPU rows only) from the rows."""
     body = common.markdown_table(rows, COLUMNS, LABELS)
     body += ("\n\nHost wall time per call of back-to-back calls, microseconds, median of interleaved rounds. direct: "
-             "the selected op without the call path (SDPA ops: the aten function the op calls, on tensors in its "
-             "layout; ours: the op's launcher on a prebuilt Inputs; fp8_attention / i8fp8_attention: the quantization "
+             "the selected op without the call path: its launch plan (launcher) made once and run on the call's "
+             "tensors (SDPA ops: their aten function on the BHMK views any caller with BMHK tensors makes; forward + "
+             "backward under torch's autograd); decode: the op's decode launch, after the append kernel where the "
+             "call appends; fp8_attention / i8fp8_attention: the quantization "
              "launches, then the forward op's launcher, and for forward + backward those and the backward op's "
              "launcher under a minimal autograd.Function). SDPA: torch's eager "
              "scaled_dot_product_attention on BHMK tensors. cpu rows: one thread of the host's CPU.")
