@@ -157,8 +157,9 @@ KV_SHAPE = (4, 512, 8, 2, 128, 64)  # B, cache length, Hq, Hkv, D, page size: on
 
 def _kvcache_rows(device) -> list:
     """flash_attn_with_kvcache paged decode (bf16 cache, with a one-token append, fp8 cache) against the selected
-    decode op's launch (``decode_launcher``) on a prebuilt output, after the append kernel where the call appends.
-    Both sides bind the same decoder: no LSE, the call's lengths plus the appended tokens as the launch's offset."""
+    decode op's launch (``decode_launcher``) into a new output (ours returns one), after the append kernel where the
+    call appends. Both sides bind the same decoder: no LSE, the call's lengths plus the appended tokens as the
+    launch's offset."""
     from fmha_ops.flash_attn_interface import flash_attn_with_kvcache
     from fmha_ops.kvcache_call import kvcache_call
     from fmha_ops.kernels.triton.kv_append import kv_append
@@ -182,12 +183,13 @@ def _kvcache_rows(device) -> list:
                           v_descale=call.v_descale)
         op = _selected(inp)
         launch = op.decode_launcher(inp, False, own_workspace=False)
-        out = torch.empty(q.shape, dtype=q.dtype, device=device)
 
         def direct(kcache=kcache, vcache=vcache, tab=tab, kd=kd, vd=vd, append=append, launch=launch):
             if append:
                 kv_append(knew, vnew, kcache, vcache, lens, block_table=tab, k_scale=kd, v_scale=vd)
+            out = torch.empty_like(q)
             launch(q, kcache, vcache, kd, vd, lens, tab, out, None, int(append))
+            return out
 
         def ours(kcache=kcache, vcache=vcache, tab=tab, kd=kd, vd=vd, new=new):
             return flash_attn_with_kvcache(q, kcache, vcache, cache_seqlens=lens, page_table=tab, k_descale=kd,

@@ -85,3 +85,12 @@ def test_kvcache_rows_bind_the_same_decoder_on_both_sides():
                 side()  # ours: the second call runs the stored plan
                 seen.append(kinds[-1])
             assert seen[0] == seen[1], (label, "ours", seen[0], "direct", seen[1])
+
+
+@pytest.mark.gpu
+def test_gpu_rows_run_the_same_aten_operations_on_both_sides():
+    """On the GPU the rows' two sides run the same aten operations too (kernel launches of Triton and of the
+    extensions are no aten operations: this compares the views, allocations and torch kernels around them)."""
+    for label, op, ours, direct, _ in host_time.cases("cuda"):
+        if label not in NOT_ALIKE:
+            assert _aten_ops(ours) == _aten_ops(direct), (label, op)
