@@ -11,7 +11,10 @@ eviction instead, ``common.time_clean_l2_ms``), and the same call planned once
 three (``common.host_us``: issue time of back-to-back calls) and, in the same process, torch SDPA pinned to
 cuDNN on contiguous (B, Hkv, L, D) bf16 KV (best of ``enable_gqa=True`` and the query heads of a KV head packed as
 query rows, equivalent for one query token). Effective TB/s = bytes of K and V (and fp8 per-token scales) / time;
-fp8 speedup = bf16 time / fp8 time. Each shape runs in its own subprocess.
+fp8 speedup = bf16 time / fp8 time. Beside the uniform shapes, small batches of ragged lengths (B7-B33, each
+sequence 1 to L keys) show where a call's host time outruns its kernel: from B8 eager calls should take at most
+``EAGER_OVER_GRAPH`` times the graph replay, bf16 and fp8 (the ``eager_target`` column). Each shape runs in its own
+subprocess.
 
     python bench/decoder_bench.py [--quick | --shapes NAME,...] [--out DIR] [--no-record]
 
@@ -42,8 +45,16 @@ SHAPES = [  # name, B, Hq, Hkv, L, D, page_size
     ("B64_L4096_p64_D64", 64, 32, 8, 4096, 64, 64),
     ("B64_L4096_p64_D256", 64, 32, 8, 4096, 256, 64),
 ]
+#: small batches of ragged lengths (each sequence 1 to L keys, seeded), where a call's host time can outrun its kernel
+RAGGED_SHAPES = [
+    ("B7_L4096_p64_ragged", 7, 32, 8, 4096, 128, 64),
+    ("B16_L4096_p64_ragged", 16, 32, 8, 4096, 128, 64),
+    ("B33_L4096_p64_ragged", 33, 32, 8, 4096, 128, 64),
+]
 #: fp8 speedup through flash_attn_with_kvcache (graph) over its bf16, and eager time over graph time
 TARGETS = {"B64_L4096_p64": (1.8, 1.10), "B128_L1024_p64": (1.8, None)}
+#: eager flash_attn_with_kvcache at most this many times its CUDA-graph replay (bf16 and fp8 caches) from this batch
+EAGER_OVER_GRAPH, EAGER_MIN_BATCH = 1.2, 8
 
 
 def eager_ms(fn, iters: int = 40, reps: int = 7) -> float:
@@ -149,11 +160,16 @@ def run_shape(spec: dict) -> dict:
     k = torch.randn(B, L, Hkv, D, device=dev, dtype=torch.bfloat16)
     v = torch.randn_like(k)
     q = torch.randn(B, 1, Hq, D, device=dev, dtype=torch.bfloat16)
-    seq = torch.full((B,), L, device=dev, dtype=torch.int32)
+    if spec.get("ragged"):  # 1 to L keys per sequence; cuDNN's contiguous call would read all L: not timed
+        seq = torch.randint(1, L + 1, (B,), device=dev, dtype=torch.int32)
+    else:
+        seq = torch.full((B,), L, device=dev, dtype=torch.int32)
+    keys = int(seq.sum())
     row = {"shape": name}
-    nbytes_bf16 = 2 * B * Hkv * L * D * 2
+    nbytes_bf16 = 2 * keys * Hkv * D * 2
 
-    ms, ref = cudnn_ms(q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous())
+    ms, ref = (None, None) if spec.get("ragged") else cudnn_ms(
+        q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous())
     row["cudnn_us"] = ms * 1e3 if ms else None
     row["cudnn_TBps"] = nbytes_bf16 / ms / 1e9 if ms else None
 
@@ -163,7 +179,7 @@ def run_shape(spec: dict) -> dict:
     v_pages = v.view(B * per_seq, ps, Hkv, D)[bt.flatten().argsort()]
     del k, v
     variants = [("bf16", k_pages, v_pages, None, None, nbytes_bf16),
-                ("fp8", k8, v8, ks, vs, nbytes_bf16 // 2 + 2 * B * Hkv * L * 4)]
+                ("fp8", k8, v8, ks, vs, nbytes_bf16 // 2 + 2 * keys * Hkv * 4)]
     for kv, kc, vc, ksc, vsc, nbytes in variants:
         out = torch.empty_like(q)
         lse = torch.empty(B, Hq, 1, device=dev)
@@ -210,13 +226,16 @@ def run_shape(spec: dict) -> dict:
     row["fp8_speedup_eager"] = row["bf16_eager_us"] / row["fp8_eager_us"]
     row["fp8_speedup_kernel"] = row["bf16_kernel_us"] / row["fp8_kernel_us"]
     row["fp8_speedup_plan_eager"] = row["bf16_plan_eager_us"] / row["fp8_plan_eager_us"]
+    row["eager_target"] = (max(row["bf16_eager_over_graph"], row["fp8_eager_over_graph"]) <= EAGER_OVER_GRAPH
+                           if B >= EAGER_MIN_BATCH else None)
     return row
 
 
 COLUMNS = ["shape", "bf16_op", "fp8_op", "bf16_splits", "fp8_splits", "bf16_graph_TBps", "bf16_eager_TBps",
            "bf16_kernel_TBps", "fp8_graph_TBps", "fp8_eager_TBps", "fp8_kernel_TBps", "fp8_speedup_graph",
            "fp8_speedup_graph_clean", "bf16_graph_clean_TBps", "fp8_graph_clean_TBps",
-           "fp8_speedup_eager", "fp8_speedup_kernel", "fp8_eager_over_graph", "fp8_plan_eager_over_graph",
+           "fp8_speedup_eager", "fp8_speedup_kernel", "bf16_eager_over_graph", "fp8_eager_over_graph", "eager_target",
+           "fp8_plan_eager_over_graph",
            "fp8_speedup_plan_eager", "fp8_api_host_us", "fp8_plan_host_us", "fp8_kernel_host_us", "bf16_api_host_us",
            "bf16_plan_host_us", "bf16_kernel_host_us",
            "cudnn_TBps", "target_speedup", "target_eager_over_graph", "bf16_graph_ok", "fp8_graph_ok",
@@ -228,13 +247,15 @@ RECORD = common.Record(
      "bf16_kernel_TBps": "bf16 kernel", "fp8_graph_TBps": "fp8 graph", "fp8_eager_TBps": "fp8 eager",
      "fp8_kernel_TBps": "fp8 kernel", "fp8_speedup_graph": "fp8 speedup (graph)",
      "fp8_speedup_graph_clean": "fp8 speedup (graph, clean L2)",
-     "fp8_speedup_kernel": "fp8 speedup (kernel)", "fp8_eager_over_graph": "fp8 eager / graph",
+     "fp8_speedup_kernel": "fp8 speedup (kernel)", "bf16_eager_over_graph": "bf16 eager / graph",
+     "fp8_eager_over_graph": "fp8 eager / graph", "eager_target": "eager <= 1.2x graph (B >= 8)",
      "fp8_plan_eager_TBps": "fp8 plan.run eager", "fp8_api_host_us": "fp8 host us (call)",
      "fp8_plan_host_us": "fp8 host us (plan.run)", "fp8_kernel_host_us": "fp8 host us (kernel)",
      "bf16_api_host_us": "bf16 host us (call)", "bf16_plan_host_us": "bf16 host us (plan.run)",
      "bf16_kernel_host_us": "bf16 host us (kernel)", "cudnn_TBps": "cuDNN bf16"},
-    "Paged KV (B batch, L keys, p page size), one query token, D=128 and Hq/Hkv = 32/8 unless named; effective TB/s = "
-    "K+V bytes (+ fp8 per-token scales) / time; fp8 speedup = bf16 time / fp8 time. graph / eager: "
+    "Paged KV (B batch, L keys, p page size), one query token, D=128 and Hq/Hkv = 32/8 unless named; ragged: each "
+    "sequence holds 1 to L keys (seeded; no cuDNN column); effective TB/s = K+V bytes of the keys held (+ fp8 "
+    "per-token scales) / time; fp8 speedup = bf16 time / fp8 time. graph / eager: "
     "`flash_attn_with_kvcache` replayed from a CUDA graph (do_bench median) / called back to back; kernel: the kernel "
     "of the selected op alone (graph); plan.run: `plan_kvcache` once, `run(q)` back to back; host us: issue time per "
     "call of back-to-back calls; clean L2: the graph replayed after a read-only L2 eviction (do_bench's zeroing "
@@ -250,16 +271,18 @@ def main():
         print("RESULT " + json.dumps(run_shape(json.loads(args.one))), flush=True)
         return
     out = common.out_dir(args.out)
-    shapes = SHAPES[:2] if args.quick else SHAPES
+    every = SHAPES + RAGGED_SHAPES
+    shapes = SHAPES[:2] if args.quick else every
     if args.shapes:
         wanted = args.shapes.split(",")
-        unknown = sorted(set(wanted) - {s[0] for s in SHAPES})
+        unknown = sorted(set(wanted) - {s[0] for s in every})
         if unknown:
-            p.error(f"unknown --shapes {unknown}; known: {[s[0] for s in SHAPES]}")
-        shapes = [s for s in SHAPES if s[0] in wanted]
+            p.error(f"unknown --shapes {unknown}; known: {[s[0] for s in every]}")
+        shapes = [s for s in every if s[0] in wanted]
     rows = []
-    for name, B, Hq, Hkv, L, D, ps in shapes:
-        spec = dict(name=name, B=B, Hq=Hq, Hkv=Hkv, L=L, D=D, page=ps)
+    for shape in shapes:
+        name, B, Hq, Hkv, L, D, ps = shape
+        spec = dict(name=name, B=B, Hq=Hq, Hkv=Hkv, L=L, D=D, page=ps, ragged=shape in RAGGED_SHAPES)
         proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True,
                               text=True, timeout=300)
         res = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -272,8 +295,8 @@ def main():
         row["target_speedup"], row["target_eager_over_graph"] = TARGETS.get(name, (None, None))
         rows.append(row)
         print(f"{name}: fp8 speedup graph {row['fp8_speedup_graph']:.3f} (clean L2 "
-              f"{row['fp8_speedup_graph_clean']:.3f}) kernel {row['fp8_speedup_kernel']:.3f}, "
-              f"fp8 eager/graph {row['fp8_eager_over_graph']:.3f}, plan.run eager/graph "
+              f"{row['fp8_speedup_graph_clean']:.3f}) kernel {row['fp8_speedup_kernel']:.3f}, eager/graph "
+              f"bf16 {row['bf16_eager_over_graph']:.3f} fp8 {row['fp8_eager_over_graph']:.3f}, plan.run eager/graph "
               f"{row['fp8_plan_eager_over_graph']:.3f}; host us fp8 call {row['fp8_api_host_us']:.1f} plan.run "
               f"{row['fp8_plan_host_us']:.1f} kernel {row['fp8_kernel_host_us']:.1f}, bf16 call "
               f"{row['bf16_api_host_us']:.1f} ({row['fp8_op']}, {row['fp8_splits']} splits)", flush=True)

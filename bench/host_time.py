@@ -157,7 +157,9 @@ KV_SHAPE = (4, 512, 8, 2, 128, 64)  # B, cache length, Hq, Hkv, D, page size: on
 
 def _kvcache_rows(device) -> list:
     """flash_attn_with_kvcache paged decode (bf16 cache, with a one-token append, fp8 cache) against the selected
-    decode op's launch (``decode_launcher``) on prebuilt outputs, after the append kernel where the call appends."""
+    decode op's launch (``decode_launcher``) into a new output (ours returns one), after the append kernel where the
+    call appends. Both sides bind the same decoder: no LSE, the call's lengths plus the appended tokens as the
+    launch's offset."""
     from fmha_ops.flash_attn_interface import flash_attn_with_kvcache
     from fmha_ops.kvcache_call import kvcache_call
     from fmha_ops.kernels.triton.kv_append import kv_append
@@ -181,14 +183,13 @@ def _kvcache_rows(device) -> list:
                           v_descale=call.v_descale)
         op = _selected(inp)
         launch = op.decode_launcher(inp, False, own_workspace=False)
-        out = torch.empty(q.shape, dtype=q.dtype, device=device)
-        lse = torch.empty((b, hq, 1), dtype=torch.float32, device=device)
-        after = lens + int(append)
 
         def direct(kcache=kcache, vcache=vcache, tab=tab, kd=kd, vd=vd, append=append, launch=launch):
             if append:
                 kv_append(knew, vnew, kcache, vcache, lens, block_table=tab, k_scale=kd, v_scale=vd)
-            launch(q, kcache, vcache, kd, vd, after, tab, out, lse)
+            out = torch.empty_like(q)
+            launch(q, kcache, vcache, kd, vd, lens, tab, out, None, int(append))
+            return out
 
         def ours(kcache=kcache, vcache=vcache, tab=tab, kd=kd, vd=vd, new=new):
             return flash_attn_with_kvcache(q, kcache, vcache, cache_seqlens=lens, page_table=tab, k_descale=kd,
@@ -198,19 +199,18 @@ def _kvcache_rows(device) -> list:
 
 
 def _training_row(q, k, v, causal) -> tuple:
-    """memory_efficient_attention forward + backward against the selected op's own: an SDPA op's aten function
-    and torch's autograd of it (on leaf tensors laid out for it), our ops' apply and apply_bw."""
+    """memory_efficient_attention forward + backward against the selected op's own: an SDPA op's launch plan (its
+    aten function on the BHMK views any caller with BMHK tensors makes, as the forward rows' direct) under torch's
+    autograd, our ops' apply and apply_bw."""
     grads = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     do = torch.randn_like(q)
     inp = make_inputs(*grads, causal)
     fw = _selected(inp)
     ours = lambda: torch.autograd.grad(fmha_ops.memory_efficient_attention(*grads, causal), grads, do)  # noqa: E731
     if issubclass(fw, _SdpaOp):
-        fn, args, kwargs, bmhk = fw.kernel(inp, True, inp.scale)
-        leaves = [t.detach().clone().requires_grad_() for t in (grads if bmhk else _bhmk(*grads))]
-        do_in = do if bmhk else do.transpose(1, 2)
+        run = fw.launcher(inp, False)
         return ("memory_efficient_attention forward + backward", fw.NAME, ours,
-                lambda: torch.autograd.grad(fn(*leaves, *args, **kwargs)[0], leaves, do_in), None)
+                lambda: torch.autograd.grad(run(*grads, causal, None, None, None, None)[0], grads, do), None)
     bw = _selected(inp, "bw", needs_lse=True)
     return ("memory_efficient_attention forward + backward", f"{fw.NAME} + {bw.NAME}", ours,
             lambda: bw.apply_bw(inp, *fw.apply(inp, True), do), None)
@@ -394,8 +394,10 @@ def record(rows: list[dict], short: list[dict], env: dict, png: str | None, tag:
     """Write bench/results/host_time.md (with GPU rows) or host_time_cpu.md (CPU rows only) from the rows."""
     body = common.markdown_table(rows, COLUMNS, LABELS)
     body += ("\n\nHost wall time per call of back-to-back calls, microseconds, median of interleaved rounds. direct: "
-             "the selected op without the call path (SDPA ops: the aten function the op calls, on tensors in its "
-             "layout; ours: the op's launcher on a prebuilt Inputs; fp8_attention / i8fp8_attention: the quantization "
+             "the selected op without the call path: its launch plan (launcher) made once and run on the call's "
+             "tensors (SDPA ops: their aten function on the BHMK views any caller with BMHK tensors makes; forward + "
+             "backward under torch's autograd); decode: the op's decode launch, after the append kernel where the "
+             "call appends; fp8_attention / i8fp8_attention: the quantization "
              "launches, then the forward op's launcher, and for forward + backward those and the backward op's "
              "launcher under a minimal autograd.Function). SDPA: torch's eager "
              "scaled_dot_product_attention on BHMK tensors. cpu rows: one thread of the host's CPU.")

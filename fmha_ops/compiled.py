@@ -39,7 +39,7 @@ from .dtypes import FLOAT_DTYPES
 from .fp8_backward import fp8_dequantized_backward_enabled
 from .inputs import Inputs
 from .plan import Plan
-from .plans import PLANS
+from .plans import PLANS, plan_finder
 from .problem import Problem
 from .validation import problem_fields, tma_misaligned, validate
 
@@ -67,15 +67,17 @@ class CallSpec(NamedTuple):
 
 def decode_spec(text: str) -> CallSpec:
     """The ``CallSpec`` a spec string encodes: parsed on the custom op's first call with it, then kept in the plan
-    cache (``fmha_ops.plans``) as the plan of that custom op call (``Plan.run`` rebuilds the ``Inputs``; its ``ops``
-    are the forward and backward ops the spec names)."""
-    key = (decode_spec, text)
-    plan = PLANS.get(key)
+    cache (``fmha_ops.plans``, under the key its one key builder makes of ``text``) as the plan of that custom op
+    call (``Plan.run`` rebuilds the ``Inputs``; its ``ops`` are the forward and backward ops the spec names)."""
+    plan, key = _FIND_SPEC(text)
     if plan is None:
         spec = CallSpec(*ast.literal_eval(text))
         ops = tuple(REGISTRY.get(name) for name in (spec.fw, spec.bw) if name)
         plan = PLANS.put(key, Plan(spec.inputs, ops, ("parsing",), spec))
     return plan.bound
+
+
+_FIND_SPEC = plan_finder(decode_spec)
 
 
 # ---- call fields as constants + tensors ----------------------------------------------------------

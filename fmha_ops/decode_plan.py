@@ -26,7 +26,7 @@ import torch
 
 from .inputs import make_inputs
 from .kvcache_call import key_start_arg, kvcache_call, select_decode_op
-from .validation import validate_sinks
+from .validation import check_descale_values, validate_sinks
 
 __all__ = ["PagedDecodePlan", "plan_kvcache"]
 
@@ -57,7 +57,9 @@ class PagedDecodePlan:
         """Attention of ``q`` (B, Mq, Hq, D), the planned shape, dtype and device, against the planned cache (or
         ``k_cache`` / ``v_cache`` with their ``k_descale`` / ``v_descale``, each of the planned shape, dtype,
         strides and device) at the lengths and page table the plan holds; with the planned sinks, or ``sinks``
-        (float32 (Hq,) on q's device: another layer's) when the plan was made with sinks.
+        (float32 (Hq,) on q's device: another layer's) when the plan was made with sinks. Descales passed here are
+        checked as ``flash_attn_with_kvcache`` checks them (finite, >= 0: host ones always, device ones in check
+        mode, ``fmha_ops.check_inputs``).
 
         Returns out (B, Mq, Hq, D) [, softmax_lse float32 (B, Hq, Mq) when planned with ``return_softmax_lse``]:
         ``out`` / ``lse`` when given (contiguous, of those shapes), else the plan's buffers, which the next run
@@ -110,6 +112,7 @@ class PagedDecodePlan:
                 continue
             if _meta(d) != _meta(want):
                 raise ValueError(f"{name} {_meta(d)} does not match the plan's per-token descales {_meta(want)}")
+        check_descale_values(("k_descale", k_descale), ("v_descale", v_descale))  # host ones; device in check mode
         return tuple(d.reshape(1, 1, 1).expand(w.shape) if d.numel() == 1 and w.stride() == (0,) * w.ndim else d
                      for d, w in zip((k_descale, v_descale), planned))
 

@@ -14,6 +14,7 @@ import torch
 import fmha_ops
 from registry import Arch
 from fmha_ops import api, attn_bias as ab, inputs, kvcache_call, plans, validation
+from fmha_ops import compiled as compiled_layer
 from fmha_ops.testing import normal_qkv
 
 from .test_api import SPECS, _spec_inputs, make_bias
@@ -395,6 +396,23 @@ def test_each_entry_points_finder_takes_every_parameter():
     plan, found = api._FIND_MEA(*args)
     assert found == key and plan is not None and plan is plans.PLANS.get(key)
 
+
+
+def test_every_plan_is_keyed_by_the_key_builders():
+    """Every key in the plan cache was made by ``plans``' builders (a generated finder's, marked by its flat layout,
+    or ``call_key``'s, which starts with the grad mode), the compiled custom ops' spec plans included: no module
+    keys a plan by hand."""
+    q, k, v = _qkv()
+    fmha_ops.SELECTOR.clear()
+    fmha_ops.memory_efficient_attention(q, k, v, ab.LowerTriangularMask())
+    fmha_ops.flash_attn_varlen_func(q[0], k[0], v[0], *[torch.tensor([0, 7, 16], dtype=torch.int32)] * 2, 9, 9)
+    compiled = torch.compile(lambda q, k, v: fmha_ops.memory_efficient_attention(q, k, v, op="torch_referenceF"),
+                             fullgraph=True, backend="eager")
+    compiled(q, k, v)
+    compiled(q, k, v)
+    keys = list(plans.PLANS._plans)
+    assert any(key[0] is compiled_layer.decode_spec for key in keys)
+    assert all(key[1] is plans._FLAT or type(key[1]) is bool for key in keys), keys
 
 def test_a_number_of_another_type_than_declared_never_finds_the_plan():
     """A generated key holds a number of its parameter's declared type (``causal: bool``, ``softcap: float``) as the

@@ -94,6 +94,25 @@ def test_bad_runs_are_named():
         fmha_ops.plan_kvcache(q, k_cache, v_cache, cache_seqlens=lens, page_table=table[:2], causal=True)
 
 
+
+@pytest.mark.parametrize("role", ["k_descale", "v_descale"])
+def test_swapped_descales_are_checked_like_the_function_checks_them(role):
+    """A negative descale passed to ``run`` raises naming it (host descales always, device ones in check mode), as
+    ``flash_attn_with_kvcache`` would; a zero one (an all-zero token) runs."""
+    k8, v8, scales, table = _cache(fp8=True, seed=7)
+    lens = torch.tensor([5, 40, 0], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(3, 1, 4, 16).to(DEVICE, DTYPE)
+    plan = fmha_ops.plan_kvcache(q, k8, v8, cache_seqlens=lens, page_table=table, k_descale=scales[0],
+                                 v_descale=scales[1], causal=True)
+    swapped = dict(k_descale=scales[0].clone(), v_descale=scales[1].clone())
+    swapped[role][0, 3, 1] = 0.0
+    assert not plan.run(q, k8, v8, **swapped).isnan().any()
+    swapped[role][0, 3, 1] = -0.5
+    with fmha_ops.check_inputs(), pytest.raises(ValueError, match=rf"{role} must be >= 0 .* is -0.5"):
+        plan.run(q, k8, v8, **swapped)
+    with fmha_ops.check_inputs(), pytest.raises(ValueError, match=rf"{role} must be >= 0 .* is -0.5"):
+        fmha_ops.flash_attn_with_kvcache(q, k8, v8, cache_seqlens=lens, page_table=table, causal=True, **swapped)
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="CUDA graphs")
 @pytest.mark.parametrize("fp8", [False, True])

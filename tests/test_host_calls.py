@@ -40,3 +40,5 @@ def test_repeated_call_stays_within_its_call_budget(rows, label):
         direct()  # the direct launch runs under the same stubs
     want_python, want_c = BUDGETS[label]
     assert python_calls <= want_python and c_calls <= want_c, (label, python_calls, c_calls, dict(names))
+
+

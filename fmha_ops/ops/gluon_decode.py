@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from registry.arch import sm_count
+from registry.arch import current_arch, sm_count
 
 from ..dispatch import register
 from ..problem import Problem
@@ -95,7 +95,7 @@ class GluonFp8DecodeFwOp(AttentionFwOp):
         page_size = k.shape[1] if table is not None else None
         window = decode_window(inp)
         max_len = decode_keys(k.shape[1] * (table.shape[1] if table is not None else 1), window, MQ)
-        splits = cls.num_splits(B, k.shape[2], max_len, HQ // k.shape[2] * MQ, D, page_size, _arch(q.device),
+        splits = cls.num_splits(B, k.shape[2], max_len, HQ // k.shape[2] * MQ, D, page_size, current_arch(q.device),
                                 gluon.heads_adjacent(k, v))
         if inp.sinks is not None:
             splits = max(splits, MIN_SINK_SPLITS)
@@ -129,7 +129,7 @@ class GluonFp8DecodeFwOp(AttentionFwOp):
         page_size = k.shape[1] if table is not None else None
         window, softcap, scale_log2 = decode_window(inp), inp.softcap, inp.softmax_scale * LOG2E.value
         max_len = decode_keys(k.shape[1] * (table.shape[1] if table is not None else 1), window, MQ)
-        splits = cls.num_splits(B, k.shape[2], max_len, HQ // k.shape[2] * MQ, D, page_size, _arch(q.device),
+        splits = cls.num_splits(B, k.shape[2], max_len, HQ // k.shape[2] * MQ, D, page_size, current_arch(q.device),
                                 gluon.heads_adjacent(k, v))
         if inp.sinks is not None:
             splits = max(splits, MIN_SINK_SPLITS)
@@ -176,9 +176,3 @@ def _split_count(batch: int, hkv: int, max_len: int, rows: int, head_dim: int, p
     heads = heads_per_program(head_dim, hkv, rows, heads_adjacent)
     return choose_num_splits(programs_per_split(batch, hkv, heads), max_len, sms, resident_programs(page_size, head_dim))
 
-
-@functools.lru_cache(maxsize=None)
-def _arch(device: torch.device):
-    from registry import current_arch
-
-    return current_arch(device)

@@ -17,7 +17,7 @@ from typing import ClassVar
 
 import torch
 
-from registry.arch import sm_count
+from registry.arch import current_arch, sm_count
 
 from ..dispatch import register
 from ..dtypes import FP8_DTYPES
@@ -73,7 +73,7 @@ class _DecodeOp(AttentionFwOp):
         window = decode_window(inp)
         max_len = decode_keys(k.shape[1] * (table.shape[1] if table is not None else 1), window, q.shape[1])
         splits = cls.num_splits(q.shape[0], k.shape[2], max_len, q.shape[2] // k.shape[2] * q.shape[1], q.shape[3],
-                                k.dtype != q.dtype, _arch(q.device))
+                                k.dtype != q.dtype, current_arch(q.device))
         out = torch.empty((*q.shape[:3], v.shape[3]), dtype=inp.out_dtype, device=q.device)
         out, lse = paged_decode(q, k, v, seqlens, block_table=table, scale=inp.softmax_scale, k_scale=ks,
                                 v_scale=vs, num_splits=splits, out=out, lse_wanted=needs_lse, window_left=window,
@@ -95,7 +95,7 @@ class _DecodeOp(AttentionFwOp):
         window, scale, softcap = decode_window(inp), inp.softmax_scale, inp.softcap
         max_len = decode_keys(k.shape[1] * (table.shape[1] if table is not None else 1), window, q.shape[1])
         splits = cls.num_splits(q.shape[0], k.shape[2], max_len, q.shape[2] // k.shape[2] * q.shape[1], q.shape[3],
-                                k.dtype != q.dtype, _arch(q.device))
+                                k.dtype != q.dtype, current_arch(q.device))
         workspace = (split_buffers(q, splits, None, None, head_dim_v=v.shape[3])[:2] if splits > 1 and own_workspace
                      else None)
         decoders: dict = {}  # by (LSE, offset, sinks, key starts): a few kinds per plan at most
@@ -142,12 +142,6 @@ def _split_count(batch: int, hkv: int, max_len: int, rows: int, head_dim: int, k
     return choose_num_splits(programs_per_split(batch, hkv, rows), max_len, sms,
                              resident_programs(head_dim, kv_fp8, rows))
 
-
-@functools.lru_cache(maxsize=None)
-def _arch(device: torch.device):
-    from registry import current_arch
-
-    return current_arch(device)
 
 
 @register
