@@ -257,14 +257,15 @@ def test_triton_ops_through_models(arch):
     assert ((steps - want).norm() / want.norm()).item() < 5e-3
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt-oss"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gpt-oss"])
 def test_generate_static_cache_compiled(arch, monkeypatch):
     """The static cache's decode steps of a left-padded batch under torch.compile (aot_eager on the CPU: dynamo
     traces the mask and attention functions) are whole graphs: dynamo reports no graph break (the padding reaches
     ``flash_attn_with_kvcache`` as ``cache_leftpad`` / ``cache_seqlens`` computed on the device, where packing by
     data-dependent lengths broke the graph at every layer), over 12 new tokens without reaching dynamo's recompile
-    limit; tokens identical to eager's, logits within float32 tolerance. GPT-OSS: sinks and sliding layers' static
-    caches."""
+    limit; tokens identical to eager's, logits within float32 tolerance. Mistral: every layer slides a window, its mask
+    built inside the compiled step (the mask function told by its code, not its name); GPT-OSS: sinks and sliding
+    layers' static caches."""
     from torch._dynamo.utils import counters
     from transformers import CompileConfig
 
