@@ -257,7 +257,7 @@ def test_triton_ops_through_models(arch):
     assert ((steps - want).norm() / want.norm()).item() < 5e-3
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "gpt-oss"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gpt-oss", "deepseek-v3"])
 def test_generate_static_cache_compiled(arch, monkeypatch):
     """The static cache's decode steps of a left-padded batch under torch.compile (aot_eager on the CPU: dynamo
     traces the mask and attention functions) are whole graphs: dynamo reports no graph break (the padding reaches
@@ -265,7 +265,7 @@ def test_generate_static_cache_compiled(arch, monkeypatch):
     data-dependent lengths broke the graph at every layer), over 12 new tokens without reaching dynamo's recompile
     limit; tokens identical to eager's, logits within float32 tolerance. Mistral: every layer slides a window, its mask
     built inside the compiled step (the mask function told by its code, not its name); GPT-OSS: sinks and sliding
-    layers' static caches."""
+    layers' static caches; DeepSeek-V3: K=192 / Kv=128 caches."""
     from torch._dynamo.utils import counters
     from transformers import CompileConfig
 
@@ -322,6 +322,14 @@ def test_left_padded_decode_matches_packing(mq, window):
     got = fmha_hf._left_padded_decode(q, k, v, keys, window, options)
     want = fmha_hf._packed(q, k, v, keys, True, window, options, None)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_transformers_is_not_a_runtime_dependency():
+    """Importing fmha_ops (every backend registered) loads no transformers: only the integration module needs it."""
+    from tests.compiled_child import run_compiled
+
+    done = run_compiled("import sys, fmha_ops; print('transformers' in sys.modules)")
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr
 
 
 def test_structured_mask():
@@ -443,10 +451,12 @@ def test_quantized_variants_prefill(arch, implementation, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("padded", [False, True])
-def test_gpu_static_cache_compiled_generate(padded):
+@pytest.mark.parametrize("arch", ["llama", "gpt-oss"])
+def test_gpu_static_cache_compiled_generate(arch, padded):
     """generate() with the static cache under transformers' default torch.compile (inductor, reduce-overhead) on
-    the H200, bf16: decode-step logits near eager's on the same tokens."""
-    eager, ours = _models("llama", torch.bfloat16, "cuda")
+    the H200, bf16: decode-step logits near eager's on the same tokens (GPT-OSS: sinks and sliding layers in the
+    CUDA graphs)."""
+    eager, ours = _models(arch, torch.bfloat16, "cuda")
     ids, mask = _left_padded_batch("cuda")
     if not padded:
         ids, mask = ids[:1], mask[:1]
