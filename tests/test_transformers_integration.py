@@ -324,6 +324,30 @@ def test_left_padded_decode_matches_packing(mq, window):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_encoder_with_bidirectional_sliding_windows(masks):
+    """ModernBERT (bidirectional; global and sliding-window layers, whose ``sliding_window`` argument is one more than
+    the mask's half window): a right-padded batch's logits at the tokens as eager's, the global layers' padding
+    packed (block-diagonal), the sliding layers' windows as a dense bias from their mask function."""
+    from transformers import AutoModelForMaskedLM, ModernBertConfig
+
+    config = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                  local_attention=6, global_attn_every_n_layers=3, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                  cls_token_id=1, sep_token_id=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    eager = AutoModelForMaskedLM.from_config(ModernBertConfig(**config), attn_implementation="eager").to(DEVICE).eval()
+    ours = AutoModelForMaskedLM.from_config(ModernBertConfig(**config), attn_implementation="fmha_ops").to(DEVICE)
+    ours.eval().load_state_dict(eager.state_dict())
+    ids, mask = torch.randint(3, VOCAB, (2, 15), generator=torch.Generator().manual_seed(6)), torch.ones(2, 15)
+    mask[1, 10:] = 0
+    ids, mask = ids.to(DEVICE), mask.long().to(DEVICE)
+    with torch.no_grad():
+        want = eager(input_ids=ids, attention_mask=mask).logits
+        got = ours(input_ids=ids, attention_mask=mask).logits
+    tokens = mask.bool()
+    assert torch.allclose(got[tokens], want[tokens], atol=2e-5, rtol=1e-4), (got[tokens] - want[tokens]).abs().max()
+    assert [type(m).__name__ for m in masks] == ["BlockDiagonalMask", "Tensor", "Tensor"]
+
+
 def test_transformers_is_not_a_runtime_dependency():
     """Importing fmha_ops (every backend registered) loads no transformers: only the integration module needs it."""
     from tests.compiled_child import run_compiled

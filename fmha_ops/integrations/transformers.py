@@ -11,7 +11,7 @@ Importing this module registers, with transformers' ``AttentionInterface`` and `
   (at most ``DECODE_QUERIES`` new tokens) and the rest run in the model's dtype.
 
 The mask function hands the attention function a structured mask, never a dense bias where the mask is one of
-transformers' own (causal, bidirectional, sliding window, with or without padding): ``None`` when no key is
+transformers' own (causal, bidirectional, causal sliding window, with or without padding): ``None`` when no key is
 padded (causal / window then come from the layer), else the key slots that hold tokens up to the last query, a
 bool (B, slots) tensor like the 2D attention mask it comes from (so that generate's precomputed masks go back
 through transformers' mask code unchanged); the attention packs the valid tokens into variable-length sequences
@@ -24,8 +24,9 @@ paged cache in place (``flash_attn_with_kvcache`` with its block table). Under t
 most ``DECODE_QUERIES`` queries) with padding keeps static shapes instead of packing: each sequence's keys run from its
 first token's slot to its last's, passed as ``cache_leftpad`` / ``cache_seqlens`` computed on the device
 (``_left_padded_decode``; left padding, as ``generate()`` pads decoder-only models), so the step is one graph. Masks
-transformers composes from other functions (image-token overlays, custom and / or masks) are materialized as a dense
-additive bias, as SDPA takes them.
+transformers composes from other functions (image-token overlays, custom and / or masks) and bidirectional sliding
+windows (encoders such as ModernBERT, whose layers' ``sliding_window`` need not match their mask's) are materialized
+as a dense additive bias, as SDPA takes them.
 
 Example
 -------
