@@ -49,6 +49,7 @@ LAYERS = {"llama3-8b": 4, "gpt-oss-20b": 4}
 VOCAB = 32000
 PREFILL_REPS = 3
 WARMUP_STEPS = 3
+PHASES = ("prefill", "decode")
 #: ``--device cpu`` (smoke runs): the same architectures a few hundred parameters wide, GQA and sinks kept, an
 #: 8-token window so that the smoke contexts pass it
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -165,7 +166,7 @@ def relative_rows(rows: list[dict]) -> list[dict]:
         cells.setdefault((r["model"], r["batch"], r["context"]), []).append(r)
     out = []
     for (model, batch, context), group in cells.items():
-        for phase in ("prefill", "decode"):
+        for phase in PHASES:
             speeds = {r["impl"]: r.get(f"{phase}_tok_s") for r in group if r.get(f"{phase}_tok_s")}
             best = max(speeds.values(), default=None)
             if best:
@@ -178,12 +179,10 @@ COMMAND = "python bench/models_bench.py"
 #: what each measured cell prints (all of it is in models.json)
 COLUMNS = ("model", "batch", "context", "impl", "prefill_tok_s", "prefill_attn_pct", "decode_tok_s", "decode_ms",
            "decode_attn_ms", "decode_attn_pct")
-PHASES = ("prefill", "decode")
 RECORD = Record(
     "models", "Models through transformers: prefill and decode tokens/s by attn_implementation", COMMAND,
-    {"model": "model (layers)", "batch": "batch", "context": "context", "phase": "phase",
-     **{impl: impl for impl in IMPLEMENTATIONS}},
-    "Cells: tokens/s (the attention's share of the time: prefill of the forward, decode of a step). "
+    {"model": "model (layers)", "batch": "batch", "context": "context", **{impl: impl for impl in IMPLEMENTATIONS}},
+    "Cells: prefill / decode tokens/s (the attention's share of the time: prefill of the forward, decode of a step). "
     "Random bf16 weights from configs, layers reduced (the attention's share does not depend on depth), vocabulary "
     "32k with logits for the last token only. Prefill: one forward over batch x context tokens into a dynamic "
     "cache, median of 3. Decode: one-token steps against that cache (eager, no CUDA graphs), median step. attn: "
@@ -193,24 +192,25 @@ RECORD = Record(
 
 
 def record_rows(rows: list[dict]) -> list[dict]:
-    """The record's table from the measured ``rows``: one row per (model, batch, context) and phase, one column per
-    implementation holding "tokens/s (attention %)" (absent: not measured, or the implementation cannot run it).
+    """The record's table from the measured ``rows``: one row per (model, batch, context), one column per
+    implementation holding "prefill tokens/s / decode tokens/s (attention % / attention %)" (absent: not measured,
+    or the implementation cannot run the model).
 
     >>> record_rows([{"model": "m", "batch": 1, "context": 8, "impl": "sdpa", "prefill_tok_s": 1234.5,
-    ...               "prefill_attn_pct": 40.2, "decode_tok_s": 50.0, "decode_attn_pct": 9.6}])[1]["sdpa"]
-    '50 (10%)'
+    ...               "prefill_attn_pct": 40.2, "decode_tok_s": 50.0, "decode_attn_pct": 9.6}])[0]["sdpa"]
+    '1,234 / 50 (40% / 10%)'
     """
     cells: dict = {}
     for r in rows:
         cells.setdefault((r["model"], r["batch"], r["context"]), []).append(r)
     out = []
     for (model, batch, context), group in cells.items():
-        for phase in PHASES:
-            row = {"model": model, "batch": batch, "context": context, "phase": phase}
-            for r in group:
-                if r.get(f"{phase}_tok_s"):
-                    row[r["impl"]] = f"{r[f'{phase}_tok_s']:,.0f} ({r[f'{phase}_attn_pct']:.0f}%)"
-            out.append(row)
+        row = {"model": model, "batch": batch, "context": context}
+        for r in group:
+            if r.get("prefill_tok_s"):  # run_one measures both phases or neither
+                row[r["impl"]] = (f"{r['prefill_tok_s']:,.0f} / {r['decode_tok_s']:,.0f} "
+                                  f"({r['prefill_attn_pct']:.0f}% / {r['decode_attn_pct']:.0f}%)")
+        out.append(row)
     return out
 
 

@@ -57,14 +57,55 @@ def test_model_features_bench_cpu(tmp_path):
     assert _records() == before
 
 
-def test_models_record_has_a_row_per_cell_and_phase_and_a_column_per_implementation():
+def test_models_record_has_a_row_per_cell_and_a_column_per_implementation():
     def row(model, impl, prefill):
         return {"model": model, "batch": 1, "context": 2048, "impl": impl, "prefill_tok_s": prefill,
                 "prefill_attn_pct": 25.0, "decode_tok_s": 10.0, "decode_attn_pct": 50.0}
     rows = [row("llama", "fmha_ops", 2000.4), row("llama", "sdpa", 1000.0), row("gpt-oss", "fmha_ops", 900.0),
             {"model": "gpt-oss", "batch": 1, "context": 2048, "impl": "sdpa"}]  # GPT-OSS takes no sdpa
     table = models_bench.record_rows(rows)
-    assert [(r["model"], r["phase"]) for r in table] == [("llama", "prefill"), ("llama", "decode"),
-                                                         ("gpt-oss", "prefill"), ("gpt-oss", "decode")]
-    assert table[0]["fmha_ops"] == "2,000 (25%)" and table[1]["sdpa"] == "10 (50%)" and "sdpa" not in table[2]
-    assert set(models_bench.RECORD.columns) >= {"phase", *models_bench.IMPLEMENTATIONS}
+    assert [r["model"] for r in table] == ["llama", "gpt-oss"]
+    assert table[0]["fmha_ops"] == "2,000 / 10 (25% / 50%)" and "sdpa" not in table[1]
+    assert set(models_bench.RECORD.columns) >= {"context", *models_bench.IMPLEMENTATIONS}
+
+
+def _full_grid_rows() -> tuple[list[dict], list[dict]]:
+    """Rows as the H200's full grids give them (every shape and call of both benchmarks measured)."""
+    models = [{"model": f"{m} (4)", "batch": b, "context": c, "impl": i, "prefill_tok_s": 1e4, "prefill_attn_pct": 40.0,
+               "decode_tok_s": 300.0, "decode_attn_pct": 12.0}
+              for m in models_bench.LAYERS for b in (1, 32) for c in (2048, 16384) for i in models_bench.IMPLEMENTATIONS]
+    shapes = model_features_bench.SHAPES
+    features = [model_features_bench._row(f"{b}x{n} {w}", call, 1.0, 1.01) for b, n in shapes["sinks"]["full"]
+                for w in ("full", "window 128") for call in ("bf16 fwd", "fp8 fwd", "bf16 fwd+bwd")]
+    features += [model_features_bench._row(f"decode B{b} L{n}", f"{kv} KV {op}", 1.0, 1.0)
+                 for b, n in shapes["decode"]["full"] for kv in ("bf16", "fp8")
+                 for op in ("triton_decoderF", "triton_splitKF")]
+    features += [{"shape": f"{b}x{n}x128 K192/Kv128", "call": call, "speedup": 1.3,
+                  "ours/fa3": 0.95 if call == "fwd" else None}
+                 for b, n in shapes["value_dim"]["full"] for call in ("fwd", "fwd+bwd")]
+    return models, features
+
+
+def test_full_grid_records_stay_short():
+    """BENCHMARKS.md has a line budget (tests/test_bench_records.py): the full grids' records hold one row per
+    (model, batch, context) and one per model-features measure; the JSON keeps every call."""
+    models, features = _full_grid_rows()
+    assert len(models_bench.record_rows(models)) == 8
+    summary = model_features_bench.summary_rows(features)
+    assert [r["measure"] for r in summary] == [
+        "sinks / none, bf16 fwd", "sinks / none, fp8 fwd", "sinks / none, bf16 fwd+bwd", "sinks / none, decode",
+        "V padded to 192 / Kv=128, fwd", "FA3 192->128 / ours, fwd", "V padded to 192 / Kv=128, fwd+bwd"]
+    assert [r["calls"] for r in summary] == [6, 6, 6, 12, 3, 3, 3]
+
+
+def test_model_features_summary_takes_the_worst_call_by_the_measures_direction():
+    rows = [model_features_bench._row("1x8 full", "bf16 fwd", 1.0, 1.01),
+            model_features_bench._row("1x8 window 128", "bf16 fwd", 1.0, 1.08),
+            model_features_bench._row("1x16 full", "bf16 fwd", 1.0, 0.99),
+            {"shape": "1x8 K192/Kv128", "call": "fwd", "speedup": 1.4, "ours/fa3": 0.8},
+            {"shape": "4x8 K192/Kv128", "call": "fwd", "speedup": 1.2, "ours/fa3": 1.1}]
+    sinks, padded, fa3 = model_features_bench.summary_rows(rows)
+    assert (sinks["worst"], sinks["median"], sinks["best"], sinks["worst_at"]) == (1.08, 1.01, 0.99,
+                                                                                 "1x8 window 128 bf16 fwd")
+    assert (padded["worst"], padded["best"], padded["worst_at"]) == (1.2, 1.4, "4x8 K192/Kv128 fwd")
+    assert (fa3["worst"], fa3["target"]) == (0.8, f">= {model_features_bench.FA3_MIN}")

@@ -257,14 +257,15 @@ def test_triton_ops_through_models(arch):
     assert ((steps - want).norm() / want.norm()).item() < 5e-3
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt-oss"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gpt-oss", "deepseek-v3"])
 def test_generate_static_cache_compiled(arch, monkeypatch):
     """The static cache's decode steps of a left-padded batch under torch.compile (aot_eager on the CPU: dynamo
     traces the mask and attention functions) are whole graphs: dynamo reports no graph break (the padding reaches
     ``flash_attn_with_kvcache`` as ``cache_leftpad`` / ``cache_seqlens`` computed on the device, where packing by
     data-dependent lengths broke the graph at every layer), over 12 new tokens without reaching dynamo's recompile
-    limit; tokens identical to eager's, logits within float32 tolerance. GPT-OSS: sinks and sliding layers' static
-    caches."""
+    limit; tokens identical to eager's, logits within float32 tolerance. Mistral: every layer slides a window, its mask
+    built inside the compiled step (the mask function told by its code, not its name); GPT-OSS: sinks and sliding
+    layers' static caches; DeepSeek-V3: K=192 / Kv=128 caches."""
     from torch._dynamo.utils import counters
     from transformers import CompileConfig
 
@@ -321,6 +322,38 @@ def test_left_padded_decode_matches_packing(mq, window):
     got = fmha_hf._left_padded_decode(q, k, v, keys, window, options)
     want = fmha_hf._packed(q, k, v, keys, True, window, options, None)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_encoder_with_bidirectional_sliding_windows(masks):
+    """ModernBERT (bidirectional; global and sliding-window layers, whose ``sliding_window`` argument is one more than
+    the mask's half window): a right-padded batch's logits at the tokens as eager's, the global layers' padding
+    packed (block-diagonal), the sliding layers' windows as a dense bias from their mask function."""
+    from transformers import AutoModelForMaskedLM, ModernBertConfig
+
+    config = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                  local_attention=6, global_attn_every_n_layers=3, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                  cls_token_id=1, sep_token_id=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    eager = AutoModelForMaskedLM.from_config(ModernBertConfig(**config), attn_implementation="eager").to(DEVICE).eval()
+    ours = AutoModelForMaskedLM.from_config(ModernBertConfig(**config), attn_implementation="fmha_ops").to(DEVICE)
+    ours.eval().load_state_dict(eager.state_dict())
+    ids, mask = torch.randint(3, VOCAB, (2, 15), generator=torch.Generator().manual_seed(6)), torch.ones(2, 15)
+    mask[1, 10:] = 0
+    ids, mask = ids.to(DEVICE), mask.long().to(DEVICE)
+    with torch.no_grad():
+        want = eager(input_ids=ids, attention_mask=mask).logits
+        got = ours(input_ids=ids, attention_mask=mask).logits
+    tokens = mask.bool()
+    assert torch.allclose(got[tokens], want[tokens], atol=2e-5, rtol=1e-4), (got[tokens] - want[tokens]).abs().max()
+    assert [type(m).__name__ for m in masks] == ["BlockDiagonalMask", "Tensor", "Tensor"]
+
+
+def test_transformers_is_not_a_runtime_dependency():
+    """Importing fmha_ops (every backend registered) loads no transformers: only the integration module needs it."""
+    from tests.compiled_child import run_compiled
+
+    done = run_compiled("import sys, fmha_ops; print('transformers' in sys.modules)")
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr
 
 
 def test_structured_mask():
@@ -442,10 +475,12 @@ def test_quantized_variants_prefill(arch, implementation, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("padded", [False, True])
-def test_gpu_static_cache_compiled_generate(padded):
+@pytest.mark.parametrize("arch", ["llama", "gpt-oss"])
+def test_gpu_static_cache_compiled_generate(arch, padded):
     """generate() with the static cache under transformers' default torch.compile (inductor, reduce-overhead) on
-    the H200, bf16: decode-step logits near eager's on the same tokens."""
-    eager, ours = _models("llama", torch.bfloat16, "cuda")
+    the H200, bf16: decode-step logits near eager's on the same tokens (GPT-OSS: sinks and sliding layers in the
+    CUDA graphs)."""
+    eager, ours = _models(arch, torch.bfloat16, "cuda")
     ids, mask = _left_padded_batch("cuda")
     if not padded:
         ids, mask = ids[:1], mask[:1]

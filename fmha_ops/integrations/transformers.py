@@ -11,7 +11,7 @@ Importing this module registers, with transformers' ``AttentionInterface`` and `
   (at most ``DECODE_QUERIES`` new tokens) and the rest run in the model's dtype.
 
 The mask function hands the attention function a structured mask, never a dense bias where the mask is one of
-transformers' own (causal, bidirectional, sliding window, with or without padding): ``None`` when no key is
+transformers' own (causal, bidirectional, causal sliding window, with or without padding): ``None`` when no key is
 padded (causal / window then come from the layer), else the key slots that hold tokens up to the last query, a
 bool (B, slots) tensor like the 2D attention mask it comes from (so that generate's precomputed masks go back
 through transformers' mask code unchanged); the attention packs the valid tokens into variable-length sequences
@@ -24,8 +24,9 @@ paged cache in place (``flash_attn_with_kvcache`` with its block table). Under t
 most ``DECODE_QUERIES`` queries) with padding keeps static shapes instead of packing: each sequence's keys run from its
 first token's slot to its last's, passed as ``cache_leftpad`` / ``cache_seqlens`` computed on the device
 (``_left_padded_decode``; left padding, as ``generate()`` pads decoder-only models), so the step is one graph. Masks
-transformers composes from other functions (image-token overlays, custom and / or masks) are materialized as a dense
-additive bias, as SDPA takes them.
+transformers composes from other functions (image-token overlays, custom and / or masks) and bidirectional sliding
+windows (encoders such as ModernBERT, whose layers' ``sliding_window`` need not match their mask's) are materialized
+as a dense additive bias, as SDPA takes them.
 
 Example
 -------
@@ -39,8 +40,9 @@ import functools
 
 import torch
 from transformers import AttentionInterface
-from transformers.masking_utils import (AttentionMaskInterface, bidirectional_mask_function, causal_mask_function,
-                                        prepare_padding_mask, sdpa_mask)
+from transformers.masking_utils import (AttentionMaskInterface, and_masks, bidirectional_mask_function,
+                                        causal_mask_function, packed_sequence_mask_function, prepare_padding_mask,
+                                        remap_positions_for_packed_sequence, sdpa_mask, sliding_window_overlay)
 
 from .. import attn_bias as ab
 from ..api import memory_efficient_attention
@@ -54,6 +56,16 @@ IMPLEMENTATIONS = {"fmha_ops": None, "fmha_ops_fp8": "fp8", "fmha_ops_i8fp8": "i
 #: the model's dtype (quantizing the whole cache per step costs more than the fp8 kernel saves)
 DECODE_QUERIES = 16
 _is_compiling = torch.compiler.is_compiling
+#: the code of the functions transformers' mask factories return (one code object per factory, whatever the
+#: arguments): a mask function is told by its code's identity, which dynamo traces (a ``__qualname__`` read breaks
+#: the graph of a compiled decode step that builds its sliding-window mask, Mistral's)
+FACTORIES = {
+    "and_masks": and_masks(causal_mask_function).__code__,
+    "sliding_window_overlay": sliding_window_overlay(1).__code__,
+    "remap_positions_for_packed_sequence": remap_positions_for_packed_sequence(
+        causal_mask_function, torch.zeros(1, 1, dtype=torch.long)).__code__,
+    "packed_sequence_mask_function": packed_sequence_mask_function(torch.zeros(1, 1, dtype=torch.long)).__code__,
+}
 
 
 def structured_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
@@ -71,7 +83,7 @@ def structured_mask(batch_size: int, q_length: int, kv_length: int, q_offset: in
     ``kwargs["dtype"]``.
     """
     use_vmap = kwargs.get("use_vmap", False)
-    # transformers' plain functions by identity: a traced call never reaches the closure reads of the others
+    # transformers' plain functions by identity, the others by their code and closure (_made_by, _closure)
     plain = mask_function is causal_mask_function or mask_function is bidirectional_mask_function
     segments = None if use_vmap or plain else _packed_sequences(mask_function)
     if segments is not None:
@@ -112,8 +124,8 @@ def _closure(fn) -> dict:
 
 
 def _made_by(fn, factory: str) -> bool:
-    """Whether mask function ``fn`` is the inner function of transformers' ``factory`` (say "and_masks")."""
-    return getattr(fn, "__qualname__", "").startswith(f"{factory}.<locals>.")
+    """Whether mask function ``fn`` is the inner function of transformers' ``factory`` (a key of ``FACTORIES``)."""
+    return getattr(fn, "__code__", None) is FACTORIES[factory]
 
 
 def _structured(fn) -> bool:
