@@ -1,6 +1,6 @@
 """Autotune on the CPU's own ops: it times the contenders at the call's exact problem, picks the measured fastest,
-persists and reloads the seconds, ignores a corrupt or foreign file, never overrides a forced op and never times
-under a torch.compile trace."""
+persists and reloads the seconds, ignores a corrupt or foreign file, never overrides a forced op, never times
+under a torch.compile trace, and times a call needing gradients' backward ops on its chosen forward's output."""
 import json
 import os
 
@@ -10,6 +10,7 @@ import torch
 import fmha_ops
 from fmha_ops import timing
 from fmha_ops.dispatch import SELECTOR
+from fmha_ops.ops.reference import ReferenceBwOp, ReferenceFwOp
 from registry import select
 from registry.measured import MeasuredTimes
 
@@ -141,11 +142,75 @@ def test_nothing_is_timed_under_a_torch_compile_trace(cache, timed):
     assert torch.allclose(out, fmha_ops.memory_efficient_attention(q, k, v, op="torch_referenceF"), atol=1e-5)
 
 
-def test_calls_that_need_gradients_keep_the_estimates(cache, timed):
+class NoAutogradFw(ReferenceFwOp):
+    """A forward without autograd of its own: a call needing gradients pairs it with a backward op."""
+
+    NAME = "test_no_autogradF"
+    AUTOGRAD = False
+
+    @classmethod
+    def apply(cls, inp, needs_lse):
+        with torch.no_grad():
+            return super().apply(inp, needs_lse)
+
+
+class SecondReferenceBw(ReferenceBwOp):
+    """A second backward op on the CPU (torch_referenceB is the only one), so there is a backward to choose."""
+
+    NAME = "test_referenceB"
+
+
+@pytest.fixture
+def grad_ops(monkeypatch):
+    """The test forward and backward registered for the test; fake timings that make them the fastest."""
+    from fmha_ops.dispatch import REGISTRY
+
+    for op in (NoAutogradFw, SecondReferenceBw):
+        monkeypatch.setitem(REGISTRY._ops, op.NAME, op)
+        monkeypatch.setitem(REGISTRY._names, op.NAME, op)
+    names = []
+
+    def fake(fns, device):
+        for fn in fns.values():
+            fn()
+        names.append(sorted(fns))
+        return {name: 1e-6 if name.startswith("test_") else 1e-3 for name in fns}
+    monkeypatch.setattr(timing, "calls_seconds", fake)
+    SELECTOR.clear()
+    yield names
+    monkeypatch.undo()
+    SELECTOR.clear()
+
+
+def test_a_call_that_needs_gradients_times_its_forward_then_its_backward_ops(cache, grad_ops):
     q, k, v = (t.requires_grad_() for t in qkv(6))
+    mask = fmha_ops.LowerTriangularMask()
     with fmha_ops.autotune():
-        fmha_ops.memory_efficient_attention(q, k, v).sum().backward()
-    assert timed == [] and q.grad is not None
+        out = fmha_ops.memory_efficient_attention(q, k, v, mask)
+        out.sum().backward()
+        inp = fmha_ops.make_inputs(q, k, v, mask)
+        inp.validate()
+        backward = SELECTOR.explain(inp.problem(False), "bw")
+    assert grad_ops == [["sdpa_flashF", "sdpa_mathF", "test_no_autogradF", "torch_referenceF"],
+                        ["test_referenceB", "torch_referenceB"]], grad_ops
+    assert backward.selected is SecondReferenceBw and backward.verdicts[0].source == "measured here", str(backward)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    want = fmha_ops.memory_efficient_attention(*leaves, mask, op="torch_referenceF")
+    want.sum().backward()
+    assert torch.allclose(out, want, atol=1e-5)
+    for got, ref in zip((q, k, v), leaves):
+        assert torch.allclose(got.grad, ref.grad, atol=1e-5)
+
+
+def test_the_backward_call_times_the_backward_ops_on_its_own_tensors(cache, grad_ops):
+    q, k, v = qkv(8)
+    out, lse = fmha_ops.memory_efficient_attention_forward_requires_grad(q, k, v)
+    grad = torch.ones_like(out)
+    want = fmha_ops.memory_efficient_attention_backward(grad, out, lse, q, k, v, op="torch_referenceB")
+    with fmha_ops.autotune():
+        got = fmha_ops.memory_efficient_attention_backward(grad, out, lse, q, k, v)
+    assert grad_ops == [["test_referenceB", "torch_referenceB"]], grad_ops
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, want))
 
 
 def test_the_timing_interleaves_the_ops_and_sizes_rounds_by_their_cost():
