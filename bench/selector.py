@@ -20,8 +20,9 @@ prefill calls of these dtypes (no decode calls; default bfloat16, fp8, fp8_tenso
 ``--compile-only --shard K/N`` in N parallel processes fills the JIT caches beforehand.
 
 ``--modes`` (each measured in turn, default all three): ``table``, the selection from the tuning table and cost
-models; ``autotune``, the same calls, each forward call first made once under ``fmha_ops.autotune()`` (its
-contenders timed at its shape, in a fresh cache folder) and the selection the one for the calls after it;
+models; ``autotune``, the same calls, each first made once under ``fmha_ops.autotune()`` (its contenders timed at
+its shape, in a fresh cache folder; a backward row's call with its backward, which times the forward and then the
+backward ops) and the selection the one for the calls after it;
 ``anchors``, the forward benchmark's anchor shapes (``ANCHOR_SHAPES``, on and near the tuning grid), every prefill
 dtype, selected from the table: how far the public call falls short of the fastest op forced through it.
 
@@ -69,15 +70,19 @@ PREFILL_DTYPES = ("bfloat16", "fp8", "fp8_tensor", "i8fp8")
 DEFAULT_DTYPES = ("bfloat16", "fp8", "fp8_tensor")
 
 
-#: between the tuning grid's buckets (lengths 512 / 2048 / 8192, batch x KV heads 8..256) and outside them
+#: between the tuning grid's buckets (lengths 512 / 2048 / 8192, batch x KV heads 8..256) and outside them; the last
+#: two host-bound (B32 N256: ~10 us of device work against 30-100 us of host time per call; B64 N128, where the table
+#: took 38 us against sdpa_cudnnF's 26 on the H200)
 PREFILL_SHAPES = ((8, 768, 16, 16, 128, False), (1, 6000, 32, 4, 64, False), (3, 3000, 32, 8, 128, True),
-                  (32, 256, 16, 16, 64, True), (6, 1500, 24, 8, 128, False))
+                  (32, 256, 16, 16, 64, True), (6, 1500, 24, 8, 128, False), (64, 128, 16, 16, 64, False))
 #: the shapes of the forward anchors in HARDWARE.md / BENCHMARKS.md (B, N, Hq, Hkv, D, causal)
 ANCHOR_SHAPES = ((4, 4096, 32, 32, 128, False), (4, 4096, 32, 32, 128, True), (2, 16384, 16, 16, 128, True),
                  (1, 16384, 64, 8, 128, False), (4, 4096, 16, 16, 256, False), (3, 3000, 24, 8, 128, True),
                  (1, 9001, 40, 8, 128, False), (8, 1000, 16, 16, 128, False))
+#: decode calls (B, cached keys, Hq, Hkv, page size (0: dense), KV); the last two host-bound (4 MB / 2 MB of K/V: ~1 us
+#: at the H200's bandwidth against tens of us of host time)
 DECODE_CALLS = ((2, 100000, 64, 8, 64, "bf16"), (48, 6000, 32, 8, 0, "bf16"), (200, 700, 32, 8, 64, "fp8"),
-                (32, 3000, 32, 8, 0, "quantize"))
+                (32, 3000, 32, 8, 0, "quantize"), (4, 512, 32, 8, 0, "bf16"), (4, 512, 32, 8, 16, "fp8"))
 #: the dtype whose prefill calls also measure the backward selection
 BACKWARD_DTYPE = "bfloat16"
 
@@ -165,19 +170,24 @@ def measure_forward(call: Call, device: str) -> tuple[str, dict[str, tuple[float
 
 def measure_backward(call: Call, device: str) -> tuple[str, dict[str, tuple[float, float]], dict]:
     """(selected backward op name, (device, host) seconds per timed backward op, estimates) for the call with
-    gradients: every
-    backward op gets the same output, LSE and output gradient (from the forward the selector picks for a partial
-    call)."""
+    gradients (``memory_efficient_attention`` on tensors that require them; under autotune made once with its
+    backward first, which times its forward and backward ops): every backward op gets the same output, LSE and
+    output gradient (from the forward the selector picks for the call with the LSE)."""
+    from fmha_ops.api import memory_efficient_attention
+
     q, k, v, bias = call.args
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    inp = make_inputs(q, k, v, bias, is_partial=True, **call.kwargs)
+    inp = make_inputs(q, k, v, bias, **call.kwargs)
     inp.validate()
-    problem = inp.problem(needs_lse=True)
-    fw = SELECTOR.explain(problem, "fw").selected
+    problem = inp.problem()
+    with SELECTOR.autotune(_RUN["autotune"]):
+        if _RUN["autotune"]:
+            memory_efficient_attention(q, k, v, bias, **call.kwargs).sum().backward()
+        fw = SELECTOR.explain(inp.problem(needs_lse=True), "fw").selected
+        selected, ops, estimates = contenders(problem, "bw")
     with torch.no_grad():
         out, lse = fw.apply(inp, True)
     grad = torch.randn_like(out)
-    selected, ops, estimates = contenders(problem, "bw")
     fns = {op.NAME: partial(op.apply_bw, inp, out, lse, grad) for op in ops}
     return selected.NAME, time_ops(fns, device), estimates
 
@@ -282,8 +292,9 @@ def record(runs: dict[str, list[dict]], env: dict, png: str | None = None, skipp
              "(host: median of 9 rounds interleaving the call's ops). Off the grid: calls between and outside the "
              "tuned buckets (other lengths, batch sizes, GQA ratios, head dims), decode included; backward rows: the "
              "backward op a bf16 call with gradients gets, against every backward op on the same output and LSE. "
-             "Autotune: each forward call made once under fmha_ops.autotune() first. Anchors: the forward anchors "
-             "(1000-16384 tokens, GQA 1-8, head dims 128 and 256), every op forced through the public call.")
+             "Autotune: each call made once under fmha_ops.autotune() first (backward rows: with its backward). "
+             "Anchors: the forward anchors (1000-16384 tokens, GQA 1-8, head dims 128 and 256), every op forced "
+             "through the public call.")
     if skipped:
         notes += f" Not measured (time budget): {len(skipped)} calls, from {skipped[0]}."
     write_calls(runs, RESULTS)

@@ -99,9 +99,9 @@ def forward_plan(inp: Inputs, op: OpArg, needs_lse: bool, repeated: Callable | N
     Under autotune the forward ops are timed as repeated calls will run them (``timing.autotune_seconds``):
     ``repeated(op)``, the caller's repeated call of ``op`` without arguments (``repeated`` None, or a None from it:
     ``op.apply`` on ``inp``); with gradients ``op.apply`` keeping the LSE (what ``_Attention`` runs), then the
-    backward ops on the output of the forward measured fastest (``_backward_timed``), so the forward ops are ranked
-    with the measured backward they pair with (an op with autograd of its own adds its modelled backward). lse as
-    ``run_forward`` returns it.
+    backward ops on the output and LSE of the fastest of the forward ops they pair with (``_backward_timed``), so
+    those are ranked with the measured backward (an op with autograd of its own adds its modelled backward). lse
+    as ``run_forward`` returns it.
 
     Example
     -------
@@ -117,19 +117,22 @@ def forward_plan(inp: Inputs, op: OpArg, needs_lse: bool, repeated: Callable | N
         call = None if repeated is None or sig.needs_grad else repeated(o)
         return functools.partial(o.apply, inp, needs_lse or sig.needs_grad) if call is None else call
 
-    def select_backward(fw):  # under autotune its contenders timed on fw's output
+    def own_backward(o) -> bool:  # o differentiates itself: no backward op runs after it
+        return o.AUTOGRAD and inp.query.dtype in FLOAT_DTYPES
+
+    def select_backward(fw):  # under autotune its contenders timed on fw's output and LSE
         return SELECTOR.select(sig, lambda: make_problem(inp, needs_lse), "bw", op,
                                lambda ops: autotune_seconds(ops, _backward_timed(fw, inp), device))
 
     def measure(ops):  # autotune: the forward ops; with gradients then the backward ops, before the forward is ranked
         seconds = autotune_seconds(ops, timed, device)
-        if sig.needs_grad and seconds:
-            fastest = min(seconds, key=seconds.get)
-            select_backward(next(o for o in ops if o.NAME == fastest))
+        paired = [o for o in ops if o.NAME in seconds and o.PARTIAL and not own_backward(o)] if sig.needs_grad else []
+        if paired:
+            select_backward(min(paired, key=lambda o: seconds[o.NAME]))
         return seconds
 
     fw = SELECTOR.select(sig, lambda: make_problem(inp, needs_lse), "fw", op, measure)
-    if not sig.needs_grad or (fw.AUTOGRAD and inp.query.dtype in FLOAT_DTYPES):
+    if not sig.needs_grad or own_backward(fw):
         def run(call: Inputs):
             return fw.apply(call, needs_lse)
         return Plan(run, (fw,))

@@ -160,6 +160,10 @@ class SecondReferenceBw(ReferenceBwOp):
     NAME = "test_referenceB"
 
 
+#: seconds the fake timing of ``grad_ops`` gives ops other than the test ops (1 ms when not listed)
+FASTEST: dict[str, float] = {}
+
+
 @pytest.fixture
 def grad_ops(monkeypatch):
     """The test forward and backward registered for the test; fake timings that make them the fastest."""
@@ -174,7 +178,7 @@ def grad_ops(monkeypatch):
         for fn in fns.values():
             fn()
         names.append(sorted(fns))
-        return {name: 1e-6 if name.startswith("test_") else 1e-3 for name in fns}
+        return {name: 1e-6 if name.startswith("test_") else FASTEST.get(name, 1e-3) for name in fns}
     monkeypatch.setattr(timing, "calls_seconds", fake)
     SELECTOR.clear()
     yield names
@@ -200,6 +204,16 @@ def test_a_call_that_needs_gradients_times_its_forward_then_its_backward_ops(cac
     assert torch.allclose(out, want, atol=1e-5)
     for got, ref in zip((q, k, v), leaves):
         assert torch.allclose(got.grad, ref.grad, atol=1e-5)
+
+
+def test_the_backward_ops_are_timed_on_a_forward_that_returns_the_lse(cache, grad_ops, monkeypatch):
+    """The fastest forward here, sdpa_mathF, differentiates itself and returns no LSE: the backward ops are timed on
+    the output and LSE of the fastest forward that pairs with them."""
+    monkeypatch.setitem(FASTEST, "sdpa_mathF", 1e-9)
+    q, k, v = (t.requires_grad_() for t in qkv(9))
+    with fmha_ops.autotune():
+        fmha_ops.memory_efficient_attention(q, k, v).sum().backward()
+    assert grad_ops[1] == ["test_referenceB", "torch_referenceB"] and q.grad is not None, grad_ops
 
 
 def test_the_backward_call_times_the_backward_ops_on_its_own_tensors(cache, grad_ops):
