@@ -9,7 +9,8 @@ Two builds are found, the first importable one wins:
 
 Each build ships a config module whose ``CONFIG["build_flags"]`` says what it was compiled without
 (``FLASHATTENTION_DISABLE_<FEATURE>``; fa3-fwd is forward-only whatever its config says, or without one); the ops
-declare exactly that (``BUILD``), and a call needing a feature the build lacks is refused with the flag named. What FA3 takes beyond that, on sm90:
+declare exactly that (``BUILD``), and a call needing a feature the build lacks is refused with the flag named. What
+FA3 takes beyond that, on sm90:
 
 ==============  ============================================================================================
 dtypes          bf16 (fp16 where built); fp8 e4m3 q/k/v with (B, Hkv) float32 descales (per-tensor ones are
