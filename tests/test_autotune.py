@@ -306,3 +306,25 @@ def test_gpu_autotune_times_the_contenders_and_runs_the_fastest(cache):
     assert len(measured) >= 2 and chosen and chosen[0].estimate <= (1 + select.TIE_MARGIN) * fastest, str(report)
     ref = fmha_ops.memory_efficient_attention(q, k, v, bias, op="torch_referenceF")
     assert (out.float() - ref.float()).abs().max().item() < 2e-2
+
+
+@pytest.mark.gpu
+def test_gpu_a_call_with_gradients_times_its_backward_ops(cache):
+    """bf16 with gradients under autotune: the backward ops that pair with a forward are timed at the call (at least
+    two on the H200: triton_attnB and cudnnB / fa4B / fa3B where installed), the backward selected is the fastest
+    measured, and the gradients match the reference's."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 1000, 8, 128, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+               for _ in range(3))
+    bias = fmha_ops.LowerTriangularFromBottomRightMask()
+    with fmha_ops.autotune():
+        fmha_ops.memory_efficient_attention(q, k, v, bias).float().square().sum().backward()
+        inp = fmha_ops.make_inputs(q, k, v, bias)
+        inp.validate()
+        report = SELECTOR.explain(inp.problem(), "bw")
+    measured = [v for v in report.verdicts if v.ok and v.source == "measured here"]
+    assert len(measured) >= 2 and report.verdicts[0] in measured, str(report)
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    fmha_ops.memory_efficient_attention(*leaves, bias, op="torch_referenceF").square().sum().backward()
+    for got, ref in zip((q, k, v), leaves):
+        assert torch.nn.functional.cosine_similarity(got.grad.float().flatten(), ref.grad.flatten(), 0) > 0.999
