@@ -10,9 +10,10 @@ import torch
 import fmha_ops
 from fmha_ops import timing
 from fmha_ops.dispatch import SELECTOR
-from fmha_ops.ops.reference import ReferenceBwOp, ReferenceFwOp
+from fmha_ops.ops.reference import ReferenceBwOp
 from registry import select
 from registry.measured import MeasuredTimes
+from tests.test_api import NoAutogradFw  # a forward without autograd of its own
 
 
 @pytest.fixture
@@ -140,18 +141,6 @@ def test_nothing_is_timed_under_a_torch_compile_trace(cache, timed):
         out = fn(q, k, v)
     assert timed == []
     assert torch.allclose(out, fmha_ops.memory_efficient_attention(q, k, v, op="torch_referenceF"), atol=1e-5)
-
-
-class NoAutogradFw(ReferenceFwOp):
-    """A forward without autograd of its own: a call needing gradients pairs it with a backward op."""
-
-    NAME = "test_no_autogradF"
-    AUTOGRAD = False
-
-    @classmethod
-    def apply(cls, inp, needs_lse):
-        with torch.no_grad():
-            return super().apply(inp, needs_lse)
 
 
 class SecondReferenceBw(ReferenceBwOp):
