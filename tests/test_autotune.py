@@ -114,6 +114,21 @@ def test_the_public_call_times_each_new_problem_once(cache, timed):
         assert "measured here" in str(fmha_ops.explain(q, k, v, fmha_ops.LowerTriangularMask()))
 
 
+def test_a_deterministic_call_is_measured_apart(cache, timed):
+    """Deterministic mode picks other kernels (and other speeds) for the same shapes: its problem has measurements
+    of its own, in memory and on disk."""
+    q, k, v = qkv(10)
+    with fmha_ops.autotune():
+        fmha_ops.memory_efficient_attention(q, k, v)
+        first = len(timed)
+        torch.use_deterministic_algorithms(True)
+        try:
+            fmha_ops.memory_efficient_attention(q, k, v)
+        finally:
+            torch.use_deterministic_algorithms(False)
+    assert first >= 2 and len(timed) > first, timed
+
+
 def test_forced_ops_are_never_timed_or_overridden(cache, timed):
     q, k, v = qkv(3)
     with fmha_ops.autotune():
