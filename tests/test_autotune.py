@@ -220,6 +220,17 @@ def test_the_backward_ops_are_timed_on_a_forward_that_returns_the_lse(cache, gra
     assert grad_ops[1] == ["test_referenceB", "torch_referenceB"] and q.grad is not None, grad_ops
 
 
+@pytest.mark.parametrize("fn", ["fp8_attention", "i8fp8_attention"])
+def test_a_quantized_call_times_its_backward_ops_at_its_backward(cache, grad_ops, fn):
+    """fp8_attention's backward (bf16 at the dequantized inputs) times the backward ops on the gradient it is given."""
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 17, 2, 16, generator=g).to(torch.bfloat16).requires_grad_() for _ in range(3))
+    with fmha_ops.autotune():
+        out = getattr(fmha_ops, fn)(q, k, v, causal=True)
+        out.backward(torch.randn_like(out))
+    assert grad_ops[-1] == ["test_referenceB", "torch_referenceB"] and torch.isfinite(q.grad.float()).all(), grad_ops
+
+
 def test_the_backward_call_times_the_backward_ops_on_its_own_tensors(cache, grad_ops):
     q, k, v = qkv(8)
     out, lse = fmha_ops.memory_efficient_attention_forward_requires_grad(q, k, v)
