@@ -1,8 +1,8 @@
 """Selector regret: over calls between and outside the tuned buckets, how much slower is the op the selector picks than
 the fastest op for that call? regret = t(selected) / t(best) - 1.
 
-python bench/selector.py [--out DIR] [--quick] [--dtypes bfloat16,fp8_tensor] [--shapes 0,3] [--budget SECONDS]
-                         [--modes table,autotune,anchors] [--record-from DIR]
+python bench/selector.py [--out DIR] [--quick] [--dtypes bfloat16,fp8_tensor] [--shapes 0,3] [--decode]
+                         [--budget SECONDS] [--modes table,autotune,anchors] [--record-from DIR]
 
 Forward calls (prefill of every dtype, decode) and, for the bf16 prefill calls, the backward op that a call needing
 gradients gets (every backward op timed on the same forward output and LSE). Each supporting op is timed through
@@ -16,7 +16,8 @@ row as it is measured and the summary last; writes selector.json into --out afte
 its rows) and, at the end, selector.png (regret per call) and the record bench/results/selector.md (regret per
 selection mode and kind of call; not with --quick, --dtypes, --shapes or --no-record). ``--dtypes``: only the
 prefill calls of these dtypes (no decode calls; default bfloat16, fp8, fp8_tensor and the decode calls);
-``--shapes``: only these prefill shapes (indices into ``PREFILL_SHAPES``; no decode calls, no record).
+``--shapes``: only these prefill shapes (indices into ``PREFILL_SHAPES``; no decode calls, no record); ``--decode``:
+the decode calls only (no record).
 ``--compile-only --shard K/N`` in N parallel processes fills the JIT caches beforehand.
 
 ``--modes`` (each measured in turn, default all three): ``table``, the selection from the tuning table and cost
@@ -88,10 +89,12 @@ BACKWARD_DTYPE = "bfloat16"
 
 
 def calls(device: str, quick: bool, dtypes: tuple[str, ...] | None = None,
-          shapes: tuple[int, ...] | None = None, anchors: bool = False) -> list[tuple[str, object]]:
+          shapes: tuple[int, ...] | None = None, anchors: bool = False,
+          decode: bool = False) -> list[tuple[str, object]]:
     """``(kind, make)`` pairs, kind "fw" or "bw", ``make()`` building the ``Call``: the prefill shapes of every
     dtype shape by shape (bf16 ones also as "bw"), then (unless ``dtypes`` or ``shapes``, indices into
-    ``PREFILL_SHAPES``, is given) the decode calls; ``anchors``: the forward calls of ``ANCHOR_SHAPES`` only."""
+    ``PREFILL_SHAPES``, is given) the decode calls; ``anchors``: the forward calls of ``ANCHOR_SHAPES`` only;
+    ``decode``: the decode calls only."""
     if quick:
         small = (lambda: prefill_call(1, 100, 4, 2, 32, True, "float32", device))
         if anchors:
@@ -101,7 +104,7 @@ def calls(device: str, quick: bool, dtypes: tuple[str, ...] | None = None,
         return [("fw", lambda a=(*shape, dtype): prefill_call(*a, device))
                 for shape in ANCHOR_SHAPES for dtype in dtypes or DEFAULT_DTYPES]
     out = []
-    for shape in PREFILL_SHAPES if shapes is None else [PREFILL_SHAPES[i] for i in shapes]:
+    for shape in () if decode else PREFILL_SHAPES if shapes is None else [PREFILL_SHAPES[i] for i in shapes]:
         for dtype in dtypes or DEFAULT_DTYPES:
             make = (lambda a=(*shape, dtype): prefill_call(*a, device))
             out.append(("fw", make))
@@ -336,7 +339,7 @@ def measure_mode(mode: str, args, device: str, d: str) -> tuple[list[dict], list
     shard, shards = (int(x) for x in args.shard.split("/"))
     t_start = time.perf_counter()
     rows, skipped = [], []
-    for i, (kind, make) in enumerate(calls(device, args.quick, dtypes, shapes, mode == "anchors")):
+    for i, (kind, make) in enumerate(calls(device, args.quick, dtypes, shapes, mode == "anchors", args.decode)):
         if i % shards != shard:
             continue
         call = make()
@@ -379,6 +382,7 @@ def main(argv=None) -> dict:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--dtypes", default=None, help=f"comma list of {', '.join(PREFILL_DTYPES)}: prefill only")
     parser.add_argument("--shapes", default=None, help="comma list of indices into PREFILL_SHAPES: prefill only")
+    parser.add_argument("--decode", action="store_true", help="the decode calls only (no record)")
     parser.add_argument("--budget", type=float, default=0.0,
                         help="seconds per mode; calls left after it are not measured")
     parser.add_argument("--shard", default="0/1", help="K/N: only every N-th call from the K-th (for --compile-only)")
@@ -420,7 +424,7 @@ def main(argv=None) -> dict:
         return {"runs": {}}
     runs = {mode: rows for mode, rows in runs.items() if rows}
     png = plot(d, runs) if runs else None
-    if runs and not (args.no_record or args.quick or args.dtypes or args.shapes):
+    if runs and not (args.no_record or args.quick or args.dtypes or args.shapes or args.decode):
         print("record:", record(runs, environment(), png, tuple(skipped)))
     for mode, rows in runs.items():
         summary = summarize(rows)

@@ -59,6 +59,8 @@ def test_selector_calls_interleave_dtypes_and_add_backward_rows():
     assert len(made) == n_prefill + len(selector.PREFILL_SHAPES) + len(selector.DECODE_CALLS)
     assert kinds[:len(selector.DEFAULT_DTYPES) + 1] == ["fw", "bw"] + ["fw"] * (len(selector.DEFAULT_DTYPES) - 1)
     assert all(k == "fw" for k, _ in selector.calls("cpu", False, ("fp8_tensor",)))
+    decode = selector.calls("cpu", False, decode=True)
+    assert len(decode) == len(selector.DECODE_CALLS) and decode[-1][1]().label.startswith("decode fp8 B4 L512")
     picked = selector.calls("cpu", False, None, (3,))  # one prefill shape, every default dtype, no decode calls
     assert len(picked) == len(selector.DEFAULT_DTYPES) + 1
     assert picked[0][1]().label.startswith("prefill bfloat16 B32 N256")
