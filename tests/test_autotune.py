@@ -99,6 +99,18 @@ def test_a_corrupt_or_foreign_file_is_ignored_with_a_warning(tmp_path, content):
     assert MeasuredTimes(str(tmp_path)).times("cpu", "fw p") == {"sdpa_mathF": 1e-3}, "the bad file is replaced"
 
 
+def test_processes_sharing_a_file_keep_each_others_measurements(tmp_path):
+    """Two processes on GPUs of one name (two ranks of a job), each having read the file before the other wrote: the
+    file ends with both one's problems, and an op the second did not measure keeps the first one's time."""
+    first, second = MeasuredTimes(str(tmp_path)), MeasuredTimes(str(tmp_path))
+    assert first.times("gpu", "fw a") == second.times("gpu", "fw a") == {}
+    first.record("gpu", "fw a", {"x": 1e-3})
+    first.record("gpu", "fw b", {"x": 2e-3, "y": 3e-3})
+    second.record("gpu", "fw b", {"y": 4e-3})
+    on_disk = MeasuredTimes(str(tmp_path))
+    assert on_disk.times("gpu", "fw a") == {"x": 1e-3} and on_disk.times("gpu", "fw b") == {"x": 2e-3, "y": 4e-3}
+
+
 def test_the_public_call_times_each_new_problem_once(cache, timed):
     q, k, v = qkv(2)
     with fmha_ops.autotune():
