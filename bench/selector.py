@@ -1,8 +1,8 @@
 """Selector regret: over calls between and outside the tuned buckets, how much slower is the op the selector picks than
 the fastest op for that call? regret = t(selected) / t(best) - 1.
 
-python bench/selector.py [--out DIR] [--quick] [--dtypes bfloat16,fp8_tensor] [--shapes 0,3] [--budget SECONDS]
-                         [--modes table,autotune,anchors] [--record-from DIR]
+python bench/selector.py [--out DIR] [--quick] [--dtypes bfloat16,fp8_tensor] [--shapes 0,3] [--decode]
+                         [--budget SECONDS] [--modes table,autotune,anchors] [--record-from DIR]
 
 Forward calls (prefill of every dtype, decode) and, for the bf16 prefill calls, the backward op that a call needing
 gradients gets (every backward op timed on the same forward output and LSE). Each supporting op is timed through
@@ -16,12 +16,14 @@ row as it is measured and the summary last; writes selector.json into --out afte
 its rows) and, at the end, selector.png (regret per call) and the record bench/results/selector.md (regret per
 selection mode and kind of call; not with --quick, --dtypes, --shapes or --no-record). ``--dtypes``: only the
 prefill calls of these dtypes (no decode calls; default bfloat16, fp8, fp8_tensor and the decode calls);
-``--shapes``: only these prefill shapes (indices into ``PREFILL_SHAPES``; no decode calls, no record).
+``--shapes``: only these prefill shapes (indices into ``PREFILL_SHAPES``; no decode calls, no record); ``--decode``:
+the decode calls only (no record).
 ``--compile-only --shard K/N`` in N parallel processes fills the JIT caches beforehand.
 
 ``--modes`` (each measured in turn, default all three): ``table``, the selection from the tuning table and cost
-models; ``autotune``, the same calls, each forward call first made once under ``fmha_ops.autotune()`` (its
-contenders timed at its shape, in a fresh cache folder) and the selection the one for the calls after it;
+models; ``autotune``, the same calls, each first made once under ``fmha_ops.autotune()`` (its contenders timed at
+its shape, in a fresh cache folder; a backward row's call with its backward, which times the forward and then the
+backward ops) and the selection the one for the calls after it;
 ``anchors``, the forward benchmark's anchor shapes (``ANCHOR_SHAPES``, on and near the tuning grid), every prefill
 dtype, selected from the table: how far the public call falls short of the fastest op forced through it.
 
@@ -69,24 +71,30 @@ PREFILL_DTYPES = ("bfloat16", "fp8", "fp8_tensor", "i8fp8")
 DEFAULT_DTYPES = ("bfloat16", "fp8", "fp8_tensor")
 
 
-#: between the tuning grid's buckets (lengths 512 / 2048 / 8192, batch x KV heads 8..256) and outside them
+#: between the tuning grid's buckets (lengths 512 / 2048 / 8192, batch x KV heads 8..256) and outside them; the last
+#: two host-bound (B32 N256: ~10 us of device work against 30-100 us of host time per call; B64 N128, where the table
+#: took 38 us against sdpa_cudnnF's 26 on the H200)
 PREFILL_SHAPES = ((8, 768, 16, 16, 128, False), (1, 6000, 32, 4, 64, False), (3, 3000, 32, 8, 128, True),
-                  (32, 256, 16, 16, 64, True), (6, 1500, 24, 8, 128, False))
+                  (32, 256, 16, 16, 64, True), (6, 1500, 24, 8, 128, False), (64, 128, 16, 16, 64, False))
 #: the shapes of the forward anchors in HARDWARE.md / BENCHMARKS.md (B, N, Hq, Hkv, D, causal)
 ANCHOR_SHAPES = ((4, 4096, 32, 32, 128, False), (4, 4096, 32, 32, 128, True), (2, 16384, 16, 16, 128, True),
                  (1, 16384, 64, 8, 128, False), (4, 4096, 16, 16, 256, False), (3, 3000, 24, 8, 128, True),
                  (1, 9001, 40, 8, 128, False), (8, 1000, 16, 16, 128, False))
+#: decode calls (B, cached keys, Hq, Hkv, page size (0: dense), KV); the last two host-bound (4 MB / 2 MB of K/V: ~1 us
+#: at the H200's bandwidth against tens of us of host time)
 DECODE_CALLS = ((2, 100000, 64, 8, 64, "bf16"), (48, 6000, 32, 8, 0, "bf16"), (200, 700, 32, 8, 64, "fp8"),
-                (32, 3000, 32, 8, 0, "quantize"))
+                (32, 3000, 32, 8, 0, "quantize"), (4, 512, 32, 8, 0, "bf16"), (4, 512, 32, 8, 16, "fp8"))
 #: the dtype whose prefill calls also measure the backward selection
 BACKWARD_DTYPE = "bfloat16"
 
 
 def calls(device: str, quick: bool, dtypes: tuple[str, ...] | None = None,
-          shapes: tuple[int, ...] | None = None, anchors: bool = False) -> list[tuple[str, object]]:
+          shapes: tuple[int, ...] | None = None, anchors: bool = False,
+          decode: bool = False) -> list[tuple[str, object]]:
     """``(kind, make)`` pairs, kind "fw" or "bw", ``make()`` building the ``Call``: the prefill shapes of every
     dtype shape by shape (bf16 ones also as "bw"), then (unless ``dtypes`` or ``shapes``, indices into
-    ``PREFILL_SHAPES``, is given) the decode calls; ``anchors``: the forward calls of ``ANCHOR_SHAPES`` only."""
+    ``PREFILL_SHAPES``, is given) the decode calls; ``anchors``: the forward calls of ``ANCHOR_SHAPES`` only;
+    ``decode``: the decode calls only."""
     if quick:
         small = (lambda: prefill_call(1, 100, 4, 2, 32, True, "float32", device))
         if anchors:
@@ -96,7 +104,7 @@ def calls(device: str, quick: bool, dtypes: tuple[str, ...] | None = None,
         return [("fw", lambda a=(*shape, dtype): prefill_call(*a, device))
                 for shape in ANCHOR_SHAPES for dtype in dtypes or DEFAULT_DTYPES]
     out = []
-    for shape in PREFILL_SHAPES if shapes is None else [PREFILL_SHAPES[i] for i in shapes]:
+    for shape in () if decode else PREFILL_SHAPES if shapes is None else [PREFILL_SHAPES[i] for i in shapes]:
         for dtype in dtypes or DEFAULT_DTYPES:
             make = (lambda a=(*shape, dtype): prefill_call(*a, device))
             out.append(("fw", make))
@@ -165,19 +173,24 @@ def measure_forward(call: Call, device: str) -> tuple[str, dict[str, tuple[float
 
 def measure_backward(call: Call, device: str) -> tuple[str, dict[str, tuple[float, float]], dict]:
     """(selected backward op name, (device, host) seconds per timed backward op, estimates) for the call with
-    gradients: every
-    backward op gets the same output, LSE and output gradient (from the forward the selector picks for a partial
-    call)."""
+    gradients (``memory_efficient_attention`` on tensors that require them; under autotune made once with its
+    backward first, which times its forward and backward ops): every backward op gets the same output, LSE and
+    output gradient (from the forward the selector picks for the call with the LSE)."""
+    from fmha_ops.api import memory_efficient_attention
+
     q, k, v, bias = call.args
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    inp = make_inputs(q, k, v, bias, is_partial=True, **call.kwargs)
+    inp = make_inputs(q, k, v, bias, **call.kwargs)
     inp.validate()
-    problem = inp.problem(needs_lse=True)
-    fw = SELECTOR.explain(problem, "fw").selected
+    problem = inp.problem()
+    with SELECTOR.autotune(_RUN["autotune"]):
+        if _RUN["autotune"]:
+            memory_efficient_attention(q, k, v, bias, **call.kwargs).sum().backward()
+        fw = SELECTOR.explain(inp.problem(needs_lse=True), "fw").selected
+        selected, ops, estimates = contenders(problem, "bw")
     with torch.no_grad():
         out, lse = fw.apply(inp, True)
     grad = torch.randn_like(out)
-    selected, ops, estimates = contenders(problem, "bw")
     fns = {op.NAME: partial(op.apply_bw, inp, out, lse, grad) for op in ops}
     return selected.NAME, time_ops(fns, device), estimates
 
@@ -282,8 +295,9 @@ def record(runs: dict[str, list[dict]], env: dict, png: str | None = None, skipp
              "(host: median of 9 rounds interleaving the call's ops). Off the grid: calls between and outside the "
              "tuned buckets (other lengths, batch sizes, GQA ratios, head dims), decode included; backward rows: the "
              "backward op a bf16 call with gradients gets, against every backward op on the same output and LSE. "
-             "Autotune: each forward call made once under fmha_ops.autotune() first. Anchors: the forward anchors "
-             "(1000-16384 tokens, GQA 1-8, head dims 128 and 256), every op forced through the public call.")
+             "Autotune: each call made once under fmha_ops.autotune() first (backward rows: with its backward). "
+             "Anchors: the forward anchors (1000-16384 tokens, GQA 1-8, head dims 128 and 256), every op forced "
+             "through the public call.")
     if skipped:
         notes += f" Not measured (time budget): {len(skipped)} calls, from {skipped[0]}."
     write_calls(runs, RESULTS)
@@ -325,7 +339,7 @@ def measure_mode(mode: str, args, device: str, d: str) -> tuple[list[dict], list
     shard, shards = (int(x) for x in args.shard.split("/"))
     t_start = time.perf_counter()
     rows, skipped = [], []
-    for i, (kind, make) in enumerate(calls(device, args.quick, dtypes, shapes, mode == "anchors")):
+    for i, (kind, make) in enumerate(calls(device, args.quick, dtypes, shapes, mode == "anchors", args.decode)):
         if i % shards != shard:
             continue
         call = make()
@@ -368,6 +382,7 @@ def main(argv=None) -> dict:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--dtypes", default=None, help=f"comma list of {', '.join(PREFILL_DTYPES)}: prefill only")
     parser.add_argument("--shapes", default=None, help="comma list of indices into PREFILL_SHAPES: prefill only")
+    parser.add_argument("--decode", action="store_true", help="the decode calls only (no record)")
     parser.add_argument("--budget", type=float, default=0.0,
                         help="seconds per mode; calls left after it are not measured")
     parser.add_argument("--shard", default="0/1", help="K/N: only every N-th call from the K-th (for --compile-only)")
@@ -409,7 +424,7 @@ def main(argv=None) -> dict:
         return {"runs": {}}
     runs = {mode: rows for mode, rows in runs.items() if rows}
     png = plot(d, runs) if runs else None
-    if runs and not (args.no_record or args.quick or args.dtypes or args.shapes):
+    if runs and not (args.no_record or args.quick or args.dtypes or args.shapes or args.decode):
         print("record:", record(runs, environment(), png, tuple(skipped)))
     for mode, rows in runs.items():
         summary = summarize(rows)

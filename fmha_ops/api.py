@@ -24,6 +24,7 @@ from .dtypes import FLOAT_DTYPES
 from .inputs import BMHK, Inputs, checks_values, make_inputs
 from .plan import Plan
 from .plans import PLANS, plan_finder
+from .timing import autotune_seconds
 from .validation import make_problem
 
 OpArg = Any  # an op class, name/alias, or (FwOp, BwOp) tuple
@@ -187,7 +188,8 @@ def memory_efficient_attention_backward(
     ``output`` and ``lse`` come from ``memory_efficient_attention_forward_requires_grad`` on the same
     inputs (``sinks`` too: the LSE includes them, and a backward op that takes them is selected; their own
     gradient is ``fmha_ops.sinks.sink_grad(output, grad, lse, sinks)``); ``grad`` is d(loss)/d(output). BMHK or BMK tensors (for GQA pass key / value with Hkv heads
-    in BMHK). ``op``: a backward op, or an (FwOp, BwOp) tuple. Dropout is refused (``p`` must be 0).
+    in BMHK). ``op``: a backward op, or an (FwOp, BwOp) tuple. Dropout is refused (``p`` must be 0). Under
+    ``fmha_ops.autotune()`` the first call of a problem times the backward ops on these tensors.
     """
     plan, key_ = _FIND_BACKWARD(grad, output, lse, query, key, value, attn_bias, p, scale, op, softcap, sinks)
     if plan is not None:
@@ -205,9 +207,10 @@ def memory_efficient_attention_backward(
         if tuple(t.shape) != want[name]:
             raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {want[name]} (BMHK) for query "
                              f"{tuple(query.shape)} and value {tuple(value.shape)}")
-    sig = inp.signature()
-    bw = SELECTOR.select(sig, lambda: make_problem(inp, True), "bw", op)
-    dq, dk, dv = bw.apply_bw(inp, out, lse.float(), grad.contiguous())
+    sig, lse, grad = inp.signature(), lse.float(), grad.contiguous()
+    bw = SELECTOR.select(sig, lambda: make_problem(inp, True), "bw", op, lambda ops: autotune_seconds(
+        ops, lambda o: functools.partial(o.apply_bw, inp, out, lse, grad), inp.query.device.type))
+    dq, dk, dv = bw.apply_bw(inp, out, lse, grad)
     if inp.layout is BMHK and inp.attn_bias is attn_bias and (attn_bias is None or (
             attn_bias.tensor_bias is None and not checks_values(type(attn_bias)))):
         PLANS.put(key_, Plan(_backward_plan(bw, inp), (bw,)))

@@ -96,9 +96,12 @@ def forward_plan(inp: Inputs, op: OpArg, needs_lse: bool, repeated: Callable | N
     backward op when autograd needs this call's gradients and the forward op does not differentiate itself; the
     run is then the pair under ``_Attention``, else the forward op's ``apply``. Under ``torch.compile`` the traced
     plan (``compiled.traced_plan``: no ops; its ``check`` and ``run`` validate the call and select in the trace).
-    Under autotune without gradients the forward ops are timed as repeated calls will run them
-    (``timing.autotune_seconds``): ``repeated(op)``, the caller's repeated call of ``op`` without arguments
-    (``repeated`` None, or a None from it: ``op.apply`` on ``inp``). lse as ``run_forward`` returns it.
+    Under autotune the forward ops are timed as repeated calls will run them (``timing.autotune_seconds``):
+    ``repeated(op)``, the caller's repeated call of ``op`` without arguments (``repeated`` None, or a None from it:
+    ``op.apply`` on ``inp``); with gradients ``op.apply`` keeping the LSE (what ``_Attention`` runs), then the
+    backward ops on the output and LSE of the fastest of the forward ops they pair with (``_backward_timed``), so
+    those are ranked with the measured backward (an op with autograd of its own adds its modelled backward). lse
+    as ``run_forward`` returns it.
 
     Example
     -------
@@ -108,22 +111,52 @@ def forward_plan(inp: Inputs, op: OpArg, needs_lse: bool, repeated: Callable | N
     if _is_compiling():  # validated and selected at trace time, where the trace checks or runs the plan
         return compiled.traced_plan(op, needs_lse)
 
-    def timed(o):  # what autotune times of a contender
-        call = None if repeated is None else repeated(o)
-        return functools.partial(o.apply, inp, needs_lse) if call is None else call
+    sig, device = inp.signature(), inp.query.device.type
 
-    sig = inp.signature()
-    fw = SELECTOR.select(sig, lambda: make_problem(inp, needs_lse), "fw", op,
-                         None if sig.needs_grad else lambda ops: autotune_seconds(ops, timed, inp.query.device.type))
-    if not sig.needs_grad or (fw.AUTOGRAD and inp.query.dtype in FLOAT_DTYPES):
+    def timed(o):  # what autotune times of a contender: its repeated call; with gradients, its forward with the LSE
+        call = None if repeated is None or sig.needs_grad else repeated(o)
+        return functools.partial(o.apply, inp, needs_lse or sig.needs_grad) if call is None else call
+
+    def own_backward(o) -> bool:  # o differentiates itself: no backward op runs after it
+        return o.AUTOGRAD and inp.query.dtype in FLOAT_DTYPES
+
+    def select_backward(fw):  # under autotune its contenders timed on fw's output and LSE
+        return SELECTOR.select(sig, lambda: make_problem(inp, needs_lse), "bw", op,
+                               lambda ops: autotune_seconds(ops, _backward_timed(fw, inp), device))
+
+    def measure(ops):  # autotune: the forward ops; with gradients then the backward ops, before the forward is ranked
+        seconds = autotune_seconds(ops, timed, device)
+        paired = [o for o in ops if o.NAME in seconds and o.PARTIAL and not own_backward(o)] if sig.needs_grad else []
+        if paired:
+            select_backward(min(paired, key=lambda o: seconds[o.NAME]))
+        return seconds
+
+    fw = SELECTOR.select(sig, lambda: make_problem(inp, needs_lse), "fw", op, measure)
+    if not sig.needs_grad or own_backward(fw):
         def run(call: Inputs):
             return fw.apply(call, needs_lse)
         return Plan(run, (fw,))
-    bw = SELECTOR.select(sig, lambda: make_problem(inp, needs_lse), "bw", op)
+    bw = select_backward(fw)
 
     def paired(call: Inputs):
         return _Attention.apply(fw, bw, call, call.query, call.key, call.value, call.sinks)
     return Plan(paired, (fw, bw))
+
+
+def _backward_timed(fw, inp: Inputs) -> Callable:
+    """``timed(op)`` for autotune's measurement of a call's backward ops: ``op.apply_bw`` on ``inp`` with the output
+    and LSE of the forward op ``fw`` and a random output gradient, as a call without arguments. The forward runs
+    once, at the first op timed (never where autotune times nothing: under a CUDA-graph capture); every op is timed on
+    the same output, LSE and gradient, and none writes to the caller's tensors."""
+    operands: list[tuple[torch.Tensor, ...]] = []
+
+    def timed(op):
+        if not operands:
+            with torch.no_grad():
+                out, lse = fw.apply(inp, True)
+            operands.append((out, lse, torch.randn_like(out)))
+        return functools.partial(op.apply_bw, inp, *operands[0])
+    return timed
 
 
 def _launch_plan_call(inp: Inputs, needs_lse: bool) -> Callable:

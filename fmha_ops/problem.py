@@ -136,6 +136,8 @@ class Problem:
         extra += ["bias_grad"] if self.bias_grad else []
         extra += ["sinks"] if self.sinks else []
         extra += ["key_start"] if self.key_start else []
+        extra += ["deterministic"] if self.deterministic else []
+        extra += ["v_keys_contiguous"] if self.v_keys_contiguous else []
         return (f"{dts}->{dtype_name(self.out_dtype)} B={self.batch} Mq={self.seqlen_q} Mk={self.seqlen_k} "
                 f"Hq={self.heads_q} Hkv={self.heads_kv} K={self.head_dim} Kv={self.head_dim_v} "
                 f"bias={self.bias} " + " ".join(extra + [f"on {self.arch}"]))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import contextvars
+import functools
 from typing import Any
 
 import torch
@@ -43,6 +44,7 @@ from .quant import (
     quantize_blocks,
     quantize_fp8_channels,
 )
+from .timing import autotune_seconds
 from .validation import make_problem, validate_sinks
 
 __all__ = ["fp8_attention", "i8fp8_attention"]
@@ -97,13 +99,17 @@ def quantized_forward(qk_dtype: torch.dtype, bias, scale: float | None, op, quer
 def quantized_backward(bias, scale: float | None, qh, kh, vh, out, lse, grad_out, sinks=None, sinks_grad=False):
     """(dq, dk, dv, dsinks) by the selected bf16/fp16 backward op at the dequantized inputs (straight-through); with
     ``sinks`` a backward op that takes the sink-inclusive LSE, and with ``sinks_grad`` also the sinks' gradient
-    (``AttentionBwOp.apply_bw_sinks``; dsinks None without it)."""
+    (``AttentionBwOp.apply_bw_sinks``; dsinks None without it). Under autotune the first backward of a problem times
+    the backward ops on these tensors."""
     key = call_key(quantized_backward, (qh, kh, vh, bias, scale, sinks))
     plan = PLANS.get(key)
     if plan is not None:  # these tensors come from the forward's quantization: validated when first selected
         return plan.run(qh, kh, vh, out, lse, grad_out, sinks, sinks_grad)
     inp = make_inputs(qh, kh, vh, bias, scale=scale, is_partial=True, sinks=sinks)
-    bw = SELECTOR.select(("quantized backward", inp.signature()), lambda: make_problem(inp, True), "bw")
+    grad_out = grad_out.contiguous()
+    bw = SELECTOR.select(("quantized backward", inp.signature()), lambda: make_problem(inp, True), "bw", None,
+                         lambda ops: autotune_seconds(ops, lambda o: functools.partial(o.apply_bw, inp, out, lse,
+                                                                                       grad_out), qh.device.type))
     plan = PLANS.put(key, Plan(_backward_plan(bw, bias, scale), (bw,)))
     return plan.run(qh, kh, vh, out, lse, grad_out, sinks, sinks_grad)
 

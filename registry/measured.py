@@ -7,7 +7,8 @@ Later calls of that problem, in this process or the next, rank ops by these time
 Files: ``<folder>/autotune-<device>.json``, ``{"format": FORMAT, "device": name, "problems": {problem: {op: s}}}``.
 A file that is not such JSON, or that names another device, is ignored with a warning (and replaced at the next
 save); writes go to a temporary file renamed over the old one, so a process killed mid-write leaves the previous
-file. Nothing is ever evaluated or unpickled.
+file, and add what the file holds by then (processes on GPUs of one name share the file: none drops another's).
+Nothing is ever evaluated or unpickled.
 
 Example
 -------
@@ -47,12 +48,20 @@ class MeasuredTimes:
         return self._problems(device).get(problem, {})
 
     def record(self, device: str, problem: str, times: dict[str, float]) -> None:
-        """Add ``times`` to ``problem``'s and write the device's file (when there is a folder)."""
+        """Add ``times`` to ``problem``'s and write the device's file (when there is a folder), with what other
+        processes wrote to it since it was read (the ranks of a multi-GPU job share one device name, so one file):
+        their problems are added to this process's, and measured ops this process has not measured."""
         problems = self._problems(device)
         problems[problem] = {**problems.get(problem, {}), **times}
         path = self.path(device)
         if path is None:
             return
+        try:
+            on_disk = _read_file(path, device)
+        except (OSError, ValueError):  # none yet, or one the first load warned of: the write replaces it
+            on_disk = {}
+        for name, theirs in on_disk.items():
+            problems[name] = {**theirs, **problems.get(name, {})}
         try:
             os.makedirs(self.folder, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=".autotune-", dir=self.folder)
@@ -77,12 +86,16 @@ class MeasuredTimes:
         if path is None or not os.path.exists(path):
             return {}
         try:
-            with open(path) as f:
-                data = json.load(f)
-            return _checked(data, device)
+            return _read_file(path, device)
         except (OSError, ValueError) as e:
             warnings.warn(f"fmha_ops autotune: ignoring {path}: {e}", stacklevel=3)
             return {}
+
+
+def _read_file(path: str, device: str) -> dict[str, dict[str, float]]:
+    """The checked problems of the file at ``path`` (``_checked``); OSError / ValueError as reading raises them."""
+    with open(path) as f:
+        return _checked(json.load(f), device)
 
 
 def _checked(data, device: str) -> dict[str, dict[str, float]]:

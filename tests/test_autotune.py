@@ -1,6 +1,6 @@
 """Autotune on the CPU's own ops: it times the contenders at the call's exact problem, picks the measured fastest,
-persists and reloads the seconds, ignores a corrupt or foreign file, never overrides a forced op and never times
-under a torch.compile trace."""
+persists and reloads the seconds, ignores a corrupt or foreign file, never overrides a forced op, never times
+under a torch.compile trace, and times a call needing gradients' backward ops on its chosen forward's output."""
 import json
 import os
 
@@ -10,8 +10,10 @@ import torch
 import fmha_ops
 from fmha_ops import timing
 from fmha_ops.dispatch import SELECTOR
+from fmha_ops.ops.reference import ReferenceBwOp
 from registry import select
 from registry.measured import MeasuredTimes
+from tests.test_api import NoAutogradFw  # a forward without autograd of its own
 
 
 @pytest.fixture
@@ -97,6 +99,18 @@ def test_a_corrupt_or_foreign_file_is_ignored_with_a_warning(tmp_path, content):
     assert MeasuredTimes(str(tmp_path)).times("cpu", "fw p") == {"sdpa_mathF": 1e-3}, "the bad file is replaced"
 
 
+def test_processes_sharing_a_file_keep_each_others_measurements(tmp_path):
+    """Two processes on GPUs of one name (two ranks of a job), each having read the file before the other wrote: the
+    file ends with both one's problems, and an op the second did not measure keeps the first one's time."""
+    first, second = MeasuredTimes(str(tmp_path)), MeasuredTimes(str(tmp_path))
+    assert first.times("gpu", "fw a") == second.times("gpu", "fw a") == {}
+    first.record("gpu", "fw a", {"x": 1e-3})
+    first.record("gpu", "fw b", {"x": 2e-3, "y": 3e-3})
+    second.record("gpu", "fw b", {"y": 4e-3})
+    on_disk = MeasuredTimes(str(tmp_path))
+    assert on_disk.times("gpu", "fw a") == {"x": 1e-3} and on_disk.times("gpu", "fw b") == {"x": 2e-3, "y": 4e-3}
+
+
 def test_the_public_call_times_each_new_problem_once(cache, timed):
     q, k, v = qkv(2)
     with fmha_ops.autotune():
@@ -110,6 +124,21 @@ def test_the_public_call_times_each_new_problem_once(cache, timed):
     assert "measured here" not in str(fmha_ops.explain(q, k, v, fmha_ops.LowerTriangularMask()))
     with fmha_ops.autotune():
         assert "measured here" in str(fmha_ops.explain(q, k, v, fmha_ops.LowerTriangularMask()))
+
+
+def test_a_deterministic_call_is_measured_apart(cache, timed):
+    """Deterministic mode picks other kernels (and other speeds) for the same shapes: its problem has measurements
+    of its own, in memory and on disk."""
+    q, k, v = qkv(10)
+    with fmha_ops.autotune():
+        fmha_ops.memory_efficient_attention(q, k, v)
+        first = len(timed)
+        torch.use_deterministic_algorithms(True)
+        try:
+            fmha_ops.memory_efficient_attention(q, k, v)
+        finally:
+            torch.use_deterministic_algorithms(False)
+    assert first >= 2 and len(timed) > first, timed
 
 
 def test_forced_ops_are_never_timed_or_overridden(cache, timed):
@@ -141,11 +170,88 @@ def test_nothing_is_timed_under_a_torch_compile_trace(cache, timed):
     assert torch.allclose(out, fmha_ops.memory_efficient_attention(q, k, v, op="torch_referenceF"), atol=1e-5)
 
 
-def test_calls_that_need_gradients_keep_the_estimates(cache, timed):
+class SecondReferenceBw(ReferenceBwOp):
+    """A second backward op on the CPU (torch_referenceB is the only one), so there is a backward to choose."""
+
+    NAME = "test_referenceB"
+
+
+#: seconds the fake timing of ``grad_ops`` gives ops other than the test ops (1 ms when not listed)
+FASTEST: dict[str, float] = {}
+
+
+@pytest.fixture
+def grad_ops(monkeypatch):
+    """The test forward and backward registered for the test; fake timings that make them the fastest."""
+    from fmha_ops.dispatch import REGISTRY
+
+    for op in (NoAutogradFw, SecondReferenceBw):
+        monkeypatch.setitem(REGISTRY._ops, op.NAME, op)
+        monkeypatch.setitem(REGISTRY._names, op.NAME, op)
+    names = []
+
+    def fake(fns, device):
+        for fn in fns.values():
+            fn()
+        names.append(sorted(fns))
+        return {name: 1e-6 if name.startswith("test_") else FASTEST.get(name, 1e-3) for name in fns}
+    monkeypatch.setattr(timing, "calls_seconds", fake)
+    SELECTOR.clear()
+    yield names
+    monkeypatch.undo()
+    SELECTOR.clear()
+
+
+def test_a_call_that_needs_gradients_times_its_forward_then_its_backward_ops(cache, grad_ops):
     q, k, v = (t.requires_grad_() for t in qkv(6))
+    mask = fmha_ops.LowerTriangularMask()
+    with fmha_ops.autotune():
+        out = fmha_ops.memory_efficient_attention(q, k, v, mask)
+        out.sum().backward()
+        inp = fmha_ops.make_inputs(q, k, v, mask)
+        inp.validate()
+        backward = SELECTOR.explain(inp.problem(False), "bw")
+    assert grad_ops == [["sdpa_flashF", "sdpa_mathF", "test_no_autogradF", "torch_referenceF"],
+                        ["test_referenceB", "torch_referenceB"]], grad_ops
+    assert backward.selected is SecondReferenceBw and backward.verdicts[0].source == "measured here", str(backward)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    want = fmha_ops.memory_efficient_attention(*leaves, mask, op="torch_referenceF")
+    want.sum().backward()
+    assert torch.allclose(out, want, atol=1e-5)
+    for got, ref in zip((q, k, v), leaves):
+        assert torch.allclose(got.grad, ref.grad, atol=1e-5)
+
+
+def test_the_backward_ops_are_timed_on_a_forward_that_returns_the_lse(cache, grad_ops, monkeypatch):
+    """The fastest forward here, sdpa_mathF, differentiates itself and returns no LSE: the backward ops are timed on
+    the output and LSE of the fastest forward that pairs with them."""
+    monkeypatch.setitem(FASTEST, "sdpa_mathF", 1e-9)
+    q, k, v = (t.requires_grad_() for t in qkv(9))
     with fmha_ops.autotune():
         fmha_ops.memory_efficient_attention(q, k, v).sum().backward()
-    assert timed == [] and q.grad is not None
+    assert grad_ops[1] == ["test_referenceB", "torch_referenceB"] and q.grad is not None, grad_ops
+
+
+@pytest.mark.parametrize("fn", ["fp8_attention", "i8fp8_attention"])
+def test_a_quantized_call_times_its_backward_ops_at_its_backward(cache, grad_ops, fn):
+    """fp8_attention's backward (bf16 at the dequantized inputs) times the backward ops on the gradient it is given."""
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 17, 2, 16, generator=g).to(torch.bfloat16).requires_grad_() for _ in range(3))
+    with fmha_ops.autotune():
+        out = getattr(fmha_ops, fn)(q, k, v, causal=True)
+        out.backward(torch.randn_like(out))
+    assert grad_ops[-1] == ["test_referenceB", "torch_referenceB"] and torch.isfinite(q.grad.float()).all(), grad_ops
+
+
+def test_the_backward_call_times_the_backward_ops_on_its_own_tensors(cache, grad_ops):
+    q, k, v = qkv(8)
+    out, lse = fmha_ops.memory_efficient_attention_forward_requires_grad(q, k, v)
+    grad = torch.ones_like(out)
+    want = fmha_ops.memory_efficient_attention_backward(grad, out, lse, q, k, v, op="torch_referenceB")
+    with fmha_ops.autotune():
+        got = fmha_ops.memory_efficient_attention_backward(grad, out, lse, q, k, v)
+    assert grad_ops == [["test_referenceB", "torch_referenceB"]], grad_ops
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, want))
 
 
 def test_the_timing_interleaves_the_ops_and_sizes_rounds_by_their_cost():
@@ -227,3 +333,25 @@ def test_gpu_autotune_times_the_contenders_and_runs_the_fastest(cache):
     assert len(measured) >= 2 and chosen and chosen[0].estimate <= (1 + select.TIE_MARGIN) * fastest, str(report)
     ref = fmha_ops.memory_efficient_attention(q, k, v, bias, op="torch_referenceF")
     assert (out.float() - ref.float()).abs().max().item() < 2e-2
+
+
+@pytest.mark.gpu
+def test_gpu_a_call_with_gradients_times_its_backward_ops(cache):
+    """bf16 with gradients under autotune: the backward ops that pair with a forward are timed at the call (at least
+    two on the H200: triton_attnB and cudnnB / fa4B / fa3B where installed), the backward selected is the fastest
+    measured, and the gradients match the reference's."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 1000, 8, 128, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+               for _ in range(3))
+    bias = fmha_ops.LowerTriangularFromBottomRightMask()
+    with fmha_ops.autotune():
+        fmha_ops.memory_efficient_attention(q, k, v, bias).float().square().sum().backward()
+        inp = fmha_ops.make_inputs(q, k, v, bias)
+        inp.validate()
+        report = SELECTOR.explain(inp.problem(), "bw")
+    measured = [v for v in report.verdicts if v.ok and v.source == "measured here"]
+    assert len(measured) >= 2 and report.verdicts[0] in measured, str(report)
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    fmha_ops.memory_efficient_attention(*leaves, bias, op="torch_referenceF").square().sum().backward()
+    for got, ref in zip((q, k, v), leaves):
+        assert torch.nn.functional.cosine_similarity(got.grad.float().flatten(), ref.grad.flatten(), 0) > 0.999

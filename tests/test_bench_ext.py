@@ -11,6 +11,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import backends, selector  # noqa: E402
+from tests.test_autotune import SecondReferenceBw, cache, grad_ops  # noqa: E402,F401  (fixtures)
 
 
 def test_ratio_takes_the_best_measured_denominator():
@@ -58,6 +59,8 @@ def test_selector_calls_interleave_dtypes_and_add_backward_rows():
     assert len(made) == n_prefill + len(selector.PREFILL_SHAPES) + len(selector.DECODE_CALLS)
     assert kinds[:len(selector.DEFAULT_DTYPES) + 1] == ["fw", "bw"] + ["fw"] * (len(selector.DEFAULT_DTYPES) - 1)
     assert all(k == "fw" for k, _ in selector.calls("cpu", False, ("fp8_tensor",)))
+    decode = selector.calls("cpu", False, decode=True)
+    assert len(decode) == len(selector.DECODE_CALLS) and decode[-1][1]().label.startswith("decode fp8 B4 L512")
     picked = selector.calls("cpu", False, None, (3,))  # one prefill shape, every default dtype, no decode calls
     assert len(picked) == len(selector.DEFAULT_DTYPES) + 1
     assert picked[0][1]().label.startswith("prefill bfloat16 B32 N256")
@@ -86,6 +89,16 @@ def test_measure_backward_times_every_supporting_backward_op():
     assert set(estimates) == set(times) and all(e["model_us"] > 0 for e in estimates.values())
     assert selected in times and all(min(t) > 0 for t in times.values())
     assert torch.is_tensor(call.args[0]) and not call.args[0].requires_grad  # the call's own tensors are untouched
+
+
+def test_measure_backward_under_autotune_selects_the_backward_measured_at_the_call(cache, grad_ops, monkeypatch):
+    """The autotune mode's backward row: the call with gradients made once under autotune (its forward ops timed,
+    then its backward ops), and the row's selection the measured one."""
+    monkeypatch.setitem(selector._RUN, "autotune", True)
+    call = selector.prefill_call(1, 64, 4, 2, 32, True, "float32", "cpu")
+    selected, times, estimates = selector.measure_backward(call, "cpu")
+    assert ["test_referenceB", "torch_referenceB"] in grad_ops, grad_ops
+    assert selected == SecondReferenceBw.NAME and estimates[selected]["source"] == "measured here", estimates
 
 
 def test_selector_compile_only_shards_the_calls_and_writes_nothing(tmp_path):

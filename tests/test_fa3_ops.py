@@ -2,6 +2,8 @@
 an sm90 arch. Nothing here needs a FlashAttention-3 build; problems are built from real inputs and re-targeted
 to the H200, so the same ``not_supported_reasons`` the selector reads are checked."""
 import importlib
+import sys
+from importlib.util import find_spec
 
 import pytest
 import torch
@@ -46,6 +48,20 @@ def test_find_build_reads_the_config_of_the_first_build_installed(tmp_path, monk
     assert build.module == "fa3_fwd_interface" and build.package == "fa3-fwd"
     assert not build.has("BACKWARD") and build.has("VARLEN") and build.max_head_dim == 192
     assert "FLASHATTENTION_DISABLE_BACKWARD" in " ".join(build.missing("BACKWARD", "a backward"))
+
+
+def test_the_fa3_fwd_wheel_without_a_config_is_taken_as_forward_only(tmp_path, monkeypatch):
+    """A fa3-fwd build that ships no config (another version of the wheel) still has no backward: fa3B declines."""
+    (tmp_path / "fa3_fwd_interface.py").write_text("raise ImportError('the CUDA extension is not imported here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "fa3_fwd_config", raising=False)  # another test's config, imported
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "fa3_fwd_config" else find_spec(name))
+    build = find_build()
+    if build.module == "flash_attn_interface":
+        pytest.skip("upstream FlashAttention-3 is installed here and wins")
+    assert build.module == "fa3_fwd_interface" and not build.has("BACKWARD") and build.has("VARLEN")
+    monkeypatch.setattr(fa3, "BUILD", build)
+    assert "has no backward (FLASHATTENTION_DISABLE_BACKWARD)" in FA3BwOp.available()
 
 
 def test_fa3_declares_sm90_bf16_fp8_gqa_varlen_decode_and_lse():

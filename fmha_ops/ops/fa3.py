@@ -8,8 +8,9 @@ Two builds are found, the first importable one wins:
   forward kernels prebuilt for sm90, without backward, paged KV, local windows or fp16.
 
 Each build ships a config module whose ``CONFIG["build_flags"]`` says what it was compiled without
-(``FLASHATTENTION_DISABLE_<FEATURE>``); the ops declare exactly that (``BUILD``), and a call needing a feature
-the build lacks is refused with the flag named. What FA3 takes beyond that, on sm90:
+(``FLASHATTENTION_DISABLE_<FEATURE>``; fa3-fwd is forward-only whatever its config says, or without one); the ops
+declare exactly that (``BUILD``), and a call needing a feature the build lacks is refused with the flag named. What
+FA3 takes beyond that, on sm90:
 
 ==============  ============================================================================================
 dtypes          bf16 (fp16 where built); fp8 e4m3 q/k/v with (B, Hkv) float32 descales (per-tensor ones are
@@ -97,20 +98,22 @@ class FA3Build:
         return max(dims, default=0)
 
 
-#: (interface module, config module, what installs it), the first one found wins
-BUILDS = (("flash_attn_interface", "flash_attn_config", "FlashAttention-3 built from flash-attention's hopper/"),
-          ("fa3_fwd_interface", "fa3_fwd_config", "fa3-fwd"))
+#: what the fa3-fwd wheel is built without whatever its config says (or when it ships none): it is forward-only
+FA3_FWD_FLAGS = {"FLASHATTENTION_DISABLE_BACKWARD": True}
+#: (interface module, config module, what installs it, flags its config cannot unset), the first one found wins
+BUILDS = (("flash_attn_interface", "flash_attn_config", "FlashAttention-3 built from flash-attention's hopper/", {}),
+          ("fa3_fwd_interface", "fa3_fwd_config", "fa3-fwd", FA3_FWD_FLAGS))
 
 
 def find_build() -> FA3Build:
     """The installed FlashAttention-3 build (``BUILDS`` order), or ``FA3Build(None, ...)`` when none is."""
-    for module, config, package in BUILDS:
+    for module, config, package, fixed in BUILDS:
         if importlib.util.find_spec(module) is None:
             continue
-        flags: Mapping[str, bool] = {}
+        flags: dict[str, bool] = {}
         if importlib.util.find_spec(config) is not None:
             flags = dict(importlib.import_module(config).CONFIG.get("build_flags", {}))
-        return FA3Build(module, package, flags)
+        return FA3Build(module, package, flags | fixed)
     return FA3Build(None, "fa3-fwd", {})
 
 
