@@ -9,12 +9,36 @@ from __future__ import annotations
 from ..problem import Problem
 
 
-def attention_flops(p: Problem) -> float:
-    """Forward FLOPs: 2 matmuls of 2*M*N*K each, halved for causal masks when Mq ~ Mk."""
-    f = 2.0 * p.batch * p.heads_q * p.seqlen_q * p.seqlen_k * (p.head_dim + p.head_dim_v)
-    if p.causal and p.seqlen_q > 1 and p.seqlen_q * 2 > p.seqlen_k:
-        f *= 0.5
-    return f
+#: keys beyond a local window that a tile-skipping kernel computes per query: a block of 128 queries spans its window
+#: plus the block's own 128 keys in whole key tiles
+WINDOW_TILE = 128
+
+
+def visible_keys(p: Problem, window: bool = True, causal: bool = True) -> float:
+    """Keys per query an op computes scores for: Mk, halved for causal masks when Mq ~ Mk (``causal``: the op's
+    kernels skip the tiles a causal mask hides), and with ``window`` (its kernels skip the tiles outside a local
+    window) at most the window's span plus ``WINDOW_TILE``. Kernels that mask out-of-window scores instead of
+    skipping their tiles pass ``window=False``: their work is the mask's without the window.
+
+    Example: 8192 queries and keys, bottom-right causal with a 128-key window (window_left 127)
+
+    >>> visible_keys(problem), visible_keys(problem, window=False)  # doctest: +SKIP
+    (256.0, 4096.0)
+    """
+    keys = float(p.seqlen_k)
+    if causal and p.causal and p.seqlen_q > 1 and p.seqlen_q * 2 > p.seqlen_k:
+        keys *= 0.5
+    if window and p.windowed:
+        left = p.window_left if p.window_left >= 0 else p.seqlen_k
+        right = 0 if p.causal else (p.window_right if p.window_right >= 0 else p.seqlen_k)
+        keys = min(keys, left + right + 1 + WINDOW_TILE)
+    return keys
+
+
+def attention_flops(p: Problem, window: bool = True, causal: bool = True) -> float:
+    """Forward FLOPs: 2 matmuls of 2*M*N*K each over the keys each query sees (``visible_keys``: ``window`` and
+    ``causal`` say whether the op's kernels skip the tiles a window / causal mask hides)."""
+    return 2.0 * p.batch * p.heads_q * p.seqlen_q * visible_keys(p, window, causal) * (p.head_dim + p.head_dim_v)
 
 
 #: a backward's matrix work relative to its forward's (five GEMMs of the forward's size against two)
@@ -27,12 +51,14 @@ def head_dim_rate(rates: dict[int, float], head_dim: int) -> float:
     return rates[min(fitting) if fitting else max(rates)]
 
 
-def backward_time(p: Problem, rates: dict[int, float], tbps: float, overhead_us: float) -> float:
+def backward_time(p: Problem, rates: dict[int, float], tbps: float, overhead_us: float, window: bool = True,
+                  causal: bool = True) -> float:
     """Seconds for one backward at ``rates`` (head dim -> achieved TFLOP/s counted over the backward's
     BACKWARD_WORK x the forward's FLOPs), ``tbps`` TB/s and a fixed overhead. The greater of compute and memory
     time only (``exposed`` 0): the rates were fitted that way on long sequences and no tuning table times a
-    backward to fit ``EXPOSED`` on."""
-    return (BACKWARD_WORK * attention_time(p, head_dim_rate(rates, p.head_dim), tbps, 0.0, exposed=0.0)
+    backward to fit ``EXPOSED`` on. ``window`` / ``causal``: as ``attention_flops``."""
+    return (BACKWARD_WORK * attention_time(p, head_dim_rate(rates, p.head_dim), tbps, 0.0, exposed=0.0,
+                                           window=window, causal=causal)
             + overhead_us * 1e-6)
 
 
@@ -60,9 +86,10 @@ EXPOSED = 1.5
 
 
 def attention_time(p: Problem, tflops: float, tbps: float, overhead_us: float, passes: float = 1.0,
-                   exposed: float = EXPOSED) -> float:
+                   exposed: float = EXPOSED, window: bool = True, causal: bool = True) -> float:
     """Seconds for one call at ``tflops`` achieved TFLOP/s and ``tbps`` achieved TB/s: the greater of compute and
-    memory time plus ``exposed`` x the lesser, plus ``overhead_us``.
+    memory time plus ``exposed`` x the lesser, plus ``overhead_us``. ``window`` / ``causal``: whether the op's
+    kernels skip the tiles a local window / causal mask hides (``attention_flops``).
 
     Example
     -------
@@ -74,6 +101,6 @@ def attention_time(p: Problem, tflops: float, tbps: float, overhead_us: float, p
         from registry.arch import sm_count
 
         scale = sm_count(p.arch) / 132.0
-    compute = attention_flops(p) / (tflops * 1e12 * scale)
+    compute = attention_flops(p, window, causal) / (tflops * 1e12 * scale)
     memory = passes * attention_bytes(p) / (tbps * 1e12 * scale)
     return max(compute, memory) + exposed * min(compute, memory) + overhead_us * 1e-6

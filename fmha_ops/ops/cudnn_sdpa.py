@@ -45,6 +45,18 @@ _HEAD_DIMS = range(8, 257, 8)
 _UNEQUAL_MAX = 128
 _WIDE_PAIR = (192, 128)
 _IO_TYPES = {torch.bfloat16: "BFLOAT16", torch.float16: "HALF"}
+#: whether the cost model counts a local window's reduced work for these ops. Measured (H100, bf16, 1x8192, 64 / 8
+#: heads of D64, bottom-right causal, a 128-key window, forward + backward): cudnnF + cudnnB 7.37 ms (8.13 with
+#: sinks) against 8.52 ms for the same call without the window (with sinks), while the Triton pair ran 0.83 ms
+#: against 6.29: under those bands cuDNN did about the unwindowed work. Counted that way, the selector routes
+#: windowed training calls to the Triton pair (~9x faster there) instead of cudnnF
+WINDOW_SKIPS_TILES = False
+#: whether cuDNN's backward skips the tiles a causal mask hides under a ``BOTTOM_RIGHT`` band. Measured (H100, same
+#: call without the window, with sinks): cudnnF + cudnnB 8.52 ms against 4.73 ms for torch's cuDNN path on the
+#: same call without sinks (top-left ``causal_mask``, the same kernels) and 6.26 ms for the Triton pair with sinks:
+#: 1.80x, what the backward costs over the whole square (2.5x the forward's work, doubled). Such calls are rated at
+#: the square; at Mq == Mk ``band`` passes ``TOP_LEFT``
+BOTTOM_RIGHT_BACKWARD_SKIPS = False
 
 
 class Band(NamedTuple):
@@ -67,28 +79,39 @@ class Band(NamedTuple):
         return kw
 
 
-def band(kind: str, mk: int, window_left: int, window_right: int) -> Band:
+def band(kind: str, mq: int, mk: int, window_left: int, window_right: int) -> Band:
     """The band of our mask kind and window (``attn_bias``: key j visible iff i_al - window_left <= j <=
     i_al + window_right, -1 unbounded, and causal kinds add j <= i_al). cuDNN's left bound counts the query's own
     key (left = window_left + 1); it takes a left bound only with a right bound, so a window unbounded on the right
-    gets one past the last key (Mk: with Mq <= Mk, i_al >= 0).
+    gets one past the last key (Mk: with Mq <= Mk, i_al >= 0). With Mq == Mk the two alignments coincide and the
+    band is ``TOP_LEFT``, the alignment of torch's cuDNN path (``set_causal_mask``): under ``BOTTOM_RIGHT`` cuDNN's
+    backward is rated at the whole score matrix's work (``CudnnSdpaBwOp``).
 
-    >>> band("causal_bottom_right", 4096, 127, -1)
+    >>> band("causal_bottom_right", 1024, 4096, 127, -1)
     Band(alignment='BOTTOM_RIGHT', left=128, right=0)
-    >>> band("none", 4096, -1, -1)
+    >>> band("causal_bottom_right", 4096, 4096, 127, -1)
+    Band(alignment='TOP_LEFT', left=128, right=0)
+    >>> band("none", 4096, 4096, -1, -1)
     Band(alignment=None, left=None, right=None)
     """
     left = window_left + 1 if window_left >= 0 else None
+    alignment = "TOP_LEFT" if kind == ab.CAUSAL or mq == mk else "BOTTOM_RIGHT"
     if kind in ab.CAUSAL_KINDS:
-        return Band("TOP_LEFT" if kind == ab.CAUSAL else "BOTTOM_RIGHT", left, 0)
+        return Band(alignment, left, 0)
     if left is None and window_right < 0:
         return Band(None, None, None)
-    return Band("BOTTOM_RIGHT", left, window_right if window_right >= 0 else mk)
+    return Band(alignment, left, window_right if window_right >= 0 else mk)
+
+
+def bottom_right_band(p: Problem) -> bool:
+    """Whether cuDNN gets the problem's mask as a ``BOTTOM_RIGHT`` band (``band``): bottom-right causal or a window
+    with Mq != Mk."""
+    return p.seqlen_q != p.seqlen_k and (p.bias == ab.CAUSAL_BR or (p.bias == ab.NONE and p.windowed))
 
 
 def call_band(inp: Inputs) -> Band:
-    """``band`` of the call's mask kind, key length and window."""
-    return band(inp.bias_kind, inp.key.shape[1], *window_fields(inp))
+    """``band`` of the call's mask kind, lengths and window."""
+    return band(inp.bias_kind, inp.query.shape[1], inp.key.shape[1], *window_fields(inp))
 
 
 def cudnn_sdpa_unavailable_reason() -> str | None:
@@ -285,7 +308,8 @@ class CudnnSdpaFwOp(_CudnnSdpaOp, AttentionFwOp):
 
     @classmethod
     def estimate(cls, p: Problem) -> float:
-        return attention_time(p, head_dim_rate(cls.HEAD_DIM_TFLOPS, p.head_dim), cls.TBPS, cls.OVERHEAD_US)
+        return attention_time(p, head_dim_rate(cls.HEAD_DIM_TFLOPS, p.head_dim), cls.TBPS, cls.OVERHEAD_US,
+                              window=WINDOW_SKIPS_TILES)
 
 
 @register
@@ -322,4 +346,8 @@ class CudnnSdpaBwOp(_CudnnSdpaOp, AttentionBwOp):
 
     @classmethod
     def estimate(cls, p: Problem) -> float:
-        return backward_time(p, cls.RATES, cls.TBPS, cls.OVERHEAD_US)
+        """The backward of torch's cuDNN path (the same kernels) over the work it was measured to do: a local
+        window's tiles not skipped (``WINDOW_SKIPS_TILES``), and under a ``BOTTOM_RIGHT`` band (``band``) the whole
+        score matrix (``BOTTOM_RIGHT_BACKWARD_SKIPS``)."""
+        return backward_time(p, cls.RATES, cls.TBPS, cls.OVERHEAD_US, window=WINDOW_SKIPS_TILES,
+                             causal=BOTTOM_RIGHT_BACKWARD_SKIPS or not bottom_right_band(p))
