@@ -221,12 +221,28 @@ def summarize(rows: list[dict]) -> dict:
             "calls": len(rows), "unmeasured_selected": sum(r["regret"] is None for r in rows)}
 
 
-RECORD = Record(
-    "selector", "Selector regret", "PYTHONPATH=$PWD python bench/selector.py",
-    {"mode": "calls / selection", "kind": "kind of call", "calls": "calls", "median": "median regret",
-     "worst": "worst regret", "worst_call": "worst call: selected vs fastest"})
 #: what each mode's rows are, for the record's table
 MODE_LABELS = {"table": "off the grid / table", "autotune": "off the grid / autotune", "anchors": "anchors / table"}
+RECORD = Record(
+    "selector", "Selector regret", "PYTHONPATH=$PWD python bench/selector.py",
+    {"kind": "kind of call", **{label: label for label in MODE_LABELS.values()}})
+
+
+def by_kind(groups: list[dict]) -> list[dict]:
+    """The record's table: one row per kind of call (in the order ``groups`` first gives it), one cell per mode
+    (``MODE_LABELS``) saying "median / worst regret (calls; worst call: selected vs fastest)" of that group.
+    ``groups``: per (mode label, kind of call) its ``calls``, ``median``, ``worst`` and ``worst_call`` texts.
+
+    >>> by_kind([{"mode": "anchors / table", "kind": "prefill fp8", "calls": 8, "median": "0.0%",
+    ...           "worst": "5.0%", "worst_call": "B8 N1000: a vs b"}])[0]["anchors / table"]
+    '0.0% / 5.0% (8; B8 N1000: a vs b)'
+    """
+    rows: dict[str, dict] = {}
+    for g in groups:
+        worst_call = "" if g["worst_call"] == "-" else f"; {g['worst_call']}"
+        rows.setdefault(g["kind"], {"kind": g["kind"]})[g["mode"]] = (
+            f"{g['median']} / {g['worst']} ({g['calls']}{worst_call})")
+    return list(rows.values())
 
 
 def _pct(x: float | None) -> str:
@@ -291,7 +307,8 @@ def record(runs: dict[str, list[dict]], env: dict, png: str | None = None, skipp
                           "worst_call": (f"{worst['call'].split(' ', 2)[-1]}: {worst['selected']} vs {worst['best']}"
                                          if worst["regret"] else "-")})
     overall = "; ".join(f"{MODE_LABELS[m]}: {target_text(m, summarize(rows))}" for m, rows in runs.items())
-    notes = (f"{overall}. Regret = t(selected) / t(fastest supporting op) - 1, t = max(device, host time) per call "
+    notes = (f"{overall}. Cells: median / worst regret (calls; the worst call: selected vs fastest op). Regret = "
+             "t(selected) / t(fastest supporting op) - 1, t = max(device, host time) per call "
              "(host: median of 9 rounds interleaving the call's ops). Off the grid: calls between and outside the "
              "tuned buckets (other lengths, batch sizes, GQA ratios, head dims), decode included; backward rows: the "
              "backward op a bf16 call with gradients gets, against every backward op on the same output and LSE. "
@@ -302,7 +319,7 @@ def record(runs: dict[str, list[dict]], env: dict, png: str | None = None, skipp
         notes += f" Not measured (time budget): {len(skipped)} calls, from {skipped[0]}."
     write_calls(runs, RESULTS)
     notes += f" Every call's selected and fastest op with both times: bench/results/{CALLS_FILE}."
-    return RECORD.write(table, env, png, notes)
+    return RECORD.write(by_kind(table), env, png, notes)
 
 
 def plot(d: str, runs: dict[str, list[dict]]) -> str | None:
