@@ -245,12 +245,13 @@ def or_none(fn: Callable[[], object]):
 
 
 def print_table(rows: Sequence[dict], columns: Sequence[str]) -> None:
-    widths = {c: max([len(c), *(len(_fmt(r.get(c))) for r in rows)]) for c in columns}
+    widths = {c: max([len(c), *(len(fmt_cell(r.get(c))) for r in rows)]) for c in columns}
     print("  ".join(c.rjust(widths[c]) for c in columns))
     for r in rows:
-        print("  ".join(_fmt(r.get(c)).rjust(widths[c]) for c in columns))
+        print("  ".join(fmt_cell(r.get(c)).rjust(widths[c]) for c in columns))
 
-def _fmt(v) -> str:
+def fmt_cell(v) -> str:
+    """A table cell's text: floats to 4 significant digits, None as ``-``, anything else as ``str``."""
     if isinstance(v, float):
         return f"{v:.4g}"
     return "-" if v is None else str(v)
@@ -262,7 +263,7 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[str], labels: Sequenc
     numeric = [any(isinstance(r.get(c), (int, float)) and not isinstance(r.get(c), bool) for r in rows)
                for c in columns]
     lines = ["| " + " | ".join(labels) + " |", "|" + "|".join("---:" if n else "---" for n in numeric) + "|"]
-    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |" for r in rows]
+    lines += ["| " + " | ".join(fmt_cell(r.get(c)) for c in columns) + " |" for r in rows]
     return "\n".join(lines)
 
 

@@ -115,7 +115,7 @@ def cases(device: str) -> list[tuple[str, str, Call, Call | None, Call | None]]:
         name, direct = _direct(inp, needs_lse)
         rows.append((label, name, ours, direct, sdpa))
 
-    row(f"memory_efficient_attention {dtype_name(dtype)} causal", lambda: fmha_ops.memory_efficient_attention(
+    row("memory_efficient_attention causal", lambda: fmha_ops.memory_efficient_attention(
         q, k, v, causal), make_inputs(q, k, v, causal), sdpa=_sdpa(q, k, v, True))
     with torch.no_grad():
         row("memory_efficient_attention_forward", lambda: fmha_ops.memory_efficient_attention_forward(q, k, v, causal),
@@ -270,10 +270,6 @@ def _quantized_rows(q, k, v) -> list:
     return rows
 
 
-def dtype_name(dt: torch.dtype) -> str:
-    return str(dt).replace("torch.", "")
-
-
 def measure(rows, iters: int, rounds: int, device: str) -> list[dict]:
     """Per row the median over ``rounds`` interleaved rounds (a noisy host slows all three alike) of the host time
     per call of ``iters`` back-to-back calls; printed as measured."""
@@ -316,6 +312,22 @@ def short_sequence_rows() -> list[dict]:
     return rows
 
 
+def short_sequence_text(short: list[dict]) -> str:
+    """The record's line on ``short_sequence_rows``: per shape the three TFLOP/s and fp8 / cuDNN.
+
+    >>> text = short_sequence_text([{"shape": "8x1000x16/16x128", "fp8_flash_attn_func_tflops": 543.1,
+    ...                              "bf16_flash_attn_func_tflops": 505.8, "cudnn_bf16_tflops": 496.7,
+    ...                              "fp8_over_cudnn": 1.093}])
+    >>> text.endswith("SDPA 543.1 / 505.8 / 496.7 (fp8 / cuDNN 1.093x) at 8x1000x16/16x128.")
+    True
+    """
+    parts = [f"{common.fmt_cell(r['fp8_flash_attn_func_tflops'])} / {common.fmt_cell(r['bf16_flash_attn_func_tflops'])}"
+             f" / {common.fmt_cell(r['cudnn_bf16_tflops'])} (fp8 / cuDNN {common.fmt_cell(r['fp8_over_cudnn'])}x) at "
+             f"{r['shape']}" for r in short]
+    return ("fp8 at short sequences through flash_attn_func, TFLOP/s (same run): fp8 / bf16 flash_attn_func / cuDNN "
+            "bf16 SDPA " + "; ".join(parts) + ".")
+
+
 PROFILE_TOP = 12  # functions printed per profiled call
 
 
@@ -347,8 +359,30 @@ def profile(rows, results: list[dict], calls: int) -> None:
 
 COLUMNS = ["device", "call", "op", "ours_us", "direct_us", "overhead_us", "within_target", "sdpa_us", "ours_over_sdpa",
            "sdpa_target"]
-LABELS = ["device", "entry point", "op", "ours (us)", "direct (us)", "ours - direct (us)", "<= max(25%, 5 us)",
-          "SDPA (us)", "ours / SDPA", "CPU: <= 2x SDPA"]
+#: the record's columns (``by_call``: one row per entry point, each cell its CPU / CUDA values)
+LABELS = ["entry point (cells: CPU / CUDA)", "op", "ours (us)", "direct (us)", "ours - direct (us)",
+          "<= max(25%, 5 us)", "SDPA (us)", "ours / SDPA", "CPU: <= 2x SDPA"]
+
+
+def by_call(rows: list[dict]) -> list[dict]:
+    """The record's table from the measured ``rows``: one row per entry point (in the order the rows first give it),
+    each cell the values of ``COLUMNS`` on each measured device joined by " / " (``-``: the device has no such row
+    or value; one ``-`` where no device has a value), the devices in the order the rows give them.
+
+    >>> by_call([{"device": "cpu", "call": "f", "ours_us": 24.76}, {"device": "cuda", "call": "f", "ours_us": 21.5},
+    ...          {"device": "cuda", "call": "g", "ours_us": 9.0}])[1]["ours_us"]
+    '- / 9'
+    """
+    devices = list(dict.fromkeys(r["device"] for r in rows))
+    calls: dict[str, dict] = {}
+    for r in rows:
+        calls.setdefault(r["call"], {})[r["device"]] = r
+
+    def cell(per: dict, column: str) -> str:
+        values = [common.fmt_cell(per[d].get(column)) if d in per else "-" for d in devices]
+        return "-" if set(values) == {"-"} else " / ".join(values)
+
+    return [{"call": call, **{c: cell(per, c) for c in COLUMNS[2:]}} for call, per in calls.items()]
 
 
 def main() -> None:
@@ -392,8 +426,9 @@ def main() -> None:
 
 def record(rows: list[dict], short: list[dict], env: dict, png: str | None, tag: str) -> str:
     """Write bench/results/host_time.md (with GPU rows) or host_time_cpu.md (CPU rows only) from the rows."""
-    body = common.markdown_table(rows, COLUMNS, LABELS)
-    body += ("\n\nHost wall time per call of back-to-back calls, microseconds, median of interleaved rounds. direct: "
+    body = common.markdown_table(by_call(rows), COLUMNS[1:], LABELS)
+    body += ("\n\nHost wall time per call of back-to-back calls, microseconds, median of interleaved rounds; float32 "
+             "calls on the CPU, bfloat16 on CUDA. direct: "
              "the selected op without the call path: its launch plan (launcher) made once and run on the call's "
              "tensors (SDPA ops: their aten function on the BHMK views any caller with BMHK tensors makes; forward + "
              "backward under torch's autograd); decode: the op's decode launch, after the append kernel where the "
@@ -402,8 +437,7 @@ def record(rows: list[dict], short: list[dict], env: dict, png: str | None, tag:
              "launcher under a minimal autograd.Function). SDPA: torch's eager "
              "scaled_dot_product_attention on BHMK tensors. cpu rows: one thread of the host's CPU.")
     if short:
-        body += "\n\nfp8 at short sequences through flash_attn_func (TFLOP/s, same run):\n\n" + common.markdown_table(
-            short, list(short[0]))
+        body += "\n\n" + short_sequence_text(short)
     name = "host_time" if tag == "gpu" else "host_time_cpu"
     title = "Host time per call" + ("" if tag == "gpu" else " (CPU)")
     return common.write_record(name, title, COMMAND + ("" if tag == "gpu" else " --device cpu"), body, env, png)

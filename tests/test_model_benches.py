@@ -4,6 +4,7 @@ written."""
 import importlib.util
 import json
 import os
+import shutil
 import sys
 
 import pytest
@@ -96,6 +97,30 @@ def test_full_grid_records_stay_short():
         "sinks / none, bf16 fwd", "sinks / none, fp8 fwd", "sinks / none, bf16 fwd+bwd", "sinks / none, decode",
         "V padded to 192 / Kv=128, fwd", "FA3 192->128 / ours, fwd", "V padded to 192 / Kv=128, fwd+bwd"]
     assert [r["calls"] for r in summary] == [6, 6, 6, 12, 3, 3, 3]
+
+
+def test_full_grid_records_fit_benchmarks_md_with_the_pending_forward_records(tmp_path, monkeypatch):
+    """The models and model-features records at their full grids, beside the forward and accuracy records at full
+    size (tests/test_attention_fwd_bench.py), each measured in an environment of its own (its Environment line stays
+    on the page): BENCHMARKS.md still assembles within its line budget."""
+    from bench import assemble_benchmarks, attention_fwd_bench as fwd, backends
+    from tests.test_bench_records import MAX_LINES
+
+    results = tmp_path / "results"
+    shutil.copytree(common.RESULTS, results)
+    env = {"gpu": "GPU", "driver": "1", "cuda": "13", "torch": "2", "triton": "3", "cudnn": 9, "date": "2099-01-01"}
+    png = tmp_path / "plot.png"
+    png.write_bytes(b"png")
+    models, features = _full_grid_rows()
+    models_bench.RECORD.write(models_bench.record_rows(models), env, str(png), results_dir=str(results))
+    model_features_bench.RECORD.write(model_features_bench.summary_rows(features), env, str(png),
+                                      results_dir=str(results))
+    fwd.SPEED_RECORD.write([{"shape": backends.shape_label(*s), "fa3_fp8": 800.0} for s in fwd.SHAPES], env,
+                           str(png), notes=fwd.speed_notes(["x"], ["a"]), results_dir=str(results))
+    fwd.ACCURACY_RECORD.write([{"kernel": name, "cos": 0.999} for name in fwd.RECORDED], env,
+                              notes=fwd.accuracy_notes(fwd.ACCURACY_SHAPE, ["a", "b"]), results_dir=str(results))
+    monkeypatch.setattr(assemble_benchmarks, "RESULTS", str(results))
+    assert assemble_benchmarks.assemble().count("\n") <= MAX_LINES
 
 
 def test_model_features_summary_takes_the_worst_call_by_the_measures_direction():
