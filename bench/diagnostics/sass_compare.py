@@ -36,6 +36,10 @@ FA3_FLAGS = "false, false, false, false, false, false, false, true, true, false,
 FA3_MAINLOOP = re.compile(r"CollectiveMainloopFwdSm90<2, cute::tuple<cute::C<1>, cute::C<1>, cute::C<1> >, "
                           r"cute::tuple<cute::C<(\d+)>, cute::C<(\d+)>, cute::C<(\d+)> >, (\d+), "
                           r"cutlass::float_e4m3_t, float, cutlass::arch::Sm90, " + FA3_FLAGS + ">")
+#: exponentials that mark a loop as a softmax loop (a tile's, per thread, are 64 x BLOCK_N / 128 >= 32)
+MIN_EXP = 16
+#: instructions back within which an identical mbarrier try-wait is a second try of the same wait
+RETRY_WINDOW = 4
 #: threads of one consumer warpgroup (each holds 64 x BLOCK_N / 128 scores of a tile)
 WG_THREADS = 128
 WG_ROWS = 64
@@ -58,7 +62,7 @@ def column(text: str) -> str:
     op = opcode(text)
     if op == "IMAD" and ".MOV" in text:
         return "MOV"
-    if op.startswith("U") and op not in ("USETMAXREG",):
+    if op.startswith("U"):
         return "uniform"
     return op
 
@@ -71,7 +75,7 @@ def is_rs_gmma(text: str) -> bool:
 
 def steady_iteration(ins: list[tuple[int, str]]) -> list[str]:
     """Instruction texts of one steady-state iteration of the consumer key loop (module docstring): the innermost
-    backward-branch loop with both wgmma kinds and at least 16 exponentials, the first by address, walked along
+    backward-branch loop with both wgmma kinds and at least ``MIN_EXP`` exponentials, the first by address, walked along
     the shortest path from its head to its back branch that keeps the most wgmmas and exponentials. Branches out
     of the loop (mbarrier retry blocks) count as falling through."""
     index = {a: i for i, (a, _) in enumerate(ins)}
@@ -81,7 +85,7 @@ def steady_iteration(ins: list[tuple[int, str]]) -> list[str]:
         if m and int(m.group(1), 16) < a and int(m.group(1), 16) in index:
             body = [x for _, x in ins[index[int(m.group(1), 16)]:i + 1]]
             if (any(is_rs_gmma(x) for x in body) and any(opcode(x) == "GMMA" and not is_rs_gmma(x) for x in body)
-                    and sum(x.startswith("MUFU.EX2") or " MUFU.EX2" in x for x in body) >= 16):
+                    and sum("MUFU.EX2" in x for x in body) >= MIN_EXP):
                 loops.append((index[int(m.group(1), 16)], i))
     if not loops:
         raise SystemExit("no consumer key loop (S and P V wgmmas with exponentials) in this SASS")
@@ -92,12 +96,15 @@ def steady_iteration(ins: list[tuple[int, str]]) -> list[str]:
 
 def _best_path(ins: list[tuple[int, str]], head: int, tail: int) -> list[str]:
     """The path from ``head`` to ``tail`` (instruction indices) through forward branches inside that range that
-    maximizes (wgmmas, exponentials) and then minimizes its length (dynamic programming from the tail back)."""
+    maximizes (wgmmas, exponentials, mbarrier waits) and then minimizes its length (dynamic programming from the
+    tail back). A wait counts once: a repeated try of the same wait (FA3 tries twice before its retry loop) does
+    not, so the path is the one where every wait is taken and its first try succeeds."""
     index = {a: i for i, (a, _) in enumerate(ins)}
-    best: dict[int, tuple[tuple[int, int, int], list[int]]] = {}  # start -> ((-gmma, -mufu, length), next starts)
+    best: dict[int, tuple[tuple[int, ...], list[int]]] = {}  # start -> ((-gmma, -mufu, -waits, length), next)
     for i in range(tail, head - 1, -1):
         t = ins[i][1]
-        score = (-(opcode(t) == "GMMA"), -("MUFU.EX2" in t), 1)
+        first_try = "TRYWAIT" in t and all(ins[k][1] != t for k in range(max(head, i - RETRY_WINDOW), i))
+        score = (-(opcode(t) == "GMMA"), -("MUFU.EX2" in t), -first_try, 1)
         if i == tail:
             best[i] = (score, [])
             continue
@@ -131,7 +138,7 @@ def loop_report(texts: list[str], block_n: int) -> dict:
     row["S_wgmma"] = sum(opcode(t) == "GMMA" and not is_rs_gmma(t) for t in texts)
     row["PV_wgmma"] = sum(is_rs_gmma(t) for t in texts)
     row["BAR.SYNC"] = sum(opcode(t) == "BAR" and ".SYNC" in t for t in texts)
-    row["mbar_wait"] = sum("TRYWAIT" in t for t in texts)
+    row["mbar_wait"] = len({t.split("[")[1].split("]")[0] for t in texts if "TRYWAIT" in t})
     row["mbar_arrive"] = sum(opcode(t) == "SYNCS" and ".ARRIVE" in t for t in texts)
     waits = [i for i, t in enumerate(texts) if "WARPGROUP.DEPBAR" in t]
     last_pv = max(i for i, t in enumerate(texts) if is_rs_gmma(t))
@@ -196,7 +203,7 @@ def fa3_sass(so: str, head_dims: list[int]) -> dict[int, dict]:
 
 
 def ours_sass(head_dim: int, overrides: dict) -> dict:
-    """{"config", "tile", "regs", "sass"} of the ws kernel at ``head_dim`` (not causal, 4096 keys, fp8)."""
+    """{"tile" (BLOCK_M x BLOCK_N), "regs", "sass"} of the ws kernel at ``head_dim`` (not causal, 4096 keys, fp8)."""
     from fmha_ops.kernels.gluon import attention_fwd_ws as ws
 
     cfg = dataclasses.replace(ws.default_config(head_dim, False, 4096), **overrides)
@@ -206,8 +213,8 @@ def ours_sass(head_dim: int, overrides: dict) -> dict:
         f.write(kernel.asm["cubin"])
     sass = subprocess.run([_tool("cuobjdump"), "-sass", path], capture_output=True, text=True, check=True).stdout
     res = subprocess.run([_tool("cuobjdump"), "-res-usage", path], capture_output=True, text=True, check=True).stdout
-    return {"config": cfg, "tile": (cfg.consumers * WG_ROWS, cfg.block_n), "regs": int(re.search(r"REG:(\d+)", res).group(1)),
-            "sass": sass}
+    regs = int(re.search(r"REG:(\d+)", res).group(1))
+    return {"tile": (cfg.consumers * WG_ROWS, cfg.block_n), "regs": regs, "sass": sass}
 
 
 def reg_split(sass: str) -> str:
