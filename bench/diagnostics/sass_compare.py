@@ -149,6 +149,12 @@ def loop_report(texts: list[str], block_n: int) -> dict:
     row["exp_under_PV"] = sum(last_pv < i < final for i in exp)
     row["instr_under_PV"] = max(0, final - last_pv - 1 - sum(1 for i in waits if last_pv < i < final))
     row["after_PV_wait"] = len(texts) - final - 1
+    # the issue span: from the last blocking wait (mbarrier or named barrier) before the first wgmma to the last
+    # wgmma; a consumer holding the turn keeps the others from issuing for this long
+    first = min(i for i, t in enumerate(texts) if opcode(t) == "GMMA")
+    blocking = [i for i, t in enumerate(texts[:first]) if "TRYWAIT" in t or (opcode(t) == "BAR" and ".SYNC" in t)]
+    last = max(i for i, t in enumerate(texts) if opcode(t) == "GMMA")
+    row["issue_span"] = last - (blocking[-1] if blocking else 0)
     return row
 
 
