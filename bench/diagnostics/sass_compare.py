@@ -42,6 +42,7 @@ MIN_EXP = 16
 RETRY_WINDOW = 4
 #: threads of one consumer warpgroup (each holds 64 x BLOCK_N / 128 scores of a tile)
 WG_THREADS = 128
+#: rows of one consumer warpgroup (an m64 wgmma)
 WG_ROWS = 64
 #: opcode columns of the mix table, in order; the rest is summed as "other"
 MIX = ("FFMA", "FMUL", "FADD", "FMNMX", "MUFU", "F2FP", "PRMT", "SHFL", "LOP3", "IMAD", "MOV", "IADD3", "VIADD",
@@ -75,9 +76,11 @@ def is_rs_gmma(text: str) -> bool:
 
 def steady_iteration(ins: list[tuple[int, str]]) -> list[str]:
     """Instruction texts of one steady-state iteration of the consumer key loop (module docstring): the innermost
-    backward-branch loop with both wgmma kinds and at least ``MIN_EXP`` exponentials, the first by address, walked along
-    the shortest path from its head to its back branch that keeps the most wgmmas and exponentials. Branches out
-    of the loop (mbarrier retry blocks) count as falling through."""
+    backward-branch loop with both wgmma kinds and at least ``MIN_EXP`` exponentials, the first by address,
+    walked along the shortest path from its head to its back branch that keeps the most wgmmas, exponentials and
+    mbarrier waits (``_best_path``). Branches out of the loop (mbarrier retry blocks) count as falling through.
+
+    Example: ``loop_report(steady_iteration(sass_instructions(cuobjdump_sass)), block_n=192)["per_score"]``."""
     index = {a: i for i, (a, _) in enumerate(ins)}
     loops = []
     for i, (a, t) in enumerate(ins):
@@ -100,13 +103,13 @@ def _best_path(ins: list[tuple[int, str]], head: int, tail: int) -> list[str]:
     tail back). A wait counts once: a repeated try of the same wait (FA3 tries twice before its retry loop) does
     not, so the path is the one where every wait is taken and its first try succeeds."""
     index = {a: i for i, (a, _) in enumerate(ins)}
-    best: dict[int, tuple[tuple[int, ...], list[int]]] = {}  # start -> ((-gmma, -mufu, -waits, length), next)
+    best: dict[int, tuple[tuple[int, ...], int | None]] = {}  # start -> ((-gmma, -mufu, -waits, length), next)
     for i in range(tail, head - 1, -1):
         t = ins[i][1]
         first_try = "TRYWAIT" in t and all(ins[k][1] != t for k in range(max(head, i - RETRY_WINDOW), i))
         score = (-(opcode(t) == "GMMA"), -("MUFU.EX2" in t), -first_try, 1)
         if i == tail:
-            best[i] = (score, [])
+            best[i] = (score, None)
             continue
         succ = []
         m = _BRA.search(t)
@@ -117,13 +120,12 @@ def _best_path(ins: list[tuple[int, str]], head: int, tail: int) -> list[str]:
         if not (unconditional and target is not None and i < target <= tail):
             succ.append(i + 1)
         nxt = min(succ, key=lambda s: best[s][0])
-        best[i] = (tuple(x + y for x, y in zip(score, best[nxt][0])), [nxt])
+        best[i] = (tuple(x + y for x, y in zip(score, best[nxt][0])), nxt)
     path, i = [], head
-    while True:
+    while i is not None:
         path.append(ins[i][1])
-        if not best[i][1]:
-            return path
-        i = best[i][1][0]
+        i = best[i][1]
+    return path
 
 
 def loop_report(texts: list[str], block_n: int) -> dict:
