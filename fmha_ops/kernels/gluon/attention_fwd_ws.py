@@ -26,7 +26,8 @@ host TMA descriptors of the whole 4-D tensors ([1, rows, 1, D] boxes; V^T [1, 1,
   after the tile's last S, and stores O by TMA, waiting for that store only before it writes its output buffer
   again (the next tile's epilogue);
 * with two or three consumers, "turn" mbarriers order the wgmma issue: consumer c issues its pair, then hands
-  the turn to consumer c + 1 (round robin), so one warpgroup's softmax runs under the others' GEMMs (ping-pong).
+  the turn to consumer c + 1 (round robin), so one warpgroup's softmax runs under the others' GEMMs (ping-pong);
+  with ``WsFwdConfig.free_issue`` they issue without turns.
 
 Both consumers walk the same key tiles (the CTA's last row bounds them under causal masking; a consumer whose
 rows see fewer keys masks the extra tile), so the rings and turns stay in step. Softmax in exp2 with
