@@ -232,6 +232,35 @@ def test_ws_kernel_with_head_sections_compiles_for_sm90():
     assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
 
 
+_FREE_ISSUE_CHECK = """
+import json
+from bench.diagnostics import sass_compare as sc
+from bench.diagnostics.aot import sass_instructions
+rows = []
+for free in (False, True):
+    k = sc.ours_sass(64, {"free_issue": free})
+    rows.append(sc.loop_report(sc.steady_iteration(sass_instructions(k["sass"])), k["tile"][1]))
+print(json.dumps(rows))
+"""
+
+
+def test_ws_free_issue_drops_the_turn_from_the_key_loop():
+    """``WsFwdConfig.free_issue`` on the D64 long-key schedule (two consumers, 192-key tiles), compiled for sm90:
+    the unmasked key-loop iteration (``bench/diagnostics/sass_compare.py``) loses the turn's mbarrier wait, its
+    arrive and the warpgroup barrier before that arrive, and keeps its wgmmas and exponentials (its GPU test:
+    ``test_gpu_gluon_ws_free_issue``)."""
+    import json
+
+    run = run_compiled(_FREE_ISSUE_CHECK, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ordered, free = json.loads(run.stdout.splitlines()[-1])
+    for key in ("S_wgmma", "PV_wgmma", "MUFU.EX2", "F2FP"):
+        assert free[key] == ordered[key], key
+    for key in ("mbar_wait", "mbar_arrive", "BAR.SYNC"):
+        assert free[key] == ordered[key] - 1, (key, ordered[key], free[key])
+    assert free["instr"] < ordered["instr"]
+
+
 _DYNAMIC_CHECK = """
 import dataclasses, os, re, subprocess, sys, tempfile
 import triton
@@ -518,6 +547,23 @@ def test_gpu_gluon_ws_fwd_default_schedule(shape):
     from fmha_ops.kernels.gluon import attention_fwd_ws as ws
 
     _check_fp8_forward(ws.attention_forward, shape, "tensor")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [s for s in GPU_SHAPES if s[5] <= 128], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("consumers", [2, 3])
+def test_gpu_gluon_ws_free_issue(shape, consumers):
+    """Consumers that issue their wgmmas without taking turns (``WsFwdConfig.free_issue``): two with 192-key tiles
+    (the long-key schedule at D <= 128) and three with 128-key tiles, on the persistent grid in key order."""
+    import functools
+
+    from fmha_ops.kernels.gluon import attention_fwd_ws as ws
+
+    cfg = ws.WsFwdConfig(block_n=192, persistent=True, key_order=True, free_issue=True)
+    if consumers == 3:
+        cfg = dataclasses.replace(cfg, consumers=3, block_n=128, maxnreg=ws.THREE_CONSUMER_MAXNREG,
+                                  consumer_regs=ws.THREE_CONSUMER_REGS)
+    _check_fp8_forward(functools.partial(ws.attention_forward, config=cfg), shape, "tensor")
 
 
 @pytest.mark.gpu

@@ -26,7 +26,8 @@ host TMA descriptors of the whole 4-D tensors ([1, rows, 1, D] boxes; V^T [1, 1,
   after the tile's last S, and stores O by TMA, waiting for that store only before it writes its output buffer
   again (the next tile's epilogue);
 * with two or three consumers, "turn" mbarriers order the wgmma issue: consumer c issues its pair, then hands
-  the turn to consumer c + 1 (round robin), so one warpgroup's softmax runs under the others' GEMMs (ping-pong).
+  the turn to consumer c + 1 (round robin), so one warpgroup's softmax runs under the others' GEMMs (ping-pong);
+  with ``WsFwdConfig.free_issue`` they issue without turns.
 
 Both consumers walk the same key tiles (the CTA's last row bounds them under causal masking; a consumer whose
 rows see fewer keys masks the extra tile), so the rings and turns stay in step. Softmax in exp2 with
@@ -300,17 +301,18 @@ def _producer(q_desc, k_desc, kb_desc, v_desc, vb_desc, q_smem, k_smem, kb_smem,
 
 
 @gluon.jit
-def _take_turn(turn_bars, turn, C: gl.constexpr, CONSUMERS: gl.constexpr):
+def _take_turn(turn_bars, turn, C: gl.constexpr, CONSUMERS: gl.constexpr, FREE_ISSUE: gl.constexpr):
     """Wait until consumer ``C`` may issue its ``turn``-th wgmma group: consumers take turns in the order 0, 1, ..
-    (a fresh mbarrier counts as having completed the phase before its first, so consumer 0 starts at once)."""
-    if CONSUMERS > 1:
+    (a fresh mbarrier counts as having completed the phase before its first, so consumer 0 starts at once); with
+    ``FREE_ISSUE`` they do not take turns (``WsFwdConfig.free_issue``)."""
+    if CONSUMERS > 1 and not FREE_ISSUE:
         mbarrier.wait(turn_bars.index(C), (turn & 1) ^ (1 if C == 0 else 0))
 
 
 @gluon.jit
-def _pass_turn(turn_bars, C: gl.constexpr, CONSUMERS: gl.constexpr):
-    """Hand the tensor cores to the next consumer once this one's wgmmas are issued."""
-    if CONSUMERS > 1:
+def _pass_turn(turn_bars, C: gl.constexpr, CONSUMERS: gl.constexpr, FREE_ISSUE: gl.constexpr):
+    """Hand the tensor cores to the next consumer once this one's wgmmas are issued (not with ``FREE_ISSUE``)."""
+    if CONSUMERS > 1 and not FREE_ISSUE:
         mbarrier.arrive(turn_bars.index((C + 1) % CONSUMERS), count=1)
 
 
@@ -401,7 +403,7 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_
                    k_empty, v_empty, turn_bars, qk_scale, m0, n_tiles, kv, turn, i, Mq, Mk,
                    HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr, STAGES: gl.constexpr,
                    CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr,
-                   QK_INT8: gl.constexpr):
+                   QK_INT8: gl.constexpr, FREE_ISSUE: gl.constexpr):
     """The online softmax of rows ``m0 + C * WG_ROWS ..`` over their ``n_tiles`` key tiles, the ``i``-th tile of
     this CTA; ``kv`` and ``turn`` are the ring position and the turn count it starts at. ``QK_INT8``: int8 q / k,
     S accumulated in int32 (s8 wgmma) and read as ``int_scores``. ``BLOCK_B`` > 0: each key tile is two parts,
@@ -432,11 +434,11 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_
     ks = kv % STAGES
     mbarrier.wait(q_bars.index(C), i & 1)
     mbarrier.wait(k_ready.index(ks), (kv // STAGES) & 1)
-    _take_turn(turn_bars, turn, C, CONSUMERS)
+    _take_turn(turn_bars, turn, C, CONSUMERS, FREE_ISSUE)
     s_tok = warpgroup_mma(q_tile, k_smem.index(ks).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     if BLOCK_B > 0:
         sb_tok = warpgroup_mma(q_tile, kb_smem.index(ks).permute((1, 0)), sb_zero, use_acc=False, is_async=True)
-    _pass_turn(turn_bars, C, CONSUMERS)
+    _pass_turn(turn_bars, C, CONSUMERS, FREE_ISSUE)
     if BLOCK_B > 0:
         s, s_b = warpgroup_mma_wait(0, deps=(s_tok, sb_tok))
     else:
@@ -459,7 +461,7 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_
         vs = (kv + j) % STAGES
         mbarrier.wait(k_ready.index(ks), ((kv + j + 1) // STAGES) & 1)
         mbarrier.wait(v_ready.index(vs), ((kv + j) // STAGES) & 1)
-        _take_turn(turn_bars, turn + j + 1, C, CONSUMERS)
+        _take_turn(turn_bars, turn + j + 1, C, CONSUMERS, FREE_ISSUE)
         s_tok = warpgroup_mma(q_tile, k_smem.index(ks).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         if BLOCK_B > 0:
             sb_tok = warpgroup_mma(q_tile, kb_smem.index(ks).permute((1, 0)), sb_zero, use_acc=False,
@@ -467,7 +469,7 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_
         o_tok = warpgroup_mma(p8, v_smem.index(vs).permute((1, 0)), acc, is_async=True)
         if BLOCK_B > 0:
             o_tok = warpgroup_mma(p8_b, vb_smem.index(vs).permute((1, 0)), o_tok, is_async=True)
-        _pass_turn(turn_bars, C, CONSUMERS)
+        _pass_turn(turn_bars, C, CONSUMERS, FREE_ISSUE)
         if BLOCK_B > 0:  # the two S parts done, the two P V parts may still run
             s, s_b = warpgroup_mma_wait(2, deps=(s_tok, sb_tok))
         else:
@@ -493,11 +495,11 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_
     if BLOCK_B > 0:
         p8_b = _pv_operand(p_b, p_layout, BLOCK_B, KEY_ORDER)
     mbarrier.wait(v_ready.index(vs), (last // STAGES) & 1)
-    _take_turn(turn_bars, turn + n_tiles, C, CONSUMERS)
+    _take_turn(turn_bars, turn + n_tiles, C, CONSUMERS, FREE_ISSUE)
     o_tok = warpgroup_mma(p8, v_smem.index(vs).permute((1, 0)), acc, is_async=True)
     if BLOCK_B > 0:
         o_tok = warpgroup_mma(p8_b, vb_smem.index(vs).permute((1, 0)), o_tok, is_async=True)
-    _pass_turn(turn_bars, C, CONSUMERS)
+    _pass_turn(turn_bars, C, CONSUMERS, FREE_ISSUE)
     acc = warpgroup_mma_wait(0, deps=(o_tok, ))
     mbarrier.arrive(v_empty.index(vs), count=1)
     return acc, m_i, gl.convert_layout(gl.sum(l_q, 1), s_row), offs_m
@@ -507,7 +509,8 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_
 def _consume_tile(C: gl.constexpr, t, kv, turn, i, smem, scalars, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr,
                   BLOCK_B: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
                   WRITE_LSE: gl.constexpr, P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr, OUT_FP8: gl.constexpr,
-                  QK_INT8: gl.constexpr, DIRECT_STORE: gl.constexpr, HEAD_SECTION: gl.constexpr):
+                  QK_INT8: gl.constexpr, DIRECT_STORE: gl.constexpr, HEAD_SECTION: gl.constexpr,
+                  FREE_ISSUE: gl.constexpr):
     """Consumer ``C``'s rows ``C * WG_ROWS ..`` of tile ``t``, the ``i``-th of this CTA, from ring position ``kv``
     and turn ``turn``: their output through ``o_smem`` and a TMA store that runs on while the next tile starts
     (waited for before ``o_smem`` is written again), or with ``DIRECT_STORE`` from its registers straight to
@@ -528,7 +531,7 @@ def _consume_tile(C: gl.constexpr, t, kv, turn, i, smem, scalars, HEAD_D: gl.con
     acc, m_i, l_i, offs_m = _consumer_tile(C, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_bars, q_empty,
                                            k_ready, v_ready, k_empty, v_empty, turn_bars, qk_scale, m0, n_tiles,
                                            kv, turn, i, Mq, Mk, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS,
-                                           CAUSAL, P_SHIFT, KEY_ORDER, QK_INT8)
+                                           CAUSAL, P_SHIFT, KEY_ORDER, QK_INT8, FREE_ISSUE)
     inv = gl.convert_layout(row_inverse(l_i) * vd, gl.SliceLayout(1, o_layout))
     if DIRECT_STORE:
         rows = gl.convert_layout(offs_m, gl.SliceLayout(1, o_layout))
@@ -554,7 +557,7 @@ def _consumer(C: gl.constexpr, smem, scalars, sched, n_total, HEAD_D: gl.constex
               BLOCK_B: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
               WRITE_LSE: gl.constexpr, P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr, OUT_FP8: gl.constexpr,
               QK_INT8: gl.constexpr, DIRECT_STORE: gl.constexpr, HEAD_SECTION: gl.constexpr,
-              DYNAMIC: gl.constexpr):
+              DYNAMIC: gl.constexpr, FREE_ISSUE: gl.constexpr):
     """Consumer ``C`` over this CTA's tiles (``_consume_tile``): ``program_id``, + ``num_programs``, .. or, with
     ``DYNAMIC``, those the producer hands over through the tile ring ``sched`` until one past the last tile.
     ``smem`` and ``scalars``: the kernel's shared buffers and barriers and its runtime arguments, as tuples (every
@@ -568,7 +571,8 @@ def _consumer(C: gl.constexpr, smem, scalars, sched, n_total, HEAD_D: gl.constex
         t = gl.program_id(0)
     while t < n_total:
         n_tiles = _consume_tile(C, t, kv, turn, i, smem, scalars, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS,
-                                CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION)
+                                CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION,
+                                FREE_ISSUE)
         kv += n_tiles
         turn += n_tiles + 1
         i += 1
@@ -591,7 +595,7 @@ def _attn_fwd_ws_kernel(
     CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr,
     V_TRANSPOSE: gl.constexpr, OUT_FP8: gl.constexpr, PERSISTENT: gl.constexpr, QK_INT8: gl.constexpr,
-    DIRECT_STORE: gl.constexpr, HEAD_SECTION: gl.constexpr, DYNAMIC: gl.constexpr,
+    DIRECT_STORE: gl.constexpr, HEAD_SECTION: gl.constexpr, DYNAMIC: gl.constexpr, FREE_ISSUE: gl.constexpr,
 ):
     """Tiles ``program_id(0)``, + ``num_programs(0)``, .. of the ``n_total`` (batch, head, ``CONSUMERS * WG_ROWS``-row
     block) tiles (``_tile_coords``): one per CTA with a grid of ``n_total``, several with a persistent grid; with
@@ -670,11 +674,14 @@ def _attn_fwd_ws_kernel(
     if CONSUMERS == 3:
         gl.warp_specialize([
             (_consumer, (0, smem, scalars, sched, n_total, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL,
-                         WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION, DYNAMIC)),
+                         WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION, DYNAMIC,
+                         FREE_ISSUE)),
             (_consumer, (1, smem, scalars, sched, n_total, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL,
-                         WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION, DYNAMIC)),
+                         WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION, DYNAMIC,
+                         FREE_ISSUE)),
             (_consumer, (2, smem, scalars, sched, n_total, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL,
-                         WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION, DYNAMIC)),
+                         WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION, DYNAMIC,
+                         FREE_ISSUE)),
             (_producer, (q_desc, k_desc, kb_desc, v_desc, vb_desc, q_smem, k_smem, kb_smem, v_smem, vb_smem, v_raw,
                          q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready, sched, Counter, n_m,
                          n_total, Mq, Mk, Hq, GROUP, BLOCK_N, BLOCK_B, HEAD_D, STAGES, CONSUMERS, CAUSAL,
@@ -683,9 +690,11 @@ def _attn_fwd_ws_kernel(
     elif CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, smem, scalars, sched, n_total, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL,
-                         WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION, DYNAMIC)),
+                         WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION, DYNAMIC,
+                         FREE_ISSUE)),
             (_consumer, (1, smem, scalars, sched, n_total, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL,
-                         WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION, DYNAMIC)),
+                         WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION, DYNAMIC,
+                         FREE_ISSUE)),
             (_producer, (q_desc, k_desc, kb_desc, v_desc, vb_desc, q_smem, k_smem, kb_smem, v_smem, vb_smem, v_raw,
                          q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready, sched, Counter, n_m,
                          n_total, Mq, Mk, Hq, GROUP, BLOCK_N, BLOCK_B, HEAD_D, STAGES, CONSUMERS, CAUSAL,
@@ -694,7 +703,8 @@ def _attn_fwd_ws_kernel(
     else:
         gl.warp_specialize([
             (_consumer, (0, smem, scalars, sched, n_total, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL,
-                         WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION, DYNAMIC)),
+                         WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION, DYNAMIC,
+                         FREE_ISSUE)),
             (_producer, (q_desc, k_desc, kb_desc, v_desc, vb_desc, q_smem, k_smem, kb_smem, v_smem, vb_smem, v_raw,
                          q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready, sched, Counter, n_m,
                          n_total, Mq, Mk, Hq, GROUP, BLOCK_N, BLOCK_B, HEAD_D, STAGES, CONSUMERS, CAUSAL,
@@ -760,6 +770,10 @@ class WsFwdConfig:
     #: slots, a tile taken 2 key tiles before the current one ends): 1.001 / 1.023 / 1.017 / 1.057, against
     #: 1.12 / 1.09 / 1.21 / 1.58 for the fixed strides. The counters: ``kernels/tile_counter.py``
     dynamic: bool = False
+    #: consumers issue their wgmmas without taking turns (no ping-pong: no turn mbarrier wait, arrive and
+    #: warpgroup barrier per key tile), as FA3's fp8 forward at D64 does with its three consumer warpgroups
+    #: (bench/diagnostics/fa3_profile.md, "Main loop SASS"); with one consumer it changes nothing
+    free_issue: bool = False
 
     @property
     def block_b(self) -> int:
@@ -949,7 +963,8 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=
         PRODUCER_WARPS=producer_warps, PRODUCER_REGS=producer_regs, CAUSAL=causal, WRITE_LSE=return_lse,
         P_SHIFT=_P_SHIFT, KEY_ORDER=cfg.key_order, V_TRANSPOSE=v_transpose, OUT_FP8=out.dtype == torch.float8_e4m3fn,
         PERSISTENT=cfg.persistent, QK_INT8=q.dtype == torch.int8, DIRECT_STORE=cfg.direct_store,
-        HEAD_SECTION=cfg.head_section if causal else 0, DYNAMIC=cfg.dynamic, num_warps=WG_WARPS.value,
+        HEAD_SECTION=cfg.head_section if causal else 0, DYNAMIC=cfg.dynamic, FREE_ISSUE=cfg.free_issue,
+        num_warps=WG_WARPS.value,
         maxnreg=cfg.maxnreg,
     )
     return out, lse
@@ -982,7 +997,7 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, write_lse: bool = Fa
              "PRODUCER_REGS": cfg.producer_regs, "CAUSAL": causal, "WRITE_LSE": write_lse, "P_SHIFT": _P_SHIFT,
              "KEY_ORDER": cfg.key_order, "V_TRANSPOSE": cfg.v_transpose, "OUT_FP8": out_fp8,
              "PERSISTENT": cfg.persistent, "QK_INT8": qk_int8, "DIRECT_STORE": cfg.direct_store,
-             "HEAD_SECTION": cfg.head_section if causal else 0, "DYNAMIC": cfg.dynamic}
+             "HEAD_SECTION": cfg.head_section if causal else 0, "DYNAMIC": cfg.dynamic, "FREE_ISSUE": cfg.free_issue}
 
     def desc(rows, cols, dtype, channels_last=True):
         shape, layout = _box_layout(rows, cols, dtype, channels_last)
