@@ -270,3 +270,22 @@ def test_merge_command_writes_one_table(tmp_path, capsys):
                  str(tmp_path / "p2.json")]) == 0
     assert TuningTable.load(str(tmp_path / "NVIDIA_H100.json")).timings == {"fa3F": {"a": 1.0, "b": 2.0}}
     assert "wrote 2 timings of 1 ops" in capsys.readouterr().out
+
+
+def test_shipped_tables_are_keyed_by_their_card_and_named_in_the_docs():
+    """Each table in fmha_ops/tuning/ is keyed by its card's name (``table_device``), in the file the tune command
+    names after it, holds only registered ops, and README.md and DESIGN.md name it (which GPUs have a table)."""
+    import os
+
+    from fmha_ops.dispatch import REGISTRY
+    from registry import table_device
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    docs = [open(os.path.join(root, name)).read() for name in ("README.md", "DESIGN.md")]
+    files = sorted(f for f in os.listdir(TUNING_DIRS[0]) if f.endswith(".json"))
+    assert files
+    for name in files:
+        table = TuningTable.load(os.path.join(TUNING_DIRS[0], name))
+        assert table_device(table.device) == table.device and name == table.device.replace(" ", "_") + ".json"
+        assert all(REGISTRY.get(op) for op in table.timings)
+        assert all(f"`{name}`" in doc for doc in docs), f"README.md and DESIGN.md do not name {name}"
