@@ -26,8 +26,8 @@ import time
 import torch
 
 import fmha_ops
-from fmha_ops.dispatch import REGISTRY
-from registry import TuningTable, current_arch, merge_tables, table_device
+from fmha_ops.dispatch import REGISTRY, SELECTOR
+from registry import TuningTable, TuningTables, current_arch, merge_tables, table_device
 
 
 def _sample(device: str, dtype: torch.dtype, b: int, mq: int, hq: int, mk: int, hkv: int, d: int, seed: int = 0):
@@ -41,6 +41,8 @@ def _sample(device: str, dtype: torch.dtype, b: int, mq: int, hq: int, mk: int, 
 def info() -> int:
     arch = current_arch()
     print(f"fmha_ops on {arch}; torch {torch.__version__}")
+    if arch.kind != "cpu":
+        print(table_line(arch.name, SELECTOR.tables))
     header = ("op", "kind", "archs", "aliases")
     rows, unavailable = [], {}
     for op in REGISTRY.ops():
@@ -71,6 +73,18 @@ def info() -> int:
     t_ms = _time_ms(lambda: fmha_ops.memory_efficient_attention(q, k, v, bias), device)
     print(f"ran {report.selected.NAME}: {t_ms:.3f} ms")
     return 0
+
+
+def table_line(device: str, tables: TuningTables) -> str:
+    """What the selector ranks by on the GPU named ``device``: its tuning table (ops measured), or the cost models.
+
+    Example: ``table_line("NVIDIA H100 80GB HBM3", SELECTOR.tables)`` -> "tuning table: NVIDIA H100, 15 ops measured".
+    """
+    table = tables.table(device)
+    if table:
+        return f"tuning table: {table.device}, {len(table.timings)} ops measured (others: models x its median factor)"
+    return (f"tuning table: none for {device!r}: ops ranked by cost models fitted on the H200 "
+            f"(python -m fmha_ops tune writes this GPU's table)")
 
 
 def _time_ms(fn, device: str) -> float:

@@ -100,20 +100,22 @@ class TuningTables:
         return tables
 
     def lookup(self, device: str, op_name: str, bucket: str) -> float | None:
-        table = self._table(device)
+        table = self.table(device)
         return table.lookup(op_name, bucket) if table else None
 
     def rows(self, device: str, op_name: str) -> dict[str, float]:
         """Every measured ``{bucket: seconds}`` of the op on ``device`` (empty when none)."""
-        table = self._table(device)
+        table = self.table(device)
         return table.timings.get(op_name, {}) if table else {}
 
     def host_rows(self, device: str, op_name: str) -> dict[str, float]:
         """Every measured ``{bucket: host seconds per eager call}`` of the op on ``device`` (empty when none)."""
-        table = self._table(device)
+        table = self.table(device)
         return table.host_timings.get(op_name, {}) if table else {}
 
-    def _table(self, device: str) -> TuningTable | None:
+    def table(self, device: str) -> TuningTable | None:
+        """The table of the card named ``device`` (a driver's name or ``table_device``'s), all folders' files of it
+        joined; None where no folder holds one."""
         if self._by_device is None:
             self._by_device = self._load()
         return self._by_device.get(table_device(device))
@@ -123,7 +125,7 @@ class TuningTables:
         factor of the ops it has (cost models share a device-wide bias), so a new op's raw estimate is
         not compared with its neighbours' corrected ones; None there without ``median_fallback`` (ops of a
         kind the table does not time, whose models come from their own measurements)."""
-        table = self._table(device)
+        table = self.table(device)
         if not table or not table.calibration:
             return None
         if op_name in table.calibration or not median_fallback:
@@ -133,7 +135,7 @@ class TuningTables:
     def host_time(self, device: str, op_name: str) -> float | None:
         """The op's one measured host seconds per eager call on ``device`` (the fallback for calls of a kind it has
         no host row of); None where no table measured it."""
-        table = self._table(device)
+        table = self.table(device)
         return table.host.get(op_name) if table else None
 
     def reload(self) -> None:

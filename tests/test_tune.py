@@ -230,7 +230,8 @@ def test_tune_keys_the_table_by_the_cards_name(tmp_path, monkeypatch):
     from fmha_ops import tune as tune_module
     from registry import Arch
 
-    monkeypatch.setattr(tune_module, "current_arch", lambda device=None: Arch("cuda", (9, 0), name="NVIDIA H100 80GB HBM3"))
+    h100_sxm = Arch("cuda", (9, 0), name="NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(tune_module, "current_arch", lambda device=None: h100_sxm)
     table = tune(str(tmp_path / "t.json"), quick=True, device="cpu")
     assert table.device == json.loads((tmp_path / "t.json").read_text())["device"] == "NVIDIA H100"
     host = tune(str(tmp_path / "host.json"), quick=True, device="cpu", host_only=True)
@@ -289,3 +290,24 @@ def test_shipped_tables_are_keyed_by_their_card_and_named_in_the_docs():
         assert table_device(table.device) == table.device and name == table.device.replace(" ", "_") + ".json"
         assert all(REGISTRY.get(op) for op in table.timings)
         assert all(f"`{name}`" in doc for doc in docs), f"README.md and DESIGN.md do not name {name}"
+
+
+def test_info_says_which_table_ranks_the_ops(tmp_path):
+    """``info`` names the GPU's tuning table (the H100 SXM's is keyed "NVIDIA H100") or says the H200-fitted models
+    rank the ops."""
+    from fmha_ops.__main__ import table_line
+    from registry import TuningTables
+
+    TuningTable("NVIDIA H100", {}, {"fa3F": {"a": 1.0}}).save(str(tmp_path / "NVIDIA_H100.json"))
+    tables = TuningTables([str(tmp_path)])
+    assert table_line("NVIDIA H100 80GB HBM3", tables).startswith("tuning table: NVIDIA H100, 1 ops measured")
+    assert "none for 'NVIDIA H100 PCIe': ops ranked by cost models fitted on the H200" in table_line(
+        "NVIDIA H100 PCIe", tables)
+
+
+def test_host_only_cli_without_a_table_writes_a_piece(tmp_path, capsys):
+    from fmha_ops.__main__ import main
+
+    path = tmp_path / "host.json"
+    assert main(["tune", "--quick", "--host-only", "--out", str(path)]) == 0
+    assert TuningTable.load(str(path)).timings == {}
