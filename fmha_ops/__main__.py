@@ -1,15 +1,20 @@
-"""``python -m fmha_ops [info|explain|tune] [options]`` (``--help`` after a command lists its options).
+"""``python -m fmha_ops [info|explain|tune|merge] [options]`` (``--help`` after a command lists its options).
 
 info (default): the arch, the ops available here, the others grouped under the reason they cannot run,
 and one sample call routed through the selector with the op chosen and its time.
 explain: the selector's verdict for one shape, e.g.
 ``python -m fmha_ops explain --shape 4,4096,32,4096,8,128 --dtype bfloat16 --causal``.
 tune: time every available op on the tuning grid and write this GPU's timing table
-(default ``$FMHA_OPS_TUNING_DIR/<device>.json``, else ``./fmha_ops_tuning/<device>.json``);
-``tune --host-only --out TABLE`` re-times only the table's host rows (seconds, not minutes);
+(default ``$FMHA_OPS_TUNING_DIR/<device>.json``, else ``./fmha_ops_tuning/<device>.json``; <device> is the GPU's
+name with underscores, one name per card: ``NVIDIA_H100`` for the H100 SXM's "NVIDIA H100 80GB HBM3");
+``tune --host-only --out TABLE`` re-times only the table's host rows (seconds, not minutes; a TABLE not there yet
+gets host rows only);
 ``tune --ops fa3F --dtypes bfloat16 --merge TABLE --keep-rows --out TABLE`` re-times those ops' rows of those
 calls only, keeping every other row (``--shard K/N`` splits such a retune over runs). Without a GPU, tune
 says so and stops (``tune --quick`` still runs its few tiny calls on the CPU: a smoke test).
+A table can be built in pieces that each fit a short GPU session (``--dtypes bfloat16``, ``--dtypes decode``,
+``--ops``, ``--shard``, ``--host-only``, each to its own file);
+merge: ``python -m fmha_ops merge --out TABLE PIECE...`` joins them (no GPU needed).
 """
 from __future__ import annotations
 
@@ -21,8 +26,8 @@ import time
 import torch
 
 import fmha_ops
-from fmha_ops.dispatch import REGISTRY
-from registry import current_arch
+from fmha_ops.dispatch import REGISTRY, SELECTOR
+from registry import TuningTable, TuningTables, current_arch, merge_tables, table_device
 
 
 def _sample(device: str, dtype: torch.dtype, b: int, mq: int, hq: int, mk: int, hkv: int, d: int, seed: int = 0):
@@ -36,6 +41,8 @@ def _sample(device: str, dtype: torch.dtype, b: int, mq: int, hq: int, mk: int, 
 def info() -> int:
     arch = current_arch()
     print(f"fmha_ops on {arch}; torch {torch.__version__}")
+    if arch.kind != "cpu":
+        print(table_line(arch.name, SELECTOR.tables))
     header = ("op", "kind", "archs", "aliases")
     rows, unavailable = [], {}
     for op in REGISTRY.ops():
@@ -66,6 +73,18 @@ def info() -> int:
     t_ms = _time_ms(lambda: fmha_ops.memory_efficient_attention(q, k, v, bias), device)
     print(f"ran {report.selected.NAME}: {t_ms:.3f} ms")
     return 0
+
+
+def table_line(device: str, tables: TuningTables) -> str:
+    """What the selector ranks by on the GPU named ``device``: its tuning table (ops measured), or the cost models.
+
+    Example: ``table_line("NVIDIA H100 80GB HBM3", SELECTOR.tables)`` -> "tuning table: NVIDIA H100, 15 ops measured".
+    """
+    table = tables.table(device)
+    if table:
+        return f"tuning table: {table.device}, {len(table.timings)} ops measured (others: models x its median factor)"
+    return (f"tuning table: none for {device!r}: ops ranked by cost models fitted on the H200 "
+            f"(python -m fmha_ops tune writes this GPU's table)")
 
 
 def _time_ms(fn, device: str) -> float:
@@ -116,9 +135,12 @@ def tune(argv: list[str]) -> int:
     p.add_argument("--quick", action="store_true", help="a few tiny calls (smoke test)")
     p.add_argument("--ops", default=None, help="comma-separated op names: measure only these")
     p.add_argument("--merge", default=None, help="start from this table (JSON); keep its other ops' timings")
-    p.add_argument("--dtypes", default=None, help="comma-separated prefill dtypes: only their grid calls")
+    p.add_argument("--dtypes", default=None,
+                   help="comma-separated: only the grid calls of these prefill dtypes (bfloat16, fp8, fp8_tensor, "
+                        "i8fp8) and, named 'decode', the decode calls")
     p.add_argument("--host-only", action="store_true",
-                   help="re-time only the host rows (the host grid) of the --merge table (default: --out)")
+                   help="re-time only the host rows (the host grid) of the --merge table (default: --out where it "
+                        "exists, else a table of host rows only)")
     p.add_argument("--budget", type=float, default=0.0, help="seconds; calls left after it are not measured")
     p.add_argument("--compile-only", action="store_true",
                    help="run every timed op once, untimed (fills the JIT caches), and write nothing")
@@ -133,11 +155,11 @@ def tune(argv: list[str]) -> int:
               "(torch.cuda.is_available() is False); run it on the GPU to tune (tune --quick runs a CPU smoke test)",
               file=sys.stderr)
         return 2
-    name = current_arch().name.replace(" ", "_")
+    name = table_device(current_arch().name).replace(" ", "_")
     out = a.out or os.path.join(os.environ.get("FMHA_OPS_TUNING_DIR") or "fmha_ops_tuning", f"{name}.json")
     ops = frozenset(n.strip() for n in a.ops.split(",") if n.strip()) if a.ops else None
     dtypes = tuple(a.dtypes.split(",")) if a.dtypes else None
-    merge = a.merge or (out if a.host_only else None)
+    merge = a.merge or (out if a.host_only and os.path.exists(out) else None)
     shard = tuple(int(x) for x in a.shard.split("/"))
     table = run_tune(out, quick=a.quick, ops=ops, merge=merge, dtypes=dtypes, host_only=a.host_only,
                      budget=a.budget, compile_only=a.compile_only, shard=shard, keep_rows=a.keep_rows)
@@ -148,6 +170,20 @@ def tune(argv: list[str]) -> int:
     print(f"wrote {n} timings and {n_host} host timings for {len(table.timings)} ops to {out}; calibration: "
           + ", ".join(f"{k}={v:.2f}" for k, v in sorted(table.calibration.items())) + "; host us: "
           + ", ".join(f"{k}={v * 1e6:.0f}" for k, v in sorted(table.host.items())))
+    return 0
+
+
+def merge(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m fmha_ops merge",
+                                description="join tuning-table pieces of one GPU (later pieces' rows first)")
+    p.add_argument("--out", required=True, help="the joined table (JSON)")
+    p.add_argument("pieces", nargs="+", help="tables written by tune runs, in grid order; the host-only run last")
+    a = p.parse_args(argv)
+    table = merge_tables([TuningTable.load(path) for path in a.pieces])
+    table.save(a.out)
+    n = sum(len(v) for v in table.timings.values())
+    print(f"wrote {n} timings of {len(table.timings)} ops and host rows of {len(table.host_timings)} ops "
+          f"({table.device}) to {a.out}")
     return 0
 
 
@@ -163,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
         return explain(rest)
     if cmd == "tune":
         return tune(rest)
-    print(f"unknown command {cmd!r}; use: python -m fmha_ops [info | explain | tune] (--help for more)",
+    if cmd == "merge":
+        return merge(rest)
+    print(f"unknown command {cmd!r}; use: python -m fmha_ops [info | explain | tune | merge] (--help for more)",
           file=sys.stderr)
     return 2
 

@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from registry import TuningTable, current_arch, fp8_dtype
+from registry import TuningTable, current_arch, fp8_dtype, table_device
 
 from . import attn_bias as ab
 from .api import memory_efficient_attention
@@ -115,29 +115,41 @@ def decode_call(b: int, length: int, hq: int, hkv: int, d: int, page: int, kv: s
 
 
 PREFILL_DTYPES = ("bfloat16", "fp8", "fp8_tensor", "i8fp8")
+#: the name ``dtypes`` takes for the grid's decode calls (a tuning run of the decode ops alone)
+DECODE = "decode"
 #: the grid's decode shapes: (batch, cached keys, query heads, KV heads), head dim 128
 DECODE_SHAPES = ((1, 131072, 64, 8), (8, 32768, 32, 8), (64, 4096, 32, 8), (128, 1024, 32, 8), (16, 512, 32, 32))
+
+
+def _parts(dtypes: tuple[str, ...] | None, default: tuple[str, ...]) -> tuple[tuple[str, ...], bool]:
+    """The prefill dtypes and whether the decode calls are in for a grid's ``dtypes`` (None: ``default`` and decode)."""
+    if dtypes is None:
+        return default, True
+    unknown = sorted(set(dtypes) - set(PREFILL_DTYPES) - {DECODE})
+    if unknown:
+        raise ValueError(f"dtypes={unknown} not in the grid; choose from {PREFILL_DTYPES + (DECODE,)}")
+    return tuple(d for d in dtypes if d != DECODE), DECODE in dtypes
 
 
 def grid(device: str, quick: bool = False, dtypes: tuple[str, ...] | None = None) -> list[Callable[[], Call]]:
     """The tuning grid: prefill (dtypes x head dims x causal x GQA x size; fp8 with per-(batch, head) and
     per-tensor descales) and decode (KV dtype x paging x batch/length). ``quick``: a handful of tiny calls
-    (CPU, tests); ``dtypes``: only the prefill calls of these ``PREFILL_DTYPES`` (no decode calls)."""
+    (CPU, tests); ``dtypes``: only the prefill calls of these ``PREFILL_DTYPES``, and the decode calls only when
+    it names ``DECODE`` (``("decode",)``: the decode calls alone)."""
     if quick:
         return [lambda: prefill_call(1, 64, 4, 2, 32, True, "float32", device),
                 lambda: prefill_call(2, 128, 4, 4, 64, False, "float32", device),
                 lambda: decode_call(2, 96, 4, 2, 32, 0, "bf16", device),
                 lambda: decode_call(2, 96, 4, 2, 32, 16, "bf16", device)]
+    prefill, decode = _parts(dtypes, PREFILL_DTYPES)
     calls = []
-    for dtype in dtypes or PREFILL_DTYPES:
+    for dtype in prefill:
         for d in (64, 128, 256):
             for b, n, h in ((16, 512, 16), (4, 2048, 32), (2, 8192, 16)):
                 for causal in (False, True):
                     for hkv in (h, h // 4):
                         calls.append(lambda a=(b, n, h, hkv, d, causal, dtype): prefill_call(*a, device))
-    if dtypes:
-        return calls
-    for b, length, hq, hkv in DECODE_SHAPES:
+    for b, length, hq, hkv in DECODE_SHAPES if decode else ():
         calls += decode_calls(b, length, hq, hkv, device)
     return calls
 
@@ -160,15 +172,13 @@ HOST_DTYPES = ("fp8_tensor", "bfloat16")
 def host_grid(device: str, dtypes: tuple[str, ...] | None = None) -> list[Callable[[], Call]]:
     """The calls ``tune(host_only=True)`` times: every prefill kind of ``HOST_DTYPES`` (head dims x causal x GQA)
     at ``HOST_PREFILL``, then every decode call of the grid (their device times, 35-270 us for their K/V bytes at
-    ~4 TB/s, are near their host times; the split count, and so the launches, follows the cache length). ``dtypes``: these prefill dtypes
-    only, no decode calls."""
+    ~4 TB/s, are near their host times; the split count, and so the launches, follows the cache length). ``dtypes``:
+    these prefill dtypes only, the decode calls only when it names ``DECODE``."""
     b, n, h = HOST_PREFILL
+    prefill, decode = _parts(dtypes, HOST_DTYPES)
     calls = [lambda a=(b, n, h, hkv, d, causal, dtype): prefill_call(*a, device)
-             for dtype in dtypes or HOST_DTYPES for d in (64, 128, 256) for causal in (False, True)
-             for hkv in (h, h // 4)]
-    if dtypes:
-        return calls
-    for shape in DECODE_SHAPES:
+             for dtype in prefill for d in (64, 128, 256) for causal in (False, True) for hkv in (h, h // 4)]
+    for shape in DECODE_SHAPES if decode else ():
         calls += decode_calls(*shape, device)
     return calls
 
@@ -235,8 +245,10 @@ def tune(out: str, quick: bool = False, device: str | None = None, ops: frozense
          keep_rows: bool = False) -> TuningTable:
     """Time the grid and write the table to ``out`` (every 10 calls too, so a cut run keeps what it measured).
     ``ops``: measure only these op names; ``merge``: start from the table at that path (its other ops'
-    timings and calibration are kept, the measured ops' rows replaced); ``dtypes``: only these prefill dtypes;
-    ``host_only``: re-time only the host rows of the ``merge`` table, on ``host_grid`` (``quick``: the quick grid);
+    timings and calibration are kept, the measured ops' rows replaced); ``dtypes``: only these prefill dtypes (and
+    the decode calls where it names ``DECODE``); ``host_only``: re-time only the host rows, on ``host_grid``
+    (``quick``: the quick grid), of the ``merge`` table, else into a table of host rows alone (a piece for
+    ``registry.merge_tables``); the table is keyed by ``table_device`` of the GPU's name;
     ``budget``: seconds after which no further call is measured; ``shard``: only every ``shard[1]``-th call from the
     ``shard[0]``-th; ``compile_only``: each op's first call only (parallel processes filling the JIT caches), nothing
     written; ``keep_rows`` (with ``merge``): the measured ops' rows are replaced only in the buckets this run
@@ -247,13 +259,12 @@ def tune(out: str, quick: bool = False, device: str | None = None, ops: frozense
     -------
     >>> tune("H200_fp8.json", ops=frozenset({"gluon_fp8F"}), dtypes=("fp8_tensor",))  # doctest: +SKIP
     >>> tune("H200.json", merge="H200.json", host_only=True, budget=60)  # doctest: +SKIP
+    >>> tune("H100_decode.json", dtypes=("decode",))  # doctest: +SKIP
     >>> tune("H200.json", merge="H200.json", ops=frozenset({"fa3F"}), dtypes=("bfloat16",),
     ...      keep_rows=True)  # doctest: +SKIP
     """
-    if host_only and not merge:
-        raise ValueError("host_only re-times the host rows of a table: give merge=<its path>")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    table = TuningTable.load(merge) if merge else TuningTable(current_arch(device).name, _versions())
+    table = TuningTable.load(merge) if merge else TuningTable(table_device(current_arch(device).name), _versions())
     if keep_rows and not merge:
         raise ValueError("keep_rows keeps the rows of a table: give merge=<its path>")
     if merge and not host_only and not keep_rows:

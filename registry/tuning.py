@@ -14,6 +14,8 @@ depends on the call's kind: masks, paging, dtypes), ``host`` one value per op fo
 (tables without either: the ops' declared host times; tables without ``host_timings``, written before it
 existed, load with none). The selector asks ``lookup(device_name, op_name, bucket)`` and, where a bucket was not
 measured, scales the op's cost model by ``calibration(device_name, op_name)``; other devices' tables are ignored.
+Tables are keyed by ``table_device(driver name)``: one table serves the driver names of one card (``TABLE_DEVICES``).
+A table built in pieces (tune runs split by ops, dtypes or shards) is joined by ``merge_tables``.
 """
 from __future__ import annotations
 
@@ -21,6 +23,18 @@ import json
 import os
 import statistics
 from dataclasses import dataclass, field
+
+#: driver names of a card whose table is keyed by a shorter name: the H100 SXM (132 SMs, 80 GB HBM3 at 3.35 TB/s).
+#: The H100 PCIe (114 SMs, 2.0 TB/s HBM2e) and H100 NVL (3.9 TB/s, lower clocks) run at other rates: not mapped.
+TABLE_DEVICES = {"NVIDIA H100 80GB HBM3": "NVIDIA H100"}
+
+
+def table_device(name: str) -> str:
+    """The device name the tuning table of a card named ``name`` (as the driver reports it) is keyed by.
+
+    Example: ``table_device("NVIDIA H100 80GB HBM3")`` -> "NVIDIA H100"; ``table_device("NVIDIA H200")`` -> itself.
+    """
+    return TABLE_DEVICES.get(name, name)
 
 
 @dataclass
@@ -75,7 +89,8 @@ class TuningTables:
             for name in sorted(os.listdir(folder)):
                 if name.endswith(".json"):
                     table = TuningTable.load(os.path.join(folder, name))
-                    merged = tables.setdefault(table.device, TuningTable(table.device, table.versions))
+                    key = table_device(table.device)
+                    merged = tables.setdefault(key, TuningTable(key, table.versions))
                     for op_name, rows in table.timings.items():
                         merged.timings.setdefault(op_name, {}).update(rows)
                     merged.calibration.update(table.calibration)
@@ -85,30 +100,32 @@ class TuningTables:
         return tables
 
     def lookup(self, device: str, op_name: str, bucket: str) -> float | None:
-        table = self._table(device)
+        table = self.table(device)
         return table.lookup(op_name, bucket) if table else None
 
     def rows(self, device: str, op_name: str) -> dict[str, float]:
         """Every measured ``{bucket: seconds}`` of the op on ``device`` (empty when none)."""
-        table = self._table(device)
+        table = self.table(device)
         return table.timings.get(op_name, {}) if table else {}
 
     def host_rows(self, device: str, op_name: str) -> dict[str, float]:
         """Every measured ``{bucket: host seconds per eager call}`` of the op on ``device`` (empty when none)."""
-        table = self._table(device)
+        table = self.table(device)
         return table.host_timings.get(op_name, {}) if table else {}
 
-    def _table(self, device: str) -> TuningTable | None:
+    def table(self, device: str) -> TuningTable | None:
+        """The table of the card named ``device`` (a driver's name or ``table_device``'s), all folders' files of it
+        joined; None where no folder holds one."""
         if self._by_device is None:
             self._by_device = self._load()
-        return self._by_device.get(device)
+        return self._by_device.get(table_device(device))
 
     def calibration(self, device: str, op_name: str, median_fallback: bool = True) -> float | None:
         """The op's measured/model factor on ``device``; for an op the table has not measured, the median
         factor of the ops it has (cost models share a device-wide bias), so a new op's raw estimate is
         not compared with its neighbours' corrected ones; None there without ``median_fallback`` (ops of a
         kind the table does not time, whose models come from their own measurements)."""
-        table = self._table(device)
+        table = self.table(device)
         if not table or not table.calibration:
             return None
         if op_name in table.calibration or not median_fallback:
@@ -118,8 +135,39 @@ class TuningTables:
     def host_time(self, device: str, op_name: str) -> float | None:
         """The op's one measured host seconds per eager call on ``device`` (the fallback for calls of a kind it has
         no host row of); None where no table measured it."""
-        table = self._table(device)
+        table = self.table(device)
         return table.host.get(op_name) if table else None
 
     def reload(self) -> None:
         self._by_device = None
+
+
+def merge_tables(pieces: list[TuningTable]) -> TuningTable:
+    """One table from the ``pieces`` of one device (``python -m fmha_ops tune`` runs split by ops, dtypes or shards,
+    in grid order): device rows bucket by bucket, a later piece's row over an earlier one's; an op's host rows whole
+    from the last piece that has any (rows of one run: host times of one call moved up to 2x between runs) and its
+    host median from those; its calibration from the piece with most of its device rows (``selector_offline.py
+    --recalibrate`` recomputes it over all of them); versions from the last piece.
+
+    Example: ``merge_tables([TuningTable.load(p) for p in ("bf16.json", "fp8.json", "host.json")])``.
+    """
+    if not pieces:
+        raise ValueError("merge_tables: no pieces given")
+    devices = {table_device(t.device) for t in pieces}
+    if len(devices) > 1:
+        raise ValueError(f"merge_tables: the pieces are of different devices {sorted(devices)}; merge one device's")
+    out = TuningTable(devices.pop(), dict(pieces[-1].versions))
+    rows_from: dict[str, int] = {}
+    for piece in pieces:
+        for name, rows in piece.timings.items():
+            out.timings.setdefault(name, {}).update(rows)
+            if name in piece.calibration and len(rows) >= rows_from.get(name, 0):
+                out.calibration[name], rows_from[name] = piece.calibration[name], len(rows)
+        for name, rows in piece.host_timings.items():
+            if rows:
+                out.host_timings[name] = dict(rows)
+                out.host[name] = statistics.median(rows.values())
+        for name, seconds in piece.host.items():
+            if name not in out.host_timings:
+                out.host[name] = seconds
+    return out

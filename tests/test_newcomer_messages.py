@@ -16,12 +16,12 @@ Q = torch.randn(1, 4, 2, 8)
 def test_help_lists_the_commands(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert "python -m fmha_ops [info|explain|tune]" in out and "tune" in out
+    assert "python -m fmha_ops [info|explain|tune|merge]" in out and "tune" in out
 
 
 def test_an_unknown_command_says_what_there_is(capsys):
     assert main(["tuen"]) == 2
-    assert "use: python -m fmha_ops [info | explain | tune]" in capsys.readouterr().err
+    assert "use: python -m fmha_ops [info | explain | tune | merge]" in capsys.readouterr().err
 
 
 def test_info_lists_unavailable_ops_once_grouped_by_reason(capsys):

@@ -196,3 +196,53 @@ def test_leave_one_out_on_the_h200_table_at_the_grids_edges():
     long_calls = [r["regret"] for r in alone if "|q8192|" in r["bucket"]]
     assert len(long_calls) >= 20 and max(long_calls) <= 0.05
     assert offline.summary(alone)["interior"]["worst"] <= 0.10
+
+
+H100_SXM = Arch("cuda", (9, 0), name="NVIDIA H100 80GB HBM3")
+
+
+def test_the_h100_sxm_reads_the_h100_table_and_a_partial_table_calibrates_the_ops_it_lacks(tmp_path):
+    """The H100 SXM's driver name finds the table keyed "NVIDIA H100" (the PCIe card, of other rates, does not); in a
+    partial table (one op measured) the measured op ranks by its rows and an op without rows by its model times the
+    table's median factor, not the H200-fitted model as it stands."""
+    from .test_selector import gpu_op
+
+    slope, flat = (gpu_op(name, est=lambda p: p.size * 1e-9, host_us=0.0) for name in ("slopeF", "flatF"))
+    TuningTable("NVIDIA H100", {}, {"slopeF": {"plain|s4096": 3 * 4096e-9}}, {"slopeF": 3.0}).save(
+        str(tmp_path / "NVIDIA_H100.json"))
+    tables = TuningTables([str(tmp_path)])
+    assert tables.rows("NVIDIA H100 80GB HBM3", "slopeF") == {"plain|s4096": 3 * 4096e-9}
+    assert tables.rows("NVIDIA H100 PCIe", "slopeF") == {} and tables.calibration("NVIDIA H100 PCIe", "x") is None
+    verdicts = {v.op: v for v in make_selector(slope, flat, tables=tables).explain(
+        SizedProb(4096, arch=H100_SXM)).verdicts}
+    assert verdicts[slope].source == "table" and verdicts[slope].estimate == pytest.approx(3 * 4096e-9)
+    assert verdicts[flat].source == "calibrated model" and verdicts[flat].estimate == pytest.approx(3 * 4096e-9)
+
+
+def test_a_table_keyed_by_the_driver_name_joins_the_cards_table(tmp_path):
+    """A table written under the H100 SXM's driver name (before tables were keyed per card) and one keyed
+    "NVIDIA H100" load as one table of that card."""
+    TuningTable("NVIDIA H100 80GB HBM3", {}, {"a": {"x": 1.0}}).save(str(tmp_path / "a.json"))
+    TuningTable("NVIDIA H100", {}, {"b": {"x": 2.0}}).save(str(tmp_path / "b.json"))
+    tables = TuningTables([str(tmp_path)])
+    assert tables.rows("NVIDIA H100 80GB HBM3", "a") == {"x": 1.0} and tables.rows("NVIDIA H100", "b") == {"x": 2.0}
+
+
+def test_the_offline_regret_of_a_table_follows_its_device_name():
+    """selector_offline rebuilds the problems for the table's own device: the H200 table renamed to the H100 gives the
+    same leave-one-out picks and calibration, and the held-out selector reads it (a row of 1 s ranks the fastest op
+    of the bucket last)."""
+    import selector_offline as offline
+
+    h200 = TuningTable.load(offline.TABLE)
+    h100 = replace(h200, device="NVIDIA H100")
+    assert offline.arch_of(h100).name == "NVIDIA H100"
+    assert offline.leave_one_out(h100, "factor") == offline.leave_one_out(h200, "factor")
+    assert offline.recalibrated(h100).calibration == offline.recalibrated(h200).calibration
+    label = "prefill bfloat16 B4 N2048 H32/8 D128 causal"
+    bucket = offline.problem_of_label(label, offline.arch_of(h100)).bucket()
+    measured = {name: rows[bucket] * 1e6 for name, rows in h100.timings.items() if bucket in rows}
+    fastest = min(measured, key=measured.get)
+    picked = offline.held_out(replace(h100, timings={fastest: {bucket: 1.0}}),
+                              [{"call": label, "times_us": {fastest: 1.0, "sdpa_mathF": 9.0}}])
+    assert picked and picked[0]["selected"] == "sdpa_mathF"

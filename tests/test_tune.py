@@ -108,13 +108,11 @@ def test_table_update_writes_host_rows_per_bucket_from_one_run():
     assert old.timings == {"triton_attnF": {"old": 1e-3}} and old.calibration == {"triton_attnF": 1.5}
 
 
-def test_host_only_tune_keeps_device_rows_and_needs_a_table(tmp_path):
+def test_host_only_tune_keeps_device_rows(tmp_path):
     path = str(tmp_path / "cpu.json")
     first = tune(path, quick=True, device="cpu")
     again = tune(path, quick=True, device="cpu", merge=path, host_only=True)
     assert again.timings == first.timings and again.calibration == first.calibration
-    with pytest.raises(ValueError, match="merge"):
-        tune(path, device="cpu", host_only=True)
 
 
 def test_tune_compile_only_runs_its_shard_and_writes_nothing(tmp_path, capsys):
@@ -211,3 +209,105 @@ def test_cli_retunes_some_ops_rows_into_a_table(tmp_path, capsys):
     rows = json.loads(path.read_text())["timings"]["torch_referenceF"]
     assert rows["elsewhere"] == 7.0 and len(rows) == 3, rows  # the quick grid's calls 1 and 3 of 4
     assert "wrote" in capsys.readouterr().out
+
+
+def test_grid_dtypes_pick_prefill_kinds_and_decode_apart():
+    """``dtypes`` names prefill dtypes and "decode" (the decode calls alone: a tuning piece of its own); an unknown
+    name raises, naming it."""
+    from fmha_ops.tune import DECODE, DECODE_SHAPES, grid, host_grid
+
+    decode = grid("cpu", dtypes=(DECODE,))
+    assert len(decode) == len(DECODE_SHAPES) * 11 and len(host_grid("cpu", (DECODE,))) == len(decode)
+    assert len(grid("cpu", dtypes=("bfloat16",))) == 36 and len(grid("cpu", dtypes=("bfloat16", DECODE))) == 36 + 55
+    assert len(grid("cpu")) == 4 * 36 + 55
+    with pytest.raises(ValueError, match=r"dtypes=\['bf16'\] not in the grid"):
+        grid("cpu", dtypes=("bf16",))
+
+
+def test_tune_keys_the_table_by_the_cards_name(tmp_path, monkeypatch):
+    """On an H100 SXM ("NVIDIA H100 80GB HBM3") tune writes the table of device "NVIDIA H100", which the selector
+    finds from the driver's name; a host-only run without a table starts one of host rows alone (a piece)."""
+    from fmha_ops import tune as tune_module
+    from registry import Arch
+
+    h100_sxm = Arch("cuda", (9, 0), name="NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(tune_module, "current_arch", lambda device=None: h100_sxm)
+    table = tune(str(tmp_path / "t.json"), quick=True, device="cpu")
+    assert table.device == json.loads((tmp_path / "t.json").read_text())["device"] == "NVIDIA H100"
+    host = tune(str(tmp_path / "host.json"), quick=True, device="cpu", host_only=True)
+    assert host.device == "NVIDIA H100" and host.timings == {} and host.calibration == {}
+
+
+def test_merge_tables_joins_pieces_rows_later_first_host_rows_of_one_run():
+    """Device rows bucket by bucket (a later piece's over an earlier one's); an op's host rows whole from the last
+    piece that has any, its host median from them; its calibration from the piece with most of its rows; pieces of
+    two cards or none raise."""
+    from registry import merge_tables
+
+    bf16 = TuningTable("NVIDIA H100", {"torch": "1"}, {"fa3F": {"a": 1.0, "b": 2.0, "c": 4.0}, "sdpaF": {"a": 3.0}},
+                       {"fa3F": 0.8, "sdpaF": 1.1}, {"fa3F": 5e-5}, {"fa3F": {"a": 4e-5, "b": 6e-5}})
+    decode = TuningTable("NVIDIA H100", {"torch": "2"}, {"fa3F": {"b": 2.5, "d": 9.0}}, {"fa3F": 3.0},
+                         {"fa3F": 7e-5}, {"fa3F": {"d": 7e-5}})
+    host = TuningTable("NVIDIA H100 80GB HBM3", {}, {}, {}, {"sdpaF": 2e-5},
+                       {"sdpaF": {"a": 1e-5, "b": 3e-5}})
+    merged = merge_tables([bf16, decode, host])
+    assert merged.device == "NVIDIA H100" and merged.versions == {}
+    assert merged.timings == {"fa3F": {"a": 1.0, "b": 2.5, "c": 4.0, "d": 9.0}, "sdpaF": {"a": 3.0}}
+    assert merged.calibration == {"fa3F": 0.8, "sdpaF": 1.1}
+    assert merged.host_timings == {"fa3F": {"d": 7e-5}, "sdpaF": {"a": 1e-5, "b": 3e-5}}
+    assert merged.host == {"fa3F": 7e-5, "sdpaF": pytest.approx(2e-5)}
+    with pytest.raises(ValueError, match="different devices"):
+        merge_tables([bf16, TuningTable("NVIDIA H200")])
+    with pytest.raises(ValueError, match="no pieces"):
+        merge_tables([])
+
+
+def test_merge_command_writes_one_table(tmp_path, capsys):
+    from fmha_ops.__main__ import main
+
+    TuningTable("NVIDIA H100", {}, {"fa3F": {"a": 1.0}}, {"fa3F": 0.9}).save(str(tmp_path / "p1.json"))
+    TuningTable("NVIDIA H100", {}, {"fa3F": {"b": 2.0}}).save(str(tmp_path / "p2.json"))
+    assert main(["merge", "--out", str(tmp_path / "NVIDIA_H100.json"), str(tmp_path / "p1.json"),
+                 str(tmp_path / "p2.json")]) == 0
+    assert TuningTable.load(str(tmp_path / "NVIDIA_H100.json")).timings == {"fa3F": {"a": 1.0, "b": 2.0}}
+    assert "wrote 2 timings of 1 ops" in capsys.readouterr().out
+
+
+def test_shipped_tables_are_keyed_by_their_card_and_named_in_the_docs():
+    """Each table in fmha_ops/tuning/ is keyed by its card's name (``table_device``), in the file the tune command
+    names after it, holds only registered ops, and README.md and DESIGN.md name it (which GPUs have a table)."""
+    import os
+
+    from fmha_ops.dispatch import REGISTRY
+    from registry import table_device
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    docs = [open(os.path.join(root, name)).read() for name in ("README.md", "DESIGN.md")]
+    files = sorted(f for f in os.listdir(TUNING_DIRS[0]) if f.endswith(".json"))
+    assert files
+    for name in files:
+        table = TuningTable.load(os.path.join(TUNING_DIRS[0], name))
+        assert table_device(table.device) == table.device and name == table.device.replace(" ", "_") + ".json"
+        assert all(REGISTRY.get(op) for op in table.timings)
+        assert all(f"`{name}`" in doc for doc in docs), f"README.md and DESIGN.md do not name {name}"
+
+
+def test_info_says_which_table_ranks_the_ops(tmp_path):
+    """``info`` names the GPU's tuning table (the H100 SXM's is keyed "NVIDIA H100") or says the H200-fitted models
+    rank the ops."""
+    from fmha_ops.__main__ import table_line
+    from registry import TuningTables
+
+    TuningTable("NVIDIA H100", {}, {"fa3F": {"a": 1.0}}).save(str(tmp_path / "NVIDIA_H100.json"))
+    tables = TuningTables([str(tmp_path)])
+    assert table_line("NVIDIA H100 80GB HBM3", tables).startswith("tuning table: NVIDIA H100, 1 ops measured")
+    assert "none for 'NVIDIA H100 PCIe': ops ranked by cost models fitted on the H200" in table_line(
+        "NVIDIA H100 PCIe", tables)
+
+
+def test_host_only_cli_without_a_table_writes_a_piece(tmp_path, capsys):
+    from fmha_ops.__main__ import main
+
+    path = tmp_path / "host.json"
+    assert main(["tune", "--quick", "--host-only", "--out", str(path)]) == 0
+    assert TuningTable.load(str(path)).timings == {}

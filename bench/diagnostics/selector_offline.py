@@ -7,12 +7,14 @@ where an estimate extrapolates). ``--hide size``: each point hidden with every p
 (all GQA ratios), so an edge point is estimated from the other lengths only, as a call past the grid is.
 ``--measured selector.json``: also the regret the selector (``Selector.estimate`` on this table) would have on a
 selector bench's measured prefill calls, data the table did not see. ``--recalibrate OUT``: write the table with
-each op's calibration (median measured / model over its rows) recomputed under the current cost models.
+each op's calibration (median measured / model over its rows) recomputed under the current cost models (after
+``python -m fmha_ops merge`` joined a table's pieces, each op's calibration over all its rows).
 
     python bench/diagnostics/selector_offline.py [--table fmha_ops/tuning/NVIDIA_H200.json] [--hide size]
         [--measured JSON] [--recalibrate OUT]
 
-Needs no GPU: the points' problems are rebuilt from their bucket keys for the table's device (an sm90 H200).
+Needs no GPU: the points' problems are rebuilt from their bucket keys for the table's device (an sm90 GPU: the
+H200's or the H100's table).
 """
 from __future__ import annotations
 
@@ -36,7 +38,9 @@ from fmha_ops.dispatch import REGISTRY  # noqa: E402
 from fmha_ops.problem import Problem  # noqa: E402
 
 TABLE = os.path.join(os.path.dirname(__file__), "..", "..", "fmha_ops", "tuning", "NVIDIA_H200.json")
-H200 = Arch("cuda", (9, 0), name="NVIDIA H200")
+#: the compute capability of the tables' GPUs (H100, H200)
+SM90 = (9, 0)
+H200 = Arch("cuda", SM90, name="NVIDIA H200")
 METHODS = ("nearest", "factor")
 #: what a leave-one-out run hides with each point: the point alone, or every point of its kind at its lengths
 HIDE = ("bucket", "size")
@@ -80,6 +84,11 @@ def estimate(op, problem: Problem, rows: dict[str, float], factor: float | None,
     return max(model * (ratio or 1.0), host)
 
 
+def arch_of(table: TuningTable) -> Arch:
+    """The sm90 GPU ``table`` was measured on, named as the table's device (the selector finds the table by it)."""
+    return Arch("cuda", SM90, name=table.device)
+
+
 def hidden_with(bucket: str, buckets: set[str], hide: str) -> frozenset[str]:
     """The buckets a leave-one-out run hides with ``bucket`` (``HIDE``): itself, or with ``hide`` "size" every one
     of ``buckets`` that differs from it in the GQA ratio and batch x heads only (its kind at its lengths)."""
@@ -94,9 +103,9 @@ def leave_one_out(table: TuningTable, method: str, hide: str = "bucket") -> list
     """One row per bucket measured for two or more ops: the op ranked first with that bucket hidden (with ``hide``
     "size": with the buckets ``hidden_with`` it), the fastest measured op, the regret."""
     buckets = sorted({b for rows in table.timings.values() for b in rows})
-    out = []
+    arch, out = arch_of(table), []
     for bucket in buckets:
-        problem = problem_of(bucket)
+        problem = problem_of(bucket, arch)
         if problem is None:
             continue
         # what a call costs back to back: the device time, at least the op's measured host time
@@ -109,7 +118,7 @@ def leave_one_out(table: TuningTable, method: str, hide: str = "bucket") -> list
         for name in times:
             op = REGISTRY.get(name)
             rows = {b: t for b, t in table.timings[name].items() if b not in hidden}
-            ratios = [t / m for b, t in rows.items() if (p := problem_of(b)) and (m := op.estimate(p))]
+            ratios = [t / m for b, t in rows.items() if (p := problem_of(b, arch)) and (m := op.estimate(p))]
             e = estimate(op, problem, rows, statistics.median(ratios) if ratios else None, method,
                          host_time(table, op, problem, hidden=hidden))
             if e is not None:
@@ -146,9 +155,9 @@ def held_out(table: TuningTable, measured: list[dict]) -> list[dict]:
     with tempfile.TemporaryDirectory() as folder:
         table.save(os.path.join(folder, "table.json"))
         selector = Selector(REGISTRY, TuningTables([folder]))
-        out = []
+        arch, out = arch_of(table), []
         for row in measured:
-            problem = problem_of_label(row["call"])
+            problem = problem_of_label(row["call"], arch)
             times = row["times_us"]
             if problem is None or len(times) < 2:
                 continue
@@ -177,12 +186,12 @@ def recalibrated(table: TuningTable) -> TuningTable:
     """``table`` with each op's calibration the median measured / model over its rows under the current cost
     models (the rows ``problem_of`` rebuilds); ops of decode rows only (q1: models that read no roofline) keep
     theirs."""
-    calibration = dict(table.calibration)
+    calibration, arch = dict(table.calibration), arch_of(table)
     for name, rows in table.timings.items():
         op = REGISTRY.get(name)
         if all("|q1|" in b for b in rows):
             continue
-        ratios = [t / m for b, t in rows.items() if (p := problem_of(b)) and (m := op.estimate(p))]
+        ratios = [t / m for b, t in rows.items() if (p := problem_of(b, arch)) and (m := op.estimate(p))]
         if ratios:
             calibration[name] = statistics.median(ratios)
     return TuningTable(table.device, table.versions, table.timings, calibration, table.host, table.host_timings)
