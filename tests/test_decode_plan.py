@@ -113,6 +113,57 @@ def test_swapped_descales_are_checked_like_the_function_checks_them(role):
     with fmha_ops.check_inputs(), pytest.raises(ValueError, match=rf"{role} must be >= 0 .* is -0.5"):
         fmha_ops.flash_attn_with_kvcache(q, k8, v8, cache_seqlens=lens, page_table=table, causal=True, **swapped)
 
+
+def _mutations(lens, table, k_scale, v_scale, leftpad):
+    """(what a caller changes in place between runs, the error ``flash_attn_with_kvcache`` gives for it)."""
+    return [(lambda: lens.__setitem__(1, 41), r"cache_seqlens.* 41"),
+            (lambda: lens.__setitem__(0, -1), r"cache_seqlens.* -1"),
+            (lambda: table.__setitem__((0, 0), 10 ** 6), r"page_table"),
+            (lambda: leftpad.__setitem__(0, 6), r"cache_leftpad"),
+            (lambda: k_scale.__setitem__((0, 3, 1), -0.5), r"k_descale must be >= 0 .* is -0.5"),
+            (lambda: v_scale.__setitem__((0, 3, 1), float("nan")), r"v_descale")]
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_run_checks_the_plans_own_indices_and_descales_like_the_first_call(case):
+    """Index tensors and descales the plan holds, changed in place between runs, raise at ``run`` as they do in
+    ``flash_attn_with_kvcache`` (host ones always, device ones in check mode), and run again once restored."""
+    k8, v8, scales, table = _cache(fp8=True, seed=8)
+    lens = torch.tensor([5, 40, 0], dtype=torch.int32, device=DEVICE)
+    leftpad = torch.tensor([1, 0, 0], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(3, 1, 4, 16).to(DEVICE, DTYPE)
+    arguments = dict(cache_seqlens=lens, page_table=table, k_descale=scales[0], v_descale=scales[1], causal=True,
+                     cache_leftpad=leftpad)
+    plan = fmha_ops.plan_kvcache(q, k8, v8, **arguments)
+    want = plan.run(q).clone()
+    saved = [t.clone() for t in (lens, table, leftpad, *scales)]
+    mutate, message = _mutations(lens, table, scales[0], scales[1], leftpad)[case]
+    mutate()
+    with fmha_ops.check_inputs(), pytest.raises(ValueError, match=message):
+        plan.run(q)
+    with fmha_ops.check_inputs(), pytest.raises(ValueError, match=message):
+        fmha_ops.flash_attn_with_kvcache(q, k8, v8, **arguments)
+    for t, old in zip((lens, table, leftpad, *scales), saved):
+        t.copy_(old)
+    with fmha_ops.check_inputs():
+        assert torch.equal(plan.run(q), want)
+
+
+def test_run_checks_only_the_descales_it_reads():
+    """Descales passed to ``run`` replace the plan's: a bad planned descale is not read, so not checked."""
+    k8, v8, scales, table = _cache(fp8=True, seed=9)
+    lens = torch.tensor([5, 40, 0], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(3, 1, 4, 16).to(DEVICE, DTYPE)
+    plan = fmha_ops.plan_kvcache(q, k8, v8, cache_seqlens=lens, page_table=table, k_descale=scales[0],
+                                 v_descale=scales[1], causal=True)
+    good = [s.clone() for s in scales]
+    scales[0][0, 0, 0] = -1.0
+    with fmha_ops.check_inputs():
+        assert not plan.run(q, k8, v8, *good).isnan().any()
+        with pytest.raises(ValueError, match="k_descale must be >= 0"):
+            plan.run(q)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="CUDA graphs")
 @pytest.mark.parametrize("fp8", [False, True])
