@@ -97,7 +97,7 @@ def select_decode_op(inp: Inputs, return_lse: bool, repeated: Callable):
     """The forward op of a decode loop's plan (``fmha_ops.decode_plan``; the selector's memo, on a miss validation
     and the ``Problem``), timed under autotune as its runs run (``timing.autotune_seconds``): ``repeated(op)``, the
     plan's run of ``op`` as a call without arguments (None where ``op`` has none: its ``apply``)."""
-    return SELECTOR.select(inp.signature(), lambda: make_problem(inp, return_lse), "fw", None,
+    return SELECTOR.select(inp.signature(return_lse), lambda: make_problem(inp, return_lse), "fw", None,
                            lambda ops: autotune_seconds(
                                ops, lambda op: repeated(op) or functools.partial(op.apply, inp, return_lse),
                                inp.query.device.type))
