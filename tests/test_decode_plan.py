@@ -114,18 +114,15 @@ def test_swapped_descales_are_checked_like_the_function_checks_them(role):
         fmha_ops.flash_attn_with_kvcache(q, k8, v8, cache_seqlens=lens, page_table=table, causal=True, **swapped)
 
 
-def _mutations(lens, table, k_scale, v_scale, leftpad):
-    """(what a caller changes in place between runs, the error ``flash_attn_with_kvcache`` gives for it)."""
-    return [(lambda: lens.__setitem__(1, 41), r"cache_seqlens.* 41"),
-            (lambda: lens.__setitem__(0, -1), r"cache_seqlens.* -1"),
-            (lambda: table.__setitem__((0, 0), 10 ** 6), r"page_table"),
-            (lambda: leftpad.__setitem__(0, 6), r"cache_leftpad"),
-            (lambda: k_scale.__setitem__((0, 3, 1), -0.5), r"k_descale must be >= 0 .* is -0.5"),
-            (lambda: v_scale.__setitem__((0, 3, 1), float("nan")), r"v_descale")]
+#: (planned tensor, entry, value written in place between runs, the error ``flash_attn_with_kvcache`` gives for it)
+_MUTATIONS = [("lengths", (1,), 41, r"cache_seqlens.* 41"), ("lengths", (0,), -1, r"cache_seqlens.* -1"),
+              ("table", (0, 0), 10 ** 6, "page_table"), ("leftpad", (0,), 6, "cache_leftpad"),
+              ("k_scale", (0, 3, 1), -0.5, r"k_descale must be >= 0 .* is -0.5"),
+              ("v_scale", (0, 3, 1), float("nan"), "v_descale")]
 
 
-@pytest.mark.parametrize("case", range(6))
-def test_run_checks_the_plans_own_indices_and_descales_like_the_first_call(case):
+@pytest.mark.parametrize("name,entry,value,message", _MUTATIONS)
+def test_run_checks_the_plans_own_indices_and_descales_like_the_first_call(name, entry, value, message):
     """Index tensors and descales the plan holds, changed in place between runs, raise at ``run`` as they do in
     ``flash_attn_with_kvcache`` (host ones always, device ones in check mode), and run again once restored."""
     k8, v8, scales, table = _cache(fp8=True, seed=8)
@@ -136,15 +133,14 @@ def test_run_checks_the_plans_own_indices_and_descales_like_the_first_call(case)
                      cache_leftpad=leftpad)
     plan = fmha_ops.plan_kvcache(q, k8, v8, **arguments)
     want = plan.run(q).clone()
-    saved = [t.clone() for t in (lens, table, leftpad, *scales)]
-    mutate, message = _mutations(lens, table, scales[0], scales[1], leftpad)[case]
-    mutate()
+    planned = dict(lengths=lens, table=table, leftpad=leftpad, k_scale=scales[0], v_scale=scales[1])
+    saved = {n: t.clone() for n, t in planned.items()}
+    planned[name][entry] = value
     with fmha_ops.check_inputs(), pytest.raises(ValueError, match=message):
         plan.run(q)
     with fmha_ops.check_inputs(), pytest.raises(ValueError, match=message):
         fmha_ops.flash_attn_with_kvcache(q, k8, v8, **arguments)
-    for t, old in zip((lens, table, leftpad, *scales), saved):
-        t.copy_(old)
+    planned[name].copy_(saved[name])
     with fmha_ops.check_inputs():
         assert torch.equal(plan.run(q), want)
 

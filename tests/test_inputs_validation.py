@@ -2,6 +2,8 @@
 combinations pass; Problem fields and the signature reflect the call."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -421,17 +423,13 @@ def test_signature_tracks_what_validation_depends_on():
 _SIGNATURE_HOLDS_ELSEWHERE = {"arch": "devices (one device here)", "graph_capture": "capturing (a CUDA graph)"}
 
 
+@contextlib.contextmanager
 def _deterministic():
-    return _Deterministic()
-
-
-class _Deterministic:
     """``torch.use_deterministic_algorithms(True)`` for a block."""
-
-    def __enter__(self):
-        torch.use_deterministic_algorithms(True)
-
-    def __exit__(self, *exc):
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
         torch.use_deterministic_algorithms(False)
 
 
@@ -439,12 +437,10 @@ def _selection_variants() -> dict:
     """name -> two calls ``(Inputs, needs_lse, process state)`` that differ in what validation or selection reads:
     one variant at least for every ``Problem`` field and every ``Inputs`` field (``layout`` aside: only results read
     it)."""
-    from contextlib import nullcontext
-
     q, k, v = qkv(torch.float16, mk=8)
-    base = (Inputs(q, k, v), False, nullcontext)
+    base = (Inputs(q, k, v), False, contextlib.nullcontext)
 
-    def call(q=q, k=k, v=v, needs_lse=False, state=nullcontext, **fields):
+    def call(q=q, k=k, v=v, needs_lse=False, state=contextlib.nullcontext, **fields):
         return Inputs(q, k, v, **fields), needs_lse, state
 
     pad = ab.BlockDiagonalPaddedKeysMask.from_seqlens([1, 1], kv_padding=8, kv_seqlen=[3, 8])
@@ -519,8 +515,6 @@ def test_signature_changes_with_every_difference_selection_reads(name):
 def test_signature_variants_cover_every_field_selection_reads():
     """Every ``Problem`` field and every ``Inputs`` field is varied by some case above: a new field needs a variant
     (and so an item of ``Signature`` that holds it)."""
-    import dataclasses
-
     from fmha_ops.problem import Problem
 
     varied_problem, varied_inputs = set(), set()
