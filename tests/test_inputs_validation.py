@@ -444,7 +444,8 @@ def _selection_variants() -> dict:
         return Inputs(q, k, v, **fields), needs_lse, state
 
     pad = ab.BlockDiagonalPaddedKeysMask.from_seqlens([1, 1], kv_padding=8, kv_seqlen=[3, 8])
-    table4, table2 = (torch.tensor(x, dtype=torch.int32) for x in ([[3, 0, 1], [1, 2, 0]], [[3, 0, 1, 5], [1, 2, 0, 7]]))
+    table4 = torch.tensor([[3, 0, 1], [1, 2, 0]], dtype=torch.int32)
+    table2 = torch.tensor([[3, 0, 1, 5], [1, 2, 0, 7]], dtype=torch.int32)
     pq, pk, pv = qkv(torch.float16, F8, b=1, mq=2, mk=16)
     fp8 = dict(q=pq, k=pk, v=pv, attn_bias=pad.make_paged(table4, page_size=4), k_descale=ones(1), v_descale=ones(1))
     lens = torch.tensor([3, 8], dtype=torch.int32)
@@ -486,7 +487,8 @@ def _selection_variants() -> dict:
                          call(attn_bias=ab.LocalAttentionFromBottomRightMask(2, 1))),
         "softcap": (base, call(softcap=30.0)),
         "negative scale": (call(scale=0.5), call(scale=-0.5)),
-        "bias_grad": (call(attn_bias=ab.TensorBias(bias)), call(attn_bias=ab.TensorBias(bias.clone().requires_grad_()))),
+        "bias_grad": (call(attn_bias=ab.TensorBias(bias)),
+                      call(attn_bias=ab.TensorBias(bias.clone().requires_grad_()))),
         "sinks": (base, call(sinks=ones(HQ))),
         "key_start": tuple(call(*qkv(torch.float16, b=1, mq=2, mk=16), attn_bias=paged(1, lens, table4, 4,
                                                                                         key_start=start))
@@ -522,7 +524,8 @@ def test_signature_variants_cover_every_field_selection_reads():
         (_, a), (_, b) = (_selected_on(x) for x in pair)
         varied_problem |= {f.name for f in dataclasses.fields(Problem) if getattr(a, f.name) != getattr(b, f.name)}
         x, y = pair[0][0], pair[1][0]
-        varied_inputs |= {f.name for f in dataclasses.fields(Inputs) if _differs(getattr(x, f.name), getattr(y, f.name))}
+        varied_inputs |= {f.name for f in dataclasses.fields(Inputs)
+                          if _differs(getattr(x, f.name), getattr(y, f.name))}
     missing = {f.name for f in dataclasses.fields(Problem)} - varied_problem - set(_SIGNATURE_HOLDS_ELSEWHERE)
     assert not missing, f"Problem fields no variant changes: {sorted(missing)}"
     assert not {f.name for f in dataclasses.fields(Inputs)} - varied_inputs - {"layout"}
