@@ -65,7 +65,7 @@ def _bhmk(*ts):
 
 def _selected(inp, kind="fw", needs_lse=False):
     """The op the selector picks for ``inp`` (as the public call would)."""
-    return SELECTOR.select(("host_time", kind, inp.signature()), lambda: make_problem(inp, needs_lse), kind)
+    return SELECTOR.select(("host_time", kind, inp.signature(needs_lse)), lambda: make_problem(inp, needs_lse), kind)
 
 
 def _direct(inp, needs_lse=False) -> tuple[str, Call]:

@@ -207,7 +207,7 @@ def memory_efficient_attention_backward(
         if tuple(t.shape) != want[name]:
             raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {want[name]} (BMHK) for query "
                              f"{tuple(query.shape)} and value {tuple(value.shape)}")
-    sig, lse, grad = inp.signature(), lse.float(), grad.contiguous()
+    sig, lse, grad = inp.signature(True), lse.float(), grad.contiguous()
     bw = SELECTOR.select(sig, lambda: make_problem(inp, True), "bw", op, lambda ops: autotune_seconds(
         ops, lambda o: functools.partial(o.apply_bw, inp, out, lse, grad), inp.query.device.type))
     dq, dk, dv = bw.apply_bw(inp, out, lse, grad)

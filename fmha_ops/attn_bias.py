@@ -39,7 +39,6 @@ unbounded side.
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Iterator, NamedTuple, Sequence
@@ -347,11 +346,14 @@ def _padded_starts(device: torch.device, n: int, padding: int) -> torch.Tensor:
     return torch.arange(0, (n + 1) * padding, padding, dtype=torch.int32, device=device)
 
 
-@functools.lru_cache(maxsize=256)
 def _uniform_queries(batch: int, per_sequence: int) -> "_SeqLenInfo":
-    """The packed queries of ``batch`` sequences of ``per_sequence`` tokens each (host starts, CPU tensor), made
-    once per size: decode calls reuse it."""
-    return _SeqLenInfo.from_seqlens([per_sequence] * batch)
+    """The packed queries of ``batch`` sequences of ``per_sequence`` tokens each (host starts, CPU tensor), a new
+    object per call (``from_seqlens_inplace`` may change it): the starts as one range, ~3.5 us on the CPU against
+    ~25 us through ``from_seqlens``' per-length checks at batch 8."""
+    starts = list(range(0, (batch + 1) * per_sequence, per_sequence)) if per_sequence else [0] * (batch + 1)
+    longest = per_sequence if batch else 0
+    return _SeqLenInfo(seqstart=_padded_starts(torch.device("cpu"), batch, per_sequence), max_seqlen=longest,
+                       min_seqlen=longest, seqstart_py=starts)
 
 
 def _query_info(q_seqlen: "int | Sequence[int]", batch: int) -> "_SeqLenInfo":

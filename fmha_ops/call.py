@@ -111,7 +111,7 @@ def forward_plan(inp: Inputs, op: OpArg, needs_lse: bool, repeated: Callable | N
     if _is_compiling():  # validated and selected at trace time, where the trace checks or runs the plan
         return compiled.traced_plan(op, needs_lse)
 
-    sig, device = inp.signature(), inp.query.device.type
+    sig, device = inp.signature(needs_lse), inp.query.device.type
 
     def timed(o):  # what autotune times of a contender: its repeated call; with gradients, its forward with the LSE
         call = None if repeated is None or sig.needs_grad else repeated(o)

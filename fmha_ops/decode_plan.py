@@ -7,7 +7,9 @@ tokens first, e.g. with ``kv_cache.append_to_cache`` or ``flash_attn_with_kvcach
 count and the tile configuration, and allocates the output and the split workspace. ``run(q)`` then only launches
 the kernels. The lengths (``cache_seqlens``) and ``page_table`` tensors are the plan's: their values are read on the
 GPU at every run (``cache_leftpad`` too, when planned with it), so a loop updates them in place
-(``cache_seqlens += 1``), as a CUDA-graph replay would; ``run`` is capturable in a CUDA graph. The caches may be
+(``cache_seqlens += 1``), as a CUDA-graph replay would; ``run`` is capturable in a CUDA graph. Their values (and the
+descales') are checked again at each run as the planning call checked them: host tensors always, device ones in
+check mode (``fmha_ops.check_inputs``), so a value changed out of range raises the function's error. The caches may be
 swapped per run (one plan for all layers of a model) for caches of the planned shape, dtype, strides and device.
 
 Example
@@ -21,9 +23,11 @@ Example
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Callable
 
 import torch
 
+from . import checks
 from .inputs import make_inputs
 from .kvcache_call import key_start_arg, kvcache_call, select_decode_op
 from .validation import check_descale_values, validate_sinks
@@ -40,13 +44,16 @@ class PagedDecodePlan:
     """
 
     def __init__(self, op, launch, template, cache, descales, index, out, lse, return_lse: bool,
-                 sinks: torch.Tensor | None = None, key_start: dict | None = None) -> None:
+                 sinks: torch.Tensor | None = None, key_start: dict | None = None,
+                 values: tuple[Callable, tuple, bool] | None = None) -> None:
         self.op, self.out, self.lse = op, out, lse if return_lse else None
         self._lse = lse  # written by every run (the kernels write an LSE), returned only when planned
         self._launch, self._return_lse = launch, return_lse
         self._cache, self._descales, self._index = cache, descales, index
         self._sinks = sinks
         self._key_start = key_start or {}  # the launcher's key-start keyword (``kvcache_call.key_start_arg``)
+        # (``KVCacheCall.check_values``, the planned descales as given, whether the checked tensors are on the host)
+        self._values = values
         q = template
         self._q_meta = (q.shape, q.dtype, q.device)
         self._cache_meta = tuple(_meta(t) for t in cache)
@@ -59,7 +66,9 @@ class PagedDecodePlan:
         strides and device) at the lengths and page table the plan holds; with the planned sinks, or ``sinks``
         (float32 (Hq,) on q's device: another layer's) when the plan was made with sinks. Descales passed here are
         checked as ``flash_attn_with_kvcache`` checks them (finite, >= 0: host ones always, device ones in check
-        mode, ``fmha_ops.check_inputs``).
+        mode, ``fmha_ops.check_inputs``). The plan's own index tensors (``cache_seqlens``, ``page_table`` /
+        ``cache_batch_idx``, ``cache_leftpad``) and, unless others are passed, its descales are checked again as
+        ``plan_kvcache`` checked them: host ones at every run, device ones in check mode (one host sync).
 
         Returns out (B, Mq, Hq, D) [, softmax_lse float32 (B, Hq, Mq) when planned with ``return_softmax_lse``]:
         ``out`` / ``lse`` when given (contiguous, of those shapes), else the plan's buffers, which the next run
@@ -74,8 +83,11 @@ class PagedDecodePlan:
                              f"the plan's {tuple(self._q_meta[0])} {self._q_meta[1]} on {self._q_meta[2]} (last dim "
                              f"contiguous); make a plan for it")
         k, v = self._cache if k_cache is None and v_cache is None else self._swapped(k_cache, v_cache)
-        ks, vs = self._descales if k_descale is None and v_descale is None else self._swapped_descales(k_descale,
-                                                                                                     v_descale)
+        planned_descales = k_descale is None and v_descale is None
+        if self._values is not None and (self._values[2] or checks.checks_enabled()):
+            check_values, descales, _ = self._values
+            check_values(*(descales if planned_descales else (None, None)))
+        ks, vs = self._descales if planned_descales else self._swapped_descales(k_descale, v_descale)
         out = self.out if out is None else _check_out("out", out, self.out)
         lse_buf = self._lse if lse is None else _check_out("lse", lse, self.lse)
         if sinks is None and self._sinks is None:
@@ -179,8 +191,10 @@ def plan_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     else:  # the call's mask holds the lengths, table and key starts
         launch = _apply_launcher(op, inp, batch, mq, return_softmax_lse)
         index, descales, key_start = (None, None), (call.k_descale, call.v_descale), {}
+    host = q.device.type == "cpu"  # the index tensors and descales are on q's device (validated)
     return PagedDecodePlan(op, launch, q, (k_cache, v_cache), descales, index, out, lse, return_softmax_lse,
-                           None if sinks is None else sinks.detach().contiguous(), key_start)
+                           None if sinks is None else sinks.detach().contiguous(), key_start,
+                           (call.check_values, (call.k_descale, call.v_descale), host))
 
 
 def _timed_launch(op, inp, return_lse: bool):

@@ -61,6 +61,7 @@ class Signature(NamedTuple):
     fp8_backward: bool
     softcap: float
     sinks: Any  # (dtype, shape, device) of the sinks, or None
+    needs_lse: bool  # the caller needs the LSE (``make_problem``'s ``needs_lse``), whatever ``is_partial`` says
 
 
 class OutputLayout(NamedTuple):
@@ -140,8 +141,9 @@ class Inputs:
         bias = None if self.attn_bias is None else self.attn_bias.tensor_bias
         return bias is not None and bias.requires_grad and torch.is_grad_enabled()
 
-    def signature(self) -> Signature:
-        """The memo key of this call (``Signature``)."""
+    def signature(self, needs_lse: bool = False) -> Signature:
+        """The memo key of this call (``Signature``) when the caller asks for the LSE or not (``needs_lse``, as it
+        passes ``validation.make_problem``: an op without an LSE is chosen only where none is needed)."""
         q, k, v = self.query, self.key, self.value
         bias = self.attn_bias
         qd, kd, vd, sinks = self.q_descale, self.k_descale, self.v_descale, self.sinks
@@ -157,7 +159,7 @@ class Inputs:
             (_tensor_signature(qd), _tensor_signature(kd), _tensor_signature(vd)),
             self.p, self.scale, self.output_dtype, self.is_partial, self.quantize_kv_to_fp8,
             _deterministic(), q.is_cuda and torch.cuda.is_current_stream_capturing(),
-            fp8_dequantized_backward_enabled(), self.softcap, _tensor_signature(sinks)))
+            fp8_dequantized_backward_enabled(), self.softcap, _tensor_signature(sinks), needs_lse))
 
     def validate(self) -> None:
         """Raise ValueError naming the argument, the value and what is supported (``fmha_ops.validation``)."""

@@ -97,7 +97,7 @@ def select_decode_op(inp: Inputs, return_lse: bool, repeated: Callable):
     """The forward op of a decode loop's plan (``fmha_ops.decode_plan``; the selector's memo, on a miss validation
     and the ``Problem``), timed under autotune as its runs run (``timing.autotune_seconds``): ``repeated(op)``, the
     plan's run of ``op`` as a call without arguments (None where ``op`` has none: its ``apply``)."""
-    return SELECTOR.select(inp.signature(), lambda: make_problem(inp, return_lse), "fw", None,
+    return SELECTOR.select(inp.signature(return_lse), lambda: make_problem(inp, return_lse), "fw", None,
                            lambda ops: autotune_seconds(
                                ops, lambda op: repeated(op) or functools.partial(op.apply, inp, return_lse),
                                inp.query.device.type))
@@ -203,8 +203,11 @@ def _unit_stride(t, dim: int) -> bool:
 class KVCacheCall(NamedTuple):
     """``flash_attn_with_kvcache``'s call as the op path takes it: query (1, B * Mq, Hq, D), key / value the cache
     pool (1, pages * page_size, Hkv, D) (views), the paged decode mask (its lengths count the appended tokens),
-    per-token (or per-tensor) descales, and ``append()``, which writes the call's new tokens into the cache (None
-    when it appends none): the mask's keys are there only once it has run."""
+    per-token (or per-tensor) descales, ``append()``, which writes the call's new tokens into the cache (None
+    when it appends none): the mask's keys are there only once it has run, and ``check_values(k_descale,
+    v_descale)``, which checks the values of the call's index tensors (as given, after any contiguous copy) and of
+    the given descales again as the validation did (host ones always, device ones in check mode), for a plan whose
+    runs read them after the user may have changed them (``fmha_ops.decode_plan``)."""
 
     query: torch.Tensor
     key: torch.Tensor
@@ -213,6 +216,7 @@ class KVCacheCall(NamedTuple):
     k_descale: torch.Tensor | None
     v_descale: torch.Tensor | None
     append: Callable[[], None] | None
+    check_values: Callable[[torch.Tensor | None, torch.Tensor | None], None]
 
 
 def kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, q_descale, k_descale,
@@ -286,7 +290,16 @@ def kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
                                                                        key_start=cache_leftpad)
     check_descale_values(("k_descale", kd), ("v_descale", vd))
     # per-token descales pass in the cache's own (num_pages, page_size, Hkv) layout: no copy, any strides
-    return KVCacheCall(q.reshape(1, batch * mq, *q.shape[2:]), _pool(k_cache), _pool(v_cache), bias, kd, vd, append)
+    check_values = functools.partial(_check_values, (cache_seqlens, cache_batch_idx, page_table if paged else None,
+                                                     capacity, mnew, k_cache, cache_leftpad))
+    return KVCacheCall(q.reshape(1, batch * mq, *q.shape[2:]), _pool(k_cache), _pool(v_cache), bias, kd, vd, append,
+                       check_values)
+
+
+def _check_values(indices: tuple, k_descale: torch.Tensor | None, v_descale: torch.Tensor | None) -> None:
+    """``KVCacheCall.check_values``: ``_validate_indices(*indices)``, then the descales' values."""
+    _validate_indices(*indices)
+    check_descale_values(("k_descale", k_descale), ("v_descale", v_descale))
 
 
 def _pool(cache: torch.Tensor) -> torch.Tensor:

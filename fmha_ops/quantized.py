@@ -107,7 +107,7 @@ def quantized_backward(bias, scale: float | None, qh, kh, vh, out, lse, grad_out
         return plan.run(qh, kh, vh, out, lse, grad_out, sinks, sinks_grad)
     inp = make_inputs(qh, kh, vh, bias, scale=scale, is_partial=True, sinks=sinks)
     grad_out = grad_out.contiguous()
-    bw = SELECTOR.select(("quantized backward", inp.signature()), lambda: make_problem(inp, True), "bw", None,
+    bw = SELECTOR.select(("quantized backward", inp.signature(True)), lambda: make_problem(inp, True), "bw", None,
                          lambda ops: autotune_seconds(ops, lambda o: functools.partial(o.apply_bw, inp, out, lse,
                                                                                        grad_out), qh.device.type))
     plan = PLANS.put(key, Plan(_backward_plan(bw, bias, scale), (bw,)))

@@ -356,3 +356,17 @@ def test_from_xformers_unsupported_lists_supported():
     with pytest.raises(ValueError, match=r"attn_bias of type .*BlockDiagonalSparseMask is not supported; "
                                          r"supported: .*BlockDiagonalMask.*LowerTriangularMask"):
         ab.from_xformers(_xf("BlockDiagonalSparseMask"))
+
+
+@pytest.mark.parametrize("batch,per_sequence", [(8, 1), (3, 4), (0, 1), (3, 0), (0, 0)])
+def test_uniform_queries_match_from_seqlens_and_are_new_per_mask(batch, per_sequence):
+    lens = torch.full((batch,), 5, dtype=torch.int32)
+    mask = ab.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_device_seqlens(per_sequence, 8, lens)
+    want = ab._SeqLenInfo.from_seqlens([per_sequence] * batch)
+    got = mask.q_seqinfo
+    assert (got.seqstart_py, got.max_seqlen, got.min_seqlen) == (want.seqstart_py, want.max_seqlen, want.min_seqlen)
+    assert got.seqstart.dtype == torch.int32 and torch.equal(got.seqstart, want.seqstart)
+    other = ab.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_device_seqlens(per_sequence, 8, lens)
+    if batch and per_sequence:  # a mask's queries changed in place leave another mask's as they were
+        mask.q_seqinfo.from_seqlens_inplace([0] * batch)
+        assert other.q_seqinfo.seqstart_py == want.seqstart_py and torch.equal(other.q_seqinfo.seqstart, want.seqstart)

@@ -681,3 +681,20 @@ def test_plans_are_dropped_by_the_exit_handlers():
     assert run.returncode == 0, run.stderr[-2000:]
     during, at_exit = (int(line.split()[-1]) for line in run.stdout.splitlines()[-2:])
     assert during > 0 and at_exit == 0, run.stdout
+
+
+def test_a_compiled_call_spec_plan_holds_its_host_seqinfo():
+    """A traced decode call's host query starts are built once, when its spec is parsed: every call of the custom
+    op shares them (no memo of its own), with the starts the trace saw."""
+    lens = torch.tensor([5, 2, 7], dtype=torch.int32)
+    mask = ab.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_device_seqlens(2, 8, lens)
+    tensors: list = []
+    fields = (("attn_bias", compiled_layer.flatten(mask, tensors)),)
+    text = compiled_layer.CallSpec("triton_splitKF", "", fields, False).encode()
+    plans.PLANS.clear()
+    spec = compiled_layer.decode_spec(text)
+    first, again = (compiled_layer.unflatten(dict(compiled_layer.decode_spec(text).fields)["attn_bias"], tensors)
+                    for _ in range(2))
+    assert compiled_layer.decode_spec(text) is spec and first is not again
+    assert first.q_seqinfo is again.q_seqinfo and first.q_seqinfo.seqstart_py == [0, 2, 4, 6]
+    assert first.k_seqinfo.seqlen is lens and torch.equal(first.q_seqinfo.seqstart, mask.q_seqinfo.seqstart)

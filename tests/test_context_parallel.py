@@ -375,3 +375,16 @@ def test_gloo_ring_matches_single_process(world, tmp_path):
     bad = {k: e for k, e in worst.items() if e > _tolerance(*k)}
     assert not bad, bad
     assert {c for c, _ in worst} == {name for name, _ in _cases(world)}
+
+
+def test_geometry_is_the_plan_of_its_shard():
+    from fmha_ops.plans import PLANS
+
+    cpu = torch.device("cpu")
+    packed = geometry(8, (4, 4), "zigzag", cpu)
+    assert geometry(8, (4, 4), "zigzag", cpu) is packed  # one build per shard layout, held by the plan cache
+    assert geometry(8, (2, 6), "zigzag", cpu) is not packed and geometry(8, None, "zigzag", cpu) is not packed
+    PLANS.clear()
+    rebuilt = geometry(8, (4, 4), "zigzag", cpu)
+    assert rebuilt is not packed
+    assert torch.equal(rebuilt.rows("first").sel, packed.rows("first").sel)

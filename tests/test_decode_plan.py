@@ -113,6 +113,53 @@ def test_swapped_descales_are_checked_like_the_function_checks_them(role):
     with fmha_ops.check_inputs(), pytest.raises(ValueError, match=rf"{role} must be >= 0 .* is -0.5"):
         fmha_ops.flash_attn_with_kvcache(q, k8, v8, cache_seqlens=lens, page_table=table, causal=True, **swapped)
 
+
+#: (planned tensor, entry, value written in place between runs, the error ``flash_attn_with_kvcache`` gives for it)
+_MUTATIONS = [("lengths", (1,), 41, r"cache_seqlens.* 41"), ("lengths", (0,), -1, r"cache_seqlens.* -1"),
+              ("table", (0, 0), 10 ** 6, "page_table"), ("leftpad", (0,), 6, "cache_leftpad"),
+              ("k_scale", (0, 3, 1), -0.5, r"k_descale must be >= 0 .* is -0.5"),
+              ("v_scale", (0, 3, 1), float("nan"), "v_descale")]
+
+
+@pytest.mark.parametrize("name,entry,value,message", _MUTATIONS)
+def test_run_checks_the_plans_own_indices_and_descales_like_the_first_call(name, entry, value, message):
+    """Index tensors and descales the plan holds, changed in place between runs, raise at ``run`` as they do in
+    ``flash_attn_with_kvcache`` (host ones always, device ones in check mode), and run again once restored."""
+    k8, v8, scales, table = _cache(fp8=True, seed=8)
+    lens = torch.tensor([5, 40, 0], dtype=torch.int32, device=DEVICE)
+    leftpad = torch.tensor([1, 0, 0], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(3, 1, 4, 16).to(DEVICE, DTYPE)
+    arguments = dict(cache_seqlens=lens, page_table=table, k_descale=scales[0], v_descale=scales[1], causal=True,
+                     cache_leftpad=leftpad)
+    plan = fmha_ops.plan_kvcache(q, k8, v8, **arguments)
+    want = plan.run(q).clone()
+    planned = dict(lengths=lens, table=table, leftpad=leftpad, k_scale=scales[0], v_scale=scales[1])
+    saved = {n: t.clone() for n, t in planned.items()}
+    planned[name][entry] = value
+    with fmha_ops.check_inputs(), pytest.raises(ValueError, match=message):
+        plan.run(q)
+    with fmha_ops.check_inputs(), pytest.raises(ValueError, match=message):
+        fmha_ops.flash_attn_with_kvcache(q, k8, v8, **arguments)
+    planned[name].copy_(saved[name])
+    with fmha_ops.check_inputs():
+        assert torch.equal(plan.run(q), want)
+
+
+def test_run_checks_only_the_descales_it_reads():
+    """Descales passed to ``run`` replace the plan's: a bad planned descale is not read, so not checked."""
+    k8, v8, scales, table = _cache(fp8=True, seed=9)
+    lens = torch.tensor([5, 40, 0], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(3, 1, 4, 16).to(DEVICE, DTYPE)
+    plan = fmha_ops.plan_kvcache(q, k8, v8, cache_seqlens=lens, page_table=table, k_descale=scales[0],
+                                 v_descale=scales[1], causal=True)
+    good = [s.clone() for s in scales]
+    scales[0][0, 0, 0] = -1.0
+    with fmha_ops.check_inputs():
+        assert not plan.run(q, k8, v8, *good).isnan().any()
+        with pytest.raises(ValueError, match="k_descale must be >= 0"):
+            plan.run(q)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="CUDA graphs")
 @pytest.mark.parametrize("fp8", [False, True])

@@ -2,6 +2,8 @@
 combinations pass; Problem fields and the signature reflect the call."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -415,6 +417,136 @@ def test_signature_tracks_what_validation_depends_on():
     assert base not in sigs and len(set(sigs)) == len(sigs)
     with torch.no_grad():
         assert Inputs(q, k, v).signature() == base  # requires_grad under no_grad: no grad needed
+
+
+#: ``Problem`` fields no CPU call can vary, and the ``Signature`` item that holds each
+_SIGNATURE_HOLDS_ELSEWHERE = {"arch": "devices (one device here)", "graph_capture": "capturing (a CUDA graph)"}
+
+
+@contextlib.contextmanager
+def _deterministic():
+    """``torch.use_deterministic_algorithms(True)`` for a block."""
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def _selection_variants() -> dict:
+    """name -> two calls ``(Inputs, needs_lse, process state)`` that differ in what validation or selection reads:
+    one variant at least for every ``Problem`` field and every ``Inputs`` field (``layout`` aside: only results read
+    it)."""
+    q, k, v = qkv(torch.float16, mk=8)
+    base = (Inputs(q, k, v), False, contextlib.nullcontext)
+
+    def call(q=q, k=k, v=v, needs_lse=False, state=contextlib.nullcontext, **fields):
+        return Inputs(q, k, v, **fields), needs_lse, state
+
+    pad = ab.BlockDiagonalPaddedKeysMask.from_seqlens([1, 1], kv_padding=8, kv_seqlen=[3, 8])
+    table4 = torch.tensor([[3, 0, 1], [1, 2, 0]], dtype=torch.int32)
+    table2 = torch.tensor([[3, 0, 1, 5], [1, 2, 0, 7]], dtype=torch.int32)
+    pq, pk, pv = qkv(torch.float16, F8, b=1, mq=2, mk=16)
+    fp8 = dict(q=pq, k=pk, v=pv, attn_bias=pad.make_paged(table4, page_size=4), k_descale=ones(1), v_descale=ones(1))
+    lens = torch.tensor([3, 8], dtype=torch.int32)
+    paged = ab.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask.from_device_seqlens
+    fq, fk, fv = qkv(F8)
+    dense_fp8 = dict(q=fq, k=fk, v=fv, q_descale=ones(1), k_descale=ones(1), v_descale=ones(1))
+    keys_major = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    misaligned = torch.cat([torch.zeros(*q.shape[:-1], 4, dtype=q.dtype), q], dim=-1)[..., 4:]
+    bias = t(B, HQ, MQ, 8)
+    return {
+        "dtypes": (base, call(*qkv(torch.bfloat16, mk=8))),
+        "output_dtype": (base, call(output_dtype=torch.float32)),
+        "batch": (base, call(*qkv(torch.float16, b=3, mk=8))),
+        "seqlen_q": (base, call(*qkv(torch.float16, mq=3, mk=8))),
+        "seqlen_k": (base, call(*qkv(torch.float16, mk=9))),
+        "heads_q": (base, call(*qkv(torch.float16, mk=8, hq=6))),
+        "heads_kv": (base, call(*qkv(torch.float16, mk=8, hkv=4))),
+        "head_dim": (base, call(*qkv(torch.float16, mk=8, d=32))),
+        "head_dim_v": (base, call(*qkv(torch.float16, mk=8, dv=32))),
+        "mask kind": (base, call(attn_bias=ab.LowerTriangularMask())),
+        "q_uniform": tuple(call(*qkv(torch.float16, b=1, mq=6, mk=8), attn_bias=ab.BlockDiagonalMask.from_seqlens(
+            lens, [4, 4])) for lens in ([3, 3], [2, 4])),
+        "page_size": (call(**fp8), call(**{**fp8, "attn_bias": pad.make_paged(table2, page_size=2)})),
+        "kv descales": (call(**fp8), call(**{**fp8, "k_descale": ones(4, 4, HKV), "v_descale": ones(4, 4, HKV)})),
+        "q descale": (call(**dense_fp8), call(**{**dense_fp8, "q_descale": ones(B, HKV)})),
+        "quantize_kv": tuple(call(*qkv(torch.float16, b=1, mq=2, mk=16), attn_bias=fp8["attn_bias"],
+                                  quantize_kv_to_fp8=quantize) for quantize in (False, True)),
+        "dropout": (base, call(p=0.1)),
+        "needs_lse": (base, call(needs_lse=True)),
+        "is_partial": (base, call(is_partial=True)),
+        "needs_grad": (base, call(q=q.clone().requires_grad_())),
+        "deterministic": (base, call(state=_deterministic)),
+        "fp8_backward": (base, call(state=lambda: fmha_ops.set_fp8_dequantized_backward(True))),
+        "value keys-contiguous": (base, call(v=keys_major)),
+        "misaligned": (base, call(q=misaligned)),
+        "window_left": (call(attn_bias=ab.LowerTriangularFromBottomRightMask()),
+                        call(attn_bias=ab.LowerTriangularFromBottomRightLocalAttentionMask(3))),
+        "window_right": (call(attn_bias=ab.LocalAttentionFromBottomRightMask(2, -1)),
+                         call(attn_bias=ab.LocalAttentionFromBottomRightMask(2, 1))),
+        "softcap": (base, call(softcap=30.0)),
+        "negative scale": (call(scale=0.5), call(scale=-0.5)),
+        "bias_grad": (call(attn_bias=ab.TensorBias(bias)),
+                      call(attn_bias=ab.TensorBias(bias.clone().requires_grad_()))),
+        "sinks": (base, call(sinks=ones(HQ))),
+        "key_start": tuple(call(*qkv(torch.float16, b=1, mq=2, mk=16), attn_bias=paged(1, lens, table4, 4,
+                                                                                        key_start=start))
+                           for start in (None, torch.zeros(2, dtype=torch.int32))),
+    }
+
+
+def _selected_on(variant) -> tuple:
+    """(Signature, Problem) of one call as the selector keys and builds them."""
+    from fmha_ops.validation import make_problem
+
+    inp, needs_lse, state = variant
+    with state():
+        return inp.signature(needs_lse), make_problem(inp, needs_lse)
+
+
+@pytest.mark.parametrize("name", list(_selection_variants()))
+def test_signature_changes_with_every_difference_selection_reads(name):
+    """Two calls whose ``Problem`` (what the declarations and the cost models read) differ have different memo keys:
+    a field selection reads but ``Inputs.signature`` leaves out fails here."""
+    (sig_a, prob_a), (sig_b, prob_b) = (_selected_on(x) for x in _selection_variants()[name])
+    assert prob_a != prob_b, f"the variant {name!r} changes no Problem field"
+    assert sig_a != sig_b, f"calls differing in {name!r} share a signature: the selector would reuse one's op"
+
+
+def test_signature_variants_cover_every_field_selection_reads():
+    """Every ``Problem`` field and every ``Inputs`` field is varied by some case above: a new field needs a variant
+    (and so an item of ``Signature`` that holds it)."""
+    from fmha_ops.problem import Problem
+
+    varied_problem, varied_inputs = set(), set()
+    for pair in _selection_variants().values():
+        (_, a), (_, b) = (_selected_on(x) for x in pair)
+        varied_problem |= {f.name for f in dataclasses.fields(Problem) if getattr(a, f.name) != getattr(b, f.name)}
+        x, y = pair[0][0], pair[1][0]
+        varied_inputs |= {f.name for f in dataclasses.fields(Inputs)
+                          if _differs(getattr(x, f.name), getattr(y, f.name))}
+    missing = {f.name for f in dataclasses.fields(Problem)} - varied_problem - set(_SIGNATURE_HOLDS_ELSEWHERE)
+    assert not missing, f"Problem fields no variant changes: {sorted(missing)}"
+    assert not {f.name for f in dataclasses.fields(Inputs)} - varied_inputs - {"layout"}
+
+
+def _differs(x, y) -> bool:
+    """Two values of an ``Inputs`` field differ: other objects for tensors and masks, else unequal values."""
+    if isinstance(x, (torch.Tensor, ab.AttentionBias)) or isinstance(y, (torch.Tensor, ab.AttentionBias)):
+        return x is not y
+    return x != y
+
+
+def test_forward_requires_grad_gets_an_lse_after_a_plain_call_of_its_shape():
+    """The selector's key holds whether the caller needs the LSE: a plain call first (whose pick may return none)
+    leaves the LSE of ``memory_efficient_attention_forward_requires_grad`` as a call of its own gives it."""
+    q, k, v = qkv(torch.float32)
+    with torch.no_grad():
+        fmha_ops.memory_efficient_attention(q, k, v)
+    out, lse = fmha_ops.memory_efficient_attention_forward_requires_grad(q, k, v)
+    assert lse is not None and lse.shape == (B, HQ, MQ)
+    torch.testing.assert_close(out, fmha_ops.memory_efficient_attention(q, k, v))
 
 
 def test_misaligned_inputs_are_not_given_to_tma_ops():

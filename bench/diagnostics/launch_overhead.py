@@ -164,7 +164,7 @@ def autograd_rows(iters: int) -> list[dict]:
                     grads = attention_backward(grad_out, qh, kh, vh, out, lse, scale=0.125, causal=True)
                 else:
                     inp = make_inputs(qh, kh, vh, ctx.bias, scale=0.125, is_partial=True)
-                    bw = SELECTOR.select(("quantized backward", inp.signature()),
+                    bw = SELECTOR.select(("quantized backward", inp.signature(True)),
                                          lambda: make_problem(inp, True), "bw")
                     grads = bw.apply_bw(inp, out, lse, grad_out.contiguous())
                 return (None, None, None, None, *grads) if extra_inputs else grads

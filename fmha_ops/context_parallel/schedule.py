@@ -12,12 +12,13 @@ attend which of those key rows (``step_blocks``):
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
 from .. import attn_bias as ab
+from ..plan import Plan
+from ..plans import PLANS, plan_finder
 from .layout import chunks_per_rank
 
 ALL, FIRST, SECOND = "all", "first", "second"  # rows of a shard: all, or its first / second chunk
@@ -121,10 +122,24 @@ class ShardGeometry:
         return self._masks[(block.q_rows, block.kv_rows, block.causal)]
 
 
-@functools.lru_cache(maxsize=64)
 def geometry(m_local: int, local_seqlens: tuple[int, ...] | None, layout: str, device: torch.device) -> ShardGeometry:
-    """The (cached) ``ShardGeometry`` of a shard: masks and indices are built on ``device`` once."""
-    return ShardGeometry(m_local, local_seqlens, layout, device)
+    """The ``ShardGeometry`` of a shard, kept in the plan cache (``fmha_ops.plans``) as the plan of its arguments
+    (``Plan.run(block)``: the block's mask): its masks and indices are built on ``device`` once per shard layout
+    (134 us on the CPU for two packed sequences under zigzag, 3.6 us dense).
+
+    Example
+    -------
+    >>> geometry(8, None, "zigzag", torch.device("cpu")) is geometry(8, None, "zigzag", torch.device("cpu"))
+    True
+    """
+    plan, key = _FIND_GEOMETRY(m_local, local_seqlens, layout, device)
+    if plan is None:
+        geom = ShardGeometry(m_local, local_seqlens, layout, device)
+        plan = PLANS.put(key, Plan(geom.mask, (), ("masks and indices",), geom))
+    return plan.bound
+
+
+_FIND_GEOMETRY = plan_finder(geometry)
 
 
 def _cat_index(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:

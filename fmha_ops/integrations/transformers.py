@@ -193,10 +193,9 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     return memory_efficient_attention(q, k, v, mask, **options), None
 
 
-@functools.lru_cache(maxsize=None)
 def _causal_mask(window: int | None) -> ab.AttentionBias:
-    """The bottom-right causal mask, local with a ``window``-key window (None: none); one instance per window, so
-    repeated calls reuse its cached signature."""
+    """The bottom-right causal mask, local with a ``window``-key window (None: none): a new one per call, with its
+    plan-key signature, ~0.8 us on the CPU (0.4 us without a window)."""
     mask = ab.LowerTriangularFromBottomRightMask()
     return mask if window is None else mask.make_local_attention(window)
 
