@@ -261,6 +261,57 @@ def test_ws_free_issue_drops_the_turn_from_the_key_loop():
     assert free["instr"] < ordered["instr"]
 
 
+_EARLY_P8_SPAN_CHECK = """
+import json
+from bench.diagnostics import sass_compare as sc
+from bench.diagnostics.aot import sass_instructions
+rows = []
+for d in (64, 128):
+    for early in (False, True):
+        k = sc.ours_sass(d, {"early_p8": early})
+        row = sc.loop_report(sc.steady_iteration(sass_instructions(k["sass"])), k["tile"][1])
+        row["regs"] = k["regs"]
+        rows.append(row)
+print(json.dumps(rows))
+"""
+
+
+def test_ws_early_p8_shortens_the_turn():
+    """``WsFwdConfig.early_p8`` on the D64 and D128 long-key schedules (two consumers, 192-key tiles), compiled
+    for sm90: in the unmasked key-loop iteration (``bench/diagnostics/sass_compare.py``) a consumer holds the turn
+    (its mbarrier wait to its last wgmma) for at most 70 instructions, from over 100 with the conversion before the
+    wgmmas; the wgmmas stay pipelined (the same waits), the registers and the instruction
+    count do not grow (its GPU test: ``test_gpu_gluon_ws_early_p8``)."""
+    import json
+
+    run = run_compiled(_EARLY_P8_SPAN_CHECK, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(run.stdout.splitlines()[-1])
+    for late, early in (rows[0:2], rows[2:4]):
+        assert late["issue_span"] > 100 and early["issue_span"] <= 70, (late["issue_span"], early["issue_span"])
+        for key in ("waits", "S_wgmma", "PV_wgmma", "MUFU.EX2", "F2FP", "regs"):
+            assert early[key] == late[key], (key, late[key], early[key])
+        assert early["instr"] <= late["instr"], (late["instr"], early["instr"])
+
+
+_EARLY_P8_COMPILE_CHECK = """
+import dataclasses
+from fmha_ops.kernels.gluon import attention_fwd_ws as ws
+for d, causal, i8 in ((128, True, False), (64, False, True), (256, False, False)):
+    cfg = dataclasses.replace(ws.default_config(d, causal, 4096, qk_int8=i8), early_p8=True)
+    kernel = ws.compile_sm90(d, causal=causal, config=cfg, qk_int8=i8)
+    assert "wgmma" in kernel.asm["ptx"] and kernel.asm["cubin"]
+print("compiled")
+"""
+
+
+def test_ws_early_p8_compiles_for_sm90():
+    """``WsFwdConfig.early_p8`` with the one-consumer causal schedule (D128), int8 Q / K (D64, 128-key tiles) and
+    D256: the packed loop-carried P compiles for sm90."""
+    run = run_compiled(_EARLY_P8_COMPILE_CHECK, timeout=300)
+    assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
+
+
 _DYNAMIC_CHECK = """
 import dataclasses, os, re, subprocess, sys, tempfile
 import triton
@@ -563,6 +614,22 @@ def test_gpu_gluon_ws_free_issue(shape, consumers):
     if consumers == 3:
         cfg = dataclasses.replace(cfg, consumers=3, block_n=128, maxnreg=ws.THREE_CONSUMER_MAXNREG,
                                   consumer_regs=ws.THREE_CONSUMER_REGS)
+    _check_fp8_forward(functools.partial(ws.attention_forward, config=cfg), shape, "tensor")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [s for s in GPU_SHAPES if s[5] <= 128], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("consumers", [1, 2])
+def test_gpu_gluon_ws_early_p8(shape, consumers):
+    """P converted to fp8 at the end of each key-loop iteration and carried packed (``WsFwdConfig.early_p8``): two
+    consumers with 192-key tiles (the long-key schedule at D <= 128, taking turns) and one with 128-key tiles."""
+    import functools
+
+    from fmha_ops.kernels.gluon import attention_fwd_ws as ws
+
+    cfg = ws.WsFwdConfig(block_n=192, persistent=True, key_order=True, early_p8=True)
+    if consumers == 1:
+        cfg = dataclasses.replace(cfg, consumers=1, block_n=128, maxnreg=ws.SINGLE_CONSUMER_MAXNREG[shape[5]])
     _check_fp8_forward(functools.partial(ws.attention_forward, config=cfg), shape, "tensor")
 
 

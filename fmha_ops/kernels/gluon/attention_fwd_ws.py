@@ -322,11 +322,34 @@ def _pv_operand(p, p_layout: gl.constexpr, BLOCK_N: gl.constexpr, KEY_ORDER: gl.
     stored in the accumulator's order within each 32-key group (``transpose_v(key_order=True)``): operand slot
     16h + 4c + 2g + e holds key 16h + 8g + 2c + e, exactly the keys a thread's accumulator registers hold, so
     the conversion moves no data between threads."""
-    p8 = p.to(gl.float8e4nv)
+    return _pv_arrange(p.to(gl.float8e4nv), p_layout, BLOCK_N, KEY_ORDER)
+
+
+@gluon.jit
+def _pv_arrange(p8, p_layout: gl.constexpr, BLOCK_N: gl.constexpr, KEY_ORDER: gl.constexpr):
+    """P as fp8 (S accumulator layout) as the A operand of the PV wgmma (``_pv_operand``)."""
     if KEY_ORDER:
         rows: gl.constexpr = p8.shape[0]
         p8 = p8.reshape([rows, BLOCK_N // 32, 2, 2, 4, 2]).permute((0, 1, 2, 4, 3, 5)).reshape([rows, BLOCK_N])
     return gl.convert_layout(p8, p_layout)
+
+
+@gluon.jit
+def _p8_packed(p):
+    """P (fp32, any layout) as fp8 with each 4 consecutive elements of a thread packed into the first one's register
+    (the other three zero): a float32 tensor, so a loop carries P's fp8 bytes in a quarter of P's registers (an fp8
+    tensor is carried as one register per byte). ``_p8_unpacked`` inverts it."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $5, $4; cvt.rn.satfinite.e4m3x2.f32 hi, $7, $6; "
+        "mov.b32 $0, {lo, hi}; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; }",
+        "=r,=r,=r,=r,r,r,r,r", [p], dtype=gl.float32, is_pure=True, pack=4)
+
+
+@gluon.jit
+def _p8_unpacked(x):
+    """The fp8 tensor that ``_p8_packed`` packed into ``x``."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r,r,r", [x], dtype=gl.float8e4nv, is_pure=True,
+                                     pack=4)
 
 
 @gluon.jit
@@ -403,7 +426,7 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_
                    k_empty, v_empty, turn_bars, qk_scale, m0, n_tiles, kv, turn, i, Mq, Mk,
                    HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr, STAGES: gl.constexpr,
                    CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr,
-                   QK_INT8: gl.constexpr, FREE_ISSUE: gl.constexpr):
+                   QK_INT8: gl.constexpr, FREE_ISSUE: gl.constexpr, EARLY_P8: gl.constexpr):
     """The online softmax of rows ``m0 + C * WG_ROWS ..`` over their ``n_tiles`` key tiles, the ``i``-th tile of
     this CTA; ``kv`` and ``turn`` are the ring position and the turn count it starts at. ``QK_INT8``: int8 q / k,
     S accumulated in int32 (s8 wgmma) and read as ``int_scores``. ``BLOCK_B`` > 0: each key tile is two parts,
@@ -453,10 +476,19 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_
     p, p_b, m_i, l_q, alpha = _tile_softmax(s, s_b, m_i, l_q, qk_scale, 0, full_end, Mk, diag, offs_m, CAUSAL,
                                             P_SHIFT, BLOCK_A, BLOCK_B, OFF)
 
-    for j in range(n_tiles - 1):
-        p8 = _pv_operand(p, p_layout, BLOCK_A, KEY_ORDER)
+    if EARLY_P8:
+        pk = _p8_packed(_pv_arrange(p, p_layout, BLOCK_A, KEY_ORDER))
         if BLOCK_B > 0:
-            p8_b = _pv_operand(p_b, p_layout, BLOCK_B, KEY_ORDER)
+            pk_b = _p8_packed(_pv_arrange(p_b, p_layout, BLOCK_B, KEY_ORDER))
+    for j in range(n_tiles - 1):
+        if EARLY_P8:
+            p8 = _p8_unpacked(pk)
+            if BLOCK_B > 0:
+                p8_b = _p8_unpacked(pk_b)
+        else:
+            p8 = _pv_operand(p, p_layout, BLOCK_A, KEY_ORDER)
+            if BLOCK_B > 0:
+                p8_b = _pv_operand(p_b, p_layout, BLOCK_B, KEY_ORDER)
         ks = (kv + j + 1) % STAGES
         vs = (kv + j) % STAGES
         mbarrier.wait(k_ready.index(ks), ((kv + j + 1) // STAGES) & 1)
@@ -484,6 +516,10 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_
         p, p_b, m_i, l_q, alpha = _tile_softmax(s, s_b, m_i, l_q, qk_scale, (j + 1) * BLOCK_N, full_end, Mk, diag,
                                                 offs_m, CAUSAL, P_SHIFT, BLOCK_A, BLOCK_B, OFF)
         acc = warpgroup_mma_wait(0, deps=(o_tok, ))
+        if EARLY_P8:  # after that wait: the P V wgmma just waited for reads the registers these may take
+            pk = _p8_packed(_pv_arrange(p, p_layout, BLOCK_A, KEY_ORDER))
+            if BLOCK_B > 0:
+                pk_b = _p8_packed(_pv_arrange(p_b, p_layout, BLOCK_B, KEY_ORDER))
         mbarrier.arrive(v_empty.index(vs), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row), 1)
     # every S of this tile is done: the producer may load the next tile's Q while the last P V and the epilogue run
@@ -491,9 +527,14 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_
 
     last = kv + n_tiles - 1
     vs = last % STAGES
-    p8 = _pv_operand(p, p_layout, BLOCK_A, KEY_ORDER)
-    if BLOCK_B > 0:
-        p8_b = _pv_operand(p_b, p_layout, BLOCK_B, KEY_ORDER)
+    if EARLY_P8:
+        p8 = _p8_unpacked(pk)
+        if BLOCK_B > 0:
+            p8_b = _p8_unpacked(pk_b)
+    else:
+        p8 = _pv_operand(p, p_layout, BLOCK_A, KEY_ORDER)
+        if BLOCK_B > 0:
+            p8_b = _pv_operand(p_b, p_layout, BLOCK_B, KEY_ORDER)
     mbarrier.wait(v_ready.index(vs), (last // STAGES) & 1)
     _take_turn(turn_bars, turn + n_tiles, C, CONSUMERS, FREE_ISSUE)
     o_tok = warpgroup_mma(p8, v_smem.index(vs).permute((1, 0)), acc, is_async=True)
@@ -510,7 +551,7 @@ def _consume_tile(C: gl.constexpr, t, kv, turn, i, smem, scalars, HEAD_D: gl.con
                   BLOCK_B: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
                   WRITE_LSE: gl.constexpr, P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr, OUT_FP8: gl.constexpr,
                   QK_INT8: gl.constexpr, DIRECT_STORE: gl.constexpr, HEAD_SECTION: gl.constexpr,
-                  FREE_ISSUE: gl.constexpr):
+                  FREE_ISSUE: gl.constexpr, EARLY_P8: gl.constexpr):
     """Consumer ``C``'s rows ``C * WG_ROWS ..`` of tile ``t``, the ``i``-th of this CTA, from ring position ``kv``
     and turn ``turn``: their output through ``o_smem`` and a TMA store that runs on while the next tile starts
     (waited for before ``o_smem`` is written again), or with ``DIRECT_STORE`` from its registers straight to
@@ -531,7 +572,7 @@ def _consume_tile(C: gl.constexpr, t, kv, turn, i, smem, scalars, HEAD_D: gl.con
     acc, m_i, l_i, offs_m = _consumer_tile(C, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_bars, q_empty,
                                            k_ready, v_ready, k_empty, v_empty, turn_bars, qk_scale, m0, n_tiles,
                                            kv, turn, i, Mq, Mk, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS,
-                                           CAUSAL, P_SHIFT, KEY_ORDER, QK_INT8, FREE_ISSUE)
+                                           CAUSAL, P_SHIFT, KEY_ORDER, QK_INT8, FREE_ISSUE, EARLY_P8)
     inv = gl.convert_layout(row_inverse(l_i) * vd, gl.SliceLayout(1, o_layout))
     if DIRECT_STORE:
         rows = gl.convert_layout(offs_m, gl.SliceLayout(1, o_layout))
@@ -557,7 +598,7 @@ def _consumer(C: gl.constexpr, smem, scalars, sched, n_total, HEAD_D: gl.constex
               BLOCK_B: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
               WRITE_LSE: gl.constexpr, P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr, OUT_FP8: gl.constexpr,
               QK_INT8: gl.constexpr, DIRECT_STORE: gl.constexpr, HEAD_SECTION: gl.constexpr,
-              DYNAMIC: gl.constexpr, FREE_ISSUE: gl.constexpr):
+              DYNAMIC: gl.constexpr, FREE_ISSUE: gl.constexpr, EARLY_P8: gl.constexpr):
     """Consumer ``C`` over this CTA's tiles (``_consume_tile``): ``program_id``, + ``num_programs``, .. or, with
     ``DYNAMIC``, those the producer hands over through the tile ring ``sched`` until one past the last tile.
     ``smem`` and ``scalars``: the kernel's shared buffers and barriers and its runtime arguments, as tuples (every
@@ -572,7 +613,7 @@ def _consumer(C: gl.constexpr, smem, scalars, sched, n_total, HEAD_D: gl.constex
     while t < n_total:
         n_tiles = _consume_tile(C, t, kv, turn, i, smem, scalars, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS,
                                 CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION,
-                                FREE_ISSUE)
+                                FREE_ISSUE, EARLY_P8)
         kv += n_tiles
         turn += n_tiles + 1
         i += 1
@@ -596,6 +637,7 @@ def _attn_fwd_ws_kernel(
     CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr,
     V_TRANSPOSE: gl.constexpr, OUT_FP8: gl.constexpr, PERSISTENT: gl.constexpr, QK_INT8: gl.constexpr,
     DIRECT_STORE: gl.constexpr, HEAD_SECTION: gl.constexpr, DYNAMIC: gl.constexpr, FREE_ISSUE: gl.constexpr,
+    EARLY_P8: gl.constexpr,
 ):
     """Tiles ``program_id(0)``, + ``num_programs(0)``, .. of the ``n_total`` (batch, head, ``CONSUMERS * WG_ROWS``-row
     block) tiles (``_tile_coords``): one per CTA with a grid of ``n_total``, several with a persistent grid; with
@@ -675,13 +717,13 @@ def _attn_fwd_ws_kernel(
         gl.warp_specialize([
             (_consumer, (0, smem, scalars, sched, n_total, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL,
                          WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION, DYNAMIC,
-                         FREE_ISSUE)),
+                         FREE_ISSUE, EARLY_P8)),
             (_consumer, (1, smem, scalars, sched, n_total, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL,
                          WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION, DYNAMIC,
-                         FREE_ISSUE)),
+                         FREE_ISSUE, EARLY_P8)),
             (_consumer, (2, smem, scalars, sched, n_total, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL,
                          WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION, DYNAMIC,
-                         FREE_ISSUE)),
+                         FREE_ISSUE, EARLY_P8)),
             (_producer, (q_desc, k_desc, kb_desc, v_desc, vb_desc, q_smem, k_smem, kb_smem, v_smem, vb_smem, v_raw,
                          q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready, sched, Counter, n_m,
                          n_total, Mq, Mk, Hq, GROUP, BLOCK_N, BLOCK_B, HEAD_D, STAGES, CONSUMERS, CAUSAL,
@@ -691,10 +733,10 @@ def _attn_fwd_ws_kernel(
         gl.warp_specialize([
             (_consumer, (0, smem, scalars, sched, n_total, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL,
                          WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION, DYNAMIC,
-                         FREE_ISSUE)),
+                         FREE_ISSUE, EARLY_P8)),
             (_consumer, (1, smem, scalars, sched, n_total, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL,
                          WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION, DYNAMIC,
-                         FREE_ISSUE)),
+                         FREE_ISSUE, EARLY_P8)),
             (_producer, (q_desc, k_desc, kb_desc, v_desc, vb_desc, q_smem, k_smem, kb_smem, v_smem, vb_smem, v_raw,
                          q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready, sched, Counter, n_m,
                          n_total, Mq, Mk, Hq, GROUP, BLOCK_N, BLOCK_B, HEAD_D, STAGES, CONSUMERS, CAUSAL,
@@ -704,7 +746,7 @@ def _attn_fwd_ws_kernel(
         gl.warp_specialize([
             (_consumer, (0, smem, scalars, sched, n_total, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL,
                          WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION, DYNAMIC,
-                         FREE_ISSUE)),
+                         FREE_ISSUE, EARLY_P8)),
             (_producer, (q_desc, k_desc, kb_desc, v_desc, vb_desc, q_smem, k_smem, kb_smem, v_smem, vb_smem, v_raw,
                          q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready, sched, Counter, n_m,
                          n_total, Mq, Mk, Hq, GROUP, BLOCK_N, BLOCK_B, HEAD_D, STAGES, CONSUMERS, CAUSAL,
@@ -774,6 +816,13 @@ class WsFwdConfig:
     #: warpgroup barrier per key tile), as FA3's fp8 forward at D64 does with its three consumer warpgroups
     #: (bench/diagnostics/fa3_profile.md, "Main loop SASS"); with one consumer it changes nothing
     free_issue: bool = False
+    #: P's fp8 conversion at the end of each key-loop iteration (after the P V wait) instead of before the next
+    #: iteration's wgmmas: ptxas places a conversion that shares a block with the turn's mbarrier wait after that
+    #: wait (inside the turn), but keeps one before the loop's back branch. The loop carries P packed four fp8 to a
+    #: register (``_p8_packed``). Unmasked key-loop iteration, turn wait to last wgmma (sass_compare.py
+    #: ``issue_span``): 126 -> 53 instructions at D64 and 123 -> 63 at D128 (FA3 fp8: 41 / 55), the instruction
+    #: count and registers unchanged
+    early_p8: bool = False
 
     @property
     def block_b(self) -> int:
@@ -964,6 +1013,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=
         P_SHIFT=_P_SHIFT, KEY_ORDER=cfg.key_order, V_TRANSPOSE=v_transpose, OUT_FP8=out.dtype == torch.float8_e4m3fn,
         PERSISTENT=cfg.persistent, QK_INT8=q.dtype == torch.int8, DIRECT_STORE=cfg.direct_store,
         HEAD_SECTION=cfg.head_section if causal else 0, DYNAMIC=cfg.dynamic, FREE_ISSUE=cfg.free_issue,
+        EARLY_P8=cfg.early_p8,
         num_warps=WG_WARPS.value,
         maxnreg=cfg.maxnreg,
     )
@@ -997,7 +1047,8 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, write_lse: bool = Fa
              "PRODUCER_REGS": cfg.producer_regs, "CAUSAL": causal, "WRITE_LSE": write_lse, "P_SHIFT": _P_SHIFT,
              "KEY_ORDER": cfg.key_order, "V_TRANSPOSE": cfg.v_transpose, "OUT_FP8": out_fp8,
              "PERSISTENT": cfg.persistent, "QK_INT8": qk_int8, "DIRECT_STORE": cfg.direct_store,
-             "HEAD_SECTION": cfg.head_section if causal else 0, "DYNAMIC": cfg.dynamic, "FREE_ISSUE": cfg.free_issue}
+             "HEAD_SECTION": cfg.head_section if causal else 0, "DYNAMIC": cfg.dynamic, "FREE_ISSUE": cfg.free_issue,
+             "EARLY_P8": cfg.early_p8}
 
     def desc(rows, cols, dtype, channels_last=True):
         shape, layout = _box_layout(rows, cols, dtype, channels_last)
