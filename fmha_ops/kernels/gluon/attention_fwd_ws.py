@@ -328,7 +328,8 @@ def _pv_operand(p, p_layout: gl.constexpr, BLOCK_N: gl.constexpr, KEY_ORDER: gl.
 
 @gluon.jit
 def _pv_arrange(p8, p_layout: gl.constexpr, BLOCK_N: gl.constexpr, KEY_ORDER: gl.constexpr):
-    """P as fp8 (S accumulator layout) as the A operand of the PV wgmma (``_pv_operand``)."""
+    """P (fp8, or fp32 to be packed by ``_p8_packed``; S accumulator layout) in the A operand layout of the PV wgmma,
+    keys in ``KEY_ORDER``'s order (``_pv_operand``)."""
     if KEY_ORDER:
         rows: gl.constexpr = p8.shape[0]
         p8 = p8.reshape([rows, BLOCK_N // 32, 2, 2, 4, 2]).permute((0, 1, 2, 4, 3, 5)).reshape([rows, BLOCK_N])
