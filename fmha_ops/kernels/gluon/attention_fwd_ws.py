@@ -355,6 +355,28 @@ def _p8_unpacked(x):
 
 
 @gluon.jit
+def _p_carried(p, p_layout: gl.constexpr, BLOCK_N: gl.constexpr, KEY_ORDER: gl.constexpr, EARLY_P8: gl.constexpr):
+    """What the key loop carries of P (fp32, S accumulator layout) to its next P V: with ``EARLY_P8`` the fp8
+    operand, converted now (outside the turn) and packed four to a register (``_p8_packed``); else P itself."""
+    if EARLY_P8:
+        carried = _p8_packed(_pv_arrange(p, p_layout, BLOCK_N, KEY_ORDER))
+    else:
+        carried = p
+    return carried
+
+
+@gluon.jit
+def _p_operand(carried, p_layout: gl.constexpr, BLOCK_N: gl.constexpr, KEY_ORDER: gl.constexpr,
+               EARLY_P8: gl.constexpr):
+    """The fp8 A operand of the P V wgmma from what ``_p_carried`` kept."""
+    if EARLY_P8:
+        p8 = _p8_unpacked(carried)
+    else:
+        p8 = _pv_operand(carried, p_layout, BLOCK_N, KEY_ORDER)
+    return p8
+
+
+@gluon.jit
 def _quad_partials(x, MAX: gl.constexpr):
     """Row maxima (``MAX``) or sums of ``x`` ([64, N], wgmma accumulator layout) within each thread: [64, 4], the
     four lanes that share a row on the second axis. A thread holds keys 8j + 2 (lane % 4) + e of its rows, so the
@@ -478,19 +500,12 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_
     p, p_b, m_i, l_q, alpha = _tile_softmax(s, s_b, m_i, l_q, qk_scale, 0, full_end, Mk, diag, offs_m, CAUSAL,
                                             P_SHIFT, BLOCK_A, BLOCK_B, OFF)
 
-    if EARLY_P8:
-        pk = _p8_packed(_pv_arrange(p, p_layout, BLOCK_A, KEY_ORDER))
-        if BLOCK_B > 0:
-            pk_b = _p8_packed(_pv_arrange(p_b, p_layout, BLOCK_B, KEY_ORDER))
+    pk = _p_carried(p, p_layout, BLOCK_A, KEY_ORDER, EARLY_P8)
+    pk_b = _p_carried(p_b, p_layout, BLOCK_B, KEY_ORDER, EARLY_P8) if BLOCK_B > 0 else pk
     for j in range(n_tiles - 1):
-        if EARLY_P8:
-            p8 = _p8_unpacked(pk)
-            if BLOCK_B > 0:
-                p8_b = _p8_unpacked(pk_b)
-        else:
-            p8 = _pv_operand(p, p_layout, BLOCK_A, KEY_ORDER)
-            if BLOCK_B > 0:
-                p8_b = _pv_operand(p_b, p_layout, BLOCK_B, KEY_ORDER)
+        p8 = _p_operand(pk, p_layout, BLOCK_A, KEY_ORDER, EARLY_P8)
+        if BLOCK_B > 0:
+            p8_b = _p_operand(pk_b, p_layout, BLOCK_B, KEY_ORDER, EARLY_P8)
         ks = (kv + j + 1) % STAGES
         vs = (kv + j) % STAGES
         mbarrier.wait(k_ready.index(ks), ((kv + j + 1) // STAGES) & 1)
@@ -518,10 +533,10 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_
         p, p_b, m_i, l_q, alpha = _tile_softmax(s, s_b, m_i, l_q, qk_scale, (j + 1) * BLOCK_N, full_end, Mk, diag,
                                                 offs_m, CAUSAL, P_SHIFT, BLOCK_A, BLOCK_B, OFF)
         acc = warpgroup_mma_wait(0, deps=(o_tok, ))
-        if EARLY_P8:  # after that wait: the P V wgmma just waited for reads the registers these may take
-            pk = _p8_packed(_pv_arrange(p, p_layout, BLOCK_A, KEY_ORDER))
-            if BLOCK_B > 0:
-                pk_b = _p8_packed(_pv_arrange(p_b, p_layout, BLOCK_B, KEY_ORDER))
+        # after that wait: the P V wgmma just waited for reads the registers an early conversion may take
+        pk = _p_carried(p, p_layout, BLOCK_A, KEY_ORDER, EARLY_P8)
+        if BLOCK_B > 0:
+            pk_b = _p_carried(p_b, p_layout, BLOCK_B, KEY_ORDER, EARLY_P8)
         mbarrier.arrive(v_empty.index(vs), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row), 1)
     # every S of this tile is done: the producer may load the next tile's Q while the last P V and the epilogue run
@@ -529,14 +544,9 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_
 
     last = kv + n_tiles - 1
     vs = last % STAGES
-    if EARLY_P8:
-        p8 = _p8_unpacked(pk)
-        if BLOCK_B > 0:
-            p8_b = _p8_unpacked(pk_b)
-    else:
-        p8 = _pv_operand(p, p_layout, BLOCK_A, KEY_ORDER)
-        if BLOCK_B > 0:
-            p8_b = _pv_operand(p_b, p_layout, BLOCK_B, KEY_ORDER)
+    p8 = _p_operand(pk, p_layout, BLOCK_A, KEY_ORDER, EARLY_P8)
+    if BLOCK_B > 0:
+        p8_b = _p_operand(pk_b, p_layout, BLOCK_B, KEY_ORDER, EARLY_P8)
     mbarrier.wait(v_ready.index(vs), (last // STAGES) & 1)
     _take_turn(turn_bars, turn + n_tiles, C, CONSUMERS, FREE_ISSUE)
     o_tok = warpgroup_mma(p8, v_smem.index(vs).permute((1, 0)), acc, is_async=True)
