@@ -27,7 +27,7 @@ from .dtypes import FLOAT_DTYPES
 from .fp8_backward import set_fp8_dequantized_backward
 from .inputs import make_inputs
 from .kvcache_call import plan_kvcache_call
-from .plan import Plan
+from .plan import Plan, on_packed
 from .plans import PLANS, call_key, plan_finder
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "set_fp8_dequantized_backward"]
@@ -179,12 +179,7 @@ def _packed_run(plan: Plan, q, k, v, bias, softmax_scale, q_descale, k_descale, 
         inp = make_inputs(q, k, v, bias, is_partial=return_lse, scale=softmax_scale, q_descale=q_descale,
                           k_descale=k_descale, v_descale=v_descale, softcap=softcap, sinks=sinks)
         return plan.ops[0].varlen_launcher(inp, return_lse)
-    batched = plan.run
-
-    def run(q, k, v, mask, q_descale, k_descale, v_descale, sinks):
-        out, lse = batched(q[None], k[None], v[None], mask, q_descale, k_descale, v_descale, sinks)
-        return out[0], (None if lse is None else lse[0])
-    return run
+    return on_packed(plan.run)
 
 
 def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,

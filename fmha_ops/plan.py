@@ -40,3 +40,19 @@ class Plan:
 
     def __repr__(self) -> str:
         return f"Plan(ops={[op.NAME for op in self.ops]}, skips={self.skips})"
+
+
+def on_packed(batched: Callable) -> Callable:
+    """A run on packed varlen tensors (total, H, D) made from ``batched``, a forward run on their batch-1 views:
+    ``run(query, key, value, attn_bias, q_descale, k_descale, v_descale, sinks=None) -> (out (total, Hq, Kv),
+    lse (Hq, total_q) or None)``.
+
+    Example
+    -------
+    >>> run = on_packed(plan.run)  # doctest: +SKIP
+    >>> out, lse = run(q, k, v, mask, None, None, None)  # doctest: +SKIP
+    """
+    def run(query, key, value, attn_bias, q_descale, k_descale, v_descale, sinks=None):
+        out, lse = batched(query[None], key[None], value[None], attn_bias, q_descale, k_descale, v_descale, sinks)
+        return out[0], (None if lse is None else lse[0])
+    return run

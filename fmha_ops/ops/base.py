@@ -48,6 +48,7 @@ from registry import Op
 from .. import attn_bias as ab
 from ..dtypes import FLOAT_DTYPES, dtype_name
 from ..inputs import Inputs
+from ..plan import on_packed
 from ..problem import Problem
 from ..sinks import sink_grad
 from ..validation import TMA_ALIGNMENT
@@ -227,12 +228,7 @@ class AttentionFwOp(AttentionOp):
         >>> run = FA3FwOp.varlen_launcher(make_inputs(q[None], k[None], v[None], mask), False)  # doctest: +SKIP
         >>> out, _ = run(q, k, v, mask, None, None, None)  # doctest: +SKIP
         """
-        batched = cls.launcher(inp, needs_lse)
-
-        def run(query, key, value, attn_bias, q_descale, k_descale, v_descale, sinks=None):
-            out, lse = batched(query[None], key[None], value[None], attn_bias, q_descale, k_descale, v_descale, sinks)
-            return out[0], (None if lse is None else lse[0])
-        return run
+        return on_packed(cls.launcher(inp, needs_lse))
 
 
 class AttentionBwOp(AttentionOp):
