@@ -10,6 +10,7 @@ wholly outside the window (skipped) and boundary tiles (masked) all occur.
 """
 import dataclasses
 import math
+import struct
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ import triton
 import triton.language as tl
 
 import tests.test_kernel_attention_bwd  # noqa: F401  (patches the interpreter's loop bounds / bf16 dot)
-from fmha_ops.kernels.softmax import hide_keys
+from fmha_ops.kernels.softmax import HIDDEN_INT_SCORE, INT_BIAS, hide_keys
 from fmha_ops.testing import error_report
 from tests.compiled_child import run_compiled
 from tests.conftest import DEVICE
@@ -245,8 +246,9 @@ def _hide_keys_kernel(S, Out, row0, col0, seqlen_k, lo, hi, MASK_LEFT: tl.conste
 
 
 def _hide_keys_case(device, seed):
-    """hide_keys on a [32, 64] tile of scores against the rule ``first <= j <= last``, j < seqlen_k, for random
-    tile offsets, window bounds (rows seeing no key included) and sequence ends; returns the mismatch count."""
+    """hide_keys on a [32, 64] tile of float32 scores and of int32 ones (the int8 path's QK^T, hidden as
+    ``HIDDEN_INT_SCORE``) against the rule ``first <= j <= last``, j < seqlen_k, for random tile offsets, window
+    bounds (rows seeing no key included) and sequence ends; returns the mismatch count."""
     g = torch.Generator().manual_seed(seed)
     bad = 0
     for _ in range(6):
@@ -255,17 +257,27 @@ def _hide_keys_case(device, seed):
         lo, hi = sorted(int(x) for x in torch.randint(-120, 120, (2,), generator=g))
         if torch.rand(1, generator=g) < 0.3:
             lo, hi = hi, lo  # an empty range: no row sees a key
-        s = torch.randn(32, 64, generator=g).to(device)
-        for left in (False, True):
-            for right in (False, True):
-                out = torch.empty_like(s)
-                _hide_keys_kernel[(1,)](s, out, row0, col0, seqlen_k, lo, hi, MASK_LEFT=left, MASK_RIGHT=right)
-                i = row0 + torch.arange(32)[:, None]
-                j = col0 + torch.arange(64)[None, :]
-                keep = (j < seqlen_k) & ((j >= i + lo) | (not left)) & ((j <= i + hi) | (not right))
-                ref = torch.where(keep, s.cpu(), float("-inf"))
-                bad += int((out.cpu() != ref).sum())
+        scores = (torch.randn(32, 64, generator=g), torch.randint(-2 ** 22, 2 ** 22, (32, 64), generator=g))
+        for s, hidden in zip(scores, (float("-inf"), HIDDEN_INT_SCORE.value)):
+            s = s.to(device)
+            for left in (False, True):
+                for right in (False, True):
+                    out = torch.empty_like(s)
+                    _hide_keys_kernel[(1,)](s, out, row0, col0, seqlen_k, lo, hi, MASK_LEFT=left, MASK_RIGHT=right)
+                    i = row0 + torch.arange(32)[:, None]
+                    j = col0 + torch.arange(64)[None, :]
+                    keep = (j < seqlen_k) & ((j >= i + lo) | (not left)) & ((j <= i + hi) | (not right))
+                    ref = torch.where(keep, s.cpu(), torch.tensor(hidden, dtype=s.dtype))
+                    bad += int((out.cpu() != ref).sum())
     return bad
+
+
+def test_hidden_int_score_reads_as_minus_infinity():
+    """A hidden int32 score plus the int8 path's offset INT_BIAS has the bits of -inf, and it lies below every
+    score the int8 QK^T can reach (|s| <= 128 * 128 * 256)."""
+    bits = (HIDDEN_INT_SCORE.value + INT_BIAS.value) & 0xFFFFFFFF
+    assert struct.unpack("<f", struct.pack("<I", bits))[0] == float("-inf")
+    assert HIDDEN_INT_SCORE.value < -(128 * 128 * 256)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -30,6 +30,12 @@ LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 #: the smallest normal float32: the least score multiplier ``softmax_step`` uses (see there)
 MIN_QK_SCALE = tl.constexpr(1.1754943508222875e-38)
+#: int32 scores (int8 QK^T) plus INT_BIAS, bitcast, are the float32 12582912.0 + s exactly for |s| <= 2**22
+#: (the Gluon int8 path reads its scores so: ``attention_common.int_scores``)
+INT_BIAS = tl.constexpr(0x4B400000)
+#: what ``hide_keys`` writes into hidden int32 scores: below every score (|s| <= 2**22), and plus INT_BIAS the bits
+#: of -inf (0xFF800000 - INT_BIAS as an int32), so a hidden score reads as -inf after the offset add
+HIDDEN_INT_SCORE = tl.constexpr(0xB4400000 - 2 ** 32)
 #: the Triton interpreter (CPU) runs no inline PTX: ``tanh`` takes exp2 there
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 
@@ -60,47 +66,66 @@ def visible(rows, cols, seqlen_k, lo, hi, MASK_LEFT: tl.constexpr, MASK_RIGHT: t
 
 
 @triton.jit
+def _keep_or_hide(s, key, bound, UNSIGNED: tl.constexpr):
+    """``s`` where ``key <= bound`` (as unsigned integers when ``UNSIGNED``), else hidden: -inf for float scores,
+    ``HIDDEN_INT_SCORE`` for int32 ones. One compare and one select per score in one inline-asm statement on the
+    GPU, an ordinary ``where`` in the interpreter."""
+    if _INTERPRETED:
+        if UNSIGNED:
+            keep = key.to(tl.uint32, bitcast=True) <= bound.to(tl.uint32, bitcast=True)
+        else:
+            keep = key <= bound
+        if s.dtype.is_int():
+            out = tl.where(keep, s, HIDDEN_INT_SCORE)
+        else:
+            out = tl.where(keep, s, float("-inf"))
+    elif s.dtype.is_int():
+        if UNSIGNED:
+            out = tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.le.u32 p, $2, $3; selp.b32 $0, $1, 0xB4400000, p; }", "=r,r,r,r",
+                [s, key, bound], dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            out = tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.le.s32 p, $2, $3; selp.b32 $0, $1, 0xB4400000, p; }", "=r,r,r,r",
+                [s, key, bound], dtype=tl.int32, is_pure=True, pack=1)
+    elif UNSIGNED:
+        out = tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.le.u32 p, $2, $3; selp.f32 $0, $1, 0fFF800000, p; }", "=f,f,r,r",
+            [s, key, bound], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        out = tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.le.s32 p, $2, $3; selp.f32 $0, $1, 0fFF800000, p; }", "=f,f,r,r",
+            [s, key, bound], dtype=tl.float32, is_pure=True, pack=1)
+    return out
+
+
+@triton.jit
 def hide_keys(s, rows, cols, seqlen_k, lo, hi, MASK_LEFT: tl.constexpr, MASK_RIGHT: tl.constexpr):
-    """``s`` [rows, keys] with the scores of the keys ``visible`` hides set to -inf (same arguments).
+    """``s`` [rows, keys] with the scores of the keys ``visible`` hides set to -inf (same arguments); int32 scores
+    (the int8 path's QK^T) to ``HIDDEN_INT_SCORE``.
 
     Each row's visible keys are one range [first, first + width]: the sequence end is folded into its last key,
     and a row that sees none gets first = -1 and width 0, which no key j >= 0 meets. Then a key is kept iff
-    ``j - first <= width`` as unsigned integers: one compare and one select per score, in one inline-asm
-    statement on the GPU (built from i1 tensors, LLVM packs the row masks into bit vectors and unpacks them per
-    score: ~2x the instructions of an unmasked tile for a causal or window tile of the fp8 forward), an
-    ordinary ``where`` of the same compare in the interpreter. Without a left bound (causal, no window) a key is
-    kept iff j <= last, the row's last visible key: the same compare and select without the offset j - first,
-    one integer add per score fewer. Without either mask only the sequence end applies (one compare per key)."""
-    if not MASK_LEFT and not MASK_RIGHT:
-        return tl.where(cols[None, :] < seqlen_k, s, float("-inf"))
+    ``j - first <= width`` as unsigned integers: one compare and one select per score (``_keep_or_hide``; built
+    from i1 tensors, LLVM packs the row masks into bit vectors and unpacks them per score: ~2x the instructions
+    of an unmasked tile for a causal or window tile of the fp8 forward). Without a left bound (causal, no window)
+    a key is kept iff j <= last, the row's last visible key: the same compare and select without the offset
+    j - first, one integer add per score fewer. Without either mask only the sequence end applies."""
     if MASK_RIGHT:
         last = tl.minimum(rows + hi, seqlen_k - 1)
     else:
         last = rows * 0 + (seqlen_k - 1)
-    if not MASK_LEFT:
-        key = tl.broadcast_to(cols[None, :], s.shape)
-        bound = tl.broadcast_to(last[:, None], s.shape)
-        if _INTERPRETED:
-            return tl.where(key <= bound, s, float("-inf"))
-        else:
-            return tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.le.s32 p, $2, $3; selp.f32 $0, $1, 0fFF800000, p; }", "=f,f,r,r",
-                [s, key, bound], dtype=tl.float32, is_pure=True, pack=1)
     if MASK_LEFT:
         first = rows + lo
+        width = last - first
+        first = tl.where(width < 0, -1, first)
+        width = tl.maximum(width, 0)
+        offset = cols[None, :] - first[:, None]
+        hidden = _keep_or_hide(s, offset, tl.broadcast_to(width[:, None], offset.shape), True)
     else:
-        first = rows * 0
-    width = last - first
-    first = tl.where(width < 0, -1, first)
-    width = tl.maximum(width, 0)
-    offset = cols[None, :] - first[:, None]
-    width = tl.broadcast_to(width[:, None], offset.shape)
-    if _INTERPRETED:
-        return tl.where(offset.to(tl.uint32, bitcast=True) <= width.to(tl.uint32, bitcast=True), s, float("-inf"))
-    else:
-        return tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.le.u32 p, $2, $3; selp.f32 $0, $1, 0fFF800000, p; }", "=f,f,r,r",
-            [s, offset, width], dtype=tl.float32, is_pure=True, pack=1)
+        key = tl.broadcast_to(cols[None, :], s.shape)
+        hidden = _keep_or_hide(s, key, tl.broadcast_to(last[:, None], s.shape), False)
+    return hidden
 
 
 @triton.jit

@@ -15,7 +15,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma
 
-from ..softmax import LOG2E, hide_keys, natural_lse, row_inverse, softmax_step
+from ..softmax import INT_BIAS, LOG2E, hide_keys, natural_lse, row_inverse, softmax_step
 
 
 @gluon.constexpr_function
@@ -121,8 +121,7 @@ def tile_softmax(s, m_i, l_i, qk_scale, start_n, full_end, seqlen_k, hi, offs_m,
     return p, m_i, l_i, alpha
 
 
-#: int32 scores plus 0x4B400000 (1.5 * 2**23), bitcast, are the float32 INT_OFF + s exactly for |s| < 2**22
-INT_BIAS = gl.constexpr(0x4B400000)
+#: the float32 that int32 score 0 reads as after ``int_scores`` (INT_BIAS = its bits, 1.5 * 2**23)
 INT_OFF = gl.constexpr(12582912.0)
 
 

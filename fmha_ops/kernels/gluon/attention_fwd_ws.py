@@ -54,7 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..attention_host import fp8_forward_args
 from ..tile_counter import tile_counters
-from ..softmax import LOG2E, MIN_QK_SCALE, hide_keys, natural_lse, p_shift, row_inverse
+from ..softmax import HIDDEN_INT_SCORE, LOG2E, MIN_QK_SCALE, hide_keys, natural_lse, p_shift, row_inverse
 from ..triton.launch import cdiv, host_descriptor, launch
 from ..triton.transpose_v import transpose_v
 from .attention_common import (
@@ -383,7 +383,7 @@ def _quad_partials(x, MAX: gl.constexpr):
     reshape moves no data; only a reduction of the result over its second axis shuffles between lanes."""
     y = x.reshape([x.shape[0], x.shape[1] // 8, 4, 2])
     if MAX:
-        part = gl.max(gl.max(y, 3), 1)
+        part = gl.max(y.permute((0, 2, 1, 3)).reshape([x.shape[0], 4, x.shape[1] // 4]), 2)
     else:
         part = gl.sum(gl.sum(y, 3), 1)
     return part
@@ -396,6 +396,8 @@ def _tile_softmax_step(s_a, s_b, m_i, l_q, qk_scale, P_SHIFT: gl.constexpr, OFF:
     thread takes the max over its scores of both parts first, so one cross-lane reduction per row serves the whole
     tile, and the row sums stay per lane (``l_q``, [64, 4] as ``_quad_partials`` gives; the epilogue adds the
     four), so the sums cost no shuffles at all: 4 shuffles per tile and thread instead of 16 for 192-key tiles.
+    Int32 scores (``OFF`` > 0, the int8 path) take their row max as integers, where ptxas fuses two maxima into
+    one VIMNMX3 (FMNMX has no three-input form on sm90), and are read as float (``int_scores``) after it.
     Returns (p_a, p_b, m, l_q, alpha)."""
     a_row: gl.constexpr = gl.SliceLayout(1, s_a.type.layout)
     q_layout: gl.constexpr = l_q.type.layout
@@ -403,7 +405,13 @@ def _tile_softmax_step(s_a, s_b, m_i, l_q, qk_scale, P_SHIFT: gl.constexpr, OFF:
     part = _quad_partials(s_a, True)
     if BLOCK_B > 0:
         part = gl.maximum(part, gl.convert_layout(_quad_partials(s_b, True), part.type.layout))
-    m_new = gl.maximum(m_i, (gl.convert_layout(gl.max(part, 1), a_row) - OFF) * qk_scale)
+    row_max = gl.convert_layout(gl.max(part, 1), a_row)
+    if OFF > 0:
+        row_max = gl.where(row_max == HIDDEN_INT_SCORE, float("-inf"), row_max.to(gl.float32))
+        s_a = int_scores(s_a)
+        if BLOCK_B > 0:
+            s_b = int_scores(s_b)
+    m_new = gl.maximum(m_i, row_max * qk_scale)
     if MASKED:  # rows that have seen no key yet: avoid inf - inf
         m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
     else:
@@ -453,9 +461,10 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_
                    QK_INT8: gl.constexpr, FREE_ISSUE: gl.constexpr, EARLY_P8: gl.constexpr):
     """The online softmax of rows ``m0 + C * WG_ROWS ..`` over their ``n_tiles`` key tiles, the ``i``-th tile of
     this CTA; ``kv`` and ``turn`` are the ring position and the turn count it starts at. ``QK_INT8``: int8 q / k,
-    S accumulated in int32 (s8 wgmma) and read as ``int_scores``. ``BLOCK_B`` > 0: each key tile is two parts,
-    ``BLOCK_N - BLOCK_B`` keys then ``BLOCK_B`` (tiles of 192 keys as 128 + 64: Gluon tensors are powers of
-    two), two S wgmmas and two P V wgmmas per tile, one softmax over both. Returns (acc, m, l, offs_m)."""
+    S accumulated in int32 (s8 wgmma), its row max taken on integers, then read as ``int_scores``. ``BLOCK_B``
+    > 0: each key tile is two parts, ``BLOCK_N - BLOCK_B`` keys then ``BLOCK_B`` (tiles of 192 keys as 128 + 64:
+    Gluon tensors are powers of two), two S wgmmas and two P V wgmmas per tile, one softmax over both. Returns
+    (acc, m, l, offs_m)."""
     BLOCK_A: gl.constexpr = BLOCK_N - BLOCK_B
     s_layout: gl.constexpr = acc_layout(WG_WARPS, BLOCK_A)
     o_layout: gl.constexpr = acc_layout(WG_WARPS, HEAD_D)
@@ -491,10 +500,6 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_
     else:
         s = warpgroup_mma_wait(0, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(ks), count=1)
-    if QK_INT8:
-        s = int_scores(s)
-        if BLOCK_B > 0:
-            s_b = int_scores(s_b)
     if BLOCK_B == 0:
         s_b = s
     p, p_b, m_i, l_q, alpha = _tile_softmax(s, s_b, m_i, l_q, qk_scale, 0, full_end, Mk, diag, offs_m, CAUSAL,
@@ -524,10 +529,6 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_
         else:
             s = warpgroup_mma_wait(1, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(ks), count=1)
-        if QK_INT8:
-            s = int_scores(s)
-            if BLOCK_B > 0:
-                s_b = int_scores(s_b)
         if BLOCK_B == 0:
             s_b = s
         p, p_b, m_i, l_q, alpha = _tile_softmax(s, s_b, m_i, l_q, qk_scale, (j + 1) * BLOCK_N, full_end, Mk, diag,
