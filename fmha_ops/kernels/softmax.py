@@ -65,6 +65,13 @@ def visible(rows, cols, seqlen_k, lo, hi, MASK_LEFT: tl.constexpr, MASK_RIGHT: t
     return keep
 
 
+#: one compare and one select per score (``_keep_or_hide``): keep $1 where $2 <= $3, else -inf / HIDDEN_INT_SCORE
+_HIDE_F32_SIGNED = tl.constexpr("{ .reg .pred p; setp.le.s32 p, $2, $3; selp.f32 $0, $1, 0fFF800000, p; }")
+_HIDE_F32_UNSIGNED = tl.constexpr("{ .reg .pred p; setp.le.u32 p, $2, $3; selp.f32 $0, $1, 0fFF800000, p; }")
+_HIDE_I32_SIGNED = tl.constexpr("{ .reg .pred p; setp.le.s32 p, $2, $3; selp.b32 $0, $1, 0xB4400000, p; }")
+_HIDE_I32_UNSIGNED = tl.constexpr("{ .reg .pred p; setp.le.u32 p, $2, $3; selp.b32 $0, $1, 0xB4400000, p; }")
+
+
 @triton.jit
 def _keep_or_hide(s, key, bound, UNSIGNED: tl.constexpr):
     """``s`` where ``key <= bound`` (as unsigned integers when ``UNSIGNED``), else hidden: -inf for float scores,
@@ -80,22 +87,11 @@ def _keep_or_hide(s, key, bound, UNSIGNED: tl.constexpr):
         else:
             out = tl.where(keep, s, float("-inf"))
     elif s.dtype.is_int():
-        if UNSIGNED:
-            out = tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.le.u32 p, $2, $3; selp.b32 $0, $1, 0xB4400000, p; }", "=r,r,r,r",
-                [s, key, bound], dtype=tl.int32, is_pure=True, pack=1)
-        else:
-            out = tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.le.s32 p, $2, $3; selp.b32 $0, $1, 0xB4400000, p; }", "=r,r,r,r",
-                [s, key, bound], dtype=tl.int32, is_pure=True, pack=1)
-    elif UNSIGNED:
-        out = tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.le.u32 p, $2, $3; selp.f32 $0, $1, 0fFF800000, p; }", "=f,f,r,r",
-            [s, key, bound], dtype=tl.float32, is_pure=True, pack=1)
+        out = tl.inline_asm_elementwise(_HIDE_I32_UNSIGNED if UNSIGNED else _HIDE_I32_SIGNED, "=r,r,r,r",
+                                        [s, key, bound], dtype=tl.int32, is_pure=True, pack=1)
     else:
-        out = tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.le.s32 p, $2, $3; selp.f32 $0, $1, 0fFF800000, p; }", "=f,f,r,r",
-            [s, key, bound], dtype=tl.float32, is_pure=True, pack=1)
+        out = tl.inline_asm_elementwise(_HIDE_F32_UNSIGNED if UNSIGNED else _HIDE_F32_SIGNED, "=f,f,r,r",
+                                        [s, key, bound], dtype=tl.float32, is_pure=True, pack=1)
     return out
 
 
