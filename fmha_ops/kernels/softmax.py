@@ -106,7 +106,8 @@ def hide_keys(s, rows, cols, seqlen_k, lo, hi, MASK_LEFT: tl.constexpr, MASK_RIG
     from i1 tensors, LLVM packs the row masks into bit vectors and unpacks them per score: ~2x the instructions
     of an unmasked tile for a causal or window tile of the fp8 forward). Without a left bound (causal, no window)
     a key is kept iff j <= last, the row's last visible key: the same compare and select without the offset
-    j - first, one integer add per score fewer. Without either mask only the sequence end applies."""
+    j - first, one integer add per score fewer. Without either mask only the sequence end applies: float scores
+    take a plain ``where`` on the key index there (one compare per key, not per score)."""
     if MASK_RIGHT:
         last = tl.minimum(rows + hi, seqlen_k - 1)
     else:
@@ -118,9 +119,11 @@ def hide_keys(s, rows, cols, seqlen_k, lo, hi, MASK_LEFT: tl.constexpr, MASK_RIG
         width = tl.maximum(width, 0)
         offset = cols[None, :] - first[:, None]
         hidden = _keep_or_hide(s, offset, tl.broadcast_to(width[:, None], offset.shape), True)
-    else:
+    elif MASK_RIGHT or s.dtype.is_int():
         key = tl.broadcast_to(cols[None, :], s.shape)
         hidden = _keep_or_hide(s, key, tl.broadcast_to(last[:, None], s.shape), False)
+    else:
+        hidden = tl.where(cols[None, :] < seqlen_k, s, float("-inf"))
     return hidden
 
 
