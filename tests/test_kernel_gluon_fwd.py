@@ -131,7 +131,8 @@ def test_ws_launcher_finishes_empty_problems_and_rejects_bad_configs():
 
 
 def test_ws_default_config_by_keys():
-    """192-key tiles on two consumers from ``LONG_KEYS`` keys when not causal (int8 q/k at D64: 128-key tiles), one
+    """192-key tiles on two consumers from ``LONG_KEYS`` keys when not causal (int8 q/k: issued without turns; at
+    D64 three consumers on 128-key tiles), one
     consumer per CTA with 128-key tiles otherwise, causal tiles from the counter at every length;
     at D256 two consumers on 128-key tiles, persistent when dense, causal tiles in sections of heads."""
     from fmha_ops.kernels.gluon import attention_fwd_ws as ws
@@ -150,8 +151,11 @@ def test_ws_default_config_by_keys():
                                             (128, False, 1000, False)):
         cfg = ws.default_config(head_dim, causal, keys)
         assert (cfg.dynamic, cfg.head_section) == (dynamic, ws.CAUSAL_HEAD_SECTION if dynamic else 0), (causal, keys)
-    assert ws.default_config(64, False, ws.LONG_KEYS, qk_int8=True).block_n == 128
-    assert ws.default_config(128, False, ws.LONG_KEYS, qk_int8=True).block_n == 192
+    i8_d64 = ws.default_config(64, False, ws.LONG_KEYS, qk_int8=True)
+    assert (i8_d64.consumers, i8_d64.block_n, i8_d64.maxnreg) == (3, 128, ws.THREE_CONSUMER_MAXNREG)
+    i8_d128 = ws.default_config(128, False, ws.LONG_KEYS, qk_int8=True)
+    assert (i8_d128.consumers, i8_d128.block_n, i8_d128.free_issue) == (2, 192, True)
+    assert not long_dense.free_issue
 
 
 _SPILL_CHECK = """
@@ -461,12 +465,13 @@ def test_gpu_gluon_ws_fwd(shape, descale, consumers, v_transpose, key_order, per
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", GPU_SHAPES + [(2, 3000, 3000, 8, 1, 128, True)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("schedule", ["default", "persistent", "persistent_key_order", "persistent_192",
-                                      "single_192_direct", "head_sections"])
+                                      "single_192_direct", "head_sections", "free_192", "three_128"])
 def test_gpu_gluon_ws_i8fp8(shape, schedule):
     """i8fp8 (int8 q / k with (B, Hkv) descales, s8 wgmma into int32; fp8 v) through the same kernel body,
     against the float64 reference of the dequantized inputs, on fresh normal inputs. ``head_sections``: causal
     tiles ordered heaviest first across sections of 3 (batch, head) pairs (a partial last section where the pairs
-    do not divide), on a grid of one CTA per tile."""
+    do not divide), on a grid of one CTA per tile. ``free_192`` / ``three_128``: the long-key schedules of int8 at
+    D128 (two consumers without turns, 192-key tiles) and D64 (three consumers, 128-key tiles) at every shape."""
     from fmha_ops.kernels.gluon import attention_fwd_ws as ws
     from fmha_ops.quant import quantize_i8fp8
 
@@ -474,14 +479,18 @@ def test_gpu_gluon_ws_i8fp8(shape, schedule):
     q, k, v = _inputs("normal", B, Mq, Mk, Hq, Hkv, D, D, torch.bfloat16, seed=Mq * 7 + Mk)
     i8 = quantize_i8fp8(q, k, v, qk_granularity="head", v_granularity="tensor")
     cfg = None
-    if "192" in schedule and D == 256:
-        pytest.skip("192-key tiles: D <= 128")
+    if ("192" in schedule or schedule == "three_128") and D == 256:
+        pytest.skip("192-key tiles and three consumers: D <= 128")
     if schedule == "head_sections":
         cfg = dataclasses.replace(ws.default_config(D, causal, Mk, qk_int8=True), head_section=3, persistent=False,
                                   dynamic=False)
     elif schedule == "single_192_direct":
         cfg = ws.WsFwdConfig(consumers=1, maxnreg=ws.SINGLE_CONSUMER_MAXNREG[D], block_n=192, key_order=True,
                              persistent=True, direct_store=True)
+    elif schedule == "free_192":
+        cfg = ws.default_config(128, False, ws.LONG_KEYS, qk_int8=True)
+    elif schedule == "three_128":
+        cfg = ws.default_config(64, False, ws.LONG_KEYS, qk_int8=True)
     elif schedule != "default":
         cfg = ws.WsFwdConfig(block_n=192 if schedule == "persistent_192" else 128 if D <= 128 else 64,
                              persistent=True, key_order=schedule == "persistent_key_order")

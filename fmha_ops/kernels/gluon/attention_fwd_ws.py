@@ -908,8 +908,12 @@ def default_config(head_dim: int, causal: bool, seqlen_k: int | None = None, qk_
     against 528 / 576 / 760 / 654 / 782 for the earlier per-length choice; the in-kernel V transpose on the same
     grid runs 25-32% slower. With ``LONG_KEYS`` keys or more, not causal: 192-key tiles (128 + 64) on two
     consumers, whose row max and row sums cost one cross-lane reduction per tile (H100, same run: fp8 824 / 857
-    against 808 / 820 for one consumer at 4x32x4096 and 2x16x16384, int8 804 / 885); int8 q/k at D64 take 128-key
-    tiles there (H100: 485 against 417-422 for 192 keys at 4x16x4096; fp8 559 against 489). D256: two consumers,
+    against 808 / 820 for one consumer at 4x32x4096 and 2x16x16384, int8 804 / 885); int8 q/k issue their wgmmas
+    there without taking turns (``free_issue``; H100, two runs: 839 / 858 and 842 / 890 against 811 / 852 and
+    816 / 793 taking turns; fp8 taking turns 844 / 887 and 873 / 889 against 888 / 880 and 818 / 892). Int8 q/k at
+    D64 take three consumers on 128-key tiles there (H100, two runs at 4x16x4096 and 2x16x16384: 546 / 629 and
+    545 / 637 against 510 / 553 and 504 / 556 for two consumers; fp8 548 / 626 and 558 / 643 against 545 / 620
+    and 563 / 646, so fp8 keeps two on 192-key tiles). D256: two consumers,
     128-key tiles in the accumulator's key order (H100, same run: fp8 1099 / 936 at 4x16x4096 and 2x16x8192 causal,
     int8 1158 / 1001, against 919 / 886 and 896 / 866 for 64-key tiles; 96-key tiles 1008 / 892), on the persistent
     grid when not causal and on a grid of tiles when causal (fp8 1105 against 1043 dense, 982 against 941 causal;
@@ -926,7 +930,10 @@ def default_config(head_dim: int, causal: bool, seqlen_k: int | None = None, qk_
         return WsFwdConfig(block_n=128, persistent=not causal, key_order=True,
                            head_section=CAUSAL_HEAD_SECTION if causal else 0)
     if not causal and (seqlen_k is None or seqlen_k >= LONG_KEYS):
-        return WsFwdConfig(block_n=128 if qk_int8 and head_dim == 64 else 192, persistent=True, key_order=True)
+        if qk_int8 and head_dim == 64:
+            return WsFwdConfig(consumers=3, block_n=128, maxnreg=THREE_CONSUMER_MAXNREG,
+                               consumer_regs=THREE_CONSUMER_REGS, persistent=True, key_order=True)
+        return WsFwdConfig(block_n=192, persistent=True, key_order=True, free_issue=qk_int8)
     return WsFwdConfig(consumers=1, block_n=128, maxnreg=SINGLE_CONSUMER_MAXNREG[head_dim], key_order=True,
                        persistent=True, dynamic=causal, head_section=CAUSAL_HEAD_SECTION if causal else 0)
 
