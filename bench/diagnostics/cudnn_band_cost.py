@@ -12,10 +12,8 @@ CUDA-event medians (ms) of the forward alone (``*_fwd``) and the forward + backw
   before; the same keys at Mq == Mk);
 * ``triton`` / ``triton_sinks``: the Triton pair (triton_attnF + triton_attnB).
 The ops are called directly (``apply`` / ``apply_bw_sinks``), not through the public call, so that each variant
-builds its own graphs. What the selector's cost model assumes (``fmha_ops.ops.cudnn_sdpa``): ``top_left`` ~ ``torch``
-(``BOTTOM_RIGHT_BACKWARD_SKIPS`` False: ``bottom_right_train`` ~ 1.8x ``torch_train``), and windowed cuDNN rows ~
-the full ones (``WINDOW_SKIPS_TILES`` False); a ``top_left`` windowed row near ``triton``'s says cuDNN skips the
-window's tiles under a ``TOP_LEFT`` band.
+builds its own graphs. The selector's cost model (``fmha_ops.ops.cudnn_sdpa``, its measured comment) takes from
+these rows what cuDNN skips under each band and what its sinks add.
 """
 from __future__ import annotations
 

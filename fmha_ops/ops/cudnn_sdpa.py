@@ -45,18 +45,15 @@ _HEAD_DIMS = range(8, 257, 8)
 _UNEQUAL_MAX = 128
 _WIDE_PAIR = (192, 128)
 _IO_TYPES = {torch.bfloat16: "BFLOAT16", torch.float16: "HALF"}
-#: whether the cost model counts a local window's reduced work for these ops. Measured (H100, bf16, 1x8192, 64 / 8
-#: heads of D64, bottom-right causal, a 128-key window, forward + backward): cudnnF + cudnnB 7.37 ms (8.13 with
-#: sinks) against 8.52 ms for the same call without the window (with sinks), while the Triton pair ran 0.83 ms
-#: against 6.29: under those bands cuDNN did about the unwindowed work. Counted that way, the selector routes
-#: windowed training calls to the Triton pair (~9x faster there) instead of cudnnF
-WINDOW_SKIPS_TILES = False
-#: whether cuDNN's backward skips the tiles a causal mask hides under a ``BOTTOM_RIGHT`` band. Measured (H100, same
-#: call without the window, with sinks): cudnnF + cudnnB 8.52 ms against 4.73 ms for torch's cuDNN path on the
-#: same call without sinks (top-left ``causal_mask``, the same kernels) and 6.26 ms for the Triton pair with sinks:
-#: 1.80x, what the backward costs over the whole square (2.5x the forward's work, doubled). Such calls are rated at
-#: the square; at Mq == Mk ``band`` passes ``TOP_LEFT``
-BOTTOM_RIGHT_BACKWARD_SKIPS = False
+#: What cuDNN's kernels skip, measured (H100, bf16, GPT-OSS heads: 64 / 8 of D64, 1x8192, causal at Mq == Mk, CUDA
+#: events, ms; ``bench/diagnostics/cudnn_band_cost.py``): the forward skips a 128-key window's tiles under either
+#: alignment (0.135 ``TOP_LEFT`` / 0.153 ``BOTTOM_RIGHT`` against 1.22 without the window); forward + backward under
+#: ``TOP_LEFT`` skip both the causal and the window's tiles (4.57 causal, 0.72 windowed; torch's cuDNN path 4.59, the
+#: Triton pair 6.07 / 0.74), under ``BOTTOM_RIGHT`` the backward does the whole score matrix (7.63 causal, 7.28
+#: windowed). ``band`` passes ``TOP_LEFT`` at Mq == Mk, so only Mq != Mk calls are rated at the square.
+#: Sinks (``sink_token`` / ``dSink_token``) add about the same time with and without the window (5.36 against 4.57,
+#: 1.53 against 0.72): ``SINKS_BACKWARD_SHARE`` of the forward over the causal keys without the window
+SINKS_BACKWARD_SHARE = 0.65
 
 
 class Band(NamedTuple):
@@ -308,8 +305,7 @@ class CudnnSdpaFwOp(_CudnnSdpaOp, AttentionFwOp):
 
     @classmethod
     def estimate(cls, p: Problem) -> float:
-        return attention_time(p, head_dim_rate(cls.HEAD_DIM_TFLOPS, p.head_dim), cls.TBPS, cls.OVERHEAD_US,
-                              window=WINDOW_SKIPS_TILES)
+        return attention_time(p, head_dim_rate(cls.HEAD_DIM_TFLOPS, p.head_dim), cls.TBPS, cls.OVERHEAD_US)
 
 
 @register
@@ -346,8 +342,12 @@ class CudnnSdpaBwOp(_CudnnSdpaOp, AttentionBwOp):
 
     @classmethod
     def estimate(cls, p: Problem) -> float:
-        """The backward of torch's cuDNN path (the same kernels) over the work it was measured to do: a local
-        window's tiles not skipped (``WINDOW_SKIPS_TILES``), and under a ``BOTTOM_RIGHT`` band (``band``) the whole
-        score matrix (``BOTTOM_RIGHT_BACKWARD_SKIPS``)."""
-        return backward_time(p, cls.RATES, cls.TBPS, cls.OVERHEAD_US, window=WINDOW_SKIPS_TILES,
-                             causal=BOTTOM_RIGHT_BACKWARD_SKIPS or not bottom_right_band(p))
+        """The backward of torch's cuDNN path (the same kernels) over the work it was measured to do: under a
+        ``BOTTOM_RIGHT`` band (``band``) the whole score matrix, else the causal mask's and the window's keys; with
+        sinks ``SINKS_BACKWARD_SHARE`` of a forward over the causal keys on top."""
+        skips = not bottom_right_band(p)
+        seconds = backward_time(p, cls.RATES, cls.TBPS, cls.OVERHEAD_US, window=skips, causal=skips)
+        if p.sinks:
+            rate = head_dim_rate(CudnnSdpaFwOp.HEAD_DIM_TFLOPS, p.head_dim)
+            seconds += SINKS_BACKWARD_SHARE * attention_time(p, rate, cls.TBPS, 0.0, window=False)
+        return seconds
