@@ -910,10 +910,10 @@ def default_config(head_dim: int, causal: bool, seqlen_k: int | None = None, qk_
     consumers, whose row max and row sums cost one cross-lane reduction per tile (H100, same run: fp8 824 / 857
     against 808 / 820 for one consumer at 4x32x4096 and 2x16x16384, int8 804 / 885); int8 q/k issue their wgmmas
     there without taking turns (``free_issue``; H100, two runs: 839 / 858 and 842 / 890 against 811 / 852 and
-    816 / 793 taking turns; fp8 taking turns 844 / 887 and 873 / 889 against 888 / 880 and 818 / 892). Int8 q/k at
+    816 / 793 taking turns; fp8 taking turns 873 / 889 against 818 / 892). Int8 q/k at
     D64 take three consumers on 128-key tiles there (H100, two runs at 4x16x4096 and 2x16x16384: 546 / 629 and
-    545 / 637 against 510 / 553 and 504 / 556 for two consumers; fp8 548 / 626 and 558 / 643 against 545 / 620
-    and 563 / 646, so fp8 keeps two on 192-key tiles). D256: two consumers,
+    545 / 637 against 510 / 553 and 504 / 556 for two consumers; fp8 558 / 643 against 563 / 646, so fp8
+    keeps two on 192-key tiles). D256: two consumers,
     128-key tiles in the accumulator's key order (H100, same run: fp8 1099 / 936 at 4x16x4096 and 2x16x8192 causal,
     int8 1158 / 1001, against 919 / 886 and 896 / 866 for 64-key tiles; 96-key tiles 1008 / 892), on the persistent
     grid when not causal and on a grid of tiles when causal (fp8 1105 against 1043 dense, 982 against 941 causal;
