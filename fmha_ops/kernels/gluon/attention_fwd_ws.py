@@ -499,8 +499,8 @@ def _row_sums(p8, p8_b, ones_smem, onesb_smem, acc_l, BLOCK_B: gl.constexpr):
 
 @gluon.jit
 def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, ones_smem, onesb_smem, q_bars,
-                   q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars, qk_scale, m0, n_tiles, kv, turn, i, Mq, Mk,
-                   HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr, STAGES: gl.constexpr,
+                   q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars, qk_scale, m0, n_tiles, kv, turn, i, Mq,
+                   Mk, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr, STAGES: gl.constexpr,
                    CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr,
                    QK_INT8: gl.constexpr, FREE_ISSUE: gl.constexpr, EARLY_P8: gl.constexpr,
                    ROW_SUM_MMA: gl.constexpr):
