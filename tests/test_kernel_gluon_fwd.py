@@ -353,7 +353,9 @@ ONES = str(int.from_bytes(bytes([ws.E4M3_ONE.value] * 4), "little"))  # the tile
 for d, causal, i8, early in ((128, True, False, True), (64, False, True, False), (256, False, False, False),
                              (64, False, False, True), (256, True, True, True)):
     cfg = dataclasses.replace(ws.default_config(d, causal, 4096, qk_int8=i8), early_p8=early, row_sum_mma=True)
-    ptx = ws.compile_sm90(d, causal=causal, config=cfg, qk_int8=i8, write_lse=True).asm["ptx"]
+    kernel = ws.compile_sm90(d, causal=causal, config=cfg, qk_int8=i8, write_lse=True)
+    ptx = kernel.asm["ptx"]
+    assert cfg.shared_bytes(d) >= kernel.metadata.shared, (d, cfg.shared_bytes(d), kernel.metadata.shared)
     assert "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3" in ptx, (d, causal, i8)
     assert ptx.count("{" + ONES + ", " + ONES + "}") == (2 if cfg.block_b else 1), (d, causal, i8)
 print("compiled")
@@ -363,8 +365,8 @@ print("compiled")
 def test_ws_row_sum_mma_compiles_for_sm90():
     """``WsFwdConfig.row_sum_mma`` with the one-consumer causal schedule (D128, early P8), int8 Q / K (D64,
     128-key tiles), D256 (fp8 not causal; int8 causal with early P8) and the 192-key two-part tiles (D64, early
-    P8) compiles for sm90: m64n8k32 row-sum wgmmas, and each tile of ones stored as e4m3 1.0 bytes (one tile per
-    key part)."""
+    P8) compiles for sm90: m64n8k32 row-sum wgmmas, each tile of ones stored as e4m3 1.0 bytes (one tile per key
+    part), within ``shared_bytes``."""
     run = run_compiled(_ROW_SUM_COMPILE_CHECK, timeout=600)
     assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
 
@@ -731,7 +733,9 @@ def test_gpu_gluon_ws_row_sum_mma(shape, qk, schedule):
     print(f"\n{shape} {qk} {schedule} row_sum_mma: {e}")
     assert not torch.isnan(o).any(), "unwritten or NaN output"
     assert e["rel"] < 4e-2 and e["cos"] > 0.999, e
-    _check_lse(lse, ref_lse, 2e-2)
+    # the sums are of the fp8 P (3 mantissa bits): the LSE of a row of 2-5 keys moves by up to ~0.03 (float64
+    # simulation of N(0, 1) scores: 1% of such rows beyond 0.02), of a row of 1000 keys by 0.005
+    _check_lse(lse, ref_lse, 4e-2)
 
 
 @pytest.mark.gpu

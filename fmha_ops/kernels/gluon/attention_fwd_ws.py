@@ -34,7 +34,8 @@ Both consumers walk the same key tiles (the CTA's last row bounds them under cau
 rows see fewer keys masks the extra tile), so the rings and turns stay in step. Softmax in exp2 with
 scale * q_descale * k_descale folded into one multiplier; P is scaled by 2**P_SHIFT before the fp8 cast. Each
 thread reduces its own scores of a row first (both parts of a 192-key tile), so a tile's row max costs one
-cross-lane reduction, and keeps its share of the row sum until the epilogue adds the four lanes of a row.
+cross-lane reduction, and keeps its share of the row sum until the epilogue adds the four lanes of a row; with
+``WsFwdConfig.row_sum_mma`` the row sums come from the tensor cores instead (P times a tile of ones beside P V).
 """
 from __future__ import annotations
 
@@ -446,16 +447,17 @@ def _tile_softmax_step(s_a, s_b, m_i, l_q, qk_scale, P_SHIFT: gl.constexpr, OFF:
         m_sub = m_new
     bias = m_sub + (OFF * qk_scale - P_SHIFT)
     p_a = gl.exp2(s_a * qk_scale - gl.expand_dims(bias, 1))
+    if SUM_ROWS:
+        sums = gl.convert_layout(_quad_partials(p_a, False), q_layout)
     if BLOCK_B > 0:
         b_row: gl.constexpr = gl.SliceLayout(1, s_b.type.layout)
         p_b = gl.exp2(s_b * qk_scale - gl.expand_dims(gl.convert_layout(bias, b_row), 1))
+        if SUM_ROWS:
+            sums = sums + gl.convert_layout(_quad_partials(p_b, False), q_layout)
     else:
         p_b = p_a
     alpha = gl.exp2(m_i - m_sub)
     if SUM_ROWS:
-        sums = gl.convert_layout(_quad_partials(p_a, False), q_layout)
-        if BLOCK_B > 0:
-            sums = sums + gl.convert_layout(_quad_partials(p_b, False), q_layout)
         l_q = l_q * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, q_layout)), 1) + sums
     return p_a, p_b, m_new, l_q, alpha
 
@@ -614,11 +616,13 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, on
     _pass_turn(turn_bars, C, CONSUMERS, FREE_ISSUE)
     if ROW_SUM_MMA:
         acc, acc_l = warpgroup_mma_wait(0, deps=(o_tok, l_tok))
-        l_i = gl.max(acc_l, 1)  # every column holds the row's sum (the max picks one exactly)
     else:
         acc = warpgroup_mma_wait(0, deps=(o_tok, ))
-        l_i = gl.sum(l_q, 1)
     mbarrier.arrive(v_empty.index(vs), count=1)
+    if ROW_SUM_MMA:
+        l_i = gl.max(acc_l, 1)  # every column holds the row's sum (the max picks one exactly)
+    else:
+        l_i = gl.sum(l_q, 1)
     return acc, m_i, gl.convert_layout(l_i, s_row), offs_m
 
 
@@ -910,7 +914,8 @@ class WsFwdConfig:
     #: P's row sums on the tensor cores: each consumer adds P times a tile of ones in shared memory (an m64n8k32
     #: fp8 wgmma per key part, A = the P V operand from registers) to a float32 accumulator that is waited for and
     #: rescaled with O, instead of one FADD per score in the softmax. The sums are then those of the fp8 P that
-    #: P V weighs V with
+    #: P V weighs V with: the output stays a convex combination of V's rows, and the LSE takes P's rounding (float64
+    #: simulation of N(0, 1) scores: up to ~0.03 on rows of 2-5 keys, 0.005 on rows of 1000)
     row_sum_mma: bool = False
 
     @property
