@@ -89,8 +89,8 @@ SUM_N = gl.constexpr(8)
 #: e4m3 1.0 as a byte (exponent 7 = the bias, mantissa 0): the tile of ones is stored as these bytes. A float
 #: splat converted in the kernel (``gl.full(.., 1.0, gl.float32).to(gl.float8e4nv)``) compiles (ptxas, Triton 3.6)
 #: to ``F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C R18, R18, R18, R1``: the upper half of each stored word comes
-#: from R1 (the stack pointer), not a second pair of ones, which is why the sums of an earlier try came out 12-17x
-#: too large on the H100
+#: from R1 (the stack pointer), not a second pair of ones (an earlier try filled its tile so; its sums came out
+#: 12-17x too large on the H100)
 E4M3_ONE = gl.constexpr(0x38)
 
 
@@ -489,7 +489,7 @@ def _tile_softmax(s_a, s_b, m_i, l_q, qk_scale, start_n, full_end, seqlen_k, hi,
 
 @gluon.jit
 def _row_sums(p8, p8_b, ones_smem, onesb_smem, acc_l, BLOCK_B: gl.constexpr):
-    """Issue acc_l += P ones as async wgmmas (m64n8k32, A = the fp8 P V operand ``p8``, and ``p8_b`` for a two-part
+    """Issue acc_l += P times ones as async wgmmas (m64n8k32, A = the fp8 P V operand ``p8``, and ``p8_b`` for a two-part
     tile's second part, from registers; B = ``ones_tile``): every column of acc_l ([64, ``SUM_N``] float32) gains
     each row's sum of P. Returns the token of the last."""
     sum_p: gl.constexpr = p_operand_layout(WG_WARPS, SUM_N)
@@ -915,7 +915,10 @@ class WsFwdConfig:
     #: fp8 wgmma per key part, A = the P V operand from registers) to a float32 accumulator that is waited for and
     #: rescaled with O, instead of one FADD per score in the softmax. The sums are then those of the fp8 P that
     #: P V weighs V with: the output stays a convex combination of V's rows, and the LSE takes P's rounding (float64
-    #: simulation of N(0, 1) scores: up to ~0.03 on rows of 2-5 keys, 0.005 on rows of 1000)
+    #: simulation of N(0, 1) scores: up to ~0.03 on rows of 2-5 keys, 0.005 on rows of 1000). Unmasked key-loop
+    #: iteration of the long-key schedules (sass_compare.py): 606 -> 518 instructions at D64, 647 -> 563 at D128,
+    #: 550 -> 510 at D256 (int8: 471 -> 414, 703 -> 619, 581 -> 540), FADD 98 -> 4 per 192-key tile, 6-9 more
+    #: instructions in the turn; stack 8 -> 0 B at D128 fp8, 40 -> 104 B at D256 fp8 (8 -> 8 B with ``early_p8``)
     row_sum_mma: bool = False
 
     @property
