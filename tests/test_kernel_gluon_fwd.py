@@ -316,6 +316,65 @@ def test_ws_early_p8_compiles_for_sm90():
     assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
 
 
+_ROW_SUM_LOOP_CHECK = """
+import json
+from bench.diagnostics import sass_compare as sc
+from bench.diagnostics.aot import sass_instructions
+rows = []
+for on in (False, True):
+    k = sc.ours_sass(128, {"row_sum_mma": on})
+    row = sc.loop_report(sc.steady_iteration(sass_instructions(k["sass"])), k["tile"][1])
+    row["regs"] = k["regs"]
+    rows.append(row)
+print(json.dumps(rows))
+"""
+
+
+def test_ws_row_sum_mma_drops_the_fadds():
+    """``WsFwdConfig.row_sum_mma`` on the D128 long-key schedule (two consumers, 192-key tiles), compiled for sm90:
+    the unmasked key-loop iteration (``bench/diagnostics/sass_compare.py``) adds the two parts' row-sum wgmmas
+    (m64n8k32: 4 + 2, A from registers), waits for the S pair with those and the two P V parts outstanding, and
+    loses the FADD per score of the softmax's row sums (98 -> at most 8); no more registers, 647 -> 563
+    instructions (its GPU test: ``test_gpu_gluon_ws_row_sum_mma``)."""
+    import json
+
+    run = run_compiled(_ROW_SUM_LOOP_CHECK, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    off, on = json.loads(run.stdout.splitlines()[-1])
+    assert on["PV_wgmma"] == 2 * off["PV_wgmma"], (off["PV_wgmma"], on["PV_wgmma"])  # the row sums read P too
+    assert on["S_wgmma"] == off["S_wgmma"] and on["MUFU.EX2"] == off["MUFU.EX2"]
+    assert off["waits"] == "0x2 0x0" and on["waits"] == "0x4 0x0", (off["waits"], on["waits"])
+    assert off["FADD"] >= on["scores"] and on["FADD"] <= 8, (off["FADD"], on["FADD"])
+    # one FADD per score gone; four FMULs (acc_l * alpha), six wgmmas and their arrive added
+    assert on["regs"] <= off["regs"], (off["regs"], on["regs"])
+    assert on["instr"] <= off["instr"] - 3 * on["scores"] // 4, (off["instr"], on["instr"])
+
+
+_ROW_SUM_COMPILE_CHECK = """
+import dataclasses
+from fmha_ops.kernels.gluon import attention_fwd_ws as ws
+ONES = str(int.from_bytes(bytes([ws.E4M3_ONE.value] * 4), "little"))  # the tile of ones as stored words
+for d, causal, i8, early in ((128, True, False, True), (64, False, True, False), (256, False, False, False),
+                             (64, False, False, True), (256, True, True, True)):
+    cfg = dataclasses.replace(ws.default_config(d, causal, 4096, qk_int8=i8), early_p8=early, row_sum_mma=True)
+    kernel = ws.compile_sm90(d, causal=causal, config=cfg, qk_int8=i8, write_lse=True)
+    ptx = kernel.asm["ptx"]
+    assert cfg.shared_bytes(d) >= kernel.metadata.shared, (d, cfg.shared_bytes(d), kernel.metadata.shared)
+    assert "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3" in ptx, (d, causal, i8)
+    assert ptx.count("{" + ONES + ", " + ONES + "}") == (2 if cfg.block_b else 1), (d, causal, i8)
+print("compiled")
+"""
+
+
+def test_ws_row_sum_mma_compiles_for_sm90():
+    """``WsFwdConfig.row_sum_mma`` with the one-consumer causal schedule (D128, early P8), int8 Q / K (D64,
+    128-key tiles), D256 (fp8 not causal; int8 causal with early P8) and the 192-key two-part tiles (D64, early
+    P8) compiles for sm90: m64n8k32 row-sum wgmmas, each tile of ones stored as e4m3 1.0 bytes (one tile per key
+    part), within ``shared_bytes``."""
+    run = run_compiled(_ROW_SUM_COMPILE_CHECK, timeout=600)
+    assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
+
+
 _DYNAMIC_CHECK = """
 import dataclasses, os, re, subprocess, sys, tempfile
 import triton
@@ -640,6 +699,52 @@ def test_gpu_gluon_ws_early_p8(shape, consumers):
     if consumers == 1:
         cfg = dataclasses.replace(cfg, consumers=1, block_n=128, maxnreg=ws.SINGLE_CONSUMER_MAXNREG[shape[5]])
     _check_fp8_forward(functools.partial(ws.attention_forward, config=cfg), shape, "tensor")
+
+
+ROW_SUM_SHAPES = [  # B, Mq, Mk, Hq, Hkv, D, causal: 1 / 17 / 1000 / 3000 rows and keys, GQA 1 / 2 / 4 / 8
+    (1, 1, 1, 1, 1, 128, False),
+    (2, 17, 1000, 4, 1, 128, False),
+    (2, 1000, 17, 4, 2, 64, True),
+    (2, 1000, 1000, 6, 3, 64, False),
+    (1, 3000, 3000, 8, 2, 128, True),
+    (1, 17, 3000, 8, 8, 64, False),
+    (2, 1000, 1000, 4, 1, 256, True),
+    (1, 3000, 3000, 4, 4, 256, False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ROW_SUM_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("qk", ["fp8", "int8"])
+@pytest.mark.parametrize("schedule", ["default", "default_early_p8", "two_part", "two_part_early_p8"])
+def test_gpu_gluon_ws_row_sum_mma(shape, qk, schedule):
+    """P's row sums on the tensor cores (``WsFwdConfig.row_sum_mma``) against the float64 reference of the
+    dequantized inputs, output and LSE: the schedule ``default_config`` picks for the shape (one consumer at D <= 128
+    and fewer than ``LONG_KEYS`` keys, two at D256), or two consumers with 192-key two-part tiles (D <= 128), each
+    with P converted early (``early_p8``) or not."""
+    from fmha_ops.kernels.gluon import attention_fwd_ws as ws
+
+    B, Mq, Mk, Hq, Hkv, D, causal = shape
+    if schedule.startswith("two_part") and D > 128:
+        pytest.skip("192-key tiles: D <= 128")
+    q8, k8, v8, qd, kd, vd, scale = _quantized(qk, *_inputs("normal", B, Mq, Mk, Hq, Hkv, D, D, torch.bfloat16,
+                                                            seed=Mq * 3 + Mk))
+    if schedule.startswith("two_part"):
+        cfg = ws.WsFwdConfig(block_n=192, persistent=True, key_order=True)
+    else:
+        cfg = ws.default_config(D, causal, Mk, qk_int8=qk == "int8")
+    cfg = dataclasses.replace(cfg, row_sum_mma=True, early_p8=schedule.endswith("early_p8"))
+    ref, ref_lse = reference(_dq(q8, qd, Hq // Hkv).double(), _dq(k8, kd).double(), _dq(v8, vd).double(), scale,
+                             causal, dtype=torch.float64)
+    o, lse = ws.attention_forward(q8, k8, v8, scale=scale, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd,
+                                  return_lse=True, config=cfg, out=_poisoned(B, Mq, Hq, D, torch.bfloat16))
+    e = error_report(o, ref)
+    print(f"\n{shape} {qk} {schedule} row_sum_mma: {e}")
+    assert not torch.isnan(o).any(), "unwritten or NaN output"
+    assert e["rel"] < 4e-2 and e["cos"] > 0.999, e
+    # the sums are of the fp8 P (3 mantissa bits): the LSE of a row of 2-5 keys moves by up to ~0.03 (float64
+    # simulation of N(0, 1) scores: 1% of such rows beyond 0.02), of a row of 1000 keys by 0.005
+    _check_lse(lse, ref_lse, 4e-2)
 
 
 @pytest.mark.gpu

@@ -34,7 +34,8 @@ Both consumers walk the same key tiles (the CTA's last row bounds them under cau
 rows see fewer keys masks the extra tile), so the rings and turns stay in step. Softmax in exp2 with
 scale * q_descale * k_descale folded into one multiplier; P is scaled by 2**P_SHIFT before the fp8 cast. Each
 thread reduces its own scores of a row first (both parts of a 192-key tile), so a tile's row max costs one
-cross-lane reduction, and keeps its share of the row sum until the epilogue adds the four lanes of a row.
+cross-lane reduction, and keeps its share of the row sum until the epilogue adds the four lanes of a row; with
+``WsFwdConfig.row_sum_mma`` the row sums come from the tensor cores instead (P times a tile of ones beside P V).
 """
 from __future__ import annotations
 
@@ -82,6 +83,15 @@ V_CHUNK = gl.constexpr(64)
 #: slots of the tile ring (``WsFwdConfig.dynamic``): the producer may publish the next tile while the consumers
 #: have yet to read the current one
 TILE_SLOTS = gl.constexpr(2)
+#: columns of the tile of ones that P's row sums are taken with on the tensor cores (``WsFwdConfig.row_sum_mma``):
+#: the narrowest fp8 wgmma, m64n8k32
+SUM_N = gl.constexpr(8)
+#: e4m3 1.0 as a byte (exponent 7 = the bias, mantissa 0): the tile of ones is stored as these bytes. A float
+#: splat converted in the kernel (``gl.full(.., 1.0, gl.float32).to(gl.float8e4nv)``) compiles (ptxas, Triton 3.6)
+#: to ``F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C R18, R18, R18, R1``: the upper half of each stored word comes
+#: from R1 (the stack pointer), not a second pair of ones (an earlier try filled its tile so; its sums came out
+#: 12-17x too large on the H100)
+E4M3_ONE = gl.constexpr(0x38)
 
 
 def _box_layout(rows, cols, dtype, channels_last):
@@ -153,6 +163,19 @@ def _transpose_v_tile(v_raw, v_smem, raw_ready, v_ready, v_empty, kv, BLOCK_N: g
     fence_async_shared()
     gl.thread_barrier()
     mbarrier.arrive(v_ready.index(slot), count=1)
+
+
+@gluon.jit
+def ones_tile(KEYS: gl.constexpr):
+    """A [``SUM_N``, KEYS] fp8 tile of ones in its own shared allocation (``fp8_tile_layout``'s swizzle, as a
+    TMA-loaded K-major B operand): the B operand of P's row-sum wgmma. Written by the calling warps as
+    ``E4M3_ONE`` bytes and fenced for the wgmmas' async-proxy reads; a warp of another partition may read it once
+    a barrier orders it after this call (``warp_specialize``'s start does)."""
+    tile = gl.allocate_shared_memory(gl.float8e4nv, [SUM_N, KEYS], fp8_tile_layout(SUM_N, KEYS))
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
+    tile.store(gl.full([SUM_N, KEYS], E4M3_ONE, gl.int8, layout).to(gl.float8e4nv, bitcast=True))
+    fence_async_shared()
+    return tile
 
 
 @gluon.jit
@@ -396,13 +419,14 @@ def _quad_partials(x, MAX: gl.constexpr):
 
 @gluon.jit
 def _tile_softmax_step(s_a, s_b, m_i, l_q, qk_scale, P_SHIFT: gl.constexpr, OFF: gl.constexpr,
-                       MASKED: gl.constexpr, BLOCK_B: gl.constexpr):
+                       MASKED: gl.constexpr, BLOCK_B: gl.constexpr, SUM_ROWS: gl.constexpr):
     """``softmax_step`` over one S tile, in two parts when ``BLOCK_B`` > 0 (``s_b`` is ignored otherwise): each
     thread takes the max over its scores of both parts first, so one cross-lane reduction per row serves the whole
     tile, and the row sums stay per lane (``l_q``, [64, 4] as ``_quad_partials`` gives; the epilogue adds the
     four), so the sums cost no shuffles at all: 4 shuffles per tile and thread instead of 16 for 192-key tiles.
     Int32 scores (``OFF`` > 0, the int8 path) take their row max as integers, where ptxas fuses two maxima into
     one VIMNMX3 (FMNMX has no three-input form on sm90), and are read as float (``int_scores``) after it.
+    ``SUM_ROWS`` False leaves ``l_q`` as it is (the row sums come from the tensor cores: ``_row_sums``).
     Returns (p_a, p_b, m, l_q, alpha)."""
     a_row: gl.constexpr = gl.SliceLayout(1, s_a.type.layout)
     q_layout: gl.constexpr = l_q.type.layout
@@ -423,22 +447,25 @@ def _tile_softmax_step(s_a, s_b, m_i, l_q, qk_scale, P_SHIFT: gl.constexpr, OFF:
         m_sub = m_new
     bias = m_sub + (OFF * qk_scale - P_SHIFT)
     p_a = gl.exp2(s_a * qk_scale - gl.expand_dims(bias, 1))
-    sums = gl.convert_layout(_quad_partials(p_a, False), q_layout)
+    if SUM_ROWS:
+        sums = gl.convert_layout(_quad_partials(p_a, False), q_layout)
     if BLOCK_B > 0:
         b_row: gl.constexpr = gl.SliceLayout(1, s_b.type.layout)
         p_b = gl.exp2(s_b * qk_scale - gl.expand_dims(gl.convert_layout(bias, b_row), 1))
-        sums = sums + gl.convert_layout(_quad_partials(p_b, False), q_layout)
+        if SUM_ROWS:
+            sums = sums + gl.convert_layout(_quad_partials(p_b, False), q_layout)
     else:
         p_b = p_a
     alpha = gl.exp2(m_i - m_sub)
-    l_q = l_q * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, q_layout)), 1) + sums
+    if SUM_ROWS:
+        l_q = l_q * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, q_layout)), 1) + sums
     return p_a, p_b, m_new, l_q, alpha
 
 
 @gluon.jit
 def _tile_softmax(s_a, s_b, m_i, l_q, qk_scale, start_n, full_end, seqlen_k, hi, offs_m,
                   CAUSAL: gl.constexpr, P_SHIFT: gl.constexpr, BLOCK_A: gl.constexpr, BLOCK_B: gl.constexpr,
-                  OFF: gl.constexpr):
+                  OFF: gl.constexpr, SUM_ROWS: gl.constexpr):
     """``_tile_softmax_step`` of the S tile of keys [start_n, + BLOCK_A) in ``s_a`` ([64, BLOCK_A]) and, when
     ``BLOCK_B`` > 0, the next ``BLOCK_B`` in ``s_b``, with the key / causal masks only on tiles at or past
     ``full_end``. The whole step sits in each branch: a step after the branches' join is scheduled after the
@@ -452,24 +479,40 @@ def _tile_softmax(s_a, s_b, m_i, l_q, qk_scale, start_n, full_end, seqlen_k, hi,
             cols_b = start_n + BLOCK_A + gl.arange(0, BLOCK_B, layout=gl.SliceLayout(0, b_layout))
             s_b = hide_keys(s_b, gl.convert_layout(offs_m, gl.SliceLayout(1, b_layout)), cols_b, seqlen_k, 0, hi,
                             False, CAUSAL)
-        p_a, p_b, m_i, l_q, alpha = _tile_softmax_step(s_a, s_b, m_i, l_q, qk_scale, P_SHIFT, OFF, True, BLOCK_B)
+        p_a, p_b, m_i, l_q, alpha = _tile_softmax_step(s_a, s_b, m_i, l_q, qk_scale, P_SHIFT, OFF, True, BLOCK_B,
+                                                       SUM_ROWS)
     else:
-        p_a, p_b, m_i, l_q, alpha = _tile_softmax_step(s_a, s_b, m_i, l_q, qk_scale, P_SHIFT, OFF, False, BLOCK_B)
+        p_a, p_b, m_i, l_q, alpha = _tile_softmax_step(s_a, s_b, m_i, l_q, qk_scale, P_SHIFT, OFF, False, BLOCK_B,
+                                                       SUM_ROWS)
     return p_a, p_b, m_i, l_q, alpha
 
 
 @gluon.jit
-def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_bars, q_empty, k_ready, v_ready,
-                   k_empty, v_empty, turn_bars, qk_scale, m0, n_tiles, kv, turn, i, Mq, Mk,
-                   HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr, STAGES: gl.constexpr,
+def _row_sums(p8, p8_b, ones_smem, onesb_smem, acc_l, BLOCK_B: gl.constexpr):
+    """Issue acc_l += P times ones as async wgmmas (m64n8k32, A = the fp8 P V operand ``p8``, and ``p8_b`` for a two-part
+    tile's second part, from registers; B = ``ones_tile``): every column of acc_l ([64, ``SUM_N``] float32) gains
+    each row's sum of P. Returns the token of the last."""
+    sum_p: gl.constexpr = p_operand_layout(WG_WARPS, SUM_N)
+    tok = warpgroup_mma(gl.convert_layout(p8, sum_p), ones_smem.permute((1, 0)), acc_l, is_async=True)
+    if BLOCK_B > 0:
+        tok = warpgroup_mma(gl.convert_layout(p8_b, sum_p), onesb_smem.permute((1, 0)), tok, is_async=True)
+    return tok
+
+
+@gluon.jit
+def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, ones_smem, onesb_smem, q_bars,
+                   q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars, qk_scale, m0, n_tiles, kv, turn, i, Mq,
+                   Mk, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr, STAGES: gl.constexpr,
                    CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr,
-                   QK_INT8: gl.constexpr, FREE_ISSUE: gl.constexpr, EARLY_P8: gl.constexpr):
+                   QK_INT8: gl.constexpr, FREE_ISSUE: gl.constexpr, EARLY_P8: gl.constexpr,
+                   ROW_SUM_MMA: gl.constexpr):
     """The online softmax of rows ``m0 + C * WG_ROWS ..`` over their ``n_tiles`` key tiles, the ``i``-th tile of
     this CTA; ``kv`` and ``turn`` are the ring position and the turn count it starts at. ``QK_INT8``: int8 q / k,
     S accumulated in int32 (s8 wgmma), its row max taken on integers, then read as ``int_scores``. ``BLOCK_B``
     > 0: each key tile is two parts, ``BLOCK_N - BLOCK_B`` keys then ``BLOCK_B`` (tiles of 192 keys as 128 + 64:
-    Gluon tensors are powers of two), two S wgmmas and two P V wgmmas per tile, one softmax over both. Returns
-    (acc, m, l, offs_m)."""
+    Gluon tensors are powers of two), two S wgmmas and two P V wgmmas per tile, one softmax over both.
+    ``ROW_SUM_MMA``: P's row sums accumulate on the tensor cores (``_row_sums``, issued after each P V, waited for
+    and rescaled by alpha with it, as the O accumulator) instead of in the softmax. Returns (acc, m, l, offs_m)."""
     BLOCK_A: gl.constexpr = BLOCK_N - BLOCK_B
     s_layout: gl.constexpr = acc_layout(WG_WARPS, BLOCK_A)
     o_layout: gl.constexpr = acc_layout(WG_WARPS, HEAD_D)
@@ -489,6 +532,11 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_
         sb_zero = gl.zeros([WG_ROWS, BLOCK_B], s_dtype, layout=acc_layout(WG_WARPS, BLOCK_B))
     OFF: gl.constexpr = INT_OFF if QK_INT8 else 0.0
     acc = gl.zeros([WG_ROWS, HEAD_D], gl.float32, layout=o_layout)
+    # the row-sum wgmmas' accumulator: each row's sum of P in every column
+    acc_l = gl.zeros([WG_ROWS, SUM_N], gl.float32, layout=acc_layout(WG_WARPS, SUM_N))
+    # wgmma groups issued after a tile's S: its P V parts, and as many row-sum wgmmas with ROW_SUM_MMA
+    PV_GROUPS: gl.constexpr = (2 if BLOCK_B > 0 else 1) * (2 if ROW_SUM_MMA else 1)
+    SUM_ROWS: gl.constexpr = not ROW_SUM_MMA
     q_tile = q_smem.index(C)
 
     # S_0 alone (nothing to overlap with yet)
@@ -508,14 +556,13 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_
     if BLOCK_B == 0:
         s_b = s
     p, p_b, m_i, l_q, alpha = _tile_softmax(s, s_b, m_i, l_q, qk_scale, 0, full_end, Mk, diag, offs_m, CAUSAL,
-                                            P_SHIFT, BLOCK_A, BLOCK_B, OFF)
+                                            P_SHIFT, BLOCK_A, BLOCK_B, OFF, SUM_ROWS)
 
     pk = _p_carried(p, p_layout, BLOCK_A, KEY_ORDER, EARLY_P8)
     pk_b = _p_carried(p_b, p_layout, BLOCK_B, KEY_ORDER, EARLY_P8) if BLOCK_B > 0 else pk
     for j in range(n_tiles - 1):
         p8 = _p_operand(pk, p_layout, BLOCK_A, KEY_ORDER, EARLY_P8)
-        if BLOCK_B > 0:
-            p8_b = _p_operand(pk_b, p_layout, BLOCK_B, KEY_ORDER, EARLY_P8)
+        p8_b = _p_operand(pk_b, p_layout, BLOCK_B, KEY_ORDER, EARLY_P8) if BLOCK_B > 0 else p8
         ks = (kv + j + 1) % STAGES
         vs = (kv + j) % STAGES
         mbarrier.wait(k_ready.index(ks), ((kv + j + 1) // STAGES) & 1)
@@ -528,40 +575,55 @@ def _consumer_tile(C: gl.constexpr, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_
         o_tok = warpgroup_mma(p8, v_smem.index(vs).permute((1, 0)), acc, is_async=True)
         if BLOCK_B > 0:
             o_tok = warpgroup_mma(p8_b, vb_smem.index(vs).permute((1, 0)), o_tok, is_async=True)
+        if ROW_SUM_MMA:
+            l_tok = _row_sums(p8, p8_b, ones_smem, onesb_smem, acc_l, BLOCK_B)
         _pass_turn(turn_bars, C, CONSUMERS, FREE_ISSUE)
-        if BLOCK_B > 0:  # the two S parts done, the two P V parts may still run
-            s, s_b = warpgroup_mma_wait(2, deps=(s_tok, sb_tok))
+        if BLOCK_B > 0:  # the two S parts done; P V (and the row sums) may still run
+            s, s_b = warpgroup_mma_wait(PV_GROUPS, deps=(s_tok, sb_tok))
         else:
-            s = warpgroup_mma_wait(1, deps=(s_tok, ))
+            s = warpgroup_mma_wait(PV_GROUPS, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(ks), count=1)
         if BLOCK_B == 0:
             s_b = s
         p, p_b, m_i, l_q, alpha = _tile_softmax(s, s_b, m_i, l_q, qk_scale, (j + 1) * BLOCK_N, full_end, Mk, diag,
-                                                offs_m, CAUSAL, P_SHIFT, BLOCK_A, BLOCK_B, OFF)
-        acc = warpgroup_mma_wait(0, deps=(o_tok, ))
-        # after that wait: the P V wgmma just waited for reads the registers an early conversion may take
+                                                offs_m, CAUSAL, P_SHIFT, BLOCK_A, BLOCK_B, OFF, SUM_ROWS)
+        if ROW_SUM_MMA:
+            acc, acc_l = warpgroup_mma_wait(0, deps=(o_tok, l_tok))
+        else:
+            acc = warpgroup_mma_wait(0, deps=(o_tok, ))
+        # after that wait: the wgmmas just waited for read the registers an early conversion may take
         pk = _p_carried(p, p_layout, BLOCK_A, KEY_ORDER, EARLY_P8)
         if BLOCK_B > 0:
             pk_b = _p_carried(p_b, p_layout, BLOCK_B, KEY_ORDER, EARLY_P8)
         mbarrier.arrive(v_empty.index(vs), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row), 1)
+        if ROW_SUM_MMA:
+            acc_l = acc_l * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc_l.type.layout)), 1)
     # every S of this tile is done: the producer may load the next tile's Q while the last P V and the epilogue run
     mbarrier.arrive(q_empty.index(C), count=1)
 
     last = kv + n_tiles - 1
     vs = last % STAGES
     p8 = _p_operand(pk, p_layout, BLOCK_A, KEY_ORDER, EARLY_P8)
-    if BLOCK_B > 0:
-        p8_b = _p_operand(pk_b, p_layout, BLOCK_B, KEY_ORDER, EARLY_P8)
+    p8_b = _p_operand(pk_b, p_layout, BLOCK_B, KEY_ORDER, EARLY_P8) if BLOCK_B > 0 else p8
     mbarrier.wait(v_ready.index(vs), (last // STAGES) & 1)
     _take_turn(turn_bars, turn + n_tiles, C, CONSUMERS, FREE_ISSUE)
     o_tok = warpgroup_mma(p8, v_smem.index(vs).permute((1, 0)), acc, is_async=True)
     if BLOCK_B > 0:
         o_tok = warpgroup_mma(p8_b, vb_smem.index(vs).permute((1, 0)), o_tok, is_async=True)
+    if ROW_SUM_MMA:
+        l_tok = _row_sums(p8, p8_b, ones_smem, onesb_smem, acc_l, BLOCK_B)
     _pass_turn(turn_bars, C, CONSUMERS, FREE_ISSUE)
-    acc = warpgroup_mma_wait(0, deps=(o_tok, ))
+    if ROW_SUM_MMA:
+        acc, acc_l = warpgroup_mma_wait(0, deps=(o_tok, l_tok))
+    else:
+        acc = warpgroup_mma_wait(0, deps=(o_tok, ))
     mbarrier.arrive(v_empty.index(vs), count=1)
-    return acc, m_i, gl.convert_layout(gl.sum(l_q, 1), s_row), offs_m
+    if ROW_SUM_MMA:
+        l_i = gl.max(acc_l, 1)  # every column holds the row's sum (the max picks one exactly)
+    else:
+        l_i = gl.sum(l_q, 1)
+    return acc, m_i, gl.convert_layout(l_i, s_row), offs_m
 
 
 @gluon.jit
@@ -569,13 +631,13 @@ def _consume_tile(C: gl.constexpr, t, kv, turn, i, smem, scalars, HEAD_D: gl.con
                   BLOCK_B: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
                   WRITE_LSE: gl.constexpr, P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr, OUT_FP8: gl.constexpr,
                   QK_INT8: gl.constexpr, DIRECT_STORE: gl.constexpr, HEAD_SECTION: gl.constexpr,
-                  FREE_ISSUE: gl.constexpr, EARLY_P8: gl.constexpr):
+                  FREE_ISSUE: gl.constexpr, EARLY_P8: gl.constexpr, ROW_SUM_MMA: gl.constexpr):
     """Consumer ``C``'s rows ``C * WG_ROWS ..`` of tile ``t``, the ``i``-th of this CTA, from ring position ``kv``
     and turn ``turn``: their output through ``o_smem`` and a TMA store that runs on while the next tile starts
     (waited for before ``o_smem`` is written again), or with ``DIRECT_STORE`` from its registers straight to
     ``Out`` (no output tile in shared memory). Returns the key tiles consumed."""
     (q_smem, k_smem, kb_smem, v_smem, vb_smem, o_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
-     turn_bars) = smem
+     turn_bars, ones_smem, onesb_smem) = smem
     (o_desc, Out, Lse, QD, KD, VD, sm_scale_log2, stride_ob, stride_om, stride_oh, stride_lb, stride_lh, qd_sb, qd_sh,
      kd_sb, kd_sh, vd_sb, vd_sh, n_m, n_total, Mq, Mk, Hq, GROUP) = scalars
     BLOCK_M: gl.constexpr = CONSUMERS * WG_ROWS
@@ -587,10 +649,11 @@ def _consume_tile(C: gl.constexpr, t, kv, turn, i, smem, scalars, HEAD_D: gl.con
     qk_scale, vd = head_descales(QD, KD, VD, b, hkv, qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh, sm_scale_log2)
     if OUT_FP8:  # an fp8 output stays in v's units (attention = out * v_descale)
         vd = vd * 0.0 + 1.0
-    acc, m_i, l_i, offs_m = _consumer_tile(C, q_smem, k_smem, kb_smem, v_smem, vb_smem, q_bars, q_empty,
-                                           k_ready, v_ready, k_empty, v_empty, turn_bars, qk_scale, m0, n_tiles,
-                                           kv, turn, i, Mq, Mk, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS,
-                                           CAUSAL, P_SHIFT, KEY_ORDER, QK_INT8, FREE_ISSUE, EARLY_P8)
+    acc, m_i, l_i, offs_m = _consumer_tile(C, q_smem, k_smem, kb_smem, v_smem, vb_smem, ones_smem, onesb_smem,
+                                           q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars, qk_scale,
+                                           m0, n_tiles, kv, turn, i, Mq, Mk, HEAD_D, BLOCK_N, BLOCK_B, STAGES,
+                                           CONSUMERS, CAUSAL, P_SHIFT, KEY_ORDER, QK_INT8, FREE_ISSUE, EARLY_P8,
+                                           ROW_SUM_MMA)
     inv = gl.convert_layout(row_inverse(l_i) * vd, gl.SliceLayout(1, o_layout))
     if DIRECT_STORE:
         rows = gl.convert_layout(offs_m, gl.SliceLayout(1, o_layout))
@@ -616,7 +679,7 @@ def _consumer(C: gl.constexpr, smem, scalars, sched, n_total, HEAD_D: gl.constex
               BLOCK_B: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr,
               WRITE_LSE: gl.constexpr, P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr, OUT_FP8: gl.constexpr,
               QK_INT8: gl.constexpr, DIRECT_STORE: gl.constexpr, HEAD_SECTION: gl.constexpr,
-              DYNAMIC: gl.constexpr, FREE_ISSUE: gl.constexpr, EARLY_P8: gl.constexpr):
+              DYNAMIC: gl.constexpr, FREE_ISSUE: gl.constexpr, EARLY_P8: gl.constexpr, ROW_SUM_MMA: gl.constexpr):
     """Consumer ``C`` over this CTA's tiles (``_consume_tile``): ``program_id``, + ``num_programs``, .. or, with
     ``DYNAMIC``, those the producer hands over through the tile ring ``sched`` until one past the last tile.
     ``smem`` and ``scalars``: the kernel's shared buffers and barriers and its runtime arguments, as tuples (every
@@ -631,7 +694,7 @@ def _consumer(C: gl.constexpr, smem, scalars, sched, n_total, HEAD_D: gl.constex
     while t < n_total:
         n_tiles = _consume_tile(C, t, kv, turn, i, smem, scalars, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS,
                                 CAUSAL, WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION,
-                                FREE_ISSUE, EARLY_P8)
+                                FREE_ISSUE, EARLY_P8, ROW_SUM_MMA)
         kv += n_tiles
         turn += n_tiles + 1
         i += 1
@@ -655,7 +718,7 @@ def _attn_fwd_ws_kernel(
     CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, P_SHIFT: gl.constexpr, KEY_ORDER: gl.constexpr,
     V_TRANSPOSE: gl.constexpr, OUT_FP8: gl.constexpr, PERSISTENT: gl.constexpr, QK_INT8: gl.constexpr,
     DIRECT_STORE: gl.constexpr, HEAD_SECTION: gl.constexpr, DYNAMIC: gl.constexpr, FREE_ISSUE: gl.constexpr,
-    EARLY_P8: gl.constexpr,
+    EARLY_P8: gl.constexpr, ROW_SUM_MMA: gl.constexpr,
 ):
     """Tiles ``program_id(0)``, + ``num_programs(0)``, .. of the ``n_total`` (batch, head, ``CONSUMERS * WG_ROWS``-row
     block) tiles (``_tile_coords``): one per CTA with a grid of ``n_total``, several with a persistent grid; with
@@ -663,7 +726,8 @@ def _attn_fwd_ws_kernel(
     launch, zeros again at exit: ``_retire``) and hands them to the consumers (``_publish_tile``), else ``Counter``
     is unused.
     ``BLOCK_B`` > 0: key tiles of ``BLOCK_N`` keys in two parts (``_consumer_tile``), the second read through
-    ``kb_desc`` / ``vb_desc``; otherwise those are unused copies of ``k_desc`` / ``v_desc``."""
+    ``kb_desc`` / ``vb_desc``; otherwise those are unused copies of ``k_desc`` / ``v_desc``. ``ROW_SUM_MMA``: the
+    tiles of ones that every consumer's row-sum wgmmas read, written here before the partitions start."""
     BLOCK_A: gl.constexpr = BLOCK_N - BLOCK_B
     qk_dtype: gl.constexpr = gl.int8 if QK_INT8 else gl.float8e4nv  # (8-bit tiles share the fp8 tiles' swizzle)
     q_smem = gl.allocate_shared_memory(qk_dtype, [CONSUMERS, WG_ROWS, HEAD_D], fp8_tile_layout(WG_ROWS, HEAD_D))
@@ -676,6 +740,12 @@ def _attn_fwd_ws_kernel(
     else:
         kb_smem = k_smem
         vb_smem = v_smem
+    if ROW_SUM_MMA:
+        ones_smem = ones_tile(BLOCK_A)
+        onesb_smem = ones_tile(BLOCK_B) if BLOCK_B > 0 else ones_smem
+    else:
+        ones_smem = q_smem  # unused
+        onesb_smem = q_smem
     o_dtype: gl.constexpr = gl.float8e4nv if OUT_FP8 else gl.bfloat16
     o_layout: gl.constexpr = out_tile_layout(WG_ROWS, HEAD_D, o_dtype)
     if V_TRANSPOSE:  # raw v tiles (keys x channels) in V_CHUNK-channel boxes
@@ -727,7 +797,7 @@ def _attn_fwd_ws_kernel(
 
     # constexprs travel as arguments of each partition function (a tuple built here would make them tensors)
     smem = (q_smem, k_smem, kb_smem, v_smem, vb_smem, o_smem, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
-            turn_bars)
+            turn_bars, ones_smem, onesb_smem)
     scalars = (o_desc, Out, Lse, QD, KD, VD, sm_scale_log2, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
                qd_sb, qd_sh, kd_sb, kd_sh, vd_sb, vd_sh, n_m, n_total, Mq, Mk, Hq, GROUP)
     sched = (tile_smem, tile_ready, tile_empty)
@@ -735,13 +805,13 @@ def _attn_fwd_ws_kernel(
         gl.warp_specialize([
             (_consumer, (0, smem, scalars, sched, n_total, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL,
                          WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION, DYNAMIC,
-                         FREE_ISSUE, EARLY_P8)),
+                         FREE_ISSUE, EARLY_P8, ROW_SUM_MMA)),
             (_consumer, (1, smem, scalars, sched, n_total, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL,
                          WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION, DYNAMIC,
-                         FREE_ISSUE, EARLY_P8)),
+                         FREE_ISSUE, EARLY_P8, ROW_SUM_MMA)),
             (_consumer, (2, smem, scalars, sched, n_total, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL,
                          WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION, DYNAMIC,
-                         FREE_ISSUE, EARLY_P8)),
+                         FREE_ISSUE, EARLY_P8, ROW_SUM_MMA)),
             (_producer, (q_desc, k_desc, kb_desc, v_desc, vb_desc, q_smem, k_smem, kb_smem, v_smem, vb_smem, v_raw,
                          q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready, sched, Counter, n_m,
                          n_total, Mq, Mk, Hq, GROUP, BLOCK_N, BLOCK_B, HEAD_D, STAGES, CONSUMERS, CAUSAL,
@@ -751,10 +821,10 @@ def _attn_fwd_ws_kernel(
         gl.warp_specialize([
             (_consumer, (0, smem, scalars, sched, n_total, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL,
                          WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION, DYNAMIC,
-                         FREE_ISSUE, EARLY_P8)),
+                         FREE_ISSUE, EARLY_P8, ROW_SUM_MMA)),
             (_consumer, (1, smem, scalars, sched, n_total, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL,
                          WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION, DYNAMIC,
-                         FREE_ISSUE, EARLY_P8)),
+                         FREE_ISSUE, EARLY_P8, ROW_SUM_MMA)),
             (_producer, (q_desc, k_desc, kb_desc, v_desc, vb_desc, q_smem, k_smem, kb_smem, v_smem, vb_smem, v_raw,
                          q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready, sched, Counter, n_m,
                          n_total, Mq, Mk, Hq, GROUP, BLOCK_N, BLOCK_B, HEAD_D, STAGES, CONSUMERS, CAUSAL,
@@ -764,7 +834,7 @@ def _attn_fwd_ws_kernel(
         gl.warp_specialize([
             (_consumer, (0, smem, scalars, sched, n_total, HEAD_D, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, CAUSAL,
                          WRITE_LSE, P_SHIFT, KEY_ORDER, OUT_FP8, QK_INT8, DIRECT_STORE, HEAD_SECTION, DYNAMIC,
-                         FREE_ISSUE, EARLY_P8)),
+                         FREE_ISSUE, EARLY_P8, ROW_SUM_MMA)),
             (_producer, (q_desc, k_desc, kb_desc, v_desc, vb_desc, q_smem, k_smem, kb_smem, v_smem, vb_smem, v_raw,
                          q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, raw_ready, sched, Counter, n_m,
                          n_total, Mq, Mk, Hq, GROUP, BLOCK_N, BLOCK_B, HEAD_D, STAGES, CONSUMERS, CAUSAL,
@@ -841,6 +911,15 @@ class WsFwdConfig:
     #: ``issue_span``): 126 -> 53 instructions at D64, 123 -> 63 at D128, 90 -> 43 at D256 (FA3 fp8: 41 / 55 / 56),
     #: no more instructions or registers, and less spilled (stack 8 -> 0 B at D128, 40 -> 8 B at D256)
     early_p8: bool = False
+    #: P's row sums on the tensor cores: each consumer adds P times a tile of ones in shared memory (an m64n8k32
+    #: fp8 wgmma per key part, A = the P V operand from registers) to a float32 accumulator that is waited for and
+    #: rescaled with O, instead of one FADD per score in the softmax. The sums are then those of the fp8 P that
+    #: P V weighs V with: the output stays a convex combination of V's rows, and the LSE takes P's rounding (float64
+    #: simulation of N(0, 1) scores: up to ~0.03 on rows of 2-5 keys, 0.005 on rows of 1000). Unmasked key-loop
+    #: iteration of the long-key schedules (sass_compare.py): 606 -> 518 instructions at D64, 647 -> 563 at D128,
+    #: 550 -> 510 at D256 (int8: 471 -> 414, 703 -> 619, 581 -> 540), FADD 98 -> 4 per 192-key tile, 6-9 more
+    #: instructions in the turn; stack 8 -> 0 B at D128 fp8, 40 -> 104 B at D256 fp8 (8 -> 8 B with ``early_p8``)
+    row_sum_mma: bool = False
 
     @property
     def block_b(self) -> int:
@@ -850,12 +929,13 @@ class WsFwdConfig:
 
     def shared_bytes(self, head_dim: int, out_bytes: int = 2) -> int:
         """Shared memory of one persistent CTA (8-bit Q, K and V^T tiles, raw V tiles when ``v_transpose``, the
-        output tiles of ``out_bytes`` per element unless ``direct_store``, one slack KiB for barriers and
-        alignment)."""
+        output tiles of ``out_bytes`` per element unless ``direct_store``, the tiles of ones of ``row_sum_mma``, one
+        slack KiB for barriers and alignment)."""
         rows = self.consumers * WG_ROWS.value
         ring = self.stages * self.block_n * head_dim
         out_tile = 0 if self.direct_store else out_bytes
-        return rows * head_dim * (1 + out_tile) + ring * (3 if self.v_transpose else 2) + SMEM_SLACK
+        ones = SUM_N.value * self.block_n if self.row_sum_mma else 0
+        return rows * head_dim * (1 + out_tile) + ring * (3 if self.v_transpose else 2) + ones + SMEM_SLACK
 
     def ctas_per_sm(self, head_dim: int, out_bytes: int = 2) -> int:
         """CTAs resident per SM in a persistent grid: what both the register budget (``maxnreg`` for every thread
@@ -1038,7 +1118,7 @@ def attention_forward(q, k, v, *, scale: float, causal: bool = False, q_descale=
         P_SHIFT=_P_SHIFT, KEY_ORDER=cfg.key_order, V_TRANSPOSE=v_transpose, OUT_FP8=out.dtype == torch.float8_e4m3fn,
         PERSISTENT=cfg.persistent, QK_INT8=q.dtype == torch.int8, DIRECT_STORE=cfg.direct_store,
         HEAD_SECTION=cfg.head_section if causal else 0, DYNAMIC=cfg.dynamic, FREE_ISSUE=cfg.free_issue,
-        EARLY_P8=cfg.early_p8,
+        EARLY_P8=cfg.early_p8, ROW_SUM_MMA=cfg.row_sum_mma,
         num_warps=WG_WARPS.value,
         maxnreg=cfg.maxnreg,
     )
@@ -1073,7 +1153,7 @@ def compile_sm90(head_dim: int = 128, causal: bool = False, write_lse: bool = Fa
              "KEY_ORDER": cfg.key_order, "V_TRANSPOSE": cfg.v_transpose, "OUT_FP8": out_fp8,
              "PERSISTENT": cfg.persistent, "QK_INT8": qk_int8, "DIRECT_STORE": cfg.direct_store,
              "HEAD_SECTION": cfg.head_section if causal else 0, "DYNAMIC": cfg.dynamic, "FREE_ISSUE": cfg.free_issue,
-             "EARLY_P8": cfg.early_p8}
+             "EARLY_P8": cfg.early_p8, "ROW_SUM_MMA": cfg.row_sum_mma}
 
     def desc(rows, cols, dtype, channels_last=True):
         shape, layout = _box_layout(rows, cols, dtype, channels_last)
